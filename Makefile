@@ -1,0 +1,74 @@
+# The Makefile is the interface: CI and people call only these targets.
+# `make run` and `make test` work on a fresh machine (they install what they need).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROFILE ?= small
+SHAPE ?= step
+DURATION ?= 60s
+IMAGE ?= dlrm-serve
+TAG ?= 0.1.0
+VARIANT ?= gpu
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help venv java model run up down test test-fast lint bench-runtime bench-e2e \
+        gpu-check loadtest capacity hpa-sim image clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(VENV)/.stamp: requirements.txt constraints.txt pyproject.toml scripts/setup_venv.sh
+	PYTHON=$(PYTHON) bash scripts/setup_venv.sh
+	@touch $@
+
+venv: $(VENV)/.stamp  ## create .venv with the pinned stack
+
+java:  ## install a Java runtime for TorchServe if missing
+	@bash scripts/ensure_java.sh
+
+model: venv  ## build model_store/dlrm.mar for PROFILE (default small); skips what is up to date
+	$(PY) -m serve.pipeline --profile $(PROFILE)
+
+run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
+	$(PY) -m serve.launcher run
+
+up: venv java model  ## start the service in the background
+	$(PY) -m serve.launcher up
+
+down: venv  ## stop the background service
+	$(PY) -m serve.launcher down
+
+test: venv java  ## run the test suite (CPU; GPU tests skip without CUDA)
+	$(PY) -m pytest -q
+
+test-fast: venv  ## unit tests only (no TorchServe, no slow)
+	$(PY) -m pytest -q -m "not slow and not integration"
+
+lint: venv  ## ruff + mypy
+	$(VENV)/bin/ruff check serve handlers tests bench loadtest
+	$(VENV)/bin/mypy serve handlers
+
+bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
+	$(PY) -m bench.bench_runtime
+
+bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee -> bench/results/e2e.json
+	$(PY) -m bench.bench_e2e
+
+gpu-check: ## on a CUDA machine: exactness vs CPU, throughput with/without cache, batch-1 latency
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check
+
+loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s
+	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION)
+
+capacity: venv java model  ## measure one instance's knee and write k8s/capacity.json
+	$(PY) -m serve.capacity
+
+hpa-sim: venv  ## replay load curves through the HPA algorithm; prints and plots
+	$(PY) -m serve.hpa_sim
+
+image:  ## build the container image (needs a Docker engine): VARIANT=gpu|cpu
+	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) .
+
+clean:  ## remove build outputs (keeps .venv)
+	rm -rf build model_store/*.mar model_store/*.json .run logs

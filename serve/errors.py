@@ -1,0 +1,100 @@
+"""Every domain error of the service, each with the HTTP status it maps to.
+
+Messages state the value, the rule and what to do. Edges (the TorchServe handler,
+the sidecar, CLIs) convert these once: ``err.status`` and ``err.to_json()``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ServeError",
+    "InvalidInput",
+    "PayloadTooLarge",
+    "UnsupportedMediaType",
+    "Unauthorized",
+    "Forbidden",
+    "UpstreamUnavailable",
+    "ConfigError",
+    "UnknownProfileError",
+    "CheckpointError",
+    "ArtifactError",
+    "ShardingError",
+]
+
+
+class ServeError(Exception):
+    """Base class. ``status`` is the HTTP code at an edge; ``kind`` the JSON ``type``."""
+
+    status: int = 500
+    kind: str = "InternalError"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.status, "type": self.kind, "message": self.message}
+
+
+class InvalidInput(ServeError):
+    """A request body breaks the API contract (field named in the message)."""
+
+    status = 400
+    kind = "InvalidInput"
+
+
+class PayloadTooLarge(ServeError):
+    status = 413
+    kind = "PayloadTooLarge"
+
+
+class UnsupportedMediaType(ServeError):
+    status = 415
+    kind = "UnsupportedMediaType"
+
+
+class Unauthorized(ServeError):
+    status = 401
+    kind = "Unauthorized"
+
+
+class Forbidden(ServeError):
+    status = 403
+    kind = "Forbidden"
+
+
+class UpstreamUnavailable(ServeError):
+    """TorchServe (or another dependency) did not answer as needed."""
+
+    status = 503
+    kind = "UpstreamUnavailable"
+
+
+class ConfigError(ServeError, ValueError):
+    """A configuration value is out of its allowed range or of the wrong type."""
+
+    status = 400
+    kind = "ConfigError"
+
+
+class UnknownProfileError(ConfigError):
+    kind = "UnknownProfile"
+
+
+class CheckpointError(ServeError):
+    """A checkpoint or one of its shards is missing, unreadable or inconsistent."""
+
+    kind = "CheckpointError"
+
+
+class ArtifactError(ServeError):
+    """A serving artifact is missing, corrupt or of an unknown format version."""
+
+    kind = "ArtifactError"
+
+
+class ShardingError(ConfigError):
+    """The tables cannot be sharded over the requested world size."""
+
+    kind = "ShardingError"

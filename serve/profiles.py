@@ -1,0 +1,126 @@
+"""Model/data profiles: typed, validated configs selected by name.
+
+Shapes used across the package: B = batch size, F = number of sparse features
+(26 here), D = embedding dim, N = number of dense features (13).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve.errors import ConfigError, UnknownProfileError
+
+__all__ = ["Profile", "PROFILES", "get_profile", "CRITEO_KAGGLE_CARDINALITIES",
+           "SPARSE_FEATURES", "DENSE_FEATURES", "NUM_DENSE", "NUM_SPARSE"]
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+DENSE_FEATURES: tuple[str, ...] = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
+SPARSE_FEATURES: tuple[str, ...] = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
+
+# The 26 categorical cardinalities of the Criteo Kaggle display-advertising data set,
+# as used by the DLRM reference; they sum to 33,762,577 rows.
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model + data configuration.
+
+    Attributes:
+        cardinalities: rows of each of the F tables, in SPARSE_FEATURES order.
+        embedding_dim: D; also the last layer of ``dense_arch``.
+        dense_arch: bottom MLP layer sizes (input N).
+        over_arch: top MLP layer sizes; the last must be 1 (a logit).
+        train_samples / eval_samples: rows of generated click logs.
+        large_table_rows: tables with more rows than this are sharded column-wise on
+            CPU and row-wise on GPU; smaller ones table-wise.
+        zipf_alpha: default skew of generated ids (Zipf exponent, > 0).
+        max_ids_per_feature: generated multi-hot length is 1..this (1 = one-hot).
+    """
+
+    name: str
+    cardinalities: tuple[int, ...]
+    embedding_dim: int
+    dense_arch: tuple[int, ...]
+    over_arch: tuple[int, ...]
+    train_samples: int
+    eval_samples: int
+    batch_size: int
+    epochs: int
+    learning_rate: float
+    large_table_rows: int
+    zipf_alpha: float = 1.05
+    max_ids_per_feature: int = 1
+    seed: int = 0
+    feature_names: tuple[str, ...] = field(default=SPARSE_FEATURES)
+
+    def __post_init__(self) -> None:
+        if len(self.cardinalities) != len(self.feature_names):
+            raise ConfigError(
+                f"profile {self.name!r}: {len(self.cardinalities)} cardinalities for "
+                f"{len(self.feature_names)} features; give one per feature")
+        if any(c < 1 for c in self.cardinalities):
+            raise ConfigError(f"profile {self.name!r}: every cardinality must be >= 1")
+        if self.dense_arch[-1] != self.embedding_dim:
+            raise ConfigError(
+                f"profile {self.name!r}: dense_arch ends with {self.dense_arch[-1]} but "
+                f"embedding_dim is {self.embedding_dim}; they must be equal")
+        if self.over_arch[-1] != 1:
+            raise ConfigError(f"profile {self.name!r}: over_arch must end with 1 (a logit)")
+        if self.zipf_alpha <= 0:
+            raise ConfigError(f"profile {self.name!r}: zipf_alpha {self.zipf_alpha} must be > 0")
+
+    @property
+    def num_sparse(self) -> int:
+        return len(self.feature_names)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.cardinalities)
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        return tuple(f"t_{f}" for f in self.feature_names)
+
+    def table_bytes_fp32(self) -> int:
+        return self.total_rows * self.embedding_dim * 4
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="tiny",
+            cardinalities=tuple(min(c, 500) for c in CRITEO_KAGGLE_CARDINALITIES),
+            embedding_dim=16, dense_arch=(32, 16), over_arch=(32, 16, 1),
+            train_samples=20_000, eval_samples=4_000, batch_size=256, epochs=1,
+            learning_rate=0.05, large_table_rows=400,
+        ),
+        Profile(
+            name="small",
+            cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
+            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
+            train_samples=1_000_000, eval_samples=100_000, batch_size=1024, epochs=1,
+            learning_rate=0.05, large_table_rows=50_000,
+        ),
+        Profile(
+            name="criteo-kaggle",
+            cardinalities=CRITEO_KAGGLE_CARDINALITIES,
+            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
+            train_samples=200_000, eval_samples=50_000, batch_size=1024, epochs=1,
+            learning_rate=0.05, large_table_rows=1_000_000,
+        ),
+    )
+}
+
+
+def get_profile(name: str) -> Profile:
+    """Return the named profile; raise UnknownProfileError listing the valid names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise UnknownProfileError(
+            f"profile {name!r} does not exist; choose one of: {', '.join(PROFILES)}") from None
