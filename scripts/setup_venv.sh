@@ -16,7 +16,10 @@ $PIP install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0 -c constraints.txt
 echo "==> installing torchrec 1.8.0 without its declared deps (they name the CUDA fbgemm-gpu)"
 $PIP install -q --no-deps torchrec==1.8.0
 echo "==> installing the pinned requirements"
-$PIP install -q -r requirements.txt -c constraints.txt
+# pip then warns "torchrec 1.8.0 requires fbgemm-gpu, which is not installed": expected,
+# fbgemm-gpu-cpu provides the same modules for the CPU build of torch.
+$PIP install -q -r requirements.txt -c constraints.txt 2>&1 \
+  | { grep -v -E "dependency resolver does not|requires fbgemm-gpu, which is not installed" || true; }
 echo "==> installing this project (editable) so TorchServe workers can import serve/"
 $PIP install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" - <<'PY'

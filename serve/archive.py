@@ -1,0 +1,137 @@
+"""Pack a serving artifact + the TorchServe handler into a ``.mar`` model archive.
+
+The archive holds: ``handlers/dlrm_handler.py`` (the entry point), the artifact
+(``artifact.pt``, the manifest's serialized file) and ``model-config.yaml`` carrying
+TorchServe's batching/worker settings plus a ``handler:`` section that the handler
+reads into a :class:`serve.protocol.HandlerConfig` (cache and validation limits).
+
+It is stored uncompressed (``--archive-format zip-store``): int8 tables barely
+compress, and deflating hundreds of MB costs build time and then TorchServe's unpack
+time at every start.
+
+Example::
+
+    build_mar(Path("build/small/artifact.pt"), Path("model_store"),
+              batch_size=8, max_batch_delay_ms=5,
+              handler_config={"cache_load_factor": 0.2})   # -> model_store/dlrm.mar
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from serve.errors import ArtifactError, ConfigError
+
+__all__ = ["build_mar", "model_config", "HANDLER_FILE", "ARTIFACT_NAME", "MODEL_CONFIG_NAME"]
+
+log = logging.getLogger(__name__)
+
+HANDLER_FILE = Path(__file__).resolve().parent.parent / "handlers" / "dlrm_handler.py"
+ARTIFACT_NAME = "artifact.pt"  # the handler looks for this name in model_dir
+MODEL_CONFIG_NAME = "model-config.yaml"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # TorchServe's own model-name rule
+
+
+def model_config(*, batch_size: int = 8, max_batch_delay_ms: int = 5,
+                 handler_config: dict[str, Any] | None = None, min_workers: int = 1,
+                 max_workers: int = 1, response_timeout_s: int = 120) -> dict[str, Any]:
+    """The ``model-config.yaml`` content (TorchServe keys + our ``handler:`` section).
+
+    Validates every value (``ConfigError`` names the field and the rule); the handler
+    section is validated by :class:`serve.protocol.HandlerConfig`, the same class the
+    handler loads it with, so a bad value fails here at build time, not in a worker.
+    """
+    from serve.protocol import HandlerConfig  # light: no torch, no TorchServe
+
+    for name, value, lo in (("batch_size", batch_size, 1), ("max_batch_delay_ms", max_batch_delay_ms, 0),
+                            ("min_workers", min_workers, 0), ("max_workers", max_workers, 1),
+                            ("response_timeout_s", response_timeout_s, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ConfigError(f"build_mar: {name}={value!r} must be an integer >= {lo}")
+    if min_workers > max_workers:
+        raise ConfigError(f"build_mar: min_workers={min_workers} > max_workers={max_workers}; "
+                          "make min_workers <= max_workers")
+    handler = HandlerConfig.from_dict(handler_config or {})
+    return {
+        "minWorkers": min_workers,
+        "maxWorkers": max_workers,
+        "batchSize": batch_size,
+        "maxBatchDelay": max_batch_delay_ms,  # TorchServe's unit: milliseconds
+        "responseTimeout": response_timeout_s,  # seconds a worker may take per batch
+        "handler": handler.to_dict(),
+    }
+
+
+def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", version: str = "1.0",
+              batch_size: int = 8, max_batch_delay_ms: int = 5,
+              handler_config: dict | None = None, min_workers: int = 1, max_workers: int = 1,
+              response_timeout_s: int = 120) -> Path:
+    """Write ``export_dir/{model_name}.mar`` (overwriting) and return its path.
+
+    Args:
+        artifact: a file written by ``serve.artifact.save_artifact``.
+        export_dir: created if missing (e.g. ``model_store``).
+        batch_size / max_batch_delay_ms: TorchServe batching (requests per batch, ms to wait).
+        handler_config: keys of :class:`serve.protocol.HandlerConfig` (cache_load_factor,
+            cache_policy, max_instances, max_ids_per_feature, ...).
+        min_workers / max_workers / response_timeout_s: TorchServe worker settings.
+
+    Raises:
+        ArtifactError: the artifact is missing or torch-model-archiver failed.
+        ConfigError: a setting is out of range.
+    """
+    artifact, export_dir = Path(artifact), Path(export_dir)
+    if not artifact.is_file():
+        raise ArtifactError(f"artifact {artifact} does not exist; build it with `make model`")
+    if not _NAME_RE.match(model_name):
+        raise ConfigError(f"build_mar: model_name {model_name!r} must match {_NAME_RE.pattern}")
+    cfg = model_config(batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+                       handler_config=handler_config, min_workers=min_workers,
+                       max_workers=max_workers, response_timeout_s=response_timeout_s)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mar-", dir=export_dir) as tmp:
+        staged = Path(tmp) / ARTIFACT_NAME
+        # The archiver copies the serialized file by its own name; a hard link (or a copy
+        # across file systems) gives it the name the handler expects without a second copy.
+        try:
+            os.link(artifact, staged)
+        except OSError:
+            shutil.copyfile(artifact, staged)
+        cfg_path = Path(tmp) / MODEL_CONFIG_NAME
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        out_tmp = Path(tmp) / "out"
+        out_tmp.mkdir()
+        cmd = [_archiver(), "--model-name", model_name, "--version", version,
+               "--handler", str(HANDLER_FILE), "--serialized-file", str(staged),
+               "--config-file", str(cfg_path), "--export-path", str(out_tmp),
+               "--archive-format", "zip-store", "--force"]
+        log.info("packing %s (%.1f MB) into %s/%s.mar", artifact,
+                 artifact.stat().st_size / 1e6, export_dir, model_name)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ArtifactError(f"torch-model-archiver failed ({proc.returncode}): "
+                                f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+        built = out_tmp / f"{model_name}.mar"
+        final = export_dir / f"{model_name}.mar"
+        os.replace(built, final)  # atomic: a running TorchServe never sees half a file
+    return final
+
+
+def _archiver() -> str:
+    # Prefer the archiver installed beside this interpreter (the venv), then PATH.
+    here = Path(sys.executable).parent / "torch-model-archiver"
+    if here.exists():
+        return str(here)
+    found = shutil.which("torch-model-archiver")
+    if found is None:
+        raise ArtifactError("torch-model-archiver is not installed; run `make venv`")
+    return found
