@@ -47,7 +47,7 @@ test-fast: venv  ## unit tests only (no TorchServe, no slow)
 
 lint: venv  ## ruff + mypy
 	$(VENV)/bin/ruff check serve handlers tests bench loadtest
-	$(VENV)/bin/mypy serve handlers
+	$(VENV)/bin/mypy serve handlers loadtest
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
 	$(PY) -m bench.bench_runtime
@@ -58,8 +58,9 @@ bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee ->
 gpu-check: ## on a CUDA machine: exactness vs CPU, throughput with/without cache, batch-1 latency
 	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check
 
-loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s
-	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION)
+LOADTEST_ARGS ?=
+loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s [LOADTEST_ARGS="-H http://svc:8080 --allow-remote"]
+	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION) $(LOADTEST_ARGS)
 
 capacity: venv java model  ## measure one instance's knee and write k8s/capacity.json
 	$(PY) -m serve.capacity

@@ -98,3 +98,31 @@ class ShardingError(ConfigError):
     """The tables cannot be sharded over the requested world size."""
 
     kind = "ShardingError"
+
+
+class Conflict(ServeError):
+    """The request clashes with one in progress (e.g. a second concurrent PUT /batching)."""
+
+    status = 409
+    kind = "Conflict"
+
+
+__all__.append("Conflict")
+
+
+class QualityError(ServeError):
+    """A built model misses its quality bar (e.g. int8 AUC below fp32 AUC - 0.001)."""
+
+    kind = "QualityError"
+
+
+__all__.append("QualityError")
+
+
+class CapacityError(ServeError):
+    """A capacity measurement (``make capacity``) gave no usable knee or could not run."""
+
+    kind = "CapacityError"
+
+
+__all__ += ["CapacityError"]

@@ -103,8 +103,10 @@ PROFILES: dict[str, Profile] = {
             name="small",
             cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
             embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
-            train_samples=1_000_000, eval_samples=100_000, batch_size=1024, epochs=1,
-            learning_rate=0.05, large_table_rows=50_000,
+            # batch 4096 / lr 0.1: 2.4x the rows/s of batch 1024 on 2 CPU ranks (the MLP
+            # GEMMs amortise per-step overhead), AUC 0.877 vs 0.878; trains in ~70 s.
+            train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
+            learning_rate=0.1, large_table_rows=50_000,
         ),
         Profile(
             name="criteo-kaggle",

@@ -1,0 +1,349 @@
+"""HTTP end-to-end throughput and latency at the knee, vs the in-process runtime.
+
+    python -m bench.bench_e2e [--quick] [--url http://127.0.0.1:8080]
+
+Drives ``POST /predictions/dlrm`` over loopback with a bounded load generator: C threads,
+each with one persistent HTTP/1.1 connection, send pre-encoded bodies back to back for
+a fixed time (and at most ``--max-requests`` per step). For requests of 1, 64 and 512
+instances it raises C (1, 2, 4, ...) until throughput stops rising (< 5% gain) or p99
+explodes (> 4x the p99 at the best step); the best step is the knee.
+
+Efficiency = e2e samples/s at the knee / in-process ``Runtime.predict`` samples/s at the
+same batch (measured here, same artifact and handler settings, same thread count as
+the worker). Where time goes: client latency vs the handler's own time (its
+``dlrm_request_duration_seconds``) and stages (decode / embedding / dense) read from the
+worker's Prometheus multiprocess files; the rest is the frontend + IPC.
+
+Starts the service with ``serve.launcher`` if nothing answers at ``--url`` (and stops it
+at the end). Writes ``bench/results/e2e.json``:
+``{"rows": [{"instances_per_request", "samples_per_s", "p50_ms", "p99_ms", "efficiency", ...}]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("bench_e2e")
+
+
+@dataclass
+class Step:
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    samples_per_s: float
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+
+def _bodies(instances: int, count: int, seed: int) -> list[bytes]:
+    from serve.protocol import example_request
+
+    # ids spread over a large range; the runtime wraps them modulo table rows
+    return [orjson.dumps(example_request(instances, seed=seed + i)) for i in range(count)]
+
+
+def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, seconds: float,
+             max_requests: int) -> Step:
+    """C threads, persistent connections, closed loop; bounded by time and count."""
+    parsed = urllib.parse.urlsplit(url)
+    lat: list[list[float]] = [[] for _ in range(concurrency)]
+    errors = [0] * concurrency
+    budget = [max_requests]
+    lock = threading.Lock()
+    stop_at = [0.0]
+    barrier = threading.Barrier(concurrency + 1)
+    headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+
+    def worker(k: int) -> None:
+        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+        i = k
+        barrier.wait()
+        while time.perf_counter() < stop_at[0]:
+            with lock:
+                if budget[0] <= 0:
+                    break
+                budget[0] -= 1
+            body = bodies[i % len(bodies)]
+            i += concurrency
+            t0 = time.perf_counter()
+            try:
+                conn.request("POST", parsed.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                ok = resp.status == 200
+            except (OSError, http.client.HTTPException):
+                ok = False
+                conn.close()
+                conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+            dt = time.perf_counter() - t0
+            if ok:
+                lat[k].append(dt)
+            else:
+                errors[k] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    t_start = time.perf_counter()
+    stop_at[0] = t_start + seconds
+    barrier.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t_start
+    all_lat = np.array([x for xs in lat for x in xs]) * 1e3
+    n = int(all_lat.size)
+    return Step(concurrency, n, sum(errors), wall, n * instances / wall, n / wall,
+                float(np.percentile(all_lat, 50)) if n else float("nan"),
+                float(np.percentile(all_lat, 99)) if n else float("nan"))
+
+
+def find_knee(url: str, instances: int, seconds: float, max_requests: int,
+              levels: list[int]) -> tuple[Step, list[Step]]:
+    bodies = _bodies(instances, 16 if instances >= 64 else 64, seed=instances)
+    run_step(url, bodies, instances, 1, min(1.0, seconds), 50)  # warm connections + caches
+    steps: list[Step] = []
+    best: Step | None = None
+    flat = 0
+    for c in levels:
+        s = run_step(url, bodies, instances, c, seconds, max_requests)
+        steps.append(s)
+        print(f"  {instances:4d} inst/req  C={c:3d}  {s.samples_per_s:10.0f} samples/s  "
+              f"{s.requests_per_s:7.0f} req/s  p50 {s.p50_ms:7.2f} ms  p99 {s.p99_ms:7.2f} ms"
+              f"  errors {s.errors}", flush=True)
+        if best is None or s.samples_per_s > best.samples_per_s * 1.05:
+            best, flat = s, 0
+        else:
+            flat += 1
+            if best is not None and s.samples_per_s > best.samples_per_s:
+                best = s  # small gain: still the highest throughput seen
+        if flat >= 2 or (best is not None and s.p99_ms > 4 * best.p99_ms):
+            break
+    assert best is not None
+    return best, steps
+
+
+def inprocess_samples_per_s(artifact: Path, handler_cfg: dict[str, Any], batch: int,
+                            threads: int, seconds: float) -> float:
+    """Runtime.predict alone on parsed tensors, same settings as the worker."""
+    import torch
+
+    from serve.protocol import HandlerConfig, example_request, parse_body
+    from serve.runtime import Runtime, RuntimeConfig, SparseBatch
+
+    cfg = HandlerConfig.from_dict(handler_cfg)
+    torch.set_num_threads(threads)
+    rt = Runtime.from_artifact(artifact, RuntimeConfig(
+        device="cpu", cache_load_factor=cfg.cache_load_factor, cache_bytes=cfg.cache_bytes,
+        cache_policy=cfg.cache_policy, num_threads=threads))
+    batches = []
+    for i in range(8):
+        p = parse_body(orjson.dumps(example_request(batch, seed=batch + i)), cfg)
+        batches.append((torch.from_numpy(p.dense),
+                        SparseBatch(torch.from_numpy(p.values), torch.from_numpy(p.lengths))))
+    for d, s in batches[:2]:
+        rt.predict(d, s)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        d, s = batches[n % len(batches)]
+        rt.predict(d, s)
+        n += 1
+    return n * batch / (time.perf_counter() - t0)
+
+
+def _handler_snapshot(multiproc_dir: Path | None) -> dict[str, float]:
+    """Sums of the handler's own timings from the worker's Prometheus files."""
+    if multiproc_dir is None or not multiproc_dir.is_dir():
+        return {}
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(multiproc_dir))
+    out: dict[str, float] = {}
+    for m in reg.collect():
+        for s in m.samples:
+            if s.name == "dlrm_request_duration_seconds_sum":
+                out["handler_s"] = out.get("handler_s", 0.0) + s.value
+            elif s.name == "dlrm_request_duration_seconds_count":
+                out["handler_n"] = out.get("handler_n", 0.0) + s.value
+            elif s.name == "dlrm_stage_duration_seconds_sum":
+                k = f"stage_{s.labels.get('stage')}_s"
+                out[k] = out.get(k, 0.0) + s.value
+            elif s.name == "dlrm_batch_requests_count":
+                out["forwards"] = out.get("forwards", 0.0) + s.value
+            elif s.name == "dlrm_batch_instances_sum":
+                out["forward_instances"] = out.get("forward_instances", 0.0) + s.value
+    return out
+
+
+def _mar_contents(mar: Path, dest: Path) -> tuple[Path, dict[str, Any]]:
+    import yaml
+
+    with zipfile.ZipFile(mar) as z:
+        z.extract("artifact.pt", dest)
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    return dest / "artifact.pt", cfg
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _alive(url: str) -> bool:
+    p = urllib.parse.urlsplit(url)
+    try:
+        c = http.client.HTTPConnection(p.hostname, p.port, timeout=2)
+        c.request("GET", "/ping")
+        ok = c.getresponse().status == 200
+        c.close()
+        return ok
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="short steps (1.5 s) and concurrency up to 8: a smoke run, not a measurement")
+    ap.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('TS_INFERENCE_PORT', '8080')}",
+                    help="TorchServe inference URL (loopback only)")
+    ap.add_argument("--model-name", default="dlrm")
+    ap.add_argument("--model-store", default="model_store", help="where the served .mar is")
+    ap.add_argument("--multiproc-dir", default=".run/prometheus",
+                    help="the workers' PROMETHEUS_MULTIPROC_DIR (handler timings for the profile)")
+    ap.add_argument("--instances", default="1,64,512", help="instances per request, comma-separated")
+    ap.add_argument("--seconds", type=float, default=None, help="seconds per concurrency step")
+    ap.add_argument("--max-requests", type=int, default=200_000, help="hard cap per step")
+    ap.add_argument("--out", default="bench/results/e2e.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host = urllib.parse.urlsplit(args.url).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"error: --url {args.url}: this load generator only targets loopback", file=sys.stderr)
+        return 2
+    seconds = args.seconds or (1.5 if args.quick else 8.0)
+    levels = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    sizes = [int(x) for x in args.instances.split(",")]
+
+    store = Path(args.model_store)
+    store = store if store.is_absolute() else REPO / store
+    mar = store / f"{args.model_name}.mar"
+    service = None
+    if not _alive(args.url):
+        from serve.launcher import LaunchConfig, start
+
+        port = urllib.parse.urlsplit(args.url).port or 8080
+        print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
+        # its own run/log dirs and free side ports, so it never collides with `make up`
+        mgmt, met, side, gi, gm = _free_ports(5)
+        cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
+                           sidecar_port=side, grpc_inference_port=gi, grpc_management_port=gm,
+                           model_store=store, sidecar=False, run_dir=Path(".run/bench-e2e"),
+                           log_dir=Path("logs/bench-e2e"))
+        service = start(cfg)
+        print(f"ready in {service.ready_s:.1f} s", flush=True)
+        multiproc = cfg.multiproc_dir
+    else:
+        multiproc = Path(args.multiproc_dir)
+        multiproc = multiproc if multiproc.is_absolute() else REPO / multiproc
+    url = f"{args.url}/predictions/{args.model_name}"
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            artifact, mcfg = _mar_contents(mar, Path(tmp))
+            handler_cfg = mcfg.get("handler", {})
+            workers = int(mcfg.get("maxWorkers", 1))
+            from serve.protocol import default_num_threads
+
+            threads = handler_cfg.get("num_threads") or default_num_threads(workers)
+            # the in-process reference gets the same cores the service uses in all
+            inproc_threads = max(1, min(workers * threads, default_num_threads(1)))
+            print(f"model: {mar} (batchSize {mcfg.get('batchSize')}, maxBatchDelay "
+                  f"{mcfg.get('maxBatchDelay')} ms, {workers} worker(s) x {threads} thread(s))")
+            for n in sizes:
+                before = _handler_snapshot(multiproc)
+                t0 = time.perf_counter()
+                knee, steps = find_knee(url, n, seconds, args.max_requests, levels)
+                after = _handler_snapshot(multiproc)
+                inproc = inprocess_samples_per_s(artifact, handler_cfg, n, inproc_threads,
+                                                 min(seconds, 3.0))
+                row: dict[str, Any] = {
+                    "instances_per_request": n, "samples_per_s": round(knee.samples_per_s, 1),
+                    "p50_ms": round(knee.p50_ms, 3), "p99_ms": round(knee.p99_ms, 3),
+                    "efficiency": round(knee.samples_per_s / inproc, 3),
+                    "concurrency": knee.concurrency, "requests_per_s": round(knee.requests_per_s, 1),
+                    "inprocess_samples_per_s": round(inproc, 1), "inprocess_threads": inproc_threads, "errors": sum(s.errors for s in steps),
+                    "steps": [asdict(s) for s in steps],
+                }
+                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                total_requests = sum(s.requests for s in steps)
+                if delta.get("handler_n"):
+                    client_ms = (statistics.fmean([s.p50_ms for s in steps]))
+                    row["profile"] = {
+                        "handler_ms_per_request": round(1e3 * delta["handler_s"] / delta["handler_n"], 3),
+                        "decode_ms_per_request": round(1e3 * delta.get("stage_decode_s", 0.0) / delta["handler_n"], 3),
+                        "embedding_ms_per_forward": round(1e3 * delta.get("stage_embedding_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
+                        "dense_ms_per_forward": round(1e3 * delta.get("stage_dense_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
+                        "instances_per_forward": round(delta.get("forward_instances", 0.0) / max(1.0, delta.get("forwards", 0.0)), 1),
+                        "client_p50_ms_mean_over_steps": round(client_ms, 3),
+                        "requests_seen_by_handler": int(delta["handler_n"]),
+                        "requests_sent": total_requests,
+                    }
+                rows.append(row)
+                print(f"  -> knee C={knee.concurrency}: {knee.samples_per_s:.0f} samples/s, "
+                      f"in-process {inproc:.0f} samples/s, efficiency {row['efficiency']:.2f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                if "profile" in row:
+                    print(f"     profile: {row['profile']}", flush=True)
+    finally:
+        if service is not None:
+            service.stop()
+    print()
+    print(f"{'inst/req':>8} {'C':>3} {'samples/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'in-proc/s':>10} {'efficiency':>10}")
+    for r in rows:
+        print(f"{r['instances_per_request']:8d} {r['concurrency']:3d} {r['samples_per_s']:10.0f} "
+              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['inprocess_samples_per_s']:10.0f} "
+              f"{r['efficiency']:10.2f}")
+    out = Path(args.out)
+    out = out if out.is_absolute() else REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"quick": args.quick, "url": args.url, "mar": str(mar),
+                               "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""TorchServe handler for the quantized DLRM: a thin adapter over ``serve``.
+
+* ``initialize``: picks the device (the worker's ``gpu_id`` when CUDA is there, else
+  CPU), sets torch threads per worker (cores / workers unless configured: more
+  oversubscribes the cores), reads the ``handler:`` section of the .mar's
+  model-config.yaml into :class:`serve.protocol.HandlerConfig`, and loads the artifact
+  into :class:`serve.runtime.Runtime`.
+* ``handle``: one TorchServe batch = several HTTP requests. Each body is parsed and
+  validated on its own (a bad one gets its own 4xx JSON; the others go on), the good
+  ones run as ONE forward, and the probabilities are split back in order. Each response
+  carries ``X-DLRM-Batch-Instances`` / ``X-DLRM-Batch-Requests`` (samples and requests
+  of the merged forward) and ``X-DLRM-TorchServe-Batch`` (requests TorchServe handed
+  over together, bad ones included): observable batching.
+
+The logic lives in :mod:`serve.protocol` (no TorchServe needed to test it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from ts.torch_handler.base_handler import BaseHandler
+
+from serve.errors import ServeError
+from serve.protocol import (HandlerConfig, MergedBatch, Outcome, default_num_threads,
+                            encode_error, handle_batch)
+
+try:  # the sidecar engineer's module; the handler works without it
+    from serve.metrics import HandlerMetrics
+except ImportError:  # pragma: no cover - only before serve/metrics.py exists
+    HandlerMetrics = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+ARTIFACT_NAME = "artifact.pt"  # serve.archive packs the artifact under this name
+BATCH_INSTANCES_HEADER = "X-DLRM-Batch-Instances"
+BATCH_REQUESTS_HEADER = "X-DLRM-Batch-Requests"
+TS_BATCH_HEADER = "X-DLRM-TorchServe-Batch"
+_PHRASES = {200: "OK", 400: "Bad Request", 413: "Payload Too Large",
+            415: "Unsupported Media Type", 500: "Internal Server Error"}
+
+
+class DLRMHandler(BaseHandler):
+    """BaseHandler subclass; TorchServe calls ``initialize`` once and ``handle`` per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runtime: Any = None
+        self.cfg = HandlerConfig()
+        self.metrics: Any = None
+        self._last_stages: dict[str, float] = {}
+
+    def initialize(self, context: Any) -> None:
+        # Keep bodies as raw bytes: TorchServe's own json.loads would accept NaN and turn
+        # huge ids into Python ints before we see them; we parse with orjson ourselves.
+        # The worker reads this variable per request, so setting it here takes effect.
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        from serve.runtime import Runtime, RuntimeConfig
+
+        props = context.system_properties
+        model_dir = props.get("model_dir")
+        yaml_cfg = context.model_yaml_config or {}
+        self.cfg = HandlerConfig.from_dict(yaml_cfg.get("handler"))
+        gpu_id = props.get("gpu_id")
+        if torch.cuda.is_available() and gpu_id is not None:
+            self.device = torch.device(f"cuda:{gpu_id}")
+        else:
+            self.device = torch.device("cpu")
+        workers = int(yaml_cfg.get("maxWorkers") or yaml_cfg.get("minWorkers") or 1)
+        threads = self.cfg.num_threads or default_num_threads(workers)
+        torch.set_num_threads(threads)
+        try:  # inter-op threads only matter for forks in the graph; one is enough
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set or parallel work has started: keep it
+            pass
+        self.runtime = Runtime.from_artifact(
+            os.path.join(model_dir, ARTIFACT_NAME),
+            RuntimeConfig(device=str(self.device), cache_load_factor=self.cfg.cache_load_factor,
+                          cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
+                          num_threads=threads))
+        if HandlerMetrics is not None:
+            self.metrics = HandlerMetrics()
+        self._last_stages = dict(self.runtime.stats().stage_seconds)
+        self.initialized = True
+        logger.info("DLRM handler ready: device=%s threads=%d config=%s pid=%d",
+                    self.device, threads, self.cfg, os.getpid())
+
+    def _predict(self, batch: MergedBatch) -> np.ndarray:
+        from serve.runtime import SparseBatch
+
+        dense = torch.from_numpy(batch.dense)
+        sparse = SparseBatch(values=torch.from_numpy(batch.values),
+                             lengths=torch.from_numpy(batch.lengths))
+        return self.runtime.predict(dense, sparse).numpy()
+
+    def handle(self, data: list[dict], context: Any) -> list[bytes]:
+        t0 = time.perf_counter()
+        try:
+            bodies, ctypes = [], []
+            for idx, req in enumerate(data):
+                body, ctype = _body_and_type(req, context, idx)
+                bodies.append(body)
+                ctypes.append(ctype)
+            outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg)
+        except Exception:  # a bug, not bad input: answer 500 JSON, keep the worker alive
+            logger.exception("DLRM handler failed on a batch of %d requests", len(data))
+            err = ServeError("internal error while predicting; see the TorchServe model log")
+            outcomes, info = [Outcome(500, encode_error(err)) for _ in data], None
+        seconds = time.perf_counter() - t0
+        for idx, out in enumerate(outcomes):
+            context.set_response_status(out.status, _PHRASES.get(out.status, ""), idx)
+            context.set_response_content_type(idx, "application/json")
+            context.set_response_header(idx, TS_BATCH_HEADER, str(len(data)))
+            if info is not None:
+                context.set_response_header(idx, BATCH_INSTANCES_HEADER, str(info["instances"]))
+                context.set_response_header(idx, BATCH_REQUESTS_HEADER, str(info["requests"]))
+        self._record(outcomes, info, seconds)
+        return [o.body for o in outcomes]
+
+    def _record(self, outcomes: list[Outcome], info: dict | None, seconds: float) -> None:
+        try:
+            if info is not None and self.runtime is not None:
+                self.runtime.record_stage("decode", info["decode_s"])
+            if self.metrics is None:
+                return
+            for out in outcomes:
+                self.metrics.observe_request(out.status, out.instances, seconds)
+            if info is not None and info["requests"]:
+                self.metrics.observe_batch(info["instances"], info["requests"])
+                stats = self.runtime.stats()
+                now = dict(stats.stage_seconds)
+                self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
+                                             for k, v in now.items()})
+                self._last_stages = now
+                self.metrics.set_cache(stats)
+        except Exception:  # metrics must never fail a prediction
+            logger.exception("recording DLRM metrics failed")
+
+
+def _body_and_type(req: dict, context: Any, idx: int) -> tuple[Any, str | None]:
+    """The raw body and its Content-Type of request ``idx`` of a TorchServe batch.
+
+    TorchServe hands a plain body over as parameter ``body`` (``data`` for some
+    clients); form posts arrive split into form fields, which we answer with 415.
+    """
+    params = context.get_all_request_header(idx) or {}
+    if "body" in req or "data" in req:
+        name = "body" if "body" in req else "data"
+        per_param = params.get(name)
+        ctype = per_param.get("content-type") if isinstance(per_param, dict) else None
+        if ctype is None:
+            ctype = _header(params, "content-type")
+        return req[name], ctype
+    # e.g. application/x-www-form-urlencoded (curl -d without -H) decoded into fields
+    return b"", _header(params, "content-type") or "application/x-www-form-urlencoded"
+
+
+def _header(params: dict, name: str) -> str | None:
+    for k, v in params.items():
+        if isinstance(k, str) and k.lower() == name and isinstance(v, str):
+            return v
+    return None
+

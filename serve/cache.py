@@ -1,0 +1,353 @@
+"""The embedding cache: hot quantized rows on the device, every row in host memory.
+
+All F tables are concatenated into one uint8 host table of R = sum(rows) rows of
+``row_bytes`` each (the artifact row format, still quantized). ``capacity`` slots of
+the same format live on the device. One lookup takes the batch's U unique global rows
+and returns their bytes (U, row_bytes) on the device, exactly, whatever the capacity:
+
+1. ``row_to_slot[rows]`` (a device int32 map, -1 = absent) splits hits from misses;
+2. hits are gathered from the slots, misses from the host table (host ``index_select``
+   into a pinned staging buffer, then one non-blocking copy to the device);
+3. misses are then admitted by policy into slots this batch did not hit (a hit row is
+   never evicted by its own batch), so U > capacity still answers correctly: what does
+   not fit is served from host memory and simply not kept.
+
+Policies (victims are chosen among the slots not hit in this batch):
+
+* ``lru``: victims are the slots with the oldest last-use step (empty slots first);
+  every miss is admitted while such slots remain, most frequent in the batch first
+  (ties: lower global row first). Ties among victims go to the lowest slot index.
+* ``lfu``: the cache counts every access of every row (also of rows not resident), and
+  a miss replaces the least-frequently used slot only if its count is strictly higher
+  than that slot's (empty slots always admit). Misses with the highest counts go in
+  first; ties among victims go to the lowest slot index.
+
+Counters are per id (access), not per unique row: ``hits`` counts the ids whose row
+was resident when the batch arrived, so ``hits / lookups`` is comparable with the
+ideal top-k hit ratio of the id distribution.
+
+The code is device-agnostic: ``device="cpu"`` runs exactly the same tensor program,
+which is how the CPU tests cover it. On CPU it only costs time (device memory is host
+memory), so the runtime does not use it there unless asked to.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.utils.dlpack
+
+from serve.errors import ConfigError
+
+__all__ = ["MISS_PATHS", "POLICIES", "CacheCounters", "EmbeddingCache", "capacity_for",
+           "host_mapped_view"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("lru", "lfu")
+# "host": gather misses on the host into a pinned buffer, one async copy in (default).
+# "mapped": the GPU gathers misses itself from the pinned host table (zero-copy over the
+# bus, no host round trip for the miss ids); opt-in, see host_mapped_view.
+MISS_PATHS = ("host", "mapped")
+# Key of a slot nobody may take (hit in this batch) when victims are chosen by topk.
+_NEVER = torch.iinfo(torch.int64).max
+_LOWEST = torch.iinfo(torch.int64).min
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", _DELETER)]
+
+
+@_DELETER
+def _no_delete(_: int) -> None:   # the pinned tensor owns the memory; nothing to free
+    return None
+
+
+def host_mapped_view(pinned: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+    """A CUDA tensor aliasing a pinned 2-d uint8 host tensor (zero-copy, read over the bus).
+
+    Under unified virtual addressing, page-locked memory from ``cudaHostAlloc`` (what
+    ``pin_memory`` uses) is mapped into every device at the same address, so a DLPack
+    capsule that labels the host pointer as CUDA memory gives a tensor kernels can read
+    (what FBGEMM's UVM tables and CuPy's ``UnownedMemory`` do; stock PyTorch has no API).
+    Returns ``(view, keepalive)``: keep both, and ``pinned``, alive together.
+    Do not use it where UVA is off or for pageable memory: reads would fault.
+    """
+    if pinned.dtype != torch.uint8 or pinned.dim() != 2 or not pinned.is_pinned():
+        raise ConfigError("host_mapped_view needs a pinned 2-d uint8 tensor")
+    if not pinned.is_contiguous():
+        raise ConfigError("host_mapped_view needs a contiguous tensor")
+    return _alias_via_dlpack(pinned, 2, device.index or 0)   # 2 = kDLCUDA
+
+
+def _alias_via_dlpack(t: torch.Tensor, device_type: int,
+                      device_id: int) -> tuple[torch.Tensor, object]:
+    """A tensor over ``t``'s memory, labelled as on DLPack device (type, id); the CPU
+    tests exercise the capsule with type 1 (kDLCPU)."""
+    shape = (ctypes.c_int64 * 2)(*t.shape)
+    strides = (ctypes.c_int64 * 2)(t.shape[1], 1)
+    mt = _DLManagedTensor()
+    mt.dl_tensor = _DLTensor(ctypes.c_void_p(t.data_ptr()), _DLDevice(device_type, device_id),
+                             2, _DLDataType(1, 8, 1), shape, strides, 0)  # kDLUInt, 8 bits
+    mt.manager_ctx = None
+    mt.deleter = _no_delete
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(mt), b"dltensor", None)
+    view = torch.utils.dlpack.from_dlpack(capsule)
+    return view, (mt, shape, strides, capsule, t)
+
+
+def capacity_for(total_rows: int, row_bytes: int, *, load_factor: float | None,
+                 cache_bytes: int | None) -> int:
+    """Slots for a cache: ``cache_bytes // row_bytes`` if given, else
+    ``ceil(load_factor * total_rows)``; at least 1, at most ``total_rows``.
+
+    ``cache_bytes`` counts slot payload only (the row map and policy state come on top;
+    ``EmbeddingCache.device_bytes`` reports all of it).
+    """
+    if cache_bytes is not None:
+        if cache_bytes < row_bytes:
+            raise ConfigError(f"cache_bytes {cache_bytes} is smaller than one row "
+                              f"({row_bytes} bytes); give at least {row_bytes}")
+        cap = cache_bytes // row_bytes
+    elif load_factor is not None:
+        cap = -(-round(load_factor * total_rows * 1e6) // 1_000_000)  # ceil, float-safe
+    else:
+        cap = total_rows
+    return max(1, min(int(cap), total_rows))
+
+
+@dataclass
+class CacheCounters:
+    """Cumulative counters (ids, not unique rows)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class EmbeddingCache:
+    """Device-resident slots over a host-resident quantized table.
+
+    Args:
+        host_table: uint8 (R, row_bytes), on the CPU. Pinned here when ``device`` is
+            CUDA (a copy is made if it is not already pinned, e.g. when mmapped).
+        capacity: device slots, 1..R.
+        policy: "lru" or "lfu".
+        device: where the slots and the policy state live.
+        miss_path: "host" (host gather + async copy) or "mapped" (the GPU reads the pinned
+            host table directly; CUDA only, ignored on CPU).
+
+    Example::
+
+        cache = EmbeddingCache(table, capacity=1000, policy="lru", device="cpu")
+        rows, inverse, counts = torch.unique(global_ids, return_inverse=True, return_counts=True)
+        row_bytes = cache.lookup(rows, counts)        # (U, row_bytes) uint8 on the device
+    """
+
+    def __init__(self, host_table: torch.Tensor, capacity: int, policy: str = "lru",
+                 device: str | torch.device = "cpu", miss_path: str = "host") -> None:
+        if miss_path not in MISS_PATHS:
+            raise ConfigError(f"cache miss path {miss_path!r} is not one of {MISS_PATHS}")
+        if policy not in POLICIES:
+            raise ConfigError(f"cache_policy {policy!r} is not one of {POLICIES}; "
+                              "choose 'lru' or 'lfu'")
+        if host_table.dtype != torch.uint8 or host_table.dim() != 2:
+            raise ConfigError(f"host table must be uint8 (rows, row_bytes), got "
+                              f"{host_table.dtype} {tuple(host_table.shape)}")
+        total = host_table.shape[0]
+        if not 1 <= capacity <= total:
+            raise ConfigError(f"cache capacity {capacity} must be in 1..{total} (the table's rows)")
+        self.device = torch.device(device)
+        self.policy = policy
+        self.capacity = int(capacity)
+        self.total_rows = int(total)
+        self.row_bytes = int(host_table.shape[1])
+        host_table = host_table.cpu()
+        if self.device.type == "cuda" and not host_table.is_pinned():
+            host_table = host_table.pin_memory()  # async H2D copies need page-locked memory
+        self.host_table = host_table
+        self.miss_path = miss_path if self.device.type == "cuda" else "host"
+        self._mapped: torch.Tensor | None = None
+        self._mapped_keep: object = None
+        if self.miss_path == "mapped":
+            self._mapped, self._mapped_keep = host_mapped_view(host_table, self.device)
+        dev = self.device
+        self.slots = torch.zeros((self.capacity, self.row_bytes), dtype=torch.uint8, device=dev)
+        self.row_to_slot = torch.full((self.total_rows,), -1, dtype=torch.int32, device=dev)
+        self.slot_to_row = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
+        # Last use as a unique key: step * capacity + slot (empty: -capacity + slot), so
+        # the LRU victims are the k smallest keys with no extra pass to break ties.
+        self.slot_last_use = (torch.arange(self.capacity, dtype=torch.int64, device=dev)
+                              - self.capacity)
+        # LFU keeps per-row access counts (int32: 2^31 accesses of one row is far away).
+        self.row_freq = (torch.zeros((self.total_rows,), dtype=torch.int32, device=dev)
+                         if policy == "lfu" else None)
+        self.step = 0
+        # lookups, hits, evictions: summed on the device so a batch needs no sync for them
+        self._count = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._staging: torch.Tensor | None = None
+        self._staging_event: torch.cuda.Event | None = None
+
+    @property
+    def counters(self) -> CacheCounters:
+        """A snapshot of the cumulative counters (one device sync)."""
+        lookups, hits, evictions = (int(x) for x in self._count.tolist())
+        return CacheCounters(lookups=lookups, hits=hits, misses=lookups - hits,
+                             evictions=evictions)
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def device_bytes(self) -> int:
+        """Slots + row map + policy state, in bytes."""
+        n = (self.slots.numel() + self.row_to_slot.numel() * 4 + self.slot_to_row.numel() * 8
+             + self.slot_last_use.numel() * 8)
+        return n + (self.row_freq.numel() * 4 if self.row_freq is not None else 0)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_table.numel()
+
+    def resident_rows(self) -> torch.Tensor:
+        """Sorted global rows now on the device (int64, CPU); for tests and tools."""
+        r = self.slot_to_row[self.slot_to_row >= 0]
+        return torch.sort(r).values.cpu()
+
+    # -- the miss path -------------------------------------------------------------------
+    def _fetch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host rows -> device: uint8 (M, row_bytes). ``rows`` int64 on the device."""
+        if self.device.type != "cuda":
+            return self.host_table.index_select(0, rows.cpu())
+        if self._mapped is not None:   # the GPU reads the rows over the bus: no sync
+            return self._mapped.index_select(0, rows)
+        idx = rows.cpu()  # one sync; the host gather needs the indices on the host
+        m = idx.numel()
+        if self._staging is None or self._staging.shape[0] < m:
+            if self._staging_event is not None:
+                self._staging_event.synchronize()
+            self._staging = torch.empty((max(m, 4096), self.row_bytes), dtype=torch.uint8,
+                                        pin_memory=True)
+        elif self._staging_event is not None:
+            self._staging_event.synchronize()  # previous copy out of the buffer must be done
+        buf = self._staging[:m]
+        torch.index_select(self.host_table, 0, idx, out=buf)
+        out = buf.to(self.device, non_blocking=True)
+        self._staging_event = torch.cuda.Event()
+        self._staging_event.record()
+        return out
+
+    # -- one batch -----------------------------------------------------------------------
+    def lookup(self, rows: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes of ``rows`` on the device, then admit misses by policy.
+
+        Args:
+            rows: int64 (U,) distinct global rows in [0, R), on the device.
+            counts: int64 (U,) accesses of each row in this batch (None: ones); they
+                weight the counters and the LFU counts.
+        Returns:
+            uint8 (U, row_bytes) on the device, row i holding ``rows[i]``.
+
+        Host syncs per call: the miss count (to size the host gather), the miss rows'
+        transfer to the host, and for LFU the number admitted; counters stay on the device.
+        """
+        dev = self.device
+        rows = rows.to(dev)
+        u = rows.numel()
+        counts = (torch.ones(u, dtype=torch.int64, device=dev) if counts is None
+                  else counts.to(device=dev, dtype=torch.int64))
+        self.step += 1
+        now = self.step * self.capacity   # last-use keys >= now: touched in this batch
+        slot = self.row_to_slot.index_select(0, rows).long()       # (U,), -1 = absent
+        hit = slot >= 0
+        # Gather every row from the slots (misses read slot 0 and are overwritten below):
+        # no sync to split hits from misses on this side.
+        out = self.slots.index_select(0, slot.clamp_min(0))
+        # Refresh the hit slots' last use; amax leaves the slot misses point at alone
+        # (their value is below every key, empty slots' negative keys included).
+        self.slot_last_use.scatter_reduce_(
+            0, slot.clamp_min(0), torch.where(hit, slot + now, torch.full_like(slot, _LOWEST)),
+            reduce="amax")
+        if self.row_freq is not None:
+            self.row_freq.index_add_(0, rows, counts.to(torch.int32))
+        self._count[0] += counts.sum()
+        self._count[1] += (counts * hit).sum()
+        miss_idx = (~hit).nonzero().squeeze(1)                     # sync: sizes the fetch
+        n_miss = miss_idx.numel()
+        if n_miss:
+            miss_rows = rows.index_select(0, miss_idx)
+            fetched = self._fetch(miss_rows)
+            out.index_copy_(0, miss_idx, fetched)
+            self._admit(miss_rows, counts.index_select(0, miss_idx), fetched,
+                        n_hits=u - n_miss, now=now)
+        return out
+
+    def _admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor,
+               fetched: torch.Tensor, *, n_hits: int, now: int) -> None:
+        """Put misses into victim slots, counting evictions (on the device)."""
+        k = min(miss_rows.numel(), self.capacity - n_hits)
+        if k <= 0:
+            return
+        if self.policy == "lru":
+            # Candidates: the batch's most frequent misses first (ties: lower row first).
+            cand_key = miss_counts
+            # Hits of this batch hold the largest keys, so the k smallest never include
+            # them (k <= capacity - hits); empty slots (negative keys) go first. Keys are
+            # unique, so topk's choice, and every later eviction, is deterministic.
+            key = self.slot_last_use
+        else:
+            if self.row_freq is None:
+                raise RuntimeError("LFU cache without access counts")
+            cand_key = self.row_freq.index_select(0, miss_rows).long()
+            resident = self.slot_to_row
+            freq = torch.where(resident >= 0,
+                               self.row_freq.index_select(0, resident.clamp_min(0)).long(),
+                               torch.full_like(resident, -1))
+            # LFU key: access count (empty = -1), ties to the lower slot; hits excluded.
+            slot_ids = torch.remainder(self.slot_last_use, self.capacity)
+            key = torch.where(self.slot_last_use >= now, torch.full_like(freq, _NEVER),
+                              (freq + 1) * (1 << 32) + slot_ids)
+        cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
+        victims = torch.topk(key, k, largest=False, sorted=True).indices
+        if self.policy == "lfu":
+            # Candidates descend in count and victims ascend, so the admitted pairs are a
+            # prefix: a miss whose count is not above its victim's stays out (it was
+            # served from host memory this time).
+            n_ok = int((cand_key.index_select(0, cand) > freq.index_select(0, victims)).sum())
+            if n_ok == 0:
+                return
+            cand, victims = cand[:n_ok], victims[:n_ok]
+        new_rows = miss_rows.index_select(0, cand)
+        old_rows = self.slot_to_row.index_select(0, victims)
+        occupied = old_rows >= 0
+        self._count[2] += occupied.sum()
+        # Unmap the evicted rows. An empty victim slot has no row (-1): point its write at
+        # the incoming row instead, whose entry is set right after (same stream, in order),
+        # so no boolean-mask sync is needed.
+        self.row_to_slot.index_fill_(0, torch.where(occupied, old_rows, new_rows), -1)
+        self.slots.index_copy_(0, victims, fetched.index_select(0, cand))
+        self.slot_to_row.index_copy_(0, victims, new_rows)
+        self.row_to_slot.index_copy_(0, new_rows, victims.to(torch.int32))
+        self.slot_last_use.index_copy_(0, victims, victims + now)

@@ -1,0 +1,81 @@
+"""The dense part of a DLRM in plain PyTorch, numerically as TorchRec's ``DLRM``.
+
+Shapes: B batch, F sparse features, D embedding dim, N dense features.
+
+``DenseArch``: Linear+ReLU for every layer (N -> ... -> D).
+``InteractionArch``: pairwise dot products of [dense_embedding, sparse_embeddings...],
+upper triangle with offset 1, concatenated after the dense embedding.
+``OverArch``: Linear+ReLU for every layer but the last, which gives the logit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serve.errors import ConfigError
+
+__all__ = ["PRECISIONS", "DenseDLRM", "convert_precision"]
+
+# "fp32" is exact against TorchRec; the others are lossy and opt-in (see RuntimeConfig).
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def _mlp(layers: list[tuple[torch.Tensor, torch.Tensor]], relu_last: bool) -> nn.Sequential:
+    mods: list[nn.Module] = []
+    for i, (w, b) in enumerate(layers):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=True)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        mods.append(lin)
+        if relu_last or i < len(layers) - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+class DenseDLRM(nn.Module):
+    """Bottom MLP + interaction + top MLP; ``forward`` returns logits (B,).
+
+    Args:
+        dense_arch / over_arch: fp32 (weight (out, in), bias (out,)) per Linear layer.
+        num_sparse: F.
+    """
+
+    def __init__(self, dense_arch: list[tuple[torch.Tensor, torch.Tensor]],
+                 over_arch: list[tuple[torch.Tensor, torch.Tensor]], num_sparse: int) -> None:
+        super().__init__()
+        self.dense_arch = _mlp(dense_arch, relu_last=True)
+        self.over_arch = _mlp(over_arch, relu_last=False)
+        self.num_sparse = num_sparse
+        tri = torch.triu_indices(num_sparse + 1, num_sparse + 1, offset=1)
+        self.triu_flat: torch.Tensor
+        self.register_buffer("triu_flat", tri[0] * (num_sparse + 1) + tri[1], persistent=False)
+        d = dense_arch[-1][0].shape[0]
+        want = d + num_sparse * (num_sparse + 1) // 2
+        if over_arch[0][0].shape[1] != want:
+            raise ConfigError(f"over_arch takes {over_arch[0][0].shape[1]} inputs but D={d} and "
+                              f"F={num_sparse} give {want}; the artifact is inconsistent")
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """dense (B, N) float32, sparse (B, F, D) float32 -> logits (B,) float32."""
+        x = self.dense_arch(dense)                                     # (B, D)
+        combined = torch.cat((x.unsqueeze(1), sparse.to(x.dtype)), 1)  # (B, F+1, D)
+        inter = torch.bmm(combined, combined.transpose(1, 2))          # (B, F+1, F+1)
+        flat = inter.flatten(1).index_select(1, self.triu_flat)        # (B, F(F+1)/2)
+        return self.over_arch(torch.cat((x, flat), 1)).squeeze(1).float()
+
+
+def convert_precision(model: DenseDLRM, precision: str, device: torch.device) -> nn.Module:
+    """Apply a (lossy) CPU/GPU lever to the dense part; "fp32" returns it unchanged."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"dense_precision {precision!r} is not one of {PRECISIONS}")
+    if precision == "bf16":
+        return model.to(torch.bfloat16)
+    if precision == "int8":
+        if device.type != "cpu":
+            raise ConfigError("dense_precision 'int8' (dynamic quantization) runs on CPU only; "
+                              "use 'fp32' or 'bf16' on CUDA")
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    return model

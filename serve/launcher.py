@@ -1,0 +1,463 @@
+"""Start, wait for and stop the service: TorchServe (+ the sidecar when it exists).
+
+    python -m serve.launcher run    # foreground; Ctrl-C / SIGTERM stops everything
+    python -m serve.launcher up     # background; pids in .run/, returns once ready
+    python -m serve.launcher down   # stops what `up` started
+
+Builds nothing (``make run`` builds ``model_store/dlrm.mar`` first). "Ready" means a
+real predict was answered, not just ``/ping``. Ports come from flags, else the env
+(TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, and
+GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
+8080/8081/8082/8090 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
+
+Each server runs in its own process group (TorchServe's Java frontend and its Python
+workers share one), so stopping kills the whole tree and leaves no orphan workers.
+The test fixture ``tests/fixtures/torchserve.py`` uses the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from serve.errors import ConfigError, UpstreamUnavailable
+
+__all__ = ["LaunchConfig", "Service", "render_ts_config", "start", "start_torchserve", "start_sidecar",
+           "wait_ready", "stop_group", "post_json", "main"]
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+_ADDRESS_KEYS = {"inference_address": "inference_port", "management_address": "management_port",
+                 "metrics_address": "metrics_port"}
+_PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
+              "grpc_management_port": "grpc_management_port"}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Where and how to run the service; paths may be relative to ``REPO``."""
+
+    host: str = "127.0.0.1"
+    inference_port: int = 8080
+    management_port: int = 8081
+    metrics_port: int = 8082
+    sidecar_port: int = 8090
+    grpc_inference_port: int = 7070   # TorchServe 0.12 always starts gRPC; can't be disabled
+    grpc_management_port: int = 7071
+    model_name: str = "dlrm"
+    model_store: Path = Path("model_store")
+    mar_name: str = "dlrm.mar"
+    ts_config: Path = Path("config.properties")
+    run_dir: Path = Path(".run")
+    log_dir: Path = Path("logs")
+    sidecar: bool = True
+    ready_timeout_s: float = 300.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ts_overrides: dict[str, str] = field(default_factory=dict)  # config.properties keys to set
+
+    def __post_init__(self) -> None:
+        ports = [self.inference_port, self.management_port, self.metrics_port, self.sidecar_port,
+                 self.grpc_inference_port, self.grpc_management_port]
+        for p in ports:
+            if not isinstance(p, int) or not 0 < p < 65536:
+                raise ConfigError(f"port {p!r} must be an integer in 1..65535")
+        if len(set(ports)) != len(ports):
+            raise ConfigError(f"ports {ports} must all differ")
+        if self.ready_timeout_s <= 0:
+            raise ConfigError(f"ready_timeout_s {self.ready_timeout_s} must be > 0")
+
+    def path(self, p: Path) -> Path:
+        return p if p.is_absolute() else REPO / p
+
+    @property
+    def inference_url(self) -> str:
+        return f"http://{self.host}:{self.inference_port}"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://{self.host}:{self.management_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}"
+
+    @property
+    def sidecar_url(self) -> str:
+        return f"http://{self.host}:{self.sidecar_port}"
+
+    @property
+    def multiproc_dir(self) -> Path:
+        return self.path(self.run_dir) / "prometheus"
+
+    @property
+    def token_file(self) -> Path:
+        return self.path(self.run_dir) / "sidecar-token"
+
+
+@dataclass
+class Service:
+    """What ``start`` launched: processes (one group each) and where they answer."""
+
+    config: LaunchConfig
+    torchserve: subprocess.Popen
+    sidecar: subprocess.Popen | None = None
+    ready_s: float | None = None
+
+    def stop(self) -> None:
+        for proc in (self.sidecar, self.torchserve):
+            if proc is not None:
+                stop_group(proc.pid, proc)
+
+
+def render_ts_config(text: str, cfg: LaunchConfig) -> str:
+    """config.properties with the addresses and model store of ``cfg`` substituted.
+
+    ``load_models`` is dropped: the launcher names the model on the command line.
+    ``cfg.ts_overrides`` replace (or add) keys.
+    """
+    out = []
+    pending = dict(cfg.ts_overrides)
+    for line in text.splitlines():
+        key = line.split("=", 1)[0].strip()
+        if key in pending and not line.lstrip().startswith("#"):
+            line = f"{key}={pending.pop(key)}"
+        elif key in _ADDRESS_KEYS:
+            line = f"{key}=http://{cfg.host}:{getattr(cfg, _ADDRESS_KEYS[key])}"
+        elif key in _PORT_KEYS:
+            line = f"{key}={getattr(cfg, _PORT_KEYS[key])}"
+        elif key in ("grpc_inference_address", "grpc_management_address"):
+            line = f"{key}={cfg.host}"
+        elif key == "model_store":
+            line = f"model_store={cfg.path(cfg.model_store)}"
+        elif key == "load_models":
+            continue
+        out.append(line)
+    out += [f"{k}={v}" for k, v in pending.items()]
+    return "\n".join(out) + "\n"
+
+
+def _empty_dir(d: Path) -> Path:
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return d
+
+
+def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
+    """Start TorchServe in the foreground mode, in its own process group; don't wait.
+
+    Per-instance state lives under ``run_dir``: the rendered config, a private TMPDIR
+    (TorchServe's pid file and .mar unpacking go there, so several instances on one
+    host don't collide) and PROMETHEUS_MULTIPROC_DIR (emptied: stale worker files would
+    be summed into the metrics).
+    """
+    store = cfg.path(cfg.model_store)
+    mar = store / cfg.mar_name
+    if not mar.is_file():
+        raise ConfigError(f"{mar} does not exist; build it with `make model`")
+    src = cfg.path(cfg.ts_config)
+    if not src.is_file():
+        raise ConfigError(f"TorchServe config {src} does not exist")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise ConfigError("no Java runtime found; TorchServe needs Java 11+: run `make java`")
+    run_dir = cfg.path(cfg.run_dir)
+    ts_dir = run_dir / "torchserve"
+    tmp = _empty_dir(ts_dir / "tmp")
+    _empty_dir(cfg.multiproc_dir)
+    log_dir = cfg.path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    conf = ts_dir / "config.properties"
+    conf.write_text(render_ts_config(src.read_text(), cfg))
+    env = dict(os.environ)
+    env.update({
+        "TMPDIR": str(tmp), "TEMP": str(tmp),  # pid file + .mar unpack dir per instance
+        "LOG_LOCATION": str(log_dir), "METRICS_LOCATION": str(log_dir),
+        "PROMETHEUS_MULTIPROC_DIR": str(cfg.multiproc_dir),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(cfg.extra_env)
+    torchserve = Path(sys.executable).parent / "torchserve"
+    cmd = [str(torchserve) if torchserve.exists() else "torchserve", "--start", "--foreground",
+           "--ncs", "--model-store", str(store), "--models", f"{cfg.model_name}={cfg.mar_name}",
+           "--ts-config", str(conf)]
+    out = open(log_dir / "torchserve.out", "ab")
+    log.info("starting TorchServe: %s", " ".join(cmd))
+    try:
+        return subprocess.Popen(cmd, cwd=ts_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        out.close()
+
+
+def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
+    """Start ``python -m serve.sidecar`` (own process group) if that module exists."""
+    if not cfg.sidecar or not (REPO / "serve" / "sidecar.py").exists():
+        return None
+    from serve.sidecar import ensure_dev_token  # type: ignore[import-not-found]
+
+    ensure_dev_token(str(cfg.token_file))
+    log_dir = cfg.path(cfg.log_dir)
+    cmd = [sys.executable, "-m", "serve.sidecar", "--host", cfg.host, "--port", str(cfg.sidecar_port),
+           "--inference-url", cfg.inference_url, "--management-url", cfg.management_url,
+           "--metrics-url", cfg.metrics_url, "--model-name", cfg.model_name,
+           "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
+           "--model-store", str(cfg.path(cfg.model_store))]
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
+    out = open(log_dir / "sidecar.out", "ab")
+    try:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        out.close()
+
+
+def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """POST JSON (a dict, or bytes sent as is); return (status, headers, body)."""
+    data = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: float | None = None,
+               log_hint: str | None = None) -> float:
+    """Block until a real predict answers 200; return seconds waited.
+
+    Raises UpstreamUnavailable if a process exits or ``timeout_s`` passes.
+    """
+    from serve.protocol import example_request
+
+    timeout_s = timeout_s or cfg.ready_timeout_s
+    t0 = time.monotonic()
+    body = json.dumps(example_request(1, seed=0)).encode()
+    url = f"{cfg.inference_url}/predictions/{cfg.model_name}"
+    last = "no answer yet"
+    while time.monotonic() - t0 < timeout_s:
+        for p in procs:
+            if p.poll() is not None:
+                raise UpstreamUnavailable(
+                    f"process {p.args[0] if isinstance(p.args, list) else p.args} exited with "
+                    f"{p.returncode} before ready; see {log_hint or cfg.path(cfg.log_dir)}")
+        try:
+            status, _, data = post_json(url, body, timeout=5)
+            if status == 200:
+                return time.monotonic() - t0
+            last = f"HTTP {status}: {data[:200]!r}"
+        except (OSError, urllib.error.URLError) as e:
+            last = str(e)
+        time.sleep(0.25)
+    raise UpstreamUnavailable(f"service not ready after {timeout_s:.0f} s (last: {last}); "
+                              f"see {log_hint or cfg.path(cfg.log_dir)}")
+
+
+def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 20.0) -> None:
+    """SIGTERM the process group led by ``pid``, SIGKILL what is left after ``timeout_s``."""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    if pgid != pid:  # not a group we lead: only signal the process itself
+        pgid = None
+    try:
+        os.killpg(pgid, signal.SIGTERM) if pgid else os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None:
+            if proc.poll() is not None and not _group_alive(pid):
+                return
+        elif not _group_alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL) if pgid else os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc is not None:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # zombies still count for killpg; reap check via /proc where available
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        parts = stat.rsplit(")", 1)[-1].split()
+        if len(parts) > 3 and parts[0] != "Z" and int(parts[2]) == pgid:
+            return True
+    return False
+
+
+def start(cfg: LaunchConfig) -> Service:
+    """Start TorchServe (+ sidecar) and wait until a predict is answered."""
+    t0 = time.monotonic()
+    ts = start_torchserve(cfg)
+    svc = Service(cfg, ts)
+    try:
+        svc.sidecar = start_sidecar(cfg)
+        procs = [p for p in (ts, svc.sidecar) if p is not None]
+        wait_ready(cfg, procs)
+        svc.ready_s = time.monotonic() - t0
+    except BaseException:
+        svc.stop()
+        raise
+    return svc
+
+
+def _banner(svc: Service) -> str:
+    cfg = svc.config
+    body = json.dumps({"instances": [{
+        "dense": [0.5] * 13, "sparse": {f"C{i}": [i * 1000 + 7] for i in range(1, 27)}}]})
+    lines = [
+        f"ready in {svc.ready_s:.1f} s",
+        f"  predict:    {cfg.inference_url}/predictions/{cfg.model_name}",
+        f"  management: {cfg.management_url}   metrics: {cfg.metrics_url}",
+    ]
+    if svc.sidecar is not None:
+        lines.append(f"  sidecar:    {cfg.sidecar_url}  (token in {cfg.token_file})")
+    lines += [f"  logs:       {cfg.path(cfg.log_dir)}", "try:",
+              f"  curl -s -H 'Content-Type: application/json' "
+              f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'"]
+    return "\n".join(lines)
+
+
+def _pidfile(cfg: LaunchConfig) -> Path:
+    return cfg.path(cfg.run_dir) / "pids.json"
+
+
+def _cmd_run(cfg: LaunchConfig) -> int:
+    stop = {"sig": None}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["sig"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"starting TorchServe on {cfg.inference_url} (logs in {cfg.path(cfg.log_dir)}) ...",
+          flush=True)
+    try:
+        svc = start(cfg)
+    except KeyboardInterrupt:
+        print("interrupted while starting; stopped", flush=True)
+        return 130
+    print(_banner(svc), "\nCtrl-C stops everything.", flush=True)
+    try:
+        while True:
+            for name, p in (("TorchServe", svc.torchserve), ("sidecar", svc.sidecar)):
+                if p is not None and p.poll() is not None:
+                    print(f"{name} exited with {p.returncode}; stopping", flush=True)
+                    svc.stop()
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+        svc.stop()
+        print("stopped", flush=True)
+        return 0
+
+
+def _cmd_up(cfg: LaunchConfig) -> int:
+    pidfile = _pidfile(cfg)
+    if pidfile.exists():
+        pids = json.loads(pidfile.read_text())
+        if any(_group_alive(int(p)) for p in pids.values() if p):
+            print(f"already running (pids {pids}); `python -m serve.launcher down` first")
+            return 1
+    print(f"starting TorchServe on {cfg.inference_url} in the background ...", flush=True)
+    svc = start(cfg)
+    pidfile.write_text(json.dumps({"torchserve": svc.torchserve.pid,
+                                   "sidecar": svc.sidecar.pid if svc.sidecar else None}))
+    print(_banner(svc), f"\n`python -m serve.launcher down` (or `make down`) stops it.", flush=True)
+    return 0
+
+
+def _cmd_down(cfg: LaunchConfig) -> int:
+    pidfile = _pidfile(cfg)
+    if not pidfile.exists():
+        print("nothing to stop (no .run/pids.json)")
+        return 0
+    pids = json.loads(pidfile.read_text())
+    for name, pid in pids.items():
+        if pid:
+            print(f"stopping {name} (process group {pid}) ...", flush=True)
+            stop_group(int(pid))
+    pidfile.unlink()
+    print("stopped")
+    return 0
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if not re.fullmatch(r"\d{1,5}", raw):
+        raise ConfigError(f"{name}={raw!r} must be a port number")
+    return int(raw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve.launcher", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=("run", "up", "down"),
+                    help="run: foreground; up: background, returns when ready; down: stop `up`")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="bind address of every server (loopback: nothing is exposed)")
+    ap.add_argument("--inference-port", type=int, default=None, help="default $TS_INFERENCE_PORT or 8080")
+    ap.add_argument("--management-port", type=int, default=None, help="default $TS_MANAGEMENT_PORT or 8081")
+    ap.add_argument("--metrics-port", type=int, default=None, help="default $TS_METRICS_PORT or 8082")
+    ap.add_argument("--sidecar-port", type=int, default=None, help="default $SIDECAR_PORT or 8090")
+    ap.add_argument("--model-store", default="model_store", help="folder holding the .mar")
+    ap.add_argument("--mar", default="dlrm.mar", help="archive in the model store to serve")
+    ap.add_argument("--ts-config", default="config.properties", help="TorchServe config to start from")
+    ap.add_argument("--no-sidecar", action="store_true", help="start TorchServe only")
+    ap.add_argument("--ready-timeout", type=float, default=300.0,
+                    help="seconds to wait for the first answered predict (the artifact loads first)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = LaunchConfig(
+        host=args.host,
+        inference_port=args.inference_port or _env_port("TS_INFERENCE_PORT", 8080),
+        management_port=args.management_port or _env_port("TS_MANAGEMENT_PORT", 8081),
+        metrics_port=args.metrics_port or _env_port("TS_METRICS_PORT", 8082),
+        sidecar_port=args.sidecar_port or _env_port("SIDECAR_PORT", 8090),
+        grpc_inference_port=_env_port("GRPC_INFERENCE_PORT", 7070),
+        grpc_management_port=_env_port("GRPC_MANAGEMENT_PORT", 7071),
+        model_store=Path(args.model_store), mar_name=args.mar, ts_config=Path(args.ts_config),
+        sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout)
+    try:
+        return {"run": _cmd_run, "up": _cmd_up, "down": _cmd_down}[args.command](cfg)
+    except (ConfigError, UpstreamUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+"""Every Prometheus metric of the service: names, help, buckets and how they aggregate.
+
+This is the ONE module that defines metric names. Names follow the Prometheus
+conventions: ``dlrm_`` namespace, base units in the suffix (``_seconds``, ``_bytes``),
+``_total`` on counters, ratios in 0..1, and only bounded labels (an HTTP status code,
+a pipeline stage, a worker status; never a user, item or request id).
+
+Two sides use it:
+
+* **TorchServe workers** (one OS process per worker) record with :class:`HandlerMetrics`.
+  Workers are separate processes, so prometheus_client runs in *multiprocess mode*:
+  whoever starts TorchServe sets ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
+  (an ``emptyDir`` volume in Kubernetes) and every worker writes its values to mmap
+  files there. The variable must be set before ``prometheus_client`` is first imported
+  in the worker, which holds because workers inherit TorchServe's environment.
+* **The sidecar** reads that directory with :class:`HandlerAggregateCollector` (a
+  ``MultiProcessCollector`` plus the derived hit ratio), adds its own metrics
+  (:class:`SidecarMetrics`), the worker count (:func:`workers_family`) and TorchServe's
+  own metrics scraped from its metrics port (:func:`torchserve_families`).
+
+Decisions, with why:
+
+* The cache statistics a runtime reports (``RuntimeStats``) are cumulative per worker.
+  :meth:`HandlerMetrics.set_cache` turns them into counter increments by delta, so the
+  sum over workers stays monotonic even when a worker dies (its file keeps its final
+  count) or a new model version starts from zero.
+* ``dlrm_cache_hit_ratio`` is NOT written by the workers: a per-worker ratio cannot be
+  summed or averaged honestly (workers see different traffic). The sidecar computes it
+  from the summed counters, ``hits / (hits + misses)`` over the lifetime of all workers
+  (NaN before the first lookup). For alerting over a window prefer the PromQL
+  ``rate(dlrm_cache_hits_total[5m]) / (rate(dlrm_cache_hits_total[5m]) +
+  rate(dlrm_cache_misses_total[5m]))``.
+* Cache bytes are gauges with ``multiprocess_mode="livesum"``: the sum over live
+  workers. The sidecar removes the gauge files of workers that TorchServe no longer
+  lists (they died or their version was unregistered); see
+  :class:`HandlerAggregateCollector`.
+* The sidecar's own metrics are kept in plain Python and exposed by a custom collector,
+  not by prometheus_client ``Counter`` objects: if ``PROMETHEUS_MULTIPROC_DIR`` is set in
+  the sidecar's environment too, such objects would write mmap files into the workers'
+  directory and every sidecar series would appear twice.
+
+Example (in a worker)::
+
+    metrics = HandlerMetrics()
+    metrics.observe_request(code=200, instances=512, seconds=0.012)
+    metrics.observe_batch(instances=2048, requests=4)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+from collections import Counter as _Tally
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "BATCH_INSTANCES",
+    "BATCH_INSTANCES_BUCKETS",
+    "BATCH_REQUESTS",
+    "BATCH_REQUESTS_BUCKETS",
+    "CACHE_DEVICE_BYTES",
+    "CACHE_EVICTIONS_TOTAL",
+    "CACHE_HITS_TOTAL",
+    "CACHE_HIT_RATIO",
+    "CACHE_HOST_BYTES",
+    "CACHE_MISSES_TOTAL",
+    "INSTANCES_TOTAL",
+    "REQUESTS_TOTAL",
+    "REQUEST_DURATION_BUCKETS",
+    "REQUEST_DURATION_SECONDS",
+    "STAGES",
+    "STAGE_DURATION_BUCKETS",
+    "STAGE_DURATION_SECONDS",
+    "TORCHSERVE_PREFIX",
+    "WORKERS",
+    "CacheStats",
+    "HandlerAggregateCollector",
+    "HandlerMetrics",
+    "SidecarMetrics",
+    "cache_hit_ratio_family",
+    "torchserve_families",
+    "workers_family",
+]
+
+_log = logging.getLogger(__name__)
+
+# --- names (the family name; prometheus_client appends _total/_bucket/... to samples) ---
+REQUESTS_TOTAL = "dlrm_requests_total"
+INSTANCES_TOTAL = "dlrm_instances_total"
+REQUEST_DURATION_SECONDS = "dlrm_request_duration_seconds"
+BATCH_INSTANCES = "dlrm_batch_instances"
+BATCH_REQUESTS = "dlrm_batch_requests"
+CACHE_HITS_TOTAL = "dlrm_cache_hits_total"
+CACHE_MISSES_TOTAL = "dlrm_cache_misses_total"
+CACHE_EVICTIONS_TOTAL = "dlrm_cache_evictions_total"
+CACHE_HIT_RATIO = "dlrm_cache_hit_ratio"
+CACHE_DEVICE_BYTES = "dlrm_cache_device_bytes"
+CACHE_HOST_BYTES = "dlrm_cache_host_bytes"
+STAGE_DURATION_SECONDS = "dlrm_stage_duration_seconds"
+WORKERS = "dlrm_workers"
+SIDECAR_REQUESTS_TOTAL = "dlrm_sidecar_requests_total"
+BATCHING_UPDATES_TOTAL = "dlrm_batching_updates_total"
+BATCHING_UPDATE_SECONDS = "dlrm_batching_last_update_duration_seconds"
+UPSTREAM_UP = "dlrm_upstream_up"
+
+#: Pipeline stages a forward reports; anything else is dropped to keep labels bounded.
+STAGES: tuple[str, ...] = ("decode", "embedding", "dense")
+
+# Latency goal is tens of ms at p99 on CPU and ~1 ms on GPU: buckets from 0.5 ms to 1 s,
+# dense where the goals are so that a p99 interpolated from them is meaningful.
+REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+)
+# One stage of one forward: cache lookups on GPU take tens of microseconds, a CPU dense
+# forward at batch 512 ~13 ms; sub-millisecond buckets resolve the former.
+STAGE_DURATION_BUCKETS: tuple[float, ...] = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 1.0,
+)
+# Instances per merged forward: requests carry up to thousands of instances.
+BATCH_INSTANCES_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(17))  # 1..65536
+# Requests per forward = TorchServe's batch; exact small counts show the batch_size in
+# effect (le="2" holds every batch of a batch_size=2 model).
+BATCH_REQUESTS_BUCKETS: tuple[float, ...] = (
+    1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096,
+)
+
+#: Prefix given to TorchServe metric names that lack it (its metrics.yaml names such as
+#: ``Requests2XX``), so that every re-exposed TorchServe series sits under ``ts_``.
+TORCHSERVE_PREFIX = "ts_"
+
+
+class CacheStats(Protocol):
+    """The part of ``serve.runtime.RuntimeStats`` read here (cumulative since load)."""
+
+    hits: int
+    misses: int
+    evictions: int
+    device_bytes: int
+    host_bytes: int
+
+
+def _strip_total(name: str) -> str:
+    # prometheus_client wants counter names without the _total suffix it adds itself.
+    return name.removesuffix("_total")
+
+
+class HandlerMetrics:
+    """What a TorchServe worker records; safe to call from the handler's thread.
+
+    Args:
+        registry: where the metric objects register. In multiprocess mode the values go
+            to the mmap files in ``PROMETHEUS_MULTIPROC_DIR`` whatever the registry, so
+            the default (None) is a private registry: it keeps a second instance in the
+            same process (tests, a reloaded handler) from failing on duplicate names.
+            Pass a fresh ``CollectorRegistry`` to read values in a single process.
+
+    Do not use it in the sidecar: the sidecar reads the workers' files instead.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(
+            _strip_total(REQUESTS_TOTAL),
+            "Prediction requests answered by the handler, by HTTP status code.",
+            ["code"], registry=r)
+        self._instances = Counter(
+            _strip_total(INSTANCES_TOTAL),
+            "Instances (samples) received in prediction requests of any status.",
+            registry=r)
+        self._duration = Histogram(
+            REQUEST_DURATION_SECONDS,
+            "Handler time per prediction request, decode to response, in seconds.",
+            buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._batch_instances = Histogram(
+            BATCH_INSTANCES,
+            "Instances per merged forward pass (all requests of one TorchServe batch).",
+            buckets=BATCH_INSTANCES_BUCKETS, registry=r)
+        self._batch_requests = Histogram(
+            BATCH_REQUESTS,
+            "Requests per forward pass: the TorchServe batch size actually formed.",
+            buckets=BATCH_REQUESTS_BUCKETS, registry=r)
+        self._hits = Counter(_strip_total(CACHE_HITS_TOTAL),
+                             "Embedding rows found in the device cache.", registry=r)
+        self._misses = Counter(_strip_total(CACHE_MISSES_TOTAL),
+                               "Embedding rows fetched from host memory.", registry=r)
+        self._evictions = Counter(_strip_total(CACHE_EVICTIONS_TOTAL),
+                                  "Embedding rows evicted from the device cache.", registry=r)
+        # livesum: the pod's total over live workers (the sidecar reaps dead ones).
+        self._device_bytes = Gauge(CACHE_DEVICE_BYTES,
+                                   "Embedding bytes held on the compute device.",
+                                   registry=r, multiprocess_mode="livesum")
+        self._host_bytes = Gauge(CACHE_HOST_BYTES,
+                                 "Embedding bytes held in host memory.",
+                                 registry=r, multiprocess_mode="livesum")
+        self._stage = Histogram(
+            STAGE_DURATION_SECONDS,
+            "Time per pipeline stage of one forward pass, in seconds.",
+            ["stage"], buckets=STAGE_DURATION_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}
+        self._dropped_stages: set[str] = set()
+
+    def observe_request(self, code: int, instances: int, seconds: float) -> None:
+        """One answered request: its HTTP ``code``, ``instances`` in it (0 when the body
+        did not parse) and the handler's time for it in ``seconds``."""
+        code = int(code)
+        if not 100 <= code <= 599:
+            raise ValueError(f"HTTP code {code} is outside 100..599; pass the status sent")
+        if instances < 0 or seconds < 0:
+            raise ValueError(
+                f"instances={instances} and seconds={seconds} must be >= 0")
+        self._requests.labels(code=str(code)).inc()
+        if instances:
+            self._instances.inc(instances)
+        self._duration.observe(seconds)
+
+    def observe_batch(self, instances: int, requests: int) -> None:
+        """One merged forward pass over ``instances`` samples from ``requests`` requests."""
+        if instances < 0 or requests < 1:
+            raise ValueError(
+                f"instances={instances} must be >= 0 and requests={requests} >= 1")
+        self._batch_instances.observe(instances)
+        self._batch_requests.observe(requests)
+
+    def observe_stages(self, seconds: Mapping[str, float]) -> None:
+        """Per-forward stage times (deltas, seconds) keyed by ``"decode"``, ``"embedding"``,
+        ``"dense"``. Other keys are dropped (logged once) to keep labels bounded: a metrics
+        call must never fail a prediction."""
+        for stage, value in seconds.items():
+            if stage not in STAGES:
+                if stage not in self._dropped_stages:
+                    self._dropped_stages.add(stage)
+                    _log.warning("stage %r is not one of %s; not recorded", stage, STAGES)
+                continue
+            self._stage.labels(stage=stage).observe(max(0.0, float(value)))
+
+    def set_cache(self, stats: CacheStats) -> None:
+        """Record the runtime's cumulative cache statistics after a forward pass.
+
+        Counters move by the delta since the previous call; a value lower than the last
+        one means the runtime was rebuilt, and counts from zero again (as Prometheus
+        treats a counter reset).
+        """
+        with self._lock:
+            for key, counter in (("hits", self._hits), ("misses", self._misses),
+                                 ("evictions", self._evictions)):
+                value = int(getattr(stats, key))
+                last = self._last.get(key, 0)
+                delta = value - last if value >= last else value
+                self._last[key] = value
+                if delta:
+                    counter.inc(delta)
+            self._device_bytes.set(int(stats.device_bytes))
+            self._host_bytes.set(int(stats.host_bytes))
+
+
+def _family_total(families: Iterable[Metric], name: str) -> float | None:
+    family = _strip_total(name)
+    for metric in families:
+        if metric.name == family:
+            return sum(s.value for s in metric.samples if s.name == name)
+    return None
+
+
+def cache_hit_ratio_family(families: Iterable[Metric]) -> GaugeMetricFamily:
+    """``dlrm_cache_hit_ratio`` = hits / (hits + misses) summed over ``families``
+    (NaN before any lookup: 0/0 is unknown, not 0)."""
+    families = list(families)
+    hits = _family_total(families, CACHE_HITS_TOTAL) or 0.0
+    misses = _family_total(families, CACHE_MISSES_TOTAL) or 0.0
+    ratio = hits / (hits + misses) if hits + misses > 0 else math.nan
+    return GaugeMetricFamily(
+        CACHE_HIT_RATIO,
+        "Embedding cache hits / lookups over the lifetime of all workers (0..1); "
+        "computed by the sidecar from the summed counters.",
+        value=ratio)
+
+
+class HandlerAggregateCollector(Collector):
+    """The workers' metrics summed over processes, plus ``dlrm_cache_hit_ratio``.
+
+    Args:
+        multiproc_dir: the workers' ``PROMETHEUS_MULTIPROC_DIR``. A missing directory
+            yields no worker metrics (logged once) rather than failing the scrape.
+
+    :meth:`reap` removes the live-gauge files of workers that have gone, given the pids
+    TorchServe lists now. A pid is reaped only once it was seen alive and then vanished:
+    a just-started worker may write before TorchServe lists it, and deleting its file
+    would lose its gauges for good. Pids from TorchServe (not ``os.kill``) keep this
+    right when the sidecar runs in another container with its own pid namespace.
+    """
+
+    def __init__(self, multiproc_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(multiproc_dir)
+        self._seen: set[int] = set()
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def reap(self, live_pids: Iterable[int]) -> list[int]:
+        """Forget workers TorchServe no longer lists; returns the pids reaped."""
+        live = set(live_pids)
+        with self._lock:
+            gone = sorted(self._seen - live)
+            self._seen = (self._seen & live) | live
+        if self.path.is_dir():
+            for pid in gone:
+                mark_process_dead(pid, str(self.path))
+        return gone
+
+    def forget(self, pids: Iterable[int]) -> None:
+        """Drop the live gauges of workers known to be gone (an unregistered version's),
+        whether or not a scrape ever saw them."""
+        pids = set(pids)
+        with self._lock:
+            self._seen -= pids
+        if self.path.is_dir():
+            for pid in pids:
+                mark_process_dead(pid, str(self.path))
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.path.is_dir():
+            if not self._warned:
+                self._warned = True
+                _log.warning("multiprocess dir %s does not exist; no handler metrics",
+                             self.path)
+            families: list[Metric] = []
+        else:
+            families = list(MultiProcessCollector(None, path=str(self.path)).collect())
+        yield from families
+        yield cache_hit_ratio_family(families)
+
+
+def workers_family(statuses: Iterable[str]) -> GaugeMetricFamily:
+    """``dlrm_workers{status}``: TorchServe workers of all versions of the model, by
+    status (``READY``, ``WORKER_STARTED``, ...); a READY series is always present."""
+    tally = _Tally(str(s) for s in statuses)
+    tally.setdefault("READY", 0)
+    family = GaugeMetricFamily(
+        WORKERS, "TorchServe workers of the model (all versions), by status.",
+        labels=["status"])
+    for status, count in sorted(tally.items()):
+        family.add_metric([status], count)
+    return family
+
+
+_VALID_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metric]:
+    """TorchServe's Prometheus text (its metrics port) as families to re-expose.
+
+    Names lacking ``prefix`` get it, so nothing collides with ``dlrm_`` names.
+    Raises ``ValueError`` when ``text`` is not Prometheus exposition.
+    """
+    out: list[Metric] = []
+    for family in text_string_to_metric_families(text):
+        name = family.name if family.name.startswith(prefix) else prefix + family.name
+        if not _VALID_NAME.match(name):
+            continue
+        renamed = Metric(name, family.documentation, family.type, family.unit)
+        for s in family.samples:
+            renamed.add_sample(name + s.name[len(family.name):], s.labels, s.value,
+                               s.timestamp, s.exemplar)
+        out.append(renamed)
+    return out
+
+
+class SidecarMetrics(Collector):
+    """The sidecar's own metrics, kept in plain Python (see the module docstring).
+
+    * ``dlrm_sidecar_requests_total{route,method,code}``: routes are the app's route
+      templates (bounded), never raw paths.
+    * ``dlrm_batching_updates_total{result}``: PUT /batching outcomes
+      (``applied``, ``unchanged``, ``conflict``, ``failed``).
+    * ``dlrm_batching_last_update_duration_seconds``: how long the last applied update
+      took (register + ready + switch + unregister).
+    * ``dlrm_upstream_up{target}``: 1 when the last call to TorchServe's ``management``
+      or ``metrics`` API succeeded, else 0.
+    """
+
+    UPDATE_RESULTS = ("applied", "unchanged", "conflict", "failed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str, str], int] = {}
+        self._updates = {r: 0 for r in self.UPDATE_RESULTS}
+        self._last_update_s = math.nan
+        self._up: dict[str, float] = {"management": 0.0, "metrics": 0.0}
+
+    def observe_request(self, route: str, method: str, code: int) -> None:
+        key = (route, method, str(code))
+        with self._lock:
+            self._requests[key] = self._requests.get(key, 0) + 1
+
+    def observe_update(self, result: str, seconds: float | None = None) -> None:
+        if result not in self._updates:
+            raise ValueError(f"update result {result!r} is not one of {self.UPDATE_RESULTS}")
+        with self._lock:
+            self._updates[result] += 1
+            if seconds is not None:
+                self._last_update_s = seconds
+
+    def set_up(self, target: str, up: bool) -> None:
+        if target not in self._up:
+            raise ValueError(f"upstream target {target!r} is not one of {sorted(self._up)}")
+        with self._lock:
+            self._up[target] = 1.0 if up else 0.0
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            requests = dict(self._requests)
+            updates = dict(self._updates)
+            last = self._last_update_s
+            up = dict(self._up)
+        fam = CounterMetricFamily(SIDECAR_REQUESTS_TOTAL, "HTTP requests to the sidecar.",
+                                  labels=["route", "method", "code"])
+        for (route, method, code), n in sorted(requests.items()):
+            fam.add_metric([route, method, code], n)
+        yield fam
+        fam = CounterMetricFamily(BATCHING_UPDATES_TOTAL, "PUT /batching outcomes.",
+                                  labels=["result"])
+        for result, n in updates.items():
+            fam.add_metric([result], n)
+        yield fam
+        yield GaugeMetricFamily(BATCHING_UPDATE_SECONDS,
+                                "Seconds the last applied batching update took.",
+                                value=last)
+        gauge = GaugeMetricFamily(UPSTREAM_UP,
+                                  "1 if the last call to this TorchServe API succeeded.",
+                                  labels=["target"])
+        for target, value in sorted(up.items()):
+            gauge.add_metric([target], value)
+        yield gauge

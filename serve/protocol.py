@@ -1,0 +1,554 @@
+"""The predict API: parse and validate request bodies, merge a batch, split results.
+
+No TorchServe import: ``handlers/dlrm_handler.py`` adapts this to TorchServe, and the
+tests drive it directly.
+
+Shapes: B samples, F = 26 sparse features (C1..C26), N = 13 dense features (I1..I13),
+nnz = total ids of a batch.
+
+Two request forms, both answered with ``{"predictions": [p_0, ..., p_{B-1}]}``
+(click probabilities in (0, 1), in request order):
+
+* rows::
+
+      {"instances": [{"dense": [13 numbers], "sparse": {"C1": [ids], ..., "C26": [ids]}}, ...]}
+
+* columnar (no per-instance objects: ~30% smaller and faster to parse)::
+
+      {"dense": [[13 numbers], ...B rows],
+       "sparse": {"C1": {"values": [ids...], "lengths": [B ints]}, ..., "C26": {...}}}
+
+  ``lengths[b]`` ids of ``values`` belong to sample b, in order.
+
+Ids are JSON integers in [0, 2^63-1], parsed exactly (orjson keeps 64-bit integers;
+nothing goes through float). Dense values are finite JSON numbers that fit float32.
+Every violation raises a :mod:`serve.errors` exception whose message names the field
+path, the value, the rule and what to do.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from itertools import chain
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import orjson
+
+from serve.errors import (ConfigError, InvalidInput, PayloadTooLarge, ServeError,
+                          UnsupportedMediaType)
+from serve.profiles import NUM_DENSE, SPARSE_FEATURES
+
+__all__ = ["HandlerConfig", "ParsedRequest", "MergedBatch", "Outcome", "parse_body",
+           "check_content_type", "merge_requests", "handle_batch", "encode_predictions",
+           "encode_error", "INT64_MAX", "default_num_threads", "example_request"]
+
+INT64_MAX = 2**63 - 1
+_F32_MAX = float(np.finfo(np.float32).max)
+_FEATURE_SET = frozenset(SPARSE_FEATURES)
+_INSTANCE_KEYS = frozenset(("dense", "sparse"))
+_COLUMN_KEYS = frozenset(("values", "lengths"))
+_ID_RULE = "ids must be JSON integers in [0, 2^63-1]"
+_DENSE_RULE = "dense values must be finite JSON numbers within float32 range"
+# Media types we decode. `application/json` with or without `; charset=utf-8` (JSON is
+# UTF-8 by RFC 8259). A missing Content-Type is accepted too (TorchServe passes none for
+# bare clients). Anything else (form-urlencoded, as `curl -d` sends by default;
+# text/plain; multipart) gets 415 and names the header to send.
+_JSON_TYPES = frozenset(("application/json", ""))
+
+
+def default_num_threads(workers: int, cores: int | None = None) -> int:
+    """torch intra-op threads per worker: cores / workers, at least 1.
+
+    More than that oversubscribes the cores (STACK.md measured up to 10x loss).
+    """
+    cores = cores if cores is not None else (len(os.sched_getaffinity(0))
+                                             if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """The ``handler:`` section of the .mar's model-config.yaml.
+
+    Attributes:
+        cache_load_factor: fraction of all table rows kept on the device (runtime cache);
+            None with ``cache_bytes`` set instead; 1.0 keeps every row.
+        cache_bytes: device cache size in bytes (alternative to the load factor).
+        cache_policy: "lru" | "lfu".
+        num_threads: torch intra-op threads per worker; None = cores / workers.
+        max_instances: most instances (samples) per HTTP request; more -> 413.
+        max_ids_per_feature: most ids in one feature of one instance; more -> 400.
+        max_body_bytes: largest body the handler decodes; larger -> 413. Keep it below
+            TorchServe's ``max_request_size`` so ours is the limit users meet.
+    """
+
+    cache_load_factor: float | None = 0.2
+    cache_bytes: int | None = None
+    cache_policy: str = "lru"
+    num_threads: int | None = None
+    max_instances: int = 4096
+    max_ids_per_feature: int = 64
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        lf = self.cache_load_factor
+        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, (int, float))
+                               or not 0.0 < lf <= 1.0):
+            raise ConfigError(f"handler.cache_load_factor={lf!r} must be in (0, 1] or null")
+        for name in ("cache_bytes", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1 or null")
+        if lf is None and self.cache_bytes is None:
+            raise ConfigError("handler: set cache_load_factor or cache_bytes")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ConfigError(f"handler.cache_policy={self.cache_policy!r} must be 'lru' or 'lfu'")
+        for name in ("max_instances", "max_ids_per_feature", "max_body_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "HandlerConfig":
+        """Build from a mapping; unknown keys are an error naming the known ones."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"handler: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ParsedRequest:
+    """One validated request.
+
+    dense: float32 (B, N); lengths: int32 (F, B) ids per (feature, sample);
+    values: int64 (nnz,) feature-major (all of C1's ids for samples 0..B-1, then C2 ...).
+    """
+
+    dense: np.ndarray
+    lengths: np.ndarray
+    values: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.dense.shape[0])
+
+
+@dataclass
+class MergedBatch:
+    """Several requests merged into one forward; ``sizes[i]`` samples belong to request i."""
+
+    dense: np.ndarray     # float32 (B, N)
+    lengths: np.ndarray   # int32 (F, B)
+    values: np.ndarray    # int64 (nnz,), feature-major
+    sizes: list[int] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def check_content_type(content_type: str | bytes | None) -> None:
+    """Raise UnsupportedMediaType unless the body is declared JSON (or undeclared)."""
+    if isinstance(content_type, (bytes, bytearray)):
+        content_type = content_type.decode("latin-1")
+    raw = (content_type or "").strip()
+    parts = [p.strip().lower() for p in raw.split(";")]
+    mime = parts[0]
+    charset_ok = all(not p.startswith("charset=") or p.strip('"') in ("charset=utf-8", 'charset="utf-8')
+                     for p in parts[1:])
+    if mime not in _JSON_TYPES or not charset_ok:
+        raise UnsupportedMediaType(
+            f"Content-Type {raw!r} is not supported; send the body as JSON with "
+            "'Content-Type: application/json' (charset utf-8)")
+
+
+def parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> ParsedRequest:
+    """Decode and validate one request body (either form).
+
+    Raises:
+        PayloadTooLarge: body over ``cfg.max_body_bytes`` or more than ``cfg.max_instances``.
+        InvalidInput: anything else wrong, with the field path in the message.
+    """
+    size = len(body)
+    if size > cfg.max_body_bytes:
+        raise PayloadTooLarge(
+            f"body is {size} bytes; the limit is {cfg.max_body_bytes} bytes; "
+            "split the instances over several requests")
+    if size == 0:
+        raise InvalidInput("body is empty; send a JSON object "
+                           '{"instances": [...]} or {"dense": [...], "sparse": {...}}')
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidInput(f"body is not valid JSON ({e}); send UTF-8 JSON (NaN and Infinity "
+                           "are not JSON numbers)") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput(
+            f"body is a JSON {_json_type(doc)}; expected an object "
+            '{"instances": [...]} (rows) or {"dense": [...], "sparse": {...}} (columnar)')
+    keys = set(doc)
+    if "instances" in doc:
+        if keys != {"instances"}:
+            raise InvalidInput(f"body: unknown keys {sorted(keys - {'instances'})} next to "
+                               '"instances"; the row form has only "instances"')
+        return _parse_rows(doc["instances"], cfg)
+    if keys == {"dense", "sparse"}:
+        return _parse_columnar(doc["dense"], doc["sparse"], cfg)
+    raise InvalidInput(
+        f"body has keys {sorted(keys)}; expected {{\"instances\": [...]}} (rows) "
+        'or {"dense": [...], "sparse": {...}} (columnar)')
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+def _not_a(v: Any, what: str) -> str:
+    """'"abc" is a string, not a number' / 'null is not a number'."""
+    if v is None:
+        return f"null is not a{'n' if what[0] in 'aeiou' else ''} {what}"
+    return f"{_show(v)} is a {_json_type(v)}, not a{'n' if what[0] in 'aeiou' else ''} {what}"
+
+
+def _show(v: Any) -> str:
+    """A value as JSON text, cut short (messages must stay small)."""
+    try:
+        s = orjson.dumps(v).decode()
+    except TypeError:
+        s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _check_count(n: int, what: str, cfg: HandlerConfig) -> None:
+    if n == 0:
+        raise InvalidInput(f"{what}: is empty; send 1 to {cfg.max_instances} instances")
+    if n > cfg.max_instances:
+        raise PayloadTooLarge(
+            f"{what}: {n} instances exceed the limit of {cfg.max_instances} per request; "
+            "split them over several requests")
+
+
+def _dense_matrix(rows: Any, path: Callable[[int], str]) -> np.ndarray:
+    """list of B lists of N numbers -> float32 (B, N), or InvalidInput naming the cell."""
+    types = set(map(type, rows))
+    if types != {list}:
+        for i, r in enumerate(rows):
+            if not isinstance(r, list):
+                raise InvalidInput(f"{path(i)}: is a JSON {_json_type(r)}; expected an array "
+                                   f"of {NUM_DENSE} numbers (I1..I13)")
+    lens = set(map(len, rows))
+    if lens != {NUM_DENSE}:
+        for i, r in enumerate(rows):
+            if len(r) != NUM_DENSE:
+                raise InvalidInput(f"{path(i)}: has {len(r)} values; it must have exactly "
+                                   f"{NUM_DENSE} (I1..I13)")
+    cell_types = set(map(type, chain.from_iterable(rows)))
+    if not cell_types <= {int, float}:
+        for i, r in enumerate(rows):
+            for j, v in enumerate(r):
+                if type(v) not in (int, float):
+                    raise InvalidInput(f"{path(i)}[{j}]: {_not_a(v, 'number')}; {_DENSE_RULE}")
+    try:
+        wide = np.array(rows, dtype=np.float64)
+    except OverflowError:  # an integer beyond float64: cannot happen via orjson, kept safe
+        wide = np.array([[float(v) for v in r] for r in rows], dtype=np.float64)
+    bad = ~(np.abs(wide) <= _F32_MAX)  # also catches NaN (comparison is False)
+    if bad.any():
+        i, j = map(int, np.argwhere(bad)[0])
+        raise InvalidInput(f"{path(i)}[{j}]: {_show(rows[i][j])} is outside float32 range; "
+                           f"{_DENSE_RULE}")
+    return wide.astype(np.float32)
+
+
+def _ids_array(vals: list, where: Callable[[int], str]) -> np.ndarray:
+    """Flat list of ids -> int64 (nnz,), or InvalidInput naming the first bad id.
+
+    ``where(k)`` returns the field path of flat position k (only called on errors).
+    """
+    if not vals:
+        return np.zeros(0, dtype=np.int64)
+    if set(map(type, vals)) == {int}:
+        try:
+            arr = np.array(vals, dtype=np.int64)
+        except OverflowError:
+            arr = None
+        if arr is not None:
+            if arr.min() >= 0:
+                return arr
+    for k, v in enumerate(vals):  # slow path: find and describe the first offender
+        msg = _id_problem(v)
+        if msg:
+            raise InvalidInput(f"{where(k)}: {msg}")
+    raise InvalidInput(f"{where(0)}: ids are invalid; {_ID_RULE}")  # unreachable in practice
+
+
+def _id_problem(v: Any) -> str | None:
+    t = type(v)
+    if t is int:
+        if v < 0:
+            return f"{v} is negative; ids must be integers >= 0"
+        if v > INT64_MAX:
+            return f"{v} is greater than 2^63-1 ({INT64_MAX}); {_ID_RULE}"
+        return None
+    if t is float:
+        if v.is_integer() and abs(v) > INT64_MAX:
+            return f"{_show(v)} is beyond the 64-bit integer range; {_ID_RULE}"
+        return f"{_show(v)} is not an integer; {_ID_RULE} (no decimal point or exponent)"
+    return f"{_not_a(v, 'integer')}; {_ID_RULE}"
+
+
+def _lengths_cap(lengths: np.ndarray, cap: int, where: Callable[[int, int], str]) -> None:
+    """lengths (F, B): every entry <= cap, else InvalidInput at (f, b)."""
+    if lengths.size and int(lengths.max()) > cap:
+        f, b = map(int, np.argwhere(lengths > cap)[0])
+        raise InvalidInput(f"{where(f, b)}: has {int(lengths[f, b])} ids; at most {cap} ids "
+                           "per feature are allowed; drop or hash the extra ids")
+
+
+def _parse_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest:
+    if not isinstance(instances, list):
+        raise InvalidInput(f"instances: is a JSON {_json_type(instances)}; expected an array "
+                           "of objects {\"dense\": [...], \"sparse\": {...}}")
+    n = len(instances)
+    _check_count(n, "instances", cfg)
+    if set(map(type, instances)) != {dict}:
+        for i, inst in enumerate(instances):
+            if not isinstance(inst, dict):
+                raise InvalidInput(f"instances[{i}]: is a JSON {_json_type(inst)}; expected an "
+                                   'object {"dense": [...], "sparse": {...}}')
+    for i, inst in enumerate(instances):
+        if inst.keys() != _INSTANCE_KEYS:
+            _key_error(f"instances[{i}]", set(inst), _INSTANCE_KEYS)
+    dense = _dense_matrix([inst["dense"] for inst in instances], lambda i: f"instances[{i}].dense")
+    sparse = [inst["sparse"] for inst in instances]
+    for i, sp in enumerate(sparse):
+        if not isinstance(sp, dict):
+            raise InvalidInput(f"instances[{i}].sparse: is a JSON {_json_type(sp)}; expected an "
+                               'object {"C1": [ids], ..., "C26": [ids]}')
+        if sp.keys() != _FEATURE_SET:
+            _feature_error(f"instances[{i}].sparse", set(sp))
+    # per_feature[f][b]: the id list of feature f for instance b (F x B)
+    per_feature = [[sp[f] for sp in sparse] for f in SPARSE_FEATURES]
+    cells = list(chain.from_iterable(per_feature))
+    if set(map(type, cells)) != {list}:
+        for k, c in enumerate(cells):
+            if not isinstance(c, list):
+                f, b = divmod(k, n)
+                raise InvalidInput(f"instances[{b}].sparse.{SPARSE_FEATURES[f]}: is a JSON "
+                                   f"{_json_type(c)}; expected an array of ids, e.g. [42]")
+    lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells)).reshape(len(SPARSE_FEATURES), n)
+    _lengths_cap(lengths, cfg.max_ids_per_feature,
+                 lambda f, b: f"instances[{b}].sparse.{SPARSE_FEATURES[f]}")
+    flat = list(chain.from_iterable(cells))
+
+    def where(k: int) -> str:
+        ends = np.cumsum(lengths.reshape(-1))
+        cell = int(np.searchsorted(ends, k, side="right"))
+        f, b = divmod(cell, n)
+        start = int(ends[cell - 1]) if cell else 0
+        return f"instances[{b}].sparse.{SPARSE_FEATURES[f]}[{k - start}]"
+
+    values = _ids_array(flat, where)
+    return ParsedRequest(dense, lengths, values)
+
+
+def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedRequest:
+    if not isinstance(dense_rows, list):
+        raise InvalidInput(f"dense: is a JSON {_json_type(dense_rows)}; expected an array of "
+                           f"B arrays of {NUM_DENSE} numbers")
+    n = len(dense_rows)
+    _check_count(n, "dense", cfg)
+    dense = _dense_matrix(dense_rows, lambda i: f"dense[{i}]")
+    if not isinstance(sparse, dict):
+        raise InvalidInput(f"sparse: is a JSON {_json_type(sparse)}; expected an object "
+                           '{"C1": {"values": [...], "lengths": [...]}, ...}')
+    if sparse.keys() != _FEATURE_SET:
+        _feature_error("sparse", set(sparse))
+    lengths = np.empty((len(SPARSE_FEATURES), n), dtype=np.int32)
+    chunks: list[np.ndarray] = []
+    for fi, f in enumerate(SPARSE_FEATURES):
+        col = sparse[f]
+        p = f"sparse.{f}"
+        if not isinstance(col, dict):
+            raise InvalidInput(f"{p}: is a JSON {_json_type(col)}; expected an object "
+                               '{"values": [ids...], "lengths": [B counts]}')
+        if col.keys() != _COLUMN_KEYS:
+            _key_error(p, set(col), _COLUMN_KEYS)
+        lens, vals = col["lengths"], col["values"]
+        for name, v in (("lengths", lens), ("values", vals)):
+            if not isinstance(v, list):
+                raise InvalidInput(f"{p}.{name}: is a JSON {_json_type(v)}; expected an array")
+        if len(lens) != n:
+            raise InvalidInput(f"{p}.lengths: has {len(lens)} entries; it must have one per "
+                               f"dense row ({n})")
+        if set(map(type, lens)) != {int} or min(lens) < 0:
+            for b, v in enumerate(lens):
+                if type(v) is not int or v < 0:
+                    raise InvalidInput(f"{p}.lengths[{b}]: {_show(v)} is not a count; lengths "
+                                       "must be integers >= 0")
+        if max(lens) > cfg.max_ids_per_feature:
+            b = next(b for b, v in enumerate(lens) if v > cfg.max_ids_per_feature)
+            raise InvalidInput(f"{p}.lengths[{b}]: has {lens[b]} ids; at most "
+                               f"{cfg.max_ids_per_feature} ids per feature are allowed; "
+                               "drop or hash the extra ids")
+        total = sum(lens)
+        if total != len(vals):
+            raise InvalidInput(f"{p}: lengths sum to {total} but values has {len(vals)} ids; "
+                               "they must be equal")
+        lengths[fi] = lens
+        chunks.append(_ids_array(vals, lambda k, p=p: f"{p}.values[{k}]"))
+    values = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    return ParsedRequest(dense, lengths, values)
+
+
+def _key_error(path: str, got: set, want: frozenset) -> None:
+    missing, unknown = sorted(want - got), sorted(got - want)
+    parts = []
+    if missing:
+        parts.append(f"missing keys {missing}")
+    if unknown:
+        parts.append(f"unknown keys {unknown}")
+    raise InvalidInput(f"{path}: {'; '.join(parts)}; expected exactly {sorted(want)}")
+
+
+def _feature_error(path: str, got: set) -> None:
+    order = {f: i for i, f in enumerate(SPARSE_FEATURES)}
+    missing = sorted(_FEATURE_SET - got, key=order.__getitem__)
+    unknown = sorted(map(str, got - _FEATURE_SET))
+    parts = []
+    if missing:
+        parts.append(f"missing features {', '.join(missing)}")
+    if unknown:
+        parts.append(f"unknown features {', '.join(unknown)}")
+    raise InvalidInput(f"{path}: {'; '.join(parts)}; every instance needs exactly the sparse "
+                       "features C1..C26 (an empty list [] for no ids)")
+
+
+# ----------------------------------------------------------------------------- batching
+
+def merge_requests(parsed: Sequence[ParsedRequest]) -> MergedBatch:
+    """Concatenate requests into one feature-major batch (request order kept)."""
+    if len(parsed) == 1:
+        p = parsed[0]
+        return MergedBatch(p.dense, p.lengths, p.values, [p.batch_size])
+    dense = np.concatenate([p.dense for p in parsed])
+    lengths = np.concatenate([p.lengths for p in parsed], axis=1)
+    # Feature-major: for each feature, request 0's ids, then request 1's ... Split each
+    # request's values at its per-feature totals and interleave.
+    pieces = []
+    for p in parsed:
+        ends = np.cumsum(p.lengths.sum(axis=1, dtype=np.int64))
+        pieces.append(np.split(p.values, ends[:-1]))
+    values = np.concatenate([pc[f] for f in range(len(SPARSE_FEATURES)) for pc in pieces])
+    return MergedBatch(dense, lengths, values, [p.batch_size for p in parsed])
+
+
+@dataclass
+class Outcome:
+    """One response: HTTP status and the JSON body bytes."""
+
+    status: int
+    body: bytes
+    instances: int = 0
+
+
+def encode_predictions(probs: np.ndarray) -> bytes:
+    return orjson.dumps({"predictions": probs}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def encode_error(err: ServeError) -> bytes:
+    return orjson.dumps(err.to_json())
+
+
+def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
+                 predict: Callable[[MergedBatch], np.ndarray], cfg: HandlerConfig,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[Outcome], dict[str, Any]]:
+    """Parse every request separately, run ONE forward for the good ones, split back.
+
+    Args:
+        bodies: the raw body of each request (bytes; a str is encoded as UTF-8).
+        content_types: each request's Content-Type header (None if absent).
+        predict: MergedBatch -> float32 (B,) probabilities.
+    Returns:
+        (one Outcome per request in order, info dict with "decode_s", "forward_s",
+        "instances", "requests" of the merged forward).
+
+    A bad request gets its own 4xx Outcome; the others are unaffected. ``predict``
+    errors that are ServeErrors (e.g. InvalidInput from the runtime) fail the merged
+    requests with that status; anything else propagates (a real server fault).
+    """
+    t0 = clock()
+    outcomes: list[Outcome | None] = [None] * len(bodies)
+    good: list[tuple[int, ParsedRequest]] = []
+    for i, (body, ctype) in enumerate(zip(bodies, content_types)):
+        try:
+            check_content_type(ctype)
+            if isinstance(body, str):
+                body = body.encode("utf-8")
+            elif not isinstance(body, (bytes, bytearray, memoryview)):
+                # Already decoded upstream (TorchServe's own json.loads); re-encode so
+                # the same exact rules apply. orjson refuses ints beyond 64 bits.
+                try:
+                    body = orjson.dumps(body)
+                except TypeError as e:
+                    raise InvalidInput(f"body could not be read as JSON ({e})") from None
+            good.append((i, parse_body(body, cfg)))
+        except ServeError as e:
+            outcomes[i] = Outcome(e.status, encode_error(e))
+    t1 = clock()
+    info: dict[str, Any] = {"decode_s": t1 - t0, "forward_s": 0.0, "instances": 0, "requests": 0}
+    if good:
+        merged = merge_requests([p for _, p in good])
+        try:
+            probs = np.asarray(predict(merged), dtype=np.float32).reshape(-1)
+        except ServeError as e:
+            for i, _ in good:
+                outcomes[i] = Outcome(e.status, encode_error(e))
+        else:
+            if probs.shape[0] != merged.dense.shape[0]:
+                raise RuntimeError(f"predict returned {probs.shape[0]} scores for "
+                                   f"{merged.dense.shape[0]} samples")
+            start = 0
+            for (i, _), size in zip(good, merged.sizes):
+                outcomes[i] = Outcome(200, encode_predictions(probs[start:start + size]), size)
+                start += size
+        info.update(forward_s=clock() - t1, instances=int(merged.dense.shape[0]),
+                    requests=len(good))
+    return [o for o in outcomes if o is not None], info
+
+
+
+def example_request(n: int = 1, *, seed: int = 0, form: str = "rows",
+                    max_id: int = 2**31) -> dict[str, Any]:
+    """A valid request body (as a dict) of ``n`` random one-hot instances.
+
+    For smoke tests, the launcher's readiness probe and benchmarks; ``form`` is
+    "rows" or "columnar".
+    """
+    rng = np.random.default_rng(seed)
+    dense = np.round(rng.random((n, NUM_DENSE)) * 4, 4).tolist()
+    ids = rng.integers(0, max_id, size=(len(SPARSE_FEATURES), n)).tolist()
+    if form == "rows":
+        return {"instances": [
+            {"dense": dense[b], "sparse": {f: [ids[fi][b]] for fi, f in enumerate(SPARSE_FEATURES)}}
+            for b in range(n)]}
+    if form == "columnar":
+        return {"dense": dense, "sparse": {f: {"values": ids[fi], "lengths": [1] * n}
+                                           for fi, f in enumerate(SPARSE_FEATURES)}}
+    raise ValueError(f"form {form!r} must be 'rows' or 'columnar'")

@@ -1,0 +1,195 @@
+"""Quantize a merged DLRM's tables with TorchRec and write the serving artifact.
+
+Tables go through ``torchrec.inference.modules.quantize_inference_model`` (FBGEMM
+row-wise int8 by default; int4 and fp16 selectable); the MLPs stay fp32. The result is
+converted to our plain-torch artifact (:mod:`serve.artifact`), which the runtime reads
+without TorchRec. Quality is measured on held-out data: the AUC of the fp32 model and
+of the quantized one; int8 must keep AUC >= fp32 AUC - 0.001 (MLPerf's 99.9% bar).
+
+Writes ``--out`` (quantized artifact), the fp32 artifact of the same model next to it
+(``<out stem>.fp32.pt``, the exact reference for runtime tests) and ``<out>.json``
+(AUCs, table bytes).
+
+Example::
+
+    python -m serve.quantize --merged build/tiny/merged.pt --profile tiny \
+        --data build/tiny/data --dtype int8 --out build/tiny/artifact.pt
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve.errors import ConfigError, QualityError, ServeError
+from serve.metrics_auc import roc_auc
+from serve.profiles import PROFILES, Profile, get_profile
+
+__all__ = [
+    "INT8_MAX_AUC_DROP",
+    "QUANT_DTYPES",
+    "QuantizeResult",
+    "evaluate_auc",
+    "float_artifact_path",
+    "main",
+    "quantize",
+    "quantize_model",
+]
+
+log = logging.getLogger(__name__)
+
+QUANT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint4x2,
+                                        "fp16": torch.float16}
+INT8_MAX_AUC_DROP = 0.001
+
+
+@dataclass
+class QuantizeResult:
+    artifact: str
+    float_artifact: str
+    quantized_dtype: str
+    auc_fp32: float
+    auc_quantized: float
+    eval_rows: int
+    table_bytes_fp32: int
+    table_bytes_quantized: int
+    table_bytes_quantized_fbgemm: int
+    num_parameters: int
+    seconds: float
+
+
+def float_artifact_path(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    return out.with_name(f"{out.stem}.fp32{out.suffix or '.pt'}")
+
+
+def quantize_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A quantized copy of ``model`` (TorchRec swaps modules in place, so deepcopy first)."""
+    from torchrec.inference.modules import quantize_inference_model
+
+    if dtype not in QUANT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
+    q = quantize_inference_model(copy.deepcopy(model), quantization_dtype=QUANT_DTYPES[dtype])
+    q.eval()
+    return q
+
+
+def evaluate_auc(model: torch.nn.Module, data_dir: str | os.PathLike, split: str = "eval",
+                 batch_size: int = 4096, limit: int | None = None,
+                 progress: bool = False) -> tuple[float, int]:
+    """AUC of ``model`` on a split; returns (auc, rows). Forward in eval mode, no grad."""
+    from serve.data import ClickLogDataset, iter_batches
+
+    ds = ClickLogDataset(data_dir, split, batch_size, limit=limit)
+    scores, labels = [], []
+    model.eval()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i, b in enumerate(iter_batches(ds, num_workers=0)):
+            scores.append(model(b.dense, b.sparse).reshape(-1).float().numpy())
+            labels.append(b.labels.numpy())
+            if progress and (i + 1) % 10 == 0:
+                n = sum(len(x) for x in labels)
+                print(f"  eval {n}/{ds.rows} rows ({n / (time.perf_counter() - t0):,.0f} rows/s)",
+                      flush=True)
+    y, s = np.concatenate(labels), np.concatenate(scores)
+    return roc_auc(y, s), int(y.shape[0])
+
+
+def _fbgemm_table_bytes(qmodel: Any) -> int:
+    total = 0
+    for tbe in qmodel.sparse_arch.embedding_bag_collection._emb_modules:
+        # FBGEMM keeps scale/bias inside each (16-byte padded) weight row.
+        for w, *_ in tbe.split_embedding_weights():
+            total += w.numel() * w.element_size()
+    return total
+
+
+def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.PathLike,
+             dtype: str, out: str | os.PathLike, eval_limit: int | None = None,
+             check: bool = True, progress: bool = True,
+             max_auc_drop: float = INT8_MAX_AUC_DROP) -> QuantizeResult:
+    """Quantize ``merged`` (from serve.merge), measure AUCs, write both artifacts."""
+    from serve.artifact import artifact_from_float_dlrm, artifact_from_quantized_dlrm, save_artifact
+    from serve.merge import load_merged
+
+    if dtype not in QUANT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
+    t0 = time.perf_counter()
+    model, meta = load_merged(merged, profile)
+    qmodel = quantize_model(model, dtype)
+    if progress:
+        print(f"quantize: tables -> {dtype}; evaluating fp32 and {dtype} AUC", flush=True)
+    auc_fp32, rows = evaluate_auc(model, data_dir, limit=eval_limit, progress=progress)
+    auc_q, _ = evaluate_auc(qmodel, data_dir, limit=eval_limit, progress=progress)
+    art_meta = {"profile": profile.name, "auc_fp32": auc_fp32, f"auc_{dtype}": auc_q,
+                "world_size": meta.get("world_size"), "source": os.fspath(merged)}
+    art = artifact_from_quantized_dlrm(qmodel, dtype, meta=art_meta)
+    fart = artifact_from_float_dlrm(model, meta={**art_meta, "dtype": "fp32"})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fpath = float_artifact_path(out)
+    save_artifact(art, out)
+    save_artifact(fart, fpath)
+    res = QuantizeResult(
+        artifact=os.fspath(out), float_artifact=os.fspath(fpath), quantized_dtype=dtype,
+        auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
+        table_bytes_fp32=profile.table_bytes_fp32(), table_bytes_quantized=art.table_bytes,
+        table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel),
+        num_parameters=int(meta.get("num_parameters") or sum(p.numel() for p in model.parameters())),
+        seconds=round(time.perf_counter() - t0, 3))
+    Path(f"{out}.json").write_text(json.dumps(asdict(res), indent=2))
+    if check and dtype == "int8" and auc_q < auc_fp32 - max_auc_drop:
+        raise QualityError(f"int8 AUC {auc_q:.5f} is below fp32 AUC {auc_fp32:.5f} - "
+                           f"{max_auc_drop:g} (the quality bar); the tables do not "
+                           "quantize well: keep them fp16 (--dtype fp16) or retrain")
+    return res
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.quantize",
+        description="Quantize a merged DLRM's embedding tables with TorchRec (row-wise int8 by "
+                    "default), check AUC on held-out data and write the serving artifact plus "
+                    "its fp32 twin (<out stem>.fp32.pt).")
+    ap.add_argument("--merged", required=True, help="merged.pt from serve.merge")
+    ap.add_argument("--profile", required=True, help=f"profile name ({', '.join(PROFILES)})")
+    ap.add_argument("--data", required=True, help="data directory (its eval split is used)")
+    ap.add_argument("--dtype", default="int8", choices=tuple(QUANT_DTYPES),
+                    help="table dtype: int8 (default; must keep AUC within 0.001), int4, fp16")
+    ap.add_argument("--out", required=True, help="artifact file, e.g. build/tiny/artifact.pt")
+    ap.add_argument("--eval-limit", type=int, default=None, help="evaluate on at most N rows")
+    ap.add_argument("--no-check", action="store_true",
+                    help="report but do not fail when int8 misses the AUC bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a torch notice per forward
+    try:
+        res = quantize(args.merged, get_profile(args.profile), args.data, args.dtype, args.out,
+                       eval_limit=args.eval_limit, check=not args.no_check)
+    except ServeError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    print(f"wrote {res.artifact} and {res.float_artifact}: AUC fp32 {res.auc_fp32:.4f} "
+          f"{res.quantized_dtype} {res.auc_quantized:.4f} on {res.eval_rows} rows; tables "
+          f"{res.table_bytes_fp32:,} B fp32 -> {res.table_bytes_quantized:,} B "
+          f"{res.quantized_dtype}; {res.seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

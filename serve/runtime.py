@@ -1,0 +1,425 @@
+"""The serving runtime: a quantized DLRM artifact served with stock PyTorch.
+
+Shapes: B batch, F sparse features (26), D embedding dim, N dense features (13),
+nnz = number of sparse ids in a batch, U = distinct global rows among them.
+
+Pipeline of one ``predict``:
+
+1. validate the inputs on the host (negative ids -> ``InvalidInput`` naming the feature);
+2. global row = table offset + (id % table rows) (ids >= rows wrap, documented rule);
+3. embedding: either a direct gather from the tables on the device (no cache: every row
+   resident), or ``torch.unique`` -> :class:`serve.cache.EmbeddingCache` (hot rows on the
+   device, all rows pinned in host memory) -> dequantize the U rows once -> pool;
+4. dense part (:class:`serve.dense.DenseDLRM`, as TorchRec's DLRM) -> sigmoid.
+
+When the cache is used: on CUDA whenever its capacity is below the table rows; on CPU
+only with ``cache_on_cpu=True``, because there device memory *is* host memory and the
+cache would only cost time (the tests turn it on to cover its logic on CPU).
+
+Example::
+
+    rt = Runtime.from_artifact("build/small/artifact.pt", RuntimeConfig(device="cuda"))
+    probs = rt.predict(dense, SparseBatch(values, lengths))   # (B,) float32 on CPU
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from serve.artifact import Artifact, dequantize_rows, load_artifact
+from serve.cache import MISS_PATHS, POLICIES, EmbeddingCache, capacity_for
+from serve.dense import PRECISIONS, DenseDLRM, convert_precision
+from serve.errors import ArtifactError, ConfigError, InvalidInput
+
+__all__ = ["STAGES", "Runtime", "RuntimeConfig", "RuntimeStats", "SparseBatch"]
+
+log = logging.getLogger(__name__)
+
+STAGES = ("decode", "embedding", "dense")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How to serve an artifact.
+
+    Attributes:
+        device: "cpu", "cuda" or "cuda:N".
+        cache_load_factor: fraction of all table rows kept on the device (0 < x <= 1);
+            1.0 keeps every row there (no cache). Ignored when ``cache_bytes`` is set.
+        cache_bytes: device bytes for cached row payload (overrides the load factor).
+        cache_policy: "lru" or "lfu" (see serve/cache.py).
+        num_threads: torch intra-op threads for this process (None: leave as is). Set it
+            deliberately when several workers share a host: oversubscription costs up to 10x.
+        cache_on_cpu: run the cache on CPU too (tests; it only costs time there).
+        cache_miss_path: "host" (host gather into pinned memory + one async copy) or
+            "mapped" (the GPU reads missed rows straight from the pinned host table;
+            opt-in until measured faster on the target GPU; see bench/gpu_check.py).
+        dense_precision: "fp32" (exact, default), or the lossy opt-in levers "bf16" and
+            "int8" (CPU dynamic quantization of the Linear layers).
+        compile: ``torch.compile`` the dense part (same numerics up to float reordering).
+        cuda_graphs: on CUDA without a cache and with one id per feature, replay the
+            whole predict as a CUDA graph captured once per batch size (cuts launch
+            overhead at small batches).
+    """
+
+    device: str = "cpu"
+    cache_load_factor: float | None = 0.2
+    cache_bytes: int | None = None
+    cache_policy: str = "lru"
+    num_threads: int | None = None
+    cache_on_cpu: bool = False
+    cache_miss_path: str = "host"
+    dense_precision: str = "fp32"
+    compile: bool = False
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device {self.device!r} is not a torch device; use 'cpu', "
+                              "'cuda' or 'cuda:N'") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r}: only 'cpu' and 'cuda[:N]' are supported")
+        lf = self.cache_load_factor
+        if lf is not None and not (isinstance(lf, (int, float)) and 0 < lf <= 1):
+            raise ConfigError(f"cache_load_factor {lf!r} must be in (0, 1] (a fraction of "
+                              "all table rows); use 1.0 to keep every row on the device")
+        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int)
+                                             or self.cache_bytes <= 0):
+            raise ConfigError(f"cache_bytes {self.cache_bytes!r} must be a positive integer")
+        if self.cache_policy not in POLICIES:
+            raise ConfigError(f"cache_policy {self.cache_policy!r} is not one of {POLICIES}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ConfigError(f"num_threads {self.num_threads!r} must be an integer >= 1")
+        if self.cache_miss_path not in MISS_PATHS:
+            raise ConfigError(f"cache_miss_path {self.cache_miss_path!r} is not one of "
+                              f"{MISS_PATHS}")
+        if self.dense_precision not in PRECISIONS:
+            raise ConfigError(f"dense_precision {self.dense_precision!r} is not one of "
+                              f"{PRECISIONS}")
+
+
+@dataclass(frozen=True)
+class SparseBatch:
+    """Sparse ids in KeyedJaggedTensor layout, feature-major.
+
+    Attributes:
+        values: int64 (nnz,): feature 0's ids for all B samples, then feature 1's ...
+        lengths: int32 (F, B): ids per (feature, sample); 1 everywhere = one-hot.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
+class RuntimeStats:
+    """Cumulative since load.
+
+    ``lookups`` counts sparse ids; ``hits`` those whose row was on the device when the
+    batch arrived; ``misses`` those fetched from host memory; ``evictions`` rows pushed
+    out of the cache. Without a cache every lookup is a hit. ``device_bytes``: quantized
+    rows on the compute device plus the cache's maps; ``host_bytes``: the full host copy
+    behind a cache (0 without one). ``stage_seconds``: wall seconds per stage.
+    """
+
+    lookups: int
+    hits: int
+    misses: int
+    evictions: int
+    hit_ratio: float
+    device_bytes: int
+    host_bytes: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    forwards: int = 0
+    samples: int = 0
+
+
+class Runtime:
+    """Serves one artifact on one device. Not thread-safe: one caller at a time."""
+
+    def __init__(self, artifact: Artifact, config: RuntimeConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {config.device!r} requested but CUDA is not available; "
+                              "use device='cpu'")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if not artifact.tables:
+            raise ArtifactError("artifact has no embedding tables")
+        dims = {t.dim for t in artifact.tables}
+        dtypes = {t.dtype for t in artifact.tables}
+        if len(dims) != 1 or len(dtypes) != 1:
+            raise ArtifactError(f"tables mix dims {sorted(dims)} / dtypes {sorted(dtypes)}; "
+                                "the runtime needs one dim and one dtype")
+        self.feature_names: list[str] = list(artifact.feature_names)
+        self.num_dense: int = artifact.num_dense
+        self.dim = artifact.embedding_dim
+        self.dtype = artifact.tables[0].dtype
+        self.table_rows = [t.rows for t in artifact.tables]
+        self.total_rows = sum(self.table_rows)
+        offsets = [0]
+        for r in self.table_rows[:-1]:
+            offsets.append(offsets[-1] + r)
+        dev = self.device
+        self._rows_d = torch.tensor(self.table_rows, dtype=torch.int64, device=dev)
+        self._offsets_d = torch.tensor(offsets, dtype=torch.int64, device=dev)
+        self._feature_ids_d = torch.arange(len(self.table_rows), device=dev)
+
+        host = torch.cat([t.data for t in artifact.tables])  # (R, row_bytes) uint8
+        rb = host.shape[1]
+        cap = capacity_for(self.total_rows, rb, load_factor=config.cache_load_factor,
+                           cache_bytes=config.cache_bytes)
+        use_cache = config.cache_on_cpu if dev.type == "cpu" else cap < self.total_rows
+        self.cache: EmbeddingCache | None = None
+        self.table: torch.Tensor | None = None
+        if use_cache:
+            self.cache = EmbeddingCache(host, cap, config.cache_policy, dev,
+                                        miss_path=config.cache_miss_path)
+        else:
+            self.table = host.to(dev)
+        del host
+
+        dense = DenseDLRM(artifact.dense_arch, artifact.over_arch, len(self.feature_names))
+        dense = dense.to(dev).eval()
+        self._dense_dtype = torch.bfloat16 if config.dense_precision == "bf16" else torch.float32
+        self.dense: torch.nn.Module = convert_precision(dense, config.dense_precision, dev)
+        if config.compile:
+            self.dense = torch.compile(self.dense, dynamic=True)  # type: ignore[assignment]
+        self._graphs: dict[int, tuple] = {}
+        self._scratch: torch.Tensor | None = None
+        self._lookups = self._hits = 0
+        self._stage = {s: 0.0 for s in STAGES}
+        self._forwards = self._samples = 0
+        log.info("runtime on %s: %d tables, %d rows, %s rows of %d bytes; %s",
+                 dev, len(self.table_rows), self.total_rows, self.dtype, rb,
+                 f"cache {cap} slots ({config.cache_policy})" if self.cache else "no cache")
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact | str | os.PathLike,
+                      config: RuntimeConfig = RuntimeConfig()) -> Runtime:
+        """Load (path: memory-mapped read) and prepare an artifact for ``config.device``."""
+        if not isinstance(artifact, Artifact):
+            artifact = load_artifact(artifact)
+        return cls(artifact, config)
+
+    # -- validation ----------------------------------------------------------------------
+    def _check(self, dense: torch.Tensor, sparse: SparseBatch) -> tuple[torch.Tensor, int]:
+        nf = len(self.feature_names)
+        if not isinstance(dense, torch.Tensor) or dense.dim() != 2 \
+                or dense.shape[1] != self.num_dense:
+            shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
+            raise InvalidInput(f"dense must be a (B, {self.num_dense}) float tensor, got {shape}")
+        if not dense.is_floating_point():
+            raise InvalidInput(f"dense must hold floats, got {dense.dtype}")
+        b = dense.shape[0]
+        lengths, values = sparse.lengths, sparse.values
+        if lengths.dim() != 2 or tuple(lengths.shape) != (nf, b):
+            raise InvalidInput(f"sparse lengths must be ({nf}, B={b}) (one row per feature "
+                               f"{self.feature_names[0]}..{self.feature_names[-1]}), "
+                               f"got {tuple(lengths.shape)}")
+        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+            raise InvalidInput(f"sparse values must be a 1-d int64 tensor, got {values.dtype} "
+                               f"{tuple(values.shape)}")
+        if lengths.numel() and int(lengths.min()) < 0:
+            f = int((lengths < 0).any(1).nonzero()[0])
+            raise InvalidInput(f"sparse feature {self.feature_names[f]}: negative length; "
+                               "lengths count ids per sample and must be >= 0")
+        total = int(lengths.sum())
+        if total != values.numel():
+            raise InvalidInput(f"sparse lengths sum to {total} but values hold {values.numel()} "
+                               "ids; they must match")
+        if values.numel() and int(values.min()) < 0:
+            first = int((values < 0).nonzero()[0])
+            per_value = torch.cumsum(lengths.reshape(-1).long(), 0)
+            seg = int(torch.searchsorted(per_value, first, right=True))
+            f, s = divmod(seg, b)
+            raise InvalidInput(f"sparse feature {self.feature_names[f]}: id {int(values[first])} "
+                               f"(sample {s}) is negative; ids must be integers >= 0 (ids >= "
+                               f"the table's {self.table_rows[f]} rows wrap modulo rows)")
+        return lengths, b
+
+    # -- embedding -----------------------------------------------------------------------
+    def _global_rows(self, values: torch.Tensor, lengths: torch.Tensor,
+                     one_hot: bool) -> torch.Tensor:
+        """int64 (nnz,) global rows on the device: offset[f] + id % rows[f].
+
+        Computed on the device (``output_size`` avoids a sync): at batch 32768 the
+        host-side version cost milliseconds per batch. One-hot batches broadcast per
+        feature instead: CPU ``repeat_interleave`` opens a thread-parallel region even
+        for 26 elements, which stalled batch-1 calls for milliseconds on a busy host.
+        """
+        dev = self.device
+        v = values.to(dev, non_blocking=True).long()
+        if one_hot:
+            nf = len(self.table_rows)
+            vv = v.view(nf, -1)
+            return (vv % self._rows_d.unsqueeze(1) + self._offsets_d.unsqueeze(1)).view(-1)
+        per_feature = lengths.sum(1).to(dev, non_blocking=True)
+        feat = torch.repeat_interleave(self._feature_ids_d, per_feature, output_size=v.numel())
+        return v % self._rows_d.index_select(0, feat) + self._offsets_d.index_select(0, feat)
+
+    def _embed(self, sparse: SparseBatch, lengths: torch.Tensor, b: int) -> torch.Tensor:
+        """Pooled embeddings (B, F, D) float32 on the device."""
+        nf, d = len(self.feature_names), self.dim
+        one_hot = sparse.values.numel() == nf * b and bool((lengths == 1).all())
+        g = self._global_rows(sparse.values, lengths, one_hot)
+        if self.cache is None:
+            emb = self._dequantize(self._table().index_select(0, g))   # (nnz, D)
+            self._hits += g.numel()
+            bag_index = None
+        else:
+            uniq, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
+            emb = self._dequantize(self.cache.lookup(uniq, counts))    # (U, D)
+            bag_index = inverse
+        self._lookups += g.numel()
+        if one_hot:
+            if bag_index is not None:
+                emb = emb.index_select(0, bag_index)
+            return emb.view(nf, b, d).transpose(0, 1)
+        offsets = torch.zeros(nf * b + 1, dtype=torch.int64)
+        torch.cumsum(lengths.reshape(-1).long(), 0, out=offsets[1:])
+        if bag_index is None:
+            bag_index = torch.arange(g.numel(), device=self.device)
+        pooled = F.embedding_bag(bag_index, emb, offsets.to(self.device), mode="sum",
+                                 include_last_offset=True)                      # (F*B, D)
+        return pooled.view(nf, b, d).transpose(0, 1)
+
+    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 (n, row_bytes) -> float32 (n, D), the same arithmetic as
+        ``serve.artifact.dequantize_rows`` (q * scale + bias), written into a reused
+        buffer: fresh multi-MB tensors per call cost page faults that dominated batch
+        4096 on CPU (measured 89 ms vs a few ms)."""
+        if self.dtype != "int8":
+            return dequantize_rows(rows, self.dtype, self.dim)
+        n, d = rows.shape[0], self.dim
+        if self._scratch is None or self._scratch.shape[0] < n:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+                self._scratch = torch.empty((max(n, 1024), d), dtype=torch.float32,
+                                            device=rows.device)
+        out = self._scratch[:n]
+        out.copy_(rows[:, 4 : 4 + d])                                  # uint8 -> float32
+        sb = rows[:, :4].contiguous().view(torch.float16).float()      # (n, 2) scale, bias
+        # (A mixed uint8 * float32 mul into `out` measured 25% slower than copy + mul_.)
+        return out.mul_(sb[:, 0:1]).add_(sb[:, 1:2])
+
+    # -- public --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def predict(self, dense: torch.Tensor, sparse: SparseBatch) -> torch.Tensor:
+        """Click probabilities.
+
+        Args:
+            dense: (B, N) float32 dense features (already transformed as in training).
+            sparse: ids of the F features in ``feature_names`` order.
+        Returns:
+            (B,) float32 probabilities on the CPU.
+        Raises:
+            InvalidInput: shapes/dtypes off, lengths not matching values, negative ids.
+        """
+        lengths, b = self._check(dense, sparse)
+        if b == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        t0 = time.perf_counter()
+        if (self.config.cuda_graphs and self.cache is None and self.device.type == "cuda"
+                and sparse.values.numel() == lengths.numel() and bool((lengths == 1).all())):
+            out = self._predict_graph(dense, sparse, b)
+            self._stage["dense"] += time.perf_counter() - t0
+        else:
+            emb = self._embed(sparse, lengths, b)
+            t1 = time.perf_counter()
+            x = dense.to(self.device, dtype=self._dense_dtype, non_blocking=True)
+            logits = self.dense(x, emb.to(self._dense_dtype))
+            out = torch.sigmoid(logits.float()).cpu()
+            self._stage["embedding"] += t1 - t0
+            self._stage["dense"] += time.perf_counter() - t1
+        self._forwards += 1
+        self._samples += b
+        return out
+
+    def _predict_graph(self, dense: torch.Tensor, sparse: SparseBatch, b: int) -> torch.Tensor:
+        """Whole predict as one CUDA-graph replay (no cache, one id per feature).
+
+        Inputs go through pinned host buffers so each needs one async copy; the wrap
+        rule (id % rows + offset) runs inside the graph on static per-position tensors.
+        """
+        entry = self._graphs.get(b)
+        if entry is None:
+            entry = self._capture(b)
+            self._graphs[b] = entry
+        graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
+        h_vals.copy_(sparse.values)
+        h_dense.copy_(dense)
+        s_vals.copy_(h_vals, non_blocking=True)
+        s_dense.copy_(h_dense, non_blocking=True)
+        graph.replay()
+        h_out.copy_(s_out, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        n = h_vals.numel()
+        self._lookups += n
+        self._hits += n
+        return h_out.clone()
+
+    def _table(self) -> torch.Tensor:
+        if self.table is None:
+            raise RuntimeError("no device table: this runtime serves through its cache")
+        return self.table
+
+    def _graph_body(self, vals: torch.Tensor, dense: torch.Tensor, rows_rep: torch.Tensor,
+                    offs_rep: torch.Tensor, b: int) -> torch.Tensor:
+        nf, d = len(self.feature_names), self.dim
+        g = vals % rows_rep + offs_rep
+        emb = dequantize_rows(self._table().index_select(0, g), self.dtype, d)  # graph pool
+        emb = emb.view(nf, b, d).transpose(0, 1)
+        return torch.sigmoid(self.dense(dense.to(self._dense_dtype),
+                                        emb.to(self._dense_dtype)).float())
+
+    def _capture(self, b: int) -> tuple:
+        dev = self.device
+        nf = len(self.feature_names)
+        rows_rep = self._rows_d.repeat_interleave(b)       # (F*B,) rows of each position
+        offs_rep = self._offsets_d.repeat_interleave(b)
+        s_vals = torch.zeros((nf * b,), dtype=torch.int64, device=dev)
+        s_dense = torch.zeros((b, self.num_dense), dtype=torch.float32, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm up kernels/allocator outside the capture
+                self._graph_body(s_vals, s_dense, rows_rep, offs_rep, b)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            s_out = self._graph_body(s_vals, s_dense, rows_rep, offs_rep, b)
+        h_vals = torch.empty((nf * b,), dtype=torch.int64, pin_memory=True)
+        h_dense = torch.empty((b, self.num_dense), dtype=torch.float32, pin_memory=True)
+        h_out = torch.empty((b,), dtype=torch.float32, pin_memory=True)
+        log.info("captured a CUDA graph for batch %d", b)
+        return graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out
+
+    def record_stage(self, name: str, seconds: float) -> None:
+        """Add wall seconds to a stage (the handler reports "decode")."""
+        if name not in self._stage:
+            raise ConfigError(f"stage {name!r} is not one of {STAGES}")
+        self._stage[name] += float(seconds)
+
+    def stats(self) -> RuntimeStats:
+        """A snapshot of the cumulative counters."""
+        if self.cache is not None:
+            c = self.cache.counters
+            lookups, hits, misses, ev = c.lookups, c.hits, c.misses, c.evictions
+            dev_b, host_b = self.cache.device_bytes, self.cache.host_bytes
+        else:
+            lookups, hits, misses, ev = self._lookups, self._hits, 0, 0
+            dev_b, host_b = self._table().numel(), 0
+        return RuntimeStats(lookups=lookups, hits=hits, misses=misses, evictions=ev,
+                            hit_ratio=hits / lookups if lookups else 0.0,
+                            device_bytes=dev_b, host_bytes=host_b,
+                            stage_seconds=dict(self._stage), forwards=self._forwards,
+                            samples=self._samples)

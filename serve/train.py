@@ -1,0 +1,446 @@
+"""Sharded DLRM training with TorchRec ``DistributedModelParallel``, and its checkpoint.
+
+Shapes: B batch (per rank), F = 26 sparse features, D embedding dim, N = 13 dense.
+
+Each rank holds its shards of the embedding tables (explicit plan, see
+:func:`plan_sharding`) and a replica of the dense MLPs (data parallel). Embeddings are
+updated by a fused row-wise Adagrad inside the backward pass; the MLPs by Adam.
+
+Output directory (``--out``), written atomically (``DIR.tmp`` then rename):
+
+    .metadata, __{rank}_0.distcp   torch.distributed.checkpoint, one file per rank
+    plan.json                       world size, backend, table -> sharding type, shards
+    sharded_outputs.pt              a fixed eval batch and the sharded model's logits
+                                    on it, so ``serve.merge`` can prove it is exact
+
+Launch: by default this command spawns ``--nproc`` local ranks itself on a free
+loopback port. Under ``torchrun`` (RANK/WORLD_SIZE set) it runs as one of its ranks, so
+multi-node is::
+
+    torchrun --nnodes 2 --node-rank {0|1} --nproc-per-node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        -m serve.train --profile small --data DIR --out CKPT_DIR
+
+with DIR readable and CKPT_DIR writable (shared filesystem) on every node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve.errors import ConfigError, ServeError, ShardingError
+from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
+
+__all__ = [
+    "CHECKPOINT_FILES",
+    "OUTPUTS_FILE",
+    "PLAN_FILE",
+    "TrainConfig",
+    "main",
+    "max_world_size",
+    "plan_sharding",
+    "train",
+]
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+OUTPUTS_FILE = "sharded_outputs.pt"
+CHECKPOINT_FILES = (".metadata",)
+# fbgemm needs column shards whose width is a multiple of 4.
+_MIN_COLUMN_SHARD = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``None`` fields take the profile's value."""
+
+    profile: Profile
+    data_dir: Path
+    out_dir: Path
+    nproc: int = 2
+    backend: str = "auto"            # "auto" (nccl with CUDA, else gloo) | "gloo" | "nccl"
+    batch_size: int | None = None    # global batch (split evenly over ranks)
+    learning_rate: float | None = None   # embeddings (row-wise Adagrad)
+    dense_learning_rate: float = 3e-3    # MLPs (Adam)
+    epochs: int | None = None
+    max_steps: int | None = None
+    num_workers: int = 1             # DataLoader workers per rank
+    threads: int = 1                 # torch intra-op threads per rank
+    eval_batch: int = 512            # rows of the fixed batch saved for the merge check
+    log_every: int = 50
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc {self.nproc} must be >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend {self.backend!r} must be one of auto, gloo, nccl")
+        for name in ("batch_size", "epochs", "max_steps"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {v} must be >= 1")
+        if self.threads < 1 or self.num_workers < 0 or self.eval_batch < 1:
+            raise ConfigError("--threads and --eval-batch must be >= 1, --workers >= 0")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size or self.profile.batch_size
+
+    @property
+    def lr(self) -> float:
+        return self.learning_rate if self.learning_rate is not None else self.profile.learning_rate
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# ----------------------------------------------------------------------------- plan
+
+def _sharding_types(profile: Profile, compute_device: str) -> dict[str, str]:
+    """Our rule: large tables row-wise on GPU / column-wise on CPU (TorchRec offers no
+    row-wise on CPU), the rest table-wise."""
+    big = "row_wise" if compute_device == "cuda" else "column_wise"
+    return {t: (big if rows > profile.large_table_rows else "table_wise")
+            for t, rows in zip(profile.table_names, profile.cardinalities)}
+
+
+def max_world_size(profile: Profile, compute_device: str = "cpu") -> int:
+    """The most ranks that each get at least one shard under our plan rule.
+
+    Table-wise tables are one shard each; a column-wise table splits into at most
+    D / 4 column shards; a row-wise one into as many as there are ranks.
+    """
+    types = _sharding_types(profile, compute_device)
+    if "row_wise" in types.values():
+        return 1 << 30
+    return sum(1 if t == "table_wise" else profile.embedding_dim // _MIN_COLUMN_SHARD
+               for t in types.values())
+
+
+def plan_sharding(profile: Profile, world_size: int, compute_device: str = "cpu",
+                  local_world_size: int | None = None, batch_size: int | None = None):
+    """The explicit sharding plan, computed without a process group (deterministic).
+
+    Returns (ShardingPlan, {table: sharding type}, {table: [(rank, offsets, sizes)]}).
+    Raises ShardingError when ``world_size`` cannot be used with these tables.
+    """
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingPlan  # noqa: F401  (return type)
+
+    from serve.model import table_configs
+
+    if world_size < 1:
+        raise ShardingError(f"world size {world_size} must be >= 1")
+    limit = max_world_size(profile, compute_device)
+    types = _sharding_types(profile, compute_device)
+    if world_size > limit:
+        n_tw = sum(t == "table_wise" for t in types.values())
+        raise ShardingError(
+            f"world size {world_size} cannot be sharded: profile {profile.name!r} has "
+            f"{n_tw} table-wise tables and {len(types) - n_tw} column-wise tables "
+            f"(dim {profile.embedding_dim}, column shards of >= {_MIN_COLUMN_SHARD}), at most "
+            f"{limit} shards, so some ranks would hold no table; use --nproc <= {limit}")
+    # Column-wise: ask for shards narrow enough that the table spreads over the ranks.
+    min_part = max(_MIN_COLUMN_SHARD,
+                   (profile.embedding_dim // max(1, world_size)) // _MIN_COLUMN_SHARD * _MIN_COLUMN_SHARD)
+    constraints = {
+        t: ParameterConstraints(sharding_types=[st],
+                                min_partition=min_part if st == "column_wise" else None)
+        for t, st in types.items()
+    }
+    topology = Topology(world_size=world_size, compute_device=compute_device,
+                        local_world_size=local_world_size or world_size)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
+                                       batch_size=batch_size, debug=False)
+    module = _meta_ebc_holder(table_configs(profile))
+    try:
+        plan = planner.plan(module, [EmbeddingBagCollectionSharder()])
+    except Exception as e:
+        raise ShardingError(
+            f"the TorchRec planner cannot shard profile {profile.name!r} over world size "
+            f"{world_size} on {compute_device}: {type(e).__name__}: {str(e).splitlines()[0]}; "
+            "use fewer ranks or another profile") from e
+    shards: dict[str, list] = {}
+    module_plan = plan.plan.get("sparse_arch.embedding_bag_collection", {})
+    for t in profile.table_names:
+        ps = module_plan[t]
+        shards[t] = [(int(str(s.placement).split("rank:")[1].split("/")[0]),
+                      list(s.shard_offsets), list(s.shard_sizes))
+                     for s in ps.sharding_spec.shards] if ps.sharding_spec else []
+        types[t] = ps.sharding_type
+    return plan, types, shards
+
+
+def _meta_ebc_holder(configs: list) -> torch.nn.Module:
+    """A module shaped like DLRM's sparse part (same fqn) with tables on ``meta``."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    holder = torch.nn.Module()
+    holder.sparse_arch = torch.nn.Module()
+    holder.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
+        tables=configs, device=torch.device("meta"))
+    return holder
+
+
+def format_plan(types: dict[str, str], shards: dict[str, list]) -> str:
+    lines = []
+    for t, st in types.items():
+        where = ", ".join(f"rank{r} cols {o[1]}:{o[1] + s[1]}" if st == "column_wise"
+                          else f"rank{r} rows {o[0]}:{o[0] + s[0]}" for r, o, s in shards[t])
+        lines.append(f"  {t:7s} {st:12s} {where}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _build_model(profile: Profile, device: torch.device) -> Any:
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from serve.model import table_configs
+
+    # Tables on meta: DMP allocates only this rank's shards (criteo-kaggle is 8.7 GB).
+    ebc = EmbeddingBagCollection(tables=table_configs(profile), device=torch.device("meta"))
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                dense_arch_layer_sizes=list(profile.dense_arch),
+                over_arch_layer_sizes=list(profile.over_arch), dense_device=device)
+
+
+def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
+               port: int | None) -> None:
+    """Body of one rank (spawned by us, or started by torchrun)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from serve.data import ClickLogDataset, iter_batches, load_split, to_batch
+
+    if port is not None:  # spawned by us: we are the rendezvous
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [rank{rank}] %(message)s",
+                        stream=sys.stderr, force=True)
+    # TorchRec/DDP deprecation notices and planner banners would drown the progress lines.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    torch.set_num_threads(cfg.threads)
+    backend = cfg.resolved_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    try:
+        p = cfg.profile
+        seed = p.seed if cfg.seed is None else cfg.seed
+        torch.manual_seed(seed)
+        local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        local_batch = max(1, cfg.global_batch // world_size)
+        plan, types, _ = plan_sharding(p, world_size, device.type, local_ws, local_batch)
+        model = _build_model(p, device)
+        apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(),
+                                    {"lr": cfg.lr, "eps": 1e-8})
+        dmp = DistributedModelParallel(module=model, device=device, plan=plan)
+        dense_opt = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())),
+            lambda params: torch.optim.Adam(params, lr=cfg.dense_learning_rate))
+        opt = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+
+        ds = ClickLogDataset(cfg.data_dir, "train", local_batch, rank=rank,
+                             world_size=world_size, drop_last=True)
+        epochs = cfg.epochs or p.epochs
+        total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
+        step, rows, t0, ema = 0, 0, time.perf_counter(), None
+        dmp.train()
+        for _ in range(epochs):
+            for batch in iter_batches(ds, cfg.num_workers):
+                if step >= total:
+                    break
+                batch_dev = (batch.dense.to(device), batch.sparse.to(device),
+                             batch.labels.to(device))
+                logits = dmp(batch_dev[0], batch_dev[1]).squeeze(-1)
+                loss = loss_fn(logits, batch_dev[2])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                rows += len(batch) * world_size
+                ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+                if rank == 0 and (step % cfg.log_every == 0 or step == total):
+                    el = time.perf_counter() - t0
+                    print(f"train step {step}/{total} rows {rows} rows/s {rows / el:,.0f} "
+                          f"loss {ema:.4f}", flush=True)
+        train_s = time.perf_counter() - t0
+
+        # The fixed batch for the merge check: the same rows on every rank, so each
+        # rank's output is the sharded model's answer for this batch.
+        dmp.eval()
+        ev = load_split(cfg.data_dir, "eval")
+        n = min(cfg.eval_batch, len(ev))
+        fixed = ClickLogDataset(cfg.data_dir, "eval", n, limit=n)
+        item = fixed[0]
+        b = to_batch(item, fixed.feature_names)
+        with torch.no_grad():
+            out = dmp(b.dense.to(device), b.sparse.to(device)).squeeze(-1).float().cpu()
+
+        dcp.save(dmp.state_dict(), checkpoint_id=tmp_dir)
+        dist.barrier()
+        if rank == 0:
+            _, types, shards = plan_sharding(p, world_size, device.type, local_ws, local_batch)
+            torch.save({"dense": b.dense, "ids": item[1], "lengths": item[2],
+                        "logits": out, "feature_names": fixed.feature_names},
+                       Path(tmp_dir) / OUTPUTS_FILE)
+            meta = {
+                "profile": p.name, "world_size": world_size, "backend": backend,
+                "device": device.type, "sharding_plan": types,
+                "shards": {t: [{"rank": r, "offsets": o, "sizes": s} for r, o, s in v]
+                           for t, v in shards.items()},
+                "steps": step, "rows": rows, "train_seconds": round(train_s, 3),
+                "final_loss": ema, "global_batch": local_batch * world_size,
+                "learning_rate": cfg.lr, "dense_learning_rate": cfg.dense_learning_rate,
+                "epochs": epochs, "seed": seed,
+            }
+            (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training (spawning ranks unless under torchrun); return plan.json's content."""
+    import torch.multiprocessing as mp
+
+    out = Path(cfg.out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    torchrun = _under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
+    rank = int(os.environ["RANK"]) if torchrun else 0
+    backend = cfg.resolved_backend()
+    dev = "cuda" if backend == "nccl" else "cpu"
+    if not torchrun and dev == "cuda" and world > torch.cuda.device_count():
+        raise ShardingError(f"--nproc {world} needs {world} GPUs with nccl but this machine has "
+                            f"{torch.cuda.device_count()}; use --nproc <= that or --backend gloo")
+    # Validate (and show) the plan before any rank starts.
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    _, types, shards = plan_sharding(cfg.profile, world, dev, local_ws,
+                                     max(1, cfg.global_batch // world))
+    if rank == 0:
+        print(f"sharding plan: profile {cfg.profile.name}, world size {world}, {backend} on {dev}\n"
+              + format_plan(types, shards), flush=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if torchrun:
+        _rank_main(rank, world, cfg, str(tmp), None)
+    else:
+        mp.start_processes(_rank_main, args=(world, cfg, str(tmp), _free_port()), nprocs=world,
+                           join=True, start_method="spawn")
+    if rank == 0:
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return json.loads((out / PLAN_FILE).read_text())
+    return {}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a DLRM sharded over N ranks with TorchRec DistributedModelParallel "
+                    "and save a torch.distributed.checkpoint (one shard file per rank).",
+        epilog="Single node: this command spawns --nproc ranks on a free loopback port.\n"
+               "Multi-node: start it under torchrun on every node, e.g.\n"
+               "  torchrun --nnodes 2 --node-rank R --nproc-per-node 2 --rdzv-backend c10d \\\n"
+               "      --rdzv-endpoint HOST0:29500 -m serve.train --profile small --data DIR --out CKPT\n"
+               "(--nproc is then ignored; DIR and CKPT must be on a filesystem all nodes share).\n"
+               "Plan: tables with more rows than the profile's large_table_rows are column-wise\n"
+               "on CPU (row-wise needs CUDA) and row-wise on GPU; smaller tables table-wise.")
+    ap.add_argument("--profile", required=True, help=f"profile name ({', '.join(PROFILES)})")
+    ap.add_argument("--data", required=True, help="data directory written by serve.data")
+    ap.add_argument("--out", required=True, help="checkpoint directory (replaced atomically)")
+    ap.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                    help="auto = nccl when CUDA is available, else gloo")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="global batch size, split over ranks (default: the profile's)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="embedding row-wise Adagrad learning rate (default: the profile's)")
+    ap.add_argument("--dense-lr", type=float, default=3e-3, help="MLP Adam learning rate")
+    ap.add_argument("--epochs", type=int, default=None, help="passes over the data (default: profile)")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="DataLoader worker processes per rank (0 = read in the rank)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per rank; ranks x threads should not exceed cores")
+    ap.add_argument("--log-every", type=int, default=50, help="progress line every N steps")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(profile=get_profile(args.profile), data_dir=Path(args.data),
+                       out_dir=Path(args.out), nproc=args.nproc, backend=args.backend,
+                       batch_size=args.batch_size, learning_rate=args.lr,
+                       dense_learning_rate=args.dense_lr, epochs=args.epochs,
+                       max_steps=args.max_steps, num_workers=args.workers,
+                       threads=args.threads, log_every=args.log_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        cfg = config_from_args(args)
+        from serve.data import load_split
+        load_split(cfg.data_dir, "train")  # fail here, not in every rank
+        t0 = time.perf_counter()
+        meta = train(cfg)
+    except ServeError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    if meta:
+        print(f"wrote {args.out}: {meta['steps']} steps, {meta['rows']} rows, final loss "
+              f"{meta['final_loss']:.4f}, {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

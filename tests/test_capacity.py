@@ -1,0 +1,142 @@
+"""serve.capacity's pure parts on synthetic step data: knee, target, the HPA rewrite."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve.capacity import (
+    CapacityConfig,
+    capacity_document,
+    derive_target,
+    find_knee,
+    format_quantity,
+    machine_info,
+    main,
+    update_hpa_target,
+)
+from serve.errors import CapacityError, ConfigError
+from serve.hpa_sim import parse_quantity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step(users, rps, p99, fail=0.0, inst_per_req=270.0, p50=None):
+    return {"users": users, "rps": rps, "instances_per_s": rps * inst_per_req,
+            "p50_ms": p50 if p50 is not None else p99 / 3, "p99_ms": p99, "fail_ratio": fail}
+
+
+RAMP = [step(1, 20.0, 14.0), step(2, 38.0, 18.0), step(4, 61.0, 33.0), step(8, 70.0, 58.0),
+        step(16, 72.0, 121.0), step(32, 71.0, 240.0, fail=0.02)]
+
+
+def test_knee_is_the_best_step_before_the_goal_breaks():
+    k = find_knee(RAMP, p99_goal_ms=60.0)
+    assert (k.step_index, k.users, k.rps, k.p99_ms) == (3, 8, 70.0, 58.0)
+    assert k.saturated is True
+    assert "step 4 (16 users, 72.0 req/s) has p99 121.0 ms (goal 60)" in k.stop_reason
+    assert k.instances_per_request == pytest.approx(270.0)
+
+
+def test_a_tighter_goal_moves_the_knee_down():
+    assert find_knee(RAMP, p99_goal_ms=30.0).rps == 38.0
+
+
+def test_failures_end_the_walk_even_with_good_latency():
+    steps = [step(1, 20.0, 10.0), step(2, 40.0, 12.0, fail=0.05), step(4, 80.0, 15.0)]
+    k = find_knee(steps, 60.0, max_fail_ratio=0.001)
+    assert k.rps == 20.0 and "fail ratio 0.0500 (max 0.001)" in k.stop_reason
+
+
+def test_noise_after_the_peak_keeps_the_highest_passing_step():
+    steps = [step(1, 20.0, 10.0), step(2, 41.0, 20.0), step(4, 39.5, 40.0), step(8, 90.0, 70.0)]
+    k = find_knee(steps, 60.0)
+    assert (k.rps, k.step_index) == (41.0, 1)
+
+
+def test_unsaturated_run_is_flagged_as_a_lower_bound():
+    k = find_knee(RAMP[:3], 60.0)
+    assert k.rps == 61.0 and k.saturated is False
+    assert "lower bound" in k.stop_reason
+
+
+def test_no_passing_step_is_an_error_that_says_why():
+    with pytest.raises(CapacityError, match=r"no step meets the goals \(step 0 \(1 users, "
+                                            r"20.0 req/s\) has p99 90.0 ms \(goal 60\)"):
+        find_knee([step(1, 20.0, 90.0)], 60.0)
+    with pytest.raises(CapacityError, match="the load test reported no steps"):
+        find_knee([], 60.0)
+    with pytest.raises(CapacityError, match=r"step 0 \(1 users\) measured no requests "
+                                            r"\(no p99_ms\): overloaded, or lengthen --duration"):
+        find_knee([{"users": 1, "rps": 0.0, "p99_ms": None, "fail_ratio": 0.0}], 60.0)
+
+
+def test_a_step_without_answers_ends_the_walk():
+    steps = [step(1, 20.0, 10.0), {"users": 2, "rps": 0.0, "p99_ms": None, "fail_ratio": 1.0}]
+    k = find_knee(steps, 60.0)
+    assert k.rps == 20.0 and k.saturated and "step 1 (2 users) measured no requests" in k.stop_reason
+
+
+@pytest.mark.parametrize("knee,headroom,want", [(70.0, 0.8, 56.0), (70.26, 0.8, 56.2),
+                                                (125.0, 0.8, 100.0), (0.05, 0.8, 0.1)])
+def test_target_is_headroom_times_knee_rounded_down(knee, headroom, want):
+    assert derive_target(knee, headroom) == want
+
+
+@pytest.mark.parametrize("v,want", [(56.0, "56"), (56.2, "56.2"), (0.1, "0.1"), (1234.0, "1234")])
+def test_format_quantity_is_a_plain_kubernetes_quantity(v, want):
+    assert format_quantity(v) == want
+    assert parse_quantity(want) == pytest.approx(v)
+
+
+def test_update_hpa_target_changes_only_the_marked_line():
+    text = (REPO / "k8s" / "hpa.yaml").read_text()
+    new = update_hpa_target(text, 56.2)
+    changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines()) if a != b]
+    assert len(changed) == 1 and len(text.splitlines()) == len(new.splitlines())
+    assert changed[0][1].strip() == 'averageValue: "56.2"  # capacity.json target_qps'
+    doc = yaml.safe_load(new)
+    pods = next(m for m in doc["spec"]["metrics"] if m["type"] == "Pods")
+    assert pods["pods"]["target"]["averageValue"] == "56.2"
+    assert update_hpa_target(new, 56.2) == new
+
+
+def test_update_hpa_target_needs_the_marker():
+    with pytest.raises(ConfigError, match=r"exactly one 'averageValue: \"N\"  # capacity.json "
+                                          r"target_qps' line, found 0"):
+        update_hpa_target("averageValue: \"5\"\n", 4.0)
+
+
+def test_config_validation_names_the_flag():
+    with pytest.raises(ConfigError, match=r"--headroom 1.5 must be in \(0, 1\]"):
+        CapacityConfig(headroom=1.5)
+    with pytest.raises(ConfigError, match=r"--p99-goal-ms 0.0 must be a finite number > 0"):
+        CapacityConfig(p99_goal_ms=0.0)
+
+
+def test_document_records_machine_and_derivation():
+    cfg = CapacityConfig()
+    k = find_knee(RAMP, 60.0)
+    doc = capacity_document(k, cfg, derive_target(k.rps), RAMP, machine_info(),
+                            "2026-11-29T21:00:00+00:00")
+    assert doc["knee_qps"] == 70.0 and doc["target_qps"] == 56.0 and doc["p99_goal_ms"] == 60.0
+    assert doc["machine"]["logical_cores"] >= 1 and doc["machine"]["cpu_model"]
+    assert doc["instances_per_request"] == 270.0
+    assert doc["derivation"] == "target_qps = floor(0.8 x knee 70.00 req/s, 0.1) = 56 req/s per pod"
+    json.dumps(doc)
+
+
+def test_main_from_a_summary_writes_capacity_and_hpa(tmp_path, capsys):
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": RAMP, "knee": None}))
+    hpa = tmp_path / "hpa.yaml"
+    hpa.write_text((REPO / "k8s" / "hpa.yaml").read_text())
+    out = tmp_path / "capacity.json"
+    rc = main(["--from-summary", str(summary), "--output", str(out), "--hpa", str(hpa)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in printed
+    assert json.loads(out.read_text())["target_qps"] == 56.0
+    assert 'averageValue: "56"  # capacity.json target_qps' in hpa.read_text()

@@ -1,0 +1,167 @@
+"""Lint the Dockerfile (no Docker engine here, so CI cannot build it): the same pinned
+stack as scripts/setup_venv.sh, a fixed non-root UID, no secrets, and image tags that
+equal what `make image` builds and what k8s/ deploys."""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+UID = 10001
+_PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, argument text) with line continuations joined, comments dropped."""
+    lines: list[str] = []
+    buf = ""
+    for raw in (REPO / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        lines.append(buf + line)
+        buf = ""
+    out = []
+    for line in lines:
+        op, _, rest = line.partition(" ")
+        out.append((op.upper(), rest.strip()))
+    return out
+
+
+def pins_in(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        for name, version in _PIN.findall(line):
+            out[_norm(name)] = version
+    return out
+
+
+def project_pins() -> dict[str, str]:
+    pins = pins_in((REPO / "constraints.txt").read_text())
+    pins.update(pins_in((REPO / "requirements.txt").read_text()))
+    pins.update(pins_in((REPO / "scripts" / "setup_venv.sh").read_text()))
+    return pins
+
+
+def run_text() -> str:
+    return "\n".join(arg for op, arg in instructions() if op == "RUN")
+
+
+def test_every_pinned_version_equals_the_projects():
+    pins = project_pins()
+    docker = pins_in(run_text())
+    assert {"torch", "fbgemm-gpu-cpu", "fbgemm-gpu", "torchrec"} <= set(docker)
+    for name, version in docker.items():
+        if name == "fbgemm-gpu":  # the CUDA build of the same fbgemm release as the CPU one
+            assert version == pins["fbgemm-gpu-cpu"], name
+            continue
+        assert name in pins, f"the Dockerfile pins {name}=={version}, the project does not"
+        assert pins[name] == version, f"{name}: Dockerfile {version} != project {pins[name]}"
+
+
+def test_it_installs_the_same_stack_as_setup_venv():
+    run = run_text()
+    # Everything setup_venv.sh pins on the command line is pinned here too.
+    for name, version in pins_in((REPO / "scripts" / "setup_venv.sh").read_text()).items():
+        assert f"{name}=={version}" in run, name
+    assert "--no-deps torchrec==" in run, "torchrec must go in with --no-deps (STACK.md)"
+    assert "-r /tmp/requirements-image.txt -c constraints.txt" in run
+    # The only requirements the image drops are the fbgemm build it replaces per variant.
+    m = re.search(r"grep -v '([^']+)' requirements.txt > /tmp/requirements-image.txt", run)
+    assert m, "the image installs requirements.txt (minus fbgemm) with constraints.txt"
+    dropped = [line for line in (REPO / "requirements.txt").read_text().splitlines()
+               if re.match(m.group(1), line)]
+    assert [_norm(line.split("==")[0]) for line in dropped] == ["fbgemm-gpu-cpu"]
+    assert "--no-deps" in run and "pip install --no-deps --no-build-isolation ." in run
+
+
+def test_python_matches_the_venv():
+    args = {op: arg for op, arg in instructions() if op == "ARG" and arg.startswith("PYTHON_IMAGE")}
+    m = re.search(r"python:(\d+)\.(\d+)", args["ARG"])
+    assert m and (int(m[1]), int(m[2])) == sys.version_info[:2]
+
+
+def test_runs_as_the_fixed_non_root_uid():
+    users = [arg for op, arg in instructions() if op == "USER"]
+    assert users and users[-1].split(":")[0] == str(UID)
+    assert f"--uid {UID}" in run_text()
+    dep = next(d for d in yaml.safe_load_all((REPO / "k8s" / "deployment.yaml").read_text())
+               if d and d["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == UID
+
+
+def test_entrypoint_forwards_signals_and_torchserve_stays_in_the_foreground():
+    ops = {op: arg for op, arg in instructions() if op in ("ENTRYPOINT", "CMD")}
+    assert ops["ENTRYPOINT"].replace(" ", "") == '["/usr/bin/tini","-g","--"]'
+    assert '"--foreground"' in ops["CMD"] and '"--start"' in ops["CMD"]
+    assert "tini" in run_text()
+
+
+def test_no_secrets_in_the_image():
+    secretish = re.compile(r"(TOKEN|SECRET|PASSW|PASSWORD|API_?KEY|CREDENTIAL|PRIVATE)", re.IGNORECASE)
+    for op, arg in instructions():
+        if op in ("ENV", "ARG"):
+            for name in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", arg) or [arg.split()[0]]:
+                assert not secretish.search(name), f"{op} {name}: secrets come from a Secret"
+        if op in ("COPY", "ADD"):
+            srcs = shlex.split(arg)[:-1]
+            for src in srcs:
+                assert not src.startswith((".run", "key_file", ".git", ".env")), src
+                assert "token" not in src.lower(), src
+        assert op != "ADD", "use COPY (ADD fetches URLs and unpacks archives implicitly)"
+    ignore = (REPO / ".dockerignore").read_text().split()
+    for must in (".run", "key_file.json", ".git", ".venv", ".env"):
+        assert must in ignore, f".dockerignore must exclude {must}"
+
+
+def test_copied_sources_exist_and_are_not_ignored():
+    ignore = [p.rstrip("/") for p in (REPO / ".dockerignore").read_text().split()
+              if not p.startswith("#")]
+    for op, arg in instructions():
+        if op != "COPY":
+            continue
+        for src in shlex.split(arg)[:-1]:
+            assert (REPO / src).exists(), f"COPY {src}: not in the repo"
+            assert src.rstrip("/") not in ignore, f"COPY {src} but .dockerignore drops it"
+
+
+def _make_image_tag(variant: str) -> str:
+    make = shutil.which("make")
+    if make is None:
+        pytest.fail("make is needed (it is the project's interface)")
+    out = subprocess.run([make, "-n", "image", f"VARIANT={variant}"], cwd=REPO, check=False,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.strip().splitlines()[-1])
+    assert cmd[:2] == ["docker", "build"] and f"VARIANT={variant}" in cmd
+    return cmd[cmd.index("-t") + 1]
+
+
+def test_k8s_images_equal_what_make_image_builds():
+    gpu, cpu = _make_image_tag("gpu"), _make_image_tag("cpu")
+    assert cpu == gpu + "-cpu"
+    dep = next(d for d in yaml.safe_load_all((REPO / "k8s" / "deployment.yaml").read_text())
+               if d and d["kind"] == "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    for c in spec["initContainers"] + spec["containers"]:
+        assert c["image"] == gpu, c["name"]
+    kust = yaml.safe_load((REPO / "k8s" / "cpu" / "kustomization.yaml").read_text())
+    (img,) = kust["images"]
+    assert f"{img['name']}:{img['newTag']}" == cpu

@@ -1,0 +1,535 @@
+"""k8s/ manifests, validated offline: schemas, the CPU overlay, and semantics that schema
+validation passes (selectors, ports, probes, hardening, HPA vs measured capacity).
+
+The cross-checks read the real sources: the repo's config.properties, the sidecar's own
+defaults, serve.archive's response timeout, and (integration) the real sidecar's /metrics
+and OpenAPI and TorchServe's /ping.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+VERSIONS = ("1.30.0", "1.33.0")
+UID = 10001
+HPA_METRIC = "dlrm_requests_per_second"
+SIDECAR_COUNTER = "dlrm_requests_total"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base_files() -> list[Path]:
+    """What `kubectl apply -f k8s/` applies: .yaml/.yml/.json directly in k8s/."""
+    return sorted(p for p in K8S.iterdir()
+                  if p.is_file() and p.suffix in (".yaml", ".yml", ".json")
+                  and p.name != "capacity.json")
+
+
+def base_docs() -> list[dict]:
+    return [d for p in base_files() for d in _load(p)]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(docs: list[dict]) -> dict:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def container(docs: list[dict], name: str) -> dict:
+    cs = [c for c in pod_spec(docs)["containers"] if c["name"] == name]
+    assert len(cs) == 1, f"no container {name!r}"
+    return cs[0]
+
+
+def all_containers(docs: list[dict]) -> list[dict]:
+    spec = pod_spec(docs)
+    return list(spec.get("initContainers", [])) + list(spec["containers"])
+
+
+def arg_value(args: list[str], flag: str) -> str:
+    assert flag in args, f"{flag} missing from {args}"
+    return args[args.index(flag) + 1]
+
+
+def read_properties(text: str) -> dict[str, str]:
+    """Java .properties as TorchServe writes them: key=value lines, # comments."""
+    out: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        key, _, value = line.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def pod_properties(docs: list[dict]) -> dict[str, str]:
+    cm = one(docs, "ConfigMap", "dlrm-serve-torchserve")
+    return read_properties(cm["data"]["config.properties"])
+
+
+def repo_properties() -> dict[str, str]:
+    return read_properties((REPO / "config.properties").read_text())
+
+
+def kustomize_cpu() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed; it ships with the python machine image "
+                    "(Debian package kubectl) and is needed to build k8s/cpu")
+    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                          str(K8S / "cpu")], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[dict]:
+    return base_docs()
+
+
+@pytest.fixture(scope="module")
+def cpu_docs() -> list[dict]:
+    return kustomize_cpu()
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_manifest_passes_strict_schema_validation(version):
+    import kubernetes_validate
+
+    paths = base_files() + sorted((K8S / "templates").glob("*.yaml"))
+    assert len(paths) >= 8
+    for path in paths:
+        for doc in _load(path):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_cpu_overlay_passes_strict_schema_validation(cpu_docs, version):
+    import kubernetes_validate
+
+    for doc in cpu_docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field(docs):
+    """Negative control: the validator really checks (a typo'd field fails)."""
+    import kubernetes_validate
+
+    dep = copy.deepcopy(one(docs, "Deployment"))
+    dep["spec"]["template"]["spec"]["containers"][0]["securityContex"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="securityContex"):
+        kubernetes_validate.validate(dep, "1.30.0", strict=True)
+
+
+def test_kubernetes_validate_cli_passes_for_both_versions():
+    """The documented command, as CI and people run it."""
+    exe = Path(sys.executable).with_name("kubernetes-validate")
+    files = [str(p) for p in base_files()]
+    for version in VERSIONS:
+        out = subprocess.run([str(exe), "--strict", "--quiet", "-k", version, *files],
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_optional_servicemonitor_is_outside_the_applied_folder(docs):
+    """A CRD kind in k8s/ would break `kubectl apply -f k8s/` without the operator."""
+    core = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "HorizontalPodAutoscaler",
+            "PodDisruptionBudget", "NetworkPolicy"}
+    assert {d["kind"] for d in docs} == core
+    sm = one(_load(K8S / "monitoring" / "servicemonitor.yaml"), "ServiceMonitor")
+    metrics_svc = one(docs, "Service", "dlrm-serve-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= metrics_svc["metadata"]["labels"].items()
+    port_names = {p["name"] for p in metrics_svc["spec"]["ports"]}
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= port_names
+
+
+def test_secret_is_a_template_with_a_placeholder_only(docs):
+    assert not find(docs, "Secret"), "no Secret in k8s/: re-applying would reset the token"
+    secret = one(_load(K8S / "templates" / "sidecar-token-secret.yaml"), "Secret")
+    assert secret["stringData"]["token"].startswith("REPLACE-ME")
+    text = (K8S / "templates" / "sidecar-token-secret.yaml").read_text()
+    assert "kubectl create secret generic dlrm-sidecar-token" in text
+    env = {e["name"]: e for e in container(docs, "sidecar")["env"]}
+    ref = env["DLRM_SIDECAR_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "token", "optional": True}
+
+
+# --------------------------------------------------------------------------- CPU overlay
+
+
+def test_cpu_overlay_lists_every_manifest():
+    kust = yaml.safe_load((K8S / "cpu" / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == [f"../{p.name}" for p in base_files()]
+
+
+def test_cpu_overlay_drops_the_gpu_and_uses_the_cpu_image(docs, cpu_docs):
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in cpu_docs) == \
+        sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert "nvidia.com/gpu" not in json.dumps(cpu_docs)
+    assert "tolerations" not in pod_spec(cpu_docs)
+    for c in all_containers(cpu_docs):
+        assert c["image"] == "dlrm-serve:0.1.0-cpu"
+        res = c["resources"]
+        assert res["requests"] == res["limits"]
+    # Everything else is the base's (the overlay changes only what it says it does).
+    hpa = one(cpu_docs, "HorizontalPodAutoscaler")
+    assert hpa == one(docs, "HorizontalPodAutoscaler")
+
+
+# --------------------------------------------------------------------------- selectors
+
+
+def test_selectors_match_the_pod_labels(docs):
+    dep = one(docs, "Deployment")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    sel = dep["spec"]["selector"]["matchLabels"]
+    assert sel.items() <= labels.items()
+    for svc in find(docs, "Service"):
+        assert svc["spec"]["selector"].items() <= labels.items(), svc["metadata"]["name"]
+    assert one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert one(docs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    for tsc in pod_spec(docs)["topologySpreadConstraints"]:
+        assert tsc["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_service_target_ports_name_container_ports(docs):
+    named = {p["name"]: p["containerPort"] for c in pod_spec(docs)["containers"]
+             for p in c.get("ports", [])}
+    for svc in find(docs, "Service"):
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in named, (svc["metadata"]["name"], p)
+            assert named[p["targetPort"]] == p["port"]
+
+
+def test_hpa_targets_the_deployment(docs):
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    ref = hpa["spec"]["scaleTargetRef"]
+    dep = one(docs, "Deployment")
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == \
+        (dep["apiVersion"], "Deployment", dep["metadata"]["name"])
+    assert "replicas" not in dep["spec"], "the HPA owns the replica count"
+
+
+def test_serviceaccount_is_used_and_mounts_no_token(docs):
+    sa = one(docs, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+    spec = pod_spec(docs)
+    assert spec["serviceAccountName"] == sa["metadata"]["name"]
+    assert spec["automountServiceAccountToken"] is False
+
+
+# --------------------------------------------------------------------------- HPA
+
+
+def test_hpa_metrics_replicas_and_behavior(docs):
+    spec = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert 2 <= spec["minReplicas"] <= spec["maxReplicas"]
+    types = {m["type"]: m for m in spec["metrics"]}
+    assert types["Pods"]["pods"]["metric"]["name"] == HPA_METRIC
+    assert types["Pods"]["pods"]["target"]["type"] == "AverageValue"
+    assert types["Resource"]["resource"]["name"] == "cpu"
+    assert types["Resource"]["resource"]["target"]["type"] == "Utilization"
+    assert 0 < types["Resource"]["resource"]["target"]["averageUtilization"] <= 100
+    up, down = spec["behavior"]["scaleUp"], spec["behavior"]["scaleDown"]
+    assert up["stabilizationWindowSeconds"] == 0
+    assert all(p["periodSeconds"] <= 15 for p in up["policies"]), "scale-up must be fast"
+    assert down["stabilizationWindowSeconds"] == 300
+
+
+def test_hpa_target_equals_measured_capacity(docs):
+    from serve.hpa_sim import parse_quantity
+
+    path = K8S / "capacity.json"
+    if not path.is_file():
+        pytest.fail("k8s/capacity.json is missing: run `make capacity` (it measures one "
+                    "instance and sets the HPA's averageValue from it)")
+    cap = json.loads(path.read_text())
+    for key in ("knee_qps", "p99_goal_ms", "target_qps", "measured_at", "machine"):
+        assert key in cap, key
+    assert cap["target_qps"] <= cap["knee_qps"] * cap.get("headroom", 0.8) + 1e-9
+    assert cap["machine"]["cpu_model"] and cap["machine"]["logical_cores"] >= 1
+    pods = [m for m in one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"] if m["type"] == "Pods"]
+    assert parse_quantity(pods[0]["pods"]["target"]["averageValue"]) == pytest.approx(
+        cap["target_qps"], abs=1e-9)
+
+
+def test_adapter_rule_turns_the_counter_into_the_hpa_metric(docs):
+    """Static half: the rule maps dlrm_requests_total to the HPA's metric as a 1 m rate
+    per pod. The integration test below feeds it the real sidecar's exposition."""
+    rule = _adapter_rule(docs)
+    assert _adapter_metric_name(rule, SIDECAR_COUNTER) == HPA_METRIC
+    assert re.search(r"rate\(<<\.Series>>\{<<\.LabelMatchers>>\}\[1m\]\)", rule["metricsQuery"])
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+
+
+def _adapter_rule(docs: list[dict]) -> dict:
+    cm = one(docs, "ConfigMap", "dlrm-serve-adapter-rules")
+    rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    assert len(rules) == 1
+    return rules[0]
+
+
+def _adapter_metric_name(rule: dict, series: str) -> str | None:
+    """What prometheus-adapter names ``series`` by ``rule`` (None: the rule skips it).
+
+    The adapter discovers series by seriesQuery's metric name, then renames them with
+    name.matches (a regex) -> name.as (with $1-style groups).
+    """
+    wanted = re.match(r"^\s*'?([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+    if series != wanted:
+        return None
+    m = re.search(rule["name"]["matches"], series)
+    if m is None:
+        return None
+    return re.sub(r"\$(\d+)", lambda g: m.group(int(g.group(1))), rule["name"]["as"]) \
+        if rule["name"].get("as") else series
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def test_resources_requests_equal_limits_and_gpu_only_in_limits(docs):
+    for c in all_containers(docs):
+        res = c["resources"]
+        for r in ("cpu", "memory"):
+            assert res["requests"][r] == res["limits"][r], (c["name"], r)
+        assert "nvidia.com/gpu" not in res["requests"], c["name"]
+    assert container(docs, "torchserve")["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in container(docs, "sidecar")["resources"]["limits"]
+
+
+def test_every_container_is_hardened(docs):
+    spec = pod_spec(docs)
+    psc = spec["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == UID
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in all_containers(docs):
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == UID, c["name"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, c["name"]
+        assert "command" not in c, f"{c['name']}: keep the image's tini ENTRYPOINT (use args)"
+
+
+def test_writable_paths_are_emptydirs(docs):
+    """Read-only root: everything TorchServe and the sidecar write is an emptyDir."""
+    spec = pod_spec(docs)
+    empty = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+    ts, sc = container(docs, "torchserve"), container(docs, "sidecar")
+
+    def mounts(c):
+        return {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+
+    def env(c):
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    tsm, scm, tse, sce = mounts(ts), mounts(sc), env(ts), env(sc)
+    for var in ("TEMP", "TMPDIR", "LOG_LOCATION", "HOME"):
+        assert tsm.get(tse[var]) in empty, var
+    assert scm.get(sce["TMPDIR"]) in empty
+    # The handler's multiprocess metrics: one emptyDir, the same path in both containers.
+    mp = tse["PROMETHEUS_MULTIPROC_DIR"]
+    assert sce["PROMETHEUS_MULTIPROC_DIR"] == mp == arg_value(sc["args"], "--multiproc-dir")
+    assert tsm[mp] == scm[mp] and tsm[mp] in empty
+    # The model store: written by the sidecar (new versions), read by TorchServe.
+    store = pod_properties(docs)["model_store"]
+    assert arg_value(ts["args"], "--model-store") == store
+    assert arg_value(sc["args"], "--model-store") == store
+    assert tsm[store] == scm[store] and tsm[store] in empty
+    init = spec["initContainers"][0]
+    assert init["args"][-1].startswith(store + "/")
+    # The sidecar's fallback token file lands in its writable tmp.
+    assert arg_value(sc["args"], "--token-file").startswith(sce["TMPDIR"] + "/")
+
+
+# --------------------------------------------------------------------------- config + ports
+
+
+def _port(url: str) -> int:
+    port = urlparse(url).port
+    assert port is not None, url
+    return port
+
+
+def test_pod_config_is_the_repo_config_with_pinned_differences(docs):
+    repo, pod = repo_properties(), pod_properties(docs)
+    pod_only = {"vmargs"}
+    differ = {"inference_address", "management_address", "metrics_address", "model_store"}
+    assert set(pod) - set(repo) == pod_only
+    assert set(repo) - set(pod) == set()
+    for key in set(repo) - differ:
+        assert pod[key] == repo[key], key
+    for key in ("inference_address", "management_address", "metrics_address"):
+        assert _port(pod[key]) == _port(repo[key]), key
+    assert urlparse(pod["management_address"]).hostname == "127.0.0.1"
+    assert urlparse(pod["inference_address"]).hostname == "0.0.0.0"
+    assert urlparse(pod["metrics_address"]).hostname == "0.0.0.0"
+    for key in ("grpc_inference_address", "grpc_management_address"):
+        assert pod.get(key) == "127.0.0.1", key  # unused gRPC APIs stay inside the pod
+    assert pod["disable_token_authorization"] == "true"
+    assert pod["enable_model_api"] == "true"
+
+
+def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
+    from serve import sidecar
+
+    for var in ("DLRM_SIDECAR_PORT", "TS_INFERENCE_URL", "TS_MANAGEMENT_URL", "TS_METRICS_URL"):
+        monkeypatch.delenv(var, raising=False)
+    repo, pod = repo_properties(), pod_properties(docs)
+    ts, sc = container(docs, "torchserve"), container(docs, "sidecar")
+    ts_ports = {p["name"]: p["containerPort"] for p in ts["ports"]}
+    assert ts_ports == {"inference": _port(repo["inference_address"]),
+                        "ts-metrics": _port(repo["metrics_address"])}
+    # Management has no containerPort: it is never exposed.
+    assert _port(pod["management_address"]) not in ts_ports.values()
+    defaults = sidecar.SidecarConfig()
+    sidecar_port = sidecar._parser().get_default("port")
+    assert [p["containerPort"] for p in sc["ports"]] == [sidecar_port]
+    assert int(arg_value(sc["args"], "--port")) == sidecar_port
+    assert arg_value(sc["args"], "--host") == "0.0.0.0"
+    for flag, key, default in (("--inference-url", "inference_address", defaults.inference_url),
+                               ("--management-url", "management_address", defaults.management_url),
+                               ("--metrics-url", "metrics_address", defaults.metrics_url)):
+        url = arg_value(sc["args"], flag)
+        assert urlparse(url).hostname == "127.0.0.1", flag  # same pod: loopback
+        assert _port(url) == _port(pod[key]) == _port(default), flag
+    ann = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert int(ann["prometheus.io/port"]) == sidecar_port
+    assert ann["prometheus.io/path"] == "/metrics"
+
+
+def test_networkpolicy_exposes_inference_and_limits_metrics_to_monitoring(docs):
+    pod = pod_properties(docs)
+    inference, management, metrics = (_port(pod[k]) for k in
+                                      ("inference_address", "management_address", "metrics_address"))
+    sidecar_port = container(docs, "sidecar")["ports"][0]["containerPort"]
+    np_ = one(docs, "NetworkPolicy")
+    assert np_["spec"]["policyTypes"] == ["Ingress"]
+    open_ports, monitoring_ports = set(), set()
+    for rule in np_["spec"]["ingress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if "from" not in rule:
+            open_ports |= ports
+        else:
+            assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": "monitoring"}}}]
+            monitoring_ports |= ports
+    assert open_ports == {inference}
+    assert monitoring_ports == {metrics, sidecar_port}
+    assert management not in open_ports | monitoring_ports
+
+
+# --------------------------------------------------------------------------- probes, shutdown
+
+
+def test_probes_on_ping_readyz_healthz(docs):
+    ts, sc = container(docs, "torchserve"), container(docs, "sidecar")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert ts[probe]["httpGet"] == {"path": "/ping", "port": "inference"}
+        assert sc[probe]["httpGet"]["port"] == "sidecar"
+    assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert sc["startupProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_graceful_shutdown_budget(docs):
+    from serve.archive import build_mar
+
+    spec = pod_spec(docs)
+    mar_timeout = inspect.signature(build_mar).parameters["response_timeout_s"].default
+    response_timeout = max(int(pod_properties(docs)["default_response_timeout"]), mar_timeout)
+    for c in spec["containers"]:
+        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[0] == "sleep"
+        assert spec["terminationGracePeriodSeconds"] >= int(cmd[1]) + response_timeout
+    assert "--foreground" in container(docs, "torchserve")["args"]
+
+
+def test_topology_spread_across_nodes(docs):
+    keys = {t["topologyKey"] for t in pod_spec(docs)["topologySpreadConstraints"]}
+    assert "kubernetes.io/hostname" in keys
+
+
+# --------------------------------------------------------------------------- real services
+
+
+def _metric_sample_names(text: str) -> dict[str, list[dict]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[dict]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s.labels)
+    return out
+
+
+@pytest.mark.integration
+def test_hpa_metric_comes_from_what_the_real_sidecar_exports(docs, torchserve, sidecar):
+    """One real predict through TorchServe, then the sidecar's real /metrics: the adapter
+    rule must turn a series it exports into exactly the HPA's metric name."""
+    from serve.protocol import example_request
+
+    r = httpx.post(f"{torchserve.inference_url}/predictions/{torchserve.model_name}",
+                   json=example_request(3, seed=1), timeout=60)
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    samples = _metric_sample_names(text)
+    rule = _adapter_rule(docs)
+    made = {name: _adapter_metric_name(rule, name) for name in samples}
+    hits = {name for name, m in made.items() if m == HPA_METRIC}
+    assert hits == {SIDECAR_COUNTER}, sorted(samples)
+    codes = {labels.get("code") for labels in samples[SIDECAR_COUNTER]}
+    assert "200" in codes
+
+
+@pytest.mark.integration
+def test_probe_paths_exist_on_the_real_services(docs, torchserve, sidecar):
+    assert httpx.get(f"{torchserve.inference_url}/ping", timeout=10).status_code == 200
+    spec = httpx.get(f"{sidecar.url}/openapi.json", timeout=10).json()
+    sc = container(docs, "sidecar")
+    paths = {sc[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    paths.add(one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+              ["prometheus.io/path"])
+    for path in sorted(paths):
+        assert "get" in spec["paths"].get(path, {}), f"sidecar has no GET {path}"
+        assert httpx.get(f"{sidecar.url}{path}", timeout=10).status_code == 200, path
+    ts = container(docs, "torchserve")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        path = ts[probe]["httpGet"]["path"]
+        # No Authorization header, as the kubelet sends it: token auth must be off.
+        assert httpx.get(f"{torchserve.inference_url}{path}", timeout=10).status_code == 200

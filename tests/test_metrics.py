@@ -1,0 +1,258 @@
+"""serve.metrics: HandlerMetrics on a fresh registry, and across real worker processes in
+prometheus_client multiprocess mode, summed by the sidecar's collector."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.metrics import (
+    BATCH_REQUESTS_BUCKETS,
+    REQUEST_DURATION_BUCKETS,
+    HandlerAggregateCollector,
+    HandlerMetrics,
+    SidecarMetrics,
+    cache_hit_ratio_family,
+    torchserve_families,
+    workers_family,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Stats:  # the fields of serve.runtime.RuntimeStats that HandlerMetrics reads
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_buckets_span_half_a_millisecond_to_a_second():
+    assert REQUEST_DURATION_BUCKETS[0] == 0.0005 and REQUEST_DURATION_BUCKETS[-1] == 1.0
+    assert list(REQUEST_DURATION_BUCKETS) == sorted(REQUEST_DURATION_BUCKETS)
+    assert 4096 in BATCH_REQUESTS_BUCKETS and all(b in BATCH_REQUESTS_BUCKETS for b in range(1, 9))
+
+
+def test_handler_metrics_counts_exactly_on_a_fresh_registry():
+    reg = CollectorRegistry()
+    m = HandlerMetrics(reg)
+    for code, n, s in [(200, 512, 0.004), (200, 3, 0.0004), (400, 0, 0.0002), (200, 1, 2.0)]:
+        m.observe_request(code, n, s)
+    m.observe_batch(instances=515, requests=2)
+    m.observe_batch(instances=1, requests=1)
+    m.observe_stages({"decode": 0.0001, "embedding": 0.002, "dense": 0.01})
+    m.observe_stages({"decode": 0.0003, "bogus": 1.0})  # unknown stage: dropped, no label
+    get = reg.get_sample_value
+    assert get("dlrm_requests_total", {"code": "200"}) == 3
+    assert get("dlrm_requests_total", {"code": "400"}) == 1
+    assert get("dlrm_instances_total") == 516
+    assert get("dlrm_request_duration_seconds_count") == 4
+    assert get("dlrm_request_duration_seconds_bucket", {"le": "0.0005"}) == 2
+    assert get("dlrm_request_duration_seconds_bucket", {"le": "1.0"}) == 3
+    assert get("dlrm_request_duration_seconds_sum") == pytest.approx(2.0046, abs=1e-12)
+    assert get("dlrm_batch_instances_bucket", {"le": "512.0"}) == 1
+    assert get("dlrm_batch_instances_bucket", {"le": "1024.0"}) == 2
+    assert get("dlrm_batch_requests_bucket", {"le": "1.0"}) == 1
+    assert get("dlrm_batch_requests_count") == 2
+    assert get("dlrm_stage_duration_seconds_count", {"stage": "decode"}) == 2
+    assert get("dlrm_stage_duration_seconds_sum", {"stage": "dense"}) == pytest.approx(0.01)
+    assert get("dlrm_stage_duration_seconds_count", {"stage": "bogus"}) is None
+
+
+def test_set_cache_turns_cumulative_stats_into_counter_deltas():
+    reg = CollectorRegistry()
+    m = HandlerMetrics(reg)
+    m.set_cache(Stats(hits=10, misses=5, evictions=1, device_bytes=1000, host_bytes=5000))
+    m.set_cache(Stats(hits=30, misses=6, evictions=1, device_bytes=1200, host_bytes=5000))
+    get = reg.get_sample_value
+    assert (get("dlrm_cache_hits_total"), get("dlrm_cache_misses_total"),
+            get("dlrm_cache_evictions_total")) == (30, 6, 1)
+    assert get("dlrm_cache_device_bytes") == 1200 and get("dlrm_cache_host_bytes") == 5000
+    # A rebuilt runtime counts from zero again: counted as a reset, never negative.
+    m.set_cache(Stats(hits=4, misses=2))
+    assert (get("dlrm_cache_hits_total"), get("dlrm_cache_misses_total")) == (34, 8)
+    ratio = cache_hit_ratio_family(reg.collect())
+    assert ratio.samples[0].value == pytest.approx(34 / 42)
+
+
+def test_hit_ratio_is_nan_before_any_lookup():
+    assert math.isnan(cache_hit_ratio_family(CollectorRegistry().collect()).samples[0].value)
+
+
+def test_bad_values_are_refused_with_the_rule():
+    m = HandlerMetrics(CollectorRegistry())
+    with pytest.raises(ValueError, match=r"HTTP code 42 is outside 100\.\.599"):
+        m.observe_request(42, 1, 0.1)
+    with pytest.raises(ValueError, match=r"instances=-1 and seconds=0.1 must be >= 0"):
+        m.observe_request(200, -1, 0.1)
+    with pytest.raises(ValueError, match=r"requests=0 >= 1"):
+        m.observe_batch(3, 0)
+
+
+def test_two_instances_in_one_process_do_not_collide_by_default():
+    HandlerMetrics()
+    HandlerMetrics()  # private registries: no "Duplicated timeseries"
+
+
+_WORKER = textwrap.dedent("""
+    import os, sys
+    from dataclasses import dataclass
+    from serve.metrics import HandlerMetrics
+    @dataclass
+    class S:
+        hits: int; misses: int; evictions: int; device_bytes: int; host_bytes: int
+    k = int(sys.argv[1])
+    m = HandlerMetrics()
+    for i in range(k):
+        m.observe_request(200, 10, 0.002)
+    m.observe_request(413, 0, 0.0001)
+    m.observe_batch(instances=10 * k, requests=k)
+    m.observe_stages({"decode": 0.0001, "embedding": 0.0002, "dense": 0.003})
+    m.set_cache(S(hits=k, misses=1, evictions=0, device_bytes=100 * k, host_bytes=7))
+    m.set_cache(S(hits=2 * k, misses=2, evictions=1, device_bytes=100 * k, host_bytes=7))
+    print(os.getpid())
+""")
+
+
+def _run_workers(mp_dir: Path, ks: list[int]) -> list[int]:
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp_dir), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(k)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True) for k in ks]
+    pids = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        pids.append(int(out.strip()))
+    return pids
+
+
+def test_multiprocess_workers_are_summed_by_the_sidecar_collector(tmp_path):
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    pid3, pid5 = _run_workers(mp_dir, [3, 5])
+    reg = CollectorRegistry()
+    collector = HandlerAggregateCollector(mp_dir)
+    reg.register(collector)
+    got = samples(generate_latest(reg).decode())
+    assert got[("dlrm_requests_total", (("code", "200"),))] == 8
+    assert got[("dlrm_requests_total", (("code", "413"),))] == 2
+    assert got[("dlrm_instances_total", ())] == 80
+    assert got[("dlrm_request_duration_seconds_count", ())] == 10
+    assert got[("dlrm_batch_requests_bucket", (("le", "3.0"),))] == 1
+    assert got[("dlrm_batch_requests_bucket", (("le", "5.0"),))] == 2
+    assert got[("dlrm_stage_duration_seconds_count", (("stage", "dense"),))] == 2
+    assert got[("dlrm_cache_hits_total", ())] == 16
+    assert got[("dlrm_cache_misses_total", ())] == 4
+    assert got[("dlrm_cache_evictions_total", ())] == 2
+    assert got[("dlrm_cache_hit_ratio", ())] == pytest.approx(16 / 20)
+    assert got[("dlrm_cache_device_bytes", ())] == 800  # livesum over both workers
+    assert got[("dlrm_cache_host_bytes", ())] == 14
+
+    # Both listed by TorchServe, then worker "5" is gone: its live gauges go, its
+    # counters stay (a counter must never go down).
+    assert collector.reap([pid3, pid5]) == []
+    assert collector.reap([pid3]) == [pid5]
+    got = samples(generate_latest(reg).decode())
+    assert got[("dlrm_cache_device_bytes", ())] == 300
+    assert got[("dlrm_cache_hits_total", ())] == 16
+    # A pid never seen alive is never reaped (it may be a worker still starting).
+    assert collector.reap([]) == [pid3]
+    assert collector.reap([]) == []
+
+
+def test_forget_drops_gauges_of_workers_never_scraped(tmp_path):
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    pid2, _pid4 = _run_workers(mp_dir, [2, 4])
+    reg = CollectorRegistry()
+    collector = HandlerAggregateCollector(mp_dir)
+    reg.register(collector)
+    collector.forget([pid2])  # its version was unregistered before any scrape saw it
+    got = samples(generate_latest(reg).decode())
+    assert got[("dlrm_cache_device_bytes", ())] == 400
+    assert got[("dlrm_requests_total", (("code", "200"),))] == 6
+
+
+def test_missing_multiproc_dir_yields_only_the_ratio(tmp_path):
+    reg = CollectorRegistry()
+    reg.register(HandlerAggregateCollector(tmp_path / "absent"))
+    fams = list(text_string_to_metric_families(generate_latest(reg).decode()))
+    assert [f.name for f in fams] == ["dlrm_cache_hit_ratio"]
+
+
+TS_TEXT = """\
+# HELP ts_inference_requests_total Total number of inference requests.
+# TYPE ts_inference_requests_total counter
+ts_inference_requests_total{uuid="abc",model_name="dlrm",model_version="default",} 7.0
+# HELP Requests2XX Torchserve prometheus counter metric with unit: Count
+# TYPE Requests2XX counter
+Requests2XX{Level="Host",Hostname="h",} 7.0
+# HELP MemoryUsed Torchserve prometheus gauge metric with unit: Megabytes
+# TYPE MemoryUsed gauge
+MemoryUsed{Level="Host",Hostname="h",} 1234.5
+"""
+
+
+def test_torchserve_metrics_are_reexposed_under_ts_prefix():
+    reg = CollectorRegistry()
+
+    class Fixed:
+        def collect(self):
+            return torchserve_families(TS_TEXT)
+
+    reg.register(Fixed())
+    got = samples(generate_latest(reg).decode())
+    assert got[("ts_inference_requests_total",
+                (("model_name", "dlrm"), ("model_version", "default"), ("uuid", "abc")))] == 7
+    assert got[("ts_Requests2XX_total", (("Hostname", "h"), ("Level", "Host")))] == 7
+    assert got[("ts_MemoryUsed", (("Hostname", "h"), ("Level", "Host")))] == 1234.5
+
+
+def test_torchserve_garbage_is_a_value_error():
+    with pytest.raises(ValueError):
+        torchserve_families("this is {not prometheus\n")
+
+
+def test_workers_family_counts_by_status_and_always_has_ready():
+    fam = workers_family(["READY", "READY", "WORKER_STARTED"])
+    assert {s.labels["status"]: s.value for s in fam.samples} == {
+        "READY": 2, "WORKER_STARTED": 1}
+    assert {s.labels["status"]: s.value for s in workers_family([]).samples} == {"READY": 0}
+
+
+def test_sidecar_metrics_are_plain_and_bounded():
+    sm = SidecarMetrics()
+    sm.observe_request("/batching", "PUT", 401)
+    sm.observe_request("/batching", "PUT", 401)
+    sm.observe_update("applied", 3.5)
+    sm.set_up("metrics", True)
+    with pytest.raises(ValueError, match="update result 'nope' is not one of"):
+        sm.observe_update("nope")
+    reg = CollectorRegistry()
+    reg.register(sm)
+    got = samples(generate_latest(reg).decode())
+    assert got[("dlrm_sidecar_requests_total",
+                (("code", "401"), ("method", "PUT"), ("route", "/batching")))] == 2
+    assert got[("dlrm_batching_updates_total", (("result", "applied"),))] == 1
+    assert got[("dlrm_batching_last_update_duration_seconds", ())] == 3.5
+    assert got[("dlrm_upstream_up", (("target", "metrics"),))] == 1
+    assert got[("dlrm_upstream_up", (("target", "management"),))] == 0

@@ -1,0 +1,304 @@
+"""serve.protocol: parsing, validation wording, merging, and one-forward batches (no server)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from serve.archive import build_mar, model_config
+from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from serve.launcher import LaunchConfig, render_ts_config
+from serve.protocol import (INT64_MAX, HandlerConfig, check_content_type, default_num_threads,
+                            example_request, handle_batch, merge_requests, parse_body)
+from serve.profiles import SPARSE_FEATURES
+
+CFG = HandlerConfig(max_instances=4, max_ids_per_feature=3, max_body_bytes=100_000)
+
+
+def _rows(n: int = 2, seed: int = 1) -> dict:
+    return example_request(n, seed=seed)
+
+
+def _mut(f, base=None) -> bytes:
+    d = copy.deepcopy(base if base is not None else _rows())
+    f(d)
+    return orjson.dumps(d)
+
+
+def _set_ids(i: int, feat: str, ids) -> bytes:
+    return _mut(lambda d: d["instances"][i]["sparse"].__setitem__(feat, ids))
+
+
+def _set_dense(i: int, j: int, v) -> bytes:
+    return _mut(lambda d: d["instances"][i]["dense"].__setitem__(j, v))
+
+
+ID_RULE = r"ids must be JSON integers in \[0, 2\^63-1\]"
+DENSE_RULE = "dense values must be finite JSON numbers within float32 range"
+
+BAD = [
+    ("invalid json", b'{"instances": [', InvalidInput,
+     r"^body is not valid JSON \(unexpected end of data: line 1 column 16 \(char 15\)\); "
+     r"send UTF-8 JSON \(NaN and Infinity are not JSON numbers\)$"),
+    ("NaN literal", b'{"instances": [{"dense": [NaN]}]}', InvalidInput,
+     r"^body is not valid JSON \(unexpected character"),
+    ("Infinity as 1e999", b'{"instances": [{"dense": [1e999]}]}', InvalidInput,
+     r"^body is not valid JSON \(number is infinity when parsed as double"),
+    ("top-level array", b"[1, 2]", InvalidInput,
+     r'^body is a JSON array; expected an object \{"instances": \[...\]\} \(rows\) or '),
+    ("unknown top-level keys", b'{"foo": 1}', InvalidInput, r"^body has keys \['foo'\]; expected "),
+    ("extra key beside instances", _mut(lambda d: d.update(foo=1)), InvalidInput,
+     r'^body: unknown keys \[\'foo\'\] next to "instances"'),
+    ("instances not a list", b'{"instances": {}}', InvalidInput,
+     r"^instances: is a JSON object; expected an array of objects"),
+    ("empty instances", b'{"instances": []}', InvalidInput,
+     r"^instances: is empty; send 1 to 4 instances$"),
+    ("too many instances", orjson.dumps(_rows(5)), PayloadTooLarge,
+     r"^instances: 5 instances exceed the limit of 4 per request; split them over several"),
+    ("instance not an object", b'{"instances": [3]}', InvalidInput,
+     r"^instances\[0\]: is a JSON number; expected an object"),
+    ("instance without dense", _mut(lambda d: d["instances"][1].pop("dense")), InvalidInput,
+     r"^instances\[1\]: missing keys \['dense'\]; expected exactly \['dense', 'sparse'\]$"),
+    ("missing feature", _mut(lambda d: d["instances"][1]["sparse"].pop("C7")), InvalidInput,
+     r"^instances\[1\].sparse: missing features C7; every instance needs exactly the sparse "
+     r"features C1..C26 \(an empty list \[\] for no ids\)$"),
+    ("unknown feature", _set_ids(0, "C27", [1]), InvalidInput,
+     r"^instances\[0\].sparse: unknown features C27; every instance needs exactly"),
+    ("dense too short", _mut(lambda d: d["instances"][1]["dense"].pop()), InvalidInput,
+     r"^instances\[1\].dense: has 12 values; it must have exactly 13 \(I1..I13\)$"),
+    ("dense string", _set_dense(1, 4, "abc"), InvalidInput,
+     rf'^instances\[1\].dense\[4\]: "abc" is a string, not a number; {DENSE_RULE}$'),
+    ("dense null", _set_dense(0, 0, None), InvalidInput,
+     rf"^instances\[0\].dense\[0\]: null is not a number; {DENSE_RULE}$"),
+    ("dense bool", _set_dense(0, 0, True), InvalidInput,
+     rf"^instances\[0\].dense\[0\]: true is a boolean, not a number; {DENSE_RULE}$"),
+    ("dense beyond float32", _set_dense(1, 2, 1e39), InvalidInput,
+     rf"^instances\[1\].dense\[2\]: 1e\+39 is outside float32 range; {DENSE_RULE}$"),
+    ("negative id", _set_ids(1, "C7", [-5]), InvalidInput,
+     r"^instances\[1\].sparse.C7\[0\]: -5 is negative; ids must be integers >= 0$"),
+    ("fractional id", _set_ids(1, "C7", [3, 1.5]), InvalidInput,
+     rf"^instances\[1\].sparse.C7\[1\]: 1.5 is not an integer; {ID_RULE} \(no decimal point"),
+    ("float id 1.0", _set_ids(1, "C7", [1.0]), InvalidInput,
+     rf"^instances\[1\].sparse.C7\[0\]: 1.0 is not an integer; {ID_RULE}"),
+    ("id 2^63", _set_ids(0, "C26", [2**63]), InvalidInput,
+     rf"^instances\[0\].sparse.C26\[0\]: 9223372036854775808 is greater than 2\^63-1 "
+     rf"\(9223372036854775807\); {ID_RULE}$"),
+    ("id 2^64-1", _set_ids(0, "C26", [2**64 - 1]), InvalidInput,
+     r"^instances\[0\].sparse.C26\[0\]: 18446744073709551615 is greater than 2\^63-1"),
+    ("id beyond 64 bits", b'{"instances": [{"dense": [1,1,1,1,1,1,1,1,1,1,1,1,1], "sparse": {'
+     + b", ".join(f'"{f}": [{2**70 if f == "C2" else 1}]'.encode() for f in SPARSE_FEATURES)
+     + b"}}]}", InvalidInput,
+     rf"^instances\[0\].sparse.C2\[0\]: 1.1805916207174113e\+21 is beyond the 64-bit integer "
+     rf"range; {ID_RULE}$"),
+    ("string id", _set_ids(0, "C1", ["7"]), InvalidInput,
+     rf'^instances\[0\].sparse.C1\[0\]: "7" is a string, not an integer; {ID_RULE}$'),
+    ("bool id", _set_ids(0, "C1", [True]), InvalidInput,
+     rf"^instances\[0\].sparse.C1\[0\]: true is a boolean, not an integer; {ID_RULE}$"),
+    ("ids not a list", _set_ids(0, "C2", 7), InvalidInput,
+     r"^instances\[0\].sparse.C2: is a JSON number; expected an array of ids, e.g. \[42\]$"),
+    ("too many ids", _set_ids(1, "C3", [1, 2, 3, 4]), InvalidInput,
+     r"^instances\[1\].sparse.C3: has 4 ids; at most 3 ids per feature are allowed; "),
+    ("huge body", b" " * 100_001, PayloadTooLarge,
+     r"^body is 100001 bytes; the limit is 100000 bytes; split the instances"),
+    ("empty body", b"", InvalidInput, r"^body is empty; send a JSON object"),
+]
+
+
+@pytest.mark.parametrize("name,body,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_rows_are_rejected_with_the_field_and_rule(name, body, exc, match):
+    with pytest.raises(exc, match=match):
+        parse_body(body, CFG)
+
+
+def _col(f) -> bytes:
+    return _mut(f, example_request(2, seed=1, form="columnar"))
+
+
+BAD_COLUMNAR = [
+    ("lengths count", _col(lambda d: d["sparse"]["C3"].__setitem__("lengths", [1])),
+     r"^sparse.C3.lengths: has 1 entries; it must have one per dense row \(2\)$"),
+    ("lengths vs values", _col(lambda d: d["sparse"]["C3"].__setitem__("lengths", [1, 2])),
+     r"^sparse.C3: lengths sum to 3 but values has 2 ids; they must be equal$"),
+    ("negative id", _col(lambda d: d["sparse"]["C3"].__setitem__("values", [1, -2])),
+     r"^sparse.C3.values\[1\]: -2 is negative; ids must be integers >= 0$"),
+    ("negative length", _col(lambda d: d["sparse"]["C3"].__setitem__("lengths", [-1, 3])),
+     r"^sparse.C3.lengths\[0\]: -1 is not a count; lengths must be integers >= 0$"),
+    ("missing lengths", _col(lambda d: d["sparse"]["C3"].pop("lengths")),
+     r"^sparse.C3: missing keys \['lengths'\]; expected exactly \['lengths', 'values'\]$"),
+    ("dense row length", _col(lambda d: d["dense"][0].append(1)),
+     r"^dense\[0\]: has 14 values; it must have exactly 13 \(I1..I13\)$"),
+    ("missing feature", _col(lambda d: d["sparse"].pop("C26")),
+     r"^sparse: missing features C26; every instance needs exactly"),
+    ("too many ids", _col(lambda d: d["sparse"]["C4"].update(values=[1, 2, 3, 4, 5],
+                                                            lengths=[1, 4])),
+     r"^sparse.C4.lengths\[1\]: has 4 ids; at most 3 ids per feature are allowed"),
+]
+
+
+@pytest.mark.parametrize("name,body,match", BAD_COLUMNAR, ids=[b[0] for b in BAD_COLUMNAR])
+def test_bad_columnar_is_rejected(name, body, match):
+    with pytest.raises(InvalidInput, match=match):
+        parse_body(body, CFG)
+
+
+@pytest.mark.parametrize("ctype", [None, "", "application/json", "application/json; charset=utf-8",
+                                   "Application/JSON;charset=UTF-8"])
+def test_json_content_types_are_accepted(ctype):
+    check_content_type(ctype)
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded",
+                                   "application/json; charset=latin-1", "multipart/form-data"])
+def test_other_content_types_get_415(ctype):
+    with pytest.raises(UnsupportedMediaType, match=rf"^Content-Type '{ctype}' is not supported; "
+                                                   r"send the body as JSON with 'Content-Type: "):
+        check_content_type(ctype)
+
+
+def test_ids_are_exact_up_to_int64_max_and_layout_is_feature_major():
+    body = _rows(2)
+    body["instances"][0]["sparse"]["C1"] = [INT64_MAX, 45821459, 2**53 + 1]
+    body["instances"][1]["sparse"]["C1"] = []
+    body["instances"][1]["sparse"]["C2"] = [7, 8]
+    p = parse_body(orjson.dumps(body), CFG)
+    assert p.dense.dtype == np.float32 and p.dense.shape == (2, 13)
+    assert p.lengths.dtype == np.int32 and p.lengths.shape == (26, 2)
+    assert p.values.dtype == np.int64
+    assert p.lengths[:2].tolist() == [[3, 0], [1, 2]]
+    c2_first = body["instances"][0]["sparse"]["C2"][0]
+    assert p.values[:6].tolist() == [INT64_MAX, 45821459, 2**53 + 1, c2_first, 7, 8]
+    assert p.values.shape[0] == int(p.lengths.sum())
+    np.testing.assert_array_equal(
+        p.dense, np.array([i["dense"] for i in body["instances"]], dtype=np.float32))
+
+
+def test_rows_and_columnar_parse_identically():
+    a = parse_body(orjson.dumps(example_request(3, seed=5)), CFG)
+    b = parse_body(orjson.dumps(example_request(3, seed=5, form="columnar")), CFG)
+    np.testing.assert_array_equal(a.dense, b.dense)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.values, b.values)
+
+
+def _multi_hot(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    body = example_request(n, seed=seed)
+    for inst in body["instances"]:
+        for f in SPARSE_FEATURES:
+            inst["sparse"][f] = rng.integers(0, 10**6, size=int(rng.integers(0, 4))).tolist()
+    return body
+
+
+def test_merge_equals_parsing_the_concatenated_request():
+    reqs = [_multi_hot(n, seed) for n, seed in ((2, 1), (1, 2), (4, 3))]
+    parsed = [parse_body(orjson.dumps(r), CFG) for r in reqs]
+    merged = merge_requests(parsed)
+    whole = parse_body(orjson.dumps({"instances": sum((r["instances"] for r in reqs), [])}),
+                       HandlerConfig(max_instances=100, max_ids_per_feature=3))
+    assert merged.sizes == [2, 1, 4]
+    np.testing.assert_array_equal(merged.dense, whole.dense)
+    np.testing.assert_array_equal(merged.lengths, whole.lengths)
+    np.testing.assert_array_equal(merged.values, whole.values)
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tmp_path_factory):
+    from serve.runtime import Runtime, RuntimeConfig
+    from tests.fixtures.torchserve import tiny_random_artifact
+
+    path = tiny_random_artifact(tmp_path_factory.mktemp("proto") / "a.pt")
+    return Runtime.from_artifact(path, RuntimeConfig(device="cpu", cache_load_factor=1.0,
+                                                     num_threads=1))
+
+
+def _predict_with(runtime):
+    from serve.runtime import SparseBatch
+
+    def predict(m):
+        return runtime.predict(torch.from_numpy(m.dense),
+                               SparseBatch(torch.from_numpy(m.values),
+                                           torch.from_numpy(m.lengths))).numpy()
+    return predict
+
+
+def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
+    from serve.runtime import SparseBatch
+
+    reqs = [_multi_hot(2, 11), _multi_hot(3, 12), _multi_hot(1, 13)]
+    bodies = [orjson.dumps(reqs[0]), _set_ids(1, "C7", [-5]), orjson.dumps(reqs[1]),
+              b"not json", orjson.dumps(reqs[2])]
+    ctypes = ["application/json", None, "application/json; charset=utf-8", None, "text/plain"]
+    calls = []
+    predict = _predict_with(tiny_runtime)
+
+    def counting(m):
+        calls.append(m.sizes)
+        return predict(m)
+
+    outs, info = handle_batch(bodies, ctypes, counting, CFG)
+    assert calls == [[2, 3]]  # one forward: the two good requests
+    assert info["instances"] == 5 and info["requests"] == 2
+    assert [o.status for o in outs] == [200, 400, 200, 400, 415]
+    assert orjson.loads(outs[1].body) == {
+        "code": 400, "type": "InvalidInput",
+        "message": "instances[1].sparse.C7[0]: -5 is negative; ids must be integers >= 0"}
+    assert orjson.loads(outs[4].body)["type"] == "UnsupportedMediaType"
+    for out, req in ((outs[0], reqs[0]), (outs[2], reqs[1])):
+        p = parse_body(orjson.dumps(req), CFG)
+        alone = tiny_runtime.predict(torch.from_numpy(p.dense), SparseBatch(
+            torch.from_numpy(p.values), torch.from_numpy(p.lengths))).numpy()
+        got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
+        assert got.shape == alone.shape
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+        assert ((got > 0) & (got < 1)).all()
+
+
+def test_handler_config_validation():
+    with pytest.raises(ConfigError, match=r"handler: unknown keys \['cache_size'\]; known keys"):
+        HandlerConfig.from_dict({"cache_size": 3})
+    with pytest.raises(ConfigError, match=r"handler.max_instances=0 must be an integer >= 1"):
+        HandlerConfig(max_instances=0)
+    with pytest.raises(ConfigError, match=r"handler.cache_load_factor=1.5 must be in \(0, 1\]"):
+        HandlerConfig(cache_load_factor=1.5)
+    with pytest.raises(ConfigError, match=r"handler.cache_policy='fifo' must be 'lru' or 'lfu'"):
+        HandlerConfig(cache_policy="fifo")
+    assert HandlerConfig.from_dict(HandlerConfig(num_threads=2).to_dict()) == HandlerConfig(num_threads=2)
+
+
+def test_default_threads_split_the_cores():
+    assert default_num_threads(workers=2, cores=2) == 1
+    assert default_num_threads(workers=1, cores=16) == 16
+    assert default_num_threads(workers=4, cores=2) == 1
+
+
+def test_model_config_and_bad_archive_settings(tmp_path):
+    cfg = model_config(batch_size=16, max_batch_delay_ms=3, handler_config={"max_instances": 9})
+    assert cfg["batchSize"] == 16 and cfg["maxBatchDelay"] == 3
+    assert cfg["handler"]["max_instances"] == 9
+    with pytest.raises(ConfigError, match=r"build_mar: batch_size=0 must be an integer >= 1"):
+        model_config(batch_size=0)
+    with pytest.raises(ConfigError, match=r"min_workers=3 > max_workers=2"):
+        model_config(min_workers=3, max_workers=2)
+    from serve.errors import ArtifactError
+    with pytest.raises(ArtifactError, match=r"does not exist; build it with `make model`"):
+        build_mar(tmp_path / "nope.pt", tmp_path)
+
+
+def test_ts_config_render_replaces_ports_and_store(tmp_path):
+    text = ("# c\ninference_address=http://127.0.0.1:8080\nmanagement_address=http://127.0.0.1:8081\n"
+            "metrics_address=http://127.0.0.1:8082\nmodel_store=model_store\nload_models=dlrm=dlrm.mar\n"
+            "job_queue_size=1000\n")
+    cfg = LaunchConfig(inference_port=9001, management_port=9002, metrics_port=9003,
+                       sidecar_port=9004, model_store=tmp_path, ts_overrides={"job_queue_size": "5",
+                                                                             "max_request_size": "7"})
+    out = render_ts_config(text, cfg)
+    assert "inference_address=http://127.0.0.1:9001" in out
+    assert "management_address=http://127.0.0.1:9002" in out
+    assert "metrics_address=http://127.0.0.1:9003" in out
+    assert f"model_store={tmp_path}" in out
+    assert "load_models" not in out and "job_queue_size=5" in out and "max_request_size=7" in out
+    with pytest.raises(ConfigError, match=r"must all differ"):
+        LaunchConfig(inference_port=1, management_port=1)

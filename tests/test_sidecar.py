@@ -1,0 +1,415 @@
+"""serve.sidecar: the app (in process and under uvicorn), the .mar rewrite, tokens, and
+against a real TorchServe: metrics that move exactly, and a live PUT /batching under
+continuous load with zero failed predictions."""
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import Self
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.errors import ConfigError, UpstreamUnavailable
+from serve.protocol import example_request
+from serve.sidecar import (
+    SidecarConfig,
+    create_app,
+    ensure_dev_token,
+    load_token,
+    next_version,
+    rewrite_mar,
+)
+from tests.fixtures.sidecar import dead_port, start_sidecar
+
+RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
+         "0..10000, workers: integer 1..64")
+TOKEN = "t0ken-for-tests"
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# ------------------------------------------------------------------ units
+
+
+def test_next_version():
+    assert next_version("1.0", {"1.0"}) == "1.1"
+    assert next_version("1.9", {"1.9", "1.10", "1.11"}) == "1.12"
+    assert next_version("2024-05", {"2024-05"}) == "2024-05.1"
+
+
+def test_ensure_dev_token_writes_a_private_random_token_once(tmp_path):
+    path = tmp_path / "run" / "sidecar-token"
+    token = ensure_dev_token(path)
+    assert len(token) >= 40
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_dev_token(path) == token  # present: kept, not rotated
+    assert ensure_dev_token(tmp_path / "other") != token
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match=r"token file .*empty is empty; write a token into it"):
+        load_token(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"token file .*absent does not exist; create it"):
+        load_token(tmp_path / "absent")
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match=r"management_url='localhost:8081' is not an http\(s\) URL"):
+        SidecarConfig(management_url="localhost:8081")
+    with pytest.raises(ConfigError, match=r"model_name='a/b' must be letters"):
+        SidecarConfig(model_name="a/b")
+    with pytest.raises(ConfigError, match=r"upstream_timeout_s=0 must be > 0 seconds"):
+        SidecarConfig(upstream_timeout_s=0)
+
+
+def _toy_mar(path: Path) -> Path:
+    cfg = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 50,
+           "responseTimeout": 60, "handler": {"cache_load_factor": 1.0}}
+    manifest = {"runtime": "python", "model": {"modelName": "dlrm", "modelVersion": "1.0",
+                                               "configFile": "model-config.yaml"}}
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
+        z.writestr("model-config.yaml", yaml.safe_dump(cfg))
+        z.writestr("artifact.pt", b"\x00\x01binary" * 1000)
+    return path
+
+
+def test_rewrite_mar_sets_version_and_batching_keeps_the_rest(tmp_path):
+    src = _toy_mar(tmp_path / "dlrm.mar")
+    dst = rewrite_mar(src, tmp_path / "dlrm-v1.1.mar", version="1.1", batch_size=32,
+                      max_batch_delay_ms=7, workers=2)
+    with zipfile.ZipFile(dst) as z:
+        assert json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["modelVersion"] == "1.1"
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+        assert z.read("artifact.pt") == b"\x00\x01binary" * 1000
+    assert cfg == {"minWorkers": 2, "maxWorkers": 2, "batchSize": 32, "maxBatchDelay": 7,
+                   "responseTimeout": 60, "handler": {"cache_load_factor": 1.0}}
+    with pytest.raises(UpstreamUnavailable, match=r"is not in the model store; pass --model-store"):
+        rewrite_mar(tmp_path / "nope.mar", tmp_path / "x.mar", version="2", batch_size=1,
+                    max_batch_delay_ms=1, workers=1)
+
+
+def _call(app, method: str, url: str, **kw) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as c:
+                return await c.request(method, url, **kw)
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def dead_app(tmp_path):
+    port = dead_port()
+    return create_app(SidecarConfig(
+        management_url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{port}",
+        inference_url=f"http://127.0.0.1:{port}", token=TOKEN, multiproc_dir=tmp_path))
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"batch_size": 0}, "batch_size: Input should be greater than or equal to 1 (got 0)"),
+    ({"batch_size": 5000}, "batch_size: Input should be less than or equal to 4096 (got 5000)"),
+    ({"max_batch_delay_ms": -1},
+     "max_batch_delay_ms: Input should be greater than or equal to 0 (got -1)"),
+    ({"workers": 65}, "workers: Input should be less than or equal to 64 (got 65)"),
+    ({"batch_size": "8"}, "batch_size: Input should be a valid integer (got '8')"),
+    ({"batch_size": 8.0}, "batch_size: Input should be a valid integer (got 8.0)"),
+    ({"batch_size": True}, "batch_size: Input should be a valid integer (got True)"),
+    ({"batchSize": 8}, "batchSize: unknown field (got 8)"),
+    ({}, "body: give at least one of batch_size, max_batch_delay_ms, workers (got {})"),
+    ([8], ("body: the body must be a JSON object sent with Content-Type: application/json "
+           "(got [8])")),
+])
+def test_bad_bodies_get_400_with_the_field_and_rule(dead_app, body, message):
+    r = _call(dead_app, "PUT", "/batching", json=body, headers=AUTH)
+    assert r.status_code == 400
+    assert r.json() == {"code": 400, "type": "InvalidInput",
+                        "message": f"invalid PUT /batching body: {message}. {RULES}"}
+
+
+def test_body_that_is_not_json(dead_app):
+    r = _call(dead_app, "PUT", "/batching", content=b"{batch_size: 8",
+              headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["message"] == (
+        "invalid PUT /batching body: body: the body is not valid JSON (Expecting property "
+        f"name enclosed in double quotes at character 1). {RULES}")
+
+
+@pytest.mark.parametrize("headers, status, body", [
+    ({}, 401, {"code": 401, "type": "Unauthorized",
+               "message": "PUT /batching needs the header 'Authorization: Bearer <token>'; "
+                          "the token is in the sidecar's --token-file or DLRM_SIDECAR_TOKEN"}),
+    ({"Authorization": "Basic dTpw"}, 401, None),
+    ({"Authorization": "Bearer wrong"}, 403,
+     {"code": 403, "type": "Forbidden",
+      "message": "the bearer token is wrong; use the one in the sidecar's --token-file or "
+                 "DLRM_SIDECAR_TOKEN"}),
+    ({"Authorization": f"Bearer {TOKEN}x"}, 403, None),
+])
+def test_auth(dead_app, headers, status, body):
+    r = _call(dead_app, "PUT", "/batching", json={"batch_size": 4}, headers=headers)
+    assert r.status_code == status
+    if body is not None:
+        assert r.json() == body
+    if status == 401:
+        assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_no_token_configured_disables_writes(tmp_path):
+    app = create_app(SidecarConfig(management_url=f"http://127.0.0.1:{dead_port()}"))
+    r = _call(app, "PUT", "/batching", json={"batch_size": 4}, headers=AUTH)
+    assert r.status_code == 403 and "has no token configured" in r.json()["message"]
+
+
+def test_openapi_docs_are_served(dead_app):
+    assert _call(dead_app, "GET", "/docs").status_code == 200
+    spec = _call(dead_app, "GET", "/openapi.json").json()
+    assert {"/metrics", "/batching", "/healthz", "/readyz"} <= set(spec["paths"])
+    assert spec["components"]["schemas"]["BatchingUpdate"]["additionalProperties"] is False
+
+
+# ------------------------------------------------------------------ uvicorn, TorchServe down
+
+
+@pytest.mark.integration
+def test_real_sidecar_with_torchserve_down(tmp_path):
+    port = dead_port()
+    dead = f"http://127.0.0.1:{port}"
+    sc = start_sidecar(tmp_path, management_url=dead, metrics_url=dead, inference_url=dead,
+                       model_name="dlrm", multiproc_dir=tmp_path / "prom",
+                       model_store=tmp_path / "store")
+    try:
+        with httpx.Client(base_url=sc.url, timeout=30) as c:
+            assert c.get("/healthz").json() == {"status": "alive"}
+            r = c.get("/readyz")
+            assert r.status_code == 503
+            assert r.json()["type"] == "UpstreamUnavailable"
+            assert r.json()["message"].startswith(
+                f"TorchServe management API at {dead}/models/dlrm did not answer (ConnectError")
+            r = c.get("/metrics")
+            assert r.status_code == 200
+            got = samples(r.text)
+            assert got[("dlrm_upstream_up", (("target", "management"),))] == 0
+            assert got[("dlrm_upstream_up", (("target", "metrics"),))] == 0
+            assert not any(name.startswith("ts_") for name, _ in got)
+            assert c.get("/batching").status_code == 503
+            r = c.put("/batching", json={"batch_size": 2},
+                      headers={"Authorization": f"Bearer {sc.token}"})
+            assert r.status_code == 503
+            assert c.put("/batching", json={"batch_size": 2}).status_code == 401
+            r = c.get("/metrics")
+            got = samples(r.text)
+            assert got[("dlrm_batching_updates_total", (("result", "failed"),))] == 1
+            assert got[("dlrm_sidecar_requests_total",
+                        (("code", "503"), ("method", "GET"), ("route", "/readyz")))] == 1
+    finally:
+        sc.stop()
+
+
+# ------------------------------------------------------------------ against real TorchServe
+
+
+def _metrics(sidecar) -> dict[tuple[str, tuple], float]:
+    r = httpx.get(f"{sidecar.url}/metrics", timeout=30)
+    assert r.status_code == 200
+    return samples(r.text)
+
+
+def _value(s: dict, name: str, **labels: str) -> float:
+    return s.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.integration
+def test_readyz_and_batching_read_torchserve(sidecar, torchserve):
+    r = httpx.get(f"{sidecar.url}/readyz", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ready" and r.json()["ready_workers"] >= 1
+    got = httpx.get(f"{sidecar.url}/batching", timeout=30).json()
+    desc = httpx.get(f"{torchserve.management_url}/models/{torchserve.model_name}",
+                     timeout=30).json()[0]
+    assert got == {"batch_size": desc["batchSize"], "max_batch_delay_ms": desc["maxBatchDelay"],
+                   "workers": len(desc["workers"]), "model_version": desc["modelVersion"]}
+
+
+@pytest.mark.integration
+def test_metrics_move_by_exactly_the_requests_sent(sidecar, torchserve):
+    before = _metrics(sidecar)
+    sizes = [1, 3, 5, 2, 7]
+    bad = {"instances": [{"dense": [0.0] * 12, "sparse": {}}]}
+    with httpx.Client(timeout=60) as c:
+        for i, n in enumerate(sizes):  # one at a time: each is its own forward
+            r = c.post(torchserve.predict_url, json=example_request(n, seed=i))
+            assert r.status_code == 200, r.text
+            assert len(r.json()["predictions"]) == n
+        for _ in range(2):
+            assert c.post(torchserve.predict_url, json=bad).status_code == 400
+    after = _metrics(sidecar)
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("dlrm_requests_total", code="200") == len(sizes)
+    assert delta("dlrm_requests_total", code="400") == 2
+    assert delta("dlrm_instances_total") == sum(sizes)
+    assert delta("dlrm_request_duration_seconds_count") == len(sizes) + 2
+    assert delta("dlrm_batch_requests_count") == len(sizes)
+    assert delta("dlrm_batch_requests_bucket", le="1.0") == len(sizes)
+    assert delta("dlrm_batch_instances_sum") == sum(sizes)
+    assert delta("dlrm_stage_duration_seconds_count", stage="dense") == len(sizes)
+    assert delta("dlrm_cache_hits_total") + delta("dlrm_cache_misses_total") > 0
+    assert 0.0 <= _value(after, "dlrm_cache_hit_ratio") <= 1.0
+    assert _value(after, "dlrm_workers", status="READY") >= 1
+    assert _value(after, "dlrm_upstream_up", target="metrics") == 1
+    assert _value(after, "dlrm_upstream_up", target="management") == 1
+    assert any(name.startswith("ts_") for name, _ in after)
+
+
+class _Load:
+    """``threads`` clients posting predictions back to back until stopped; counts every
+    answer that is not a 200 with the right number of predictions, and every error."""
+
+    def __init__(self, url: str, threads: int, instances: int = 4) -> None:
+        self.url, self.instances = url, instances
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(threads)]
+
+    def _run(self, seed: int) -> None:
+        body = json.dumps(example_request(self.instances, seed=seed)).encode()
+        headers = {"Content-Type": "application/json"}
+        with httpx.Client(timeout=60) as c:
+            while not self._stop.is_set():
+                try:
+                    r = c.post(self.url, content=body, headers=headers)
+                    good = (r.status_code == 200
+                            and len(r.json()["predictions"]) == self.instances)
+                    why = f"{r.status_code} {r.text[:200]}"
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                    # a connection error or a malformed answer is a failed request too
+                    good, why = False, f"{type(e).__name__}: {e}"
+                with self._lock:
+                    if good:
+                        self.ok += 1
+                    else:
+                        self.failed.append(why)
+
+    def __enter__(self) -> Self:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+
+    def count(self) -> int:
+        with self._lock:
+            return self.ok + len(self.failed)
+
+    def wait_for(self, n: int, timeout_s: float = 120.0) -> None:
+        """Until ``n`` more requests were answered (progress, not time, is asserted)."""
+        target = self.count() + n
+        deadline = time.monotonic() + timeout_s
+        while self.count() < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.count() >= target, f"load made no progress: {self.count()} < {target}"
+
+
+def _put(sidecar, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.put(f"{sidecar.url}/batching", json=body, timeout=timeout,
+                     headers={"Authorization": f"Bearer {sidecar.token}"})
+
+
+@pytest.mark.integration
+def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
+    original = httpx.get(f"{sidecar.url}/batching", timeout=30).json()
+    threads = 6
+    try:
+        with _Load(torchserve.predict_url, threads=threads) as load:
+            load.wait_for(20)
+            # The one worker's cache footprint; the scrape also lets the sidecar see its pid.
+            base = _metrics(sidecar)
+            footprint = (_value(base, "dlrm_cache_device_bytes")
+                         + _value(base, "dlrm_cache_host_bytes"))
+            assert footprint > 0
+            # 1) down to batch_size 1, with a second PUT racing it: that one gets 409.
+            result: dict = {}
+            first = threading.Thread(
+                target=lambda: result.update(r=_put(sidecar, {"batch_size": 1})))
+            first.start()
+            time.sleep(0.5)  # registering a version takes seconds (a worker must load)
+            second = _put(sidecar, {"batch_size": 3})
+            first.join()
+            assert second.status_code == 409, second.text
+            assert second.json()["type"] == "Conflict"
+            r = result["r"]
+            assert r.status_code == 200, r.text
+            assert r.json()["batch_size"] == 1 and r.json()["changed"] is True
+            assert r.json()["previous"] == original
+            assert r.json()["removed_version"] == original["model_version"]
+            now = httpx.get(f"{sidecar.url}/batching", timeout=30).json()
+            assert now["batch_size"] == 1
+            assert now["max_batch_delay_ms"] == original["max_batch_delay_ms"]
+            assert now["model_version"] != original["model_version"]
+            # Every forward after the switch holds exactly one request.
+            s0 = _metrics(sidecar)
+            load.wait_for(30)
+            s1 = _metrics(sidecar)
+            forwards = (_value(s1, "dlrm_batch_requests_count")
+                        - _value(s0, "dlrm_batch_requests_count"))
+            singles = (_value(s1, "dlrm_batch_requests_bucket", le="1.0")
+                       - _value(s0, "dlrm_batch_requests_bucket", le="1.0"))
+            assert forwards >= 30 and singles == forwards
+            # The old worker is gone: its live gauges no longer count (one worker's bytes).
+            assert (_value(s1, "dlrm_cache_device_bytes")
+                    + _value(s1, "dlrm_cache_host_bytes")) == footprint
+
+            # 2) up to batch_size 16 with a longer delay: batches of more than the old
+            #    size (1) appear in the histogram, at most the number of clients.
+            r = _put(sidecar, {"batch_size": 16, "max_batch_delay_ms": 100})
+            assert r.status_code == 200, r.text
+            assert httpx.get(f"{sidecar.url}/batching", timeout=30).json()["batch_size"] == 16
+            s2 = _metrics(sidecar)
+            load.wait_for(60)
+            s3 = _metrics(sidecar)
+
+            def d(name: str, **labels: str) -> float:
+                return _value(s3, name, **labels) - _value(s2, name, **labels)
+
+            forwards = d("dlrm_batch_requests_count")
+            assert forwards > 0
+            assert forwards - d("dlrm_batch_requests_bucket", le="1.0") > 0  # > old size
+            assert d("dlrm_batch_requests_bucket", le=f"{threads}.0") == forwards
+        print(f"\nlive PUT /batching under load: {load.ok} ok, {len(load.failed)} failed")
+        assert load.failed == [], load.failed[:5]
+        assert _value(s3, "dlrm_batching_updates_total", result="applied") >= 2
+        assert _value(s3, "dlrm_batching_updates_total", result="conflict") >= 1
+    finally:
+        # Leave the session's TorchServe as the other tests expect it.
+        r = _put(sidecar, {"batch_size": original["batch_size"],
+                           "max_batch_delay_ms": original["max_batch_delay_ms"],
+                           "workers": original["workers"]})
+        assert r.status_code == 200, r.text
+        # Settings as they are: nothing to register.
+        r = _put(sidecar, {"batch_size": original["batch_size"]})
+        assert r.status_code == 200 and r.json()["changed"] is False, r.text
