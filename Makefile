@@ -13,7 +13,7 @@ VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java model run up down test test-fast lint bench-runtime bench-e2e \
-        gpu-check loadtest capacity hpa-sim image clean
+        gpu-check gpu-fixture loadtest capacity hpa-sim image clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -59,6 +59,9 @@ gpu-check: ## on a CUDA machine: exactness vs CPU, throughput with/without cache
 	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check
 
 LOADTEST_ARGS ?=
+gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU expectations) for gpu-check
+	$(PY) -m bench.make_gpu_fixture
+
 loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s [LOADTEST_ARGS="-H http://svc:8080 --allow-remote"]
 	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION) $(LOADTEST_ARGS)
 

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         hr = hit_ratios(sim_rows=2000, batches=10, warmup=5, batch=128)
     else:
         tp, levers = throughput("small", BATCHES, 0.5, threads)
-        hr = hit_ratios(sim_rows=20_000, batches=100, warmup=50, batch=512)
+        hr = hit_ratios(sim_rows=20_000, batches=300, warmup=300, batch=512)
     result = {"throughput": tp, "levers": levers, "hit_ratio": hr,
               "quick": args.quick, "torch": torch.__version__, "threads": threads}
     args.out.parent.mkdir(parents=True, exist_ok=True)

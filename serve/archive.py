@@ -31,7 +31,7 @@ import yaml
 
 from serve.errors import ArtifactError, ConfigError
 
-__all__ = ["build_mar", "model_config", "HANDLER_FILE", "ARTIFACT_NAME", "MODEL_CONFIG_NAME"]
+__all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "build_mar", "model_config"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
                "--archive-format", "zip-store", "--force"]
         log.info("packing %s (%.1f MB) into %s/%s.mar", artifact,
                  artifact.stat().st_size / 1e6, export_dir, model_name)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise ArtifactError(f"torch-model-archiver failed ({proc.returncode}): "
                                 f"{(proc.stderr or proc.stdout).strip()[-2000:]}")

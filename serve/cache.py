@@ -26,6 +26,20 @@ Counters are per id (access), not per unique row: ``hits`` counts the ids whose 
 was resident when the batch arrived, so ``hits / lookups`` is comparable with the
 ideal top-k hit ratio of the id distribution.
 
+Two lookups share this state:
+
+* :meth:`EmbeddingCache.lookup` (any policy, any batch): unique rows in, exact bytes
+  out; host syncs only to size the miss gather (and, for LFU, the admitted count).
+* :meth:`EmbeddingCache.lookup_static` (LRU, fixed shapes, no host sync, so a CUDA
+  graph can capture it): needs the misses readable by the device (``miss_path="mapped"``:
+  the GPU reads the pinned host table over the bus) and capacity >= 2 x ids.
+
+Miss paths on CUDA: "host" (default) gathers on the host into a pinned buffer and copies
+once; "mapped" lets the GPU gather from the pinned table itself. Measured elsewhere on an
+H200 (shared/STACK.md) the two move rows at about the same rate (1-2.7e8 rows/s); "mapped"
+needs no host round trip of the miss ids, which is what makes the captured path possible.
+``bench/gpu_check.py`` measures both again.
+
 The code is device-agnostic: ``device="cpu"`` runs exactly the same tensor program,
 which is how the CPU tests cover it. On CPU it only costs time (device memory is host
 memory), so the runtime does not use it there unless asked to.
@@ -196,17 +210,21 @@ class EmbeddingCache:
         if self.miss_path == "mapped":
             self._mapped, self._mapped_keep = host_mapped_view(host_table, self.device)
         dev = self.device
-        self.slots = torch.zeros((self.capacity, self.row_bytes), dtype=torch.uint8, device=dev)
-        self.row_to_slot = torch.full((self.total_rows,), -1, dtype=torch.int32, device=dev)
-        self.slot_to_row = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
+        cap, rows = self.capacity, self.total_rows
+        # Each array has one extra entry at its end (slot `capacity`, row `total_rows`):
+        # a dump for the writes the fixed-shape path masks out (see lookup_static), so it
+        # needs no data-dependent shapes. It is never resident and never a victim.
+        self.slots = torch.zeros((cap + 1, self.row_bytes), dtype=torch.uint8, device=dev)
+        self.row_to_slot = torch.full((rows + 1,), -1, dtype=torch.int32, device=dev)
+        self.slot_to_row = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
         # Last use as a unique key: step * capacity + slot (empty: -capacity + slot), so
         # the LRU victims are the k smallest keys with no extra pass to break ties.
-        self.slot_last_use = (torch.arange(self.capacity, dtype=torch.int64, device=dev)
-                              - self.capacity)
+        self.slot_last_use = torch.arange(cap + 1, dtype=torch.int64, device=dev) - cap
         # LFU keeps per-row access counts (int32: 2^31 accesses of one row is far away).
-        self.row_freq = (torch.zeros((self.total_rows,), dtype=torch.int32, device=dev)
+        self.row_freq = (torch.zeros((rows,), dtype=torch.int32, device=dev)
                          if policy == "lfu" else None)
-        self.step = 0
+        # The step lives on the device so a captured CUDA graph advances it too.
+        self._step = torch.zeros((), dtype=torch.int64, device=dev)
         # lookups, hits, evictions: summed on the device so a batch needs no sync for them
         self._count = torch.zeros(3, dtype=torch.int64, device=dev)
         self._staging: torch.Tensor | None = None
@@ -233,8 +251,8 @@ class EmbeddingCache:
 
     def resident_rows(self) -> torch.Tensor:
         """Sorted global rows now on the device (int64, CPU); for tests and tools."""
-        r = self.slot_to_row[self.slot_to_row >= 0]
-        return torch.sort(r).values.cpu()
+        res = self.slot_to_row[: self.capacity]
+        return torch.sort(res[res >= 0]).values.cpu()
 
     # -- the miss path -------------------------------------------------------------------
     def _fetch(self, rows: torch.Tensor) -> torch.Tensor:
@@ -278,8 +296,8 @@ class EmbeddingCache:
         u = rows.numel()
         counts = (torch.ones(u, dtype=torch.int64, device=dev) if counts is None
                   else counts.to(device=dev, dtype=torch.int64))
-        self.step += 1
-        now = self.step * self.capacity   # last-use keys >= now: touched in this batch
+        self._step.add_(1)
+        now = self._step * self.capacity  # last-use keys >= now: touched in this batch
         slot = self.row_to_slot.index_select(0, rows).long()       # (U,), -1 = absent
         hit = slot >= 0
         # Gather every row from the slots (misses read slot 0 and are overwritten below):
@@ -292,8 +310,7 @@ class EmbeddingCache:
             reduce="amax")
         if self.row_freq is not None:
             self.row_freq.index_add_(0, rows, counts.to(torch.int32))
-        self._count[0] += counts.sum()
-        self._count[1] += (counts * hit).sum()
+        self._count[:2].add_(torch.stack((counts.sum(), (counts * hit).sum())))
         miss_idx = (~hit).nonzero().squeeze(1)                     # sync: sizes the fetch
         n_miss = miss_idx.numel()
         if n_miss:
@@ -305,7 +322,7 @@ class EmbeddingCache:
         return out
 
     def _admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor,
-               fetched: torch.Tensor, *, n_hits: int, now: int) -> None:
+               fetched: torch.Tensor, *, n_hits: int, now: torch.Tensor) -> None:
         """Put misses into victim slots, counting evictions (on the device)."""
         k = min(miss_rows.numel(), self.capacity - n_hits)
         if k <= 0:
@@ -316,18 +333,19 @@ class EmbeddingCache:
             # Hits of this batch hold the largest keys, so the k smallest never include
             # them (k <= capacity - hits); empty slots (negative keys) go first. Keys are
             # unique, so topk's choice, and every later eviction, is deterministic.
-            key = self.slot_last_use
+            key = self.slot_last_use[: self.capacity]
         else:
             if self.row_freq is None:
                 raise RuntimeError("LFU cache without access counts")
             cand_key = self.row_freq.index_select(0, miss_rows).long()
-            resident = self.slot_to_row
+            resident = self.slot_to_row[: self.capacity]
+            last = self.slot_last_use[: self.capacity]
             freq = torch.where(resident >= 0,
                                self.row_freq.index_select(0, resident.clamp_min(0)).long(),
                                torch.full_like(resident, -1))
             # LFU key: access count (empty = -1), ties to the lower slot; hits excluded.
-            slot_ids = torch.remainder(self.slot_last_use, self.capacity)
-            key = torch.where(self.slot_last_use >= now, torch.full_like(freq, _NEVER),
+            slot_ids = torch.remainder(last, self.capacity)
+            key = torch.where(last >= now, torch.full_like(freq, _NEVER),
                               (freq + 1) * (1 << 32) + slot_ids)
         cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
         victims = torch.topk(key, k, largest=False, sorted=True).indices
@@ -342,7 +360,7 @@ class EmbeddingCache:
         new_rows = miss_rows.index_select(0, cand)
         old_rows = self.slot_to_row.index_select(0, victims)
         occupied = old_rows >= 0
-        self._count[2] += occupied.sum()
+        self._count[2:].add_(occupied.sum())
         # Unmap the evicted rows. An empty victim slot has no row (-1): point its write at
         # the incoming row instead, whose entry is set right after (same stream, in order),
         # so no boolean-mask sync is needed.
@@ -351,3 +369,59 @@ class EmbeddingCache:
         self.slot_to_row.index_copy_(0, victims, new_rows)
         self.row_to_slot.index_copy_(0, new_rows, victims.to(torch.int32))
         self.slot_last_use.index_copy_(0, victims, victims + now)
+
+    def static_ok(self, n: int) -> bool:
+        """Whether ``lookup_static`` may serve ``n`` ids: LRU, misses readable by the device
+        (CPU, or CUDA with the mapped miss path), and at least 2n slots, so the n oldest
+        slots never include one this batch hits."""
+        readable = self.device.type == "cpu" or self._mapped is not None
+        return self.policy == "lru" and readable and self.capacity >= 2 * n
+
+    def lookup_static(self, rows: torch.Tensor) -> torch.Tensor:
+        """Fixed-shape lookup + LRU admission with no host sync: CUDA-graph capturable.
+
+        Args:
+            rows: int64 (n,) global rows on the device, duplicates allowed.
+        Returns:
+            uint8 (n, row_bytes): row i holds ``rows[i]``.
+
+        Every id is read from its slot and from host memory (over the bus) and the right
+        one kept; misses (first occurrence of each row) take the least recently used of
+        the n oldest slots, in order. Writes for positions that admit nothing go to the
+        dump entries. Counters as in :meth:`lookup` (per id). Check ``static_ok`` first.
+        """
+        cap, n = self.capacity, rows.numel()
+        source = self._mapped if self._mapped is not None else self.host_table
+        self._step.add_(1)
+        now = self._step * cap
+        slot = self.row_to_slot.index_select(0, rows).long()
+        hit = slot >= 0
+        safe = slot.clamp_min(0)
+        out = torch.where(hit.unsqueeze(1), self.slots.index_select(0, safe),
+                          source.index_select(0, rows))
+        self.slot_last_use.scatter_reduce_(
+            0, safe, torch.where(hit, safe + now, torch.full_like(safe, _LOWEST)), reduce="amax")
+        # First occurrence of each row: only it may be admitted (one slot per row).
+        order = torch.argsort(rows, stable=True)
+        sorted_rows = rows.index_select(0, order)
+        first_sorted = torch.ones(n, dtype=torch.bool, device=rows.device)
+        first_sorted[1:] = sorted_rows[1:] != sorted_rows[:-1]
+        first = torch.empty_like(first_sorted).scatter_(0, order, first_sorted)
+        admit = ~hit & first
+        # The j-th admitted id takes the j-th oldest slot (n oldest: never a hit of this
+        # batch, since capacity >= 2n).
+        victims = torch.topk(self.slot_last_use[:cap], n, largest=False, sorted=True).indices
+        v = victims.index_select(0, (torch.cumsum(admit, 0) - 1).clamp_min(0))
+        old = self.slot_to_row.index_select(0, v)
+        evict = admit & (old >= 0)
+        dump_row = torch.full_like(rows, self.total_rows)
+        target = torch.where(admit, v, torch.full_like(v, cap))
+        self.row_to_slot.index_fill_(0, torch.where(evict, old, dump_row), -1)
+        self.slots.index_copy_(0, target, out)
+        self.slot_to_row.index_copy_(0, target, torch.where(admit, rows, torch.full_like(rows, -1)))
+        self.slot_last_use.index_copy_(0, target, torch.where(admit, v + now,
+                                                              torch.full_like(v, _LOWEST)))
+        self.row_to_slot.index_copy_(0, torch.where(admit, rows, dump_row),
+                                     torch.where(admit, v, torch.full_like(v, -1)).int())
+        self._count.add_(torch.stack((torch.full_like(now, n), hit.sum(), evict.sum())))
+        return out

@@ -34,8 +34,18 @@ from typing import Any
 
 from serve.errors import ConfigError, UpstreamUnavailable
 
-__all__ = ["LaunchConfig", "Service", "render_ts_config", "start", "start_torchserve", "start_sidecar",
-           "wait_ready", "stop_group", "post_json", "main"]
+__all__ = [
+    "LaunchConfig",
+    "Service",
+    "main",
+    "post_json",
+    "render_ts_config",
+    "start",
+    "start_sidecar",
+    "start_torchserve",
+    "stop_group",
+    "wait_ready",
+]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +130,7 @@ class Service:
         for proc in (self.sidecar, self.torchserve):
             if proc is not None:
                 stop_group(proc.pid, proc)
+        _pidfile(self.config).unlink(missing_ok=True)
 
 
 def render_ts_config(text: str, cfg: LaunchConfig) -> str:
@@ -193,13 +204,10 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     cmd = [str(torchserve) if torchserve.exists() else "torchserve", "--start", "--foreground",
            "--ncs", "--model-store", str(store), "--models", f"{cfg.model_name}={cfg.mar_name}",
            "--ts-config", str(conf)]
-    out = open(log_dir / "torchserve.out", "ab")
     log.info("starting TorchServe: %s", " ".join(cmd))
-    try:
+    with open(log_dir / "torchserve.out", "ab") as out:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ts_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        out.close()
 
 
 def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
@@ -217,12 +225,9 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
            "--model-store", str(cfg.path(cfg.model_store))]
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
-    out = open(log_dir / "sidecar.out", "ab")
-    try:
+    with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        out.close()
 
 
 def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
@@ -253,14 +258,15 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
     while time.monotonic() - t0 < timeout_s:
         for p in procs:
             if p.poll() is not None:
+                name = str(p.args[0]) if isinstance(p.args, list) else str(p.args)
                 raise UpstreamUnavailable(
-                    f"process {p.args[0] if isinstance(p.args, list) else p.args} exited with "
+                    f"process {name} exited with "
                     f"{p.returncode} before ready; see {log_hint or cfg.path(cfg.log_dir)}")
         try:
             status, _, data = post_json(url, body, timeout=5)
             if status == 200:
                 return time.monotonic() - t0
-            last = f"HTTP {status}: {data[:200]!r}"
+            last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
         except (OSError, urllib.error.URLError) as e:
             last = str(e)
         time.sleep(0.25)
@@ -274,10 +280,9 @@ def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float 
         pgid = os.getpgid(pid)
     except ProcessLookupError:
         return
-    if pgid != pid:  # not a group we lead: only signal the process itself
-        pgid = None
+    leads = pgid == pid  # else not a group we lead: only signal the process itself
     try:
-        os.killpg(pgid, signal.SIGTERM) if pgid else os.kill(pid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGTERM) if leads else os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s
@@ -289,7 +294,7 @@ def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float 
             return
         time.sleep(0.1)
     try:
-        os.killpg(pgid, signal.SIGKILL) if pgid else os.kill(pid, signal.SIGKILL)
+        os.killpg(pgid, signal.SIGKILL) if leads else os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     if proc is not None:
@@ -317,12 +322,27 @@ def _group_alive(pgid: int) -> bool:
 
 
 def start(cfg: LaunchConfig) -> Service:
-    """Start TorchServe (+ sidecar) and wait until a predict is answered."""
+    """Start TorchServe (+ sidecar) and wait until a predict is answered.
+
+    Records the process groups in ``run_dir/pids.json`` (``down`` reads it) and refuses
+    to start while a service recorded there is alive: both would share ``run_dir``.
+    """
+    pidfile = _pidfile(cfg)
+    if pidfile.exists():
+        try:
+            pids = json.loads(pidfile.read_text())
+        except ValueError:
+            pids = {}
+        if any(_group_alive(int(p)) for p in pids.values() if p):
+            raise ConfigError(f"a service started from {cfg.path(cfg.run_dir)} is running "
+                              f"(pids {pids}); stop it first: `make down`")
     t0 = time.monotonic()
     ts = start_torchserve(cfg)
     svc = Service(cfg, ts)
     try:
         svc.sidecar = start_sidecar(cfg)
+        pidfile.write_text(json.dumps({"torchserve": ts.pid,
+                                       "sidecar": svc.sidecar.pid if svc.sidecar else None}))
         procs = [p for p in (ts, svc.sidecar) if p is not None]
         wait_ready(cfg, procs)
         svc.ready_s = time.monotonic() - t0
@@ -344,8 +364,8 @@ def _banner(svc: Service) -> str:
     if svc.sidecar is not None:
         lines.append(f"  sidecar:    {cfg.sidecar_url}  (token in {cfg.token_file})")
     lines += [f"  logs:       {cfg.path(cfg.log_dir)}", "try:",
-              f"  curl -s -H 'Content-Type: application/json' "
-              f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'"]
+              (f"  curl -s -H 'Content-Type: application/json' "
+               f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'")]
     return "\n".join(lines)
 
 
@@ -354,13 +374,12 @@ def _pidfile(cfg: LaunchConfig) -> Path:
 
 
 def _cmd_run(cfg: LaunchConfig) -> int:
-    stop = {"sig": None}
-
     def on_signal(signum: int, _frame: Any) -> None:
-        stop["sig"] = signum
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # explicit: a shell starting us in the background leaves SIGINT ignored
+    signal.signal(signal.SIGINT, on_signal)
     print(f"starting TorchServe on {cfg.inference_url} (logs in {cfg.path(cfg.log_dir)}) ...",
           flush=True)
     try:
@@ -385,17 +404,9 @@ def _cmd_run(cfg: LaunchConfig) -> int:
 
 
 def _cmd_up(cfg: LaunchConfig) -> int:
-    pidfile = _pidfile(cfg)
-    if pidfile.exists():
-        pids = json.loads(pidfile.read_text())
-        if any(_group_alive(int(p)) for p in pids.values() if p):
-            print(f"already running (pids {pids}); `python -m serve.launcher down` first")
-            return 1
     print(f"starting TorchServe on {cfg.inference_url} in the background ...", flush=True)
     svc = start(cfg)
-    pidfile.write_text(json.dumps({"torchserve": svc.torchserve.pid,
-                                   "sidecar": svc.sidecar.pid if svc.sidecar else None}))
-    print(_banner(svc), f"\n`python -m serve.launcher down` (or `make down`) stops it.", flush=True)
+    print(_banner(svc), "\n`python -m serve.launcher down` (or `make down`) stops it.", flush=True)
     return 0
 
 

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -325,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a torch notice per forward
-    for noisy in ("torchrec", "torch.distributed", "fbgemm_gpu"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for noisy in ("torchrec", "fbgemm_gpu"):  # planner banners and dry-run notices
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # TorchRec/DDP deprecations
     t0 = time.perf_counter()
     try:
         profile = get_profile(args.profile)

@@ -62,9 +62,10 @@ class RuntimeConfig:
         dense_precision: "fp32" (exact, default), or the lossy opt-in levers "bf16" and
             "int8" (CPU dynamic quantization of the Linear layers).
         compile: ``torch.compile`` the dense part (same numerics up to float reordering).
-        cuda_graphs: on CUDA without a cache and with one id per feature, replay the
-            whole predict as a CUDA graph captured once per batch size (cuts launch
-            overhead at small batches).
+        cuda_graphs: on CUDA with one id per feature, replay the whole predict as a CUDA
+            graph captured once per batch size (cuts launch overhead at small batches).
+            With a cache this needs the LRU policy, ``cache_miss_path="mapped"`` and
+            capacity >= 2 x F x B (EmbeddingCache.static_ok); otherwise eager.
     """
 
     device: str = "cpu"
@@ -328,8 +329,10 @@ class Runtime:
         if b == 0:
             return torch.zeros(0, dtype=torch.float32)
         t0 = time.perf_counter()
-        if (self.config.cuda_graphs and self.cache is None and self.device.type == "cuda"
-                and sparse.values.numel() == lengths.numel() and bool((lengths == 1).all())):
+        nf = len(self.feature_names)
+        if (self.config.cuda_graphs and self.device.type == "cuda"
+                and (self.cache is None or self.cache.static_ok(nf * b))
+                and sparse.values.numel() == nf * b and bool((lengths == 1).all())):
             out = self._predict_graph(dense, sparse, b)
             self._stage["dense"] += time.perf_counter() - t0
         else:
@@ -362,9 +365,10 @@ class Runtime:
         graph.replay()
         h_out.copy_(s_out, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-        n = h_vals.numel()
-        self._lookups += n
-        self._hits += n
+        if self.cache is None:   # the cache counts its own lookups inside the graph
+            n = h_vals.numel()
+            self._lookups += n
+            self._hits += n
         return h_out.clone()
 
     def _table(self) -> torch.Tensor:
@@ -376,7 +380,9 @@ class Runtime:
                     offs_rep: torch.Tensor, b: int) -> torch.Tensor:
         nf, d = len(self.feature_names), self.dim
         g = vals % rows_rep + offs_rep
-        emb = dequantize_rows(self._table().index_select(0, g), self.dtype, d)  # graph pool
+        raw = (self._table().index_select(0, g) if self.cache is None
+               else self.cache.lookup_static(g))
+        emb = dequantize_rows(raw, self.dtype, d)  # fresh tensors: they live in the graph pool
         emb = emb.view(nf, b, d).transpose(0, 1)
         return torch.sigmoid(self.dense(dense.to(self._dense_dtype),
                                         emb.to(self._dense_dtype)).float())
@@ -388,12 +394,16 @@ class Runtime:
         offs_rep = self._offsets_d.repeat_interleave(b)
         s_vals = torch.zeros((nf * b,), dtype=torch.int64, device=dev)
         s_dense = torch.zeros((b, self.num_dense), dtype=torch.float32, device=dev)
+        # Warm-up runs really look up (row 0 of each table): keep the counters exact.
+        saved = self.cache._count.clone() if self.cache is not None else None
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm up kernels/allocator outside the capture
                 self._graph_body(s_vals, s_dense, rows_rep, offs_rep, b)
         torch.cuda.current_stream(dev).wait_stream(stream)
+        if self.cache is not None and saved is not None:
+            self.cache._count.copy_(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             s_out = self._graph_body(s_vals, s_dense, rows_rep, offs_rep, b)

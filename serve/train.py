@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,6 @@ from serve.errors import ConfigError, ServeError, ShardingError
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
 __all__ = [
-    "CHECKPOINT_FILES",
     "OUTPUTS_FILE",
     "PLAN_FILE",
     "TrainConfig",
@@ -58,7 +57,6 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
 OUTPUTS_FILE = "sharded_outputs.pt"
-CHECKPOINT_FILES = (".metadata",)
 # fbgemm needs column shards whose width is a multiple of 4.
 _MIN_COLUMN_SHARD = 4
 
@@ -82,7 +80,6 @@ class TrainConfig:
     eval_batch: int = 512            # rows of the fixed batch saved for the merge check
     log_every: int = 50
     seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -251,7 +248,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                         stream=sys.stderr, force=True)
     # TorchRec/DDP deprecation notices and planner banners would drown the progress lines.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    _quiet_libraries()
     torch.set_num_threads(cfg.threads)
     backend = cfg.resolved_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -336,6 +333,13 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _quiet_libraries() -> None:
+    # TorchRec's planner warns about dry-run estimates and topology factories on every
+    # plan, and torch.fx logs a notice per traced forward: noise next to our progress.
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 def _under_torchrun() -> bool:
@@ -426,7 +430,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
+    _quiet_libraries()
+    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         cfg = config_from_args(args)
         from serve.data import load_split

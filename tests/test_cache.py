@@ -114,8 +114,9 @@ def test_bad_cache_arguments():
 def test_bytes_accounting():
     c = EmbeddingCache(_table(), capacity=4, policy="lfu")
     assert c.host_bytes == ROWS * RB
-    # slots + row->slot int32 + slot->row int64 + last-use int64 + LFU counts int32
-    assert c.device_bytes == 4 * RB + ROWS * 4 + 4 * 8 + 4 * 8 + ROWS * 4
+    # slots + row->slot int32 + slot->row int64 + last-use int64 (each with one dump
+    # entry) + LFU counts int32
+    assert c.device_bytes == 5 * RB + (ROWS + 1) * 4 + 5 * 8 + 5 * 8 + ROWS * 4
 
 
 def test_dlpack_alias_reads_the_same_memory():
@@ -136,3 +137,51 @@ def test_dlpack_alias_reads_the_same_memory():
 def test_bad_miss_path():
     with pytest.raises(ConfigError, match=r"cache miss path 'uvm' is not one of \('host', 'mapped'\)"):
         EmbeddingCache(_table(), capacity=2, miss_path="uvm")
+
+
+def _check_invariants(cache: EmbeddingCache, table: torch.Tensor) -> None:
+    cap = cache.capacity
+    res = cache.slot_to_row[:cap][cache.slot_to_row[:cap] >= 0]
+    assert res.unique().numel() == res.numel() <= cap
+    slots = cache.row_to_slot[res].long()
+    assert torch.equal(cache.slot_to_row[slots], res)
+    assert torch.equal(cache.slots[slots], table[res])
+    assert int((cache.row_to_slot[: cache.total_rows] >= 0).sum()) == res.numel()
+    assert int(cache.row_to_slot[-1]) == -1 and int(cache.slot_to_row[-1]) == -1  # dumps
+
+
+def test_static_lookup_is_exact_and_consistent():
+    """The fixed-shape (CUDA-graph) path: duplicates, hits, misses, evictions; mixed with
+    the dynamic path on the same cache."""
+    torch.manual_seed(1)
+    table = torch.randint(0, 256, (300, 8), dtype=torch.uint8)
+    cache = EmbeddingCache(table, capacity=64, policy="lru")
+    probs = 1.0 / torch.arange(1, 301).float() ** 1.1
+    for step in range(40):
+        ids = torch.multinomial(probs, 26, replacement=True)     # duplicates likely
+        assert cache.static_ok(ids.numel())
+        if step % 3 == 2:
+            rows, counts = torch.unique(ids, return_counts=True)
+            assert torch.equal(cache.lookup(rows, counts), table[rows])
+        else:
+            assert torch.equal(cache.lookup_static(ids), table[ids])
+        _check_invariants(cache, table)
+    c = cache.counters
+    assert c.lookups == 40 * 26 and 0 < c.hits < c.lookups and c.evictions > 0
+
+
+def test_static_lookup_lru_by_hand():
+    c = EmbeddingCache(_table(), capacity=4, policy="lru")
+    out = c.lookup_static(torch.tensor([3, 3]))      # one row, twice: 2 misses, one slot
+    assert torch.equal(out, _table()[[3, 3]]) and _resident(c) == [3]
+    c.lookup_static(torch.tensor([1, 2]))            # slots 1, 2
+    c.lookup_static(torch.tensor([3, 4]))            # 3 hits; 4 takes the empty slot 3
+    assert _resident(c) == [1, 2, 3, 4]
+    c.lookup_static(torch.tensor([5, 1]))            # 1 hits; 5 evicts 2 (oldest left)
+    assert _resident(c) == [1, 3, 4, 5]
+    assert (c.counters.lookups, c.counters.hits, c.counters.evictions) == (8, 2, 1)
+    assert not c.static_ok(3)                        # 4 slots < 2 x 3 ids
+
+
+def test_static_path_needs_lru():
+    assert not EmbeddingCache(_table(), capacity=8, policy="lfu").static_ok(2)

@@ -11,9 +11,17 @@ import torch
 from serve.archive import build_mar, model_config
 from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from serve.launcher import LaunchConfig, render_ts_config
-from serve.protocol import (INT64_MAX, HandlerConfig, check_content_type, default_num_threads,
-                            example_request, handle_batch, merge_requests, parse_body)
 from serve.profiles import SPARSE_FEATURES
+from serve.protocol import (
+    INT64_MAX,
+    HandlerConfig,
+    check_content_type,
+    default_num_threads,
+    example_request,
+    handle_batch,
+    merge_requests,
+    parse_body,
+)
 
 CFG = HandlerConfig(max_instances=4, max_ids_per_feature=3, max_body_bytes=100_000)
 
@@ -41,8 +49,8 @@ DENSE_RULE = "dense values must be finite JSON numbers within float32 range"
 
 BAD = [
     ("invalid json", b'{"instances": [', InvalidInput,
-     r"^body is not valid JSON \(unexpected end of data: line 1 column 16 \(char 15\)\); "
-     r"send UTF-8 JSON \(NaN and Infinity are not JSON numbers\)$"),
+     (r"^body is not valid JSON \(unexpected end of data: line 1 column 16 \(char 15\)\); "
+      r"send UTF-8 JSON \(NaN and Infinity are not JSON numbers\)$")),
     ("NaN literal", b'{"instances": [{"dense": [NaN]}]}', InvalidInput,
      r"^body is not valid JSON \(unexpected character"),
     ("Infinity as 1e999", b'{"instances": [{"dense": [1e999]}]}', InvalidInput,
@@ -63,8 +71,8 @@ BAD = [
     ("instance without dense", _mut(lambda d: d["instances"][1].pop("dense")), InvalidInput,
      r"^instances\[1\]: missing keys \['dense'\]; expected exactly \['dense', 'sparse'\]$"),
     ("missing feature", _mut(lambda d: d["instances"][1]["sparse"].pop("C7")), InvalidInput,
-     r"^instances\[1\].sparse: missing features C7; every instance needs exactly the sparse "
-     r"features C1..C26 \(an empty list \[\] for no ids\)$"),
+     (r"^instances\[1\].sparse: missing features C7; every instance needs exactly the sparse "
+      r"features C1..C26 \(an empty list \[\] for no ids\)$")),
     ("unknown feature", _set_ids(0, "C27", [1]), InvalidInput,
      r"^instances\[0\].sparse: unknown features C27; every instance needs exactly"),
     ("dense too short", _mut(lambda d: d["instances"][1]["dense"].pop()), InvalidInput,
@@ -84,15 +92,15 @@ BAD = [
     ("float id 1.0", _set_ids(1, "C7", [1.0]), InvalidInput,
      rf"^instances\[1\].sparse.C7\[0\]: 1.0 is not an integer; {ID_RULE}"),
     ("id 2^63", _set_ids(0, "C26", [2**63]), InvalidInput,
-     rf"^instances\[0\].sparse.C26\[0\]: 9223372036854775808 is greater than 2\^63-1 "
-     rf"\(9223372036854775807\); {ID_RULE}$"),
+     (rf"^instances\[0\].sparse.C26\[0\]: 9223372036854775808 is greater than 2\^63-1 "
+      rf"\(9223372036854775807\); {ID_RULE}$")),
     ("id 2^64-1", _set_ids(0, "C26", [2**64 - 1]), InvalidInput,
      r"^instances\[0\].sparse.C26\[0\]: 18446744073709551615 is greater than 2\^63-1"),
     ("id beyond 64 bits", b'{"instances": [{"dense": [1,1,1,1,1,1,1,1,1,1,1,1,1], "sparse": {'
      + b", ".join(f'"{f}": [{2**70 if f == "C2" else 1}]'.encode() for f in SPARSE_FEATURES)
      + b"}}]}", InvalidInput,
-     rf"^instances\[0\].sparse.C2\[0\]: 1.1805916207174113e\+21 is beyond the 64-bit integer "
-     rf"range; {ID_RULE}$"),
+     (rf"^instances\[0\].sparse.C2\[0\]: 1.1805916207174113e\+21 is beyond the 64-bit integer "
+      rf"range; {ID_RULE}$")),
     ("string id", _set_ids(0, "C1", ["7"]), InvalidInput,
      rf'^instances\[0\].sparse.C1\[0\]: "7" is a string, not an integer; {ID_RULE}$'),
     ("bool id", _set_ids(0, "C1", [True]), InvalidInput,
@@ -196,7 +204,7 @@ def test_merge_equals_parsing_the_concatenated_request():
     reqs = [_multi_hot(n, seed) for n, seed in ((2, 1), (1, 2), (4, 3))]
     parsed = [parse_body(orjson.dumps(r), CFG) for r in reqs]
     merged = merge_requests(parsed)
-    whole = parse_body(orjson.dumps({"instances": sum((r["instances"] for r in reqs), [])}),
+    whole = parse_body(orjson.dumps({"instances": [i for r in reqs for i in r["instances"]]}),
                        HandlerConfig(max_instances=100, max_ids_per_feature=3))
     assert merged.sizes == [2, 1, 4]
     np.testing.assert_array_equal(merged.dense, whole.dense)
@@ -302,3 +310,20 @@ def test_ts_config_render_replaces_ports_and_store(tmp_path):
     assert "load_models" not in out and "job_queue_size=5" in out and "max_request_size=7" in out
     with pytest.raises(ConfigError, match=r"must all differ"):
         LaunchConfig(inference_port=1, management_port=1)
+
+
+def test_parse_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    assert gc.isenabled()
+    parse_body(orjson.dumps(example_request(2)), CFG)
+    assert gc.isenabled()
+    with pytest.raises(InvalidInput):
+        parse_body(b"[", CFG)
+    assert gc.isenabled()  # restored on the error path too
+    gc.disable()
+    try:
+        parse_body(orjson.dumps(example_request(1)), CFG)
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()

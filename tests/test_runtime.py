@@ -136,7 +136,7 @@ def test_stats_on_a_hand_made_sequence(tiny_models):
     assert st.hit_ratio == pytest.approx(52 / 156)
     assert (st.forwards, st.samples) == (3, 6)
     assert st.host_bytes == total * rb
-    assert st.device_bytes == 26 * rb + total * 4 + 26 * 8 + 26 * 8
+    assert st.device_bytes == 27 * rb + (total + 1) * 4 + 27 * 8 + 27 * 8   # + dump entries
     assert st.stage_seconds["decode"] == 0.25
     assert st.stage_seconds["embedding"] > 0 and st.stage_seconds["dense"] > 0
     plain = Runtime.from_artifact(art)
@@ -335,3 +335,19 @@ def test_gpu_check_flow_dry_run_on_cpu(tmp_path):
     assert all(r["ok"] for r in res["exactness"])
     assert 0 < res["cache"]["hit_ratio_overall"] <= 1
     assert set(res["latency_batch1"]) >= {"all on device, eager", "cache lf 0.2, eager"}
+
+
+def test_cached_graph_body_matches_predict_on_cpu(tiny_models):
+    """The cached CUDA-graph body (fixed-shape cache lookup) run eagerly on CPU."""
+    _, _, _, art, _ = tiny_models
+    plain = Runtime.from_artifact(art)
+    rt = Runtime.from_artifact(art, RuntimeConfig(cache_on_cpu=True, cache_load_factor=0.1))
+    assert rt.cache is not None and rt.cache.static_ok(F * 8)
+    with torch.inference_mode():
+        for step in range(5):
+            dense, sparse = _batch(40 + step, 8, multi_hot=False)
+            out = rt._graph_body(sparse.values, dense, rt._rows_d.repeat_interleave(8),
+                                 rt._offsets_d.repeat_interleave(8), 8)
+            assert (out - plain.predict(dense, sparse)).abs().max().item() <= EXACT_TOL
+    st = rt.stats()
+    assert st.lookups == 5 * 8 * F and st.hits > 0

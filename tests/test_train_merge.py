@@ -1,8 +1,11 @@
 """Sharded training (a real 2-rank gloo run, via ``tiny_build``), the plan, and the merge."""
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from serve.errors import CheckpointError, ConfigError, ShardingError
 from serve.merge import MAX_MERGE_DIFF, load_merged, merge_checkpoint
 from serve.profiles import get_profile
 from serve.quantize import evaluate_auc
-from serve.train import OUTPUTS_FILE, PLAN_FILE, max_world_size, plan_sharding
+from serve.train import OUTPUTS_FILE, PLAN_FILE, _free_port, max_world_size, plan_sharding
 
 TINY = get_profile("tiny")
 
@@ -176,6 +179,30 @@ def test_train_cli_refuses_unshardable_world_size(tiny_build, tmp_path):
     assert proc.returncode == 2
     assert "error: world size 100 cannot be sharded" in proc.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_runs_unchanged_under_torchrun(tiny_build, tmp_path):
+    """The multi-node launcher path: torchrun starts the ranks, serve.train joins them."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "serve.train", "--profile", "tiny", "--data",
+           str(tiny_build.data_dir), "--out", str(tmp_path / "c"), "--max-steps", "5", "--workers", "0"]
+    # Own process group: on failure the ranks torchrun started are stopped with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "train step 5/5" in out
+    plan = json.loads((tmp_path / "c" / PLAN_FILE).read_text())
+    assert plan["world_size"] == 2 and plan["steps"] == 5
+    assert (tmp_path / "c" / "__1_0.distcp").is_file()
+    assert merge_checkpoint(tmp_path / "c", TINY, tmp_path / "m.pt").merged_max_abs_diff <= 1e-6
 
 
 def test_cli_help_documents_multi_node():
