@@ -25,9 +25,19 @@ import torch
 
 from serve.errors import ArtifactError
 
-__all__ = ["FORMAT_VERSION", "DTYPES", "QuantTable", "Artifact", "row_bytes",
-           "dequantize_rows", "quantize_rows_reference", "artifact_from_quantized_dlrm",
-           "artifact_from_float_dlrm", "save_artifact", "load_artifact"]
+__all__ = [
+    "DTYPES",
+    "FORMAT_VERSION",
+    "Artifact",
+    "QuantTable",
+    "artifact_from_float_dlrm",
+    "artifact_from_quantized_dlrm",
+    "dequantize_rows",
+    "load_artifact",
+    "quantize_rows_reference",
+    "row_bytes",
+    "save_artifact",
+]
 
 FORMAT_VERSION = 1
 DTYPES = ("int8", "int4", "fp16", "fp32")
@@ -166,7 +176,7 @@ def _dense_layers(model: torch.nn.Module) -> tuple[list, list]:
 _TORCH_QDTYPE = {"int8": "INT8", "int4": "INT4", "fp16": "FP16"}
 
 
-def artifact_from_quantized_dlrm(qmodel: torch.nn.Module, dtype: str,
+def artifact_from_quantized_dlrm(qmodel: Any, dtype: str,
                                  meta: dict[str, Any] | None = None) -> Artifact:
     """Convert a DLRM quantized by ``torchrec.inference.modules.quantize_inference_model``.
 
@@ -200,7 +210,7 @@ def artifact_from_quantized_dlrm(qmodel: torch.nn.Module, dtype: str,
                     tables, dense, over, dict(meta or {}))
 
 
-def artifact_from_float_dlrm(model: torch.nn.Module, meta: dict[str, Any] | None = None,
+def artifact_from_float_dlrm(model: Any, meta: dict[str, Any] | None = None,
                              dtype: str = "fp32") -> Artifact:
     """An fp32 (or plain-torch-quantized) artifact from an unquantized TorchRec DLRM."""
     ebc = model.sparse_arch.embedding_bag_collection
@@ -236,7 +246,7 @@ def load_artifact(path: str | os.PathLike, mmap: bool = True) -> Artifact:
         raise ArtifactError(f"artifact {path} does not exist; build it with `make model`")
     try:
         blob = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
+    except Exception as e:
         raise ArtifactError(f"artifact {path} is unreadable ({type(e).__name__}: {e}); "
                             "rebuild it with `make model`") from e
     if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:

@@ -8,18 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "ServeError",
+    "ArtifactError",
+    "CheckpointError",
+    "ConfigError",
+    "Forbidden",
     "InvalidInput",
     "PayloadTooLarge",
-    "UnsupportedMediaType",
-    "Unauthorized",
-    "Forbidden",
-    "UpstreamUnavailable",
-    "ConfigError",
-    "UnknownProfileError",
-    "CheckpointError",
-    "ArtifactError",
+    "ServeError",
     "ShardingError",
+    "Unauthorized",
+    "UnknownProfileError",
+    "UnsupportedMediaType",
+    "UpstreamUnavailable",
 ]
 
 

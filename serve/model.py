@@ -5,13 +5,13 @@ Table ``t_C{i}`` serves feature ``C{i}``; one table per feature.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from serve.profiles import NUM_DENSE, Profile
 
-__all__ = ["build_dlrm", "table_configs", "make_kjt"]
+__all__ = ["build_dlrm", "make_kjt", "table_configs"]
 
 
 def table_configs(profile: Profile) -> list:

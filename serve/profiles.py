@@ -9,8 +9,16 @@ from dataclasses import dataclass, field
 
 from serve.errors import ConfigError, UnknownProfileError
 
-__all__ = ["Profile", "PROFILES", "get_profile", "CRITEO_KAGGLE_CARDINALITIES",
-           "SPARSE_FEATURES", "DENSE_FEATURES", "NUM_DENSE", "NUM_SPARSE"]
+__all__ = [
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "DENSE_FEATURES",
+    "NUM_DENSE",
+    "NUM_SPARSE",
+    "PROFILES",
+    "SPARSE_FEATURES",
+    "Profile",
+    "get_profile",
+]
 
 NUM_DENSE = 13
 NUM_SPARSE = 26

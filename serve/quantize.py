@@ -36,6 +36,7 @@ from serve.metrics_auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
 
 __all__ = [
+    "FLOAT_ARTIFACT_MAX_BYTES",
     "INT8_MAX_AUC_DROP",
     "QUANT_DTYPES",
     "QuantizeResult",
@@ -51,12 +52,13 @@ log = logging.getLogger(__name__)
 QUANT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint4x2,
                                         "fp16": torch.float16}
 INT8_MAX_AUC_DROP = 0.001
+FLOAT_ARTIFACT_MAX_BYTES = 1 << 30
 
 
 @dataclass
 class QuantizeResult:
     artifact: str
-    float_artifact: str
+    float_artifact: str | None
     quantized_dtype: str
     auc_fp32: float
     auc_quantized: float
@@ -73,13 +75,18 @@ def float_artifact_path(out: str | os.PathLike) -> Path:
     return out.with_name(f"{out.stem}.fp32{out.suffix or '.pt'}")
 
 
-def quantize_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """A quantized copy of ``model`` (TorchRec swaps modules in place, so deepcopy first)."""
+def quantize_model(model: torch.nn.Module, dtype: str, inplace: bool = False) -> torch.nn.Module:
+    """``model`` with TorchRec-quantized tables (MLPs stay fp32).
+
+    TorchRec swaps the modules in place, so unless ``inplace`` the model is deep-copied
+    first; pass ``inplace=True`` only when the float model is no longer needed.
+    """
     from torchrec.inference.modules import quantize_inference_model
 
     if dtype not in QUANT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
-    q = quantize_inference_model(copy.deepcopy(model), quantization_dtype=QUANT_DTYPES[dtype])
+    src = model if inplace else copy.deepcopy(model)
+    q = quantize_inference_model(src, quantization_dtype=QUANT_DTYPES[dtype])
     q.eval()
     return q
 
@@ -118,41 +125,52 @@ def _fbgemm_table_bytes(qmodel: Any) -> int:
 def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.PathLike,
              dtype: str, out: str | os.PathLike, eval_limit: int | None = None,
              check: bool = True, progress: bool = True,
-             max_auc_drop: float = INT8_MAX_AUC_DROP) -> QuantizeResult:
-    """Quantize ``merged`` (from serve.merge), measure AUCs, write both artifacts."""
+             max_auc_drop: float = INT8_MAX_AUC_DROP,
+             float_artifact: bool | None = None) -> QuantizeResult:
+    """Quantize ``merged`` (from serve.merge), measure AUCs, write the artifacts.
+
+    ``float_artifact``: also write the fp32 twin; None = only when the fp32 tables are at
+    most FLOAT_ARTIFACT_MAX_BYTES (criteo-kaggle's 8.7 GB twin is not worth its disk).
+    Memory: one fp32 model at a time; the float model is quantized in place once its
+    AUC and fp32 artifact are taken, instead of being deep-copied.
+    The quantized artifact is written only if it passes the quality bar.
+    """
     from serve.artifact import artifact_from_float_dlrm, artifact_from_quantized_dlrm, save_artifact
     from serve.merge import load_merged
 
     if dtype not in QUANT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
     t0 = time.perf_counter()
-    model, meta = load_merged(merged, profile)
-    qmodel = quantize_model(model, dtype)
-    if progress:
-        print(f"quantize: tables -> {dtype}; evaluating fp32 and {dtype} AUC", flush=True)
-    auc_fp32, rows = evaluate_auc(model, data_dir, limit=eval_limit, progress=progress)
-    auc_q, _ = evaluate_auc(qmodel, data_dir, limit=eval_limit, progress=progress)
-    art_meta = {"profile": profile.name, "auc_fp32": auc_fp32, f"auc_{dtype}": auc_q,
-                "world_size": meta.get("world_size"), "source": os.fspath(merged)}
-    art = artifact_from_quantized_dlrm(qmodel, dtype, meta=art_meta)
-    fart = artifact_from_float_dlrm(model, meta={**art_meta, "dtype": "fp32"})
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fpath = float_artifact_path(out)
-    save_artifact(art, out)
-    save_artifact(fart, fpath)
+    model, meta = load_merged(merged, profile)
+    nparams = int(meta.get("num_parameters") or sum(p.numel() for p in model.parameters()))
+    if progress:
+        print(f"quantize: evaluating fp32 AUC, then tables -> {dtype}", flush=True)
+    auc_fp32, rows = evaluate_auc(model, data_dir, limit=eval_limit, progress=progress)
+    base_meta = {"profile": profile.name, "auc_fp32": auc_fp32,
+                 "world_size": meta.get("world_size"), "source": os.fspath(merged)}
+    if float_artifact is None:
+        float_artifact = profile.table_bytes_fp32() <= FLOAT_ARTIFACT_MAX_BYTES
+    if float_artifact:
+        save_artifact(artifact_from_float_dlrm(model, meta={**base_meta, "dtype": "fp32"}), fpath)
+    qmodel = quantize_model(model, dtype, inplace=True)
+    del model
+    auc_q, _ = evaluate_auc(qmodel, data_dir, limit=eval_limit, progress=progress)
+    art = artifact_from_quantized_dlrm(qmodel, dtype, meta={**base_meta, f"auc_{dtype}": auc_q})
     res = QuantizeResult(
-        artifact=os.fspath(out), float_artifact=os.fspath(fpath), quantized_dtype=dtype,
-        auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
+        artifact=os.fspath(out), float_artifact=os.fspath(fpath) if float_artifact else None,
+        quantized_dtype=dtype, auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
         table_bytes_fp32=profile.table_bytes_fp32(), table_bytes_quantized=art.table_bytes,
-        table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel),
-        num_parameters=int(meta.get("num_parameters") or sum(p.numel() for p in model.parameters())),
+        table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel), num_parameters=nparams,
         seconds=round(time.perf_counter() - t0, 3))
     Path(f"{out}.json").write_text(json.dumps(asdict(res), indent=2))
     if check and dtype == "int8" and auc_q < auc_fp32 - max_auc_drop:
         raise QualityError(f"int8 AUC {auc_q:.5f} is below fp32 AUC {auc_fp32:.5f} - "
                            f"{max_auc_drop:g} (the quality bar); the tables do not "
                            "quantize well: keep them fp16 (--dtype fp16) or retrain")
+    save_artifact(art, out)
     return res
 
 
@@ -169,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="table dtype: int8 (default; must keep AUC within 0.001), int4, fp16")
     ap.add_argument("--out", required=True, help="artifact file, e.g. build/tiny/artifact.pt")
     ap.add_argument("--eval-limit", type=int, default=None, help="evaluate on at most N rows")
+    ap.add_argument("--float-artifact", choices=("auto", "yes", "no"), default="auto",
+                    help="also write the fp32 twin (<out stem>.fp32.pt), the exact reference "
+                         "for runtime tests; auto = only when fp32 tables are <= 1 GiB")
     ap.add_argument("--no-check", action="store_true",
                     help="report but do not fail when int8 misses the AUC bar")
     return ap
@@ -180,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a torch notice per forward
     try:
         res = quantize(args.merged, get_profile(args.profile), args.data, args.dtype, args.out,
-                       eval_limit=args.eval_limit, check=not args.no_check)
+                       eval_limit=args.eval_limit, check=not args.no_check,
+                       float_artifact={"auto": None, "yes": True, "no": False}[args.float_artifact])
     except ServeError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
-    print(f"wrote {res.artifact} and {res.float_artifact}: AUC fp32 {res.auc_fp32:.4f} "
+    also = f" and {res.float_artifact}" if res.float_artifact else ""
+    print(f"wrote {res.artifact}{also}: AUC fp32 {res.auc_fp32:.4f} "
           f"{res.quantized_dtype} {res.auc_quantized:.4f} on {res.eval_rows} rows; tables "
           f"{res.table_bytes_fp32:,} B fp32 -> {res.table_bytes_quantized:,} B "
           f"{res.quantized_dtype}; {res.seconds:.1f}s")

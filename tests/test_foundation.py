@@ -4,8 +4,14 @@ import copy
 import pytest
 import torch
 
-from serve.artifact import (artifact_from_quantized_dlrm, dequantize_rows, load_artifact,
-                            quantize_rows_reference, row_bytes, save_artifact)
+from serve.artifact import (
+    artifact_from_quantized_dlrm,
+    dequantize_rows,
+    load_artifact,
+    quantize_rows_reference,
+    row_bytes,
+    save_artifact,
+)
 from serve.errors import ArtifactError, UnknownProfileError
 from serve.profiles import PROFILES, get_profile
 

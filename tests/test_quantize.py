@@ -1,4 +1,5 @@
 """Quantization through TorchRec: AUC bar, table bytes, the artifacts it writes."""
+import json
 import subprocess
 import sys
 
@@ -64,6 +65,8 @@ def test_quality_bar_failure_is_explained(tiny_build, tmp_path):
                                            r"\(the quality bar\).*--dtype fp16"):
         quantize(tiny_build.merged, TINY, tiny_build.data_dir, "int8", tmp_path / "a.pt",
                  eval_limit=500, progress=False, max_auc_drop=-1.0)
+    assert not (tmp_path / "a.pt").exists()  # a model that misses the bar is never written
+    assert json.loads((tmp_path / "a.pt.json").read_text())["eval_rows"] == 500  # but reported
 
 
 def test_missing_merged_file(tmp_path, tiny_build):
@@ -78,3 +81,10 @@ def test_cli_rejects_unknown_dtype(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert "argument --dtype: invalid choice: 'int2'" in proc.stderr
+
+
+def test_float_twin_can_be_skipped(tiny_build, tmp_path):
+    res = quantize(tiny_build.merged, TINY, tiny_build.data_dir, "int8", tmp_path / "a.pt",
+                   eval_limit=500, progress=False, float_artifact=False)
+    assert res.float_artifact is None and not (tmp_path / "a.fp32.pt").exists()
+    assert load_artifact(tmp_path / "a.pt").dtype == "int8"
