@@ -100,11 +100,12 @@ class CpuMeter:
         return {k: round(v, 2) for k, v in sorted(use.items())}
 
 
-def _bodies(instances: int, count: int, seed: int) -> list[bytes]:
+def _bodies(instances: int, count: int, seed: int, form: str = "rows") -> list[bytes]:
     from serve.protocol import example_request
 
     # ids spread over a large range; the runtime wraps them modulo table rows
-    return [orjson.dumps(example_request(instances, seed=seed + i)) for i in range(count)]
+    return [orjson.dumps(example_request(instances, seed=seed + i, form=form))
+            for i in range(count)]
 
 
 def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, seconds: float,
@@ -166,8 +167,9 @@ def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, se
 
 
 def find_knee(url: str, instances: int, seconds: float, max_requests: int,
-              levels: list[int], meter: CpuMeter | None = None) -> tuple[Step, list[Step]]:
-    bodies = _bodies(instances, 16 if instances >= 64 else 64, seed=instances)
+              levels: list[int], meter: CpuMeter | None = None,
+              form: str = "rows") -> tuple[Step, list[Step]]:
+    bodies = _bodies(instances, 16 if instances >= 64 else 64, seed=instances, form=form)
     run_step(url, bodies, instances, 1, min(1.0, seconds), 50)  # warm connections + caches
     steps: list[Step] = []
     best: Step | None = None
@@ -175,7 +177,7 @@ def find_knee(url: str, instances: int, seconds: float, max_requests: int,
     for c in levels:
         s = run_step(url, bodies, instances, c, seconds, max_requests, meter)
         steps.append(s)
-        print(f"  {instances:4d} inst/req  C={c:3d}  {s.samples_per_s:10.0f} samples/s  "
+        print(f"  {instances:4d} inst/req {form:8s} C={c:3d}  {s.samples_per_s:10.0f} samples/s  "
               f"{s.requests_per_s:7.0f} req/s  p50 {s.p50_ms:7.2f} ms  p99 {s.p99_ms:7.2f} ms"
               f"  errors {s.errors}  cpu cores {s.cpu_cores}", flush=True)
         if best is None or s.samples_per_s > best.samples_per_s * 1.05:
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multiproc-dir", default=".run/prometheus",
                     help="the workers' PROMETHEUS_MULTIPROC_DIR (handler timings for the profile)")
     ap.add_argument("--instances", default="1,64,512", help="instances per request, comma-separated")
+    ap.add_argument("--forms", default="rows,columnar",
+                    help="body forms to measure, comma-separated (rows, columnar); columnar is "
+                         "skipped for 1-instance requests, where it changes nothing")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per concurrency step")
     ap.add_argument("--max-requests", type=int, default=200_000, help="hard cap per step")
     ap.add_argument("--out", default="bench/results/e2e.json")
@@ -315,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (1.5 if args.quick else 8.0)
     levels = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     sizes = [int(x) for x in args.instances.split(",")]
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    if not forms or set(forms) - {"rows", "columnar"}:
+        print(f"error: --forms {args.forms!r}: use rows, columnar or both", file=sys.stderr)
+        return 2
+    cases = [(n, f) for n in sizes for f in forms if not (f == "columnar" and n == 1)]
 
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store
@@ -352,19 +362,19 @@ def main(argv: list[str] | None = None) -> int:
             inproc_threads = max(1, min(workers * threads, default_num_threads(1)))
             print(f"model: {mar} (batchSize {mcfg.get('batchSize')}, maxBatchDelay "
                   f"{mcfg.get('maxBatchDelay')} ms, {workers} worker(s) x {threads} thread(s))")
-            for n in sizes:
+            for n, form in cases:
                 # in-process before and after the HTTP steps (the service idle both times);
                 # the higher is the least disturbed by other load on the host
                 inproc_before = inprocess_samples_per_s(artifact, handler_cfg, n, inproc_threads,
                                                         min(seconds, 3.0))
                 before = _handler_snapshot(multiproc)
                 t0 = time.perf_counter()
-                knee, steps = find_knee(url, n, seconds, args.max_requests, levels, meter)
+                knee, steps = find_knee(url, n, seconds, args.max_requests, levels, meter, form)
                 after = _handler_snapshot(multiproc)
                 inproc = max(inproc_before, inprocess_samples_per_s(
                     artifact, handler_cfg, n, inproc_threads, min(seconds, 3.0)))
                 row: dict[str, Any] = {
-                    "instances_per_request": n, "samples_per_s": round(knee.samples_per_s, 1),
+                    "instances_per_request": n, "form": form, "samples_per_s": round(knee.samples_per_s, 1),
                     "p50_ms": round(knee.p50_ms, 3), "p99_ms": round(knee.p99_ms, 3),
                     "efficiency": round(knee.samples_per_s / inproc, 3),
                     "concurrency": knee.concurrency, "cpu_cores_at_knee": knee.cpu_cores, "requests_per_s": round(knee.requests_per_s, 1),
@@ -395,10 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         if service is not None:
             service.stop()
     print()
-    print(f"{'inst/req':>8} {'C':>3} {'samples/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+    print(f"{'inst/req':>8} {'form':>8} {'C':>3} {'samples/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'in-proc/s':>10} {'efficiency':>10}")
     for r in rows:
-        print(f"{r['instances_per_request']:8d} {r['concurrency']:3d} {r['samples_per_s']:10.0f} "
+        print(f"{r['instances_per_request']:8d} {r['form']:>8} {r['concurrency']:3d} {r['samples_per_s']:10.0f} "
               f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['inprocess_samples_per_s']:10.0f} "
               f"{r['efficiency']:10.2f}")
     out = Path(args.out)

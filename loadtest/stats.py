@@ -219,13 +219,14 @@ class Thresholds:
 
 
 def find_knee(rows: Sequence[dict[str, Any]], thresholds: Thresholds) -> dict[str, Any] | None:
-    """The knee of a step ramp: the last step, walking up, that meets the goals while
-    throughput still rises.
+    """The knee of a step ramp: the busiest step that still meets the goals.
 
-    Walk the steps in order; stop at the first one that misses the p99 goal, has any
-    failure, or raises rps by less than ``min_gain`` over the best so far (more users then
-    only add queueing). The knee is the last step accepted; None when the first step
-    already misses the goals (or no step has requests).
+    Walk the steps in order and stop at the first one that misses the p99 goal or has any
+    failure. Among the steps before it, a step becomes the knee only if it raises rps by
+    at least ``min_gain`` over the knee so far: more users for a flat rps only add
+    queueing. A flat step does not end the walk, because TorchServe's batching can hold
+    throughput flat for a step (two users' requests merged onto one worker) and rise
+    again after. None when the first step already misses the goals (or has no requests).
     """
     knee: dict[str, Any] | None = None
     for r in rows:
@@ -233,9 +234,8 @@ def find_knee(rows: Sequence[dict[str, Any]], thresholds: Thresholds) -> dict[st
             break
         if r["p99_ms"] > thresholds.p99_goal_ms or r["fail_ratio"] > 0:
             break
-        if knee is not None and r["rps"] < knee["rps"] * (1.0 + thresholds.min_gain):
-            break
-        knee = r
+        if knee is None or r["rps"] >= knee["rps"] * (1.0 + thresholds.min_gain):
+            knee = r
     if knee is None:
         return None
     return {k: knee[k] for k in ("users", "rps", "instances_per_s", "p50_ms", "p99_ms", "name")}

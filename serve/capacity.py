@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if started:
                     _launcher("down")
-        steps = summary.get("steps") or []
+        # Only judged steps: the step shape's warm-up runs on a cold server and is not
+        # a capacity measurement.
+        steps = [st for st in summary.get("steps") or [] if st.get("slo", True)]
         knee = find_knee(steps, cfg.p99_goal_ms, cfg.max_fail_ratio)
         target = derive_target(knee.rps, cfg.headroom)
     except ServeError as e:

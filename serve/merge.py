@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from serve.clilog import setup_cli_logging
 from serve.errors import CheckpointError, ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
 
@@ -266,8 +267,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a torch notice per forward
+    setup_cli_logging()
     try:
         t0 = time.perf_counter()
         print(f"merging {args.checkpoint} ...", flush=True)

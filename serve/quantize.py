@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, QualityError, ServeError
 from serve.metrics_auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
@@ -197,8 +198,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a torch notice per forward
+    setup_cli_logging()
     try:
         res = quantize(args.merged, get_profile(args.profile), args.data, args.dtype, args.out,
                        eval_limit=args.eval_limit, check=not args.no_check,

@@ -33,13 +33,13 @@ import shutil
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError, ShardingError
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
@@ -244,11 +244,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [rank{rank}] %(message)s",
-                        stream=sys.stderr, force=True)
-    # TorchRec/DDP deprecation notices and planner banners would drown the progress lines.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    _quiet_libraries()
+    setup_cli_logging(f"%(asctime)s [rank{rank}] %(message)s", force=True)
     torch.set_num_threads(cfg.threads)
     backend = cfg.resolved_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -333,13 +329,6 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _quiet_libraries() -> None:
-    # TorchRec's planner warns about dry-run estimates and topology factories on every
-    # plan, and torch.fx logs a notice per traced forward: noise next to our progress.
-    logging.getLogger("torchrec").setLevel(logging.ERROR)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 def _under_torchrun() -> bool:
@@ -430,9 +419,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", stream=sys.stderr)
-    _quiet_libraries()
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    setup_cli_logging()
     try:
         cfg = config_from_args(args)
         from serve.data import load_split

@@ -140,3 +140,14 @@ def test_main_from_a_summary_writes_capacity_and_hpa(tmp_path, capsys):
     assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in printed
     assert json.loads(out.read_text())["target_qps"] == 56.0
     assert 'averageValue: "56"  # capacity.json target_qps' in hpa.read_text()
+
+
+def test_the_warm_up_stage_is_not_a_capacity_measurement(tmp_path, capsys):
+    """A busier warm-up (cold server, not judged) must not become the knee."""
+    warmup = dict(step(4, 500.0, 10.0), name="warmup", slo=False)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": [warmup, *[dict(s, slo=True) for s in RAMP]]}))
+    out = tmp_path / "capacity.json"
+    rc = main(["--from-summary", str(summary), "--output", str(out), "--no-write"])
+    assert rc == 0
+    assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in capsys.readouterr().out

@@ -389,6 +389,8 @@ def _row(users, rps, p99, fail=0.0, n=100):
     ([_row(1, 10, 20), _row(2, 19, 25), _row(4, 35, 40)], 4),                 # still rising
     ([_row(1, 10, 61), _row(2, 19, 25)], None),                               # first misses
     ([_row(1, 10, 20), _row(2, 30, 20, n=0)], 1),                             # empty step
+    ([_row(1, 10, 20), _row(2, 10.2, 30), _row(4, 20, 40)], 4),              # flat, then rises
+    ([_row(1, 10, 20), _row(2, 10.2, 30), _row(4, 10.3, 70)], 1),             # flat, then misses
 ])
 def test_find_knee(rows, knee_users):
     knee = stats.find_knee(rows, stats.Thresholds(p99_goal_ms=60.0))

@@ -24,6 +24,7 @@ from serve.metrics import (
     torchserve_families,
     workers_family,
 )
+from tests.promtext import samples
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,13 +38,6 @@ class Stats:  # the fields of serve.runtime.RuntimeStats that HandlerMetrics rea
     host_bytes: int = 0
 
 
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    """Exposition text -> {(sample name, sorted labels): value}."""
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def test_buckets_span_half_a_millisecond_to_a_second():

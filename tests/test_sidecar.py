@@ -15,7 +15,6 @@ from typing import Self
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.protocol import example_request
@@ -28,18 +27,13 @@ from serve.sidecar import (
     rewrite_mar,
 )
 from tests.fixtures.sidecar import dead_port, start_sidecar
+from tests.promtext import samples
 
 RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
          "0..10000, workers: integer 1..64")
 TOKEN = "t0ken-for-tests"
 
 
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 # ------------------------------------------------------------------ units
