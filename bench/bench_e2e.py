@@ -188,7 +188,8 @@ def find_knee(url: str, instances: int, seconds: float, max_requests: int,
                 best = s  # small gain: still the highest throughput seen
         if flat >= 2 or (best is not None and s.p99_ms > 4 * best.p99_ms):
             break
-    assert best is not None
+    if best is None:
+        raise ValueError("find_knee needs at least one concurrency level")
     return best, steps
 
 

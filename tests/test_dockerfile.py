@@ -3,6 +3,7 @@ stack as scripts/setup_venv.sh, a fixed non-root UID, no secrets, and image tags
 equal what `make image` builds and what k8s/ deploys."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -146,8 +147,12 @@ def _make_image_tag(variant: str) -> str:
     make = shutil.which("make")
     if make is None:
         pytest.fail("make is needed (it is the project's interface)")
-    out = subprocess.run([make, "-n", "image", f"VARIANT={variant}"], cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=60)
+    # Under `make test` the environment carries MAKEFLAGS/MAKELEVEL, and a nested make
+    # then prints "Entering/Leaving directory" lines around the recipe: drop both.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run([make, "--no-print-directory", "-n", "image", f"VARIANT={variant}"],
+                         cwd=REPO, check=False, capture_output=True, text=True, timeout=60,
+                         env=env)
     assert out.returncode == 0, out.stderr
     cmd = shlex.split(out.stdout.strip().splitlines()[-1])
     assert cmd[:2] == ["docker", "build"] and f"VARIANT={variant}" in cmd
