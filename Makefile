@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
 
 $(VENV)/.stamp: requirements.txt constraints.txt pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PYTHON) bash scripts/setup_venv.sh

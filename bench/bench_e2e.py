@@ -6,7 +6,9 @@ Drives ``POST /predictions/dlrm`` over loopback with a bounded load generator: C
 each with one persistent HTTP/1.1 connection, send pre-encoded bodies back to back for
 a fixed time (and at most ``--max-requests`` per step). For requests of 1, 64 and 512
 instances it raises C (1, 2, 4, ...) until throughput stops rising (< 5% gain) or p99
-explodes (> 4x the p99 at the best step); the best step is the knee.
+explodes (> 4x the p99 at the best step); the best step is the knee. Every size runs
+per body form (``--forms``): JSON rows, JSON columnar and binary columnar
+(``application/x-dlrm-columnar``: no JSON decoding in the worker).
 
 Efficiency = e2e samples/s at the knee / in-process ``Runtime.predict`` samples/s at the
 same batch (measured here, same artifact and handler settings, same thread count as
@@ -100,16 +102,28 @@ class CpuMeter:
         return {k: round(v, 2) for k, v in sorted(use.items())}
 
 
+FORMS = ("rows", "columnar", "binary")
+
+
+def _content_type(form: str) -> str:
+    from serve.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
+
+    return BINARY_MEDIA_TYPE if form == "binary" else JSON_MEDIA_TYPE
+
+
 def _bodies(instances: int, count: int, seed: int, form: str = "rows") -> list[bytes]:
-    from serve.protocol import example_request
+    from serve.protocol import example_binary, example_request
 
     # ids spread over a large range; the runtime wraps them modulo table rows
+    if form == "binary":
+        return [example_binary(instances, seed=seed + i) for i in range(count)]
     return [orjson.dumps(example_request(instances, seed=seed + i, form=form))
             for i in range(count)]
 
 
 def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, seconds: float,
-             max_requests: int, meter: CpuMeter | None = None) -> Step:
+             max_requests: int, meter: CpuMeter | None = None,
+             content_type: str = "application/json") -> Step:
     """C threads, persistent connections, closed loop; bounded by time and count."""
     parsed = urllib.parse.urlsplit(url)
     lat: list[list[float]] = [[] for _ in range(concurrency)]
@@ -118,7 +132,7 @@ def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, se
     lock = threading.Lock()
     stop_at = [0.0]
     barrier = threading.Barrier(concurrency + 1)
-    headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+    headers = {"Content-Type": content_type, "Connection": "keep-alive"}
 
     def worker(k: int) -> None:
         conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
@@ -170,12 +184,14 @@ def find_knee(url: str, instances: int, seconds: float, max_requests: int,
               levels: list[int], meter: CpuMeter | None = None,
               form: str = "rows") -> tuple[Step, list[Step]]:
     bodies = _bodies(instances, 16 if instances >= 64 else 64, seed=instances, form=form)
-    run_step(url, bodies, instances, 1, min(1.0, seconds), 50)  # warm connections + caches
+    ctype = _content_type(form)
+    # warm connections + caches
+    run_step(url, bodies, instances, 1, min(1.0, seconds), 50, content_type=ctype)
     steps: list[Step] = []
     best: Step | None = None
     flat = 0
     for c in levels:
-        s = run_step(url, bodies, instances, c, seconds, max_requests, meter)
+        s = run_step(url, bodies, instances, c, seconds, max_requests, meter, ctype)
         steps.append(s)
         print(f"  {instances:4d} inst/req {form:8s} C={c:3d}  {s.samples_per_s:10.0f} samples/s  "
               f"{s.requests_per_s:7.0f} req/s  p50 {s.p50_ms:7.2f} ms  p99 {s.p99_ms:7.2f} ms"
@@ -306,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multiproc-dir", default=".run/prometheus",
                     help="the workers' PROMETHEUS_MULTIPROC_DIR (handler timings for the profile)")
     ap.add_argument("--instances", default="1,64,512", help="instances per request, comma-separated")
-    ap.add_argument("--forms", default="rows,columnar",
-                    help="body forms to measure, comma-separated (rows, columnar); columnar is "
-                         "skipped for 1-instance requests, where it changes nothing")
+    ap.add_argument("--forms", default="rows,columnar,binary",
+                    help="body forms to measure, comma-separated (rows, columnar: JSON; binary: "
+                         "application/x-dlrm-columnar, no JSON decoding in the worker); columnar "
+                         "and binary are skipped for 1-instance requests, where decoding is not "
+                         "what limits throughput")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per concurrency step")
     ap.add_argument("--max-requests", type=int, default=200_000, help="hard cap per step")
     ap.add_argument("--out", default="bench/results/e2e.json")
@@ -322,10 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     levels = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     sizes = [int(x) for x in args.instances.split(",")]
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
-    if not forms or set(forms) - {"rows", "columnar"}:
-        print(f"error: --forms {args.forms!r}: use rows, columnar or both", file=sys.stderr)
+    if not forms or set(forms) - set(FORMS):
+        print(f"error: --forms {args.forms!r}: use any of {', '.join(FORMS)}", file=sys.stderr)
         return 2
-    cases = [(n, f) for n in sizes for f in forms if not (f == "columnar" and n == 1)]
+    cases = [(n, f) for n in sizes for f in forms if not (f in ("columnar", "binary") and n == 1)]
+    if not cases:
+        print(f"error: --forms {args.forms!r} with --instances {args.instances!r} leaves nothing "
+              "to measure (columnar and binary skip 1-instance requests)", file=sys.stderr)
+        return 2
 
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store

@@ -11,6 +11,9 @@
   carries ``X-DLRM-Batch-Instances`` / ``X-DLRM-Batch-Requests`` (samples and requests
   of the merged forward) and ``X-DLRM-TorchServe-Batch`` (requests TorchServe handed
   over together, bad ones included): observable batching.
+* Bodies: JSON (``application/json`` or no Content-Type) or binary columnar
+  (``application/x-dlrm-columnar``, see :mod:`serve.protocol`); the Content-Type of each
+  request picks the decoder, anything else gets 415. Responses are always JSON.
 
 The logic lives in :mod:`serve.protocol` (no TorchServe needed to test it).
 """
@@ -65,6 +68,8 @@ class DLRMHandler(BaseHandler):
         # Keep bodies as raw bytes: TorchServe's own json.loads would accept NaN and turn
         # huge ids into Python ints before we see them; we parse with orjson ourselves.
         # The worker reads this variable per request, so setting it here takes effect.
+        # Binary columnar bodies (application/x-dlrm-columnar) arrive as a bytearray
+        # either way (TorchServe decodes only JSON and text/*); numpy views it in place.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         from serve.runtime import Runtime, RuntimeConfig
 
@@ -157,15 +162,19 @@ def _body_and_type(req: dict, context: Any, idx: int) -> tuple[Any, str | None]:
     """The raw body and its Content-Type of request ``idx`` of a TorchServe batch.
 
     TorchServe hands a plain body over as parameter ``body`` (``data`` for some
-    clients); form posts arrive split into form fields, which we answer with 415.
+    clients); form posts arrive split into form fields, which we answer with 415. The
+    request's own Content-Type header comes first: the parameter's content type is the
+    bare media type (TorchServe drops parameters such as ``; charset=latin-1``), which
+    would let a body in a charset we do not decode, or ``application/x-dlrm-columnar;
+    charset=utf-8``, through.
     """
     params = context.get_all_request_header(idx) or {}
     if "body" in req or "data" in req:
         name = "body" if "body" in req else "data"
-        per_param = params.get(name)
-        ctype = per_param.get("content-type") if isinstance(per_param, dict) else None
+        ctype = _header(params, "content-type")
         if ctype is None:
-            ctype = _header(params, "content-type")
+            per_param = params.get(name)
+            ctype = per_param.get("content-type") if isinstance(per_param, dict) else None
         return req[name], ctype
     # e.g. application/x-www-form-urlencoded (curl -d without -H) decoded into fields
     return b"", _header(params, "content-type") or "application/x-www-form-urlencoded"

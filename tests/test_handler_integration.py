@@ -14,12 +14,19 @@ import pytest
 import torch
 
 from serve.profiles import SPARSE_FEATURES
-from serve.protocol import INT64_MAX, example_request
+from serve.protocol import (
+    BINARY_MEDIA_TYPE,
+    INT64_MAX,
+    encode_binary,
+    example_binary,
+    example_request,
+)
 from tests.fixtures.torchserve import HANDLER_MAX_BODY, TS_MAX_REQUEST
 
 pytestmark = pytest.mark.integration
 
 JSON = {"Content-Type": "application/json"}
+BINARY = {"Content-Type": BINARY_MEDIA_TYPE}
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +252,8 @@ def test_bad_input_gets_4xx_json(torchserve, client, name, body, want):
 
 @pytest.mark.parametrize("ctype,status", [
     ("application/json", 200), ("application/json; charset=utf-8", 200), (None, 200),
-    ("text/plain", 415), ("application/x-www-form-urlencoded", 415)])
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+    ("application/json; charset=latin-1", 415)])
 def test_content_types(torchserve, client, ctype, status):
     headers = {"Content-Type": ctype} if ctype else {}
     body = orjson.dumps(example_request(1))
@@ -256,8 +264,70 @@ def test_content_types(torchserve, client, ctype, status):
     assert r.status_code == status, r.text
     if status == 415:
         assert r.json() == _err(f"Content-Type '{ctype}' is not supported; send the body as JSON "
-                                "with 'Content-Type: application/json' (charset utf-8)",
+                                "with 'Content-Type: application/json' (charset utf-8), or binary "
+                                "columnar with 'Content-Type: application/x-dlrm-columnar'",
                                 415, "UnsupportedMediaType")
+
+
+def _to_binary(body: dict) -> bytes:
+    """A row-form body as the binary columnar form (same instances, same order)."""
+    inst = body["instances"]
+    dense = np.array([i["dense"] for i in inst], dtype=np.float32)
+    lengths = np.array([[len(i["sparse"][f]) for i in inst] for f in SPARSE_FEATURES])
+    values = np.array([x for f in SPARSE_FEATURES for i in inst for x in i["sparse"][f]],
+                      dtype=np.int64)
+    return encode_binary(dense, lengths, values)
+
+
+def test_binary_predictions_equal_the_runtime_and_the_json_form(torchserve, runtime, client):
+    """TorchServe hands the binary body over untouched (TS_DECODE_INPUT_REQUEST=false)."""
+    body = _multi_hot(37, seed=3)
+    r = client.post(torchserve.predict_url, content=_to_binary(body), headers=BINARY)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    got = np.array(r.json()["predictions"], dtype=np.float32)
+    assert got.shape == (37,)
+    np.testing.assert_allclose(got, _reference(runtime, body), rtol=0, atol=1e-6)
+    as_json = client.post(torchserve.predict_url, content=orjson.dumps(body), headers=JSON)
+    assert as_json.json()["predictions"] == r.json()["predictions"]
+
+
+HTTP_BAD_BINARY = [
+    ("negative id", _to_binary(_multi_hot(2, seed=5))[:-8] + np.int64(-5).tobytes(), _err(
+        "binary body: values[80] (C26, sample 1): -5 is negative; ids must be integers >= 0")),
+    ("truncated", example_binary(3, seed=1)[:-1], _err(
+        "binary body: is 1111 bytes; the header (B=3, nnz=78) needs 1112 bytes; nnz is the sum "
+        "of lengths and each id is 8 bytes")),
+    ("wrong magic", b"XXXX" + example_binary(1)[4:], _err(
+        "binary body: magic is b'XXXX'; expected b'DLRM' as the first 4 bytes (JSON bodies need "
+        "'Content-Type: application/json')")),
+    ("too many instances", example_binary(1025), _err(
+        "binary body: B=1025 instances exceed the limit of 1024 per request; split them over "
+        "several requests", 413, "PayloadTooLarge")),
+]
+
+
+@pytest.mark.parametrize("name,body,want", HTTP_BAD_BINARY, ids=[c[0] for c in HTTP_BAD_BINARY])
+def test_bad_binary_gets_4xx_json_and_the_worker_lives(torchserve, client, name, body, want):
+    pids = torchserve.worker_pids()
+    r = client.post(torchserve.predict_url, content=body, headers=BINARY)
+    assert r.status_code == want["code"]
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == want
+    ok = client.post(torchserve.predict_url, content=example_binary(2, seed=8), headers=BINARY)
+    assert ok.status_code == 200, ok.text
+    assert torchserve.worker_pids() == pids
+
+
+@pytest.mark.parametrize("ctype", ["application/octet-stream",
+                                   "application/x-dlrm-columnar; charset=utf-8"])
+def test_binary_body_with_another_content_type_gets_415(torchserve, client, ctype):
+    r = client.post(torchserve.predict_url, content=example_binary(2), headers={"Content-Type": ctype})
+    assert r.status_code == 415
+    assert r.json() == _err(f"Content-Type '{ctype}' is not supported; send the body as JSON with "
+                            "'Content-Type: application/json' (charset utf-8), or binary columnar "
+                            "with 'Content-Type: application/x-dlrm-columnar'",
+                            415, "UnsupportedMediaType")
 
 
 def test_huge_bodies_get_413(torchserve, client):

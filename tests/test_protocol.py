@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import struct
 
 import numpy as np
 import orjson
@@ -13,10 +14,14 @@ from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, Unsupported
 from serve.launcher import LaunchConfig, render_ts_config
 from serve.profiles import SPARSE_FEATURES
 from serve.protocol import (
+    BINARY_MEDIA_TYPE,
     INT64_MAX,
+    JSON_MEDIA_TYPE,
     HandlerConfig,
     check_content_type,
     default_num_threads,
+    encode_binary,
+    example_binary,
     example_request,
     handle_batch,
     merge_requests,
@@ -155,15 +160,26 @@ def test_bad_columnar_is_rejected(name, body, match):
 @pytest.mark.parametrize("ctype", [None, "", "application/json", "application/json; charset=utf-8",
                                    "Application/JSON;charset=UTF-8"])
 def test_json_content_types_are_accepted(ctype):
-    check_content_type(ctype)
+    assert check_content_type(ctype) == JSON_MEDIA_TYPE
+
+
+@pytest.mark.parametrize("ctype", ["application/x-dlrm-columnar", "Application/X-DLRM-Columnar",
+                                   b"application/x-dlrm-columnar", " application/x-dlrm-columnar "])
+def test_binary_content_type_is_accepted(ctype):
+    assert check_content_type(ctype) == BINARY_MEDIA_TYPE
 
 
 @pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded",
-                                   "application/json; charset=latin-1", "multipart/form-data"])
+                                   "application/json; charset=latin-1", "multipart/form-data",
+                                   "application/octet-stream", "application/x-dlrm-columnar; v=1",
+                                   "application/x-dlrm-columnar; charset=utf-8"])
 def test_other_content_types_get_415(ctype):
-    with pytest.raises(UnsupportedMediaType, match=rf"^Content-Type '{ctype}' is not supported; "
-                                                   r"send the body as JSON with 'Content-Type: "):
+    with pytest.raises(UnsupportedMediaType) as e:
         check_content_type(ctype)
+    assert e.value.message == (
+        f"Content-Type '{ctype}' is not supported; send the body as JSON with 'Content-Type: "
+        "application/json' (charset utf-8), or binary columnar with 'Content-Type: "
+        "application/x-dlrm-columnar'")
 
 
 def test_ids_are_exact_up_to_int64_max_and_layout_is_feature_major():
@@ -327,3 +343,230 @@ def test_parse_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
+
+
+# ----------------------------------------------------------------------------- binary form
+
+def _columnar_json(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> bytes:
+    """The same data as a JSON columnar body (the reference parse)."""
+    ends = np.concatenate([[0], np.cumsum(lengths.sum(axis=1))])
+    return orjson.dumps({"dense": dense.tolist(), "sparse": {
+        f: {"values": values[ends[fi]:ends[fi + 1]].tolist(), "lengths": lengths[fi].tolist()}
+        for fi, f in enumerate(SPARSE_FEATURES)}})
+
+
+def _multi_hot_arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 dense (n, 13), lengths (26, n) in 0..3, ids up to INT64_MAX."""
+    rng = np.random.default_rng(seed)
+    dense = (rng.standard_normal((n, 13)) * 100).astype(np.float32)
+    dense[0, :3] = [np.finfo(np.float32).max, np.finfo(np.float32).tiny, -0.0]
+    lengths = rng.integers(0, 4, size=(26, n)).astype(np.int32)
+    values = rng.integers(0, INT64_MAX, size=int(lengths.sum()), dtype=np.int64, endpoint=True)
+    values[:2] = [INT64_MAX, 45821459]
+    return dense, lengths, values
+
+
+def _assert_same(a, b) -> None:
+    for name in ("dense", "lengths", "values"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+@pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview], ids=["bytes", "bytearray",
+                                                                      "memoryview"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_binary_round_trip_equals_the_json_columnar_parse(wrap, n):
+    dense, lengths, values = _multi_hot_arrays(n, seed=n)
+    body = encode_binary(dense, lengths, values)
+    assert len(body) == 20 + 4 * n * 13 + 4 * 26 * n + 8 * int(lengths.sum())
+    p = parse_body(wrap(body), CFG, BINARY_MEDIA_TYPE)
+    _assert_same(p, parse_body(_columnar_json(dense, lengths, values), CFG))
+    for a in (p.dense, p.lengths, p.values):  # torch.from_numpy needs neither warning nor copy
+        assert a.flags.writeable and a.flags.aligned and a.flags.c_contiguous
+
+
+def test_binary_views_a_writable_body_without_copying():
+    body = bytearray(example_binary(3, seed=2))  # odd B: values start 8-aligned
+    p = parse_body(body, CFG, BINARY_MEDIA_TYPE)
+    for a in (p.dense, p.lengths, p.values):
+        assert np.shares_memory(a, np.frombuffer(body, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_example_binary_is_example_request(n):
+    b = parse_body(example_binary(n, seed=7), CFG, BINARY_MEDIA_TYPE)
+    for form in ("rows", "columnar"):
+        _assert_same(b, parse_body(orjson.dumps(example_request(n, seed=7, form=form)), CFG))
+
+
+def _bin(n: int = 2, f=None) -> bytes:
+    """example_binary(n) with its arrays changed by f(dense, lengths, values) -> values."""
+    p = parse_body(example_binary(n, seed=1), HandlerConfig(), BINARY_MEDIA_TYPE)
+    dense, lengths, values = p.dense.copy(), p.lengths.copy(), p.values.copy()
+    if f is not None:
+        values = f(dense, lengths, values)
+    return encode_binary(dense, lengths, values)
+
+
+def _header(field: str, value: int, n: int = 2) -> bytes:
+    body = bytearray(_bin(n))
+    struct.pack_into("<I", body, {"version": 4, "B": 8, "F": 12, "N": 16}[field], value)
+    return bytes(body)
+
+
+def _dense_at(i: int, j: int, v: float):
+    def f(d, ln, vals):
+        d[i, j] = v
+        return vals
+    return f
+
+
+def _lengths_at(feature: str, s: int, v: int):
+    def f(d, ln, vals):
+        fi = SPARSE_FEATURES.index(feature)
+        old = int(ln[fi, s])
+        ln[fi, s] = v
+        at = int(ln[:fi].sum()) + int(ln[fi, :s].sum())
+        return np.concatenate([vals[:at], np.arange(v, dtype=np.int64), vals[at + old:]])
+    return f
+
+
+def _patch_length(body: bytes, feature: str, s: int, v: int, n: int = 2) -> bytes:
+    """lengths[feature][s] = v written straight into the body (encode_binary refuses v < 0)."""
+    out = bytearray(body)
+    struct.pack_into("<i", out, 20 + 4 * n * 13 + 4 * (SPARSE_FEATURES.index(feature) * n + s), v)
+    return bytes(out)
+
+
+def _negative_id(d, ln, vals):
+    ln[:] = 1
+    ln[2, 1] = 3  # C3 of sample 1: ids at flat 5, 6, 7
+    vals = np.arange(54, dtype=np.int64)
+    vals[6] = -5
+    return vals
+
+
+_TWO = len(_bin(2))  # 20 + 104 + 208 + 8 * 52 = 748
+
+BAD_BINARY = [
+    ("empty", b"", InvalidInput,
+     ("binary body: is 0 bytes; the header needs 20 bytes (magic b'DLRM', then uint32 version, "
+      "B, F, N, little-endian)")),
+    ("shorter than the header", b"DLRM\x01\x00\x00\x00", InvalidInput,
+     ("binary body: is 8 bytes; the header needs 20 bytes (magic b'DLRM', then uint32 version, "
+      "B, F, N, little-endian)")),
+    ("wrong magic", b"XXXX" + _bin(2)[4:], InvalidInput,
+     ("binary body: magic is b'XXXX'; expected b'DLRM' as the first 4 bytes (JSON bodies need "
+      "'Content-Type: application/json')")),
+    ("JSON sent as binary", orjson.dumps(example_request(1)), InvalidInput,
+     ("binary body: magic is b'{\"in'; expected b'DLRM' as the first 4 bytes (JSON bodies need "
+      "'Content-Type: application/json')")),
+    ("version 2", _header("version", 2), InvalidInput,
+     "binary body: version is 2; only version 1 is supported"),
+    ("version 0", _header("version", 0), InvalidInput,
+     "binary body: version is 0; only version 1 is supported"),
+    ("F = 25", _header("F", 25), InvalidInput, "binary body: F is 25; it must be 26 (C1..C26)"),
+    ("N = 14", _header("N", 14), InvalidInput, "binary body: N is 14; it must be 13 (I1..I13)"),
+    ("B = 0", _header("B", 0), InvalidInput, "binary body: B is 0; send 1 to 4 instances"),
+    ("B over max_instances", _bin(5), PayloadTooLarge,
+     ("binary body: B=5 instances exceed the limit of 4 per request; split them over several "
+      "requests")),
+    ("B = 2^32-1", _header("B", 2**32 - 1), PayloadTooLarge,
+     ("binary body: B=4294967295 instances exceed the limit of 4 per request; split them over "
+      "several requests")),
+    ("truncated in lengths", _bin(2)[:100], InvalidInput,
+     ("binary body: is 100 bytes; the header (B=2) needs at least 332 bytes for dense and "
+      "lengths; send the whole body")),
+    ("B larger than sent", _header("B", 4, n=1), InvalidInput,
+     ("binary body: is 384 bytes; the header (B=4) needs at least 644 bytes for dense and "
+      "lengths; send the whole body")),
+    ("truncated by one byte", _bin(2)[:-1], InvalidInput,
+     (f"binary body: is {_TWO - 1} bytes; the header (B=2, nnz=52) needs {_TWO} bytes; nnz is "
+      "the sum of lengths and each id is 8 bytes")),
+    ("one byte too many", _bin(2) + b"\x00", InvalidInput,
+     (f"binary body: is {_TWO + 1} bytes; the header (B=2, nnz=52) needs {_TWO} bytes; nnz is "
+      "the sum of lengths and each id is 8 bytes")),
+    ("lengths say more ids than sent", _bin(2)[:-8], InvalidInput,
+     (f"binary body: is {_TWO - 8} bytes; the header (B=2, nnz=52) needs {_TWO} bytes; nnz is "
+      "the sum of lengths and each id is 8 bytes")),
+    ("negative length", _patch_length(_bin(2), "C3", 1, -1), InvalidInput,
+     "binary body: lengths[C3][1] is -1; lengths must be integers >= 0"),
+    ("too many ids", _bin(2, _lengths_at("C4", 1, 4)), InvalidInput,
+     ("binary body: lengths[C4][1] is 4; at most 3 ids per feature are allowed; drop or hash the "
+      "extra ids")),
+    ("dense nan", _bin(2, _dense_at(1, 4, float("nan"))), InvalidInput,
+     "binary body: dense[1][4] is nan; dense values must be finite"),
+    ("dense inf", _bin(2, _dense_at(0, 12, float("inf"))), InvalidInput,
+     "binary body: dense[0][12] is inf; dense values must be finite"),
+    ("dense -inf", _bin(2, _dense_at(1, 0, float("-inf"))), InvalidInput,
+     "binary body: dense[1][0] is -inf; dense values must be finite"),
+    ("negative id", _bin(2, _negative_id), InvalidInput,
+     "binary body: values[6] (C3, sample 1): -5 is negative; ids must be integers >= 0"),
+    ("over max_body_bytes", b"DLRM" + bytes(100_000), PayloadTooLarge,
+     ("body is 100004 bytes; the limit is 100000 bytes; split the instances over several "
+      "requests")),
+]
+
+
+@pytest.mark.parametrize("name,body,exc,message", BAD_BINARY, ids=[b[0] for b in BAD_BINARY])
+def test_bad_binary_is_rejected_with_the_field_and_rule(name, body, exc, message):
+    with pytest.raises(exc) as e:
+        parse_body(body, CFG, BINARY_MEDIA_TYPE)
+    assert type(e.value) is exc
+    assert e.value.message == message
+
+
+def test_binary_body_as_text_is_rejected_and_media_type_is_checked():
+    with pytest.raises(InvalidInput, match=r"^binary body: arrived as text; send the raw bytes "
+                                           r"from encode_binary$"):
+        parse_body("DLRM", CFG, BINARY_MEDIA_TYPE)
+    with pytest.raises(ValueError, match=r"^media_type 'text/plain' must be 'application/json' "
+                                         r"or 'application/x-dlrm-columnar'$"):
+        parse_body(b"{}", CFG, "text/plain")
+
+
+def test_encode_binary_rejects_malformed_arrays():
+    d, ln, v = np.zeros((2, 13), np.float32), np.ones((26, 2), np.int32), np.arange(52)
+    assert len(encode_binary(d, ln, v)) == _TWO
+    with pytest.raises(ValueError, match=r"^dense has shape \(2, 12\); it must be \(B, 13\)$"):
+        encode_binary(d[:, :12], ln, v)
+    with pytest.raises(ValueError, match=r"^lengths has shape \(2, 26\); it must be \(26, B=2\)"):
+        encode_binary(d, ln.T, v)
+    with pytest.raises(ValueError, match=r"^values has 51 ids but lengths sum to 52; they must"):
+        encode_binary(d, ln, v[:51])
+    with pytest.raises(ValueError, match=r"^lengths must be in \[0, 2\^31-1\]; got -1..1$"):
+        encode_binary(d, np.where(np.arange(2) == 0, ln, -1), v)
+    with pytest.raises(ValueError, match=r"^values has dtype float64; it must hold integers$"):
+        encode_binary(d, ln, v.astype(np.float64))
+    with pytest.raises(ValueError, match=r"^values: 18446744073709551615 is greater than 2\^63-1"):
+        encode_binary(d, ln, np.full(52, 2**64 - 1, dtype=np.uint64))
+
+
+def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
+    dense, lengths, values = _multi_hot_arrays(3, seed=21)
+    json_req = _multi_hot(2, 22)
+    bodies = [encode_binary(dense, lengths, values), orjson.dumps(json_req),
+              bytearray(example_binary(1, seed=3)), "DLRM", orjson.dumps(json_req),
+              example_binary(2, seed=4)]
+    ctypes = [BINARY_MEDIA_TYPE, None, "application/x-dlrm-columnar", BINARY_MEDIA_TYPE,
+              BINARY_MEDIA_TYPE, "application/x-dlrm-columnar; charset=utf-8"]
+    calls = []
+    predict = _predict_with(tiny_runtime)
+
+    def counting(m):
+        calls.append(m.sizes)
+        return predict(m)
+
+    outs, info = handle_batch(bodies, ctypes, counting, CFG)
+    assert calls == [[3, 2, 1]] and info["instances"] == 6 and info["requests"] == 3
+    assert [o.status for o in outs] == [200, 200, 200, 400, 400, 415]
+    assert orjson.loads(outs[3].body)["message"] == ("binary body: arrived as text; send the "
+                                                     "raw bytes from encode_binary")
+    assert orjson.loads(outs[4].body)["message"].startswith("binary body: magic is b'{\"in';")
+    refs = [parse_body(orjson.dumps(r), CFG) for r in (
+        orjson.loads(_columnar_json(dense, lengths, values)), json_req, example_request(1, seed=3))]
+    for out, p in zip(outs[:3], refs):
+        alone = predict(merge_requests([p]))
+        got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
