@@ -36,6 +36,7 @@ import orjson
 
 from serve.errors import ConfigError
 from serve.profiles import NUM_DENSE, Profile
+from serve.zipf import id_permutation, zeta_cdf, zipf_ranks
 
 __all__ = [
     "BODY_FORMATS",
@@ -53,9 +54,6 @@ BODY_FORMATS = ("row", "columnar")
 # Largest instance count the distribution accepts; the handler enforces its own
 # max_instances (a request above it is a 4xx, which the checker reports as a failure).
 _MAX_INSTANCES = 100_000
-# Tables up to this many rows sample ranks from the exact discrete zeta CDF (the same
-# threshold as serve.data); larger ones use the continuous power-law inverse.
-_EXACT_CDF_MAX = 1 << 21
 # Dense values are rounded to this many decimals: 1e-4 is far below what the model
 # resolves and it keeps a 270-instance row body around 160 KiB instead of 230 KiB.
 _DENSE_DECIMALS = 4
@@ -195,37 +193,19 @@ class IdSampler:
         self.profile = profile
         self.alpha = alpha
         data_seed = profile.seed if seed is None else seed
-        self._cdfs = [_zeta_cdf(rows, alpha) for rows in profile.cardinalities]
-        self._perms = ([np.random.default_rng([data_seed, 11, i]).permutation(rows)
+        self._cdfs = [zeta_cdf(rows, alpha) for rows in profile.cardinalities]
+        self._perms = ([id_permutation(data_seed, i, rows)
                         for i, rows in enumerate(profile.cardinalities)] if permuted else None)
 
     def ranks(self, rng: np.random.Generator, feature: int, n: int) -> np.ndarray:
         """n ranks of feature ``feature`` (0-based), int64 in [0, rows)."""
         rows = self.profile.cardinalities[feature]
-        u = rng.random(n)
-        cdf = self._cdfs[feature]
-        if cdf is not None:
-            return np.minimum(np.searchsorted(cdf, u, side="right"), rows - 1).astype(np.int64)
-        # Continuous power law on [1, rows + 1), inverted in closed form.
-        if abs(self.alpha - 1.0) < 1e-9:
-            x = np.exp(u * math.log(rows + 1.0))
-        else:
-            a = 1.0 - self.alpha
-            x = (1.0 + u * ((rows + 1.0) ** a - 1.0)) ** (1.0 / a)
-        return np.clip(x.astype(np.int64) - 1, 0, rows - 1)
+        return zipf_ranks(rng, n, rows, self.alpha, self._cdfs[feature])
 
     def ids(self, rng: np.random.Generator, feature: int, n: int) -> np.ndarray:
         """n ids of feature ``feature``, int64 in [0, rows)."""
         r = self.ranks(rng, feature, n)
         return r if self._perms is None else self._perms[feature][r]
-
-
-def _zeta_cdf(rows: int, alpha: float) -> np.ndarray | None:
-    if rows > _EXACT_CDF_MAX:
-        return None
-    w = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
-    cdf = np.cumsum(w)
-    return cdf / cdf[-1]
 
 
 def dense_features(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -41,6 +41,7 @@ import torch
 
 from serve.errors import ConfigError, ServeError
 from serve.profiles import DENSE_FEATURES, NUM_DENSE, PROFILES, Profile, get_profile
+from serve.zipf import id_permutation, zeta_cdf, zipf_ranks
 
 __all__ = [
     "FORMAT_VERSION",
@@ -59,9 +60,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _CHUNK_ROWS = 1 << 18
-# Ranks up to this many rows are drawn from the exact discrete zeta CDF; larger tables
-# use the continuous power-law inverse CDF (error only in the far tail, memory O(1)).
-_EXACT_CDF_MAX = 1 << 21
 # Planted-model strengths, tuned so a trained DLRM reaches AUC >= 0.75 on `small` and
 # clearly above 0.7 on `tiny` (see tests/test_data.py for the planted-model AUC).
 _DENSE_WEIGHT = 0.45
@@ -101,29 +99,6 @@ class DataConfig:
 
 # ----------------------------------------------------------------------------- sampling
 
-def _zipf_ranks(rng: np.random.Generator, n: int, rows: int, alpha: float,
-                cdf: np.ndarray | None) -> np.ndarray:
-    """n ranks in [0, rows) with P(k) proportional to (k+1)^-alpha (truncated zeta)."""
-    u = rng.random(n)
-    if cdf is not None:
-        return np.minimum(np.searchsorted(cdf, u, side="right"), rows - 1)
-    # Continuous power law on [1, rows+1), inverted in closed form.
-    if abs(alpha - 1.0) < 1e-9:
-        x = np.exp(u * math.log(rows + 1.0))
-    else:
-        a = 1.0 - alpha
-        x = (1.0 + u * ((rows + 1.0) ** a - 1.0)) ** (1.0 / a)
-    return np.clip(x.astype(np.int64) - 1, 0, rows - 1)
-
-
-def _zeta_cdf(rows: int, alpha: float) -> np.ndarray | None:
-    if rows > _EXACT_CDF_MAX:
-        return None
-    w = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
-    cdf = np.cumsum(w)
-    return cdf / cdf[-1]
-
-
 class _Planted:
     """The ground-truth model the labels come from (deterministic in the seed)."""
 
@@ -138,8 +113,7 @@ class _Planted:
         self.latent = {i: rng.standard_normal((profile.cardinalities[i], _LATENT)).astype(np.float32)
                        / math.sqrt(_LATENT)
                        for i in sorted({i for p in self.pairs for i in p})}
-        self.perms = [np.random.default_rng([seed, 11, i]).permutation(c).astype(np.int64)
-                      for i, c in enumerate(profile.cardinalities)]
+        self.perms = [id_permutation(seed, i, c) for i, c in enumerate(profile.cardinalities)]
 
     def logit(self, z: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """z: (n, N) standardised dense; ids: (n, F, M); lengths: (n, F) -> (n,) logits."""
@@ -191,7 +165,7 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
         else:
             lengths = np.ones((rows, f), dtype=np.uint8)
         for j, card in enumerate(p.cardinalities):
-            ranks = _zipf_ranks(rng, rows * m, card, cfg.alpha, cdfs[j]).reshape(rows, m)
+            ranks = zipf_ranks(rng, rows * m, card, cfg.alpha, cdfs[j]).reshape(rows, m)
             ids[:, j, :] = planted.perms[j][ranks]
         if m > 1:  # ids beyond a sample's length are padding: store 0, never read
             ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
@@ -226,7 +200,7 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     planted = _Planted(p, cfg.seed)
-    cdfs = [_zeta_cdf(c, cfg.alpha) for c in p.cardinalities]
+    cdfs = [zeta_cdf(c, cfg.alpha) for c in p.cardinalities]
     splits = {}
     for split, n, s in (("train", cfg.train_samples, 1), ("eval", cfg.eval_samples, 2)):
         splits[split] = _generate_split(cfg, planted, cdfs, tmp, split, n, s, progress)

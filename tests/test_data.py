@@ -12,8 +12,6 @@ from serve.data import (
     ClickLogDataset,
     DataConfig,
     _Planted,
-    _zeta_cdf,
-    _zipf_ranks,
     generate,
     iter_batches,
     load_split,
@@ -21,6 +19,7 @@ from serve.data import (
 from serve.errors import ConfigError
 from serve.metrics_auc import roc_auc
 from serve.profiles import get_profile
+from serve.zipf import zeta_cdf, zipf_ranks
 
 TINY = get_profile("tiny")
 
@@ -61,7 +60,7 @@ def test_generation_is_deterministic(tiny_data, tmp_path):
 def test_zipf_exact_cdf_matches_zeta_law():
     rows, alpha = 1000, 1.05
     rng = np.random.default_rng(0)
-    ranks = _zipf_ranks(rng, 400_000, rows, alpha, _zeta_cdf(rows, alpha))
+    ranks = zipf_ranks(rng, 400_000, rows, alpha, zeta_cdf(rows, alpha))
     p = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
     p /= p.sum()
     freq = np.bincount(ranks, minlength=rows) / ranks.size
@@ -73,8 +72,8 @@ def test_zipf_exact_cdf_matches_zeta_law():
 def test_zipf_continuous_tail_approximation_is_close():
     rows, alpha = 1000, 1.05
     rng = np.random.default_rng(1)
-    exact = np.bincount(_zipf_ranks(rng, 400_000, rows, alpha, _zeta_cdf(rows, alpha)), minlength=rows)
-    approx = np.bincount(_zipf_ranks(rng, 400_000, rows, alpha, None), minlength=rows)
+    exact = np.bincount(zipf_ranks(rng, 400_000, rows, alpha, zeta_cdf(rows, alpha)), minlength=rows)
+    approx = np.bincount(zipf_ranks(rng, 400_000, rows, alpha, None), minlength=rows)
     # Used only for tables > 2M rows; the head mass (top 10%) agrees within 3 points.
     assert abs(exact[:100].sum() - approx[:100].sum()) / 400_000 < 0.03
 

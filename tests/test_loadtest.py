@@ -80,6 +80,7 @@ def test_bad_instances_spec_is_named(spec, frac, match):
 def test_ids_follow_the_training_data_law_and_mapping():
     """Same ranks and the same rank->id permutation as serve.data's generator."""
     from serve import data as sdata
+    from serve import zipf
 
     p = get_profile("tiny")
     sampler = traffic.IdSampler(p, alpha=1.05)
@@ -87,8 +88,8 @@ def test_ids_follow_the_training_data_law_and_mapping():
     for j in (0, 2, 8, 25):
         rows = p.cardinalities[j]
         ours = sampler.ids(np.random.default_rng([5, j]), j, 4000)
-        ranks = sdata._zipf_ranks(np.random.default_rng([5, j]), 4000, rows, 1.05,
-                                  sdata._zeta_cdf(rows, 1.05))
+        ranks = zipf.zipf_ranks(np.random.default_rng([5, j]), 4000, rows, 1.05,
+                                zipf.zeta_cdf(rows, 1.05))
         np.testing.assert_array_equal(ours, planted.perms[j][ranks])
         assert ours.min() >= 0 and ours.max() < rows
 
@@ -108,13 +109,13 @@ def test_zipf_rank_frequencies_match_the_zeta_law():
 
 
 def test_large_tables_use_the_training_data_continuous_law():
-    from serve import data as sdata
+    from serve import zipf
 
     p = get_profile("criteo-kaggle")
     sampler = traffic.IdSampler(p, alpha=1.05, permuted=False)
     j = 2  # 10,131,227 rows: beyond the exact-CDF limit
     ours = sampler.ranks(np.random.default_rng(9), j, 5000)
-    theirs = sdata._zipf_ranks(np.random.default_rng(9), 5000, p.cardinalities[j], 1.05, None)
+    theirs = zipf.zipf_ranks(np.random.default_rng(9), 5000, p.cardinalities[j], 1.05, None)
     np.testing.assert_array_equal(ours, theirs)
     assert ours.max() < p.cardinalities[j]
 
