@@ -248,6 +248,17 @@ def _predict_with(runtime):
     return predict
 
 
+def _counting_predict(runtime):
+    """(calls, predict): predict runs the runtime and records each forward's request sizes."""
+    calls: list = []
+    predict = _predict_with(runtime)
+
+    def counting(m):
+        calls.append(m.sizes)
+        return predict(m)
+    return calls, counting
+
+
 def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
     from serve.runtime import SparseBatch
 
@@ -255,13 +266,7 @@ def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
     bodies = [orjson.dumps(reqs[0]), _set_ids(1, "C7", [-5]), orjson.dumps(reqs[1]),
               b"not json", orjson.dumps(reqs[2])]
     ctypes = ["application/json", None, "application/json; charset=utf-8", None, "text/plain"]
-    calls = []
-    predict = _predict_with(tiny_runtime)
-
-    def counting(m):
-        calls.append(m.sizes)
-        return predict(m)
-
+    calls, counting = _counting_predict(tiny_runtime)
     outs, info = handle_batch(bodies, ctypes, counting, CFG)
     assert calls == [[2, 3]]  # one forward: the two good requests
     assert info["instances"] == 5 and info["requests"] == 2
@@ -551,13 +556,7 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
               example_binary(2, seed=4)]
     ctypes = [BINARY_MEDIA_TYPE, None, "application/x-dlrm-columnar", BINARY_MEDIA_TYPE,
               BINARY_MEDIA_TYPE, "application/x-dlrm-columnar; charset=utf-8"]
-    calls = []
-    predict = _predict_with(tiny_runtime)
-
-    def counting(m):
-        calls.append(m.sizes)
-        return predict(m)
-
+    calls, counting = _counting_predict(tiny_runtime)
     outs, info = handle_batch(bodies, ctypes, counting, CFG)
     assert calls == [[3, 2, 1]] and info["instances"] == 6 and info["requests"] == 3
     assert [o.status for o in outs] == [200, 200, 200, 400, 400, 415]
@@ -567,6 +566,6 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
     refs = [parse_body(orjson.dumps(r), CFG) for r in (
         orjson.loads(_columnar_json(dense, lengths, values)), json_req, example_request(1, seed=3))]
     for out, p in zip(outs[:3], refs):
-        alone = predict(merge_requests([p]))
+        alone = _predict_with(tiny_runtime)(merge_requests([p]))
         got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
         np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
