@@ -12,7 +12,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java model run up down test test-fast lint bench-runtime bench-e2e \
+.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean
 
 help:  ## list targets
@@ -27,19 +27,22 @@ venv: $(VENV)/.stamp  ## create .venv with the pinned stack
 java:  ## install a Java runtime for TorchServe if missing
 	@bash scripts/ensure_java.sh
 
+kubectl:  ## install kubectl for the offline k8s tests if missing
+	@bash scripts/ensure_kubectl.sh
+
 model: venv  ## build model_store/dlrm.mar for PROFILE (default small); skips what is up to date
-	$(PY) -m serve.pipeline --profile $(PROFILE)
+	$(PY) -m serve.model.pipeline --profile $(PROFILE)
 
 run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
-	$(PY) -m serve.launcher run
+	$(PY) -m serve.ops.launcher run
 
 up: venv java model  ## start the service in the background
-	$(PY) -m serve.launcher up
+	$(PY) -m serve.ops.launcher up
 
 down: venv  ## stop the background service
-	$(PY) -m serve.launcher down
+	$(PY) -m serve.ops.launcher down
 
-test: venv java  ## run the test suite (CPU; GPU tests skip without CUDA)
+test: venv java kubectl  ## run the test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
 test-fast: venv  ## unit tests only (no TorchServe, no slow)
@@ -47,7 +50,7 @@ test-fast: venv  ## unit tests only (no TorchServe, no slow)
 
 lint: venv  ## ruff + mypy
 	$(VENV)/bin/ruff check serve handlers tests bench loadtest
-	$(VENV)/bin/mypy serve handlers loadtest
+	$(VENV)/bin/mypy serve handlers loadtest bench
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
 	$(PY) -m bench.bench_runtime
@@ -55,8 +58,10 @@ bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit 
 bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee -> bench/results/e2e.json
 	$(PY) -m bench.bench_e2e
 
-gpu-check: ## on a CUDA machine: exactness vs CPU, throughput with/without cache, batch-1 latency
-	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check
+# The GPU machine has stock torch + pytest but no venv (and no TorchRec): use its python3.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:  ## on a CUDA machine (no venv needed): gpu tests (CUDA paths vs CPU), then exactness, throughput, batch-1 latency
+	$(GPU_PY) -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider --noconftest -q && $(GPU_PY) -m bench.gpu_check
 
 LOADTEST_ARGS ?=
 gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU expectations) for gpu-check
@@ -65,11 +70,11 @@ gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU ex
 loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s [LOADTEST_ARGS="-H http://svc:8080 --allow-remote"]
 	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION) $(LOADTEST_ARGS)
 
-capacity: venv java model  ## measure one instance's knee and write k8s/capacity.json
-	$(PY) -m serve.capacity
+capacity: venv java model  ## measure one instance's knee and write loadtest/capacity.json + the HPA target
+	$(PY) -m serve.ops.capacity
 
 hpa-sim: venv  ## replay load curves through the HPA algorithm; prints and plots
-	$(PY) -m serve.hpa_sim
+	$(PY) -m serve.ops.hpa_sim
 
 image:  ## build the container image (needs a Docker engine): VARIANT=gpu|cpu
 	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) .

@@ -3,11 +3,15 @@
     python -m bench.bench_e2e [--quick] [--url http://127.0.0.1:8080]
 
 Drives ``POST /predictions/dlrm`` over loopback with a bounded load generator: C threads,
-each with one persistent HTTP/1.1 connection, send pre-encoded bodies back to back for
-a fixed time (and at most ``--max-requests`` per step). For requests of 1, 64 and 512
-instances it raises C (1, 2, 4, ...) until throughput stops rising (< 5% gain) or p99
-explodes (> 4x the p99 at the best step); the best step is the knee. Every size runs
-per body form (``--forms``): JSON rows, JSON columnar and binary columnar
+each with one ``httpx.Client`` holding one persistent HTTP/1.1 connection, send
+pre-encoded bodies back to back for a fixed time (and at most ``--max-requests`` per
+step). For requests of 1, 64 and 512 instances it raises C (1, 2, 4, ...) and reads the
+knee off the steps with the project's one knee rule (:mod:`serve.ops.knee`: the step
+that last raised throughput by >= 5%, before the first step with an error or a p99 over
+``--p99-goal-ms``; by default no latency goal, so the knee is where throughput stops
+rising). It stops raising C two steps past the knee, or when p99 explodes (> 4x the
+knee's): more concurrency would only queue. Every size runs per body form
+(``--forms``): JSON rows, JSON columnar and binary columnar
 (``application/x-dlrm-columnar``: no JSON decoding in the worker).
 
 Efficiency = e2e samples/s at the knee / in-process ``Runtime.predict`` samples/s at the
@@ -16,16 +20,16 @@ the worker). Where time goes: client latency vs the handler's own time (its
 ``dlrm_request_duration_seconds``) and stages (decode / embedding / dense) read from the
 worker's Prometheus multiprocess files; the rest is the frontend + IPC.
 
-Starts the service with ``serve.launcher`` if nothing answers at ``--url`` (and stops it
+Starts the service with ``serve.ops.launcher`` if nothing answers at ``--url`` (and stops it
 at the end). Writes ``bench/results/e2e.json``:
 ``{"rows": [{"instances_per_request", "samples_per_s", "p50_ms", "p99_ms", "efficiency", ...}]}``.
 """
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -38,8 +42,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
+
+from serve.errors import CapacityError
+from serve.net import free_ports
+from serve.ops.knee import find_knee
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_e2e")
@@ -106,13 +115,13 @@ FORMS = ("rows", "columnar", "binary")
 
 
 def _content_type(form: str) -> str:
-    from serve.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
+    from serve.api.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
 
     return BINARY_MEDIA_TYPE if form == "binary" else JSON_MEDIA_TYPE
 
 
 def _bodies(instances: int, count: int, seed: int, form: str = "rows") -> list[bytes]:
-    from serve.protocol import example_binary, example_request
+    from serve.api.protocol import example_binary, example_request
 
     # ids spread over a large range; the runtime wraps them modulo table rows
     if form == "binary":
@@ -126,41 +135,39 @@ def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, se
              content_type: str = "application/json") -> Step:
     """C threads, persistent connections, closed loop; bounded by time and count."""
     parsed = urllib.parse.urlsplit(url)
+    origin, path = f"{parsed.scheme}://{parsed.netloc}", parsed.path
     lat: list[list[float]] = [[] for _ in range(concurrency)]
     errors = [0] * concurrency
     budget = [max_requests]
     lock = threading.Lock()
     stop_at = [0.0]
     barrier = threading.Barrier(concurrency + 1)
-    headers = {"Content-Type": content_type, "Connection": "keep-alive"}
+    # One keep-alive connection per thread, as a closed-loop client holds; httpx reopens
+    # it by itself after an error. trust_env=False: loopback, never through a proxy.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     def worker(k: int) -> None:
-        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
-        i = k
-        barrier.wait()
-        while time.perf_counter() < stop_at[0]:
-            with lock:
-                if budget[0] <= 0:
-                    break
-                budget[0] -= 1
-            body = bodies[i % len(bodies)]
-            i += concurrency
-            t0 = time.perf_counter()
-            try:
-                conn.request("POST", parsed.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                resp.read()
-                ok = resp.status == 200
-            except (OSError, http.client.HTTPException):
-                ok = False
-                conn.close()
-                conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
-            dt = time.perf_counter() - t0
-            if ok:
-                lat[k].append(dt)
-            else:
-                errors[k] += 1
-        conn.close()
+        with httpx.Client(base_url=origin, headers={"Content-Type": content_type},
+                          timeout=60.0, limits=limits, trust_env=False) as client:
+            i = k
+            barrier.wait()
+            while time.perf_counter() < stop_at[0]:
+                with lock:
+                    if budget[0] <= 0:
+                        break
+                    budget[0] -= 1
+                body = bodies[i % len(bodies)]
+                i += concurrency
+                t0 = time.perf_counter()
+                try:
+                    ok = client.post(path, content=body).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                dt = time.perf_counter() - t0
+                if ok:
+                    lat[k].append(dt)
+                else:
+                    errors[k] += 1
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
     for t in threads:
@@ -180,33 +187,43 @@ def run_step(url: str, bodies: list[bytes], instances: int, concurrency: int, se
                 float(np.percentile(all_lat, 99)) if n else float("nan"), cpu)
 
 
-def find_knee(url: str, instances: int, seconds: float, max_requests: int,
-              levels: list[int], meter: CpuMeter | None = None,
-              form: str = "rows") -> tuple[Step, list[Step]]:
+def _knee_row(s: Step) -> dict[str, Any]:
+    """A step as the knee rule reads it (users = concurrency C)."""
+    return {"users": s.concurrency, "name": f"C={s.concurrency}", "rps": s.requests_per_s,
+            "instances_per_s": s.samples_per_s, "p50_ms": s.p50_ms,
+            "p99_ms": s.p99_ms if s.requests else None, "measured_requests": s.requests,
+            "fail_ratio": s.errors / (s.requests + s.errors) if s.requests + s.errors else 0.0}
+
+
+def measure_knee(url: str, instances: int, seconds: float, max_requests: int,
+                 levels: list[int], meter: CpuMeter | None = None, form: str = "rows",
+                 p99_goal_ms: float = math.inf) -> tuple[Step, list[Step]]:
+    """Step C through ``levels``; the knee step (serve.ops.knee's rule) and every step run.
+
+    Raises:
+        CapacityError: the first step already has errors or misses ``p99_goal_ms``.
+    """
     bodies = _bodies(instances, 16 if instances >= 64 else 64, seed=instances, form=form)
     ctype = _content_type(form)
     # warm connections + caches
     run_step(url, bodies, instances, 1, min(1.0, seconds), 50, content_type=ctype)
     steps: list[Step] = []
-    best: Step | None = None
-    flat = 0
     for c in levels:
         s = run_step(url, bodies, instances, c, seconds, max_requests, meter, ctype)
         steps.append(s)
         print(f"  {instances:4d} inst/req {form:8s} C={c:3d}  {s.samples_per_s:10.0f} samples/s  "
               f"{s.requests_per_s:7.0f} req/s  p50 {s.p50_ms:7.2f} ms  p99 {s.p99_ms:7.2f} ms"
               f"  errors {s.errors}  cpu cores {s.cpu_cores}", flush=True)
-        if best is None or s.samples_per_s > best.samples_per_s * 1.05:
-            best, flat = s, 0
-        else:
-            flat += 1
-            if best is not None and s.samples_per_s > best.samples_per_s:
-                best = s  # small gain: still the highest throughput seen
-        if flat >= 2 or (best is not None and s.p99_ms > 4 * best.p99_ms):
+        knee = find_knee([_knee_row(x) for x in steps], p99_goal_ms)
+        # When to stop raising C (not what the knee is): the walk ended (errors, goal
+        # missed), two steps past the knee brought no gain, or p99 exploded.
+        if (knee.saturated or len(steps) - 1 - knee.step_index >= 2
+                or s.p99_ms > 4 * knee.p99_ms):
             break
-    if best is None:
-        raise ValueError("find_knee needs at least one concurrency level")
-    return best, steps
+    if not steps:
+        raise CapacityError("measure_knee needs at least one concurrency level")
+    knee = find_knee([_knee_row(x) for x in steps], p99_goal_ms)
+    return steps[knee.step_index], steps
 
 
 def inprocess_samples_per_s(artifact: Path, handler_cfg: dict[str, Any], batch: int,
@@ -214,8 +231,8 @@ def inprocess_samples_per_s(artifact: Path, handler_cfg: dict[str, Any], batch: 
     """Runtime.predict alone on parsed tensors, same settings as the worker."""
     import torch
 
-    from serve.protocol import HandlerConfig, example_request, parse_body
-    from serve.runtime import Runtime, RuntimeConfig, SparseBatch
+    from serve.api.protocol import HandlerConfig, example_request, parse_body
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
     cfg = HandlerConfig.from_dict(handler_cfg)
     torch.set_num_threads(threads)
@@ -285,28 +302,10 @@ def _running_pid() -> int | None:
         return None
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _alive(url: str) -> bool:
-    p = urllib.parse.urlsplit(url)
     try:
-        c = http.client.HTTPConnection(p.hostname, p.port, timeout=2)
-        c.request("GET", "/ping")
-        ok = c.getresponse().status == 200
-        c.close()
-        return ok
-    except OSError:
+        return httpx.get(f"{url.rstrip('/')}/ping", timeout=2.0, trust_env=False).status_code == 200
+    except httpx.HTTPError:
         return False
 
 
@@ -329,9 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                          "what limits throughput")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per concurrency step")
     ap.add_argument("--max-requests", type=int, default=200_000, help="hard cap per step")
+    ap.add_argument("--p99-goal-ms", type=float, default=math.inf,
+                    help="latency bound of the knee (serve.ops.knee's rule; default none: the "
+                         "knee is where throughput stops rising, which is what efficiency "
+                         "compares with the in-process runtime; 60 = MLPerf DLRM-v2 server)")
     ap.add_argument("--out", default="bench/results/e2e.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # httpx logs every request at INFO: on the load generator's hot path that costs CPU.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     host = urllib.parse.urlsplit(args.url).hostname
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"error: --url {args.url}: this load generator only targets loopback", file=sys.stderr)
@@ -354,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     mar = store / f"{args.model_name}.mar"
     service = None
     if not _alive(args.url):
-        from serve.launcher import LaunchConfig, start
+        from serve.ops.launcher import LaunchConfig, start
 
         port = urllib.parse.urlsplit(args.url).port or 8080
         print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
         # its own run/log dirs and free side ports, so it never collides with `make up`
-        mgmt, met, side, gi, gm = _free_ports(5)
+        mgmt, met, side, gi, gm = free_ports(5)
         cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
                            sidecar_port=side, grpc_inference_port=gi, grpc_management_port=gm,
                            model_store=store, sidecar=False, run_dir=Path(".run/bench-e2e"),
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             artifact, mcfg = _mar_contents(mar, Path(tmp))
             handler_cfg = mcfg.get("handler", {})
             workers = int(mcfg.get("maxWorkers", 1))
-            from serve.protocol import default_num_threads
+            from serve.api.protocol import default_num_threads
 
             threads = handler_cfg.get("num_threads") or default_num_threads(workers)
             # the in-process reference gets the same cores the service uses in all
@@ -392,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                                                         min(seconds, 3.0))
                 before = _handler_snapshot(multiproc)
                 t0 = time.perf_counter()
-                knee, steps = find_knee(url, n, seconds, args.max_requests, levels, meter, form)
+                try:
+                    knee, steps = measure_knee(url, n, seconds, args.max_requests, levels, meter,
+                                               form, args.p99_goal_ms)
+                except CapacityError as e:
+                    print(f"  -> {n} inst/req {form}: no knee: {e.message}", flush=True)
+                    continue
                 after = _handler_snapshot(multiproc)
                 inproc = max(inproc_before, inprocess_samples_per_s(
                     artifact, handler_cfg, n, inproc_threads, min(seconds, 3.0)))
@@ -437,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out = out if out.is_absolute() else REPO / out
     out.parent.mkdir(parents=True, exist_ok=True)
+    goal = args.p99_goal_ms if math.isfinite(args.p99_goal_ms) else None
     out.write_text(json.dumps({"quick": args.quick, "url": args.url, "mar": str(mar),
-                               "rows": rows}, indent=2))
+                               "p99_goal_ms": goal, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -23,12 +23,13 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from serve.cache import EmbeddingCache, capacity_for
 from serve.profiles import CRITEO_KAGGLE_CARDINALITIES, get_profile
-from serve.runtime import Runtime, RuntimeConfig, SparseBatch
+from serve.runtime.cache import EmbeddingCache, capacity_for
+from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
 log = logging.getLogger("bench.runtime")
 
@@ -96,8 +97,8 @@ def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
                threads: int) -> tuple[list[dict], list[dict]]:
     from torchrec.inference.modules import quantize_inference_model
 
-    from serve.artifact import artifact_from_quantized_dlrm
-    from serve.model import build_dlrm, make_kjt
+    from serve.model.dlrm import build_dlrm, make_kjt
+    from serve.model.export import artifact_from_quantized_dlrm
 
     profile = get_profile(profile_name)
     torch.set_num_threads(threads)
@@ -124,7 +125,7 @@ def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
             diff = (rt.predict(dense, sb) - ref).abs().max().item()
             t_ref, t_rt = _time_pair(lambda d=dense, k=kjt: qmodel(d, k),
                                      lambda d=dense, s=sb: rt.predict(d, s), min_seconds)
-        row = {"batch": b, "torchrec_samples_per_s": b / t_ref, "runtime_samples_per_s": b / t_rt,
+        row: dict[str, Any] = {"batch": b, "torchrec_samples_per_s": b / t_ref, "runtime_samples_per_s": b / t_rt,
                "ratio": t_ref / t_rt, "max_abs_diff": diff, "threads": threads}
         rows_out.append(row)
         print(f"  batch {b:>5}: torchrec {row['torchrec_samples_per_s']:>10,.0f}/s  runtime "

@@ -13,12 +13,14 @@ import argparse
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from serve.artifact import artifact_from_quantized_dlrm, save_artifact
+from serve.model.export import artifact_from_quantized_dlrm
 from serve.profiles import get_profile
-from serve.runtime import Runtime, RuntimeConfig, SparseBatch
+from serve.runtime.artifact import save_artifact
+from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
 __all__ = ["main", "make_batches"]
 
@@ -46,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from torchrec.inference.modules import quantize_inference_model
 
-    from serve.model import build_dlrm, make_kjt
+    from serve.model.dlrm import build_dlrm, make_kjt
 
     profile = get_profile("tiny")
     model = build_dlrm(profile, seed=0).eval()
+    sparse_arch: Any = model.sparse_arch   # nn.Module attributes type as Tensor | Module
     with torch.no_grad():   # spread the default tiny init so interactions matter
-        for t in model.sparse_arch.embedding_bag_collection.embedding_bags.values():
+        for t in sparse_arch.embedding_bag_collection.embedding_bags.values():
             t.weight.mul_(20.0)
     qmodel = quantize_inference_model(copy.deepcopy(model), quantization_dtype=torch.int8).eval()
     art = artifact_from_quantized_dlrm(qmodel, "int8", meta={"origin": "bench.make_gpu_fixture"})

@@ -3,8 +3,8 @@
 * ``initialize``: picks the device (the worker's ``gpu_id`` when CUDA is there, else
   CPU), sets torch threads per worker (cores / workers unless configured: more
   oversubscribes the cores), reads the ``handler:`` section of the .mar's
-  model-config.yaml into :class:`serve.protocol.HandlerConfig`, and loads the artifact
-  into :class:`serve.runtime.Runtime`.
+  model-config.yaml into :class:`serve.api.protocol.HandlerConfig`, and loads the artifact
+  into :class:`serve.runtime.engine.Runtime`.
 * ``handle``: one TorchServe batch = several HTTP requests. Each body is parsed and
   validated on its own (a bad one gets its own 4xx JSON; the others go on), the good
   ones run as ONE forward, and the probabilities are split back in order. Each response
@@ -12,10 +12,10 @@
   of the merged forward) and ``X-DLRM-TorchServe-Batch`` (requests TorchServe handed
   over together, bad ones included): observable batching.
 * Bodies: JSON (``application/json`` or no Content-Type) or binary columnar
-  (``application/x-dlrm-columnar``, see :mod:`serve.protocol`); the Content-Type of each
+  (``application/x-dlrm-columnar``, see :mod:`serve.api.protocol`); the Content-Type of each
   request picks the decoder, anything else gets 415. Responses are always JSON.
 
-The logic lives in :mod:`serve.protocol` (no TorchServe needed to test it).
+The logic lives in :mod:`serve.api.protocol` (no TorchServe needed to test it).
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
-from serve.errors import ServeError
-from serve.protocol import (
+from serve.api.protocol import (
     HandlerConfig,
     MergedBatch,
     Outcome,
@@ -38,6 +37,7 @@ from serve.protocol import (
     encode_error,
     handle_batch,
 )
+from serve.errors import ServeError
 
 try:  # the sidecar engineer's module; the handler works without it
     from serve.metrics import HandlerMetrics
@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - only before serve/metrics.py exists
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_NAME = "artifact.pt"  # serve.archive packs the artifact under this name
+ARTIFACT_NAME = "artifact.pt"  # serve.model.archive packs the artifact under this name
 BATCH_INSTANCES_HEADER = "X-DLRM-Batch-Instances"
 BATCH_REQUESTS_HEADER = "X-DLRM-Batch-Requests"
 TS_BATCH_HEADER = "X-DLRM-TorchServe-Batch"
@@ -71,7 +71,7 @@ class DLRMHandler(BaseHandler):
         # Binary columnar bodies (application/x-dlrm-columnar) arrive as a bytearray
         # either way (TorchServe decodes only JSON and text/*); numpy views it in place.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
-        from serve.runtime import Runtime, RuntimeConfig
+        from serve.runtime.engine import Runtime, RuntimeConfig
 
         props = context.system_properties
         model_dir = props.get("model_dir")
@@ -99,7 +99,7 @@ class DLRMHandler(BaseHandler):
         self._last_stages = dict(self.runtime.stats().stage_seconds)
         # Everything allocated so far (torch, the model) lives as long as the worker: move
         # it out of the cyclic collector's reach so collections stay cheap (see
-        # serve.protocol._gc_paused for the measured cost).
+        # serve.api.protocol._gc_paused for the measured cost).
         gc.collect()
         gc.freeze()
         self.initialized = True
@@ -107,7 +107,7 @@ class DLRMHandler(BaseHandler):
                     self.device, threads, self.cfg, os.getpid())
 
     def _predict(self, batch: MergedBatch) -> np.ndarray:
-        from serve.runtime import SparseBatch
+        from serve.runtime.engine import SparseBatch
 
         dense = torch.from_numpy(batch.dense)
         sparse = SparseBatch(values=torch.from_numpy(batch.values),

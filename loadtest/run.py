@@ -7,7 +7,7 @@
 Steps:
 1. Check the target: loopback only unless ``--allow-remote`` (a load test aimed at the
    wrong URL is an incident). If nothing answers ``/ping`` on a loopback target, start
-   the service with ``python -m serve.launcher up`` and stop it (``down``) afterwards.
+   the service with ``python -m serve.ops.launcher up`` and stop it (``down``) afterwards.
 2. Preflight: one real predict, checked like every load-test answer, so a wrong model
    name or a broken handler fails in a second with its reason, not after the whole run.
 3. Run locust headless as a subprocess (``loadtest/locustfile.py``) with the chosen
@@ -33,13 +33,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from loadtest import plan, stats, traffic
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
@@ -121,7 +121,7 @@ class RunConfig:
     preflight: bool = True
     think_ms: float = 0.0
     locust_log_level: str = "INFO"
-    model_store: Path | None = None  # for `serve.launcher up` (None: its default)
+    model_store: Path | None = None  # for `serve.ops.launcher up` (None: its default)
 
     def __post_init__(self) -> None:
         if not self.model or "/" in self.model:
@@ -152,16 +152,15 @@ class RunConfig:
 
 def _ping(host: str, timeout: float = _PING_TIMEOUT_S) -> bool:
     try:
-        with urllib.request.urlopen(f"{host}/ping", timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+        return httpx.get(f"{host}/ping", timeout=timeout).status_code == 200
+    except (httpx.HTTPError, httpx.InvalidURL):
         return False
 
 
 def _launcher(command: str, host: str, model_store: Path | None = None
               ) -> subprocess.CompletedProcess:
     port = urllib.parse.urlsplit(host).port or 80
-    cmd = [sys.executable, "-m", "serve.launcher", command]
+    cmd = [sys.executable, "-m", "serve.ops.launcher", command]
     if command == "up":
         cmd += ["--inference-port", str(port)]
         if model_store is not None:
@@ -180,15 +179,12 @@ def _preflight(cfg: RunConfig) -> None:
                                 seed=cfg.traffic.seed)
     req = traffic.RequestPool(one).pick()
     url = f"{cfg.host}/predictions/{cfg.model}"
-    http_req = urllib.request.Request(url, data=req.body, method="POST",
-                                      headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(http_req, timeout=30) as r:
-            status, content = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, content = e.code, e.read()
-    except (urllib.error.URLError, OSError) as e:
+        r = httpx.post(url, content=req.body, headers={"Content-Type": "application/json"},
+                       timeout=30)
+    except httpx.HTTPError as e:
         raise UpstreamUnavailable(f"preflight POST {url} failed: {e}") from None
+    status, content = r.status_code, r.content
     reason = traffic.check_response(status, content, 1)
     if reason:
         hint = (f"; is the model registered as {cfg.model!r}? (--model)" if status == 404 else "")
@@ -359,12 +355,12 @@ def run(cfg: RunConfig) -> int:
                 log.error("nothing answers %s/ping; start the service (make up) or fix --host",
                           cfg.host)
                 return EXIT_UNREACHABLE
-            log.info("nothing answers %s/ping: starting the service (serve.launcher up)",
+            log.info("nothing answers %s/ping: starting the service (serve.ops.launcher up)",
                      cfg.host)
             res = _launcher("up", cfg.host, cfg.model_store)
             sys.stderr.write(res.stdout + res.stderr)
             if res.returncode != 0:
-                log.error("`python -m serve.launcher up` failed (exit %d); build the model with "
+                log.error("`python -m serve.ops.launcher up` failed (exit %d); build the model with "
                           "`make model` if model_store/dlrm.mar is missing", res.returncode)
                 return EXIT_UNREACHABLE
             started_service = True
@@ -457,7 +453,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-start", action="store_true",
                     help="never start the service; fail when nothing answers")
     ap.add_argument("--model-store", type=Path, default=None,
-                    help="model store for `serve.launcher up` when this run starts the "
+                    help="model store for `serve.ops.launcher up` when this run starts the "
                          "service (default: the launcher's, model_store/)")
     ap.add_argument("--no-preflight", action="store_true",
                     help="skip the single checked predict before the run")

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.errors import ConfigError
+from serve.errors import CapacityError, ConfigError
+from serve.ops import knee as _knee
 
 __all__ = [
     "LatencyHistogram",
@@ -201,8 +202,8 @@ class Thresholds:
             latencies of the stages marked ``slo`` (after each stage settled).
         max_fail_ratio: failed / all requests over the whole run (0 = any wrong answer
             or error fails the run).
-        min_gain: a step must raise throughput by this fraction over the previous one to
-            count as still rising (knee detection).
+        min_gain: a step must raise throughput by this fraction over the knee so far to
+            replace it (the knee rule, :mod:`serve.ops.knee`).
     """
 
     p99_goal_ms: float = 60.0
@@ -219,26 +220,16 @@ class Thresholds:
 
 
 def find_knee(rows: Sequence[dict[str, Any]], thresholds: Thresholds) -> dict[str, Any] | None:
-    """The knee of a step ramp: the busiest step that still meets the goals.
-
-    Walk the steps in order and stop at the first one that misses the p99 goal or has any
-    failure. Among the steps before it, a step becomes the knee only if it raises rps by
-    at least ``min_gain`` over the knee so far: more users for a flat rps only add
-    queueing. A flat step does not end the walk, because TorchServe's batching can hold
-    throughput flat for a step (two users' requests merged onto one worker) and rise
-    again after. None when the first step already misses the goals (or has no requests).
+    """The ``knee`` entry of summary.json: :func:`serve.ops.knee.find_knee` (the one knee
+    rule, shared with ``make capacity`` and the HTTP benchmark) on ``rows`` with the run's
+    goals; None when the first judged step already misses them (or has no requests).
     """
-    knee: dict[str, Any] | None = None
-    for r in rows:
-        if not r.get("measured_requests") or r.get("p99_ms") is None:
-            break
-        if r["p99_ms"] > thresholds.p99_goal_ms or r["fail_ratio"] > 0:
-            break
-        if knee is None or r["rps"] >= knee["rps"] * (1.0 + thresholds.min_gain):
-            knee = r
-    if knee is None:
+    try:
+        knee = _knee.find_knee(rows, thresholds.p99_goal_ms, thresholds.max_fail_ratio,
+                               thresholds.min_gain)
+    except CapacityError:
         return None
-    return {k: knee[k] for k in ("users", "rps", "instances_per_s", "p50_ms", "p99_ms", "name")}
+    return knee.summary()
 
 
 def summarize(shape: str, stages: Sequence[StageStats], thresholds: Thresholds,
@@ -268,8 +259,8 @@ def summarize(shape: str, stages: Sequence[StageStats], thresholds: Thresholds,
             sum(s.measured_instances for s in stages if s.slo) / measured_secs, 3)
         if measured_secs > 0 else 0.0,
     }
-    # The knee is read off the judged steps only (not the step shape's warm-up).
-    knee = find_knee([r for r in rows if r["slo"]], thresholds) if shape == "step" else None
+    # The knee rule skips the rows not judged (the step shape's warm-up).
+    knee = find_knee(rows, thresholds) if shape == "step" else None
     checks = [
         {"name": "requests > 0", "value": requests, "limit": 0, "passed": requests > 0},
         {"name": "fail_ratio <= max_fail_ratio", "value": round(fail_ratio, 6),

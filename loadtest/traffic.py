@@ -6,7 +6,7 @@ server scenario aggregates 100-700 user-item pairs per query, about 270 on avera
 draw B from a lognormal-shaped law over the integers [min, max] whose mean is fitted to
 the target exactly, and mix in a fraction of single-instance requests (a lone re-score).
 
-Ids follow the same law as the training data (``serve.data``): Zipf(alpha) ranks per
+Ids follow the same law as the training data (``serve.model.data``): Zipf(alpha) ranks per
 feature, mapped to ids through the same fixed per-feature permutation, so the hot ids of
 the load test are the hot ids the model (and the embedding cache) learnt. Dense features
 follow the training distribution too: softplus of a standard normal, which is skewed and
@@ -177,11 +177,11 @@ def _fit_lognormal_probs(support: np.ndarray, mean: float, sigma: float) -> np.n
 
 
 class IdSampler:
-    """Zipf(alpha) ids per feature, the same law and id mapping as ``serve.data``.
+    """Zipf(alpha) ids per feature, the same law and id mapping as ``serve.model.data``.
 
     Rank k (0 = hottest) has P(k) proportional to (k+1)^-alpha over a table's rows; it is
     mapped to an id through the permutation ``np.random.default_rng([seed, 11, i])
-    .permutation(rows)`` of feature i, which is how ``serve.data`` spreads hot ids over the
+    .permutation(rows)`` of feature i, which is how ``serve.model.data`` spreads hot ids over the
     table. ``permuted=False`` keeps id == rank (hot ids 0, 1, 2, ...).
     """
 
@@ -211,7 +211,7 @@ class IdSampler:
 def dense_features(rng: np.random.Generator, n: int) -> np.ndarray:
     """(n, N) float64 dense features distributed like the training data.
 
-    ``serve.data`` stores softplus(z), z ~ N(0, 1): non-negative and right-skewed like
+    ``serve.model.data`` stores softplus(z), z ~ N(0, 1): non-negative and right-skewed like
     log1p of Criteo's integer counts. Rounded to 1e-4 to keep bodies small.
     """
     z = rng.standard_normal((n, NUM_DENSE))
@@ -266,7 +266,7 @@ class TrafficConfig:
         pool_size: distinct bodies generated up front; requests pick one at random.
         seed: seed of the pool (fixed so runs are comparable).
         data_seed: seed of the id permutation; must be the training data's to hit the
-            same hot ids (default: the profile's seed, which ``serve.data`` uses).
+            same hot ids (default: the profile's seed, which ``serve.model.data`` uses).
     """
 
     profile: Profile

@@ -67,6 +67,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from serve.constants import STAGES
+
 __all__ = [
     "BATCH_INSTANCES",
     "BATCH_INSTANCES_BUCKETS",
@@ -85,6 +87,8 @@ __all__ = [
     "STAGES",
     "STAGE_DURATION_BUCKETS",
     "STAGE_DURATION_SECONDS",
+    "SWITCH_PHASE",
+    "SWITCH_PHASES",
     "TORCHSERVE_PREFIX",
     "WORKERS",
     "CacheStats",
@@ -116,9 +120,14 @@ SIDECAR_REQUESTS_TOTAL = "dlrm_sidecar_requests_total"
 BATCHING_UPDATES_TOTAL = "dlrm_batching_updates_total"
 BATCHING_UPDATE_SECONDS = "dlrm_batching_last_update_duration_seconds"
 UPSTREAM_UP = "dlrm_upstream_up"
+SWITCH_PHASE = "dlrm_switch_phase"
 
-#: Pipeline stages a forward reports; anything else is dropped to keep labels bounded.
-STAGES: tuple[str, ...] = ("decode", "embedding", "dense")
+#: Phases of the sidecar's version switch (``serve.sidecar.switch.SwitchPhase``), in order;
+#: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
+SWITCH_PHASES: tuple[str, ...] = (
+    "idle", "copying", "registering", "waiting_ready", "setting_default", "draining",
+    "unregistering", "rolling_back", "failed",
+)
 
 # Latency goal is tens of ms at p99 on CPU and ~1 ms on GPU: buckets from 0.5 ms to 1 s,
 # dense where the goals are so that a p99 interpolated from them is meaningful.
@@ -145,7 +154,7 @@ TORCHSERVE_PREFIX = "ts_"
 
 
 class CacheStats(Protocol):
-    """The part of ``serve.runtime.RuntimeStats`` read here (cumulative since load)."""
+    """The part of ``serve.runtime.engine.RuntimeStats`` read here (cumulative since load)."""
 
     hits: int
     misses: int
@@ -392,6 +401,8 @@ class SidecarMetrics(Collector):
       took (register + ready + switch + unregister).
     * ``dlrm_upstream_up{target}``: 1 when the last call to TorchServe's ``management``
       or ``metrics`` API succeeded, else 0.
+    * ``dlrm_switch_phase{phase}``: 1 for the version switch's current phase (one of
+      :data:`SWITCH_PHASES`), 0 for the others.
     """
 
     UPDATE_RESULTS = ("applied", "unchanged", "conflict", "failed")
@@ -402,6 +413,7 @@ class SidecarMetrics(Collector):
         self._updates = {r: 0 for r in self.UPDATE_RESULTS}
         self._last_update_s = math.nan
         self._up: dict[str, float] = {"management": 0.0, "metrics": 0.0}
+        self._phase = "idle"
 
     def observe_request(self, route: str, method: str, code: int) -> None:
         key = (route, method, str(code))
@@ -422,12 +434,19 @@ class SidecarMetrics(Collector):
         with self._lock:
             self._up[target] = 1.0 if up else 0.0
 
+    def set_switch_phase(self, phase: str) -> None:
+        if phase not in SWITCH_PHASES:
+            raise ValueError(f"switch phase {phase!r} is not one of {SWITCH_PHASES}")
+        with self._lock:
+            self._phase = phase
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             requests = dict(self._requests)
             updates = dict(self._updates)
             last = self._last_update_s
             up = dict(self._up)
+            phase = self._phase
         fam = CounterMetricFamily(SIDECAR_REQUESTS_TOTAL, "HTTP requests to the sidecar.",
                                   labels=["route", "method", "code"])
         for (route, method, code), n in sorted(requests.items()):
@@ -446,4 +465,10 @@ class SidecarMetrics(Collector):
                                   labels=["target"])
         for target, value in sorted(up.items()):
             gauge.add_metric([target], value)
+        yield gauge
+        gauge = GaugeMetricFamily(SWITCH_PHASE,
+                                  "1 for the current phase of the sidecar's version switch.",
+                                  labels=["phase"])
+        for name in SWITCH_PHASES:
+            gauge.add_metric([name], 1.0 if name == phase else 0.0)
         yield gauge

@@ -3,7 +3,7 @@
 Rank k (0 = hottest) of a table with ``rows`` rows has P(k) proportional to
 (k + 1)^-alpha (a truncated zeta law). A rank becomes an id through a fixed per-feature
 permutation, so hot ids are spread over the table instead of being 0, 1, 2, ...;
-``serve.data`` and ``loadtest.traffic`` share it, so load tests hit the ids the model
+``serve.model.data`` and ``loadtest.traffic`` share it, so load tests hit the ids the model
 was trained on.
 """
 from __future__ import annotations

@@ -13,7 +13,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "integration: starts real servers (TorchServe, sidecar)")
 
 
+# Fixtures that run the real 2-rank training pipeline (about 15 s on 2 cores, cached in
+# build/test-cache afterwards): every test that uses one, directly or through another
+# fixture, is `slow`, so `make test-fast` never trains.
+TRAINING_FIXTURES = frozenset({"tiny_build"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

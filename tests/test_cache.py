@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from serve.cache import EmbeddingCache, capacity_for
 from serve.errors import ConfigError
+from serve.runtime.cache import EmbeddingCache, capacity_for
 
 ROWS, RB = 10, 4
 
@@ -121,7 +121,7 @@ def test_bytes_accounting():
 
 def test_dlpack_alias_reads_the_same_memory():
     """The capsule behind the zero-copy miss path (CUDA-labelled there), checked on CPU."""
-    from serve.cache import _alias_via_dlpack
+    from serve.runtime.cache import _alias_via_dlpack
 
     t = torch.randint(0, 256, (1000, 20), dtype=torch.uint8)
     view, keep = _alias_via_dlpack(t, 1, 0)   # kDLCPU

@@ -1,4 +1,5 @@
-"""serve.capacity's pure parts on synthetic step data: knee, target, the HPA rewrite."""
+"""serve.ops.capacity's pure parts on synthetic step data: knee (serve.ops.knee, the one
+rule capacity uses), target, the HPA rewrite."""
 from __future__ import annotations
 
 import json
@@ -7,18 +8,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve.capacity import (
+from serve.errors import CapacityError, ConfigError
+from serve.ops.capacity import (
     CapacityConfig,
     capacity_document,
     derive_target,
-    find_knee,
     format_quantity,
     machine_info,
     main,
     update_hpa_target,
 )
-from serve.errors import CapacityError, ConfigError
-from serve.hpa_sim import parse_quantity
+from serve.ops.hpa_sim import parse_quantity
+from serve.ops.knee import find_knee
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,3 +152,39 @@ def test_the_warm_up_stage_is_not_a_capacity_measurement(tmp_path, capsys):
     rc = main(["--from-summary", str(summary), "--output", str(out), "--no-write"])
     assert rc == 0
     assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the one rule
+
+
+def test_the_knee_rule_skips_the_warm_up_and_indexes_the_given_steps():
+    warmup = dict(step(4, 500.0, 10.0), slo=False)
+    k = find_knee([warmup, *RAMP], 60.0)
+    assert (k.users, k.rps, k.step_index) == (8, 70.0, 4)  # RAMP[3], index 4 with the warm-up
+
+
+def test_a_flat_step_does_not_become_the_knee_nor_end_the_walk():
+    """More users for < 5% more throughput only add queueing; a later rise still counts."""
+    flat = [step(1, 20.0, 10.0), step(2, 20.5, 20.0), step(4, 20.9, 30.0)]
+    assert find_knee(flat, 60.0).users == 1
+    rises_again = [*flat[:2], step(4, 40.0, 30.0)]
+    assert find_knee(rises_again, 60.0).users == 4
+    assert find_knee(flat, 60.0, min_gain=0.0).users == 4
+
+
+def test_loadtest_capacity_and_bench_share_the_knee_rule():
+    """The load test's summary knee, make capacity's and the HTTP benchmark's all come from
+    serve.ops.knee: the same steps give the same knee in each."""
+    from bench.bench_e2e import Step, _knee_row
+    from loadtest import stats
+
+    rows = [dict(s, name=f"step-{i}", measured_requests=100, slo=True)
+            for i, s in enumerate(RAMP)]
+    summary = stats.find_knee(rows, stats.Thresholds(p99_goal_ms=60.0, max_fail_ratio=0.001))
+    assert summary == find_knee(rows, 60.0, max_fail_ratio=0.001).summary()
+    assert summary["users"] == 8
+    bench_steps = [Step(concurrency=s["users"], requests=1000, errors=0, seconds=1.0,
+                        samples_per_s=s["instances_per_s"], requests_per_s=s["rps"],
+                        p50_ms=s["p50_ms"], p99_ms=s["p99_ms"]) for s in RAMP[:5]]
+    bench_knee = find_knee([_knee_row(s) for s in bench_steps], 60.0)
+    assert (bench_knee.users, bench_knee.rps, bench_knee.name) == (8, 70.0, "C=8")

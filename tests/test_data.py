@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from serve.data import (
+from serve.errors import ConfigError
+from serve.model.auc import roc_auc
+from serve.model.data import (
     ClickLogDataset,
     DataConfig,
     _Planted,
@@ -16,8 +18,6 @@ from serve.data import (
     iter_batches,
     load_split,
 )
-from serve.errors import ConfigError
-from serve.metrics_auc import roc_auc
 from serve.profiles import get_profile
 from serve.zipf import zeta_cdf, zipf_ranks
 
@@ -146,7 +146,7 @@ def test_truncated_file_is_named(tiny_data, tmp_path):
 
 
 def test_missing_data_dir_says_how_to_make_it(tmp_path):
-    with pytest.raises(ConfigError, match=r"has no meta\.json; generate it with `python -m serve\.data"):
+    with pytest.raises(ConfigError, match=r"has no meta\.json; generate it with `python -m serve\.model\.data"):
         load_split(tmp_path / "none")
 
 
@@ -172,13 +172,13 @@ def test_roc_auc_needs_both_classes():
 
 
 def test_cli_unknown_profile_fails_with_the_choices(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.data", "--profile", "huge", "--out",
+    proc = subprocess.run([sys.executable, "-m", "serve.model.data", "--profile", "huge", "--out",
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert "error: profile 'huge' does not exist; choose one of: tiny, small, criteo-kaggle" in proc.stderr
 
 
 def test_cli_help():
-    proc = subprocess.run([sys.executable, "-m", "serve.data", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "serve.model.data", "--help"], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0 and "--alpha" in proc.stdout and "Zipf" in proc.stdout

@@ -13,14 +13,14 @@ import orjson
 import pytest
 import torch
 
-from serve.profiles import SPARSE_FEATURES
-from serve.protocol import (
+from serve.api.protocol import (
     BINARY_MEDIA_TYPE,
     INT64_MAX,
     encode_binary,
     example_binary,
     example_request,
 )
+from serve.profiles import SPARSE_FEATURES
 from tests.fixtures.torchserve import HANDLER_MAX_BODY, TS_MAX_REQUEST
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ BINARY = {"Content-Type": BINARY_MEDIA_TYPE}
 @pytest.fixture(scope="module")
 def runtime(torchserve):
     """The in-process runtime on the same artifact, configured like the handler."""
-    from serve.runtime import Runtime, RuntimeConfig
+    from serve.runtime.engine import Runtime, RuntimeConfig
 
     return Runtime.from_artifact(torchserve.artifact,
                                  RuntimeConfig(device="cpu", cache_load_factor=1.0, num_threads=1))
@@ -63,8 +63,8 @@ def _to_columnar(body: dict) -> dict:
 
 
 def _reference(runtime, body: dict) -> np.ndarray:
-    from serve.protocol import HandlerConfig, parse_body
-    from serve.runtime import SparseBatch
+    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.runtime.engine import SparseBatch
 
     p = parse_body(orjson.dumps(body), HandlerConfig(max_instances=10_000, max_ids_per_feature=64))
     return runtime.predict(torch.from_numpy(p.dense), SparseBatch(
@@ -82,8 +82,21 @@ def test_predictions_equal_the_in_process_runtime(torchserve, runtime, client, f
     got = np.array(r.json()["predictions"], dtype=np.float32)
     assert got.shape == (37,)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    # A different id in the exact-int64 range changes the answer: ids are not rounded.
     assert ((got > 0) & (got < 1)).all()
+    # A different id in the exact-int64 range changes the answer: ids are not rounded.
+    # Instance 0 sends C3 = 2^63-1; 2^63-2 is the same float64, so a path through float
+    # would answer the same; exactly parsed, it wraps to another row and another answer.
+    other = orjson.loads(orjson.dumps(body))          # a deep copy; orjson keeps int64 exact
+    assert other["instances"][0]["sparse"]["C3"][0] == INT64_MAX
+    other["instances"][0]["sparse"]["C3"][0] = INT64_MAX - 1
+    assert float(INT64_MAX - 1) == float(INT64_MAX)
+    send = other if form == "rows" else _to_columnar(other)
+    r = client.post(torchserve.predict_url, content=orjson.dumps(send), headers=JSON)
+    assert r.status_code == 200, r.text
+    got_other = np.array(r.json()["predictions"], dtype=np.float32)
+    np.testing.assert_allclose(got_other, _reference(runtime, other), rtol=0, atol=1e-6)
+    assert got_other[0] != got[0]
+    assert 0 < got_other[0] < 1
 
 
 def test_big_ids_are_not_rounded_through_float(torchserve, runtime, client):

@@ -1,4 +1,4 @@
-"""The HPA algorithm of serve.hpa_sim on hand-computed cases, the parse of k8s/hpa.yaml,
+"""The HPA algorithm of serve.ops.hpa_sim on hand-computed cases, the parse of k8s/hpa.yaml,
 and the simulation's spike check with the shipped spec."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from serve.errors import ConfigError
-from serve.hpa_sim import (
+from serve.ops.hpa_sim import (
     Hpa,
     HpaSpec,
     ScalingPolicy,

@@ -2,7 +2,7 @@
 validation passes (selectors, ports, probes, hardening, HPA vs measured capacity).
 
 The cross-checks read the real sources: the repo's config.properties, the sidecar's own
-defaults, serve.archive's response timeout, and (integration) the real sidecar's /metrics
+defaults, serve.model.archive's response timeout, and (integration) the real sidecar's /metrics
 and OpenAPI and TorchServe's /ping.
 """
 from __future__ import annotations
@@ -36,11 +36,16 @@ def _load(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def manifest_files(folder: Path) -> list[Path]:
+    """What `kubectl apply -f FOLDER` reads: every .yaml/.yml/.json directly in it (so
+    every one must be a Kubernetes object; subfolders are read only with -R)."""
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.suffix in (".yaml", ".yml", ".json"))
+
+
 def base_files() -> list[Path]:
-    """What `kubectl apply -f k8s/` applies: .yaml/.yml/.json directly in k8s/."""
-    return sorted(p for p in K8S.iterdir()
-                  if p.is_file() and p.suffix in (".yaml", ".yml", ".json")
-                  and p.name != "capacity.json")
+    """What `kubectl apply -f k8s/` applies."""
+    return manifest_files(K8S)
 
 
 def base_docs() -> list[dict]:
@@ -98,12 +103,19 @@ def repo_properties() -> dict[str, str]:
     return read_properties((REPO / "config.properties").read_text())
 
 
+def kubectl() -> str:
+    """kubectl's path; fails (never skips) when missing, saying how to get it."""
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail("kubectl is not installed; it is needed to build k8s/cpu and to check "
+                    "that `kubectl apply -f k8s/` decodes every file. Run "
+                    "`bash scripts/ensure_kubectl.sh` (the python machine image has it as "
+                    "/usr/bin/kubectl)")
+    return path
+
+
 def kustomize_cpu() -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not installed; it ships with the python machine image "
-                    "(Debian package kubectl) and is needed to build k8s/cpu")
-    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+    out = subprocess.run([kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
                           str(K8S / "cpu")], capture_output=True, text=True, timeout=60,
                          check=False)
     assert out.returncode == 0, out.stderr
@@ -127,7 +139,7 @@ def cpu_docs() -> list[dict]:
 def test_every_manifest_passes_strict_schema_validation(version):
     import kubernetes_validate
 
-    paths = base_files() + sorted((K8S / "templates").glob("*.yaml"))
+    paths = base_files() + manifest_files(K8S / "templates")
     assert len(paths) >= 8
     for path in paths:
         for doc in _load(path):
@@ -160,6 +172,58 @@ def test_kubernetes_validate_cli_passes_for_both_versions():
         out = subprocess.run([str(exe), "--strict", "--quiet", "-k", version, *files],
                              capture_output=True, text=True, timeout=120, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def kubectl_apply_dry_run(folder: Path, tmp_path: Path) -> list[str]:
+    """`kubectl apply -f FOLDER --dry-run=client --validate=false`, offline; its output lines.
+
+    There is no API server here, so kubectl reads and decodes every file, then fails to
+    map each object to the (unreachable) server: "unable to recognize" lines are expected.
+    It must never reach a real cluster: an empty KUBECONFIG, a server on a free loopback
+    port that nothing listens on (never kubectl's default localhost:8080, TorchServe's
+    port), a placeholder token (else kubectl prompts for a user name), no stdin, and a
+    throwaway cache dir.
+    """
+    from serve.net import free_port
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("")
+    out = subprocess.run(
+        [kubectl(), "apply", "-f", str(folder), "--dry-run=client", "--validate=false",
+         f"--server=https://127.0.0.1:{free_port()}", "--token=offline-dry-run",
+         "--request-timeout=5s", f"--cache-dir={tmp_path / 'kube-cache'}"],
+        capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": str(kubeconfig)})
+    lines = (out.stdout + out.stderr).splitlines()
+    # Only an unreachable server is acceptable: a dry run that "created" anything talked
+    # to a real API server.
+    assert not [ln for ln in lines if "(dry run)" in ln], lines
+    return lines
+
+
+def _decode_errors(lines: list[str]) -> list[str]:
+    return [ln for ln in lines if "unable to decode" in ln or "error parsing" in ln]
+
+
+def test_kubectl_apply_decodes_every_file_in_k8s(tmp_path):
+    """`kubectl apply -f k8s/` must not trip over a file that is not a Kubernetes object
+    (as k8s/capacity.json once did: "Object 'Kind' is missing")."""
+    lines = kubectl_apply_dry_run(K8S, tmp_path)
+    assert _decode_errors(lines) == [], "\n".join(lines)
+    # Positive evidence that kubectl read every file: each one reached the server lookup.
+    recognized = {m.group(1) for ln in lines
+                  if (m := re.match(r'unable to recognize "([^"]+)"', ln))}
+    assert recognized == {str(p) for p in base_files()}, "\n".join(lines)
+
+
+def test_kubectl_apply_check_catches_a_file_without_kind(tmp_path):
+    """Negative control: the same check fails on a JSON file that is not an object."""
+    folder = tmp_path / "k8s"
+    folder.mkdir()
+    shutil.copy(K8S / "hpa.yaml", folder / "hpa.yaml")
+    (folder / "capacity.json").write_text('{"knee_qps": 184.2}\n')
+    errors = _decode_errors(kubectl_apply_dry_run(folder, tmp_path))
+    assert len(errors) == 1 and "capacity.json" in errors[0] and "Kind" in errors[0], errors
 
 
 def test_optional_servicemonitor_is_outside_the_applied_folder(docs):
@@ -268,11 +332,15 @@ def test_hpa_metrics_replicas_and_behavior(docs):
 
 
 def test_hpa_target_equals_measured_capacity(docs):
-    from serve.hpa_sim import parse_quantity
+    from serve.ops.capacity import DEFAULT_OUTPUT
+    from serve.ops.hpa_sim import DEFAULT_CAPACITY, parse_quantity
 
-    path = K8S / "capacity.json"
+    # The writer (make capacity) and the reader (make hpa-sim) agree on the file, and it
+    # is not in k8s/, where `kubectl apply -f k8s/` would try to decode it.
+    assert DEFAULT_OUTPUT == DEFAULT_CAPACITY and DEFAULT_OUTPUT.parts[0] != "k8s"
+    path = REPO / DEFAULT_OUTPUT
     if not path.is_file():
-        pytest.fail("k8s/capacity.json is missing: run `make capacity` (it measures one "
+        pytest.fail(f"{DEFAULT_OUTPUT} is missing: run `make capacity` (it measures one "
                     "instance and sets the HPA's averageValue from it)")
     cap = json.loads(path.read_text())
     for key in ("knee_qps", "p99_goal_ms", "target_qps", "measured_at", "machine"):
@@ -405,7 +473,7 @@ def test_pod_config_is_the_repo_config_with_pinned_differences(docs):
 
 
 def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
-    from serve import sidecar
+    from serve.sidecar import app as sidecar
 
     for var in ("DLRM_SIDECAR_PORT", "TS_INFERENCE_URL", "TS_MANAGEMENT_URL", "TS_METRICS_URL"):
         monkeypatch.delenv(var, raising=False)
@@ -468,7 +536,7 @@ def test_probes_on_ping_readyz_healthz(docs):
 
 
 def test_graceful_shutdown_budget(docs):
-    from serve.archive import build_mar
+    from serve.model.archive import build_mar
 
     spec = pod_spec(docs)
     mar_timeout = inspect.signature(build_mar).parameters["response_timeout_s"].default
@@ -502,7 +570,7 @@ def _metric_sample_names(text: str) -> dict[str, list[dict]]:
 def test_hpa_metric_comes_from_what_the_real_sidecar_exports(docs, torchserve, sidecar):
     """One real predict through TorchServe, then the sidecar's real /metrics: the adapter
     rule must turn a series it exports into exactly the HPA's metric name."""
-    from serve.protocol import example_request
+    from serve.api.protocol import example_request
 
     r = httpx.post(f"{torchserve.inference_url}/predictions/{torchserve.model_name}",
                    json=example_request(3, seed=1), timeout=60)

@@ -12,14 +12,14 @@ import dataclasses
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import urllib.request
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -27,6 +27,7 @@ import pytest
 from loadtest import plan, stats, traffic
 from loadtest import run as lrun
 from serve.errors import ConfigError
+from serve.net import free_port
 from serve.profiles import get_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,9 +79,9 @@ def test_bad_instances_spec_is_named(spec, frac, match):
 
 
 def test_ids_follow_the_training_data_law_and_mapping():
-    """Same ranks and the same rank->id permutation as serve.data's generator."""
-    from serve import data as sdata
+    """Same ranks and the same rank->id permutation as serve.model.data's generator."""
     from serve import zipf
+    from serve.model import data as sdata
 
     p = get_profile("tiny")
     sampler = traffic.IdSampler(p, alpha=1.05)
@@ -132,7 +133,7 @@ def test_dense_features_match_the_training_distribution():
 
 @pytest.mark.parametrize("multi_hot", [1, 3])
 def test_pool_bodies_parse_with_the_real_protocol_in_both_forms(multi_hot):
-    from serve.protocol import HandlerConfig, parse_body
+    from serve.api.protocol import HandlerConfig, parse_body
 
     p = dataclasses.replace(get_profile("tiny"), max_ids_per_feature=multi_hot)
     cfg = {"profile": p, "instances": traffic.InstancesDistribution.parse("1-40:10", 0.2),
@@ -199,7 +200,7 @@ def test_check_response(status, body, n, want):
 
 
 def test_check_response_accepts_the_handlers_encoding():
-    from serve.protocol import encode_predictions
+    from serve.api.protocol import encode_predictions
 
     body = encode_predictions(np.array([0.25, 0.5, 1.0], dtype=np.float32))
     assert traffic.check_response(200, body, 3) is None
@@ -471,15 +472,9 @@ def test_cli_rejects_bad_arguments_before_doing_anything(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unreachable_service_with_no_start_exits_3(tmp_path):
     rc = lrun.main(["--shape", "steady", "--duration", "5s", "--no-start",
-                    "-H", f"http://127.0.0.1:{_free_port()}", "--out", str(tmp_path / "o")])
+                    "-H", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "o")])
     assert rc == lrun.EXIT_UNREACHABLE
 
 
@@ -527,10 +522,92 @@ def test_smoke_run_against_real_torchserve(torchserve, tmp_path):
     pool = traffic.RequestPool(traffic.TrafficConfig(
         profile=get_profile("tiny"), body_format="columnar", pool_size=1,
         instances=traffic.InstancesDistribution.parse("32", 0.0)))
-    req = urllib.request.Request(torchserve.predict_url, data=pool.requests[0].body,
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert traffic.check_response(r.status, r.read(), 32) is None
+    r = httpx.post(torchserve.predict_url, content=pool.requests[0].body,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert traffic.check_response(r.status_code, r.content, 32) is None
+
+
+# Plain locust, as a locust user runs it: -u/-r/-t set the load unless --dlrm-shape is given.
+# Small requests of the tiny profile (the fixture's model), so a few seconds suffice.
+_LOCUST_TRAFFIC = ["--dlrm-profile", "tiny", "--dlrm-instances", "1-64:16",
+                   "--dlrm-pool-size", "32"]
+
+
+def _locust(args: list[str], timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    """``locust -f loadtest/locustfile.py ARGS`` from the repo root; (result, wall seconds)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOAD_SHAPE", None)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py",
+                          *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+    return res, time.monotonic() - t0
+
+
+def _history(prefix: Path) -> list[dict[str, str]]:
+    """locust's per-second history rows of the Aggregated line (while users ran)."""
+    with Path(f"{prefix}_stats_history.csv").open() as f:
+        return [r for r in csv.DictReader(f) if r["Name"] == "Aggregated"]
+
+
+@pytest.mark.integration
+def test_plain_locust_follows_users_spawn_rate_and_run_time(torchserve, tmp_path):
+    """`locust -f loadtest/locustfile.py --headless -u 2 -r 2 -t 6s`: locust's own options
+    set the load (no shape takes them over, as one found in the locustfile would)."""
+    prefix = tmp_path / "locust"
+    res, wall = _locust(["--headless", "-u", "2", "-r", "2", "-t", "6s",
+                         "-H", torchserve.inference_url, "--dlrm-model", torchserve.model_name,
+                         "--csv", str(prefix), "--only-summary", *_LOCUST_TRAFFIC])
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log
+    assert "have no impact on LoadShapes" not in log and "will be ignored" not in log, log
+    assert "Run time limit set to 6 seconds" in log, log
+    total = _locust_aggregated(tmp_path)
+    assert int(total["Request Count"]) > 0 and int(total["Failure Count"]) == 0, total
+    rows = _history(prefix)
+    assert max(int(r["User Count"]) for r in rows) == 2, rows
+    # The run lasted -t, not a shape's 60 s default: locust's history spans ~6 s and the
+    # whole process (imports, request pool, stop) took far less than 60 s.
+    span = int(rows[-1]["Timestamp"]) - int(rows[0]["Timestamp"])
+    assert 4 <= span <= 8, rows
+    assert wall < 40, wall
+
+
+@pytest.mark.integration
+def test_locust_with_dlrm_shape_follows_the_shape(torchserve, tmp_path):
+    """`--dlrm-shape steady`: the shape sets users and duration (not -u / -t), and the
+    per-stage figures are written."""
+    prefix, stages = tmp_path / "locust", tmp_path / "stages.json"
+    res, wall = _locust(["--headless", "-u", "5", "-t", "60s",
+                         "-H", torchserve.inference_url, "--dlrm-model", torchserve.model_name,
+                         "--csv", str(prefix), "--only-summary", *_LOCUST_TRAFFIC,
+                         "--dlrm-shape", "steady", "--dlrm-duration", "6s", "--dlrm-users", "1",
+                         "--dlrm-stages-json", str(stages)])
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log
+    assert "--dlrm-shape steady sets the users; -u/--users ignored" in log, log
+    assert "Shape test completed" in log, log
+    doc = json.loads(stages.read_text())
+    assert doc["shape"]["shape"] == "steady"
+    assert [(s["name"], s["users"]) for s in doc["stages"]] == [("ramp", 1), ("hold", 1)]
+    assert sum(s["requests"] for s in doc["stages"]) > 0
+    assert sum(s["failures"] for s in doc["stages"]) == 0
+    rows = _history(prefix)
+    assert max(int(r["User Count"]) for r in rows) == 1, rows  # the shape's 1, not -u 5
+    assert int(rows[-1]["Timestamp"]) - int(rows[0]["Timestamp"]) <= 8, rows  # not -t 60s
+    assert wall < 40, wall
+
+
+def test_locustfile_defines_no_shape_locust_would_pick_up():
+    """A non-abstract LoadTestShape in the locustfile's globals would make every plain
+    `locust -f` run ignore -u/-r/-t; locust's own loader must find none."""
+    code = ("from locust.util.load_locustfile import load_locustfile; "
+            "users, shapes = load_locustfile('loadtest/locustfile.py'); "
+            "print(sorted(users), len(shapes))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,
+                         capture_output=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == "['DlrmUser'] 0", res.stdout
 
 
 class _BrokenHandler(BaseHTTPRequestHandler):

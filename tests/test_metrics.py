@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
-class Stats:  # the fields of serve.runtime.RuntimeStats that HandlerMetrics reads
+class Stats:  # the fields of serve.runtime.engine.RuntimeStats that HandlerMetrics reads
     hits: int = 0
     misses: int = 0
     evictions: int = 0

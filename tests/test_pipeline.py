@@ -8,14 +8,14 @@ from datetime import datetime
 
 import pytest
 
-from serve.pipeline import REPORT_KEYS, STEPS
+from serve.model.pipeline import REPORT_KEYS, STEPS
 from serve.profiles import get_profile
 from tests.fixtures.pipeline import run_in_group
 
 
 def _run(*args, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return run_in_group([sys.executable, "-m", "serve.pipeline", *args], env=env, timeout=timeout)
+    return run_in_group([sys.executable, "-m", "serve.model.pipeline", *args], env=env, timeout=timeout)
 
 
 def test_report_has_every_key(tiny_build):

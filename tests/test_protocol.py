@@ -1,4 +1,4 @@
-"""serve.protocol: parsing, validation wording, merging, and one-forward batches (no server)."""
+"""serve.api.protocol: parsing, validation wording, merging, and one-forward batches (no server)."""
 from __future__ import annotations
 
 import copy
@@ -9,11 +9,7 @@ import orjson
 import pytest
 import torch
 
-from serve.archive import build_mar, model_config
-from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, UnsupportedMediaType
-from serve.launcher import LaunchConfig, render_ts_config
-from serve.profiles import SPARSE_FEATURES
-from serve.protocol import (
+from serve.api.protocol import (
     BINARY_MEDIA_TYPE,
     INT64_MAX,
     JSON_MEDIA_TYPE,
@@ -27,6 +23,10 @@ from serve.protocol import (
     merge_requests,
     parse_body,
 )
+from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from serve.model.archive import build_mar, model_config
+from serve.ops.launcher import LaunchConfig, render_ts_config
+from serve.profiles import SPARSE_FEATURES
 
 CFG = HandlerConfig(max_instances=4, max_ids_per_feature=3, max_body_bytes=100_000)
 
@@ -230,7 +230,7 @@ def test_merge_equals_parsing_the_concatenated_request():
 
 @pytest.fixture(scope="module")
 def tiny_runtime(tmp_path_factory):
-    from serve.runtime import Runtime, RuntimeConfig
+    from serve.runtime.engine import Runtime, RuntimeConfig
     from tests.fixtures.torchserve import tiny_random_artifact
 
     path = tiny_random_artifact(tmp_path_factory.mktemp("proto") / "a.pt")
@@ -239,7 +239,7 @@ def tiny_runtime(tmp_path_factory):
 
 
 def _predict_with(runtime):
-    from serve.runtime import SparseBatch
+    from serve.runtime.engine import SparseBatch
 
     def predict(m):
         return runtime.predict(torch.from_numpy(m.dense),
@@ -260,7 +260,7 @@ def _counting_predict(runtime):
 
 
 def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
-    from serve.runtime import SparseBatch
+    from serve.runtime.engine import SparseBatch
 
     reqs = [_multi_hot(2, 11), _multi_hot(3, 12), _multi_hot(1, 13)]
     bodies = [orjson.dumps(reqs[0]), _set_ids(1, "C7", [-5]), orjson.dumps(reqs[1]),

@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from serve.artifact import dequantize_rows, load_artifact, row_bytes
 from serve.errors import CheckpointError, QualityError
-from serve.merge import load_merged
+from serve.model.merge import load_merged
+from serve.model.quantize import INT8_MAX_AUC_DROP, quantize
 from serve.profiles import get_profile
-from serve.quantize import INT8_MAX_AUC_DROP, quantize
+from serve.runtime.artifact import dequantize_rows, load_artifact, row_bytes
 
 TINY = get_profile("tiny")
 
@@ -71,12 +71,12 @@ def test_quality_bar_failure_is_explained(tiny_build, tmp_path):
 
 def test_missing_merged_file(tmp_path, tiny_build):
     with pytest.raises(CheckpointError, match=r"merged checkpoint .*none\.pt does not exist; run "
-                                              r"`python -m serve\.merge`"):
+                                              r"`python -m serve\.model\.merge`"):
         quantize(tmp_path / "none.pt", TINY, tiny_build.data_dir, "int8", tmp_path / "a.pt")
 
 
 def test_cli_rejects_unknown_dtype(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.quantize", "--merged", "m.pt", "--profile",
+    proc = subprocess.run([sys.executable, "-m", "serve.model.quantize", "--merged", "m.pt", "--profile",
                            "tiny", "--data", "d", "--dtype", "int2", "--out", str(tmp_path / "a.pt")],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2

@@ -1,4 +1,4 @@
-"""serve.sidecar: the app (in process and under uvicorn), the .mar rewrite, tokens, and
+"""serve.sidecar.app: the app (in process and under uvicorn), the .mar rewrite, tokens, and
 against a real TorchServe: metrics that move exactly, and a live PUT /batching under
 continuous load with zero failed predictions."""
 from __future__ import annotations
@@ -9,16 +9,17 @@ import stat
 import threading
 import time
 import zipfile
-from pathlib import Path
 from typing import Self
 
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 
+from serve.api.protocol import example_request
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.protocol import example_request
-from serve.sidecar import (
+from serve.net import wait_until
+from serve.sidecar.app import (
     SidecarConfig,
     create_app,
     ensure_dev_token,
@@ -26,14 +27,12 @@ from serve.sidecar import (
     next_version,
     rewrite_mar,
 )
-from tests.fixtures.sidecar import dead_port, start_sidecar
+from tests.fixtures.sidecar import dead_port, start_sidecar, toy_mar
 from tests.promtext import samples
 
 RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
          "0..10000, workers: integer 1..64")
 TOKEN = "t0ken-for-tests"
-
-
 
 
 # ------------------------------------------------------------------ units
@@ -68,20 +67,8 @@ def test_config_validation_names_the_field():
         SidecarConfig(upstream_timeout_s=0)
 
 
-def _toy_mar(path: Path) -> Path:
-    cfg = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 50,
-           "responseTimeout": 60, "handler": {"cache_load_factor": 1.0}}
-    manifest = {"runtime": "python", "model": {"modelName": "dlrm", "modelVersion": "1.0",
-                                               "configFile": "model-config.yaml"}}
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
-        z.writestr("model-config.yaml", yaml.safe_dump(cfg))
-        z.writestr("artifact.pt", b"\x00\x01binary" * 1000)
-    return path
-
-
 def test_rewrite_mar_sets_version_and_batching_keeps_the_rest(tmp_path):
-    src = _toy_mar(tmp_path / "dlrm.mar")
+    src = toy_mar(tmp_path / "dlrm.mar")
     dst = rewrite_mar(src, tmp_path / "dlrm-v1.1.mar", version="1.1", batch_size=32,
                       max_batch_delay_ms=7, workers=2)
     with zipfile.ZipFile(dst) as z:
@@ -101,6 +88,17 @@ def _call(app, method: str, url: str, **kw) -> httpx.Response:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as c:
                 return await c.request(method, url, **kw)
+    return asyncio.run(go())
+
+
+def _calls(app, *requests: tuple[str, str]) -> list[httpx.Response]:
+    """``(method, url)`` requests in one app lifespan; an exception the app lets escape
+    is not raised here, so its response (Starlette's last resort) can be read."""
+    async def go() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as c:
+                return [await c.request(method, url) for method, url in requests]
     return asyncio.run(go())
 
 
@@ -176,6 +174,57 @@ def test_openapi_docs_are_served(dead_app):
     spec = _call(dead_app, "GET", "/openapi.json").json()
     assert {"/metrics", "/batching", "/healthz", "/readyz"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["BatchingUpdate"]["additionalProperties"] is False
+
+
+def test_unexpected_error_is_a_json_500_and_is_counted(tmp_path):
+    registry = CollectorRegistry()
+    app = create_app(SidecarConfig(management_url=f"http://127.0.0.1:{dead_port()}"),
+                     registry=registry)
+
+    async def boom() -> dict:
+        raise KeyError("batchSize")
+
+    app.add_api_route("/boom", boom, methods=["GET"])  # a route with a bug, test-only
+    [r] = _calls(app, ("GET", "/boom"))
+    assert r.status_code == 500
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {
+        "code": 500, "type": "InternalError",
+        "message": "GET /boom failed with an unexpected KeyError: 'batchSize'; the "
+                   "sidecar's log has the traceback: report it"}
+    got = samples(generate_latest(registry).decode())
+    assert got[("dlrm_sidecar_requests_total",
+                (("code", "500"), ("method", "GET"), ("route", "/boom")))] == 1
+
+
+def test_request_counts_label_only_known_routes_and_methods(tmp_path):
+    registry = CollectorRegistry()
+    app = create_app(SidecarConfig(management_url=f"http://127.0.0.1:{dead_port()}"),
+                     registry=registry)
+    answers = _calls(app, ("BREW", "/x"), ("BREW", "/healthz"), ("GET", "/nonexistent/123"),
+                     ("GET", "/healthz/%2e%2e/etc/passwd"), ("PATCH", "/batching"),
+                     ("HEAD", "/healthz"), ("GET", "/healthz"))
+    assert [r.status_code for r in answers] == [404, 405, 404, 404, 405, 405, 200]
+    got = samples(generate_latest(registry).decode())
+    counted: dict[str, float] = {}
+    pairs = set()
+    for (name, labels), value in got.items():
+        if name == "dlrm_sidecar_requests_total":
+            lab = dict(labels)
+            pairs.add((lab["route"], lab["method"]))
+            counted[lab["code"]] = counted.get(lab["code"], 0) + value
+    known_routes = {"/healthz", "/readyz", "/metrics", "/batching", "/docs", "/openapi.json",
+                    "/docs/oauth2-redirect", "/redoc"}
+    assert {route for route, _ in pairs} <= known_routes | {"other"}
+    assert {method for _, method in pairs} <= {"GET", "HEAD", "PUT", "other"}
+    # A path matched with a method it does not take keeps its template (bounded too).
+    assert pairs == {("other", "other"), ("/healthz", "GET"), ("/healthz", "other"),
+                     ("/batching", "other")}
+    assert got[("dlrm_sidecar_requests_total",
+                (("code", "404"), ("method", "other"), ("route", "other")))] == 3
+    assert got[("dlrm_sidecar_requests_total",
+                (("code", "405"), ("method", "other"), ("route", "/healthz")))] == 2
+    assert counted == {"200": 1, "404": 3, "405": 3}
 
 
 # ------------------------------------------------------------------ uvicorn, TorchServe down
@@ -329,6 +378,15 @@ class _Load:
         assert self.count() >= target, f"load made no progress: {self.count()} < {target}"
 
 
+ACTIVE = {"copying", "registering", "waiting_ready", "setting_default", "draining",
+          "unregistering"}
+
+
+def _switch_phase(sidecar) -> str:
+    """The running switch's phase from GET /batching ("idle" when none runs)."""
+    return httpx.get(f"{sidecar.url}/batching", timeout=30).json().get("switch_phase", "idle")
+
+
 def _put(sidecar, body: dict, timeout: float = 300) -> httpx.Response:
     return httpx.put(f"{sidecar.url}/batching", json=body, timeout=timeout,
                      headers={"Authorization": f"Bearer {sidecar.token}"})
@@ -338,6 +396,7 @@ def _put(sidecar, body: dict, timeout: float = 300) -> httpx.Response:
 def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
     original = httpx.get(f"{sidecar.url}/batching", timeout=30).json()
     threads = 6
+    restored: list[httpx.Response] = []
     try:
         with _Load(torchserve.predict_url, threads=threads) as load:
             load.wait_for(20)
@@ -351,7 +410,11 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
             first = threading.Thread(
                 target=lambda: result.update(r=_put(sidecar, {"batch_size": 1})))
             first.start()
-            time.sleep(0.5)  # registering a version takes seconds (a worker must load)
+            # The second PUT goes once the first holds the lock: its switch has started
+            # (GET /batching shows a phase). Registering takes seconds (a worker loads).
+            wait_until(lambda: not first.is_alive() or _switch_phase(sidecar) in ACTIVE,
+                       timeout_s=60, what="the first PUT's switch", interval_s=0.02)
+            assert first.is_alive(), f"the first PUT ended before the race: {result}"
             second = _put(sidecar, {"batch_size": 3})
             first.join()
             assert second.status_code == 409, second.text
@@ -399,11 +462,14 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
         assert _value(s3, "dlrm_batching_updates_total", result="applied") >= 2
         assert _value(s3, "dlrm_batching_updates_total", result="conflict") >= 1
     finally:
-        # Leave the session's TorchServe as the other tests expect it.
-        r = _put(sidecar, {"batch_size": original["batch_size"],
-                           "max_batch_delay_ms": original["max_batch_delay_ms"],
-                           "workers": original["workers"]})
-        assert r.status_code == 200, r.text
+        # Leave the session's TorchServe as the other tests expect it (checked below, so
+        # that a failure above is the one reported).
+        restored.append(_put(sidecar, {"batch_size": original["batch_size"],
+                                       "max_batch_delay_ms": original["max_batch_delay_ms"],
+                                       "workers": original["workers"]}))
         # Settings as they are: nothing to register.
-        r = _put(sidecar, {"batch_size": original["batch_size"]})
-        assert r.status_code == 200 and r.json()["changed"] is False, r.text
+        restored.append(_put(sidecar, {"batch_size": original["batch_size"]}))
+    r = restored[0]
+    assert r.status_code == 200, r.text
+    r = restored[1]
+    assert r.status_code == 200 and r.json()["changed"] is False, r.text

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from serve.errors import CheckpointError, ConfigError, ShardingError
-from serve.merge import MAX_MERGE_DIFF, load_merged, merge_checkpoint
+from serve.model.merge import MAX_MERGE_DIFF, load_merged, merge_checkpoint
+from serve.model.quantize import evaluate_auc
+from serve.model.train import OUTPUTS_FILE, PLAN_FILE, max_world_size, plan_sharding
+from serve.net import free_port
 from serve.profiles import get_profile
-from serve.quantize import evaluate_auc
-from serve.train import OUTPUTS_FILE, PLAN_FILE, _free_port, max_world_size, plan_sharding
 
 TINY = get_profile("tiny")
 
@@ -55,7 +56,7 @@ def test_merged_model_equals_sharded_model(tiny_build, tmp_path):
     assert res.merged_max_abs_diff <= MAX_MERGE_DIFF
     model, _meta = load_merged(tmp_path / "merged.pt", TINY)
     saved = torch.load(tiny_build.checkpoint / OUTPUTS_FILE, weights_only=True)
-    from serve.data import to_batch
+    from serve.model.data import to_batch
     b = to_batch((saved["dense"], saved["ids"], saved["lengths"], torch.zeros(len(saved["dense"]))),
                  saved["feature_names"])
     with torch.no_grad():
@@ -76,7 +77,7 @@ def test_trained_model_learned_something(tiny_build):
 
 def test_missing_checkpoint_dir(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint directory .*nope does not exist; re-run "
-                                              r"`python -m serve\.train`"):
+                                              r"`python -m serve\.model\.train`"):
         merge_checkpoint(tmp_path / "nope", TINY, tmp_path / "m.pt")
 
 
@@ -173,7 +174,7 @@ def test_gpu_plan_is_row_wise_for_large_tables():
 
 
 def test_train_cli_refuses_unshardable_world_size(tiny_build, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.train", "--profile", "tiny", "--data",
+    proc = subprocess.run([sys.executable, "-m", "serve.model.train", "--profile", "tiny", "--data",
                            str(tiny_build.data_dir), "--out", str(tmp_path / "c"), "--nproc", "100"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2
@@ -182,11 +183,11 @@ def test_train_cli_refuses_unshardable_world_size(tiny_build, tmp_path):
 
 
 def test_runs_unchanged_under_torchrun(tiny_build, tmp_path):
-    """The multi-node launcher path: torchrun starts the ranks, serve.train joins them."""
+    """The multi-node launcher path: torchrun starts the ranks, serve.model.train joins them."""
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "serve.train", "--profile", "tiny", "--data",
+           str(free_port()), "-m", "serve.model.train", "--profile", "tiny", "--data",
            str(tiny_build.data_dir), "--out", str(tmp_path / "c"), "--max-steps", "5", "--workers", "0"]
     # Own process group: on failure the ranks torchrun started are stopped with it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -206,14 +207,14 @@ def test_runs_unchanged_under_torchrun(tiny_build, tmp_path):
 
 
 def test_cli_help_documents_multi_node():
-    proc = subprocess.run([sys.executable, "-m", "serve.train", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "serve.model.train", "--help"], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0
     assert "torchrun --nnodes 2" in proc.stdout and "column-wise" in proc.stdout
 
 
 def test_merge_cli_names_the_missing_file(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.merge", "--checkpoint", str(tmp_path / "x"),
+    proc = subprocess.run([sys.executable, "-m", "serve.model.merge", "--checkpoint", str(tmp_path / "x"),
                            "--profile", "tiny", "--out", str(tmp_path / "m.pt")],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2

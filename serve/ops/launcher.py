@@ -1,8 +1,8 @@
 """Start, wait for and stop the service: TorchServe (+ the sidecar when it exists).
 
-    python -m serve.launcher run    # foreground; Ctrl-C / SIGTERM stops everything
-    python -m serve.launcher up     # background; pids in .run/, returns once ready
-    python -m serve.launcher down   # stops what `up` started
+    python -m serve.ops.launcher run    # foreground; Ctrl-C / SIGTERM stops everything
+    python -m serve.ops.launcher up     # background; pids in .run/, returns once ready
+    python -m serve.ops.launcher down   # stops what `up` started
 
 Builds nothing (``make run`` builds ``model_store/dlrm.mar`` first). "Ready" means a
 real predict was answered, not just ``/ping``. Ports come from flags, else the env
@@ -26,13 +26,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from serve.errors import ConfigError, UpstreamUnavailable
+from serve.net import wait_until
 
 __all__ = [
     "LaunchConfig",
@@ -49,7 +50,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _ADDRESS_KEYS = {"inference_address": "inference_port", "management_address": "management_port",
                  "metrics_address": "metrics_port"}
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
@@ -214,7 +215,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     """Start ``python -m serve.sidecar`` (own process group) if that module exists."""
     if not cfg.sidecar or not (REPO / "serve" / "sidecar.py").exists():
         return None
-    from serve.sidecar import ensure_dev_token  # type: ignore[import-not-found]
+    from serve.sidecar.app import ensure_dev_token  # type: ignore[import-not-found]
 
     ensure_dev_token(str(cfg.token_file))
     log_dir = cfg.path(cfg.log_dir)
@@ -233,13 +234,9 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
 def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
     """POST JSON (a dict, or bytes sent as is); return (status, headers, body)."""
     data = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+    r = httpx.post(url, content=bytes(data), timeout=timeout,
+                   headers={"Content-Type": "application/json"})
+    return r.status_code, dict(r.headers), r.content
 
 
 def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: float | None = None,
@@ -248,30 +245,29 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
 
     Raises UpstreamUnavailable if a process exits or ``timeout_s`` passes.
     """
-    from serve.protocol import example_request
+    from serve.api.protocol import example_request
 
     timeout_s = timeout_s or cfg.ready_timeout_s
+    where = log_hint or cfg.path(cfg.log_dir)
     t0 = time.monotonic()
     body = json.dumps(example_request(1, seed=0)).encode()
     url = f"{cfg.inference_url}/predictions/{cfg.model_name}"
-    last = "no answer yet"
-    while time.monotonic() - t0 < timeout_s:
+
+    def alive() -> None:
         for p in procs:
             if p.poll() is not None:
                 name = str(p.args[0]) if isinstance(p.args, list) else str(p.args)
                 raise UpstreamUnavailable(
-                    f"process {name} exited with "
-                    f"{p.returncode} before ready; see {log_hint or cfg.path(cfg.log_dir)}")
-        try:
-            status, _, data = post_json(url, body, timeout=5)
-            if status == 200:
-                return time.monotonic() - t0
-            last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
-        except (OSError, urllib.error.URLError) as e:
-            last = str(e)
-        time.sleep(0.25)
-    raise UpstreamUnavailable(f"service not ready after {timeout_s:.0f} s (last: {last}); "
-                              f"see {log_hint or cfg.path(cfg.log_dir)}")
+                    f"process {name} exited with {p.returncode} before ready; see {where}")
+
+    def answered() -> bool:
+        status, _, data = post_json(url, body, timeout=5)
+        if status != 200:
+            raise OSError(f"HTTP {status}: {data[:200].decode(errors='replace')}")
+        return True
+
+    wait_until(answered, timeout_s=timeout_s, what=f"service (logs: {where})", check=alive)
+    return time.monotonic() - t0
 
 
 def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 20.0) -> None:
@@ -406,7 +402,7 @@ def _cmd_run(cfg: LaunchConfig) -> int:
 def _cmd_up(cfg: LaunchConfig) -> int:
     print(f"starting TorchServe on {cfg.inference_url} in the background ...", flush=True)
     svc = start(cfg)
-    print(_banner(svc), "\n`python -m serve.launcher down` (or `make down`) stops it.", flush=True)
+    print(_banner(svc), "\n`python -m serve.ops.launcher down` (or `make down`) stops it.", flush=True)
     return 0
 
 
@@ -435,7 +431,7 @@ def _env_port(name: str, default: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.launcher", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m serve.ops.launcher", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=("run", "up", "down"),
                     help="run: foreground; up: background, returns when ready; down: stop `up`")

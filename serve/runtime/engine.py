@@ -8,9 +8,9 @@ Pipeline of one ``predict``:
 1. validate the inputs on the host (negative ids -> ``InvalidInput`` naming the feature);
 2. global row = table offset + (id % table rows) (ids >= rows wrap, documented rule);
 3. embedding: either a direct gather from the tables on the device (no cache: every row
-   resident), or ``torch.unique`` -> :class:`serve.cache.EmbeddingCache` (hot rows on the
+   resident), or ``torch.unique`` -> :class:`serve.runtime.cache.EmbeddingCache` (hot rows on the
    device, all rows pinned in host memory) -> dequantize the U rows once -> pool;
-4. dense part (:class:`serve.dense.DenseDLRM`, as TorchRec's DLRM) -> sigmoid.
+4. dense part (:class:`serve.runtime.dense.DenseDLRM`, as TorchRec's DLRM) -> sigmoid.
 
 When the cache is used: on CUDA whenever its capacity is below the table rows; on CPU
 only with ``cache_on_cpu=True``, because there device memory *is* host memory and the
@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from serve.artifact import Artifact, dequantize_rows, load_artifact
-from serve.cache import MISS_PATHS, POLICIES, EmbeddingCache, capacity_for
-from serve.dense import PRECISIONS, DenseDLRM, convert_precision
+from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
+from serve.runtime.artifact import Artifact, dequantize_rows, load_artifact
+from serve.runtime.cache import MISS_PATHS, POLICIES, EmbeddingCache, capacity_for
+from serve.runtime.dense import PRECISIONS, DenseDLRM, convert_precision
 
 __all__ = ["STAGES", "Runtime", "RuntimeConfig", "RuntimeStats", "SparseBatch"]
 
 log = logging.getLogger(__name__)
 
-STAGES = ("decode", "embedding", "dense")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class RuntimeConfig:
         cache_load_factor: fraction of all table rows kept on the device (0 < x <= 1);
             1.0 keeps every row there (no cache). Ignored when ``cache_bytes`` is set.
         cache_bytes: device bytes for cached row payload (overrides the load factor).
-        cache_policy: "lru" or "lfu" (see serve/cache.py).
+        cache_policy: "lru" or "lfu" (see serve/runtime/cache.py).
         num_threads: torch intra-op threads for this process (None: leave as is). Set it
             deliberately when several workers share a host: oversubscription costs up to 10x.
         cache_on_cpu: run the cache on CPU too (tests; it only costs time there).
@@ -143,24 +143,38 @@ class RuntimeStats:
     samples: int = 0
 
 
+def _resolve_device(name: str) -> torch.device:
+    """The config's device; CUDA must be there, and a bare "cuda" gets its index (streams,
+    events and graphs are per device, and the current device may differ at predict)."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; "
+                          "use device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_tables(artifact: Artifact) -> None:
+    """The runtime serves one embedding dim and one row format across all tables."""
+    if not artifact.tables:
+        raise ArtifactError("artifact has no embedding tables")
+    dims = {t.dim for t in artifact.tables}
+    dtypes = {t.dtype for t in artifact.tables}
+    if len(dims) != 1 or len(dtypes) != 1:
+        raise ArtifactError(f"tables mix dims {sorted(dims)} / dtypes {sorted(dtypes)}; "
+                            "the runtime needs one dim and one dtype")
+
+
 class Runtime:
     """Serves one artifact on one device. Not thread-safe: one caller at a time."""
 
     def __init__(self, artifact: Artifact, config: RuntimeConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {config.device!r} requested but CUDA is not available; "
-                              "use device='cpu'")
+        self.device = _resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        if not artifact.tables:
-            raise ArtifactError("artifact has no embedding tables")
-        dims = {t.dim for t in artifact.tables}
-        dtypes = {t.dtype for t in artifact.tables}
-        if len(dims) != 1 or len(dtypes) != 1:
-            raise ArtifactError(f"tables mix dims {sorted(dims)} / dtypes {sorted(dtypes)}; "
-                                "the runtime needs one dim and one dtype")
+        _check_tables(artifact)
         self.feature_names: list[str] = list(artifact.feature_names)
         self.num_dense: int = artifact.num_dense
         self.dim = artifact.embedding_dim
@@ -174,20 +188,9 @@ class Runtime:
         self._rows_d = torch.tensor(self.table_rows, dtype=torch.int64, device=dev)
         self._offsets_d = torch.tensor(offsets, dtype=torch.int64, device=dev)
         self._feature_ids_d = torch.arange(len(self.table_rows), device=dev)
-
-        host = torch.cat([t.data for t in artifact.tables])  # (R, row_bytes) uint8
-        rb = host.shape[1]
-        cap = capacity_for(self.total_rows, rb, load_factor=config.cache_load_factor,
-                           cache_bytes=config.cache_bytes)
-        use_cache = config.cache_on_cpu if dev.type == "cpu" else cap < self.total_rows
-        self.cache: EmbeddingCache | None = None
-        self.table: torch.Tensor | None = None
-        if use_cache:
-            self.cache = EmbeddingCache(host, cap, config.cache_policy, dev,
-                                        miss_path=config.cache_miss_path)
-        else:
-            self.table = host.to(dev)
-        del host
+        self.cache: EmbeddingCache | None
+        self.table: torch.Tensor | None
+        self.cache, self.table = self._place_rows(artifact, config)
 
         dense = DenseDLRM(artifact.dense_arch, artifact.over_arch, len(self.feature_names))
         dense = dense.to(dev).eval()
@@ -196,13 +199,30 @@ class Runtime:
         if config.compile:
             self.dense = torch.compile(self.dense, dynamic=True)  # type: ignore[assignment]
         self._graphs: dict[int, tuple] = {}
+        self._capture_stream: torch.cuda.Stream | None = None
         self._scratch: torch.Tensor | None = None
         self._lookups = self._hits = 0
         self._stage = {s: 0.0 for s in STAGES}
         self._forwards = self._samples = 0
         log.info("runtime on %s: %d tables, %d rows, %s rows of %d bytes; %s",
-                 dev, len(self.table_rows), self.total_rows, self.dtype, rb,
-                 f"cache {cap} slots ({config.cache_policy})" if self.cache else "no cache")
+                 dev, len(self.table_rows), self.total_rows, self.dtype,
+                 artifact.tables[0].data.shape[1],
+                 f"cache {self.cache.capacity} slots ({config.cache_policy})" if self.cache
+                 else "no cache")
+
+    def _place_rows(self, artifact: Artifact, config: RuntimeConfig
+                    ) -> tuple[EmbeddingCache | None, torch.Tensor | None]:
+        """``(cache, None)`` when the rows are served through a cache (hot rows on the
+        device, all in host memory), else ``(None, table)`` with every row on the device."""
+        host = torch.cat([t.data for t in artifact.tables])  # (R, row_bytes) uint8
+        cap = capacity_for(self.total_rows, host.shape[1], load_factor=config.cache_load_factor,
+                           cache_bytes=config.cache_bytes)
+        use_cache = (config.cache_on_cpu if self.device.type == "cpu"
+                     else cap < self.total_rows)
+        if use_cache:
+            return EmbeddingCache(host, cap, config.cache_policy, self.device,
+                                  miss_path=config.cache_miss_path), None
+        return None, host.to(self.device)
 
     @classmethod
     def from_artifact(cls, artifact: Artifact | str | os.PathLike,
@@ -296,7 +316,7 @@ class Runtime:
 
     def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         """uint8 (n, row_bytes) -> float32 (n, D), the same arithmetic as
-        ``serve.artifact.dequantize_rows`` (q * scale + bias), written into a reused
+        ``serve.runtime.artifact.dequantize_rows`` (q * scale + bias), written into a reused
         buffer: fresh multi-MB tensors per call cost page faults that dominated batch
         4096 on CPU (measured 89 ms vs a few ms)."""
         if self.dtype != "int8":
@@ -353,18 +373,19 @@ class Runtime:
         Inputs go through pinned host buffers so each needs one async copy; the wrap
         rule (id % rows + offset) runs inside the graph on static per-position tensors.
         """
-        entry = self._graphs.get(b)
-        if entry is None:
-            entry = self._capture(b)
-            self._graphs[b] = entry
-        graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
-        h_vals.copy_(sparse.values)
-        h_dense.copy_(dense)
-        s_vals.copy_(h_vals, non_blocking=True)
-        s_dense.copy_(h_dense, non_blocking=True)
-        graph.replay()
-        h_out.copy_(s_out, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        with torch.cuda.device(self.device):   # copies and replay on this device's stream
+            entry = self._graphs.get(b)
+            if entry is None:
+                entry = self._capture(b)
+                self._graphs[b] = entry
+            graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
+            h_vals.copy_(sparse.values)
+            h_dense.copy_(dense)
+            s_vals.copy_(h_vals, non_blocking=True)
+            s_dense.copy_(h_dense, non_blocking=True)
+            graph.replay()
+            h_out.copy_(s_out, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
         if self.cache is None:   # the cache counts its own lookups inside the graph
             n = h_vals.numel()
             self._lookups += n
@@ -388,6 +409,12 @@ class Runtime:
                                         emb.to(self._dense_dtype)).float())
 
     def _capture(self, b: int) -> tuple:
+        """Capture ``_graph_body`` for batch ``b`` on a side stream of this runtime's device.
+
+        The stream is explicit: ``torch.cuda.graph``'s default capture stream is created
+        once per process on whichever device was current, so a runtime on cuda:1 would
+        otherwise capture nothing of its own kernels.
+        """
         dev = self.device
         nf = len(self.feature_names)
         rows_rep = self._rows_d.repeat_interleave(b)       # (F*B,) rows of each position
@@ -396,7 +423,9 @@ class Runtime:
         s_dense = torch.zeros((b, self.num_dense), dtype=torch.float32, device=dev)
         # Warm-up runs really look up (row 0 of each table): keep the counters exact.
         saved = self.cache._count.clone() if self.cache is not None else None
-        stream = torch.cuda.Stream(dev)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(dev)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm up kernels/allocator outside the capture
@@ -405,7 +434,7 @@ class Runtime:
         if self.cache is not None and saved is not None:
             self.cache._count.copy_(saved)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             s_out = self._graph_body(s_vals, s_dense, rows_rep, offs_rep, b)
         h_vals = torch.empty((nf * b,), dtype=torch.int64, pin_memory=True)
         h_dense = torch.empty((b, self.num_dense), dtype=torch.float32, pin_memory=True)

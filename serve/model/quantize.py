@@ -2,7 +2,7 @@
 
 Tables go through ``torchrec.inference.modules.quantize_inference_model`` (FBGEMM
 row-wise int8 by default; int4 and fp16 selectable); the MLPs stay fp32. The result is
-converted to our plain-torch artifact (:mod:`serve.artifact`), which the runtime reads
+converted to our plain-torch artifact (:mod:`serve.runtime.artifact`), which the runtime reads
 without TorchRec. Quality is measured on held-out data: the AUC of the fp32 model and
 of the quantized one; int8 must keep AUC >= fp32 AUC - 0.001 (MLPerf's 99.9% bar).
 
@@ -12,7 +12,7 @@ Writes ``--out`` (quantized artifact), the fp32 artifact of the same model next 
 
 Example::
 
-    python -m serve.quantize --merged build/tiny/merged.pt --profile tiny \
+    python -m serve.model.quantize --merged build/tiny/merged.pt --profile tiny \
         --data build/tiny/data --dtype int8 --out build/tiny/artifact.pt
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, QualityError, ServeError
-from serve.metrics_auc import roc_auc
+from serve.model.auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
 
 __all__ = [
@@ -96,7 +96,7 @@ def evaluate_auc(model: torch.nn.Module, data_dir: str | os.PathLike, split: str
                  batch_size: int = 4096, limit: int | None = None,
                  progress: bool = False) -> tuple[float, int]:
     """AUC of ``model`` on a split; returns (auc, rows). Forward in eval mode, no grad."""
-    from serve.data import ClickLogDataset, iter_batches
+    from serve.model.data import ClickLogDataset, iter_batches
 
     ds = ClickLogDataset(data_dir, split, batch_size, limit=limit)
     scores, labels = [], []
@@ -128,7 +128,7 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
              check: bool = True, progress: bool = True,
              max_auc_drop: float = INT8_MAX_AUC_DROP,
              float_artifact: bool | None = None) -> QuantizeResult:
-    """Quantize ``merged`` (from serve.merge), measure AUCs, write the artifacts.
+    """Quantize ``merged`` (from serve.model.merge), measure AUCs, write the artifacts.
 
     ``float_artifact``: also write the fp32 twin; None = only when the fp32 tables are at
     most FLOAT_ARTIFACT_MAX_BYTES (criteo-kaggle's 8.7 GB twin is not worth its disk).
@@ -136,8 +136,9 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     AUC and fp32 artifact are taken, instead of being deep-copied.
     The quantized artifact is written only if it passes the quality bar.
     """
-    from serve.artifact import artifact_from_float_dlrm, artifact_from_quantized_dlrm, save_artifact
-    from serve.merge import load_merged
+    from serve.model.export import artifact_from_float_dlrm, artifact_from_quantized_dlrm
+    from serve.model.merge import load_merged
+    from serve.runtime.artifact import save_artifact
 
     if dtype not in QUANT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
@@ -177,11 +178,11 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m serve.quantize",
+        prog="python -m serve.model.quantize",
         description="Quantize a merged DLRM's embedding tables with TorchRec (row-wise int8 by "
                     "default), check AUC on held-out data and write the serving artifact plus "
                     "its fp32 twin (<out stem>.fp32.pt).")
-    ap.add_argument("--merged", required=True, help="merged.pt from serve.merge")
+    ap.add_argument("--merged", required=True, help="merged.pt from serve.model.merge")
     ap.add_argument("--profile", required=True, help=f"profile name ({', '.join(PROFILES)})")
     ap.add_argument("--data", required=True, help="data directory (its eval split is used)")
     ap.add_argument("--dtype", default="int8", choices=tuple(QUANT_DTYPES),

@@ -3,7 +3,7 @@
 No ranks, no process group: ``torch.distributed.checkpoint``'s metadata says where
 every shard of every tensor lies (which ``.distcp`` file, which rows/columns), so one
 process can read all of them straight into the tensors of an unsharded
-:func:`serve.model.build_dlrm` (``dcp.load`` in its single-process mode), checked
+:func:`serve.model.dlrm.build_dlrm` (``dcp.load`` in its single-process mode), checked
 strictly (same keys, same shapes, then ``load_state_dict(strict=True)``). We then
 prove the merge exact: on the fixed batch the trainer saved, the merged model's
 logits equal the sharded model's (``merged_max_abs_diff``, must be <= 1e-6).
@@ -13,7 +13,7 @@ Output (``--out merged.pt``): ``torch.save`` of
 
 Example::
 
-    python -m serve.merge --checkpoint build/tiny/checkpoint --profile tiny --out build/tiny/merged.pt
+    python -m serve.model.merge --checkpoint build/tiny/checkpoint --profile tiny --out build/tiny/merged.pt
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def check_checkpoint(ckpt: Path) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    hint = "re-run `python -m serve.train` (or `make model`) to write it again"
+    hint = "re-run `python -m serve.model.train` (or `make model`) to write it again"
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist; {hint}")
     meta_file = ckpt / ".metadata"
@@ -173,12 +173,12 @@ def _load_into(model: torch.nn.Module, ckpt: Path) -> None:
         where = (f"shard {ckpt / bad[0]} is corrupt ({bad[1]})" if bad
                  else f"a .distcp file is corrupt ({type(e).__name__})")
         raise CheckpointError(f"checkpoint {ckpt}: its shards cannot be read: {where}; "
-                              "re-run `python -m serve.train` to write it again") from None
+                              "re-run `python -m serve.model.train` to write it again") from None
     model.load_state_dict(state, strict=True)  # same tensors; the formal strict check
 
 
 def _fixed_batch_diff(model: torch.nn.Module, outputs: dict) -> float:
-    from serve.data import to_batch
+    from serve.model.data import to_batch
 
     b = to_batch((outputs["dense"], outputs["ids"], outputs["lengths"],
                   torch.zeros(outputs["dense"].shape[0])), list(outputs["feature_names"]))
@@ -191,8 +191,8 @@ def _fixed_batch_diff(model: torch.nn.Module, outputs: dict) -> float:
 def merge_checkpoint(ckpt: str | os.PathLike, profile: Profile, out: str | os.PathLike,
                      max_diff: float = MAX_MERGE_DIFF) -> MergeResult:
     """Merge, load strictly into an unsharded DLRM, verify, save (atomically)."""
-    from serve.model import build_dlrm
-    from serve.train import OUTPUTS_FILE
+    from serve.model.dlrm import build_dlrm
+    from serve.model.train import OUTPUTS_FILE
 
     ckpt, out = Path(ckpt), Path(out)
     plan = check_checkpoint(ckpt)
@@ -206,12 +206,12 @@ def merge_checkpoint(ckpt: str | os.PathLike, profile: Profile, out: str | os.Pa
     outputs_file = ckpt / OUTPUTS_FILE
     if not outputs_file.is_file():
         raise CheckpointError(f"checkpoint outputs {outputs_file} are missing; cannot prove the "
-                              "merge exact; re-run `python -m serve.train`")
+                              "merge exact; re-run `python -m serve.model.train`")
     try:
         outputs = torch.load(outputs_file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint outputs {outputs_file} are unreadable "
-                              f"({type(e).__name__}); re-run `python -m serve.train`") from e
+                              f"({type(e).__name__}); re-run `python -m serve.model.train`") from e
     diff = _fixed_batch_diff(model, outputs)
     if not diff <= max_diff:
         raise CheckpointError(f"merged model differs from the sharded one by {diff:.3g} on the "
@@ -230,19 +230,19 @@ def merge_checkpoint(ckpt: str | os.PathLike, profile: Profile, out: str | os.Pa
 
 def load_merged(path: str | os.PathLike, profile: Profile) -> tuple[torch.nn.Module, dict]:
     """An unsharded fp32 DLRM from ``merged.pt`` (strict), and the file's metadata."""
-    from serve.model import build_dlrm
+    from serve.model.dlrm import build_dlrm
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"merged checkpoint {path} does not exist; run `python -m serve.merge`")
+        raise CheckpointError(f"merged checkpoint {path} does not exist; run `python -m serve.model.merge`")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"merged checkpoint {path} is unreadable ({type(e).__name__}); "
-                              "run `python -m serve.merge` again") from e
+                              "run `python -m serve.model.merge` again") from e
     if not isinstance(blob, dict) or blob.get("format") != MERGED_FORMAT:
         raise CheckpointError(f"merged checkpoint {path} is not a {MERGED_FORMAT} file; "
-                              "run `python -m serve.merge` again")
+                              "run `python -m serve.model.merge` again")
     if blob["profile"] != profile.name:
         raise ConfigError(f"merged checkpoint {path} is profile {blob['profile']!r}, not "
                           f"{profile.name!r}; pass --profile {blob['profile']}")
@@ -255,11 +255,11 @@ def load_merged(path: str | os.PathLike, profile: Profile) -> tuple[torch.nn.Mod
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m serve.merge",
-        description="Merge a sharded torch.distributed.checkpoint (written by serve.train) into "
+        prog="python -m serve.model.merge",
+        description="Merge a sharded torch.distributed.checkpoint (written by serve.model.train) into "
                     "one unsharded DLRM state dict, in one process, and prove it exact on the "
                     "batch the trainer saved (max abs logit diff <= 1e-6).")
-    ap.add_argument("--checkpoint", required=True, help="checkpoint directory from serve.train")
+    ap.add_argument("--checkpoint", required=True, help="checkpoint directory from serve.model.train")
     ap.add_argument("--profile", required=True, help=f"profile name ({', '.join(PROFILES)})")
     ap.add_argument("--out", required=True, help="output file, e.g. build/tiny/merged.pt")
     return ap

@@ -8,13 +8,13 @@ unchanged is skipped, so ``make model`` twice does the work once, and editing
 ``serve/train.py`` retrains (and re-merges, re-quantizes, re-archives) but does not
 regenerate the data.
 
-Outputs: ``<model-store>/dlrm.mar`` (``serve.archive.build_mar``) and
+Outputs: ``<model-store>/dlrm.mar`` (``serve.model.archive.build_mar``) and
 ``<model-store>/dlrm.report.json`` (profile, world size, sharding plan, merge diff,
 AUCs, table bytes, parameters, wall time per step, git commit).
 
 Example::
 
-    python -m serve.pipeline --profile tiny --workdir build/tiny --model-store model_store
+    python -m serve.model.pipeline --profile tiny --workdir build/tiny --model-store model_store
 """
 from __future__ import annotations
 
@@ -53,14 +53,15 @@ STEPS = ("data", "train", "merge", "quantize", "archive")
 REPORT_KEYS = ("profile", "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32",
                "auc_quantized", "quantized_dtype", "table_bytes_fp32", "table_bytes_quantized",
                "num_parameters", "created_at", "git_commit")
-_SERVE = Path(__file__).resolve().parent
+_SERVE = Path(__file__).resolve().parent.parent  # serve/
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
-    "data": ("data.py", "profiles.py"),
-    "train": ("train.py", "model.py", "data.py", "profiles.py"),
-    "merge": ("merge.py", "model.py", "train.py"),
-    "quantize": ("quantize.py", "artifact.py", "metrics_auc.py", "merge.py"),
-    "archive": ("archive.py", "pipeline.py", "protocol.py", "../handlers/dlrm_handler.py"),
+    "data": ("model/data.py", "profiles.py"),
+    "train": ("model/train.py", "model/dlrm.py", "model/data.py", "profiles.py"),
+    "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
+    "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py", "model/merge.py"),
+    "archive": ("model/archive.py", "model/pipeline.py", "api/protocol.py",
+                "../handlers/dlrm_handler.py"),
 }
 
 
@@ -95,7 +96,7 @@ class PipelineConfig:
     check_quality: bool = True
 
     def __post_init__(self) -> None:
-        from serve.quantize import QUANT_DTYPES
+        from serve.model.quantize import QUANT_DTYPES
 
         if self.dtype not in QUANT_DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
@@ -204,12 +205,33 @@ class _Runner:
         return result
 
 
+def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
+            records: dict[str, dict], mar: Path) -> dict[str, Any]:
+    """The build report (``REPORT_KEYS``) from the train, merge and quantize step results."""
+    return {
+        "profile": cfg.profile.name, "world_size": tres["world_size"],
+        "backend": tres.get("backend"), "sharding_plan": tres["sharding_plan"],
+        "merged_max_abs_diff": mres["merged_max_abs_diff"],
+        "auc_fp32": qres["auc_fp32"], "auc_quantized": qres["auc_quantized"],
+        "quantized_dtype": qres["quantized_dtype"], "eval_rows": qres["eval_rows"],
+        "table_bytes_fp32": qres["table_bytes_fp32"],
+        "table_bytes_quantized": qres["table_bytes_quantized"],
+        "num_parameters": mres["num_parameters"],
+        "train_rows": tres["rows"], "train_steps": tres["steps"],
+        "final_train_loss": tres["final_loss"],
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "wall_seconds": {s: records[s]["wall_seconds"] for s in STEPS[:-1]},
+        "artifact": os.fspath(cfg.artifact.resolve()), "mar": os.fspath(mar.resolve()),
+    }
+
+
 def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> PipelineResult:
     """Build (or confirm up to date) every step; return the report."""
-    from serve.data import DataConfig, generate
-    from serve.merge import merge_checkpoint
-    from serve.quantize import quantize
-    from serve.train import TrainConfig, plan_sharding, train
+    from serve.model.data import DataConfig, generate
+    from serve.model.merge import merge_checkpoint
+    from serve.model.quantize import quantize
+    from serve.model.train import TrainConfig, plan_sharding, train
 
     p = cfg.profile
     # Validate the world size before generating anything (fails fast, clear message).
@@ -259,29 +281,14 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
                   [cfg.artifact], do_quantize)
 
     def do_archive() -> dict:
-        from serve.archive import build_mar
+        from serve.model.archive import build_mar
 
         mar = build_mar(cfg.artifact, cfg.model_store, model_name=cfg.model_name,
                         batch_size=cfg.mar_batch_size,
                         max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
                         min_workers=cfg.mar_workers, max_workers=cfg.mar_workers,
                         handler_config=cfg.handler_config or None)
-        report = {
-            "profile": p.name, "world_size": tres["world_size"],
-            "backend": tres.get("backend"), "sharding_plan": tres["sharding_plan"],
-            "merged_max_abs_diff": mres["merged_max_abs_diff"],
-            "auc_fp32": qres["auc_fp32"], "auc_quantized": qres["auc_quantized"],
-            "quantized_dtype": qres["quantized_dtype"], "eval_rows": qres["eval_rows"],
-            "table_bytes_fp32": qres["table_bytes_fp32"],
-            "table_bytes_quantized": qres["table_bytes_quantized"],
-            "num_parameters": mres["num_parameters"],
-            "train_rows": tres["rows"], "train_steps": tres["steps"],
-            "final_train_loss": tres["final_loss"],
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "git_commit": _git_commit(),
-            "wall_seconds": {s: r.records[s]["wall_seconds"] for s in STEPS[:-1]},
-            "artifact": os.fspath(cfg.artifact.resolve()), "mar": os.fspath(mar.resolve()),
-        }
+        report = _report(cfg, tres, mres, qres, r.records, mar)
         tmp = cfg.report_path.with_name(cfg.report_path.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, cfg.report_path)
@@ -299,7 +306,7 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m serve.pipeline",
+        prog="python -m serve.model.pipeline",
         description="Build the served model end to end: generate click logs, train sharded "
                     "(TorchRec DMP over --nproc ranks), merge the checkpoint, quantize the "
                     "tables, pack model_store/dlrm.mar and dlrm.report.json. Steps whose "

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.dlpack
 
+from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
 
 __all__ = ["MISS_PATHS", "POLICIES", "CacheCounters", "EmbeddingCache", "capacity_for",
@@ -60,7 +61,7 @@ __all__ = ["MISS_PATHS", "POLICIES", "CacheCounters", "EmbeddingCache", "capacit
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("lru", "lfu")
+POLICIES = CACHE_POLICIES  # defined once in serve.constants
 # "host": gather misses on the host into a pinned buffer, one async copy in (default).
 # "mapped": the GPU gathers misses itself from the pinned host table (zero-copy over the
 # bus, no host round trip for the miss ids); opt-in, see host_mapped_view.
@@ -97,6 +98,14 @@ def _no_delete(_: int) -> None:   # the pinned tensor owns the memory; nothing t
     return None
 
 
+def _pin_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` of the current device, so streams, events and the mapped view
+    name the device the tensors really live on (the current device may change later)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def host_mapped_view(pinned: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
     """A CUDA tensor aliasing a pinned 2-d uint8 host tensor (zero-copy, read over the bus).
 
@@ -111,7 +120,7 @@ def host_mapped_view(pinned: torch.Tensor, device: torch.device) -> tuple[torch.
         raise ConfigError("host_mapped_view needs a pinned 2-d uint8 tensor")
     if not pinned.is_contiguous():
         raise ConfigError("host_mapped_view needs a contiguous tensor")
-    return _alias_via_dlpack(pinned, 2, device.index or 0)   # 2 = kDLCUDA
+    return _alias_via_dlpack(pinned, 2, _pin_index(device).index or 0)   # 2 = kDLCUDA
 
 
 def _alias_via_dlpack(t: torch.Tensor, device_type: int,
@@ -195,7 +204,7 @@ class EmbeddingCache:
         total = host_table.shape[0]
         if not 1 <= capacity <= total:
             raise ConfigError(f"cache capacity {capacity} must be in 1..{total} (the table's rows)")
-        self.device = torch.device(device)
+        self.device = _pin_index(torch.device(device))
         self.policy = policy
         self.capacity = int(capacity)
         self.total_rows = int(total)
@@ -273,8 +282,11 @@ class EmbeddingCache:
         buf = self._staging[:m]
         torch.index_select(self.host_table, 0, idx, out=buf)
         out = buf.to(self.device, non_blocking=True)
+        # Record on the stream the copy went to (the device's current stream), not on the
+        # current device's: with the cache on cuda:1 and cuda:0 current, an event on cuda:0
+        # would not wait for the copy, and the next gather could overwrite rows in flight.
         self._staging_event = torch.cuda.Event()
-        self._staging_event.record()
+        self._staging_event.record(torch.cuda.current_stream(self.device))
         return out
 
     # -- one batch -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Replay load curves through the Kubernetes HPA algorithm with our k8s/hpa.yaml.
 
 What it answers: with the HPA spec we ship and the per-pod capacity we measured
-(k8s/capacity.json), how many pods run over time under a ramp, a spike and a diurnal
+(loadtest/capacity.json), how many pods run over time under a ramp, a spike and a diurnal
 curve, and when is the load per ready pod above what one pod sustains at the p99 goal
 (the "p99 risk")?
 
@@ -26,7 +26,7 @@ it was Ready for a scrape interval); CPU utilization is proportional to per-pod 
 ``cpu_at_knee`` of the request at the knee (a model, since CPU is a backstop metric);
 removed pods go at once, newest first.
 
-Run: ``python -m serve.hpa_sim`` (``make hpa-sim``); ``--help`` for the knobs.
+Run: ``python -m serve.ops.hpa_sim`` (``make hpa-sim``); ``--help`` for the knobs.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_HPA = Path("k8s/hpa.yaml")
-DEFAULT_CAPACITY = Path("k8s/capacity.json")
+DEFAULT_CAPACITY = Path("loadtest/capacity.json")
 QPS_METRIC = "dlrm_requests_per_second"
 _INT32_MAX = 2**31 - 1
 
@@ -190,7 +190,7 @@ def load_hpa(path: str | Path = DEFAULT_HPA) -> HpaSpec:
 
 
 def load_capacity(path: str | Path = DEFAULT_CAPACITY) -> dict[str, Any]:
-    """k8s/capacity.json (written by ``make capacity``): knee_qps, target_qps, ..."""
+    """loadtest/capacity.json (written by ``make capacity``): knee_qps, target_qps, ..."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"capacity file {path} does not exist; run `make capacity` or "
@@ -538,11 +538,11 @@ def _print_table(r: ScenarioResult, every_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m serve.hpa_sim --help``."""
+    """Entry point: ``python -m serve.ops.hpa_sim --help``."""
     p = argparse.ArgumentParser(
-        prog="python -m serve.hpa_sim",
+        prog="python -m serve.ops.hpa_sim",
         description="Replay ramp, spike and diurnal load through the HPA in k8s/hpa.yaml "
-                    "with the per-pod capacity in k8s/capacity.json; print replicas and "
+                    "with the per-pod capacity in loadtest/capacity.json; print replicas and "
                     "p99 risk over time, plot them, and check the spike's reaction time.")
     p.add_argument("--hpa", type=Path, default=DEFAULT_HPA, help="HPA manifest")
     p.add_argument("--capacity", type=Path, default=DEFAULT_CAPACITY,

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from serve.constants import CACHE_POLICIES
 from serve.errors import (
     ConfigError,
     InvalidInput,
@@ -165,7 +166,7 @@ class HandlerConfig:
                 raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1 or null")
         if lf is None and self.cache_bytes is None:
             raise ConfigError("handler: set cache_load_factor or cache_bytes")
-        if self.cache_policy not in ("lru", "lfu"):
+        if self.cache_policy not in CACHE_POLICIES:
             raise ConfigError(f"handler.cache_policy={self.cache_policy!r} must be 'lru' or 'lfu'")
         for name in ("max_instances", "max_ids_per_feature", "max_body_bytes"):
             v = getattr(self, name)

@@ -11,7 +11,7 @@ Output directory (``--out``), written atomically (``DIR.tmp`` then rename):
     .metadata, __{rank}_0.distcp   torch.distributed.checkpoint, one file per rank
     plan.json                       world size, backend, table -> sharding type, shards
     sharded_outputs.pt              a fixed eval batch and the sharded model's logits
-                                    on it, so ``serve.merge`` can prove it is exact
+                                    on it, so ``serve.model.merge`` can prove it is exact
 
 Launch: by default this command spawns ``--nproc`` local ranks itself on a free
 loopback port. Under ``torchrun`` (RANK/WORLD_SIZE set) it runs as one of its ranks, so
@@ -19,7 +19,7 @@ multi-node is::
 
     torchrun --nnodes 2 --node-rank {0|1} --nproc-per-node 2 \
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
-        -m serve.train --profile small --data DIR --out CKPT_DIR
+        -m serve.model.train --profile small --data DIR --out CKPT_DIR
 
 with DIR readable and CKPT_DIR writable (shared filesystem) on every node.
 """
@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 
 from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError, ShardingError
+from serve.net import free_port
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
 __all__ = [
@@ -142,7 +142,7 @@ def plan_sharding(profile: Profile, world_size: int, compute_device: str = "cpu"
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ShardingPlan  # noqa: F401  (return type)
 
-    from serve.model import table_configs
+    from serve.model.dlrm import table_configs
 
     if world_size < 1:
         raise ShardingError(f"world size {world_size} must be >= 1")
@@ -208,17 +208,11 @@ def format_plan(types: dict[str, str], shards: dict[str, list]) -> str:
 
 # ----------------------------------------------------------------------------- ranks
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _build_model(profile: Profile, device: torch.device) -> Any:
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from serve.model import table_configs
+    from serve.model.dlrm import table_configs
 
     # Tables on meta: DMP allocates only this rank's shards (criteo-kaggle is 8.7 GB).
     ebc = EmbeddingBagCollection(tables=table_configs(profile), device=torch.device("meta"))
@@ -227,18 +221,103 @@ def _build_model(profile: Profile, device: torch.device) -> Any:
                 over_arch_layer_sizes=list(profile.over_arch), dense_device=device)
 
 
-def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
-               port: int | None) -> None:
-    """Body of one rank (spawned by us, or started by torchrun)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+@dataclass
+class _RankRun:
+    """What one rank's training produced, for the checkpoint metadata."""
+
+    steps: int
+    rows: int
+    seconds: float
+    final_loss: float | None
+    epochs: int
+
+
+def _rank_device(cfg: TrainConfig, rank: int) -> tuple[str, torch.device]:
+    """The backend and this rank's device (cuda:LOCAL_RANK under nccl, else cpu)."""
+    backend = cfg.resolved_backend()
+    if backend != "nccl":
+        return backend, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    return backend, device
+
+
+def _sharded_model(cfg: TrainConfig, device: torch.device, plan: Any) -> tuple[Any, Any]:
+    """The DistributedModelParallel DLRM and its combined optimizer.
+
+    Sparse tables get row-wise Adagrad fused into the backward pass (TorchRec's
+    in-backward optimizer, no gradient tensors for the tables); the dense MLPs get Adam.
+    """
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from serve.data import ClickLogDataset, iter_batches, load_split, to_batch
+    model = _build_model(cfg.profile, device)
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(),
+                                {"lr": cfg.lr, "eps": 1e-8})
+    dmp = DistributedModelParallel(module=model, device=device, plan=plan)
+    dense_opt = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adam(params, lr=cfg.dense_learning_rate))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+
+
+def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int,
+                local_batch: int, device: torch.device) -> _RankRun:
+    """Train this rank's share of the click log; rank 0 prints progress every log_every."""
+    from serve.model.data import ClickLogDataset, iter_batches
+
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    ds = ClickLogDataset(cfg.data_dir, "train", local_batch, rank=rank,
+                         world_size=world_size, drop_last=True)
+    epochs = cfg.epochs or cfg.profile.epochs
+    total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
+    step, rows, t0, ema = 0, 0, time.perf_counter(), None
+    dmp.train()
+    for _ in range(epochs):
+        for batch in iter_batches(ds, cfg.num_workers):
+            if step >= total:
+                break
+            logits = dmp(batch.dense.to(device), batch.sparse.to(device)).squeeze(-1)
+            loss = loss_fn(logits, batch.labels.to(device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            rows += len(batch) * world_size
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            if rank == 0 and (step % cfg.log_every == 0 or step == total):
+                el = time.perf_counter() - t0
+                print(f"train step {step}/{total} rows {rows} rows/s {rows / el:,.0f} "
+                      f"loss {ema:.4f}", flush=True)
+    return _RankRun(step, rows, time.perf_counter() - t0, ema, epochs)
+
+
+def _fixed_batch_outputs(dmp: Any, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The sharded model's logits on a fixed eval batch, for the merge check.
+
+    The same rows on every rank, so each rank's output is the sharded model's answer.
+    """
+    from serve.model.data import ClickLogDataset, load_split, to_batch
+
+    dmp.eval()
+    n = min(cfg.eval_batch, len(load_split(cfg.data_dir, "eval")))
+    fixed = ClickLogDataset(cfg.data_dir, "eval", n, limit=n)
+    item = fixed[0]
+    b = to_batch(item, fixed.feature_names)
+    with torch.no_grad():
+        out = dmp(b.dense.to(device), b.sparse.to(device)).squeeze(-1).float().cpu()
+    return {"dense": b.dense, "ids": item[1], "lengths": item[2], "logits": out,
+            "feature_names": fixed.feature_names}
+
+
+def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
+               port: int | None) -> None:
+    """Body of one rank (spawned by us, or started by torchrun)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     if port is not None:  # spawned by us: we are the rendezvous
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -246,13 +325,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                           LOCAL_WORLD_SIZE=str(world_size))
     setup_cli_logging(f"%(asctime)s [rank{rank}] %(message)s", force=True)
     torch.set_num_threads(cfg.threads)
-    backend = cfg.resolved_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    backend, device = _rank_device(cfg, rank)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
         p = cfg.profile
@@ -260,70 +333,23 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         torch.manual_seed(seed)
         local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         local_batch = max(1, cfg.global_batch // world_size)
-        plan, types, _ = plan_sharding(p, world_size, device.type, local_ws, local_batch)
-        model = _build_model(p, device)
-        apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(),
-                                    {"lr": cfg.lr, "eps": 1e-8})
-        dmp = DistributedModelParallel(module=model, device=device, plan=plan)
-        dense_opt = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())),
-            lambda params: torch.optim.Adam(params, lr=cfg.dense_learning_rate))
-        opt = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
-        loss_fn = torch.nn.BCEWithLogitsLoss()
-
-        ds = ClickLogDataset(cfg.data_dir, "train", local_batch, rank=rank,
-                             world_size=world_size, drop_last=True)
-        epochs = cfg.epochs or p.epochs
-        total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
-        step, rows, t0, ema = 0, 0, time.perf_counter(), None
-        dmp.train()
-        for _ in range(epochs):
-            for batch in iter_batches(ds, cfg.num_workers):
-                if step >= total:
-                    break
-                batch_dev = (batch.dense.to(device), batch.sparse.to(device),
-                             batch.labels.to(device))
-                logits = dmp(batch_dev[0], batch_dev[1]).squeeze(-1)
-                loss = loss_fn(logits, batch_dev[2])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                step += 1
-                rows += len(batch) * world_size
-                ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-                if rank == 0 and (step % cfg.log_every == 0 or step == total):
-                    el = time.perf_counter() - t0
-                    print(f"train step {step}/{total} rows {rows} rows/s {rows / el:,.0f} "
-                          f"loss {ema:.4f}", flush=True)
-        train_s = time.perf_counter() - t0
-
-        # The fixed batch for the merge check: the same rows on every rank, so each
-        # rank's output is the sharded model's answer for this batch.
-        dmp.eval()
-        ev = load_split(cfg.data_dir, "eval")
-        n = min(cfg.eval_batch, len(ev))
-        fixed = ClickLogDataset(cfg.data_dir, "eval", n, limit=n)
-        item = fixed[0]
-        b = to_batch(item, fixed.feature_names)
-        with torch.no_grad():
-            out = dmp(b.dense.to(device), b.sparse.to(device)).squeeze(-1).float().cpu()
-
+        plan, types, shards = plan_sharding(p, world_size, device.type, local_ws, local_batch)
+        dmp, opt = _sharded_model(cfg, device, plan)
+        run = _train_loop(dmp, opt, cfg, rank, world_size, local_batch, device)
+        outputs = _fixed_batch_outputs(dmp, cfg, device)
         dcp.save(dmp.state_dict(), checkpoint_id=tmp_dir)
         dist.barrier()
         if rank == 0:
-            _, types, shards = plan_sharding(p, world_size, device.type, local_ws, local_batch)
-            torch.save({"dense": b.dense, "ids": item[1], "lengths": item[2],
-                        "logits": out, "feature_names": fixed.feature_names},
-                       Path(tmp_dir) / OUTPUTS_FILE)
+            torch.save(outputs, Path(tmp_dir) / OUTPUTS_FILE)
             meta = {
                 "profile": p.name, "world_size": world_size, "backend": backend,
                 "device": device.type, "sharding_plan": types,
                 "shards": {t: [{"rank": r, "offsets": o, "sizes": s} for r, o, s in v]
                            for t, v in shards.items()},
-                "steps": step, "rows": rows, "train_seconds": round(train_s, 3),
-                "final_loss": ema, "global_batch": local_batch * world_size,
+                "steps": run.steps, "rows": run.rows, "train_seconds": round(run.seconds, 3),
+                "final_loss": run.final_loss, "global_batch": local_batch * world_size,
                 "learning_rate": cfg.lr, "dense_learning_rate": cfg.dense_learning_rate,
-                "epochs": epochs, "seed": seed,
+                "epochs": run.epochs, "seed": seed,
             }
             (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
         dist.barrier()
@@ -362,7 +388,7 @@ def train(cfg: TrainConfig) -> dict:
     if torchrun:
         _rank_main(rank, world, cfg, str(tmp), None)
     else:
-        mp.start_processes(_rank_main, args=(world, cfg, str(tmp), _free_port()), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, cfg, str(tmp), free_port()), nprocs=world,
                            join=True, start_method="spawn")
     if rank == 0:
         if out.exists():
@@ -376,19 +402,19 @@ def train(cfg: TrainConfig) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m serve.train",
+        prog="python -m serve.model.train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a DLRM sharded over N ranks with TorchRec DistributedModelParallel "
                     "and save a torch.distributed.checkpoint (one shard file per rank).",
         epilog="Single node: this command spawns --nproc ranks on a free loopback port.\n"
                "Multi-node: start it under torchrun on every node, e.g.\n"
                "  torchrun --nnodes 2 --node-rank R --nproc-per-node 2 --rdzv-backend c10d \\\n"
-               "      --rdzv-endpoint HOST0:29500 -m serve.train --profile small --data DIR --out CKPT\n"
+               "      --rdzv-endpoint HOST0:29500 -m serve.model.train --profile small --data DIR --out CKPT\n"
                "(--nproc is then ignored; DIR and CKPT must be on a filesystem all nodes share).\n"
                "Plan: tables with more rows than the profile's large_table_rows are column-wise\n"
                "on CPU (row-wise needs CUDA) and row-wise on GPU; smaller tables table-wise.")
     ap.add_argument("--profile", required=True, help=f"profile name ({', '.join(PROFILES)})")
-    ap.add_argument("--data", required=True, help="data directory written by serve.data")
+    ap.add_argument("--data", required=True, help="data directory written by serve.model.data")
     ap.add_argument("--out", required=True, help="checkpoint directory (replaced atomically)")
     ap.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -422,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_cli_logging()
     try:
         cfg = config_from_args(args)
-        from serve.data import load_split
+        from serve.model.data import load_split
         load_split(cfg.data_dir, "train")  # fail here, not in every rank
         t0 = time.perf_counter()
         meta = train(cfg)

@@ -1,18 +1,20 @@
 """Measure what one serving instance sustains and derive the HPA's QPS target.
 
-``make capacity`` (``python -m serve.capacity``):
+``make capacity`` (``python -m serve.ops.capacity``):
 
-1. makes sure one local instance answers (``python -m serve.launcher up`` when nothing
+1. makes sure one local instance answers (``python -m serve.ops.launcher up`` when nothing
    answers ``/ping``; stopped again afterwards when this started it);
 2. runs the step load test (``python -m loadtest.run --shape step``): closed-loop users
    double per step, each step measured after it settled;
-3. finds the knee: walking up the steps, the highest request rate of a step whose p99 is
-   within the goal (default 60 ms, the MLPerf DLRM-v2 server bound) and whose failure
-   ratio is within bounds, stopping at the first step that breaks either;
+3. finds the knee with the project's one knee rule (:mod:`serve.ops.knee`): walking up
+   the judged steps until the first whose p99 is over the goal (default 60 ms, the
+   MLPerf DLRM-v2 server bound) or whose failure ratio is over bounds, the step that
+   last raised the request rate by at least 5%;
 4. target = ``headroom`` (0.8) x knee: the HPA scales out at 80% of what one pod
    sustains, leaving room for the metric's delay and pod start-up (``make hpa-sim``);
-5. prints the derivation, writes ``k8s/capacity.json`` and sets the QPS
-   ``averageValue`` in ``k8s/hpa.yaml`` to the target.
+5. prints the derivation, writes ``loadtest/capacity.json`` (not under k8s/, which holds
+   only what ``kubectl apply -f k8s/`` applies) and sets the QPS ``averageValue`` in
+   ``k8s/hpa.yaml`` to the target.
 
 Units: rates in requests/s (one request carries many instances: the HPA's metric,
 ``dlrm_requests_per_second``, counts requests), latencies in ms.
@@ -30,21 +32,20 @@ import re
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from serve.errors import CapacityError, ConfigError, ServeError
+from serve.ops.knee import Knee, find_knee
 
 __all__ = [
     "CapacityConfig",
-    "Knee",
     "capacity_document",
     "derive_target",
-    "find_knee",
     "format_quantity",
     "machine_info",
     "main",
@@ -54,7 +55,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "http://127.0.0.1:8080"
-DEFAULT_OUTPUT = Path("k8s/capacity.json")
+# Not in k8s/: `kubectl apply -f k8s/` reads every .json there and rejects this one (no
+# `kind`). The figures belong with the load test that measured them.
+DEFAULT_OUTPUT = Path("loadtest/capacity.json")
 DEFAULT_HPA = Path("k8s/hpa.yaml")
 # The line in k8s/hpa.yaml this module rewrites (the marker comment makes it unambiguous).
 _HPA_LINE = re.compile(r'^(?P<indent>\s*)averageValue:\s*"?(?P<value>[0-9.]+[a-zA-Z]*)"?'
@@ -94,68 +97,6 @@ class CapacityConfig:
         if not re.match(r"^https?://[^/]+", self.host):
             raise ConfigError(f"--host {self.host!r} is not an http(s) URL; pass e.g. "
                               f"{DEFAULT_HOST}")
-
-
-@dataclass(frozen=True)
-class Knee:
-    """The sustainable step. ``saturated`` is False when no step broke the goal: the
-    knee is then only a lower bound (the load test did not push hard enough)."""
-
-    rps: float
-    instances_per_s: float
-    users: int
-    p50_ms: float
-    p99_ms: float
-    fail_ratio: float
-    step_index: int
-    saturated: bool
-    stop_reason: str
-
-    @property
-    def instances_per_request(self) -> float:
-        return self.instances_per_s / self.rps if self.rps else 0.0
-
-
-def find_knee(steps: Sequence[dict[str, Any]], p99_goal_ms: float,
-              max_fail_ratio: float = 0.001) -> Knee:
-    """The highest-rps step that meets the goals, walking up until one breaks them.
-
-    Args:
-        steps: load-test steps in order, each with "users", "rps", "instances_per_s",
-            "p50_ms", "p99_ms", "fail_ratio" (loadtest's summary.json "steps").
-    Raises:
-        CapacityError: no steps, or the first step already misses the goals.
-    """
-    best: tuple[int, dict[str, Any]] | None = None
-    reason = "every step met the goals: the knee is a lower bound; add users or duration"
-    saturated = False
-    if not steps:
-        raise CapacityError("the load test reported no steps; check its log")
-    for i, s in enumerate(steps):
-        missing = [k for k in ("users", "rps", "p99_ms", "fail_ratio") if s.get(k) is None]
-        if missing or not s.get("rps"):
-            # No answer measured in the step: overloaded past any latency (or too short).
-            saturated = True
-            reason = (f"step {i} ({s.get('users')} users) measured no requests "
-                      f"(no {', '.join(missing) or 'rps'}): overloaded, or lengthen --duration")
-            break
-        if s["p99_ms"] > p99_goal_ms or s["fail_ratio"] > max_fail_ratio:
-            saturated = True
-            reason = (f"step {i} ({s['users']} users, {s['rps']:.1f} req/s) has p99 "
-                      f"{s['p99_ms']:.1f} ms (goal {p99_goal_ms:g}) and fail ratio "
-                      f"{s['fail_ratio']:.4f} (max {max_fail_ratio:g})")
-            break
-        if best is None or s["rps"] > best[1]["rps"]:
-            best = (i, s)
-    if best is None:
-        raise CapacityError(f"no step meets the goals ({reason}); one instance cannot serve "
-                            f"at p99 <= {p99_goal_ms:g} ms even with one user: profile it "
-                            "before scaling it")
-    i, s = best
-    return Knee(rps=float(s["rps"]), instances_per_s=float(s.get("instances_per_s") or 0.0),
-                users=int(s["users"]), p50_ms=float(s.get("p50_ms") or 0.0),
-                p99_ms=float(s["p99_ms"]), fail_ratio=float(s["fail_ratio"]), step_index=i,
-                saturated=saturated, stop_reason=reason)
 
 
 def derive_target(knee_rps: float, headroom: float = 0.8) -> float:
@@ -228,7 +169,7 @@ def machine_info() -> dict[str, Any]:
 def capacity_document(knee: Knee, cfg: CapacityConfig, target: float,
                       steps: Sequence[dict[str, Any]], machine: dict[str, Any],
                       measured_at: str) -> dict[str, Any]:
-    """The k8s/capacity.json document."""
+    """The loadtest/capacity.json document."""
     return {
         "knee_qps": knee.rps,
         "p99_goal_ms": cfg.p99_goal_ms,
@@ -253,15 +194,14 @@ def capacity_document(knee: Knee, cfg: CapacityConfig, target: float,
 
 def _pings(host: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{host.rstrip('/')}/ping", timeout=2.0) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
+        return httpx.get(f"{host.rstrip('/')}/ping", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
         return False
 
 
 def _launcher(action: str) -> None:
-    print(f"==> python -m serve.launcher {action}", flush=True)
-    subprocess.run([sys.executable, "-m", "serve.launcher", action], check=True)
+    print(f"==> python -m serve.ops.launcher {action}", flush=True)
+    subprocess.run([sys.executable, "-m", "serve.ops.launcher", action], check=True)
 
 
 def _run_loadtest(cfg: CapacityConfig, summary_path: Path) -> dict[str, Any]:
@@ -288,8 +228,11 @@ def _print_derivation(steps: Sequence[dict[str, Any]], knee: Knee, cfg: Capacity
           f"{'fail':>7}")
     for i, s in enumerate(steps):
         mark = "  <- knee" if i == knee.step_index else ""
-        print(f"{i:4d} {s['users']:5d} {s['rps']:9.1f} {s.get('instances_per_s') or 0:9.0f} "
-              f"{s.get('p50_ms') or 0:8.1f} {s['p99_ms']:8.1f} {s['fail_ratio']:7.4f}{mark}")
+        if not s.get("slo", True):
+            mark = "  (warm-up: not judged)"
+        print(f"{i:4d} {s['users']:5d} {s.get('rps') or 0:9.1f} "
+              f"{s.get('instances_per_s') or 0:9.0f} {s.get('p50_ms') or 0:8.1f} "
+              f"{s.get('p99_ms') or 0:8.1f} {s.get('fail_ratio') or 0:7.4f}{mark}")
     print(f"\nknee: {knee.rps:.2f} req/s ({knee.instances_per_s:.0f} instances/s, "
           f"{knee.instances_per_request:.1f} instances/request) at {knee.users} users, "
           f"p99 {knee.p99_ms:.1f} ms <= goal {cfg.p99_goal_ms:g} ms")
@@ -300,13 +243,12 @@ def _print_derivation(steps: Sequence[dict[str, Any]], knee: Knee, cfg: Capacity
           "per pod (the HPA scales out above it)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m serve.capacity --help``."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m serve.capacity",
+        prog="python -m serve.ops.capacity",
         description="Measure one instance's knee (highest req/s at p99 <= goal) with the "
-                    "step load test, then write k8s/capacity.json and the HPA's QPS target "
-                    "(headroom x knee) into k8s/hpa.yaml.")
+                    "step load test, then write loadtest/capacity.json and the HPA's QPS "
+                    "target (headroom x knee) into k8s/hpa.yaml.")
     p.add_argument("--host", default=DEFAULT_HOST, help="the instance's inference URL")
     p.add_argument("--p99-goal-ms", type=float, default=60.0,
                    help="latency goal a step must meet (MLPerf DLRM-v2 server: 60 ms)")
@@ -326,7 +268,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 40s over 1,2,4,8 users and --no-write (figures too short "
                         "to size an HPA)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _measure(cfg: CapacityConfig) -> dict[str, Any]:
+    """The step load test's summary.json, starting the local default instance if needed."""
+    started = False
+    if not _pings(cfg.host):
+        if cfg.host.rstrip("/") != DEFAULT_HOST:
+            raise ConfigError(f"nothing answers {cfg.host}/ping; start it first (this "
+                              f"only starts the local default at {DEFAULT_HOST})")
+        _launcher("up")
+        started = True
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _run_loadtest(cfg, Path(tmp) / "summary.json")
+    finally:
+        if started:
+            _launcher("down")
+
+
+def _write(cfg: CapacityConfig, knee: Knee, target: float,
+           steps: Sequence[dict[str, Any]]) -> None:
+    """Write capacity.json and the HPA's averageValue (ConfigError: the HPA lacks its marker)."""
+    measured_at = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+    doc = capacity_document(knee, cfg, target, steps, machine_info(), measured_at)
+    hpa_text = update_hpa_target(cfg.hpa.read_text(), target)  # fail before writing anything
+    cfg.output.parent.mkdir(parents=True, exist_ok=True)
+    cfg.output.write_text(json.dumps(doc, indent=2) + "\n")
+    cfg.hpa.write_text(hpa_text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m serve.ops.capacity --help``."""
+    args = _parser().parse_args(argv)
     if args.quick:
         args.duration, args.users, args.no_write = "40s", args.users or "1,2,4,8", True
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -338,22 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_summary is not None:
             summary = json.loads(args.from_summary.read_text())
         else:
-            started = False
-            if not _pings(cfg.host):
-                if cfg.host.rstrip("/") != DEFAULT_HOST:
-                    raise ConfigError(f"nothing answers {cfg.host}/ping; start it first (this "
-                                      f"only starts the local default at {DEFAULT_HOST})")
-                _launcher("up")
-                started = True
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    summary = _run_loadtest(cfg, Path(tmp) / "summary.json")
-            finally:
-                if started:
-                    _launcher("down")
-        # Only judged steps: the step shape's warm-up runs on a cold server and is not
-        # a capacity measurement.
-        steps = [st for st in summary.get("steps") or [] if st.get("slo", True)]
+            summary = _measure(cfg)
+        # The knee rule skips the steps not judged: the step shape's warm-up runs on a
+        # cold server and is not a capacity measurement.
+        steps = list(summary.get("steps") or [])
         knee = find_knee(steps, cfg.p99_goal_ms, cfg.max_fail_ratio)
         target = derive_target(knee.rps, cfg.headroom)
     except ServeError as e:
@@ -363,21 +326,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capacity: {e}", file=sys.stderr)
         return 3
     _print_derivation(steps, knee, cfg, target)
-    if summary.get("knee"):
-        k = summary["knee"]
-        print(f"(the load test's own knee, which also requires rising throughput: "
-              f"{k.get('rps', 0):.2f} req/s at {k.get('users')} users)")
     if args.no_write:
         return 0
-    measured_at = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
-    doc = capacity_document(knee, cfg, target, steps, machine_info(), measured_at)
-    cfg.output.parent.mkdir(parents=True, exist_ok=True)
-    cfg.output.write_text(json.dumps(doc, indent=2) + "\n")
     try:
-        cfg.hpa.write_text(update_hpa_target(cfg.hpa.read_text(), target))
+        _write(cfg, knee, target, steps)
     except ConfigError as e:
         print(f"capacity: {e.message}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"capacity: {e}", file=sys.stderr)
+        return 3
     print(f"wrote {cfg.output}; set {cfg.hpa} averageValue to \"{format_quantity(target)}\"")
     return 0
 

@@ -19,7 +19,7 @@ DLRM has something real to learn and AUC means something.
 
 Example::
 
-    python -m serve.data --profile tiny --out build/tiny/data
+    python -m serve.model.data --profile tiny --out build/tiny/data
 """
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def load_split(data_dir: str | os.PathLike, split: str = "train") -> DataSplit:
     meta_path = d / "meta.json"
     if not meta_path.is_file():
         raise ConfigError(f"data directory {d} has no meta.json; generate it with "
-                          f"`python -m serve.data --profile P --out {d}`")
+                          f"`python -m serve.model.data --profile P --out {d}`")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -336,7 +336,7 @@ class ClickLogDataset(torch.utils.data.Dataset):
 
 def to_batch(item: tuple[torch.Tensor, ...], feature_names: list[str]) -> Batch:
     """(dense, ids (B,F,M), lengths (B,F), labels) -> Batch with a feature-major KJT."""
-    from serve.model import make_kjt
+    from serve.model.dlrm import make_kjt
 
     dense, ids, lengths, labels = item
     m = ids.shape[2]
@@ -374,7 +374,7 @@ def iter_batches(dataset: ClickLogDataset, num_workers: int = 1,
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m serve.data",
+        prog="python -m serve.model.data",
         description="Generate Criteo-like click logs (13 dense + 26 categorical features, "
                     "Zipf ids, labels from a planted model) into a memory-mapped directory.")
     ap.add_argument("--profile", required=True,

@@ -1,0 +1,6 @@
+"""The offline model build (runs on the build/training machine, never in the pod).
+
+data -> train (sharded, TorchRec DistributedModelParallel) -> merge -> quantize -> archive,
+driven by :mod:`serve.model.pipeline` (``make model``). This is the only layer that imports
+TorchRec; nothing under ``serve.runtime``, ``serve.api``, ``serve.sidecar`` imports it.
+"""

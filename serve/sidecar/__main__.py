@@ -1,0 +1,7 @@
+"""``python -m serve.sidecar``: run the sidecar under uvicorn."""
+from serve.sidecar.app import main
+
+__all__: list[str] = []
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The sidecar app: ``create_app`` wires the parts together; ``main`` runs it under uvicorn.
+
+The sidecar runs in the same pod as TorchServe and talks to it over loopback only:
+
+* ``GET /metrics`` (:mod:`serve.sidecar.routes_metrics`): the workers' handler metrics,
+  the sidecar's own, ``dlrm_workers`` and TorchServe's own metrics under ``ts_``.
+* ``GET /batching`` and ``PUT /batching`` (bearer token)
+  (:mod:`serve.sidecar.routes_batching`): the default version's batching settings, and
+  new ones applied with zero failed requests by :class:`~serve.sidecar.switch.VersionSwitch`.
+* ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.routes_health`), ``/docs``
+  (OpenAPI).
+
+The parts: :mod:`~serve.sidecar.config` (settings), :mod:`~serve.sidecar.state` (what
+routes share, injected), :mod:`~serve.sidecar.torchserve` (the calls to TorchServe),
+:mod:`~serve.sidecar.switch` (the version switch), :mod:`~serve.sidecar.mar` (archives
+for new versions), :mod:`~serve.sidecar.tokens`, :mod:`~serve.sidecar.error_handlers`
+(the one error mapping) and :mod:`~serve.sidecar.middleware` (request counts). The names
+other code imports from here (``SidecarConfig``, ``ensure_dev_token``...) are re-exported.
+
+Run: ``python -m serve.sidecar --help``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from serve.errors import ConfigError
+from serve.sidecar import routes_batching, routes_health, routes_metrics
+from serve.sidecar.config import TOKEN_ENV, SidecarConfig
+from serve.sidecar.error_handlers import register_exception_handlers
+from serve.sidecar.mar import next_version, rewrite_mar
+from serve.sidecar.middleware import count_requests
+from serve.sidecar.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
+from serve.sidecar.state import SidecarState
+from serve.sidecar.tokens import ensure_dev_token, load_token
+
+__all__ = [
+    "BatchingState",
+    "BatchingUpdate",
+    "BatchingUpdateResult",
+    "SidecarConfig",
+    "create_app",
+    "ensure_dev_token",
+    "load_token",
+    "main",
+    "next_version",
+    "register_exception_handlers",
+    "rewrite_mar",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = None,
+               http_client: httpx.AsyncClient | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The sidecar app.
+
+    Args:
+        config: see :class:`SidecarConfig`.
+        registry: where the sidecar's and the workers' metrics are collected; default a
+            fresh ``CollectorRegistry`` (never the global one, so apps don't collide).
+        http_client: client for TorchServe; default one made and closed with the app.
+        clock: monotonic seconds, for durations and deadlines.
+    """
+    state = SidecarState.create(config, registry=registry, clock=clock)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client = http_client or httpx.AsyncClient()
+        state.connect(client)
+        try:
+            yield
+        finally:
+            if http_client is None:
+                await client.aclose()
+
+    app = FastAPI(
+        title="DLRM serving sidecar",
+        description="Prometheus metrics and live batching settings for the TorchServe "
+                    "DLRM model beside it.",
+        version="0.1.0", lifespan=lifespan)
+    app.state.sidecar = state
+    register_exception_handlers(app)
+    app.middleware("http")(count_requests)
+    for router in (routes_health.router, routes_metrics.router, routes_batching.router):
+        app.include_router(router)
+    return app
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serve.sidecar",
+        description="Metrics and live batching API beside TorchServe. Every flag has an "
+                    "env var (shown) that sets its default.")
+    p.add_argument("--host", default=_env("DLRM_SIDECAR_HOST", "127.0.0.1"),
+                   help="bind address [DLRM_SIDECAR_HOST]; 0.0.0.0 in a pod so Prometheus "
+                        "can scrape it")
+    p.add_argument("--port", type=int, default=int(_env("DLRM_SIDECAR_PORT", "8090")),
+                   help="port [DLRM_SIDECAR_PORT]")
+    p.add_argument("--inference-url", default=_env("TS_INFERENCE_URL", "http://127.0.0.1:8080"),
+                   help="TorchServe inference API [TS_INFERENCE_URL]")
+    p.add_argument("--management-url",
+                   default=_env("TS_MANAGEMENT_URL", "http://127.0.0.1:8081"),
+                   help="TorchServe management API, loopback only [TS_MANAGEMENT_URL]")
+    p.add_argument("--metrics-url", default=_env("TS_METRICS_URL", "http://127.0.0.1:8082"),
+                   help="TorchServe metrics API [TS_METRICS_URL]")
+    p.add_argument("--model-name", default=_env("DLRM_MODEL_NAME", "dlrm"),
+                   help="TorchServe model to manage [DLRM_MODEL_NAME]")
+    p.add_argument("--token-file", default=_env("DLRM_SIDECAR_TOKEN_FILE", ".run/sidecar-token"),
+                   help=f"file holding the PUT /batching bearer token [DLRM_SIDECAR_TOKEN_FILE]; "
+                        f"env {TOKEN_ENV} (e.g. from a Kubernetes Secret) wins over it")
+    p.add_argument("--create-token", action="store_true",
+                   help="write a random development token to --token-file if it is absent")
+    p.add_argument("--multiproc-dir", default=_env("PROMETHEUS_MULTIPROC_DIR", ".run/prometheus"),
+                   help="the TorchServe workers' PROMETHEUS_MULTIPROC_DIR "
+                        "[PROMETHEUS_MULTIPROC_DIR]")
+    p.add_argument("--model-store", default=_env("TS_MODEL_STORE", "model_store"),
+                   help="TorchServe's --model-store; new versions' .mar files are written "
+                        "there [TS_MODEL_STORE]")
+    p.add_argument("--register-timeout", type=float, default=600.0,
+                   help="seconds a new model version may take to get READY")
+    p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: ``python -m serve.sidecar --help``."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per TorchServe call (every scrape) drowns the log; keep its warnings only.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    if token is None:
+        if args.create_token:
+            token = ensure_dev_token(args.token_file)
+            _log.info("PUT /batching token is in %s", Path(args.token_file).resolve())
+        else:
+            try:
+                token = load_token(args.token_file)
+            except ConfigError as e:
+                raise SystemExit(f"serve.sidecar: {e.message}") from None
+    try:
+        config = SidecarConfig(
+            inference_url=args.inference_url, management_url=args.management_url,
+            metrics_url=args.metrics_url, model_name=args.model_name, token=token,
+            multiproc_dir=Path(args.multiproc_dir), model_store=Path(args.model_store),
+            register_timeout_s=args.register_timeout)
+    except ConfigError as e:
+        raise SystemExit(f"serve.sidecar: {e.message}") from None
+    import uvicorn
+
+    _log.info("sidecar on http://%s:%d for model %r (management %s)", args.host, args.port,
+              config.model_name, config.management_url)
+    uvicorn.run(create_app(config), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

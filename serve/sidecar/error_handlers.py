@@ -1,0 +1,77 @@
+"""The sidecar's one error mapping: every error answers ``{"code", "type", "message"}``.
+
+* :class:`~serve.errors.ServeError` -> its own status and ``to_json()`` (401 also sends
+  ``WWW-Authenticate: Bearer``).
+* Request validation -> 400 ``InvalidInput`` naming each bad field and the rules.
+* Starlette's HTTP errors (404, 405...) -> their status, type ``HTTPError``.
+* Anything else -> 500 ``InternalError``. Starlette answers it from its outermost
+  middleware and then re-raises, so the server (uvicorn) logs the traceback once.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.errors import InvalidInput, ServeError, Unauthorized
+from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
+
+__all__ = ["internal_error", "register_exception_handlers"]
+
+_RULES = (f"batch_size: integer 1..{BATCH_SIZE_MAX}, max_batch_delay_ms: integer "
+          f"0..{MAX_BATCH_DELAY_MS_MAX}, workers: integer 1..{WORKERS_MAX}")
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    """Map every error to one JSON shape, ``{"code", "type", "message"}``, once."""
+
+    async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_error(exc).to_json(), status_code=InvalidInput.status)
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = {"code": exc.status_code, "type": "HTTPError", "message": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(ServeError, serve_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    # Exception (not 500): Starlette gives this one to ServerErrorMiddleware, the only
+    # place that sees errors no other handler took. It logs nothing: the re-raise does.
+    app.add_exception_handler(Exception, internal_error)
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """500 ``InternalError`` for an exception no other handler maps (a bug)."""
+    message = (f"{request.method} {request.url.path} failed with an unexpected "
+               f"{type(exc).__name__}: {str(exc)[:300]}; the sidecar's log has the "
+               f"traceback: report it")
+    # The base ServeError is the 500 "InternalError" of serve.errors.
+    return JSONResponse(ServeError(message).to_json(), status_code=ServeError.status)
+
+
+def _validation_error(exc: RequestValidationError) -> InvalidInput:
+    parts = []
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc) or "body"
+        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        elif e.get("type") == "json_invalid":
+            pos = loc[0] if loc else "?"
+            where = "body"
+            msg = (f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', 'invalid')}"
+                   f" at character {pos})")
+        elif e.get("type") in ("model_attributes_type", "dict_type"):
+            msg = "the body must be a JSON object sent with Content-Type: application/json"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        got = "" if e.get("type") in ("missing", "json_invalid") else f" (got {e.get('input')!r})"
+        parts.append(f"{where}: {msg}{got}")
+    return InvalidInput("invalid PUT /batching body: " + "; ".join(parts)
+                        + f". Allowed fields: {_RULES}")

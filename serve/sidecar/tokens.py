@@ -1,0 +1,47 @@
+"""The PUT /batching bearer token on disk: a development token, and reading a mounted one.
+
+In Kubernetes the token comes from a Secret (env ``DLRM_SIDECAR_TOKEN`` or a mounted
+file); :func:`ensure_dev_token` is for local runs only.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from serve.errors import ConfigError
+from serve.sidecar.config import TOKEN_ENV
+
+__all__ = ["ensure_dev_token", "load_token"]
+
+
+def ensure_dev_token(path: str | os.PathLike[str]) -> str:
+    """Return the token in ``path``, first writing a random one (mode 0600) if absent.
+
+    For local runs only; in Kubernetes mount a Secret and pass its file or env.
+    """
+    path = Path(path)
+    if path.exists():
+        return load_token(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    # O_EXCL + mode: the file is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
+
+
+def load_token(path: str | os.PathLike[str]) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); ConfigError if empty/absent."""
+    path = Path(path)
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"token file {path} does not exist; create it (python -m serve.sidecar "
+            f"--create-token --token-file {path}) or set {TOKEN_ENV}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty; write a token into it")
+    return token

@@ -1,0 +1,81 @@
+"""The layer rule: what runs in the pod never imports the offline build or TorchRec.
+
+Checked twice: statically (every import statement in the pod's packages, including the
+lazy ones inside functions) and dynamically (importing the pod's modules in a fresh
+interpreter loads neither ``serve.model`` nor ``torchrec`` nor ``fbgemm_gpu``).
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+POD_PACKAGES = ("serve/runtime", "serve/api", "serve/sidecar", "handlers")
+FORBIDDEN = ("serve.model", "torchrec", "fbgemm_gpu")
+# Shared ground at the top of serve/ is imported by every layer, so it obeys the rule too.
+SHARED = ("serve/errors.py", "serve/profiles.py", "serve/metrics.py", "serve/constants.py",
+          "serve/net.py", "serve/zipf.py", "serve/clilog.py")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{a.name}" if base else a.name) for a in node.names]
+    return found
+
+
+def _pod_files() -> list[Path]:
+    files = [p for d in POD_PACKAGES for p in sorted((REPO / d).rglob("*.py"))]
+    return files + [REPO / f for f in SHARED if (REPO / f).exists()]
+
+
+def test_pod_packages_exist() -> None:
+    for d in POD_PACKAGES:
+        assert list((REPO / d).glob("*.py")), f"{d} has no modules: the layer check would pass vacuously"
+
+
+@pytest.mark.parametrize("path", _pod_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_pod_code_never_imports_the_build_or_torchrec(path: Path) -> None:
+    bad = [f"{path.relative_to(REPO)}:{line} imports {mod}" for line, mod in _imports(path)
+           if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, "\n".join(bad)
+
+
+def test_import_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """The checker itself: an import inside a function, and a relative one, are found."""
+    pkg = REPO / "serve" / "runtime"
+    probe = pkg / "_layer_probe_tmp.py"
+    probe.write_text("def f():\n    import torchrec\n    from ..model import dlrm\n")
+    try:
+        mods = [m for _, m in _imports(probe)]
+    finally:
+        probe.unlink()
+    assert mods == ["torchrec", "serve.model.dlrm"]
+
+
+def test_importing_the_pod_modules_loads_no_build_code() -> None:
+    code = (
+        "import sys\n"
+        "import serve.runtime.engine, serve.runtime.cache, serve.api.protocol\n"
+        "import serve.sidecar.app, serve.metrics\n"
+        f"bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
+        f"for f in {FORBIDDEN!r}))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"pod modules loaded {proc.stdout.strip()}\n{proc.stderr[-2000:]}"
