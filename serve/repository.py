@@ -1,0 +1,130 @@
+"""The model repository: immutable model versions, each an archive and its build report.
+
+Layout of one repository folder (``model_store/`` locally; in Kubernetes the image's baked
+folder plus a volume)::
+
+    dlrm-small-int8-s0.mar     the archive of version ``small-int8-s0`` (read-only, 0444)
+    dlrm-small-int8-s0.json    its build report (written last: a version without its
+                               report is incomplete and not listed)
+
+A version is written once (:meth:`ModelRepository.add`) and never changed; its name
+matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
+batching) are named ``dlrm-<version>_b..d..w...mar`` and are never listed as versions.
+
+Example::
+
+    repo = ModelRepository([Path("model_store")])
+    repo.versions()            # ['small-int8-s0', 'small-int8-s7'], oldest first
+    repo.archive("small-int8-s7")
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from serve.errors import ConfigError
+from serve.state import VERSION_RE
+
+__all__ = ["ModelRepository"]
+
+_VERSION = re.compile(VERSION_RE)
+
+
+class ModelRepository:
+    """Versions found in one or more folders (earlier folders win on a name clash).
+
+    Args:
+        roots: folders to read; the first is where :meth:`add` writes.
+        model_name: the archives' prefix (TorchServe's model name).
+    """
+
+    def __init__(self, roots: Sequence[str | os.PathLike[str]], model_name: str = "dlrm") -> None:
+        if not roots:
+            raise ConfigError("a model repository needs at least one folder")
+        self.roots = [Path(r) for r in roots]
+        self.model_name = model_name
+
+    def archive_name(self, version: str) -> str:
+        return f"{self.model_name}-{version}.mar"
+
+    def _paths(self, root: Path, version: str) -> tuple[Path, Path]:
+        return root / self.archive_name(version), root / f"{self.model_name}-{version}.json"
+
+    def _find(self, version: str) -> tuple[Path, Path] | None:
+        for root in self.roots:
+            mar, report = self._paths(root, version)
+            if mar.is_file() and report.is_file():
+                return mar, report
+        return None
+
+    def exists(self, version: str) -> bool:
+        return self._find(version) is not None
+
+    def _require(self, version: str) -> tuple[Path, Path]:
+        found = self._find(version)
+        if found is None:
+            raise ConfigError(
+                f"model version {version!r} is not in the repository "
+                f"({', '.join(map(str, self.roots))}); available: {self.versions() or 'none'}. "
+                "Build it with `make model` (SEED=, VERSION=) or copy its .mar and .json there")
+        return found
+
+    def archive(self, version: str) -> Path:
+        """The archive of ``version``; ``ConfigError`` lists the versions there are."""
+        return self._require(version)[0]
+
+    def report(self, version: str) -> dict[str, Any]:
+        """The build report of ``version`` (see ``serve.model.pipeline.REPORT_KEYS``)."""
+        return dict(json.loads(self._require(version)[1].read_text()))
+
+    def versions(self) -> list[str]:
+        """Complete versions, oldest first (report ``created_at``, then name)."""
+        seen: dict[str, tuple[str, str]] = {}
+        prefix, suffix = f"{self.model_name}-", ".json"
+        for root in self.roots:
+            if not root.is_dir():
+                continue
+            for report in root.glob(f"{prefix}*{suffix}"):
+                version = report.name[len(prefix):-len(suffix)]
+                if version in seen or not _VERSION.match(version):
+                    continue
+                if not (root / self.archive_name(version)).is_file():
+                    continue
+                try:
+                    created = str(json.loads(report.read_text()).get("created_at", ""))
+                except (OSError, ValueError):
+                    continue  # a report being written or damaged: not a complete version
+                seen[version] = (created, version)
+        return [v for v, _ in sorted(seen.items(), key=lambda kv: kv[1])]
+
+    def latest(self) -> str | None:
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def add(self, version: str, archive: Path, report: dict[str, Any]) -> Path:
+        """Store a new version (archive first, report last, both read-only).
+
+        Raises ``ConfigError`` if the name is invalid or the version already exists:
+        versions are immutable, so a rebuild must get a new name.
+        """
+        if not _VERSION.match(version):
+            raise ConfigError(f"version {version!r} must match {VERSION_RE} "
+                              "(letters, digits, '.', '-'; at most 64 characters)")
+        if self.exists(version):
+            raise ConfigError(f"version {version!r} already exists in {self.roots[0]} and "
+                              "versions are immutable; pick another name (VERSION=...)")
+        root = self.roots[0]
+        root.mkdir(parents=True, exist_ok=True)
+        mar, rep = self._paths(root, version)
+        for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
+                            (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
+            tmp = path.with_name(f".{path.name}.tmp")
+            write(tmp)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, path)
+        return mar
