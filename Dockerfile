@@ -64,17 +64,26 @@ RUN set -eux; \
     pip install --no-deps --no-build-isolation .; \
     if [ "$VARIANT" = cpu ]; then python -c "import torch, torchrec, fbgemm_gpu, serve"; fi
 
-# The model archive built by `make model` (model_store/dlrm.mar). The pod copies it into
-# its writable model store (an emptyDir the sidecar also writes new versions to, see
-# k8s/deployment.yaml); a plain `docker run` serves it from here, read-only.
+# Every model version `make model` built (model_store/dlrm-<V>.mar + dlrm-<V>.json; the
+# archives a local sidecar derived for other batching are left out by .dockerignore).
+# This is the pod's first model repository: the sidecar reads versions here, then on the
+# dlrm-models volume, and copies the declared one into TorchServe's model store.
 COPY model_store/ /opt/dlrm/model/
 # Local defaults (loopback only); the pod mounts its own from k8s/configmap.yaml here.
 COPY config.properties /etc/dlrm/config.properties
-RUN mkdir -p /opt/dlrm/logs && chown 10001:10001 /opt/dlrm/logs
+# logs: TorchServe's log4j; model-store: TorchServe's (writable) model store, where the
+# sidecar puts the archives it registers (the pod mounts an emptyDir over it).
+RUN mkdir -p /opt/dlrm/logs /opt/dlrm/model-store \
+    && chown 10001:10001 /opt/dlrm/logs /opt/dlrm/model-store
 
 USER 10001:10001
 EXPOSE 8080 8082 8090
 ENTRYPOINT ["/usr/bin/tini", "-g", "--"]
+# TorchServe alone, with no model (no --models): the same command as the pod's torchserve
+# container. What it serves is the sidecar's job: it reads the desired serving state and
+# registers that version (k8s/deployment.yaml runs both). So a plain `docker run` of this
+# image answers /ping but serves no model until a sidecar runs beside it; locally, `make
+# run` starts both. One way to serve, the one the pod uses, rather than a second
+# image-only path that would load a model without the serving state.
 CMD ["torchserve", "--start", "--foreground", "--ts-config", "/etc/dlrm/config.properties", \
-     "--model-store", "/opt/dlrm/model", "--models", "dlrm=dlrm.mar", \
-     "--disable-token-auth", "--ncs"]
+     "--model-store", "/opt/dlrm/model-store", "--disable-token-auth", "--ncs"]

@@ -5,6 +5,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PROFILE ?= small
+# make model: training seed (default: the profile's) and version name (default
+# <profile>-<dtype>-s<seed>); each build adds an immutable version to model_store/.
+SEED ?=
+VERSION ?=
+# `make run` / `make up` serve the declared version (.run/state.yaml), so they only need
+# *a* version: their `model` step builds only when model_store/ holds none. Without
+# this, any edit to the archive's sources would make their `make model` refuse to
+# rebuild the existing default version (versions are immutable).
+# run/up/bench/capacity serve a version that exists: build one only when there is none
+# (a new build is `make model`, which refuses to reuse a name for a different build).
+run up bench-e2e capacity: MODEL_IF_MISSING := 1
 SHAPE ?= step
 DURATION ?= 60s
 IMAGE ?= dlrm-serve
@@ -13,7 +24,7 @@ VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e \
-        gpu-check gpu-fixture loadtest capacity hpa-sim image clean
+        gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -30,8 +41,8 @@ java:  ## install a Java runtime for TorchServe if missing
 kubectl:  ## install kubectl for the offline k8s tests if missing
 	@bash scripts/ensure_kubectl.sh
 
-model: venv  ## build model_store/dlrm.mar for PROFILE (default small); skips what is up to date
-	$(PY) -m serve.model.pipeline --profile $(PROFILE)
+model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>.mar [PROFILE=small SEED= VERSION=]; skips what is up to date
+	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(MODEL_IF_MISSING), --if-missing)
 
 run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
 	$(PY) -m serve.ops.launcher run
@@ -79,5 +90,8 @@ hpa-sim: venv  ## replay load curves through the HPA algorithm; prints and plots
 image:  ## build the container image (needs a Docker engine): VARIANT=gpu|cpu
 	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) .
 
-clean:  ## remove build outputs (keeps .venv)
-	rm -rf build model_store/*.mar model_store/*.json .run logs
+clean:  ## remove build outputs, run state and logs (keeps .venv and the model versions in model_store/)
+	rm -rf build .run logs
+
+clean-models:  ## delete every model version in model_store/ (and the archives TorchServe was given)
+	rm -f model_store/*.mar model_store/*.json

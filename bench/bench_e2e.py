@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('TS_INFERENCE_PORT', '8080')}",
                     help="TorchServe inference URL (loopback only)")
     ap.add_argument("--model-name", default="dlrm")
-    ap.add_argument("--model-store", default="model_store", help="where the served .mar is")
+    ap.add_argument("--model-store", default="model_store",
+                    help="the model repository (model_store/dlrm-<version>.mar + .json)")
+    ap.add_argument("--version", default=None,
+                    help="model version to serve when this benchmark starts the service "
+                         "(default: the repository's latest)")
     ap.add_argument("--multiproc-dir", default=".run/prometheus",
                     help="the workers' PROMETHEUS_MULTIPROC_DIR (handler timings for the profile)")
     ap.add_argument("--instances", default="1,64,512", help="instances per request, comma-separated")
@@ -356,7 +360,14 @@ def main(argv: list[str] | None = None) -> int:
 
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store
-    mar = store / f"{args.model_name}.mar"
+    from serve.repository import ModelRepository
+
+    repo = ModelRepository([store], args.model_name)
+    version = args.version or repo.latest()
+    if version is None:
+        print(f"error: no model version in {store}; run `make model`", file=sys.stderr)
+        return 2
+    mar = repo.archive(version)  # ConfigError lists the versions there are
     service = None
     if not _alive(args.url):
         from serve.ops.launcher import LaunchConfig, start
@@ -367,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         mgmt, met, side, gi, gm = free_ports(5)
         cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
                            sidecar_port=side, grpc_inference_port=gi, grpc_management_port=gm,
-                           model_store=store, sidecar=False, run_dir=Path(".run/bench-e2e"),
+                           model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
                            log_dir=Path("logs/bench-e2e"))
         service = start(cfg)
         print(f"ready in {service.ready_s:.1f} s", flush=True)

@@ -10,7 +10,10 @@
   ones run as ONE forward, and the probabilities are split back in order. Each response
   carries ``X-DLRM-Batch-Instances`` / ``X-DLRM-Batch-Requests`` (samples and requests
   of the merged forward) and ``X-DLRM-TorchServe-Batch`` (requests TorchServe handed
-  over together, bad ones included): observable batching.
+  over together, bad ones included): observable batching. Every response, errors
+  included, carries ``X-DLRM-Model-Version``: the repository version of the model that
+  answered (the archive's ``modelVersion``; for the archives the sidecar derives,
+  ``<version>_b..d..w..``, the ``<version>`` part, see :mod:`serve.state`).
 * Bodies: JSON (``application/json`` or no Content-Type) or binary columnar
   (``application/x-dlrm-columnar``, see :mod:`serve.api.protocol`); the Content-Type of each
   request picks the decoder, anything else gets 415. Responses are always JSON.
@@ -38,6 +41,7 @@ from serve.api.protocol import (
     handle_batch,
 )
 from serve.errors import ServeError
+from serve.state import parse_serving_version
 
 try:  # the sidecar engineer's module; the handler works without it
     from serve.metrics import HandlerMetrics
@@ -50,6 +54,7 @@ ARTIFACT_NAME = "artifact.pt"  # serve.model.archive packs the artifact under th
 BATCH_INSTANCES_HEADER = "X-DLRM-Batch-Instances"
 BATCH_REQUESTS_HEADER = "X-DLRM-Batch-Requests"
 TS_BATCH_HEADER = "X-DLRM-TorchServe-Batch"
+MODEL_VERSION_HEADER = "X-DLRM-Model-Version"
 _PHRASES = {200: "OK", 400: "Bad Request", 413: "Payload Too Large",
             415: "Unsupported Media Type", 500: "Internal Server Error"}
 
@@ -62,6 +67,7 @@ class DLRMHandler(BaseHandler):
         self.runtime: Any = None
         self.cfg = HandlerConfig()
         self.metrics: Any = None
+        self.model_version = "unknown"
         self._last_stages: dict[str, float] = {}
 
     def initialize(self, context: Any) -> None:
@@ -75,6 +81,7 @@ class DLRMHandler(BaseHandler):
 
         props = context.system_properties
         model_dir = props.get("model_dir")
+        self.model_version = model_version(getattr(context, "manifest", None))
         yaml_cfg = context.model_yaml_config or {}
         self.cfg = HandlerConfig.from_dict(yaml_cfg.get("handler"))
         gpu_id = props.get("gpu_id")
@@ -103,12 +110,14 @@ class DLRMHandler(BaseHandler):
         gc.collect()
         gc.freeze()
         self.initialized = True
-        logger.info("DLRM handler ready: device=%s threads=%d config=%s pid=%d",
-                    self.device, threads, self.cfg, os.getpid())
+        logger.info("DLRM handler ready: version=%s device=%s threads=%d config=%s pid=%d",
+                    self.model_version, self.device, threads, self.cfg, os.getpid())
 
     def _predict(self, batch: MergedBatch) -> np.ndarray:
         from serve.runtime.engine import SparseBatch
 
+        if self.cfg.debug_delay_ms:  # tests only: a slow model, so the queue fills up
+            time.sleep(self.cfg.debug_delay_ms / 1000.0)
         dense = torch.from_numpy(batch.dense)
         sparse = SparseBatch(values=torch.from_numpy(batch.values),
                              lengths=torch.from_numpy(batch.lengths))
@@ -132,6 +141,7 @@ class DLRMHandler(BaseHandler):
             context.set_response_status(out.status, _PHRASES.get(out.status, ""), idx)
             context.set_response_content_type(idx, "application/json")
             context.set_response_header(idx, TS_BATCH_HEADER, str(len(data)))
+            context.set_response_header(idx, MODEL_VERSION_HEADER, self.model_version)
             if info is not None:
                 context.set_response_header(idx, BATCH_INSTANCES_HEADER, str(info["instances"]))
                 context.set_response_header(idx, BATCH_REQUESTS_HEADER, str(info["requests"]))
@@ -156,6 +166,15 @@ class DLRMHandler(BaseHandler):
                 self.metrics.set_cache(stats)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording DLRM metrics failed")
+
+
+def model_version(manifest: dict | None) -> str:
+    """The repository version named by a .mar's manifest: ``modelVersion`` itself, or
+    ``V`` when it is a serving version ``V_b..d..w..`` the sidecar derived (``unknown``
+    without one)."""
+    raw = str(((manifest or {}).get("model") or {}).get("modelVersion") or "")
+    parsed = parse_serving_version(raw)
+    return parsed[0] if parsed else (raw or "unknown")
 
 
 def _body_and_type(req: dict, context: Any, idx: int) -> tuple[Any, str | None]:

@@ -361,7 +361,7 @@ def run(cfg: RunConfig) -> int:
             sys.stderr.write(res.stdout + res.stderr)
             if res.returncode != 0:
                 log.error("`python -m serve.ops.launcher up` failed (exit %d); build the model with "
-                          "`make model` if model_store/dlrm.mar is missing", res.returncode)
+                          "`make model` if model_store/ holds no model version", res.returncode)
                 return EXIT_UNREACHABLE
             started_service = True
             if not _ping(cfg.host, timeout=10):

@@ -126,3 +126,14 @@ class CapacityError(ServeError):
 
 
 __all__ += ["CapacityError"]
+
+
+class InsufficientMemory(ServeError):
+    """A change would need more memory than the pod's limit leaves (e.g. a version switch
+    that runs the old and the new version's workers side by side): refused, never OOM."""
+
+    status = 507
+    kind = "InsufficientMemory"
+
+
+__all__ += ["InsufficientMemory"]

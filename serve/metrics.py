@@ -81,12 +81,15 @@ __all__ = [
     "CACHE_HOST_BYTES",
     "CACHE_MISSES_TOTAL",
     "INSTANCES_TOTAL",
+    "RECONCILE_RESULTS",
+    "RECONCILE_TOTAL",
     "REQUESTS_TOTAL",
     "REQUEST_DURATION_BUCKETS",
     "REQUEST_DURATION_SECONDS",
     "STAGES",
     "STAGE_DURATION_BUCKETS",
     "STAGE_DURATION_SECONDS",
+    "STATE_CONVERGED",
     "SWITCH_PHASE",
     "SWITCH_PHASES",
     "TORCHSERVE_PREFIX",
@@ -121,12 +124,24 @@ BATCHING_UPDATES_TOTAL = "dlrm_batching_updates_total"
 BATCHING_UPDATE_SECONDS = "dlrm_batching_last_update_duration_seconds"
 UPSTREAM_UP = "dlrm_upstream_up"
 SWITCH_PHASE = "dlrm_switch_phase"
+STATE_CONVERGED = "dlrm_state_converged"
+RECONCILE_TOTAL = "dlrm_reconcile_total"
 
 #: Phases of the sidecar's version switch (``serve.sidecar.switch.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
 SWITCH_PHASES: tuple[str, ...] = (
     "idle", "copying", "registering", "waiting_ready", "setting_default", "draining",
     "unregistering", "rolling_back", "failed",
+)
+
+#: Outcomes of one reconcile pass of the sidecar (``serve.sidecar.reconciler``), a fixed set:
+#: ``converged`` nothing to do; ``applied`` a switch or clean-up step succeeded; ``waiting``
+#: not converged and nothing to do yet (workers loading, retry back-off, no desired state);
+#: ``failed`` a step failed (rolled back); ``refused`` a switch would not fit the memory
+#: limit; ``invalid`` the desired-state file does not parse; ``unavailable`` TorchServe did
+#: not answer.
+RECONCILE_RESULTS: tuple[str, ...] = (
+    "converged", "applied", "waiting", "failed", "refused", "invalid", "unavailable",
 )
 
 # Latency goal is tens of ms at p99 on CPU and ~1 ms on GPU: buckets from 0.5 ms to 1 s,
@@ -403,6 +418,11 @@ class SidecarMetrics(Collector):
       or ``metrics`` API succeeded, else 0.
     * ``dlrm_switch_phase{phase}``: 1 for the version switch's current phase (one of
       :data:`SWITCH_PHASES`), 0 for the others.
+    * ``dlrm_state_converged``: 1 when the last reconcile pass found TorchServe serving
+      exactly the desired state, 0 when not, NaN without a desired-state file (the
+      reconciler is off). Alert on it staying 0, not on a 0 during a switch.
+    * ``dlrm_reconcile_total{result}``: reconcile passes by outcome (one of
+      :data:`RECONCILE_RESULTS`).
     """
 
     UPDATE_RESULTS = ("applied", "unchanged", "conflict", "failed")
@@ -414,6 +434,8 @@ class SidecarMetrics(Collector):
         self._last_update_s = math.nan
         self._up: dict[str, float] = {"management": 0.0, "metrics": 0.0}
         self._phase = "idle"
+        self._converged = math.nan
+        self._reconciles = {r: 0 for r in RECONCILE_RESULTS}
 
     def observe_request(self, route: str, method: str, code: int) -> None:
         key = (route, method, str(code))
@@ -440,8 +462,22 @@ class SidecarMetrics(Collector):
         with self._lock:
             self._phase = phase
 
+    def set_converged(self, converged: bool | None) -> None:
+        """Mirror the last reconcile pass: True, False, or None when there is no
+        desired state to converge to."""
+        with self._lock:
+            self._converged = math.nan if converged is None else float(bool(converged))
+
+    def observe_reconcile(self, result: str) -> None:
+        if result not in self._reconciles:
+            raise ValueError(f"reconcile result {result!r} is not one of {RECONCILE_RESULTS}")
+        with self._lock:
+            self._reconciles[result] += 1
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
+            converged = self._converged
+            reconciles = dict(self._reconciles)
             requests = dict(self._requests)
             updates = dict(self._updates)
             last = self._last_update_s
@@ -472,3 +508,12 @@ class SidecarMetrics(Collector):
         for name in SWITCH_PHASES:
             gauge.add_metric([name], 1.0 if name == phase else 0.0)
         yield gauge
+        yield GaugeMetricFamily(STATE_CONVERGED,
+                                "1 if TorchServe serves exactly the desired state (last "
+                                "reconcile pass), 0 if not, NaN without a desired state.",
+                                value=converged)
+        fam = CounterMetricFamily(RECONCILE_TOTAL, "Reconcile passes of the sidecar, by outcome.",
+                                  labels=["result"])
+        for result, n in reconciles.items():
+            fam.add_metric([result], n)
+        yield fam

@@ -1,8 +1,11 @@
 """Lint the Dockerfile (no Docker engine here, so CI cannot build it): the same pinned
 stack as scripts/setup_venv.sh, a fixed non-root UID, no secrets, and image tags that
-equal what `make image` builds and what k8s/ deploys."""
+equal what `make image` builds and what k8s/ deploys; the image bakes the model
+versions and starts TorchServe empty, as the pod does."""
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import re
 import shlex
@@ -127,14 +130,19 @@ def test_no_secrets_in_the_image():
                 assert not src.startswith((".run", "key_file", ".git", ".env")), src
                 assert "token" not in src.lower(), src
         assert op != "ADD", "use COPY (ADD fetches URLs and unpacks archives implicitly)"
-    ignore = (REPO / ".dockerignore").read_text().split()
+    ignore = dockerignore_patterns()
     for must in (".run", "key_file.json", ".git", ".venv", ".env"):
         assert must in ignore, f".dockerignore must exclude {must}"
 
 
+def dockerignore_patterns() -> list[str]:
+    """The .dockerignore patterns: one per line; blank lines and # comments skipped."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
 def test_copied_sources_exist_and_are_not_ignored():
-    ignore = [p.rstrip("/") for p in (REPO / ".dockerignore").read_text().split()
-              if not p.startswith("#")]
+    ignore = [p.rstrip("/") for p in dockerignore_patterns()]
     for op, arg in instructions():
         if op != "COPY":
             continue
@@ -165,8 +173,59 @@ def test_k8s_images_equal_what_make_image_builds():
     dep = next(d for d in yaml.safe_load_all((REPO / "k8s" / "deployment.yaml").read_text())
                if d and d["kind"] == "Deployment")
     spec = dep["spec"]["template"]["spec"]
-    for c in spec["initContainers"] + spec["containers"]:
+    for c in spec.get("initContainers", []) + spec["containers"]:
         assert c["image"] == gpu, c["name"]
     kust = yaml.safe_load((REPO / "k8s" / "cpu" / "kustomization.yaml").read_text())
     (img,) = kust["images"]
     assert f"{img['name']}:{img['newTag']}" == cpu
+
+
+def _deployment() -> dict:
+    return next(d for d in yaml.safe_load_all((REPO / "k8s" / "deployment.yaml").read_text())
+                if d and d["kind"] == "Deployment")
+
+
+def _pod_container(name: str) -> dict:
+    return next(c for c in _deployment()["spec"]["template"]["spec"]["containers"]
+                if c["name"] == name)
+
+
+def test_cmd_is_the_pods_torchserve_and_starts_it_empty():
+    """The image's CMD is exactly the pod's torchserve command: no --models (the sidecar
+    registers the version the serving state names), a model store UID 10001 can write."""
+    cmd = json.loads(dict(instructions())["CMD"])
+    assert cmd == _pod_container("torchserve")["args"]
+    assert "--models" not in cmd and not any(a.endswith(".mar") for a in cmd)
+    store = cmd[cmd.index("--model-store") + 1]
+    made = [arg for op, arg in instructions() if op == "RUN" and "mkdir -p" in arg and store in arg]
+    assert made and f"chown {UID}:{UID}" in made[0], f"{store} must exist, owned by {UID}"
+
+
+def test_baked_versions_are_the_sidecars_first_repository():
+    """COPY model_store/ bakes every built version where the sidecar looks first."""
+    copies = [shlex.split(arg) for op, arg in instructions() if op == "COPY"]
+    (dest,) = [c[1] for c in copies if c[0] == "model_store/"]
+    args = _pod_container("sidecar")["args"]
+    repos = [args[i + 1] for i, a in enumerate(args) if a == "--repository"]
+    assert repos and repos[0] == dest.rstrip("/")
+
+
+def test_dockerignore_bakes_versions_but_not_the_sidecars_derived_archives():
+    """model_store/ locally is also TorchServe's store, where the sidecar writes archives
+    per serving version: those (and half-written files) stay out of the image."""
+    from serve.repository import ModelRepository
+    from serve.sidecar.mar import mar_path
+    from serve.state import serving_version
+
+    patterns = dockerignore_patterns()
+
+    def ignored(path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, p.rstrip("/")) for p in patterns)
+
+    repo = ModelRepository([Path("model_store")])
+    version = "small-int8-s0"
+    for kept in (f"model_store/{repo.archive_name(version)}", f"model_store/dlrm-{version}.json"):
+        assert not ignored(kept), kept
+    derived = mar_path(Path("model_store"), "dlrm", serving_version(version, 8, 5, 2))
+    assert ignored(derived.as_posix()), derived
+    assert ignored(f"model_store/.{repo.archive_name(version)}.tmp")

@@ -378,3 +378,37 @@ def test_killed_worker_is_restarted_and_serves_again(torchserve, client):
         time.sleep(0.5)
     assert status == 200, f"no successful predict within 30 s after kill -9 (last {status})"
     assert new and old not in new, f"worker pid {old} still listed: {new}"
+
+
+def _served_version(torchserve) -> str:
+    """The repository version behind TorchServe's default version of the model."""
+    from serve.state import parse_serving_version
+
+    desc = httpx.get(f"{torchserve.management_url}/models/{torchserve.model_name}",
+                     timeout=10).json()[0]
+    parsed = parse_serving_version(str(desc["modelVersion"]))
+    return parsed[0] if parsed else str(desc["modelVersion"])
+
+
+def test_every_response_names_the_model_version_that_answered(torchserve, client):
+    want = _served_version(torchserve)
+    ok = client.post(torchserve.predict_url, content=orjson.dumps(example_request(2)),
+                     headers=JSON)
+    bad = client.post(torchserve.predict_url, content=b'{"instances": []}', headers=JSON)
+    wrong_type = client.post(torchserve.predict_url, content=b"x",
+                             headers={"Content-Type": "text/plain"})
+    assert [r.status_code for r in (ok, bad, wrong_type)] == [200, 400, 415]
+    for r in (ok, bad, wrong_type):
+        assert r.headers["x-dlrm-model-version"] == want, r.headers
+    # Every response of a merged TorchServe batch, the bad one included.
+    bodies = [orjson.dumps(example_request(1, seed=i)) for i in range(5)] + [b"{}"]
+    for r in _concurrent(torchserve.predict_url, bodies):
+        assert r.headers["x-dlrm-model-version"] == want
+
+
+def test_model_version_comes_from_the_manifest():
+    from handlers.dlrm_handler import model_version
+
+    assert model_version({"model": {"modelVersion": "small-int8-s0_b8d5w2"}}) == "small-int8-s0"
+    assert model_version({"model": {"modelVersion": "1.0"}}) == "1.0"  # not derived: as is
+    assert model_version({"model": {}}) == "unknown" and model_version(None) == "unknown"

@@ -229,7 +229,7 @@ def test_kubectl_apply_check_catches_a_file_without_kind(tmp_path):
 def test_optional_servicemonitor_is_outside_the_applied_folder(docs):
     """A CRD kind in k8s/ would break `kubectl apply -f k8s/` without the operator."""
     core = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "HorizontalPodAutoscaler",
-            "PodDisruptionBudget", "NetworkPolicy"}
+            "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"}
     assert {d["kind"] for d in docs} == core
     sm = one(_load(K8S / "monitoring" / "servicemonitor.yaml"), "ServiceMonitor")
     metrics_svc = one(docs, "Service", "dlrm-serve-metrics")
@@ -433,13 +433,12 @@ def test_writable_paths_are_emptydirs(docs):
     mp = tse["PROMETHEUS_MULTIPROC_DIR"]
     assert sce["PROMETHEUS_MULTIPROC_DIR"] == mp == arg_value(sc["args"], "--multiproc-dir")
     assert tsm[mp] == scm[mp] and tsm[mp] in empty
-    # The model store: written by the sidecar (new versions), read by TorchServe.
+    # The model store: written by the sidecar (the archives it registers), read by
+    # TorchServe. Nothing seeds it: TorchServe starts empty (test_torchserve_starts_empty).
     store = pod_properties(docs)["model_store"]
     assert arg_value(ts["args"], "--model-store") == store
     assert arg_value(sc["args"], "--model-store") == store
     assert tsm[store] == scm[store] and tsm[store] in empty
-    init = spec["initContainers"][0]
-    assert init["args"][-1].startswith(store + "/")
     # The sidecar's fallback token file lands in its writable tmp.
     assert arg_value(sc["args"], "--token-file").startswith(sce["TMPDIR"] + "/")
 
@@ -551,6 +550,237 @@ def test_graceful_shutdown_budget(docs):
 def test_topology_spread_across_nodes(docs):
     keys = {t["topologyKey"] for t in pod_spec(docs)["topologySpreadConstraints"]}
     assert "kubernetes.io/hostname" in keys
+
+
+# --------------------------------------------------------------------------- serving state, model volume
+
+STATE_CONFIGMAP = "dlrm-serving-state"
+MODELS_PVC = "dlrm-models"
+# Memory rule for the torchserve container (deployment.yaml says why): a version switch
+# runs two versions side by side. Per worker: the Python/torch/TorchRec runtime (measured
+# 310-330 MB RSS per worker of the small model on TorchServe 0.12, tables included) with
+# room for the embedding cache and request buffers, plus the version's tables; the JVM:
+# its -Xmx plus off-heap (metaspace, threads, Netty buffers).
+WORKER_RUNTIME_BYTES = 450e6
+JVM_OFF_HEAP_BYTES = 256 * 1024**2
+
+
+def _volume(docs: list[dict], name: str) -> dict:
+    vols = [v for v in pod_spec(docs)["volumes"] if v["name"] == name]
+    assert len(vols) == 1, f"no volume {name!r}"
+    return vols[0]
+
+
+def _mounts_of(c: dict, volume: str) -> list[dict]:
+    return [m for m in c.get("volumeMounts", []) if m["name"] == volume]
+
+
+def _volume_named(docs: list[dict], key: str, field: str, value: str) -> str:
+    """The name of the pod volume whose ``key`` source has ``field`` == ``value``."""
+    names = [v["name"] for v in pod_spec(docs)["volumes"] if v.get(key, {}).get(field) == value]
+    assert len(names) == 1, f"expected one {key} volume with {field}={value!r}, found {names}"
+    return names[0]
+
+
+def _state_text(docs: list[dict]) -> str:
+    from serve.state import DEFAULT_STATE_FILE
+
+    cm = one(docs, "ConfigMap", STATE_CONFIGMAP)
+    key = Path(DEFAULT_STATE_FILE).name
+    assert set(cm["data"]) == {key}, f"{STATE_CONFIGMAP} must hold exactly {key}"
+    return cm["data"][key]
+
+
+def _state(docs: list[dict]):
+    from serve.state import parse_state
+
+    return parse_state(yaml.safe_load(_state_text(docs)), source=f"ConfigMap {STATE_CONFIGMAP}")
+
+
+def _sidecar_repositories(docs: list[dict]) -> list[str]:
+    args = container(docs, "sidecar")["args"]
+    return [args[i + 1] for i, a in enumerate(args) if a == "--repository"]
+
+
+def _baked_repository() -> str:
+    """Where the Dockerfile bakes model_store/ (COPY model_store/ DEST)."""
+    m = re.search(r"^COPY\s+model_store/\s+(\S+)\s*$", (REPO / "Dockerfile").read_text(),
+                  re.MULTILINE)
+    assert m, "the Dockerfile bakes model_store/ into the image"
+    return m.group(1).rstrip("/")
+
+
+def test_serving_state_configmap_parses_and_names_the_default_build():
+    """The ConfigMap's state.yaml is a valid desired state, naming the version `make model`
+    builds by default (so `make model image` bakes it) with the batching and workers its
+    .mar ships with."""
+    from serve.model.pipeline import PipelineConfig, default_version
+    from serve.profiles import get_profile
+
+    docs = _load(K8S / "serving-state.yaml")
+    state = _state(docs)
+    shipped = PipelineConfig(profile=get_profile("small"), workdir=Path("unused"))
+    assert state.model.version == default_version("small", shipped.dtype,
+                                                  get_profile("small").seed)
+    assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == \
+        (shipped.mar_batch_size, shipped.mar_max_batch_delay_ms, shipped.mar_workers)
+    assert state.rollout is None
+    text = (K8S / "serving-state.yaml").read_text()
+    for how in ("kubectl apply -f k8s/serving-state.yaml",
+                f"kubectl edit configmap {STATE_CONFIGMAP}", "/state"):
+        assert how in text, f"serving-state.yaml must say how to change it: {how}"
+
+
+def test_state_configmap_is_a_folder_mount_at_the_sidecars_default(docs):
+    """The sidecar reads serve.state.DEFAULT_STATE_FILE: the ConfigMap mounted as a folder
+    (kubelet updates it by a symlink swap; a subPath mount would never see an update),
+    and the Deployment's --state-file says the same."""
+    from serve.state import DEFAULT_STATE_FILE
+
+    vol = _volume_named(docs, "configMap", "name", STATE_CONFIGMAP)
+    assert "items" not in _volume(docs, vol)["configMap"], "keep the key's own file name"
+    sc = container(docs, "sidecar")
+    (mount,) = _mounts_of(sc, vol)
+    assert "subPath" not in mount and "subPathExpr" not in mount
+    assert mount["readOnly"] is True
+    assert str(Path(mount["mountPath"]) / "state.yaml") == DEFAULT_STATE_FILE
+    assert arg_value(sc["args"], "--state-file") == DEFAULT_STATE_FILE
+    for c in all_containers(docs):
+        for m in _mounts_of(c, vol):
+            assert "subPath" not in m and "subPathExpr" not in m, c["name"]
+
+
+def test_model_volume_is_mounted_read_only_where_the_sidecar_looks(docs):
+    """The sidecar's repositories: the image's baked versions first (they win a name
+    clash), then the dlrm-models PVC, mounted read-only (one writer: the upload pod)."""
+    pvc = one(docs, "PersistentVolumeClaim", MODELS_PVC)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"]
+    vol = _volume_named(docs, "persistentVolumeClaim", "claimName", MODELS_PVC)
+    assert _volume(docs, vol)["persistentVolumeClaim"]["readOnly"] is True
+    sc = container(docs, "sidecar")
+    (mount,) = _mounts_of(sc, vol)
+    assert mount["readOnly"] is True
+    assert _sidecar_repositories(docs) == [_baked_repository(), mount["mountPath"]]
+    # Only the sidecar reads repositories; TorchServe loads from its own model store.
+    assert not _mounts_of(container(docs, "torchserve"), vol)
+
+
+def test_torchserve_starts_empty(docs):
+    """No --models, no load_models, nothing seeding the model store: the sidecar registers
+    the declared version into TorchServe's writable store."""
+    ts = container(docs, "torchserve")
+    assert "--models" not in ts["args"] and not any(a.endswith(".mar") for a in ts["args"])
+    assert "load_models" not in pod_properties(docs)
+    assert "load_models" not in repo_properties()
+    assert "initContainers" not in pod_spec(docs)
+
+
+def test_sidecar_accepts_the_deployments_args(docs):
+    """Every flag the Deployment passes is one the real sidecar parses, with the values
+    the Deployment means (catches a renamed or missing flag before a pod crash-loops)."""
+    from serve.sidecar.app import _parser
+    from serve.state import DEFAULT_STATE_FILE
+
+    args = container(docs, "sidecar")["args"]
+    assert args[:3] == ["python", "-m", "serve.sidecar"]
+    try:
+        ns = _parser().parse_args(args[3:])
+    except SystemExit:
+        pytest.fail(f"python -m serve.sidecar rejects the Deployment's args {args[3:]} "
+                    "(see the argparse error above): a flag k8s/deployment.yaml passes does "
+                    "not exist in serve/sidecar/app.py")
+    assert str(ns.state_file) == DEFAULT_STATE_FILE
+    assert [str(r) for r in ns.repository] == _sidecar_repositories(docs)
+
+
+def test_rollout_deadline_covers_the_first_registration(docs):
+    """A new pod is Ready only once the sidecar registered the declared version: the
+    rollout's deadline must outlast the sidecar's own registration timeout."""
+    from serve.sidecar.app import _parser
+
+    deadline = one(docs, "Deployment")["spec"]["progressDeadlineSeconds"]
+    assert deadline > _parser().get_default("register_timeout")
+    # TorchServe's probes do not wait for the model (/ping is Healthy while it is empty
+    # and while a version loads); the sidecar's liveness never depends on TorchServe.
+    sc = container(docs, "sidecar")
+    assert sc["livenessProbe"]["httpGet"]["path"] == sc["startupProbe"]["httpGet"]["path"] \
+        == "/healthz"
+
+
+def _table_bytes(version: str) -> float:
+    """Table bytes in memory per worker of a version named <profile>-<dtype>-s<seed>:
+    an int8 row is D bytes + fp16 scale and bias, padded to 16 bytes in memory (STACK.md:
+    80 B at D = 64; the build report's table_bytes_quantized counts the unpadded 68 B)."""
+    from serve.profiles import PROFILES
+
+    names = [n for n in PROFILES if version.startswith(f"{n}-")]
+    assert names, f"version {version!r} does not start with a profile name"
+    prof = PROFILES[max(names, key=len)]
+    assert "-int8-" in version, f"add the row size of {version!r}'s dtype here"
+    return prof.total_rows * -(-(prof.embedding_dim + 4) // 16) * 16
+
+
+def _jvm_heap_bytes(docs: list[dict]) -> float:
+    m = re.search(r"-Xmx(\d+)([kKmMgG])", pod_properties(docs)["vmargs"])
+    assert m, "vmargs must bound the JVM heap (-Xmx)"
+    return int(m.group(1)) * 1024 ** {"k": 1, "m": 2, "g": 3}[m.group(2).lower()]
+
+
+@pytest.mark.parametrize("variant", ["base", "cpu-overlay"])
+def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant):
+    """headroom x limit >= JVM + 2 versions x workers x (runtime + tables), for the
+    version and workers the serving state declares; and the sidecar is told TorchServe's
+    limit (its own cgroup is another container's)."""
+    from serve.ops.hpa_sim import parse_quantity
+    from serve.sidecar.config import MEMORY_LIMIT_ENV, SidecarConfig
+
+    d = docs if variant == "base" else cpu_docs
+    state = _state(docs)
+    limit = parse_quantity(container(d, "torchserve")["resources"]["limits"]["memory"])
+    per_version = state.workers * (WORKER_RUNTIME_BYTES + _table_bytes(state.model.version))
+    need = _jvm_heap_bytes(d) + JVM_OFF_HEAP_BYTES + 2 * per_version
+    usable = SidecarConfig().memory_headroom * limit
+    assert usable >= need, (f"{variant}: 0.9 x limit {limit / 1e9:.2f} GB = {usable / 1e9:.2f} "
+                            f"GB < {need / 1e9:.2f} GB for two versions")
+    env = {e["name"]: e for e in container(d, "sidecar")["env"]}
+    assert env[MEMORY_LIMIT_ENV]["valueFrom"]["resourceFieldRef"] == {
+        "containerName": "torchserve", "resource": "limits.memory", "divisor": "1"}
+
+
+def test_cpu_overlay_keeps_the_serving_state_and_model_volume(docs, cpu_docs):
+    """The overlay changes images, GPU bits and TorchServe's resources only."""
+    for kind, name in (("ConfigMap", STATE_CONFIGMAP), ("PersistentVolumeClaim", MODELS_PVC)):
+        assert one(cpu_docs, kind, name) == one(docs, kind, name)
+    assert pod_spec(cpu_docs)["volumes"] == pod_spec(docs)["volumes"]
+    base_sc, cpu_sc = container(docs, "sidecar"), container(cpu_docs, "sidecar")
+    assert {k: v for k, v in cpu_sc.items() if k != "image"} == \
+        {k: v for k, v in base_sc.items() if k != "image"}
+    assert container(cpu_docs, "torchserve")["args"] == container(docs, "torchserve")["args"]
+    assert one(cpu_docs, "Deployment")["spec"]["progressDeadlineSeconds"] == \
+        one(docs, "Deployment")["spec"]["progressDeadlineSeconds"]
+
+
+def test_upload_pod_template_writes_the_model_volume(docs):
+    """k8s/templates/model-upload-pod.yaml: the PVC read-write at /models, hardened like
+    the serving pod, and the documented copy puts the report after the archive."""
+    path = K8S / "templates" / "model-upload-pod.yaml"
+    pod = one(_load(path), "Pod")
+    spec = pod["spec"]
+    (vol,) = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    assert vol["persistentVolumeClaim"] == {"claimName": MODELS_PVC}
+    (c,) = spec["containers"]
+    (mount,) = _mounts_of(c, vol["name"])
+    assert mount["mountPath"] == "/models" and not mount.get("readOnly", False)
+    assert c["image"] == container(docs, "sidecar")["image"]
+    assert spec["securityContext"]["runAsUser"] == UID and spec["activeDeadlineSeconds"] > 0
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and "command" not in c
+    for doc_path in (path, K8S / "models-pvc.yaml"):
+        copies = re.findall(r"kubectl cp \S+\.(mar|json)\s+dlrm-model-upload:/models/",
+                            doc_path.read_text())
+        assert copies == ["mar", "json"], f"{doc_path.name}: copy the .mar first, the report last"
 
 
 # --------------------------------------------------------------------------- real services

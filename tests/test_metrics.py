@@ -250,3 +250,30 @@ def test_sidecar_metrics_are_plain_and_bounded():
     assert got[("dlrm_batching_last_update_duration_seconds", ())] == 3.5
     assert got[("dlrm_upstream_up", (("target", "metrics"),))] == 1
     assert got[("dlrm_upstream_up", (("target", "management"),))] == 0
+
+
+def test_reconcile_metrics_converged_gauge_and_bounded_results():
+    import math
+
+    from serve.metrics import RECONCILE_RESULTS
+
+    sm = SidecarMetrics()
+    reg = CollectorRegistry()
+    reg.register(sm)
+    got = samples(generate_latest(reg).decode())
+    assert math.isnan(got[("dlrm_state_converged", ())])  # no desired state: unknown
+    assert {dict(lab)["result"] for (name, lab) in got if name == "dlrm_reconcile_total"} \
+        == set(RECONCILE_RESULTS)
+    sm.set_converged(False)
+    sm.observe_reconcile("applied")
+    sm.observe_reconcile("applied")
+    sm.observe_reconcile("refused")
+    with pytest.raises(ValueError, match=r"reconcile result 'oops' is not one of \('converged'"):
+        sm.observe_reconcile("oops")
+    got = samples(generate_latest(reg).decode())
+    assert got[("dlrm_state_converged", ())] == 0
+    assert got[("dlrm_reconcile_total", (("result", "applied"),))] == 2
+    assert got[("dlrm_reconcile_total", (("result", "refused"),))] == 1
+    assert got[("dlrm_reconcile_total", (("result", "converged"),))] == 0
+    sm.set_converged(True)
+    assert samples(generate_latest(reg).decode())[("dlrm_state_converged", ())] == 1

@@ -297,6 +297,17 @@ def test_handler_config_validation():
     assert HandlerConfig.from_dict(HandlerConfig(num_threads=2).to_dict()) == HandlerConfig(num_threads=2)
 
 
+def test_debug_delay_is_off_by_default_and_bounded():
+    assert HandlerConfig().debug_delay_ms == 0
+    assert HandlerConfig.from_dict({"debug_delay_ms": 250}).debug_delay_ms == 250
+    assert HandlerConfig(debug_delay_ms=10_000).debug_delay_ms == 10_000
+    for bad in (-1, 10_001, 1.5, True, "5"):
+        with pytest.raises(ConfigError) as info:
+            HandlerConfig(debug_delay_ms=bad)
+        assert info.value.message == (f"handler.debug_delay_ms={bad!r} must be an integer in "
+                                      "0..10000 (ms slept per batch; for tests only)")
+
+
 def test_default_threads_split_the_cores():
     assert default_num_threads(workers=2, cores=2) == 1
     assert default_num_threads(workers=1, cores=16) == 16

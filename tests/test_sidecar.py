@@ -24,10 +24,16 @@ from serve.sidecar.app import (
     create_app,
     ensure_dev_token,
     load_token,
-    next_version,
     rewrite_mar,
 )
-from tests.fixtures.sidecar import dead_port, start_sidecar, toy_mar
+from tests.fixtures.sidecar import (
+    SESSION_VERSION,
+    add_versions,
+    dead_port,
+    start_sidecar,
+    toy_mar,
+    wait_converged,
+)
 from tests.promtext import samples
 
 RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
@@ -36,12 +42,6 @@ TOKEN = "t0ken-for-tests"
 
 
 # ------------------------------------------------------------------ units
-
-
-def test_next_version():
-    assert next_version("1.0", {"1.0"}) == "1.1"
-    assert next_version("1.9", {"1.9", "1.10", "1.11"}) == "1.12"
-    assert next_version("2024-05", {"2024-05"}) == "2024-05.1"
 
 
 def test_ensure_dev_token_writes_a_private_random_token_once(tmp_path):
@@ -77,7 +77,7 @@ def test_rewrite_mar_sets_version_and_batching_keeps_the_rest(tmp_path):
         assert z.read("artifact.pt") == b"\x00\x01binary" * 1000
     assert cfg == {"minWorkers": 2, "maxWorkers": 2, "batchSize": 32, "maxBatchDelay": 7,
                    "responseTimeout": 60, "handler": {"cache_load_factor": 1.0}}
-    with pytest.raises(UpstreamUnavailable, match=r"is not in the model store; pass --model-store"):
+    with pytest.raises(UpstreamUnavailable, match=r"nope.mar does not exist; check --repository"):
         rewrite_mar(tmp_path / "nope.mar", tmp_path / "x.mar", version="2", batch_size=1,
                     max_batch_delay_ms=1, workers=1)
 
@@ -172,7 +172,10 @@ def test_no_token_configured_disables_writes(tmp_path):
 def test_openapi_docs_are_served(dead_app):
     assert _call(dead_app, "GET", "/docs").status_code == 200
     spec = _call(dead_app, "GET", "/openapi.json").json()
-    assert {"/metrics", "/batching", "/healthz", "/readyz"} <= set(spec["paths"])
+    assert {"/metrics", "/batching", "/healthz", "/readyz", "/state"} <= set(spec["paths"])
+    put_state = spec["paths"]["/state"]["put"]["requestBody"]["content"]["application/json"]
+    assert put_state["schema"]["$ref"] == "#/components/schemas/DesiredState"
+    assert "DesiredState" in spec["components"]["schemas"]
     assert spec["components"]["schemas"]["BatchingUpdate"]["additionalProperties"] is False
 
 
@@ -232,11 +235,16 @@ def test_request_counts_label_only_known_routes_and_methods(tmp_path):
 
 @pytest.mark.integration
 def test_real_sidecar_with_torchserve_down(tmp_path):
+    from serve.state import DesiredState, ModelRef, write_state
+
     port = dead_port()
     dead = f"http://127.0.0.1:{port}"
+    state_file = tmp_path / "state.yaml"
+    write_state(state_file, DesiredState(model=ModelRef(version="toy")))
     sc = start_sidecar(tmp_path, management_url=dead, metrics_url=dead, inference_url=dead,
                        model_name="dlrm", multiproc_dir=tmp_path / "prom",
-                       model_store=tmp_path / "store")
+                       model_store=tmp_path / "store", state_file=state_file,
+                       repositories=[add_versions(tmp_path / "repo", ["toy"])])
     try:
         with httpx.Client(base_url=sc.url, timeout=30) as c:
             assert c.get("/healthz").json() == {"status": "alive"}
@@ -252,10 +260,17 @@ def test_real_sidecar_with_torchserve_down(tmp_path):
             assert got[("dlrm_upstream_up", (("target", "metrics"),))] == 0
             assert not any(name.startswith("ts_") for name, _ in got)
             assert c.get("/batching").status_code == 503
-            r = c.put("/batching", json={"batch_size": 2},
+            declared = state_file.read_text()
+            r = c.put("/batching", json={"batch_size": 3},
                       headers={"Authorization": f"Bearer {sc.token}"})
             assert r.status_code == 503
-            assert c.put("/batching", json={"batch_size": 2}).status_code == 401
+            assert state_file.read_text() == declared  # refused before writing
+            r = c.get("/state")
+            assert r.status_code == 200 and r.json()["converged"] is False
+            assert r.json()["reason"].startswith(
+                f"TorchServe did not answer: TorchServe management API at {dead}/models/dlrm"
+                f"/all did not answer (ConnectError")
+            assert c.put("/batching", json={"batch_size": 3}).status_code == 401
             r = c.get("/metrics")
             got = samples(r.text)
             assert got[("dlrm_batching_updates_total", (("result", "failed"),))] == 1
@@ -288,6 +303,97 @@ def test_readyz_and_batching_read_torchserve(sidecar, torchserve):
                      timeout=30).json()[0]
     assert got == {"batch_size": desc["batchSize"], "max_batch_delay_ms": desc["maxBatchDelay"],
                    "workers": len(desc["workers"]), "model_version": desc["modelVersion"]}
+
+
+def _state_put(sidecar, body: dict) -> httpx.Response:
+    return httpx.put(f"{sidecar.url}/state", json=body, timeout=30,
+                     headers={"Authorization": f"Bearer {sidecar.token}"})
+
+
+class _VersionLoad(threading.Thread):
+    """One client posting predictions until stopped; records (status, model version)."""
+
+    def __init__(self, url: str, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.seed = url, seed
+        self.seen: list[tuple[int | str, str | None]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        body = json.dumps(example_request(2, seed=self.seed)).encode()
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                try:
+                    r = c.post(self.url, content=body,
+                               headers={"Content-Type": "application/json"})
+                    self.seen.append((r.status_code, r.headers.get("x-dlrm-model-version")))
+                except httpx.HTTPError as e:
+                    self.seen.append((type(e).__name__, None))
+
+
+@pytest.mark.integration
+def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
+    """The session's sidecar took TorchServe from the archive it started with to the
+    declared repository version; predictions name the version that computed them; a
+    version change declared with PUT /state is served without a failed request."""
+    from serve.repository import ModelRepository
+
+    state = wait_converged(sidecar.url)
+    print("\nGET /state:", json.dumps(state, indent=2))
+    want = state["desired"]
+    assert want["model"] == {"version": SESSION_VERSION}
+    observed = state["observed"]
+    assert {k: observed[k] for k in want} == want
+    assert observed["ready_workers"] == want["workers"]
+    assert observed["registered_versions"] == [state["target_serving_version"]]
+    assert state["reason"] is None and state["last_error"] is None
+    assert state["phase"] == "idle" and state["state_file_writable"] is True
+    switch = state["last_switch"]
+    assert switch["ok"] is True and switch["to"] == observed["serving_version"]
+    assert switch["peak_workers_rss_bytes"] > 0 and switch["peak_memory_bytes"] > 0
+    good = httpx.post(torchserve.predict_url, json=example_request(3), timeout=60)
+    bad = httpx.post(torchserve.predict_url, json={"instances": []}, timeout=60)
+    assert good.status_code == 200 and bad.status_code == 400
+    assert good.headers["x-dlrm-model-version"] == SESSION_VERSION
+    assert bad.headers["x-dlrm-model-version"] == SESSION_VERSION  # errors too
+
+    other = "tiny-session-2"
+    repo = ModelRepository(sidecar.repositories)
+    if not repo.exists(other):
+        repo.add(other, torchserve.mar, {"created_at": "2026-12-31T00:00:00Z"})
+    loads = [_VersionLoad(torchserve.predict_url, seed=i) for i in range(2)]
+    try:
+        for load in loads:
+            load.start()
+        r = _state_put(sidecar, {**want, "model": {"version": other}})
+        assert r.status_code == 202, r.text
+        assert r.json()["converged"] is False
+        changed = wait_converged(sidecar.url)
+        assert changed["observed"]["model"] == {"version": other}
+        assert changed["available_versions"] == [SESSION_VERSION, other]
+        assert changed["last_switch"]["from"] == observed["serving_version"]
+        count = sum(len(load.seen) for load in loads)
+        wait_until(lambda: sum(len(load.seen) for load in loads) > count + 10,
+                   timeout_s=60, what="predictions after the switch")
+    finally:
+        for load in loads:
+            load.stop.set()
+            load.join(timeout=60)
+        restored = _state_put(sidecar, want)
+        back = wait_converged(sidecar.url)
+    seen = [x for load in loads for x in load.seen]
+    failed = [x for x in seen if x[0] != 200]
+    print(f"version change under load: {len(seen)} predictions, {len(failed)} failed")
+    assert failed == [], failed[:5]
+    assert {v for _, v in seen} == {SESSION_VERSION, other}
+    for load in loads:  # each client moved from the old version to the new one, once
+        versions = [v for _, v in load.seen]
+        last_old = max(i for i, v in enumerate(versions) if v == SESSION_VERSION) \
+            if SESSION_VERSION in versions else -1
+        assert all(v == other for v in versions[last_old + 1:])
+        assert versions[-1] == other
+    assert restored.status_code == 202
+    assert back["observed"]["model"] == {"version": SESSION_VERSION}
 
 
 @pytest.mark.integration

@@ -1,16 +1,18 @@
 """serve.sidecar.switch: each step of the version switch on its own, the drain, the
-rollbacks and whole runs, against a fake of TorchServe's management API.
+rollbacks, the memory guard and whole switches, against a fake of TorchServe's
+management API.
 
 TorchServe is not ours, so its API is faked (``FakeTorchServe`` on an
-``httpx.MockTransport``); the switch, the archive rewrite and the app are the real ones.
-Waiting uses a fake clock, so the tests take milliseconds. The real switch against a
-real TorchServe under load is ``tests/test_sidecar.py::test_live_batching_change_*``.
+``httpx.MockTransport``, tests/fixtures/sidecar.py); the switch, the archive rewrite, the
+repository and the app are the real ones. Waiting uses a fake clock, so the tests take
+milliseconds. The reconciler that drives the switch is tests/test_reconciler.py; the
+real switch against a real TorchServe under load is
+``tests/test_sidecar.py::test_live_batching_change_*``.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import zipfile
 from collections.abc import Coroutine
 from pathlib import Path
@@ -21,132 +23,24 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from serve.errors import UpstreamUnavailable
+from serve.errors import ConfigError, InsufficientMemory, UpstreamUnavailable
 from serve.metrics import SWITCH_PHASES, SidecarMetrics
+from serve.repository import ModelRepository
 from serve.sidecar.app import SidecarConfig, create_app
-from serve.sidecar.schemas import BatchingState, BatchingUpdate
+from serve.sidecar.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.schemas import BatchingState
 from serve.sidecar.switch import SwitchPhase, SwitchPlan, VersionSwitch
-from serve.sidecar.torchserve import TorchServeClient
-from tests.fixtures.sidecar import toy_mar
+from serve.sidecar.torchserve import Observed, TorchServeClient, observe
+from serve.state import Batching, DesiredState, ModelRef, write_state
+from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, toy_mar
 from tests.promtext import samples
 
 T = TypeVar("T")
 MGMT = "http://ts-management"
 TOKEN = "t0ken"
-
-
-class FakeTorchServe:
-    """TorchServe's management API for one model, in memory, as far as the sidecar uses it.
-
-    Like TorchServe, ``POST /models`` reads the archive from the model store, takes the
-    version from its manifest and the batching from its model config; ``DELETE`` refuses
-    the default version. Knobs: ``failures[(method, path)] = status`` makes that call
-    fail; ``pending[version]`` is the queue lengths successive ``GET /models/{m}/{v}`` of
-    that version report (the last one repeats); ``ready_after`` is how many of those a new
-    version answers before its workers are READY (None: never). ``calls`` records every
-    request.
-    """
-
-    def __init__(self, store: Path, model: str = "dlrm") -> None:
-        self.store, self.model = store, model
-        self.versions: dict[str, dict[str, Any]] = {}
-        self.default = "1.0"
-        self.calls: list[tuple[str, str]] = []
-        self.failures: dict[tuple[str, str], int] = {}
-        self.pending: dict[str, list[int]] = {}
-        self.ready_after: int | None = 0
-        self._next_pid = 100
-        self._describes: dict[str, int] = {}
-        toy_mar(store / f"{model}.mar")
-        self._add("1.0", f"{model}.mar", batch_size=8, delay=50, workers=1, ready=True)
-
-    def _add(self, version: str, url: str, *, batch_size: int, delay: int, workers: int,
-             ready: bool = False) -> None:
-        pids = list(range(self._next_pid, self._next_pid + workers))
-        self._next_pid += workers
-        self.versions[version] = {"url": url, "batchSize": batch_size, "maxBatchDelay": delay,
-                                  "pids": pids, "ready": ready}
-
-    def describe(self, version: str, *, polled: bool = False) -> dict[str, Any]:
-        """``polled``: a GET of this very version, which moves ``pending``/``ready_after``."""
-        v = self.versions[version]
-        n = self._describes.get(version, 0) + polled
-        self._describes[version] = n
-        ready = v["ready"] or (self.ready_after is not None and n > self.ready_after)
-        queue = self.pending.get(version) or [0]
-        pending = queue.pop(0) if polled and len(queue) > 1 else queue[0]
-        return {"modelName": self.model, "modelVersion": version, "modelUrl": v["url"],
-                "batchSize": v["batchSize"], "maxBatchDelay": v["maxBatchDelay"],
-                "workers": [{"id": str(p), "pid": p,
-                             "status": "READY" if ready else "UNLOADING"} for p in v["pids"]],
-                "jobQueueStatus": {"remainingCapacity": 100 - pending,
-                                   "pendingRequests": pending}}
-
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        method, path = request.method, request.url.path
-        self.calls.append((method, path))
-        if (method, path) in self.failures:
-            return _error(self.failures[(method, path)], f"injected failure of {method} {path}")
-        m = re.escape(self.model)
-        if method == "POST" and path == "/models":
-            return self._register(dict(request.url.params))
-        if method == "GET" and (hit := re.fullmatch(rf"/models/{m}(?:/([^/]+))?", path)):
-            version = hit.group(1) or self.default
-            if version == "all":
-                return httpx.Response(200, json=[self.describe(v) for v in self.versions])
-            if version not in self.versions:
-                return _error(404, f"Model version: {version} does not exist for model: {m}")
-            return httpx.Response(200, json=[self.describe(version, polled=bool(hit.group(1)))])
-        if method == "PUT" and (hit := re.fullmatch(rf"/models/{m}/([^/]+)/set-default", path)):
-            if hit.group(1) not in self.versions:
-                return _error(404, f"Model version {hit.group(1)} does not exist")
-            self.default = hit.group(1)
-            return httpx.Response(200, json={"status": "Default version updated"})
-        if method == "DELETE" and (hit := re.fullmatch(rf"/models/{m}/([^/]+)", path)):
-            version = hit.group(1)
-            if version not in self.versions:
-                return _error(404, f"Model version: {version} does not exist for model: {m}")
-            if version == self.default:
-                return _error(400, f"Can't remove default version: {version}")
-            del self.versions[version]
-            return httpx.Response(200, json={"status": f"Model {m} unregistered"})
-        return _error(404, f"{method} {path} is not faked")
-
-    def _register(self, params: dict[str, str]) -> httpx.Response:
-        archive = self.store / params["url"]
-        if not archive.is_file():
-            return _error(404, f"Model not found in model store: {params['url']}")
-        with zipfile.ZipFile(archive) as z:
-            manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
-            config = yaml.safe_load(z.read(manifest["model"]["configFile"]))
-        version = manifest["model"]["modelVersion"]
-        if version in self.versions:
-            return _error(409, f"Model version {version} is already registered.")
-        self._add(version, params["url"], batch_size=config["batchSize"],
-                  delay=config["maxBatchDelay"], workers=int(params["initial_workers"]))
-        return httpx.Response(200, json={"status": f"Model {self.model} registered"})
-
-
-def _error(status: int, message: str) -> httpx.Response:
-    return httpx.Response(status, json={"code": status, "type": "Error", "message": message})
-
-
-class FakeClock:
-    """Monotonic seconds that move only when the code under test sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
+V = "small-s0"
+TARGET = "small-s0_b16d50w1"
+MiB = 1 << 20
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -155,10 +49,23 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 @pytest.fixture
 def ts(tmp_path: Path) -> FakeTorchServe:
-    return FakeTorchServe(tmp_path)
+    return FakeTorchServe(tmp_path / "store")
 
 
-def make_switch(ts: FakeTorchServe, clock: FakeClock | None = None, **config: Any,
+@pytest.fixture
+def repo(tmp_path: Path) -> ModelRepository:
+    return ModelRepository([add_versions(tmp_path / "repo", [V, "small-s1"])])
+
+
+def desired(version: str = V, batch_size: int = 16, delay: int = 50,
+            workers: int = 1) -> DesiredState:
+    return DesiredState(model=ModelRef(version=version),
+                        batching=Batching(batch_size=batch_size, max_batch_delay_ms=delay),
+                        workers=workers)
+
+
+def make_switch(ts: FakeTorchServe, clock: FakeClock | None = None,
+                memory: MemoryProbe | None = None, **config: Any,
                 ) -> tuple[VersionSwitch, list[str], list[list[int]]]:
     """A switch on the fake, with the phases it enters and the pids it forgets."""
     config = {"management_url": MGMT, "model_store": ts.store, "switch_grace_s": 0.0,
@@ -170,15 +77,26 @@ def make_switch(ts: FakeTorchServe, clock: FakeClock | None = None, **config: An
     client = httpx.AsyncClient(transport=ts.transport())
     switch = VersionSwitch(TorchServeClient(sidecar, client), sidecar, clock=clock,
                            sleep=clock.sleep, on_phase=phases.append,
-                           forget_workers=forgotten.append)
+                           forget_workers=forgotten.append, memory=memory)
     return switch, phases, forgotten
 
 
-def plan_for(ts: FakeTorchServe, **settings: int) -> SwitchPlan:
-    old = BatchingState(batch_size=8, max_batch_delay_ms=50, workers=1, model_version="1.0")
-    new = old.model_copy(update={"model_version": "1.1", **settings})
-    return SwitchPlan(old=old, new=new, src=ts.store / "dlrm.mar",
-                      dst=ts.store / "dlrm-v1.1.mar", old_pids=(100,))
+def seen(switch: VersionSwitch, ts: FakeTorchServe) -> Observed:
+    """What the switch's client observes now (the calls it makes are not recorded)."""
+    observed = run(observe(switch.ts))
+    ts.calls.clear()
+    return observed
+
+
+def plan_for(switch: VersionSwitch, ts: FakeTorchServe, repo: ModelRepository,
+             **settings: int) -> SwitchPlan:
+    plan = switch.plan(seen(switch, ts), desired(**settings), repo)
+    assert plan is not None
+    return plan
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 # ------------------------------------------------------------------ the steps alone
@@ -195,79 +113,103 @@ def test_phases_are_the_metric_labels():
     assert gauge == {p: float(p == "draining") for p in SWITCH_PHASES}
 
 
-def test_plan_names_the_next_version_and_none_when_nothing_changes(ts):
+def test_plan_targets_the_serving_version_from_the_repository_archive(ts, repo):
     switch, _, _ = make_switch(ts)
-    current = ts.describe("1.0")
-    assert run(switch.plan(current, BatchingUpdate(batch_size=8, workers=1))) is None
-    plan = run(switch.plan(current, BatchingUpdate(batch_size=16)))
-    assert plan == plan_for(ts, batch_size=16)
-    ts.versions["1.1"] = ts.versions["1.0"]  # taken: the next free one is used
-    assert run(switch.plan(current, BatchingUpdate(batch_size=16))).new.model_version == "1.2"
+    observed = seen(switch, ts)
+    plan = switch.plan(observed, desired(), repo)
+    assert plan == SwitchPlan(
+        new=BatchingState(batch_size=16, max_batch_delay_ms=50, workers=1, model_version=TARGET),
+        src=repo.archive(V), dst=ts.store / f"dlrm-{TARGET}.mar", old=observed.serving)
+    assert plan.old is not None and plan.old.version == "1.0" and plan.old.pids == (100,)
+    # Registered already (a pass that stopped half-way): nothing to copy.
+    ts.add(TARGET, f"dlrm-{TARGET}.mar", batch_size=16, delay=50, workers=1)
+    again = switch.plan(seen(switch, ts), desired(), repo)
+    assert again is not None and again.src is None
+    assert again.dst == ts.store / f"dlrm-{TARGET}.mar"
+    # Default with its workers READY: nothing to do.
+    ts.default = TARGET
+    ts.versions[TARGET]["ready"] = True
+    assert switch.plan(seen(switch, ts), desired(), repo) is None
+    with pytest.raises(ConfigError, match=r"model version 'nope' is not in the repository .*"
+                       r"available: \['small-s0', 'small-s1'\]"):
+        switch.plan(seen(switch, ts), desired("nope"), repo)
 
 
-def test_copy_writes_the_new_archive(ts):
+def test_copy_writes_the_new_archive_and_leaves_the_repository_alone(ts, repo):
     switch, phases, _ = make_switch(ts)
-    plan = plan_for(ts, batch_size=16, max_batch_delay_ms=5, workers=2)
-    assert run(switch.copy(plan)) == plan.dst
+    plan = plan_for(switch, ts, repo, batch_size=16, delay=5, workers=2)
+    original = repo.archive(V).read_bytes()
+    assert run(switch.copy(plan)) == plan.dst == ts.store / "dlrm-small-s0_b16d5w2.mar"
     with zipfile.ZipFile(plan.dst) as z:
-        assert json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["modelVersion"] == "1.1"
+        manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
         cfg = yaml.safe_load(z.read("model-config.yaml"))
-    assert (cfg["batchSize"], cfg["maxBatchDelay"], cfg["minWorkers"]) == (16, 5, 2)
+    assert manifest["model"]["modelVersion"] == "small-s0_b16d5w2"
+    assert (cfg["batchSize"], cfg["maxBatchDelay"], cfg["minWorkers"], cfg["maxWorkers"]) \
+        == (16, 5, 2, 2)
+    assert repo.archive(V).read_bytes() == original
     assert phases == ["copying"] and ts.calls == []
 
 
-def test_register_posts_the_archive_once(ts):
+def test_register_posts_the_archive_once(ts, repo):
     switch, phases, _ = make_switch(ts)
-    plan = plan_for(ts, batch_size=16)
+    plan = plan_for(switch, ts, repo)
     run(switch.copy(plan))
     run(switch.register(plan))
-    assert ts.versions["1.1"]["batchSize"] == 16 and ts.default == "1.0"
-    assert ts.calls == [("GET", "/models/dlrm/1.1"), ("POST", "/models")]
+    assert ts.versions[TARGET]["batchSize"] == 16 and ts.default == "1.0"
+    assert ts.calls == [("GET", f"/models/dlrm/{TARGET}"), ("POST", "/models")]
     run(switch.register(plan))  # registered already: nothing posted
-    assert ts.calls[2:] == [("GET", "/models/dlrm/1.1")]
+    assert ts.calls[2:] == [("GET", f"/models/dlrm/{TARGET}")]
     assert phases == ["copying", "registering", "registering"]
 
 
-def test_wait_ready_polls_until_the_workers_are_ready(ts):
+def test_wait_ready_polls_until_the_workers_are_ready(ts, repo):
     clock = FakeClock()
     switch, phases, _ = make_switch(ts, clock)
-    plan = plan_for(ts, batch_size=16)
+    plan = plan_for(switch, ts, repo)
     run(switch.copy(plan))
     run(switch.register(plan))
     ts.ready_after = 3  # three reads see no READY worker, the fourth does
     run(switch.wait_ready(plan))
     assert clock.sleeps == [0.2, 0.2, 0.2]
     assert phases[-1] == "waiting_ready"
+    assert switch.live_pids >= set(ts.versions[TARGET]["pids"])  # its memory is sampled
 
 
-def test_wait_ready_gives_up_at_the_register_timeout(ts):
+def test_wait_ready_gives_up_at_the_register_timeout(ts, repo):
     clock = FakeClock()
     switch, _, _ = make_switch(ts, clock, register_timeout_s=5.0)
-    plan = plan_for(ts, batch_size=16)
+    plan = plan_for(switch, ts, repo)
     run(switch.copy(plan))
     ts.ready_after = None
     run(switch.register(plan))
-    with pytest.raises(UpstreamUnavailable, match=r"^version 1.1 of 'dlrm' did not get 1 READY "
-                       r"workers within 5 s; the old version stays default$"):
+    with pytest.raises(UpstreamUnavailable, match=(
+            rf"^version {TARGET} of 'dlrm' did not get 1 READY workers within 5 s; the old "
+            r"version stays default$")):
         run(switch.wait_ready(plan))
     assert 5.0 < clock.now < 5.5
 
 
-def test_set_default(ts):
+def test_set_default(ts, repo):
     switch, phases, _ = make_switch(ts)
-    plan = plan_for(ts, batch_size=16)
+    plan = plan_for(switch, ts, repo)
     run(switch.copy(plan))
     run(switch.register(plan))
     run(switch.set_default(plan))
-    assert ts.default == "1.1" and phases[-1] == "setting_default"
-    assert ts.calls[-1] == ("PUT", "/models/dlrm/1.1/set-default")
+    assert ts.default == TARGET and phases[-1] == "setting_default"
+    assert ts.calls[-1] == ("PUT", f"/models/dlrm/{TARGET}/set-default")
+
+
+def _old(switch: VersionSwitch, ts: FakeTorchServe):
+    old = seen(switch, ts).get("1.0")
+    assert old is not None
+    return old
 
 
 def test_drain_waits_for_two_empty_reads_of_the_old_queue(ts):
     clock = FakeClock()
     switch, phases, _ = make_switch(ts, clock)
     ts.pending["1.0"] = [3, 1, 0, 0, 5]
-    run(switch.drain(plan_for(ts, batch_size=16)))
+    run(switch.drain(_old(switch, ts)))
     assert ts.calls == [("GET", "/models/dlrm/1.0")] * 4  # 3, 1, 0, 0: never the 5
     assert clock.sleeps == [0.1, 0.1, 0.1]
     assert phases == ["draining"]
@@ -277,15 +219,22 @@ def test_drain_restarts_its_count_when_the_queue_fills_again(ts):
     clock = FakeClock()
     switch, _, _ = make_switch(ts, clock)
     ts.pending["1.0"] = [0, 2, 0, 0]
-    run(switch.drain(plan_for(ts, batch_size=16)))
+    run(switch.drain(_old(switch, ts)))
     assert len(ts.calls) == 4
 
 
-def test_drain_lasts_at_least_the_grace_period(ts):
+def test_drain_waits_for_the_queue_to_stay_empty_for_grace_plus_batch_delay(ts):
     clock = FakeClock()
     switch, _, _ = make_switch(ts, clock, switch_grace_s=0.5)
-    run(switch.drain(plan_for(ts, batch_size=16)))  # empty from the start
-    assert clock.now == pytest.approx(0.5) and len(ts.calls) == 6
+    run(switch.drain(_old(switch, ts)))  # empty from the start: 0.5 s + 50 ms batch delay
+    assert clock.now == pytest.approx(0.6) and len(ts.calls) == 7
+    # A deep queue: the settle time counts from the first empty read, not from the switch
+    # (the worker may have taken the last batch just before it).
+    clock, ts.calls[:] = FakeClock(), []
+    switch, _, _ = make_switch(ts, clock, switch_grace_s=0.5)
+    ts.pending["1.0"] = [9] * 30 + [0]
+    run(switch.drain(_old(switch, ts)))
+    assert clock.now == pytest.approx(3.0 + 0.6)
 
 
 def test_drain_gives_up_at_its_timeout(ts):
@@ -294,88 +243,88 @@ def test_drain_gives_up_at_its_timeout(ts):
     ts.pending["1.0"] = [4]
     with pytest.raises(UpstreamUnavailable, match=(
             r"^version 1.0 of 'dlrm' still had 4 queued requests 2 s after the switch "
-            r"\(drain_timeout_s\); it stays registered so they are answered: unregister it "
-            r"\(DELETE /models/dlrm/1.0\) once its queue is empty$")):
-        run(switch.drain(plan_for(ts, batch_size=16)))
+            r"\(drain_timeout_s\); it stays registered so they are answered, and the next "
+            r"reconcile pass drains it again$")):
+        run(switch.drain(_old(switch, ts)))
     assert clock.now == pytest.approx(2.0)
 
 
 def test_drain_of_a_version_already_gone_is_done(ts):
     switch, _, _ = make_switch(ts)
-    plan = plan_for(ts, batch_size=16)
+    old = _old(switch, ts)
     del ts.versions["1.0"]
-    run(switch.drain(plan))
+    run(switch.drain(old))
     assert ts.calls == [("GET", "/models/dlrm/1.0")]
 
 
-def test_unregister_removes_the_old_version_and_only_our_archives(ts):
+def test_unregister_removes_the_old_version_and_only_derived_archives(ts, repo):
     switch, phases, forgotten = make_switch(ts)
-    plan = plan_for(ts, batch_size=16)
-    ts.default = "1.1"
-    ts._add("1.1", "dlrm-v1.1.mar", batch_size=16, delay=50, workers=1, ready=True)
-    run(switch.unregister(plan))
+    toy_mar(ts.store / f"dlrm-{TARGET}.mar", version=TARGET)
+    ts.add(TARGET, f"dlrm-{TARGET}.mar", batch_size=16, delay=50, workers=1, ready=True)
+    ts.default = TARGET
+    observed = seen(switch, ts)
+    run(switch.unregister(observed.get("1.0")))
     assert "1.0" not in ts.versions and forgotten == [[100]]
-    assert (ts.store / "dlrm.mar").is_file()  # the pipeline's archive is not ours: kept
-    run(switch.unregister(plan))  # gone already: fine
-    assert ts.calls == [("DELETE", "/models/dlrm/1.0")] * 2
-    # A version the sidecar made: its archive goes with it.
-    toy_mar(ts.store / "dlrm-v1.1.mar", version="1.1")
+    assert (ts.store / "dlrm.mar").is_file()  # not derived by the sidecar: kept
+    run(switch.unregister(observed.get("1.0")))  # gone already: fine
+    # A version the sidecar derived: its archive goes with it; the repository's stays.
+    ts.add("1.0", "dlrm.mar", batch_size=8, delay=50, workers=1, ready=True)
     ts.default = "1.0"
-    ts._add("1.0", "dlrm.mar", batch_size=8, delay=50, workers=1, ready=True)
-    later = SwitchPlan(old=plan.new, new=plan.old, src=ts.store / "dlrm-v1.1.mar",
-                       dst=ts.store / "dlrm.mar")
-    run(switch.unregister(later))
-    assert "1.1" not in ts.versions and not (ts.store / "dlrm-v1.1.mar").exists()
+    run(switch.unregister(observed.get(TARGET)))
+    assert TARGET not in ts.versions and not (ts.store / f"dlrm-{TARGET}.mar").exists()
+    assert repo.exists(V) and files(ts.store) == ["dlrm.mar"]
+    assert ts.calls == [("DELETE", "/models/dlrm/1.0")] * 2 + [("DELETE", f"/models/dlrm/{TARGET}")]
     assert phases == ["unregistering"] * 3
 
 
-def test_rollback_removes_the_new_version_and_its_archive(ts):
+def test_rollback_removes_the_new_version_and_its_archive(ts, repo):
     switch, phases, _ = make_switch(ts)
-    plan = plan_for(ts, batch_size=16)
+    plan = plan_for(switch, ts, repo)
     run(switch.copy(plan))
     run(switch.register(plan))
     run(switch.rollback(plan))
     assert set(ts.versions) == {"1.0"} and ts.default == "1.0"
     assert not plan.dst.exists() and phases[-1] == "rolling_back"
     run(switch.rollback(plan))  # nothing left to undo: fine
-    assert ts.calls[-2:] == [("DELETE", "/models/dlrm/1.1")] * 2
+    assert ts.calls[-2:] == [("DELETE", f"/models/dlrm/{TARGET}")] * 2
 
 
-# ------------------------------------------------------------------ whole runs
+# ------------------------------------------------------------------ whole switches
 
 
-def test_run_switches_and_retires_the_old_version(ts):
+def test_switch_then_retire(ts, repo):
     clock = FakeClock()
     switch, phases, forgotten = make_switch(ts, clock)
     ts.pending["1.0"] = [3, 1, 0, 0]
-    result = run(switch.run(BatchingUpdate(batch_size=16, max_batch_delay_ms=5)))
-    assert result.model_dump() == {
-        "batch_size": 16, "max_batch_delay_ms": 5, "workers": 1, "model_version": "1.1",
-        "changed": True, "seconds": pytest.approx(0.3), "removed_version": "1.0",
-        "previous": {"batch_size": 8, "max_batch_delay_ms": 50, "workers": 1,
-                     "model_version": "1.0"}}
+    observed = seen(switch, ts)
+    plan = switch.plan(observed, desired(delay=5), repo)
+    assert plan is not None
+    assert run(switch.switch(plan, observed)) is None  # no memory probe: nothing checked
+    assert ts.default == "small-s0_b16d5w1" and set(ts.versions) == {"1.0", "small-s0_b16d5w1"}
+    run(switch.retire(observed.get("1.0")))
     assert phases == ["idle", "copying", "registering", "waiting_ready", "setting_default",
-                      "draining", "unregistering", "idle"]
+                      "draining", "unregistering"]
     assert ts.calls == [
-        ("GET", "/models/dlrm"), ("GET", "/models/dlrm/all"),
-        ("GET", "/models/dlrm/1.1"), ("POST", "/models"), ("GET", "/models/dlrm/1.1"),
-        ("PUT", "/models/dlrm/1.1/set-default"),
-        *[("GET", "/models/dlrm/1.0")] * 4, ("DELETE", "/models/dlrm/1.0"),
-        ("GET", "/models/dlrm")]
-    assert set(ts.versions) == {"1.1"} and ts.default == "1.1" and forgotten == [[100]]
-    assert sorted(p.name for p in ts.store.iterdir()) == ["dlrm-v1.1.mar", "dlrm.mar"]
-    assert switch.phase is SwitchPhase.IDLE and switch.last_error is None
-    # Again, from the sidecar's own version: its archive is removed with it.
-    result = run(switch.run(BatchingUpdate(workers=2)))
-    assert (result.model_version, result.workers, result.removed_version) == ("1.2", 2, "1.1")
-    assert sorted(p.name for p in ts.store.iterdir()) == ["dlrm-v1.2.mar", "dlrm.mar"]
+        ("GET", "/models/dlrm/small-s0_b16d5w1"), ("POST", "/models"),
+        ("GET", "/models/dlrm/small-s0_b16d5w1"),
+        ("PUT", "/models/dlrm/small-s0_b16d5w1/set-default"),
+        *[("GET", "/models/dlrm/1.0")] * 4, ("DELETE", "/models/dlrm/1.0")]
+    assert set(ts.versions) == {"small-s0_b16d5w1"} and forgotten == [[100]]
+    assert files(ts.store) == ["dlrm-small-s0_b16d5w1.mar", "dlrm.mar"]
+    assert switch.last_error is None
 
 
-def test_run_with_the_settings_in_effect_changes_nothing(ts):
+def test_switch_from_nothing_registered_needs_no_drain(tmp_path, repo):
+    ts = FakeTorchServe(tmp_path / "store", initial=None)
     switch, phases, _ = make_switch(ts)
-    result = run(switch.run(BatchingUpdate(batch_size=8)))
-    assert result.changed is False and result.model_version == "1.0"
-    assert ts.calls == [("GET", "/models/dlrm")] and phases == ["idle"]
+    observed = seen(switch, ts)
+    assert observed == Observed(default=None)
+    plan = switch.plan(observed, desired(), repo)
+    assert plan is not None and plan.old is None
+    run(switch.switch(plan, observed))
+    assert ts.default == TARGET and set(ts.versions) == {TARGET}
+    assert phases == ["idle", "copying", "registering", "waiting_ready", "setting_default"]
+    assert files(ts.store) == [f"dlrm-{TARGET}.mar"]
 
 
 @pytest.mark.parametrize("phase, failure, message", [
@@ -383,58 +332,196 @@ def test_run_with_the_settings_in_effect_changes_nothing(ts):
      ("TorchServe POST http://ts-management/models answered 500: injected failure of "
       "POST /models")),
     ("waiting_ready", None,
-     ("version 1.1 of 'dlrm' did not get 1 READY workers within 5 s; "
+     (f"version {TARGET} of 'dlrm' did not get 1 READY workers within 5 s; "
       "the old version stays default")),
-    ("setting_default", {("PUT", "/models/dlrm/1.1/set-default"): 503},
-     ("TorchServe PUT http://ts-management/models/dlrm/1.1/set-default answered 503: "
-      "injected failure of PUT /models/dlrm/1.1/set-default")),
+    ("setting_default", {("PUT", f"/models/dlrm/{TARGET}/set-default"): 503},
+     (f"TorchServe PUT http://ts-management/models/dlrm/{TARGET}/set-default answered 503: "
+      f"injected failure of PUT /models/dlrm/{TARGET}/set-default")),
 ])
-def test_a_failed_step_is_rolled_back(ts, phase, failure, message):
+@pytest.mark.parametrize("initial", ["1.0", None])
+def test_a_failed_step_is_rolled_back(tmp_path, repo, phase, failure, message, initial):
+    ts = FakeTorchServe(tmp_path / "store", initial=initial)
     switch, phases, forgotten = make_switch(ts, register_timeout_s=5.0)
     if failure is None:
         ts.ready_after = None
     else:
         ts.failures.update(failure)
+    observed = seen(switch, ts)
+    plan = switch.plan(observed, desired(), repo)
     with pytest.raises(UpstreamUnavailable) as info:
-        run(switch.run(BatchingUpdate(batch_size=16)))
+        run(switch.switch(plan, observed))
     assert info.value.message == message
     assert phases[-3:] == [phase, "rolling_back", "failed"]
-    assert ("DELETE", "/models/dlrm/1.1") in ts.calls
-    assert set(ts.versions) == {"1.0"} and ts.default == "1.0"  # no orphan, old still serves
-    assert sorted(p.name for p in ts.store.iterdir()) == ["dlrm.mar"]
+    assert ("DELETE", f"/models/dlrm/{TARGET}") in ts.calls
+    # No orphan: what served before still does (or nothing, as before).
+    assert set(ts.versions) == ({initial} if initial else set()) and ts.default == initial
+    assert files(ts.store) == (["dlrm.mar"] if initial else [])
     assert switch.phase is SwitchPhase.FAILED and switch.last_error == message
     assert forgotten == []
 
 
-def test_a_failed_copy_leaves_no_file(ts):
+def test_a_failed_copy_leaves_no_file(ts, tmp_path):
+    root = tmp_path / "bad-repo"
+    add_versions(root, [V])
+    (root / f"dlrm-{V}.mar").chmod(0o644)
+    (root / f"dlrm-{V}.mar").write_bytes(b"not a zip")
     switch, phases, _ = make_switch(ts)
-    (ts.store / "dlrm.mar").write_bytes(b"not a zip")
+    observed = seen(switch, ts)
+    plan = switch.plan(observed, desired(), ModelRepository([root]))
     with pytest.raises(zipfile.BadZipFile):
-        run(switch.run(BatchingUpdate(batch_size=16)))
-    assert sorted(p.name for p in ts.store.iterdir()) == ["dlrm.mar"]
+        run(switch.switch(plan, observed))
+    assert files(ts.store) == ["dlrm.mar"]
     assert phases[-3:] == ["copying", "rolling_back", "failed"]
     assert switch.last_error == "BadZipFile('File is not a zip file')"
 
 
-def test_after_the_switch_a_stuck_old_queue_keeps_the_old_version(ts):
+def test_after_the_switch_a_stuck_old_queue_keeps_the_old_version(ts, repo):
     switch, phases, forgotten = make_switch(ts, drain_timeout_s=1.0)
     ts.pending["1.0"] = [2]
-    result = run(switch.run(BatchingUpdate(batch_size=16)))
-    assert result.changed is True and result.model_version == "1.1"
-    assert result.removed_version is None
-    assert set(ts.versions) == {"1.0", "1.1"} and ts.default == "1.1" and forgotten == []
+    observed = seen(switch, ts)
+    run(switch.switch(switch.plan(observed, desired(), repo), observed))
+    with pytest.raises(UpstreamUnavailable, match="still had 2 queued requests"):
+        run(switch.retire(observed.get("1.0")))
+    assert set(ts.versions) == {"1.0", TARGET} and ts.default == TARGET and forgotten == []
     assert switch.phase is SwitchPhase.IDLE
     assert switch.last_error.startswith("version 1.0 of 'dlrm' still had 2 queued requests")
     assert "rolling_back" not in phases
 
 
+# ------------------------------------------------------------------ memory
+
+
+def cgroup(tmp_path: Path, limit: str, current: int, v1: bool = False) -> CgroupMemory:
+    """Fake cgroup files (v2 memory.max/current, or v1 memory/memory.*_in_bytes)."""
+    root = tmp_path / "cgroup"
+    if v1:
+        (root / "memory").mkdir(parents=True)
+        (root / "memory" / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (root / "memory" / "memory.usage_in_bytes").write_text(f"{current}\n")
+    else:
+        root.mkdir(parents=True)
+        (root / "memory.max").write_text(f"{limit}\n")
+        (root / "memory.current").write_text(f"{current}\n")
+    return CgroupMemory(root)
+
+
+def test_cgroup_files_v2_and_v1(tmp_path):
+    assert cgroup(tmp_path / "a", str(8 * 1024 * MiB), 3 * MiB).limit()[0] == 8 * 1024 * MiB
+    assert cgroup(tmp_path / "b", "max", 3 * MiB).limit()[0] is None
+    v1 = cgroup(tmp_path / "c", str(2 * 1024 * MiB), 7 * MiB, v1=True)
+    assert v1.limit() == (2 * 1024 * MiB, str(tmp_path / "c" / "cgroup" / "memory" /
+                                              "memory.limit_in_bytes"))
+    assert v1.current() == 7 * MiB
+    assert cgroup(tmp_path / "d", "9223372036854771712", 1, v1=True).limit()[0] is None
+    assert CgroupMemory(tmp_path / "none").limit()[0] is None
+    assert CgroupMemory(tmp_path / "none").current() is None
+    # The working set: usage less the file cache the kernel can drop (as kubelet counts).
+    (tmp_path / "a" / "cgroup" / "memory.stat").write_text(
+        f"anon 1\nfile {2 * MiB}\ninactive_file {2 * MiB}\nactive_file 0\n")
+    assert CgroupMemory(tmp_path / "a" / "cgroup").current() == 1 * MiB
+    (tmp_path / "c" / "cgroup" / "memory" / "memory.stat").write_text(
+        f"cache 1\ntotal_inactive_file {3 * MiB}\n")
+    assert v1.current() == 4 * MiB
+
+
+def test_check_memory_estimates_from_the_serving_workers_rss(ts, repo, tmp_path):
+    rss = {100: 600 * MiB}
+    probe = MemoryProbe(cgroup(tmp_path, str(2048 * MiB), 900 * MiB), rss=rss.get)
+    switch, _, _ = make_switch(ts, memory=probe)
+    observed = seen(switch, ts)
+    switch.watch(observed)
+    plan = switch.plan(observed, desired(workers=1), repo)
+    check = run(switch.check_memory(plan, observed))
+    assert check is not None and check.fits
+    assert (check.usage_bytes, check.need_bytes, check.limit_bytes) == \
+        (900 * MiB, 600 * MiB, 2048 * MiB)
+    # Two workers of the new version: 900 + 1200 MiB > 90% of 2048 MiB.
+    plan = switch.plan(observed, desired(workers=2), repo)
+    with pytest.raises(InsufficientMemory) as info:
+        run(switch.check_memory(plan, observed))
+    assert info.value.status == 507
+    assert info.value.message == (
+        "switch to small-s0_b16d50w2 refused: it needs about 1200 MiB (serving workers' "
+        "RSS 600 MiB x 2 workers) on top of 900 MiB in use (cgroup working set), 2100 MiB "
+        f"> 90% of the memory limit 2048 MiB ({tmp_path}/cgroup/memory.max): the old and "
+        "the new version would not fit side by side. Raise the memory limit of "
+        "TorchServe's container to at least 2333 MiB, or declare fewer workers")
+
+
+def test_check_memory_uses_the_archive_size_when_nothing_serves(tmp_path, repo):
+    ts = FakeTorchServe(tmp_path / "store", initial=None)
+    size = repo.archive(V).stat().st_size
+    probe = MemoryProbe(cgroup(tmp_path, str(10 * size), 8 * size), rss=lambda pid: None)
+    switch, _, _ = make_switch(ts, memory=probe)
+    observed = seen(switch, ts)
+    with pytest.raises(InsufficientMemory, match=r"needs about .* \(archive 0 MiB x 2 "
+                       r"workers\) on top of"):
+        run(switch.check_memory(switch.plan(observed, desired(workers=2), repo), observed))
+    assert run(switch.check_memory(switch.plan(observed, desired(workers=1), repo),
+                                   observed)).need_bytes == size
+    # No limit (memory.max "max"): nothing to respect.
+    open_probe = MemoryProbe(cgroup(tmp_path / "x", "max", 0), rss=lambda pid: None)
+    switch, _, _ = make_switch(ts, memory=open_probe)
+    assert run(switch.check_memory(switch.plan(observed, desired(workers=64), repo),
+                                   observed)) is None
+
+
+def test_an_explicit_limit_counts_the_workers_rss_not_the_sidecars_cgroup(ts, repo, tmp_path):
+    ts.memory["1.0"] = 300 * MiB  # what TorchServe reports when psutil cannot see the pid
+    probe = MemoryProbe(cgroup(tmp_path, str(100 * MiB), 90 * MiB),
+                        limit_bytes=1000 * MiB, rss=lambda pid: None)
+    switch, _, _ = make_switch(ts, memory=probe)
+    observed = seen(switch, ts)
+    switch.watch(observed)
+    check = run(switch.check_memory(switch.plan(observed, desired(), repo), observed))
+    assert check is not None
+    assert (check.usage_bytes, check.need_bytes, check.limit_source) == \
+        (300 * MiB, 300 * MiB, "--memory-limit-bytes")
+
+
+def test_a_refused_switch_changes_nothing(ts, repo, tmp_path):
+    probe = MemoryProbe(cgroup(tmp_path, str(1000 * MiB), 950 * MiB), rss={100: 100 * MiB}.get)
+    switch, phases, _ = make_switch(ts, memory=probe)
+    observed = seen(switch, ts)
+    with pytest.raises(InsufficientMemory):
+        run(switch.switch(switch.plan(observed, desired(), repo), observed))
+    assert phases == ["idle", "failed"] and ts.calls == []
+    assert set(ts.versions) == {"1.0"} and files(ts.store) == ["dlrm.mar"]
+    assert switch.last_error.startswith(f"switch to {TARGET} refused: it needs about 100 MiB")
+
+
+def test_the_peak_is_sampled_over_every_registered_versions_workers(ts, repo, tmp_path):
+    rss = {100: 500 * MiB, 101: 700 * MiB}
+    files_ = cgroup(tmp_path, str(4096 * MiB), 1000 * MiB)
+    switch, _, _ = make_switch(ts, memory=MemoryProbe(files_, rss=rss.get))
+    observed = seen(switch, ts)
+    current = tmp_path / "cgroup" / "memory.current"
+
+    async def go() -> None:
+        plan = switch.plan(observed, desired(), repo)
+        await switch.switch(plan, observed)   # the new worker (pid 101) is sampled too
+        current.write_text(str(1800 * MiB))   # e.g. the page cache of the copy
+        switch.sample()
+        current.write_text(str(1200 * MiB))
+        await switch.retire(observed.get("1.0"))
+
+    run(go())
+    assert switch.tracker.peak_rss_bytes == 1200 * MiB
+    assert switch.tracker.peak_bytes == 1800 * MiB
+
+
 # ------------------------------------------------------------------ through the app
 
 
-def test_put_batching_runs_the_switch_and_get_shows_its_status(ts):
+def test_put_batching_edits_the_desired_state_and_waits_until_it_serves(ts, repo, tmp_path):
     registry = CollectorRegistry()
+    state_file = tmp_path / "state" / "state.yaml"
+    write_state(state_file, desired(batch_size=8))
     app = create_app(SidecarConfig(management_url=MGMT, metrics_url=MGMT, token=TOKEN,
-                                   model_store=ts.store, switch_grace_s=0.0),
+                                   model_store=ts.store, switch_grace_s=0.0,
+                                   state_file=state_file, repositories=tuple(repo.roots),
+                                   cgroup_root=tmp_path / "no-cgroup",
+                                   reconcile_interval_s=0.05),
                      registry=registry,
                      http_client=httpx.AsyncClient(transport=ts.transport()))
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -443,25 +530,44 @@ def test_put_batching_runs_the_switch_and_get_shows_its_status(ts):
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as c:
+                for _ in range(200):  # the first pass replaces 1.0 by the declared state
+                    if (await c.get("/state")).json()["converged"]:
+                        break
+                    await asyncio.sleep(0.02)
                 put = await c.put("/batching", json={"batch_size": 16}, headers=auth)
                 ok = await c.get("/batching")
                 ts.failures[("POST", "/models")] = 500
                 failed = await c.put("/batching", json={"batch_size": 4}, headers=auth)
                 after = await c.get("/batching")
-                return [put, ok, failed, after]
+                await asyncio.sleep(0.2)  # a few passes: the reverted state is converged
+                state = await c.get("/state")
+                return [put, ok, failed, after, state]
 
-    put, ok, failed, after = run(go())
+    put, ok, failed, after, state = run(go())
     assert put.status_code == 200, put.text
-    assert put.json()["model_version"] == "1.1" and put.json()["removed_version"] == "1.0"
+    assert put.json() == {
+        "batch_size": 16, "max_batch_delay_ms": 50, "workers": 1, "model_version": TARGET,
+        "changed": True, "seconds": pytest.approx(put.json()["seconds"]),
+        "removed_version": "small-s0_b8d50w1",
+        "previous": {"batch_size": 8, "max_batch_delay_ms": 50, "workers": 1,
+                     "model_version": "small-s0_b8d50w1"}}
     assert ok.json() == {"batch_size": 16, "max_batch_delay_ms": 50, "workers": 1,
-                         "model_version": "1.1"}  # idle: no status fields
+                         "model_version": TARGET}  # idle: no status fields
     assert failed.status_code == 503 and failed.json()["type"] == "UpstreamUnavailable"
     assert after.json() == {
-        "batch_size": 16, "max_batch_delay_ms": 50, "workers": 1, "model_version": "1.1",
+        "batch_size": 16, "max_batch_delay_ms": 50, "workers": 1, "model_version": TARGET,
         "switch_phase": "failed", "switch_error": failed.json()["message"]}
+    # The failed change was taken back: the file declares what serves.
+    assert yaml.safe_load(state_file.read_text())["batching"]["batch_size"] == 16
+    body = state.json()
+    assert body["converged"] is True and body["phase"] == "failed"
+    assert body["last_switch"]["ok"] is False
+    assert body["last_switch"]["error"] == failed.json()["message"]
+    assert set(ts.versions) == {TARGET}
     got = samples(generate_latest(registry).decode())
     phases = {dict(lab)["phase"]: v for (name, lab), v in got.items()
               if name == "dlrm_switch_phase"}
     assert phases == {p: (1.0 if p == "failed" else 0.0) for p in SWITCH_PHASES}
     assert got[("dlrm_batching_updates_total", (("result", "failed"),))] == 1
     assert got[("dlrm_batching_updates_total", (("result", "applied"),))] == 1
+    assert got[("dlrm_state_converged", ())] == 1

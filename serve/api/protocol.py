@@ -145,6 +145,10 @@ class HandlerConfig:
         max_ids_per_feature: most ids in one feature of one instance; more -> 400.
         max_body_bytes: largest body the handler decodes; larger -> 413. Keep it below
             TorchServe's ``max_request_size`` so ours is the limit users meet.
+        debug_delay_ms: FOR TESTS ONLY: milliseconds the handler sleeps per forward (per
+            TorchServe batch), so a test can make a tiny model slow enough that the queue
+            holds seconds of work (e.g. to prove a version switch drains it). 0..10000;
+            leave it 0 in any archive that serves traffic.
     """
 
     cache_load_factor: float | None = 0.2
@@ -154,6 +158,7 @@ class HandlerConfig:
     max_instances: int = 4096
     max_ids_per_feature: int = 64
     max_body_bytes: int = 16 * 1024 * 1024
+    debug_delay_ms: int = 0
 
     def __post_init__(self) -> None:
         lf = self.cache_load_factor
@@ -172,6 +177,10 @@ class HandlerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1")
+        d = self.debug_delay_ms
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 10_000:
+            raise ConfigError(f"handler.debug_delay_ms={d!r} must be an integer in 0..10000 "
+                              "(ms slept per batch; for tests only)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> HandlerConfig:

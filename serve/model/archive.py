@@ -11,9 +11,13 @@ time at every start.
 
 Example::
 
-    build_mar(Path("build/small/artifact.pt"), Path("model_store"),
+    build_mar(Path("build/small-s0/artifact.pt"), Path("build/small-s0"),
+              version="small-int8-s0", file_name="dlrm-small-int8-s0.mar",
               batch_size=8, max_batch_delay_ms=5,
-              handler_config={"cache_load_factor": 0.2})   # -> model_store/dlrm.mar
+              handler_config={"cache_load_factor": 0.2})   # -> build/small-s0/dlrm-small-int8-s0.mar
+
+The pipeline builds the archive in its work directory and then stores it as an immutable
+version with ``serve.repository.ModelRepository.add``; nothing here writes the repository.
 """
 from __future__ import annotations
 
@@ -74,12 +78,15 @@ def model_config(*, batch_size: int = 8, max_batch_delay_ms: int = 5,
 def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", version: str = "1.0",
               batch_size: int = 8, max_batch_delay_ms: int = 5,
               handler_config: dict | None = None, min_workers: int = 1, max_workers: int = 1,
-              response_timeout_s: int = 120) -> Path:
-    """Write ``export_dir/{model_name}.mar`` (overwriting) and return its path.
+              response_timeout_s: int = 120, file_name: str | None = None) -> Path:
+    """Write ``export_dir/{file_name}`` (overwriting, atomically) and return its path.
 
     Args:
         artifact: a file written by ``serve.runtime.artifact.save_artifact``.
-        export_dir: created if missing (e.g. ``model_store``).
+        export_dir: created if missing (e.g. the pipeline's work directory).
+        model_name / version: TorchServe's model name and the archive's version
+            (``torch-model-archiver --version``; the pipeline passes the model version).
+        file_name: the archive's file name (default ``{model_name}.mar``).
         batch_size / max_batch_delay_ms: TorchServe batching (requests per batch, ms to wait).
         handler_config: keys of :class:`serve.api.protocol.HandlerConfig` (cache_load_factor,
             cache_policy, max_instances, max_ids_per_feature, ...).
@@ -94,6 +101,9 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
         raise ArtifactError(f"artifact {artifact} does not exist; build it with `make model`")
     if not _NAME_RE.match(model_name):
         raise ConfigError(f"build_mar: model_name {model_name!r} must match {_NAME_RE.pattern}")
+    file_name = file_name or f"{model_name}.mar"
+    if "/" in file_name or not file_name.endswith(".mar"):
+        raise ConfigError(f"build_mar: file_name {file_name!r} must be a plain name ending in .mar")
     cfg = model_config(batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
                        handler_config=handler_config, min_workers=min_workers,
                        max_workers=max_workers, response_timeout_s=response_timeout_s)
@@ -114,14 +124,14 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
                "--handler", str(HANDLER_FILE), "--serialized-file", str(staged),
                "--config-file", str(cfg_path), "--export-path", str(out_tmp),
                "--archive-format", "zip-store", "--force"]
-        log.info("packing %s (%.1f MB) into %s/%s.mar", artifact,
-                 artifact.stat().st_size / 1e6, export_dir, model_name)
+        log.info("packing %s (%.1f MB) into %s/%s", artifact,
+                 artifact.stat().st_size / 1e6, export_dir, file_name)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise ArtifactError(f"torch-model-archiver failed ({proc.returncode}): "
                                 f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
         built = out_tmp / f"{model_name}.mar"
-        final = export_dir / f"{model_name}.mar"
+        final = export_dir / file_name
         os.replace(built, final)  # atomic: a running TorchServe never sees half a file
     return final
 

@@ -1,20 +1,35 @@
 """The whole model build, idempotent: data -> train -> merge -> quantize -> archive.
 
-Each step writes into ``--workdir`` (default ``build/<profile>``) and records
-``<step>.done.json`` holding a fingerprint of what it was built from: the profile,
-the step's arguments, a hash of the source files that implement it, and the
-fingerprint of the step before it. A step whose outputs exist and whose fingerprint is
-unchanged is skipped, so ``make model`` twice does the work once, and editing
-``serve/train.py`` retrains (and re-merges, re-quantizes, re-archives) but does not
-regenerate the data.
+Every build adds one **immutable version** to the model repository
+(:class:`serve.repository.ModelRepository`, ``--model-store``, default ``model_store/``):
+``dlrm-<version>.mar`` and its build report ``dlrm-<version>.json``, both read-only. The
+version name defaults to ``<profile>-<dtype>-s<seed>`` (``small-int8-s0``); ``--version``
+names it. ``--seed`` picks the training seed (initial weights); the data keeps the
+profile's seed, so two seeds train on the same click logs and give two different models.
 
-Outputs: ``<model-store>/dlrm.mar`` (``serve.model.archive.build_mar``) and
-``<model-store>/dlrm.report.json`` (profile, world size, sharding plan, merge diff,
-AUCs, table bytes, parameters, wall time per step, git commit).
+Each step writes into ``--workdir`` (default ``build/<profile>-s<seed>``, one per seed so
+two seeds keep their own checkpoints) and records ``<step>.done.json`` holding a
+fingerprint of what it was built from: the profile, the step's arguments, a hash of the
+source files that implement it, and the fingerprint of the step before it. A step whose
+outputs exist and whose fingerprint is unchanged is skipped, so ``make model`` twice does
+the work once, and editing ``serve/model/train.py`` retrains (and re-merges,
+re-quantizes, re-archives) but does not regenerate the data.
+
+The archive step's fingerprint chains all the others, so it identifies the build; the
+report keeps it as ``build_fingerprint``. Fingerprints depend only on arguments and
+sources, so the repository is checked before any work:
+
+- the version exists with this build's fingerprint: nothing to do, every step is up to date;
+- it exists with another fingerprint (or ``--force`` is given): ``ConfigError`` — versions
+  are immutable, so a different build needs another name (``--version``).
+
+The report (``REPORT_KEYS``): version, seed, build fingerprint, the archive's batching
+and workers, profile, world size, sharding plan, merge diff, AUCs, table bytes,
+parameters, wall time per step, git commit.
 
 Example::
 
-    python -m serve.model.pipeline --profile tiny --workdir build/tiny --model-store model_store
+    python -m serve.model.pipeline --profile tiny --seed 7    # -> model_store/dlrm-tiny-int8-s7.mar
 """
 from __future__ import annotations
 
@@ -24,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,23 +52,30 @@ from typing import Any
 from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
+from serve.repository import ModelRepository
+from serve.state import VERSION_RE
 
 __all__ = [
     "REPORT_KEYS",
     "STEPS",
     "PipelineConfig",
     "PipelineResult",
+    "default_version",
+    "default_workdir",
     "main",
     "run_pipeline",
     "source_hash",
+    "step_fingerprints",
 ]
 
 log = logging.getLogger(__name__)
 
 STEPS = ("data", "train", "merge", "quantize", "archive")
-REPORT_KEYS = ("profile", "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32",
-               "auc_quantized", "quantized_dtype", "table_bytes_fp32", "table_bytes_quantized",
-               "num_parameters", "created_at", "git_commit")
+REPORT_KEYS = ("version", "seed", "data_seed", "build_fingerprint", "archive", "mar_batch_size",
+               "mar_max_batch_delay_ms", "mar_workers", "profile", "world_size", "sharding_plan",
+               "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype",
+               "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
+               "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
@@ -65,14 +88,31 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
 }
 
 
+def default_version(profile_name: str, dtype: str, seed: int) -> str:
+    """The version a build gets without ``--version``: ``small-int8-s0``."""
+    return f"{profile_name}-{dtype}-s{seed}"
+
+
+def default_workdir(profile_name: str, seed: int) -> Path:
+    """One build directory per (profile, seed): ``build/small-s0``."""
+    return Path("build") / f"{profile_name}-s{seed}"
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """One model build. ``None`` fields take the profile's value."""
+    """One model build. ``None`` fields take the profile's value.
+
+    ``seed`` is the training seed (initial weights; the data always uses the profile's
+    seed); ``version`` names the model version the build adds to ``model_store``
+    (default :func:`default_version`).
+    """
 
     profile: Profile
     workdir: Path
     model_store: Path = Path("model_store")
     model_name: str = "dlrm"
+    seed: int | None = None
+    version: str | None = None
     nproc: int = 2
     backend: str = "auto"
     dtype: str = "int8"
@@ -102,6 +142,23 @@ class PipelineConfig:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or self.seed < 0):
+            raise ConfigError(f"--seed {self.seed!r} must be an integer >= 0")
+        if not re.match(VERSION_RE, self.version_name):
+            raise ConfigError(
+                f"--version {self.version_name!r} is not a valid version name: use letters, "
+                "digits, '.' and '-' (no '_', it separates a version from its batching suffix), "
+                f"starting with a letter or digit, at most 64 characters ({VERSION_RE})")
+
+    @property
+    def train_seed(self) -> int:
+        return self.profile.seed if self.seed is None else self.seed
+
+    @property
+    def version_name(self) -> str:
+        if self.version is not None:
+            return self.version
+        return default_version(self.profile.name, self.dtype, self.train_seed)
 
     @property
     def data_dir(self) -> Path:
@@ -121,15 +178,20 @@ class PipelineConfig:
 
     @property
     def mar(self) -> Path:
-        return self.model_store / f"{self.model_name}.mar"
+        """The archive as built in the work directory (the repository gets a copy)."""
+        return self.workdir / f"{self.model_name}-{self.version_name}.mar"
 
     @property
-    def report_path(self) -> Path:
-        return self.model_store / f"{self.model_name}.report.json"
+    def repository(self) -> ModelRepository:
+        return ModelRepository([self.model_store], self.model_name)
 
 
 @dataclass
 class PipelineResult:
+    """``report`` is the version's report as stored in the repository."""
+
+    version: str
+    archive: Path   # the version's .mar in the repository
     report: dict[str, Any]
     ran: list[str]
     skipped: list[str]
@@ -166,17 +228,20 @@ def _git_commit() -> str | None:
     return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
+
+
 class _Runner:
-    def __init__(self, cfg: PipelineConfig, say: Callable[[str], None]) -> None:
-        self.cfg, self.say = cfg, say
+    def __init__(self, cfg: PipelineConfig, args: dict[str, dict[str, Any]],
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.args, self.say = cfg, args, say
+        self.fingerprints = _chain(cfg, args)
         self.ran: list[str] = []
         self.skipped: list[str] = []
         self.records: dict[str, dict] = {}
-        self.upstream = ""
 
-    def step(self, name: str, args: dict[str, Any], outputs: list[Path],
+    def step(self, name: str, outputs: list[Path],
              fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        fp = _fingerprint(name, self.cfg, args, self.upstream)
+        fp = self.fingerprints[name]
         done = self.cfg.workdir / f"{name}.done.json"
         if not self.cfg.force and done.is_file() and all(o.exists() for o in outputs):
             try:
@@ -187,13 +252,13 @@ class _Runner:
                 self.say(f"[{name}] up to date (fingerprint {fp}), skipped")
                 self.skipped.append(name)
                 self.records[name] = rec
-                self.upstream = fp
                 return rec["result"]
         self.say(f"[{name}] running ...")
         t0 = time.perf_counter()
         result = fn()
         wall = round(time.perf_counter() - t0, 3)
-        rec = {"fingerprint": fp, "args": args, "result": result, "wall_seconds": wall,
+        rec = {"fingerprint": fp, "args": self.args[name], "result": result,
+               "wall_seconds": wall,
                "finished_at": datetime.now(UTC).isoformat(timespec="seconds")}
         tmp = done.with_name(done.name + ".tmp")
         tmp.write_text(json.dumps(rec, indent=2, default=str))
@@ -201,14 +266,72 @@ class _Runner:
         self.say(f"[{name}] done in {wall:.1f}s")
         self.ran.append(name)
         self.records[name] = rec
-        self.upstream = fp
         return result
 
 
+def _train_config(cfg: PipelineConfig) -> Any:
+    from serve.model.train import TrainConfig
+
+    return TrainConfig(profile=cfg.profile, data_dir=cfg.data_dir, out_dir=cfg.checkpoint_dir,
+                       nproc=cfg.nproc, backend=cfg.backend, batch_size=cfg.batch_size,
+                       learning_rate=cfg.learning_rate, threads=cfg.threads,
+                       num_workers=cfg.num_workers, seed=cfg.seed)
+
+
+def _data_config(cfg: PipelineConfig) -> Any:
+    from serve.model.data import DataConfig
+
+    # The profile's data seed, whatever the training seed: two seeds, same click logs.
+    return DataConfig.for_profile(cfg.profile, cfg.alpha, cfg.samples, cfg.eval_samples)
+
+
+def _step_args(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """Each step's arguments, in ``STEPS`` order (they and the sources make the fingerprints)."""
+    dcfg, tcfg = _data_config(cfg), _train_config(cfg)
+    return {
+        "data": {"alpha": dcfg.alpha, "train_samples": dcfg.train_samples,
+                 "eval_samples": dcfg.eval_samples, "seed": dcfg.seed},
+        "train": {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
+                  "batch_size": tcfg.global_batch, "lr": tcfg.lr,
+                  "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads,
+                  "seed": tcfg.resolved_seed},
+        "merge": {},
+        "quantize": {"dtype": cfg.dtype, "check": cfg.check_quality},
+        "archive": {"model_name": cfg.model_name, "version": cfg.version_name,
+                    "mar_batch_size": cfg.mar_batch_size,
+                    "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms,
+                    "mar_workers": cfg.mar_workers, "handler_config": cfg.handler_config},
+    }
+
+
+def step_fingerprints(cfg: PipelineConfig) -> dict[str, str]:
+    """Every step's fingerprint, computed without running anything.
+
+    ``step_fingerprints(cfg)["archive"]`` chains them all: it is the build's fingerprint,
+    stored in the report as ``build_fingerprint``.
+    """
+    return _chain(cfg, _step_args(cfg))
+
+
+def _chain(cfg: PipelineConfig, step_args: dict[str, dict[str, Any]]) -> dict[str, str]:
+    fps: dict[str, str] = {}
+    upstream = ""
+    for name in STEPS:
+        upstream = fps[name] = _fingerprint(name, cfg, step_args[name], upstream)
+    return fps
+
+
 def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
-            records: dict[str, dict], mar: Path) -> dict[str, Any]:
+            records: dict[str, dict], data_seed: int, build_fingerprint: str,
+            archive_name: str) -> dict[str, Any]:
     """The build report (``REPORT_KEYS``) from the train, merge and quantize step results."""
     return {
+        "version": cfg.version_name, "model_name": cfg.model_name,
+        "seed": cfg.train_seed, "data_seed": data_seed,
+        "build_fingerprint": build_fingerprint, "archive": archive_name,
+        # What the archive's model-config.yaml says: `make up` declares these by default.
+        "mar_batch_size": cfg.mar_batch_size,
+        "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms, "mar_workers": cfg.mar_workers,
         "profile": cfg.profile.name, "world_size": tres["world_size"],
         "backend": tres.get("backend"), "sharding_plan": tres["sharding_plan"],
         "merged_max_abs_diff": mres["merged_max_abs_diff"],
@@ -222,28 +345,57 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "wall_seconds": {s: records[s]["wall_seconds"] for s in STEPS[:-1]},
-        "artifact": os.fspath(cfg.artifact.resolve()), "mar": os.fspath(mar.resolve()),
+        "build_dir": os.fspath(cfg.workdir),
     }
 
 
+def _immutable(cfg: PipelineConfig, existing: dict[str, Any], build_fp: str) -> ConfigError:
+    v = cfg.version_name
+    head = (f"version {v!r} already exists and versions are immutable; pass --version NAME "
+            f"(make model VERSION=NAME)")
+    if cfg.force:
+        return ConfigError(f"{head}: --force rebuilds every step, which makes a new version")
+    return ConfigError(
+        f"{head}: {cfg.model_store}/{cfg.model_name}-{v}.json was built from fingerprint "
+        f"{existing.get('build_fingerprint')} ({existing.get('created_at')}), this build is "
+        f"{build_fp} (its arguments or sources differ)")
+
+
 def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> PipelineResult:
-    """Build (or confirm up to date) every step; return the report."""
-    from serve.model.data import DataConfig, generate
+    """Add version ``cfg.version_name`` to the repository, or confirm it holds this build.
+
+    Raises:
+        ConfigError: the version exists with another build (or ``force``); a bad setting.
+        ShardingError: ``nproc`` ranks cannot share the tables.
+    """
+    from serve.model.data import generate
     from serve.model.merge import merge_checkpoint
     from serve.model.quantize import quantize
-    from serve.model.train import TrainConfig, plan_sharding, train
+    from serve.model.train import plan_sharding, train
 
     p = cfg.profile
+    tcfg = _train_config(cfg)
+    step_args = _step_args(cfg)
+    fps = _chain(cfg, step_args)
+    build_fp = fps["archive"]
+    repo, version = cfg.repository, cfg.version_name
+    # The repository first: fingerprints need no work, so "up to date" costs only the
+    # imports, and a name clash fails before hours of training.
+    if repo.exists(version):
+        existing = repo.report(version)
+        if cfg.force or existing.get("build_fingerprint") != build_fp:
+            raise _immutable(cfg, existing, build_fp)
+        say(f"version {version} is in {cfg.model_store} with this build's fingerprint "
+            f"{build_fp}: nothing to build")
+        for name in STEPS:
+            say(f"[{name}] up to date (fingerprint {fps[name]}), skipped")
+        return PipelineResult(version, repo.archive(version), existing, [], list(STEPS))
     # Validate the world size before generating anything (fails fast, clear message).
-    backend = TrainConfig(profile=p, data_dir=cfg.data_dir, out_dir=cfg.checkpoint_dir,
-                          backend=cfg.backend).resolved_backend()
-    plan_sharding(p, cfg.nproc, "cuda" if backend == "nccl" else "cpu")
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    r = _Runner(cfg, say)
+    plan_sharding(p, cfg.nproc, "cuda" if tcfg.resolved_backend() == "nccl" else "cpu")
 
-    dcfg = DataConfig.for_profile(p, cfg.alpha, cfg.samples, cfg.eval_samples)
-    data_args = {"alpha": dcfg.alpha, "train_samples": dcfg.train_samples,
-                 "eval_samples": dcfg.eval_samples, "seed": dcfg.seed}
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    r = _Runner(cfg, step_args, say)
+    dcfg = _data_config(cfg)
 
     def do_data() -> dict:
         generate(dcfg, cfg.data_dir)
@@ -252,23 +404,15 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
                 "eval_rows": meta["splits"]["eval"]["rows"],
                 "ctr": meta["splits"]["train"]["ctr"], "alpha": meta["alpha"]}
 
-    r.step("data", data_args, [cfg.data_dir / "meta.json"], do_data)
-
-    tcfg = TrainConfig(profile=p, data_dir=cfg.data_dir, out_dir=cfg.checkpoint_dir,
-                       nproc=cfg.nproc, backend=cfg.backend, batch_size=cfg.batch_size,
-                       learning_rate=cfg.learning_rate, threads=cfg.threads,
-                       num_workers=cfg.num_workers)
-    train_args = {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
-                  "batch_size": tcfg.global_batch, "lr": tcfg.lr,
-                  "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads}
-    tres = r.step("train", train_args, [cfg.checkpoint_dir / ".metadata"], lambda: train(tcfg))
+    r.step("data", [cfg.data_dir / "meta.json"], do_data)
+    tres = r.step("train", [cfg.checkpoint_dir / ".metadata"], lambda: train(tcfg))
 
     def do_merge() -> dict:
         m = merge_checkpoint(cfg.checkpoint_dir, p, cfg.merged)
         return {"merged_max_abs_diff": m.merged_max_abs_diff, "world_size": m.world_size,
                 "num_parameters": m.num_parameters}
 
-    mres = r.step("merge", {}, [cfg.merged], do_merge)
+    mres = r.step("merge", [cfg.merged], do_merge)
 
     def do_quantize() -> dict:
         q = quantize(cfg.merged, p, cfg.data_dir, cfg.dtype, cfg.artifact,
@@ -277,44 +421,60 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
             f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
         return dataclasses.asdict(q)
 
-    qres = r.step("quantize", {"dtype": cfg.dtype, "check": cfg.check_quality},
-                  [cfg.artifact], do_quantize)
+    qres = r.step("quantize", [cfg.artifact], do_quantize)
 
     def do_archive() -> dict:
         from serve.model.archive import build_mar
 
-        mar = build_mar(cfg.artifact, cfg.model_store, model_name=cfg.model_name,
-                        batch_size=cfg.mar_batch_size,
+        # Built in the work directory, then stored: the repository only ever sees a
+        # complete archive, and its report is written last (serve.repository).
+        mar = build_mar(cfg.artifact, cfg.workdir, model_name=cfg.model_name, version=version,
+                        file_name=cfg.mar.name, batch_size=cfg.mar_batch_size,
                         max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
                         min_workers=cfg.mar_workers, max_workers=cfg.mar_workers,
                         handler_config=cfg.handler_config or None)
-        report = _report(cfg, tres, mres, qres, r.records, mar)
-        tmp = cfg.report_path.with_name(cfg.report_path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, cfg.report_path)
-        return {"mar": os.fspath(mar), "mar_bytes": mar.stat().st_size}
+        report = _report(cfg, tres, mres, qres, r.records, dcfg.seed, build_fp,
+                         repo.archive_name(version))
+        try:
+            stored = repo.add(version, mar, report)
+        finally:
+            mar.unlink(missing_ok=True)  # the repository holds the copy (.mar can be GBs)
+        say(f"[archive] added version {version}: {stored}")
+        return {"version": version, "archive": os.fspath(stored),
+                "mar_bytes": stored.stat().st_size}
 
-    r.step("archive", {"model_name": cfg.model_name, "mar_batch_size": cfg.mar_batch_size,
-                       "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms,
-                       "mar_workers": cfg.mar_workers,
-                       "handler_config": cfg.handler_config},
-           [cfg.mar, cfg.report_path], do_archive)
-    report = json.loads(cfg.report_path.read_text())
+    # The version is not in the repository (checked above), so this step always runs.
+    r.step("archive", [cfg.model_store / repo.archive_name(version)], do_archive)
+    report = repo.report(version)
     report["wall_seconds"]["archive"] = r.records["archive"]["wall_seconds"]
-    return PipelineResult(report, r.ran, r.skipped)
+    return PipelineResult(version, repo.archive(version), report, r.ran, r.skipped)
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.model.pipeline",
-        description="Build the served model end to end: generate click logs, train sharded "
+        description="Build a model version end to end: generate click logs, train sharded "
                     "(TorchRec DMP over --nproc ranks), merge the checkpoint, quantize the "
-                    "tables, pack model_store/dlrm.mar and dlrm.report.json. Steps whose "
-                    "inputs did not change are skipped (--force redoes them).")
+                    "tables, pack the .mar, and add it to the model repository as "
+                    "model_store/dlrm-<version>.mar + dlrm-<version>.json (read-only: "
+                    "versions are immutable). Steps whose inputs did not change are skipped "
+                    "(--force redoes them).")
     ap.add_argument("--profile", default="small", help=f"profile ({', '.join(PROFILES)}); default small")
-    ap.add_argument("--workdir", default=None, help="build directory (default build/<profile>)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="training seed (initial weights; default: the profile's). The data keeps "
+                         "the profile's seed, so seeds differ only in the trained weights")
+    ap.add_argument("--version", default=None,
+                    help="name of the model version to add (default <profile>-<dtype>-s<seed>, "
+                         "e.g. small-int8-s0); letters, digits, '.', '-'. A version is never "
+                         "replaced: a different build needs a new name")
+    ap.add_argument("--workdir", default=None,
+                    help="build directory (default build/<profile>-s<seed>: one per seed, so "
+                         "each keeps its own step cache)")
     ap.add_argument("--model-store", default="model_store",
-                    help="where dlrm.mar and dlrm.report.json go (default model_store)")
+                    help="the model repository the version is added to (default model_store)")
+    ap.add_argument("--if-missing", action="store_true",
+                    help="do nothing when the repository already holds any version (what "
+                         "`make run`/`make up` need: they serve the declared version)")
     ap.add_argument("--model-name", default="dlrm", help="TorchServe model name (default dlrm)")
     ap.add_argument("--nproc", type=int, default=2, help="training ranks (default 2)")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -334,7 +494,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mar-workers", type=int, default=2,
                     help="TorchServe workers in the .mar (default 2: one per core on a 2-core pod, "
                          "each with cores/workers torch threads; use 1 per GPU on GPU pods)")
-    ap.add_argument("--force", action="store_true", help="redo every step")
+    ap.add_argument("--force", action="store_true",
+                    help="redo every step (a forced rebuild is a new version: give --version)")
     ap.add_argument("--no-quality-check", action="store_true",
                     help="do not fail when int8 AUC < fp32 AUC - 0.001 (still reported)")
     return ap
@@ -346,9 +507,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         profile = get_profile(args.profile)
+        store = Path(args.model_store)
+        if args.if_missing:
+            existing = ModelRepository([store], args.model_name).versions()
+            if existing:
+                print(f"{store} holds {len(existing)} model version(s), latest {existing[-1]}; "
+                      "not building (--if-missing)")
+                return 0
+        seed = profile.seed if args.seed is None else args.seed
         cfg = PipelineConfig(
-            profile=profile, workdir=Path(args.workdir or f"build/{profile.name}"),
-            model_store=Path(args.model_store), model_name=args.model_name, nproc=args.nproc,
+            profile=profile, workdir=Path(args.workdir or default_workdir(profile.name, seed)),
+            model_store=store, model_name=args.model_name, seed=args.seed,
+            version=args.version, nproc=args.nproc,
             backend=args.backend, dtype=args.dtype, alpha=args.alpha, samples=args.samples,
             eval_samples=args.eval_samples, batch_size=args.batch_size,
             learning_rate=args.lr, threads=args.threads, mar_batch_size=args.mar_batch_size,
@@ -359,16 +529,31 @@ def main(argv: list[str] | None = None) -> int:
     except ServeError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
-    rep = res.report
-    print(f"\nbuilt {rep['mar']} (profile {rep['profile']}, {rep['world_size']} ranks) in "
-          f"{time.perf_counter() - t0:.1f}s; ran {', '.join(res.ran) or 'nothing'}"
-          f"{'; skipped ' + ', '.join(res.skipped) if res.skipped else ''}")
-    print(f"  merged_max_abs_diff {rep['merged_max_abs_diff']:.3g}")
-    print(f"  AUC fp32 {rep['auc_fp32']:.4f}  {rep['quantized_dtype']} {rep['auc_quantized']:.4f}")
-    print(f"  tables {rep['table_bytes_fp32']:,} B fp32 -> {rep['table_bytes_quantized']:,} B "
-          f"{rep['quantized_dtype']}; {rep['num_parameters']:,} parameters")
-    print(f"  report {cfg.report_path}")
+    print(_summary(res, time.perf_counter() - t0))
+    print(f"  versions in {cfg.model_store}: {', '.join(cfg.repository.versions())}")
     return 0
+
+
+def _summary(res: PipelineResult, seconds: float) -> str:
+    rep = res.report
+    ran = ", ".join(res.ran) or "nothing"
+    skipped = f"; skipped {', '.join(res.skipped)}" if res.skipped else ""
+    head = (f"version {res.version}: {res.archive} (profile {rep.get('profile')}, seed "
+            f"{rep.get('seed')}, {rep.get('world_size')} ranks) in {seconds:.1f}s; "
+            f"ran {ran}{skipped}")
+    lines = ["", head]
+    try:  # a version stored by an older pipeline may lack some keys: show what there is
+        dtype = rep["quantized_dtype"]
+        tables = (f"  tables {rep['table_bytes_fp32']:,} B fp32 -> "
+                  f"{rep['table_bytes_quantized']:,} B {dtype}; "
+                  f"{rep['num_parameters']:,} parameters")
+        lines += [f"  merged_max_abs_diff {rep['merged_max_abs_diff']:.3g}",
+                  f"  AUC fp32 {rep['auc_fp32']:.4f}  {dtype} {rep['auc_quantized']:.4f}",
+                  tables]
+    except (KeyError, TypeError, ValueError):
+        pass
+    lines.append(f"  report {res.archive.with_suffix('.json')}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ class TrainConfig:
     threads: int = 1                 # torch intra-op threads per rank
     eval_batch: int = 512            # rows of the fixed batch saved for the merge check
     log_every: int = 50
-    seed: int | None = None
+    seed: int | None = None          # initial weights (None: the profile's seed)
 
     def __post_init__(self) -> None:
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"--seed {self.seed} must be >= 0")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -96,6 +98,10 @@ class TrainConfig:
     @property
     def global_batch(self) -> int:
         return self.batch_size or self.profile.batch_size
+
+    @property
+    def resolved_seed(self) -> int:
+        return self.profile.seed if self.seed is None else self.seed
 
     @property
     def lr(self) -> float:
@@ -329,7 +335,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
         p = cfg.profile
-        seed = p.seed if cfg.seed is None else cfg.seed
+        seed = cfg.resolved_seed
         torch.manual_seed(seed)
         local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         local_batch = max(1, cfg.global_batch // world_size)
@@ -431,6 +437,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank; ranks x threads should not exceed cores")
     ap.add_argument("--log-every", type=int, default=50, help="progress line every N steps")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the initial weights (default: the profile's); the data's own "
+                         "seed is set when it is generated (serve.model.data --seed)")
     return ap
 
 
@@ -440,7 +449,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        batch_size=args.batch_size, learning_rate=args.lr,
                        dense_learning_rate=args.dense_lr, epochs=args.epochs,
                        max_steps=args.max_steps, num_workers=args.workers,
-                       threads=args.threads, log_every=args.log_every)
+                       threads=args.threads, log_every=args.log_every, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,20 @@
-"""Start, wait for and stop the service: TorchServe (+ the sidecar when it exists).
+"""Start, wait for and stop the service: TorchServe and the sidecar.
 
     python -m serve.ops.launcher run    # foreground; Ctrl-C / SIGTERM stops everything
     python -m serve.ops.launcher up     # background; pids in .run/, returns once ready
     python -m serve.ops.launcher down   # stops what `up` started
 
-Builds nothing (``make run`` builds ``model_store/dlrm.mar`` first). "Ready" means a
-real predict was answered, not just ``/ping``. Ports come from flags, else the env
+Builds nothing (``make run`` adds a model version to ``model_store/`` first if it holds
+none). What to serve is the **desired state**, ``.run/state.yaml`` (``serve.state``): when
+it is absent it is created from the repository's latest version and that version's
+report (its ``.mar`` batching and workers); when it exists it is left alone, so
+``make down && make up`` comes back to the same state. TorchServe starts with **no
+model**; the sidecar (``--state-file``, ``--repository``) registers the version the state
+names. Tests and benchmarks load an archive of the model store at start instead
+(``--mar NAME``; with ``--no-sidecar`` the default is ``dlrm.mar``, the name the test
+fixtures build).
+
+"Ready" means a real predict was answered, not just ``/ping``. Ports come from flags, else the env
 (TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, and
 GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
 8080/8081/8082/8090 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
@@ -26,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,17 +44,24 @@ import httpx
 
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.net import wait_until
+from serve.repository import ModelRepository
+from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
 
 __all__ = [
     "LaunchConfig",
     "Service",
+    "default_state",
+    "describe_state",
+    "ensure_state",
     "main",
     "post_json",
     "render_ts_config",
+    "sidecar_command",
     "start",
     "start_sidecar",
     "start_torchserve",
     "stop_group",
+    "torchserve_command",
     "wait_ready",
 ]
 
@@ -55,6 +72,9 @@ _ADDRESS_KEYS = {"inference_address": "inference_port", "management_address": "m
                  "metrics_address": "metrics_port"}
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
               "grpc_management_port": "grpc_management_port"}
+# Batching and workers declared when the latest version's report does not say (reports
+# from before the report carried them): the .mar defaults of serve.model.pipeline.
+_FALLBACK_BATCH_SIZE, _FALLBACK_DELAY_MS, _FALLBACK_WORKERS = 2, 2, 2
 
 
 @dataclass(frozen=True)
@@ -70,7 +90,15 @@ class LaunchConfig:
     grpc_management_port: int = 7071
     model_name: str = "dlrm"
     model_store: Path = Path("model_store")
-    mar_name: str = "dlrm.mar"
+    # The archive in model_store TorchServe loads at start (--models NAME=MAR), for tests
+    # and benchmarks. None: with the sidecar, none (TorchServe starts empty and the sidecar
+    # registers the version the desired state names: make up / make run); without it,
+    # "<model_name>.mar" (build_mar's default name, what the test fixtures build).
+    mar_name: str | None = None
+    # The desired state the sidecar serves (created from the latest version if absent).
+    state_file: Path = Path(LOCAL_STATE_FILE)
+    # Model repository folders the sidecar reads versions from (empty: model_store).
+    repositories: tuple[Path, ...] = ()
     ts_config: Path = Path("config.properties")
     run_dir: Path = Path(".run")
     log_dir: Path = Path("logs")
@@ -117,6 +145,20 @@ class LaunchConfig:
     def token_file(self) -> Path:
         return self.path(self.run_dir) / "sidecar-token"
 
+    @property
+    def startup_archive(self) -> str | None:
+        """The archive TorchServe loads at start (see ``mar_name``); None: it starts empty."""
+        if self.mar_name is not None:
+            return self.mar_name
+        return None if self.sidecar else f"{self.model_name}.mar"
+
+    @property
+    def repository_dirs(self) -> list[Path]:
+        return [self.path(r) for r in (self.repositories or (self.model_store,))]
+
+    def repository(self) -> ModelRepository:
+        return ModelRepository(self.repository_dirs, self.model_name)
+
 
 @dataclass
 class Service:
@@ -126,6 +168,7 @@ class Service:
     torchserve: subprocess.Popen
     sidecar: subprocess.Popen | None = None
     ready_s: float | None = None
+    state: DesiredState | None = None   # what the sidecar was told to serve (None: --mar)
 
     def stop(self) -> None:
         for proc in (self.sidecar, self.torchserve):
@@ -137,7 +180,8 @@ class Service:
 def render_ts_config(text: str, cfg: LaunchConfig) -> str:
     """config.properties with the addresses and model store of ``cfg`` substituted.
 
-    ``load_models`` is dropped: the launcher names the model on the command line.
+    ``load_models`` is dropped (config.properties no longer sets it): TorchServe loads
+    what the command line names (``--models``, a startup archive), else nothing.
     ``cfg.ts_overrides`` replace (or add) keys.
     """
     out = []
@@ -161,11 +205,87 @@ def render_ts_config(text: str, cfg: LaunchConfig) -> str:
     return "\n".join(out) + "\n"
 
 
+def default_state(repo: ModelRepository) -> DesiredState:
+    """The state ``make up`` declares first: the latest version, with its ``.mar``'s batching.
+
+    Batching and workers come from the version's report (``mar_batch_size``,
+    ``mar_max_batch_delay_ms``, ``mar_workers``), else 2 / 2 ms / 2.
+
+    Raises:
+        ConfigError: the repository holds no version.
+    """
+    version = repo.latest()
+    if version is None:
+        where = ", ".join(f"{_show(r)}/" for r in repo.roots)
+        raise ConfigError(f"no model version in {where}; run `make model`")
+    report = repo.report(version)
+
+    def pick(key: str, fallback: int) -> int:
+        value = report.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else fallback
+
+    return DesiredState(
+        model=ModelRef(version=version),
+        batching=Batching(batch_size=pick("mar_batch_size", _FALLBACK_BATCH_SIZE),
+                          max_batch_delay_ms=pick("mar_max_batch_delay_ms", _FALLBACK_DELAY_MS)),
+        workers=pick("mar_workers", _FALLBACK_WORKERS))
+
+
+def ensure_state(path: Path, repo: ModelRepository) -> tuple[DesiredState, bool]:
+    """Read the desired-state file, creating it with :func:`default_state` if absent.
+
+    An existing file is never rewritten (``make down && make up`` serves the same state),
+    but it is validated, and the version it names must be in the repository: the sidecar
+    could never converge otherwise. Returns (state, created).
+    """
+    if path.exists():
+        state = load_state(path)
+        if not repo.exists(state.model.version):
+            raise ConfigError(
+                f"{_show(path)} declares model version {state.model.version!r}, which is not in "
+                f"the repository ({', '.join(map(_show, repo.roots))}); available: "
+                f"{', '.join(repo.versions()) or 'none'}. Build it (`make model VERSION=...`), "
+                f"edit model.version in {_show(path)}, or delete the file to serve the latest")
+        return state, False
+    state = default_state(repo)
+    write_state(path, state)
+    return state, True
+
+
+def describe_state(state: DesiredState) -> str:
+    """``version small-int8-s0, batch_size 2, max_batch_delay 2 ms, 2 workers``."""
+    b = state.batching
+    return (f"version {state.model.version}, batch_size {b.batch_size}, max_batch_delay "
+            f"{b.max_batch_delay_ms} ms, {state.workers} worker{'s' if state.workers != 1 else ''}")
+
+
+def _show(p: Path) -> str:
+    """A path relative to the repository root when it lies inside it (shorter messages)."""
+    try:
+        return str(Path(p).resolve().relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
 def _empty_dir(d: Path) -> Path:
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
     return d
+
+
+def torchserve_command(cfg: LaunchConfig, conf: Path) -> list[str]:
+    """TorchServe's command line: foreground, no config snapshots, rendered ``conf``.
+
+    ``--models`` only with a startup archive (``cfg.startup_archive``); without one
+    TorchServe starts with no model and the sidecar registers the desired state's version.
+    """
+    torchserve = Path(sys.executable).parent / "torchserve"
+    cmd = [str(torchserve) if torchserve.exists() else "torchserve", "--start", "--foreground",
+           "--ncs", "--model-store", str(cfg.path(cfg.model_store))]
+    if cfg.startup_archive is not None:
+        cmd += ["--models", f"{cfg.model_name}={cfg.startup_archive}"]
+    return cmd + ["--ts-config", str(conf)]
 
 
 def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
@@ -177,14 +297,18 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     be summed into the metrics).
     """
     store = cfg.path(cfg.model_store)
-    mar = store / cfg.mar_name
-    if not mar.is_file():
-        raise ConfigError(f"{mar} does not exist; build it with `make model`")
+    archive = cfg.startup_archive
+    if archive is not None and not (store / archive).is_file():
+        raise ConfigError(
+            f"{store / archive} does not exist: name an archive of {store} to load at start "
+            f"(--mar; `make model` stores versions as {cfg.model_name}-<version>.mar), or start "
+            "with the sidecar, which registers the desired state's version")
     src = cfg.path(cfg.ts_config)
     if not src.is_file():
         raise ConfigError(f"TorchServe config {src} does not exist")
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise ConfigError("no Java runtime found; TorchServe needs Java 11+: run `make java`")
+    store.mkdir(parents=True, exist_ok=True)  # the sidecar copies archives into it
     run_dir = cfg.path(cfg.run_dir)
     ts_dir = run_dir / "torchserve"
     tmp = _empty_dir(ts_dir / "tmp")
@@ -201,34 +325,45 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         "PYTHONUNBUFFERED": "1",
     })
     env.update(cfg.extra_env)
-    torchserve = Path(sys.executable).parent / "torchserve"
-    cmd = [str(torchserve) if torchserve.exists() else "torchserve", "--start", "--foreground",
-           "--ncs", "--model-store", str(store), "--models", f"{cfg.model_name}={cfg.mar_name}",
-           "--ts-config", str(conf)]
+    cmd = torchserve_command(cfg, conf)
     log.info("starting TorchServe: %s", " ".join(cmd))
     with open(log_dir / "torchserve.out", "ab") as out:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ts_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
-    """Start ``python -m serve.sidecar`` (own process group) if that module exists."""
-    if not cfg.sidecar or not (REPO / "serve" / "sidecar.py").exists():
-        return None
-    from serve.sidecar.app import ensure_dev_token  # type: ignore[import-not-found]
+def sidecar_command(cfg: LaunchConfig) -> list[str]:
+    """``python -m serve.sidecar`` with every flag the launcher decides.
 
-    ensure_dev_token(str(cfg.token_file))
-    log_dir = cfg.path(cfg.log_dir)
+    ``--model-store`` is TorchServe's (where the sidecar puts the archives it registers),
+    ``--repository`` (one per folder) where the versions are, ``--state-file`` what to serve.
+    """
     cmd = [sys.executable, "-m", "serve.sidecar", "--host", cfg.host, "--port", str(cfg.sidecar_port),
            "--inference-url", cfg.inference_url, "--management-url", cfg.management_url,
            "--metrics-url", cfg.metrics_url, "--model-name", cfg.model_name,
            "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
-           "--model-store", str(cfg.path(cfg.model_store))]
+           "--model-store", str(cfg.path(cfg.model_store)),
+           "--state-file", str(cfg.path(cfg.state_file))]
+    for d in cfg.repository_dirs:
+        cmd += ["--repository", str(d)]
+    return cmd
+
+
+def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
+    """Start ``python -m serve.sidecar`` (own process group) unless ``cfg.sidecar`` is off."""
+    if not cfg.sidecar:
+        return None
+    from serve.sidecar.app import ensure_dev_token
+
+    ensure_dev_token(str(cfg.token_file))
+    log_dir = cfg.path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
     with open(log_dir / "sidecar.out", "ab") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
 
 def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
@@ -243,6 +378,9 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
                log_hint: str | None = None) -> float:
     """Block until a real predict answers 200; return seconds waited.
 
+    Without a startup archive the model only appears once the sidecar has registered the
+    desired state's version, so a failure points at the sidecar's log and ``GET /state``.
+
     Raises UpstreamUnavailable if a process exits or ``timeout_s`` passes.
     """
     from serve.api.protocol import example_request
@@ -256,7 +394,8 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
     def alive() -> None:
         for p in procs:
             if p.poll() is not None:
-                name = str(p.args[0]) if isinstance(p.args, list) else str(p.args)
+                name = " ".join(str(a) for a in p.args[:3]) if isinstance(p.args, list) \
+                    else str(p.args)
                 raise UpstreamUnavailable(
                     f"process {name} exited with {p.returncode} before ready; see {where}")
 
@@ -266,8 +405,20 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
             raise OSError(f"HTTP {status}: {data[:200].decode(errors='replace')}")
         return True
 
-    wait_until(answered, timeout_s=timeout_s, what=f"service (logs: {where})", check=alive)
+    try:
+        wait_until(answered, timeout_s=timeout_s, what=f"service (logs: {where})", check=alive)
+    except UpstreamUnavailable as e:
+        hint = _registration_hint(cfg)
+        raise UpstreamUnavailable(f"{e.message}. {hint}" if hint else e.message) from None
     return time.monotonic() - t0
+
+
+def _registration_hint(cfg: LaunchConfig) -> str:
+    if cfg.startup_archive is not None:
+        return ""
+    return (f"TorchServe starts with no model: the sidecar registers the version declared in "
+            f"{_show(cfg.path(cfg.state_file))}. See {_show(cfg.path(cfg.log_dir) / 'sidecar.out')} "
+            f"and `curl -s {cfg.sidecar_url}/state` (desired vs observed state, phase, last error)")
 
 
 def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 20.0) -> None:
@@ -317,11 +468,14 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def start(cfg: LaunchConfig) -> Service:
+def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
     """Start TorchServe (+ sidecar) and wait until a predict is answered.
 
-    Records the process groups in ``run_dir/pids.json`` (``down`` reads it) and refuses
-    to start while a service recorded there is alive: both would share ``run_dir``.
+    With the sidecar, the desired state is ensured first (:func:`ensure_state`; ``say``
+    tells which version and batching it declares), so a repository without versions fails
+    before anything starts. Records the process groups in ``run_dir/pids.json`` (``down``
+    reads it) and refuses to start while a service recorded there is alive: both would
+    share ``run_dir``.
     """
     pidfile = _pidfile(cfg)
     if pidfile.exists():
@@ -332,9 +486,14 @@ def start(cfg: LaunchConfig) -> Service:
         if any(_group_alive(int(p)) for p in pids.values() if p):
             raise ConfigError(f"a service started from {cfg.path(cfg.run_dir)} is running "
                               f"(pids {pids}); stop it first: `make down`")
+    state = None
+    if cfg.sidecar:
+        state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository())
+        how = "created from the latest version" if created else "existing, left as is"
+        say(f"desired state {_show(cfg.path(cfg.state_file))} ({how}): {describe_state(state)}")
     t0 = time.monotonic()
     ts = start_torchserve(cfg)
-    svc = Service(cfg, ts)
+    svc = Service(cfg, ts, state=state)
     try:
         svc.sidecar = start_sidecar(cfg)
         pidfile.write_text(json.dumps({"torchserve": ts.pid,
@@ -352,9 +511,14 @@ def _banner(svc: Service) -> str:
     cfg = svc.config
     body = json.dumps({"instances": [{
         "dense": [0.5] * 13, "sparse": {f"C{i}": [i * 1000 + 7] for i in range(1, 27)}}]})
+    if svc.state is not None and cfg.startup_archive is None:
+        serving = f"{describe_state(svc.state)} (declared in {_show(cfg.path(cfg.state_file))})"
+    else:
+        serving = f"{cfg.path(cfg.model_store) / str(cfg.startup_archive)}"
     lines = [
         f"ready in {svc.ready_s:.1f} s",
         f"  predict:    {cfg.inference_url}/predictions/{cfg.model_name}",
+        f"  serving:    {serving}",
         f"  management: {cfg.management_url}   metrics: {cfg.metrics_url}",
     ]
     if svc.sidecar is not None:
@@ -362,6 +526,8 @@ def _banner(svc: Service) -> str:
     lines += [f"  logs:       {cfg.path(cfg.log_dir)}", "try:",
               (f"  curl -s -H 'Content-Type: application/json' "
                f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'")]
+    if svc.sidecar is not None:
+        lines.append(f"  curl -s {cfg.sidecar_url}/state    # desired vs observed serving state")
     return "\n".join(lines)
 
 
@@ -379,7 +545,7 @@ def _cmd_run(cfg: LaunchConfig) -> int:
     print(f"starting TorchServe on {cfg.inference_url} (logs in {cfg.path(cfg.log_dir)}) ...",
           flush=True)
     try:
-        svc = start(cfg)
+        svc = start(cfg, say=_say)
     except KeyboardInterrupt:
         print("interrupted while starting; stopped", flush=True)
         return 130
@@ -401,9 +567,13 @@ def _cmd_run(cfg: LaunchConfig) -> int:
 
 def _cmd_up(cfg: LaunchConfig) -> int:
     print(f"starting TorchServe on {cfg.inference_url} in the background ...", flush=True)
-    svc = start(cfg)
+    svc = start(cfg, say=_say)
     print(_banner(svc), "\n`python -m serve.ops.launcher down` (or `make down`) stops it.", flush=True)
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _cmd_down(cfg: LaunchConfig) -> int:
@@ -441,8 +611,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--management-port", type=int, default=None, help="default $TS_MANAGEMENT_PORT or 8081")
     ap.add_argument("--metrics-port", type=int, default=None, help="default $TS_METRICS_PORT or 8082")
     ap.add_argument("--sidecar-port", type=int, default=None, help="default $SIDECAR_PORT or 8090")
-    ap.add_argument("--model-store", default="model_store", help="folder holding the .mar")
-    ap.add_argument("--mar", default="dlrm.mar", help="archive in the model store to serve")
+    ap.add_argument("--model-store", default="model_store",
+                    help="TorchServe's model store, and the model repository unless --repository")
+    ap.add_argument("--repository", action="append", default=None, metavar="DIR",
+                    help="a model repository folder (repeatable; default: the model store)")
+    ap.add_argument("--state-file", default=LOCAL_STATE_FILE,
+                    help="the desired serving state (created from the latest version if absent; "
+                         f"default {LOCAL_STATE_FILE})")
+    ap.add_argument("--mar", default=None,
+                    help="load this archive of the model store at start (tests, benchmarks; "
+                         "with --no-sidecar, default <model-name>.mar). Without it, TorchServe "
+                         "starts empty and the sidecar registers the desired state's version")
     ap.add_argument("--ts-config", default="config.properties", help="TorchServe config to start from")
     ap.add_argument("--no-sidecar", action="store_true", help="start TorchServe only")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
@@ -458,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         grpc_inference_port=_env_port("GRPC_INFERENCE_PORT", 7070),
         grpc_management_port=_env_port("GRPC_MANAGEMENT_PORT", 7071),
         model_store=Path(args.model_store), mar_name=args.mar, ts_config=Path(args.ts_config),
+        state_file=Path(args.state_file),
+        repositories=tuple(Path(d) for d in args.repository or ()),
         sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout)
     try:
         return {"run": _cmd_run, "up": _cmd_up, "down": _cmd_down}[args.command](cfg)

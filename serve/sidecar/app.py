@@ -4,18 +4,25 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 
 * ``GET /metrics`` (:mod:`serve.sidecar.routes_metrics`): the workers' handler metrics,
   the sidecar's own, ``dlrm_workers`` and TorchServe's own metrics under ``ts_``.
+* ``GET /state`` and ``PUT /state`` (bearer token) (:mod:`serve.sidecar.routes_state`):
+  the desired serving state (the ``--state-file``) beside what TorchServe serves, and a
+  new desired state, which the reconciler (:mod:`serve.sidecar.reconciler`, a background
+  task) applies with zero failed requests.
 * ``GET /batching`` and ``PUT /batching`` (bearer token)
   (:mod:`serve.sidecar.routes_batching`): the default version's batching settings, and
-  new ones applied with zero failed requests by :class:`~serve.sidecar.switch.VersionSwitch`.
+  a shortcut that edits them in the desired state and waits until they serve.
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.routes_health`), ``/docs``
   (OpenAPI).
 
 The parts: :mod:`~serve.sidecar.config` (settings), :mod:`~serve.sidecar.state` (what
 routes share, injected), :mod:`~serve.sidecar.torchserve` (the calls to TorchServe),
-:mod:`~serve.sidecar.switch` (the version switch), :mod:`~serve.sidecar.mar` (archives
-for new versions), :mod:`~serve.sidecar.tokens`, :mod:`~serve.sidecar.error_handlers`
-(the one error mapping) and :mod:`~serve.sidecar.middleware` (request counts). The names
-other code imports from here (``SidecarConfig``, ``ensure_dev_token``...) are re-exported.
+:mod:`~serve.sidecar.reconciler` (desired vs observed, the next step),
+:mod:`~serve.sidecar.switch` (the version switch), :mod:`~serve.sidecar.memory` (the
+memory guard and peak), :mod:`~serve.sidecar.mar` (derived archives),
+:mod:`~serve.sidecar.tokens`, :mod:`~serve.sidecar.auth`,
+:mod:`~serve.sidecar.error_handlers` (the one error mapping) and
+:mod:`~serve.sidecar.middleware` (request counts). The names other code imports from
+here (``SidecarConfig``, ``ensure_dev_token``...) are re-exported.
 
 Run: ``python -m serve.sidecar --help``.
 """
@@ -34,16 +41,25 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from serve.errors import ConfigError
-from serve.sidecar import routes_batching, routes_health, routes_metrics
-from serve.sidecar.config import TOKEN_ENV, SidecarConfig
+from serve.sidecar import routes_batching, routes_health, routes_metrics, routes_state
+from serve.sidecar.config import (
+    DEFAULT_CGROUP_ROOT,
+    DEFAULT_STATE_FILE,
+    MEMORY_LIMIT_ENV,
+    REPOSITORY_ENV,
+    STATE_FILE_ENV,
+    TOKEN_ENV,
+    SidecarConfig,
+)
 from serve.sidecar.error_handlers import register_exception_handlers
-from serve.sidecar.mar import next_version, rewrite_mar
+from serve.sidecar.mar import rewrite_mar
 from serve.sidecar.middleware import count_requests
 from serve.sidecar.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.state import SidecarState
 from serve.sidecar.tokens import ensure_dev_token, load_token
 
 __all__ = [
+    "DEFAULT_STATE_FILE",
     "BatchingState",
     "BatchingUpdate",
     "BatchingUpdateResult",
@@ -52,7 +68,6 @@ __all__ = [
     "ensure_dev_token",
     "load_token",
     "main",
-    "next_version",
     "register_exception_handlers",
     "rewrite_mar",
 ]
@@ -78,21 +93,25 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client = http_client or httpx.AsyncClient()
         state.connect(client)
+        state.start()
         try:
             yield
         finally:
+            await state.stop()
             if http_client is None:
                 await client.aclose()
 
     app = FastAPI(
         title="DLRM serving sidecar",
-        description="Prometheus metrics and live batching settings for the TorchServe "
-                    "DLRM model beside it.",
+        description="Prometheus metrics, the declared serving state (reconciled into "
+                    "TorchServe) and live batching settings for the TorchServe DLRM model "
+                    "beside it.",
         version="0.1.0", lifespan=lifespan)
     app.state.sidecar = state
     register_exception_handlers(app)
     app.middleware("http")(count_requests)
-    for router in (routes_health.router, routes_metrics.router, routes_batching.router):
+    for router in (routes_health.router, routes_metrics.router, routes_batching.router,
+                   routes_state.router):
         app.include_router(router)
     return app
 
@@ -134,8 +153,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-store", default=_env("TS_MODEL_STORE", "model_store"),
                    help="TorchServe's --model-store; new versions' .mar files are written "
                         "there [TS_MODEL_STORE]")
+    p.add_argument("--state-file", default=os.environ.get(STATE_FILE_ENV) or None,
+                   help=f"the desired serving state (YAML, serve/state.py) the sidecar "
+                        f"reconciles TorchServe toward [{STATE_FILE_ENV}]; in Kubernetes "
+                        f"{DEFAULT_STATE_FILE} (a ConfigMap mounted as a folder). Unset: "
+                        f"no reconciler, PUT /state and PUT /batching answer 409")
+    p.add_argument("--repository", action="append", default=None,
+                   help=f"a model repository folder (repeat for more; earlier wins) "
+                        f"[{REPOSITORY_ENV}, ':'-separated]; default: --model-store")
+    p.add_argument("--reconcile-interval", type=float, default=1.0,
+                   help="seconds between reconcile passes (a PUT wakes it at once): how "
+                        "soon a ConfigMap edit or a dead worker is noticed")
     p.add_argument("--register-timeout", type=float, default=600.0,
                    help="seconds a new model version may take to get READY")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds an old version's queue may take to empty after a switch; "
+                        "past it the old version stays registered and the next pass retries")
+    p.add_argument("--cgroup-root", default=str(DEFAULT_CGROUP_ROOT),
+                   help="cgroup filesystem with memory.max/memory.current (v1: memory/...): "
+                        "the memory limit a switch must fit in")
+    p.add_argument("--memory-limit-bytes", type=int,
+                   default=int(os.environ[MEMORY_LIMIT_ENV]) if os.environ.get(
+                       MEMORY_LIMIT_ENV) else None,
+                   help=f"TorchServe's memory limit when it runs in another container than "
+                        f"the sidecar (Downward API limits.memory of that container) "
+                        f"[{MEMORY_LIMIT_ENV}]; default: the sidecar's cgroup limit")
     p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -158,18 +200,25 @@ def main(argv: list[str] | None = None) -> None:
                 token = load_token(args.token_file)
             except ConfigError as e:
                 raise SystemExit(f"serve.sidecar: {e.message}") from None
+    repositories = args.repository or [
+        p for p in os.environ.get(REPOSITORY_ENV, "").split(":") if p]
     try:
         config = SidecarConfig(
             inference_url=args.inference_url, management_url=args.management_url,
             metrics_url=args.metrics_url, model_name=args.model_name, token=token,
             multiproc_dir=Path(args.multiproc_dir), model_store=Path(args.model_store),
-            register_timeout_s=args.register_timeout)
+            register_timeout_s=args.register_timeout, drain_timeout_s=args.drain_timeout,
+            state_file=Path(args.state_file) if args.state_file else None,
+            repositories=tuple(Path(r) for r in repositories),
+            reconcile_interval_s=args.reconcile_interval, cgroup_root=Path(args.cgroup_root),
+            memory_limit_bytes=args.memory_limit_bytes)
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None
     import uvicorn
 
-    _log.info("sidecar on http://%s:%d for model %r (management %s)", args.host, args.port,
-              config.model_name, config.management_url)
+    _log.info("sidecar on http://%s:%d for model %r (management %s); desired state: %s",
+              args.host, args.port, config.model_name, config.management_url,
+              config.state_file or "none (reconciler off)")
     uvicorn.run(create_app(config), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)
 

@@ -1,4 +1,5 @@
-"""The sidecar's settings: where TorchServe is and how long each call to it may take.
+"""The sidecar's settings: where TorchServe is, how long each call to it may take, and
+where the desired serving state and the model versions are.
 
 Loaded once, at the entry point (``serve.sidecar.app.main``); everything else receives a
 :class:`SidecarConfig`.
@@ -10,10 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.errors import ConfigError
+from serve.state import DEFAULT_STATE_FILE
 
 __all__ = [
     "BATCH_SIZE_MAX",
+    "DEFAULT_CGROUP_ROOT",
+    "DEFAULT_STATE_FILE",
     "MAX_BATCH_DELAY_MS_MAX",
+    "MEMORY_LIMIT_ENV",
+    "REPOSITORY_ENV",
+    "STATE_FILE_ENV",
     "TOKEN_ENV",
     "WORKERS_MAX",
     "SidecarConfig",
@@ -21,6 +28,18 @@ __all__ = [
 
 #: Environment variable holding the PUT /batching bearer token (wins over the token file).
 TOKEN_ENV = "DLRM_SIDECAR_TOKEN"
+#: Environment variable naming the desired-state file (``--state-file``). In Kubernetes the
+#: Deployment passes :data:`DEFAULT_STATE_FILE` (``/etc/dlrm/state/state.yaml``, the
+#: ConfigMap ``dlrm-serving-state`` mounted as a folder); unset, the reconciler is off.
+STATE_FILE_ENV = "DLRM_STATE_FILE"
+#: Environment variable with the model repository folders, ``:``-separated (``--repository``).
+REPOSITORY_ENV = "DLRM_REPOSITORY"
+#: Environment variable with TorchServe's memory limit in bytes (``--memory-limit-bytes``).
+#: In a pod where TorchServe runs in its own container, the sidecar's cgroup is not
+#: TorchServe's: pass the torchserve container's ``limits.memory`` (Downward API
+#: ``resourceFieldRef``) here.
+MEMORY_LIMIT_ENV = "DLRM_MEMORY_LIMIT_BYTES"
+DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 BATCH_SIZE_MAX = 4096
 MAX_BATCH_DELAY_MS_MAX = 10_000
 WORKERS_MAX = 64
@@ -40,13 +59,29 @@ class SidecarConfig:
         upstream_timeout_s: per call to TorchServe for reads (metrics, describe, probes);
             short so that a hung TorchServe cannot hang a Prometheus scrape or a probe.
         register_timeout_s: how long a new version may take to load and get READY.
-        switch_grace_s: the least time between making the new version default and
-            unregistering the old one. The drain waits for the old version's queue to be
-            empty, but TorchServe's description does not show a batch a worker has already
-            taken off the queue; this settle time lets that last batch finish.
+        switch_grace_s: how long an old version's queue must stay empty (on top of its
+            ``max_batch_delay``) before it is unregistered. TorchServe's description does
+            not show a batch a worker has already taken off the queue; unregistering
+            while it runs would lose it. Keep it above the slowest batch's handler time.
         drain_timeout_s: how long the old version's queue may take to empty after the
             switch. Past it, the old version stays registered (unregistering it would
             fail the requests still queued) and the update reports no removed version.
+        state_file: the desired-state YAML (:mod:`serve.state`) the reconciler moves
+            TorchServe toward; None turns the reconciler off (PUT /state and PUT
+            /batching then answer 409).
+        repositories: model repository folders (:class:`serve.repository.ModelRepository`);
+            empty: ``model_store`` alone.
+        reconcile_interval_s: between two reconcile passes (a PUT wakes it at once). The
+            file is re-read by path each pass, so a ConfigMap update (kubelet swaps a
+            symlink) is seen within one interval of kubelet's own sync.
+        cgroup_root: where the cgroup's memory files are (``memory.max``,
+            ``memory.current``; v1: ``memory/memory.limit_in_bytes``...). Tests pass a
+            folder of fake files.
+        memory_limit_bytes: TorchServe's memory limit when it is not the sidecar's own
+            cgroup limit (separate containers); None: read it from ``cgroup_root``.
+        memory_headroom: a switch is refused when usage + the new version's estimated
+            need exceeds this fraction of the limit (the rest absorbs the estimate's error
+            and the page cache; an OOM kill would fail every request in flight).
     """
 
     inference_url: str = "http://127.0.0.1:8080"
@@ -60,6 +95,12 @@ class SidecarConfig:
     register_timeout_s: float = 600.0
     switch_grace_s: float = 1.0
     drain_timeout_s: float = 60.0
+    state_file: Path | None = None
+    repositories: tuple[Path, ...] = ()
+    reconcile_interval_s: float = 1.0
+    cgroup_root: Path = DEFAULT_CGROUP_ROOT
+    memory_limit_bytes: int | None = None
+    memory_headroom: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("inference_url", "management_url", "metrics_url"):
@@ -72,7 +113,8 @@ class SidecarConfig:
             raise ConfigError(f"model_name={self.model_name!r} must be letters, digits, _ or -")
         if self.token is not None and not self.token.strip():
             raise ConfigError("token is empty; pass a non-empty token or None to disable writes")
-        for name in ("upstream_timeout_s", "register_timeout_s", "drain_timeout_s"):
+        for name in ("upstream_timeout_s", "register_timeout_s", "drain_timeout_s",
+                     "reconcile_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0 seconds")
         if self.switch_grace_s < 0:
@@ -80,3 +122,19 @@ class SidecarConfig:
         if self.multiproc_dir is not None:
             object.__setattr__(self, "multiproc_dir", Path(self.multiproc_dir))
         object.__setattr__(self, "model_store", Path(self.model_store))
+        if self.state_file is not None:
+            object.__setattr__(self, "state_file", Path(self.state_file))
+        object.__setattr__(self, "repositories", tuple(Path(r) for r in self.repositories))
+        object.__setattr__(self, "cgroup_root", Path(self.cgroup_root))
+        limit = self.memory_limit_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise ConfigError(f"memory_limit_bytes={limit!r} must be a positive integer "
+                              "(bytes) or None to read the cgroup's limit")
+        if not 0 < self.memory_headroom <= 1:
+            raise ConfigError(f"memory_headroom={self.memory_headroom} must be in (0, 1]")
+
+    @property
+    def repository_roots(self) -> tuple[Path, ...]:
+        """The model repository folders: ``repositories``, else ``model_store``."""
+        return self.repositories or (self.model_store,)

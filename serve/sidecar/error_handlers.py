@@ -2,7 +2,8 @@
 
 * :class:`~serve.errors.ServeError` -> its own status and ``to_json()`` (401 also sends
   ``WWW-Authenticate: Bearer``).
-* Request validation -> 400 ``InvalidInput`` naming each bad field and the rules.
+* Request validation -> 400 ``InvalidInput`` naming the request, each bad field and the
+  rules.
 * Starlette's HTTP errors (404, 405...) -> their status, type ``HTTPError``.
 * Anything else -> 500 ``InternalError``. Starlette answers it from its outermost
   middleware and then re-raises, so the server (uvicorn) logs the traceback once.
@@ -30,8 +31,9 @@ def register_exception_handlers(app: FastAPI) -> None:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
         return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_error(exc).to_json(), status_code=InvalidInput.status)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(err.to_json(), status_code=InvalidInput.status)
 
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = {"code": exc.status_code, "type": "HTTPError", "message": str(exc.detail)}
@@ -54,7 +56,7 @@ async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(ServeError(message).to_json(), status_code=ServeError.status)
 
 
-def _validation_error(exc: RequestValidationError) -> InvalidInput:
+def _validation_error(exc: RequestValidationError, what: str) -> InvalidInput:
     parts = []
     for e in exc.errors():
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -73,5 +75,5 @@ def _validation_error(exc: RequestValidationError) -> InvalidInput:
             msg = msg[len("Value error, "):]
         got = "" if e.get("type") in ("missing", "json_invalid") else f" (got {e.get('input')!r})"
         parts.append(f"{where}: {msg}{got}")
-    return InvalidInput("invalid PUT /batching body: " + "; ".join(parts)
-                        + f". Allowed fields: {_RULES}")
+    rules = f". Allowed fields: {_RULES}" if what.endswith("/batching") else ""
+    return InvalidInput(f"invalid {what} body: " + "; ".join(parts) + rules)

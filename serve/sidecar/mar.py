@@ -1,9 +1,13 @@
-"""Model archives for new versions: the next version name and a ``.mar`` rewritten for it.
+"""Model archives the sidecar derives for serving: named by serving version, rewritten.
 
 TorchServe fixes ``batch_size``/``max_batch_delay`` at registration and the
-``model-config.yaml`` inside a ``.mar`` wins over the registration parameters, so a new
-batching setting needs a new archive: a copy of the default version's with a new
-``modelVersion`` and the settings written into its model config.
+``model-config.yaml`` inside a ``.mar`` wins over the registration parameters, so each
+(model version, batching, workers) is served from its own archive: a copy of the model
+version's repository archive with ``modelVersion`` set to the serving version
+(:func:`serve.state.serving_version`, ``<version>_b<batch>d<delay>w<workers>``) and the
+settings written into its model config. It lives in TorchServe's model store as
+``<model>-<serving version>.mar`` (TorchServe registers local archives only from there)
+and is deleted when its version is unregistered; repository archives are never touched.
 """
 from __future__ import annotations
 
@@ -15,31 +19,24 @@ import zipfile
 from pathlib import Path
 
 from serve.errors import ConfigError, UpstreamUnavailable
+from serve.state import parse_serving_version
 
-__all__ = ["is_sidecar_archive", "mar_path", "next_version", "rewrite_mar"]
-
-
-def next_version(current: str, taken: set[str] | frozenset[str]) -> str:
-    """The version after ``current`` not in ``taken``: ``1.0`` -> ``1.1``; a version that
-    is not ``MAJOR.MINOR`` gets ``.1``, ``.2``... appended."""
-    m = re.fullmatch(r"(\d+)\.(\d+)", current)
-    for i in range(1, 100_000):
-        candidate = f"{m.group(1)}.{int(m.group(2)) + i}" if m else f"{current}.{i}"
-        if candidate not in taken:
-            return candidate
-    raise ConfigError(f"no free version after {current!r}; unregister old versions")
+__all__ = ["is_sidecar_archive", "mar_path", "rewrite_mar"]
 
 
-def mar_path(model_store: Path, model_name: str, version: str) -> Path:
-    """Where the sidecar writes the archive of ``version``: ``<store>/<model>-v<version>.mar``."""
-    return model_store / f"{model_name}-v{version}.mar"
+def mar_path(model_store: Path, model_name: str, serving_version: str) -> Path:
+    """Where the sidecar writes the archive of a serving version:
+    ``<store>/<model>-<version>_b..d..w...mar``."""
+    return model_store / f"{model_name}-{serving_version}.mar"
 
 
 def is_sidecar_archive(path: Path, model_store: Path, model_name: str) -> bool:
-    """Whether ``path`` is an archive the sidecar wrote (only those may be deleted; the
-    pipeline's own ``.mar`` stays)."""
-    return (path.parent == model_store
-            and re.fullmatch(rf"{re.escape(model_name)}-v.+\.mar", path.name) is not None)
+    """Whether ``path`` is an archive the sidecar derived (only those may be deleted):
+    in the model store, named ``<model>-<serving version>.mar``. A repository archive,
+    ``<model>-<version>.mar``, never is: a model version has no ``_``."""
+    m = re.fullmatch(rf"{re.escape(model_name)}-(.+)\.mar", path.name)
+    return (Path(path).parent == Path(model_store) and m is not None
+            and parse_serving_version(m.group(1)) is not None)
 
 
 def _rewrite_model_config(text: str, settings: dict[str, int]) -> str:
@@ -61,8 +58,8 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise UpstreamUnavailable(
-            f"the model archive {src} of the default version is not in the model store; "
-            f"pass --model-store with TorchServe's --model-store directory")
+            f"the model archive {src} does not exist; check --repository (where the model "
+            f"versions are) and --model-store (TorchServe's)")
     tmp = dst.with_name(dst.name + ".tmp")
     try:
         with zipfile.ZipFile(src) as zin:

@@ -1,50 +1,34 @@
 """``GET /batching`` (the default version's settings) and ``PUT /batching`` (change them).
 
-PUT needs the bearer token and runs the :class:`~serve.sidecar.switch.VersionSwitch`:
-a new version with the new settings is registered and made default, then the old one is
-drained and unregistered; requests keep flowing throughout. One PUT at a time: a second
-one while a switch runs gets 409. The change lives as long as the TorchServe process:
-persist it in the model's build settings.
+PUT /batching is a shortcut into the desired state (:mod:`serve.state`): it edits the
+batching and workers of the desired-state file, wakes the reconciler and waits (up to
+``register_timeout_s + drain_timeout_s``) until TorchServe serves the new settings, then
+answers what changed. The reconciler does the switch (:mod:`serve.sidecar.switch`): a new
+serving version is registered and made default, then the old one is drained and
+unregistered; requests keep flowing throughout. If the switch fails (or is refused for
+memory) the file is put back as it was, so the declared state stays what serves, and the
+error is the answer. One PUT /batching at a time: a second one while a switch runs gets
+409. Without a desired-state file (``--state-file``) it answers 409.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
-from typing import Annotated
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from serve.errors import Conflict, Forbidden, Unauthorized
-from serve.sidecar.config import TOKEN_ENV
+from serve.errors import Conflict
+from serve.sidecar.auth import require_token
+from serve.sidecar.reconciler import Reconciler, SwitchFailed
 from serve.sidecar.schemas import BatchingStatus, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.state import SidecarState, StateDep
 from serve.sidecar.switch import SwitchPhase
-from serve.sidecar.torchserve import batching_state
+from serve.sidecar.torchserve import TorchServeClient, batching_state
+from serve.state import Batching, DesiredState
 
-__all__ = ["require_token", "router"]
+__all__ = ["apply_batching", "edited", "require_token", "router"]
 
 router = APIRouter()
-
-# auto_error=False: missing/wrong headers are answered by require_token with our JSON
-# shape (401 vs 403), not by FastAPI's default. Module level, because the annotation
-# is resolved from module globals (``from __future__ import annotations``).
-_bearer = HTTPBearer(auto_error=False, description="PUT /batching token")
-_Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-
-
-async def require_token(credentials: _Credentials, state: StateDep) -> None:
-    """Dependency: 403 when writes are disabled or the token is wrong, 401 without one."""
-    token = state.config.token
-    if token is None:
-        raise Forbidden("this sidecar has no token configured, so PUT /batching is "
-                        f"disabled; start it with --token-file or {TOKEN_ENV}")
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Unauthorized("PUT /batching needs the header 'Authorization: Bearer <token>'"
-                           f"; the token is in the sidecar's --token-file or {TOKEN_ENV}")
-    if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-        raise Forbidden("the bearer token is wrong; use the one in the sidecar's "
-                        f"--token-file or {TOKEN_ENV}")
 
 
 @router.get("/batching", response_model=BatchingStatus, response_model_exclude_none=True,
@@ -61,25 +45,32 @@ async def get_batching(state: StateDep) -> BatchingStatus:
             dependencies=[Depends(require_token)],
             summary="Apply new batching settings with zero failed requests",
             responses={400: {"description": "invalid body"}, 401: {}, 403: {},
-                       409: {"description": "another update is in progress"},
-                       503: {"description": "TorchServe could not apply it"}})
+                       409: {"description": "another update is in progress, the state "
+                                            "file is read-only, or there is none"},
+                       503: {"description": "TorchServe could not apply it"},
+                       507: {"description": "two versions would not fit in memory"}})
 async def put_batching(update: BatchingUpdate, state: StateDep) -> BatchingUpdateResult:
+    reconciler = state.require_reconciler("PUT /batching")
     if state.update_lock.locked():
         state.metrics.observe_update("conflict")
         raise Conflict("another PUT /batching is being applied; retry when it returns")
     await state.update_lock.acquire()  # no await between the check and this: no race
-    # A client that hangs up must not cancel a switch half-way (a registered but
-    # unused version, a lock held by nobody): the task runs to its end regardless.
-    task = asyncio.create_task(_apply(state, update))
+    # A client that hangs up must not cancel the wait half-way (a lock held by nobody,
+    # a failed change left declared): the task runs to its end regardless.
+    task = asyncio.create_task(_apply(state, reconciler, update))
     state.running.add(task)
     task.add_done_callback(state.running.discard)
     return await asyncio.shield(task)
 
 
-async def _apply(state: SidecarState, update: BatchingUpdate) -> BatchingUpdateResult:
-    """Run the switch (the caller holds the update lock; released here) and count it."""
+async def _apply(state: SidecarState, reconciler: Reconciler,
+                 update: BatchingUpdate) -> BatchingUpdateResult:
+    """Apply ``update`` (the caller holds the update lock; released here) and count it."""
     try:
-        result = await state.switch.run(update)
+        result = await apply_batching(reconciler, state.torchserve, update, state.clock)
+    except Conflict:
+        state.metrics.observe_update("conflict")
+        raise
     except Exception:
         state.metrics.observe_update("failed")
         raise
@@ -87,3 +78,47 @@ async def _apply(state: SidecarState, update: BatchingUpdate) -> BatchingUpdateR
         state.update_lock.release()
     state.metrics.observe_update("applied" if result.changed else "unchanged", result.seconds)
     return result
+
+
+def edited(desired: DesiredState, update: BatchingUpdate) -> DesiredState:
+    """``desired`` with the fields ``update`` gives (the others kept)."""
+    b = desired.batching
+    batching = Batching(
+        batch_size=b.batch_size if update.batch_size is None else update.batch_size,
+        max_batch_delay_ms=(b.max_batch_delay_ms if update.max_batch_delay_ms is None
+                            else update.max_batch_delay_ms))
+    workers = desired.workers if update.workers is None else update.workers
+    return desired.model_copy(update={"batching": batching, "workers": workers})
+
+
+async def apply_batching(reconciler: Reconciler, ts: TorchServeClient, update: BatchingUpdate,
+                         clock: Callable[[], float]) -> BatchingUpdateResult:
+    """Write the edited desired state, wait until it serves; revert the file on failure.
+
+    Raises:
+        UpstreamUnavailable: TorchServe is down or has nothing registered (checked
+            before writing), or the switch failed or did not finish in time.
+        InsufficientMemory: the switch was refused (file reverted).
+        Conflict: no valid desired state to edit, the file is read-only, or it was
+            changed by someone else meanwhile.
+    """
+    t0 = clock()
+    before = batching_state(await ts.describe())
+    reconciler.read_desired()
+    base = reconciler.desired
+    if base is None:
+        raise Conflict(f"there is no valid desired state to edit ({reconciler.file_error}); "
+                       "declare one with PUT /state")
+    new = edited(base, update)
+    after_pass, digest = reconciler.write(new)
+    timeout = ts.config.register_timeout_s + ts.config.drain_timeout_s
+    try:
+        served = await reconciler.wait_serving(after_pass, digest, timeout)
+    except SwitchFailed as e:
+        reconciler.revert(new, base)
+        raise e.error from None
+    after = batching_state(await ts.describe())
+    changed = after.model_version != before.model_version
+    removed = before.model_version if changed and served.cleanup_error is None else None
+    return BatchingUpdateResult(**after.model_dump(), changed=changed, previous=before,
+                                seconds=clock() - t0, removed_version=removed)

@@ -1,14 +1,30 @@
-"""The bodies of ``/batching``: what a client sends and what the sidecar answers.
+"""The bodies of ``/batching`` and ``/state``: what a client sends and what the sidecar
+answers.
 
-Pydantic models, so FastAPI validates them and publishes them in ``/openapi.json``.
+Pydantic models, so FastAPI validates them and publishes them in ``/openapi.json``. The
+body of PUT /state is :class:`serve.state.DesiredState`.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
+from serve.state import DesiredState
 
-__all__ = ["BatchingState", "BatchingStatus", "BatchingUpdate", "BatchingUpdateResult"]
+__all__ = [
+    "BatchingState",
+    "BatchingStatus",
+    "BatchingUpdate",
+    "BatchingUpdateResult",
+    "ObservedBatching",
+    "ObservedModel",
+    "ObservedState",
+    "StateAccepted",
+    "StateStatus",
+    "SwitchRecord",
+]
 
 
 class BatchingUpdate(BaseModel):
@@ -37,7 +53,11 @@ class BatchingUpdate(BaseModel):
 
 
 class BatchingState(BaseModel):
-    """The default version's batching settings, as TorchServe reports them."""
+    """The default version's batching settings, as TorchServe reports them.
+
+    ``model_version`` is TorchServe's version name: for a version the sidecar registered,
+    the serving version ``<repository version>_b<batch>d<delay>w<workers>``.
+    """
 
     batch_size: int
     max_batch_delay_ms: int
@@ -67,3 +87,82 @@ class BatchingUpdateResult(BatchingState):
     previous: BatchingState
     seconds: float
     removed_version: str | None = None
+
+
+# --------------------------------------------------------------------------- /state
+
+
+class ObservedModel(BaseModel):
+    version: str = Field(description="The repository version TorchServe's default version "
+                                     "serves (its serving-version name without the suffix).")
+
+
+class ObservedBatching(BaseModel):
+    batch_size: int
+    max_batch_delay_ms: int
+
+
+class ObservedState(BaseModel):
+    """What TorchServe serves, with the desired state's keys (null when nothing serves)."""
+
+    model: ObservedModel | None
+    batching: ObservedBatching | None
+    workers: int = Field(description="Workers of the default version (any status).")
+    rollout: None = None
+    serving_version: str | None = Field(
+        description="TorchServe's name of the default version: <version>_b<batch>d<delay>w<workers>.")
+    ready_workers: int
+    pending_requests: int | None = Field(
+        default=None, description="Requests queued for the default version (TorchServe's jobQueueStatus).")
+    registered_versions: list[str] = Field(
+        description="Every registered version of the model, in TorchServe's order.")
+
+
+class SwitchRecord(BaseModel):
+    """The last version switch: where from and to, how long, and the memory it took."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_version: str | None = Field(alias="from")
+    to: str
+    ok: bool
+    seconds: float = Field(description="From the plan to the old version unregistered.")
+    error: str | None = None
+    peak_memory_bytes: int | None = Field(
+        None, description="Highest memory seen during the switch: the cgroup's usage when "
+                          "readable, else the RSS sum of every registered version's workers.")
+    peak_workers_rss_bytes: int | None = Field(
+        None, description="Highest RSS sum of the workers of every registered version.")
+    memory_limit_bytes: int | None = Field(None, description="The limit checked against; "
+                                                             "null: no limit.")
+    memory_check: dict[str, Any] | None = Field(
+        None, description="The numbers of the check made before loading the new version.")
+
+
+class StateStatus(BaseModel):
+    """GET /state: the declared state, what serves, and whether they agree (and why not)."""
+
+    desired: DesiredState | None = Field(
+        description="The desired state (the file; its last valid content if it is invalid now).")
+    observed: ObservedState
+    converged: bool
+    reason: str | None = Field(description="Why it has not converged; null when it has.")
+    phase: str = Field(description="The version switch's phase (see dlrm_switch_phase).")
+    last_error: str | None
+    last_switch: SwitchRecord | None
+    target_serving_version: str | None
+    available_versions: list[str] = Field(
+        description="The model repository's versions, oldest first.")
+    state_file: str | None
+    state_file_writable: bool = Field(
+        description="False where the file is read-only (a ConfigMap): PUT /state answers 409.")
+
+
+class StateAccepted(BaseModel):
+    """PUT /state (202): the new desired state is written; the reconciler applies it."""
+
+    desired: DesiredState
+    converged: bool
+    target_serving_version: str
+    state_file: str
+    message: str

@@ -8,6 +8,7 @@ build a state with a fake client and a fresh registry, or read it after requests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,12 @@ import httpx
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
+from serve.errors import Conflict
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
-from serve.sidecar.config import SidecarConfig
+from serve.repository import ModelRepository
+from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.reconciler import Reconciler
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import TorchServeClient
 
@@ -38,6 +43,7 @@ class SidecarState:
         clock: monotonic seconds, for durations and deadlines.
         update_lock: held while a PUT /batching runs (a second one gets 409).
         running: switches in progress (kept referenced until they end).
+        repository: the model versions (``config.repository_roots``).
     """
 
     config: SidecarConfig
@@ -47,8 +53,11 @@ class SidecarState:
     clock: Callable[[], float] = time.monotonic
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: set[asyncio.Task[Any]] = field(default_factory=set)
+    repository: ModelRepository | None = None
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
+    _reconciler: Reconciler | None = field(default=None, repr=False)
+    _reconcile_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -63,16 +72,39 @@ class SidecarState:
             handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
             registry.register(handler_metrics)
         return cls(config=config, registry=registry, metrics=metrics,
-                   handler_metrics=handler_metrics, clock=clock)
+                   handler_metrics=handler_metrics, clock=clock,
+                   repository=ModelRepository(config.repository_roots, config.model_name))
 
     def connect(self, client: httpx.AsyncClient) -> None:
         """Talk to TorchServe through ``client`` (called by the app's lifespan)."""
-        self._torchserve = TorchServeClient(self.config, client)
+        config = self.config
+        self._torchserve = TorchServeClient(config, client)
+        memory = MemoryProbe(CgroupMemory(config.cgroup_root), config.memory_limit_bytes)
         self._switch = VersionSwitch(
-            self._torchserve, self.config, clock=self.clock,
-            on_phase=self.metrics.set_switch_phase,
+            self._torchserve, config, clock=self.clock,
+            on_phase=self.metrics.set_switch_phase, memory=memory,
             forget_workers=self.handler_metrics.forget if self.handler_metrics else None)
         self.metrics.set_switch_phase(self._switch.phase.value)
+        if config.state_file is not None:
+            self._reconciler = Reconciler(
+                self._torchserve, config, switch=self._switch, metrics=self.metrics,
+                repository=self.repository or ModelRepository(config.repository_roots,
+                                                              config.model_name),
+                clock=self.clock)
+
+    def start(self) -> None:
+        """Start the reconciler's loop (the app's lifespan; no-op without a state file)."""
+        if self._reconciler is not None and self._reconcile_task is None:
+            self._reconcile_task = asyncio.create_task(self._reconciler.run())
+
+    async def stop(self) -> None:
+        """Stop the reconciler's loop. A switch cut short is picked up by the next start:
+        each pass starts from what TorchServe describes."""
+        task, self._reconcile_task = self._reconcile_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     @property
     def torchserve(self) -> TorchServeClient:
@@ -81,6 +113,20 @@ class SidecarState:
             raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
                                "with its lifespan (uvicorn, TestClient as a context manager)")
         return self._torchserve
+
+    @property
+    def reconciler(self) -> Reconciler | None:
+        """The reconciler; None when the sidecar runs without a desired-state file."""
+        return self._reconciler
+
+    def require_reconciler(self, what: str) -> Reconciler:
+        """The reconciler, or 409 explaining that ``what`` needs a desired-state file."""
+        if self._reconciler is None:
+            raise Conflict(
+                f"{what} changes the desired state, but this sidecar was started without "
+                f"--state-file (or {STATE_FILE_ENV}): restart it with one (in Kubernetes "
+                f"the ConfigMap dlrm-serving-state mounted at {DEFAULT_STATE_FILE})")
+        return self._reconciler
 
     @property
     def switch(self) -> VersionSwitch:

@@ -9,6 +9,8 @@ can treat "already gone" as done.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -19,8 +21,11 @@ from serve.sidecar.schemas import BatchingState
 
 __all__ = [
     "NotRegistered",
+    "Observed",
+    "Registered",
     "TorchServeClient",
     "batching_state",
+    "observe",
     "pending_requests",
     "ready_workers",
 ]
@@ -66,9 +71,12 @@ class TorchServeClient:
         return body[0] if isinstance(body, list) else body
 
     async def describe_all(self) -> list[dict[str, Any]]:
-        """The descriptions of every registered version of the model."""
+        """The descriptions of every registered version of the model; [] when none is
+        (TorchServe answers 404 for a model with no version registered)."""
         url = f"{self.config.management_url}/models/{self.config.model_name}/all"
         r = await self._get(url, "management API")
+        if r.status_code == 404:
+            return []
         if r.status_code != 200:
             raise UpstreamUnavailable(f"TorchServe {url} answered {r.status_code}: {_ts_message(r)}")
         return list(r.json())
@@ -135,3 +143,85 @@ def pending_requests(desc: dict[str, Any]) -> int | None:
     if not isinstance(status, dict) or "pendingRequests" not in status:
         return None
     return int(status["pendingRequests"])
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One registered version of the model, as TorchServe describes it.
+
+    ``memory`` is each worker's ``memoryUsage`` in bytes as TorchServe last measured it
+    (0: not yet); ``pending`` is the queue length (None: not reported).
+    """
+
+    version: str
+    batch_size: int
+    max_batch_delay_ms: int
+    url: str
+    pids: tuple[int, ...]
+    ready: int
+    pending: int | None
+    memory: tuple[int, ...] = ()
+
+    @classmethod
+    def from_description(cls, desc: dict[str, Any]) -> Registered:
+        workers = desc.get("workers") or []
+        return cls(version=str(desc["modelVersion"]), batch_size=int(desc["batchSize"]),
+                   max_batch_delay_ms=int(desc["maxBatchDelay"]),
+                   url=str(desc.get("modelUrl") or ""),
+                   pids=tuple(int(w["pid"]) for w in workers if _positive(w.get("pid"))),
+                   ready=ready_workers(desc), pending=pending_requests(desc),
+                   memory=tuple(int(w.get("memoryUsage") or 0) for w in workers))
+
+    @property
+    def workers(self) -> int:
+        return len(self.memory)
+
+    def batching(self) -> BatchingState:
+        return BatchingState(batch_size=self.batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
+                             workers=self.workers, model_version=self.version)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What TorchServe serves: the default version's name and every registered version."""
+
+    default: str | None
+    versions: tuple[Registered, ...] = ()
+
+    def get(self, version: str | None) -> Registered | None:
+        return next((r for r in self.versions if r.version == version), None)
+
+    @property
+    def serving(self) -> Registered | None:
+        """The default version (the one requests without a version go to)."""
+        return self.get(self.default)
+
+    def names(self) -> list[str]:
+        return [r.version for r in self.versions]
+
+    def pids(self) -> Iterator[int]:
+        for r in self.versions:
+            yield from r.pids
+
+
+async def observe(ts: TorchServeClient) -> Observed:
+    """Every registered version and the default one (two reads of the management API).
+
+    Raises:
+        UpstreamUnavailable: TorchServe did not answer.
+    """
+    versions = tuple(Registered.from_description(d) for d in await ts.describe_all())
+    if not versions:
+        return Observed(default=None)
+    try:
+        default: str | None = str((await ts.describe())["modelVersion"])
+    except NotRegistered:  # unregistered between the two reads
+        default = None
+    return Observed(default=default, versions=versions)
+
+
+def _positive(value: Any) -> bool:
+    try:
+        return int(value) > 0
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,267 @@
+"""Memory for a version switch: the limit, what is in use, what a new version will need,
+and the peak a switch reached.
+
+A switch runs the old and the new version's workers side by side until the old one has
+drained, so for a while the pod holds two copies of the model. Where that would not fit
+the memory limit the switch is refused *before* anything loads (an OOM kill would fail
+every request in flight); :func:`check_fits` decides, :class:`PeakTracker` measures what
+a switch really took, so the estimate can be judged against it.
+
+Sources, each injectable so tests pass fake files and a fake ``rss``:
+
+* the limit: ``memory_limit_bytes`` when given (TorchServe in another container than the
+  sidecar: pass its ``limits.memory``), else the cgroup's ``memory.max`` (v2) or
+  ``memory/memory.limit_in_bytes`` (v1) under ``cgroup_root``; "max" or a v1 value near
+  2^63 means no limit, and then nothing is refused.
+* in use: the cgroup's working set when the limit is the cgroup's: ``memory.current``
+  (v1 ``memory/memory.usage_in_bytes``) less the inactive file cache of ``memory.stat``
+  (``inactive_file``, v1 ``total_inactive_file``), which the kernel reclaims before it
+  kills anything (kubelet counts the same way); else the RSS sum of TorchServe's workers
+  (the JVM frontend is not counted: its heap is bounded by ``-Xmx``; the headroom covers
+  it).
+* a worker's RSS: psutil, only for a process that is a TorchServe worker
+  (``model_service_worker`` in its command line: in a pod without
+  ``shareProcessNamespace`` the pid may name another process or none); else the
+  ``memoryUsage`` TorchServe last reported for that worker, if any.
+
+Example::
+
+    probe = MemoryProbe(CgroupMemory(Path("/sys/fs/cgroup")))
+    check = check_fits(probe, target="v2_b8d5w2", pids=[101, 102],
+                       per_worker=[2 << 30, 2 << 30], archive_bytes=1 << 30, workers=2)
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve.errors import InsufficientMemory
+
+__all__ = [
+    "CgroupMemory",
+    "MemoryCheck",
+    "MemoryProbe",
+    "PeakTracker",
+    "check_fits",
+    "worker_rss",
+]
+
+_log = logging.getLogger(__name__)
+# cgroup v1 writes "no limit" as the largest page-aligned int64 (9223372036854771712).
+_V1_UNLIMITED = 1 << 62
+_MIB = float(1 << 20)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+class CgroupMemory:
+    """The memory limit and usage of the cgroup mounted at ``root`` (v2, else v1).
+
+    Args:
+        root: the cgroup filesystem, ``/sys/fs/cgroup`` in a container; a test passes a
+            folder holding ``memory.max`` and ``memory.current`` (or v1's files).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _files(self) -> tuple[Path, Path, Path, str]:
+        """limit, usage, stat file and the stat key of the inactive file cache."""
+        v2 = self.root / "memory.max"
+        if v2.exists():
+            return v2, self.root / "memory.current", self.root / "memory.stat", "inactive_file"
+        v1 = self.root / "memory"
+        return (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes",
+                v1 / "memory.stat", "total_inactive_file")
+
+    def limit(self) -> tuple[int | None, str]:
+        """(bytes, the file read); bytes is None when there is no limit or no file."""
+        path = self._files()[0]
+        value = _read_int(path)
+        if value is not None and value >= _V1_UNLIMITED:
+            value = None
+        return value, str(path)
+
+    def current(self) -> int | None:
+        """The working set in bytes: usage less the inactive file cache (None: no file)."""
+        _, usage_file, stat_file, key = self._files()
+        usage = _read_int(usage_file)
+        if usage is None:
+            return None
+        try:
+            stat = dict(line.split()[:2] for line in stat_file.read_text().splitlines()
+                        if len(line.split()) >= 2)
+            inactive = int(stat.get(key, 0))
+        except (OSError, ValueError):
+            inactive = 0
+        return max(0, usage - inactive)
+
+
+def worker_rss(pid: int) -> int | None:
+    """RSS in bytes of TorchServe worker ``pid``; None when it is not visible as one."""
+    import psutil  # TorchServe's own dependency; lazy to keep the import light
+
+    try:
+        proc = psutil.Process(pid)
+        if not any("model_service_worker" in part for part in proc.cmdline()):
+            return None
+        return int(proc.memory_info().rss)
+    except (psutil.Error, OSError):
+        return None
+
+
+class MemoryProbe:
+    """Reads the limit, the usage and workers' RSS (see the module docstring).
+
+    Args:
+        cgroup: the cgroup's files.
+        limit_bytes: the limit when it is not the cgroup's (TorchServe's container limit).
+        rss: bytes of one worker pid, or None when unknown (default: :func:`worker_rss`).
+    """
+
+    def __init__(self, cgroup: CgroupMemory, limit_bytes: int | None = None,
+                 rss: Callable[[int], int | None] = worker_rss) -> None:
+        self.cgroup = cgroup
+        self.limit_bytes = limit_bytes
+        self.rss = rss
+
+    def limit(self) -> tuple[int | None, str]:
+        """(bytes or None for no limit, where it comes from)."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes, "--memory-limit-bytes"
+        return self.cgroup.limit()
+
+    def worker_bytes(self, pids: Iterable[int],
+                     reported: Mapping[int, int] | None = None) -> list[int]:
+        """The RSS of each worker whose memory is known (psutil, else TorchServe's report)."""
+        out = []
+        for pid in pids:
+            value = self.rss(pid)
+            if value is None and reported:
+                value = reported.get(pid) or None
+            if value:
+                out.append(int(value))
+        return out
+
+    def usage(self, pids: Iterable[int], reported: Mapping[int, int] | None = None
+              ) -> tuple[int, str]:
+        """(bytes in use, how measured): the cgroup's when the limit is the cgroup's."""
+        if self.limit_bytes is None:
+            current = self.cgroup.current()
+            if current is not None:
+                return current, "cgroup working set"
+        return sum(self.worker_bytes(pids, reported)), "RSS of TorchServe's workers"
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The numbers behind a switch's go/no-go, all in bytes."""
+
+    limit_bytes: int
+    usage_bytes: int
+    need_bytes: int
+    headroom: float
+    limit_source: str
+    usage_basis: str
+    need_basis: str
+
+    @property
+    def fits(self) -> bool:
+        return self.usage_bytes + self.need_bytes <= self.limit_bytes * self.headroom
+
+    def to_json(self) -> dict[str, Any]:
+        return {"limit_bytes": self.limit_bytes, "usage_bytes": self.usage_bytes,
+                "need_bytes": self.need_bytes, "headroom": self.headroom,
+                "limit_source": self.limit_source, "fits": self.fits}
+
+    def refusal(self, target: str) -> str:
+        total = self.usage_bytes + self.need_bytes
+        at_least = total / self.headroom
+        return (f"switch to {target} refused: it needs about {self.need_bytes / _MIB:.0f} MiB "
+                f"({self.need_basis}) on top of {self.usage_bytes / _MIB:.0f} MiB in use "
+                f"({self.usage_basis}), {total / _MIB:.0f} MiB > {self.headroom:.0%} of the "
+                f"memory limit {self.limit_bytes / _MIB:.0f} MiB ({self.limit_source}): the "
+                f"old and the new version would not fit side by side. Raise the memory "
+                f"limit of TorchServe's container to at least {at_least / _MIB:.0f} MiB, or "
+                f"declare fewer workers")
+
+
+def check_fits(probe: MemoryProbe, *, target: str, pids: Iterable[int], per_worker: list[int],
+               archive_bytes: int, workers: int, headroom: float = 0.9,
+               reported: Mapping[int, int] | None = None) -> MemoryCheck | None:
+    """Whether ``workers`` workers of ``target`` fit beside what runs now.
+
+    The new version's need is estimated from the serving workers' RSS (``per_worker``,
+    their mean, times ``workers``), but never below the archive size times ``workers``
+    (a larger model than the serving one; or nothing serving yet).
+
+    Returns:
+        the check (None when there is no limit to respect).
+
+    Raises:
+        InsufficientMemory: usage + need > ``headroom`` x limit; the message gives the
+            numbers and what to do.
+    """
+    limit, source = probe.limit()
+    if limit is None:
+        return None
+    usage, usage_basis = probe.usage(pids, reported)
+    by_archive = archive_bytes * workers
+    need, basis = by_archive, f"archive {archive_bytes / _MIB:.0f} MiB x {workers} workers"
+    if per_worker:
+        mean = sum(per_worker) / len(per_worker)
+        if mean * workers > by_archive:
+            need = int(mean * workers)
+            basis = f"serving workers' RSS {mean / _MIB:.0f} MiB x {workers} workers"
+    check = MemoryCheck(limit_bytes=limit, usage_bytes=usage, need_bytes=need,
+                        headroom=headroom, limit_source=source, usage_basis=usage_basis,
+                        need_basis=basis)
+    if not check.fits:
+        raise InsufficientMemory(check.refusal(target))
+    return check
+
+
+class PeakTracker:
+    """The highest memory seen across samples taken during a switch.
+
+    ``peak_bytes`` is the cgroup's usage when the cgroup is readable (everything the
+    kernel charges toward the limit), else the workers' RSS sum; ``peak_rss_bytes`` is
+    always the workers' RSS sum (every registered version's workers).
+    """
+
+    def __init__(self, probe: MemoryProbe) -> None:
+        self.probe = probe
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_cgroup_bytes: int | None = None
+        self.peak_rss_bytes: int | None = None
+        self.samples = 0
+
+    def sample(self, pids: Iterable[int], reported: Mapping[int, int] | None = None) -> None:
+        rss = self.probe.worker_bytes(pids, reported)
+        if rss:
+            self.peak_rss_bytes = max(self.peak_rss_bytes or 0, sum(rss))
+        current = self.probe.cgroup.current() if self.probe.limit_bytes is None else None
+        if current is not None:
+            self.peak_cgroup_bytes = max(self.peak_cgroup_bytes or 0, current)
+        self.samples += 1
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.peak_cgroup_bytes if self.peak_cgroup_bytes is not None \
+            else self.peak_rss_bytes
