@@ -23,7 +23,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e \
+.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -65,6 +65,9 @@ lint: venv  ## ruff + mypy
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
 	$(PY) -m bench.bench_runtime
+
+bench-switch: venv  ## with `make up` running: live batch and version changes under load -> bench/results/switch.json
+	$(PY) -m bench.bench_switch
 
 bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee -> bench/results/e2e.json
 	$(PY) -m bench.bench_e2e

@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait for the first answered predict (the artifact loads first)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the readiness poll would print a line per try.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = LaunchConfig(
         host=args.host,
         inference_port=args.inference_port or _env_port("TS_INFERENCE_PORT", 8080),
