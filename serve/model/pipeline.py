@@ -361,6 +361,26 @@ def _immutable(cfg: PipelineConfig, existing: dict[str, Any], build_fp: str) -> 
         f"{build_fp} (its arguments or sources differ)")
 
 
+def _already_built(cfg: PipelineConfig, fps: dict[str, str],
+                   say: Callable[[str], None]) -> PipelineResult | None:
+    """The result when the repository holds this very build; None when the version is new.
+
+    Raises:
+        ConfigError: the version exists with another build (or ``force``): immutable.
+    """
+    repo, version, build_fp = cfg.repository, cfg.version_name, fps["archive"]
+    if not repo.exists(version):
+        return None
+    existing = repo.report(version)
+    if cfg.force or existing.get("build_fingerprint") != build_fp:
+        raise _immutable(cfg, existing, build_fp)
+    say(f"version {version} is in {cfg.model_store} with this build's fingerprint "
+        f"{build_fp}: nothing to build")
+    for name in STEPS:
+        say(f"[{name}] up to date (fingerprint {fps[name]}), skipped")
+    return PipelineResult(version, repo.archive(version), existing, [], list(STEPS))
+
+
 def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> PipelineResult:
     """Add version ``cfg.version_name`` to the repository, or confirm it holds this build.
 
@@ -381,15 +401,9 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     repo, version = cfg.repository, cfg.version_name
     # The repository first: fingerprints need no work, so "up to date" costs only the
     # imports, and a name clash fails before hours of training.
-    if repo.exists(version):
-        existing = repo.report(version)
-        if cfg.force or existing.get("build_fingerprint") != build_fp:
-            raise _immutable(cfg, existing, build_fp)
-        say(f"version {version} is in {cfg.model_store} with this build's fingerprint "
-            f"{build_fp}: nothing to build")
-        for name in STEPS:
-            say(f"[{name}] up to date (fingerprint {fps[name]}), skipped")
-        return PipelineResult(version, repo.archive(version), existing, [], list(STEPS))
+    done = _already_built(cfg, fps, say)
+    if done is not None:
+        return done
     # Validate the world size before generating anything (fails fast, clear message).
     plan_sharding(p, cfg.nproc, "cuda" if tcfg.resolved_backend() == "nccl" else "cpu")
 
