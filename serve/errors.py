@@ -5,6 +5,7 @@ the sidecar, CLIs) convert these once: ``err.status`` and ``err.to_json()``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "UnknownProfileError",
     "UnsupportedMediaType",
     "UpstreamUnavailable",
+    "describe_field_errors",
 ]
 
 
@@ -137,3 +139,25 @@ class InsufficientMemory(ServeError):
 
 
 __all__ += ["InsufficientMemory"]
+
+
+def describe_field_errors(errors: Iterable[Mapping[str, Any]], *, prefix: str = "",
+                          unknown_field: str = "unknown field") -> list[str]:
+    """One ``field: rule (got value)`` line per pydantic error (``ValidationError.errors()``).
+
+    ``loc`` is joined with dots (a leading ``body`` from FastAPI is dropped), pydantic's
+    ``Value error, `` prefix is removed, an unknown key reads ``unknown_field``, and a
+    missing field shows no value. Used by the desired-state schema and the sidecar's
+    request validation, so both word the same error the same way.
+    """
+    lines = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "extra_forbidden":
+            msg = unknown_field
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        got = "" if e.get("type") == "missing" else f" (got {e.get('input')!r})"
+        lines.append(f"{prefix}{loc}: {msg}{got}")
+    return lines

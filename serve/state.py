@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve.errors import ConfigError
+from serve.errors import ConfigError, describe_field_errors
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -114,18 +114,10 @@ def parse_serving_version(name: str) -> tuple[str, int, int, int] | None:
 
 def describe_validation_error(err: ValidationError, where: str = "") -> str:
     """One line per bad field: ``batching.batch_size: Input should be <= 4096 (got 0)``."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        msg = str(e.get("msg", "invalid"))
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown field; remove it (allowed: model.version, batching.batch_size, " \
-                  "batching.max_batch_delay_ms, workers, rollout)"
-        elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        got = "" if e.get("type") == "missing" else f" (got {e.get('input')!r})"
-        parts.append(f"{where}{loc}: {msg}{got}")
-    return "; ".join(parts)
+    return "; ".join(describe_field_errors(
+        err.errors(), prefix=where,
+        unknown_field="unknown field; remove it (allowed: model.version, batching.batch_size, "
+                      "batching.max_batch_delay_ms, workers, rollout)"))
 
 
 def parse_state(data: Any, source: str = "desired state") -> DesiredState:

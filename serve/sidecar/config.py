@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.errors import ConfigError
-from serve.state import DEFAULT_STATE_FILE
+from serve.state import (  # the limits are the desired state's: defined once there
+    BATCH_SIZE_MAX,
+    DEFAULT_STATE_FILE,
+    MAX_BATCH_DELAY_MS_MAX,
+    WORKERS_MAX,
+)
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -40,9 +45,6 @@ REPOSITORY_ENV = "DLRM_REPOSITORY"
 #: ``resourceFieldRef``) here.
 MEMORY_LIMIT_ENV = "DLRM_MEMORY_LIMIT_BYTES"
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
-BATCH_SIZE_MAX = 4096
-MAX_BATCH_DELAY_MS_MAX = 10_000
-WORKERS_MAX = 64
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.errors import InvalidInput, ServeError, Unauthorized
+from serve.errors import InvalidInput, ServeError, Unauthorized, describe_field_errors
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
 
 __all__ = ["internal_error", "register_exception_handlers"]
@@ -59,21 +59,18 @@ async def internal_error(request: Request, exc: Exception) -> JSONResponse:
 def _validation_error(exc: RequestValidationError, what: str) -> InvalidInput:
     parts = []
     for e in exc.errors():
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
-        msg = str(e.get("msg", "invalid"))
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        elif e.get("type") == "json_invalid":
-            pos = loc[0] if loc else "?"
-            where = "body"
-            msg = (f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', 'invalid')}"
-                   f" at character {pos})")
+        # Two errors are about the body as a whole, not a field: worded here; the field
+        # errors are worded by the formatter the desired-state schema uses too.
+        if e.get("type") == "json_invalid":
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            parts.append(f"body: the body is not valid JSON "
+                         f"({(e.get('ctx') or {}).get('error', 'invalid')} at character "
+                         f"{loc[0] if loc else '?'})")
         elif e.get("type") in ("model_attributes_type", "dict_type"):
-            msg = "the body must be a JSON object sent with Content-Type: application/json"
-        elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        got = "" if e.get("type") in ("missing", "json_invalid") else f" (got {e.get('input')!r})"
-        parts.append(f"{where}: {msg}{got}")
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{where}: the body must be a JSON object sent with Content-Type: "
+                         f"application/json (got {e.get('input')!r})")
+        else:
+            parts += describe_field_errors([e])
     rules = f". Allowed fields: {_RULES}" if what.endswith("/batching") else ""
     return InvalidInput(f"invalid {what} body: " + "; ".join(parts) + rules)
