@@ -7,7 +7,7 @@ Against the service `make up` started (sidecar on :8090, TorchServe on :8080), w
 the whole time, it runs three changes through ``PUT /state`` and waits for ``GET /state``
 to report ``converged`` on each:
 
-1. batch size: the declared batch size -> ``--batch-size`` (same version);
+1. batch size: the declared batch size -> ``--batch-size`` (default twice it; same version);
 2. model version: -> ``--to`` (default: the newest other version in the repository);
 3. back to what was declared at the start.
 
@@ -32,7 +32,9 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
+from serve.ops.state_client import StateClient
 
 __all__ = ["main"]
 
@@ -41,31 +43,21 @@ OUT = REPO / "bench" / "results" / "switch.json"
 
 
 class Service:
-    """The HTTP calls the benchmark makes (sidecar state API, one predict)."""
+    """The service under test: its state API and one fixed-input predict."""
 
     def __init__(self, inference: str, sidecar: str, token: str) -> None:
         self.predict_url = f"{inference.rstrip('/')}/predictions/dlrm"
-        self.sidecar = sidecar.rstrip("/")
-        self.token = token
+        self.client = StateClient(sidecar, token)
 
     def state(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.sidecar}/state", timeout=10)
-        r.raise_for_status()
-        return dict(r.json())
+        return self.client.state()
 
     def declare(self, desired: dict[str, Any], timeout_s: float) -> float:
-        """PUT /state and wait for converged on it; seconds taken (raises on timeout)."""
-        t0 = time.monotonic()
-        r = httpx.put(f"{self.sidecar}/state", json=desired, timeout=30,
-                      headers={"Authorization": f"Bearer {self.token}"})
-        if r.status_code != 202:
-            raise SystemExit(f"PUT /state answered {r.status_code}: {r.text}")
-        while time.monotonic() - t0 < timeout_s:
-            st = self.state()
-            if st["converged"] and st["desired"] == desired:
-                return time.monotonic() - t0
-            time.sleep(0.2)
-        raise SystemExit(f"not converged within {timeout_s:.0f} s: {json.dumps(self.state())}")
+        """PUT /state and wait for converged on it; seconds taken (exits on a failure)."""
+        try:
+            return self.client.declare(desired, timeout_s=timeout_s)
+        except UpstreamUnavailable as e:
+            raise SystemExit(e.message) from None
 
     def probe(self) -> tuple[list[float], str | None]:
         r = httpx.post(self.predict_url, json=example_request(4, seed=123), timeout=30)
@@ -117,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-file", default=".run/sidecar-token",
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--to", default=None, help="version to switch to (default: newest other)")
-    ap.add_argument("--batch-size", type=int, default=4, help="batch size of change 1")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="batch size of change 1 (default: twice the declared one, so the "
+                         "change is never a no-op)")
     ap.add_argument("--clients", type=int, default=8, help="closed-loop clients")
     ap.add_argument("--instances", type=int, default=512, help="instances per request")
     ap.add_argument("--timeout", type=float, default=60.0,
@@ -141,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"only {v0} in the repository; build another: make model SEED=7")
     bodies = [example_binary(args.instances, seed=s) for s in range(8)]
     p0, h0 = svc.probe()
-    batch = {**start, "batching": {**start["batching"], "batch_size": args.batch_size}}
-    changes = [(f"batch {start['batching']['batch_size']} -> {args.batch_size}", batch),
+    b0 = start["batching"]["batch_size"]
+    b1 = args.batch_size or min(2 * b0, 4096)
+    batch = {**start, "batching": {**start["batching"], "batch_size": b1}}
+    changes = [(f"batch {b0} -> {b1}", batch),
                (f"version {v0} -> {v1}", {**batch, "model": {"version": v1}}),
-               (f"back to {v0}, batch {start['batching']['batch_size']}", start)]
+               (f"back to {v0}, batch {b0}", start)]
     rows = []
     for name, desired in changes:
         print(f"==> {name}", flush=True)

@@ -9,7 +9,6 @@ the count served is printed (``pytest -s``) and asserted to be > 0.
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +20,10 @@ import httpx
 import pytest
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.errors import UpstreamUnavailable
 from serve.net import free_ports
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
+from serve.ops.state_client import StateClient
 from serve.repository import ModelRepository
 from tests.fixtures.torchserve import tiny_random_artifact
 
@@ -68,14 +69,12 @@ class Served:
     def sidecar_url(self) -> str:
         return f"http://127.0.0.1:{self.cfg.sidecar_port}"
 
-    def state(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.sidecar_url}/state", timeout=10)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
+    @property
+    def client(self) -> StateClient:
+        return StateClient(self.sidecar_url, self.token)
 
-    def put_state(self, desired: dict[str, Any]) -> httpx.Response:
-        return httpx.put(f"{self.sidecar_url}/state", json=desired, timeout=30,
-                         headers={"Authorization": f"Bearer {self.token}"})
+    def state(self) -> dict[str, Any]:
+        return self.client.state()
 
     def declare(self, version: str, batch_size: int = 2, delay_ms: int = 2) -> float:
         """PUT /state, wait until converged on it; return the seconds it took."""
@@ -83,19 +82,16 @@ class Served:
                    "batching": {"batch_size": batch_size, "max_batch_delay_ms": delay_ms},
                    "workers": 1, "rollout": None}
         t0 = time.monotonic()
-        r = self.put_state(desired)
+        r = self.client.put_state(desired)
         assert r.status_code == 202, r.text
-        deadline = t0 + CONVERGE_S
-        while True:
-            st = self.state()
-            obs = st["observed"] or {}
-            if (st["converged"] and st["desired"] == desired
-                    and obs.get("model", {}).get("version") == version
-                    and obs.get("batching", {}).get("batch_size") == batch_size):
-                return time.monotonic() - t0
-            assert time.monotonic() < deadline, (
-                f"not converged on {desired} within {CONVERGE_S:.0f} s: {json.dumps(st)}")
-            time.sleep(0.25)
+        try:
+            st = self.client.wait_converged(desired, timeout_s=CONVERGE_S)
+        except UpstreamUnavailable as e:
+            raise AssertionError(f"not converged on {desired}: {e.message}") from None
+        obs = st["observed"] or {}
+        assert obs.get("model", {}).get("version") == version, st
+        assert obs.get("batching", {}).get("batch_size") == batch_size, st
+        return time.monotonic() - t0
 
     def predict(self, body: dict[str, Any]) -> tuple[list[float], str | None]:
         r = httpx.post(self.predict_url, json=body, timeout=30)

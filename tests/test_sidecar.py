@@ -7,9 +7,7 @@ import asyncio
 import json
 import stat
 import threading
-import time
 import zipfile
-from typing import Self
 
 import httpx
 import pytest
@@ -19,6 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serve.api.protocol import example_request
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.net import wait_until
+from serve.ops.loadgen import BackgroundLoad
+from serve.ops.state_client import StateClient
 from serve.sidecar.app import (
     SidecarConfig,
     create_app,
@@ -305,32 +305,6 @@ def test_readyz_and_batching_read_torchserve(sidecar, torchserve):
                    "workers": len(desc["workers"]), "model_version": desc["modelVersion"]}
 
 
-def _state_put(sidecar, body: dict) -> httpx.Response:
-    return httpx.put(f"{sidecar.url}/state", json=body, timeout=30,
-                     headers={"Authorization": f"Bearer {sidecar.token}"})
-
-
-class _VersionLoad(threading.Thread):
-    """One client posting predictions until stopped; records (status, model version)."""
-
-    def __init__(self, url: str, seed: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.seed = url, seed
-        self.seen: list[tuple[int | str, str | None]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        body = json.dumps(example_request(2, seed=self.seed)).encode()
-        with httpx.Client(timeout=60) as c:
-            while not self.stop.is_set():
-                try:
-                    r = c.post(self.url, content=body,
-                               headers={"Content-Type": "application/json"})
-                    self.seen.append((r.status_code, r.headers.get("x-dlrm-model-version")))
-                except httpx.HTTPError as e:
-                    self.seen.append((type(e).__name__, None))
-
-
 @pytest.mark.integration
 def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
     """The session's sidecar took TorchServe from the archive it started with to the
@@ -361,33 +335,33 @@ def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
     repo = ModelRepository(sidecar.repositories)
     if not repo.exists(other):
         repo.add(other, torchserve.mar, {"created_at": "2026-12-31T00:00:00Z"})
-    loads = [_VersionLoad(torchserve.predict_url, seed=i) for i in range(2)]
+    client = StateClient(sidecar.url, sidecar.token)
+    load = BackgroundLoad(torchserve.predict_url,
+                          [json.dumps(example_request(2, seed=i)).encode() for i in range(2)],
+                          clients=2, timeout_s=60)
     try:
-        for load in loads:
-            load.start()
-        r = _state_put(sidecar, {**want, "model": {"version": other}})
+        load.start()
+        r = client.put_state({**want, "model": {"version": other}})
         assert r.status_code == 202, r.text
         assert r.json()["converged"] is False
         changed = wait_converged(sidecar.url)
         assert changed["observed"]["model"] == {"version": other}
         assert changed["available_versions"] == [SESSION_VERSION, other]
         assert changed["last_switch"]["from"] == observed["serving_version"]
-        count = sum(len(load.seen) for load in loads)
-        wait_until(lambda: sum(len(load.seen) for load in loads) > count + 10,
+        count = len(load.answers) + load.failed
+        wait_until(lambda: len(load.answers) + load.failed > count + 10,
                    timeout_s=60, what="predictions after the switch")
     finally:
-        for load in loads:
-            load.stop.set()
-            load.join(timeout=60)
-        restored = _state_put(sidecar, want)
+        load.stop()
+        restored = client.put_state(want)
         back = wait_converged(sidecar.url)
-    seen = [x for load in loads for x in load.seen]
-    failed = [x for x in seen if x[0] != 200]
-    print(f"version change under load: {len(seen)} predictions, {len(failed)} failed")
-    assert failed == [], failed[:5]
-    assert {v for _, v in seen} == {SESSION_VERSION, other}
-    for load in loads:  # each client moved from the old version to the new one, once
-        versions = [v for _, v in load.seen]
+    seen = load.answers
+    print(f"version change under load: {len(seen) + load.failed} predictions, "
+          f"{load.failed} failed")
+    assert load.failures == [], load.failures[:5]
+    assert {a.version for a in seen} == {SESSION_VERSION, other}
+    for k in range(load.clients):  # each client moved from the old version to the new one, once
+        versions = [a.version for a in seen if a.client == k]
         last_old = max(i for i, v in enumerate(versions) if v == SESSION_VERSION) \
             if SESSION_VERSION in versions else -1
         assert all(v == other for v in versions[last_old + 1:])
@@ -429,61 +403,6 @@ def test_metrics_move_by_exactly_the_requests_sent(sidecar, torchserve):
     assert any(name.startswith("ts_") for name, _ in after)
 
 
-class _Load:
-    """``threads`` clients posting predictions back to back until stopped; counts every
-    answer that is not a 200 with the right number of predictions, and every error."""
-
-    def __init__(self, url: str, threads: int, instances: int = 4) -> None:
-        self.url, self.instances = url, instances
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(threads)]
-
-    def _run(self, seed: int) -> None:
-        body = json.dumps(example_request(self.instances, seed=seed)).encode()
-        headers = {"Content-Type": "application/json"}
-        with httpx.Client(timeout=60) as c:
-            while not self._stop.is_set():
-                try:
-                    r = c.post(self.url, content=body, headers=headers)
-                    good = (r.status_code == 200
-                            and len(r.json()["predictions"]) == self.instances)
-                    why = f"{r.status_code} {r.text[:200]}"
-                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-                    # a connection error or a malformed answer is a failed request too
-                    good, why = False, f"{type(e).__name__}: {e}"
-                with self._lock:
-                    if good:
-                        self.ok += 1
-                    else:
-                        self.failed.append(why)
-
-    def __enter__(self) -> Self:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=90)
-
-    def count(self) -> int:
-        with self._lock:
-            return self.ok + len(self.failed)
-
-    def wait_for(self, n: int, timeout_s: float = 120.0) -> None:
-        """Until ``n`` more requests were answered (progress, not time, is asserted)."""
-        target = self.count() + n
-        deadline = time.monotonic() + timeout_s
-        while self.count() < target and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.count() >= target, f"load made no progress: {self.count()} < {target}"
-
-
 ACTIVE = {"copying", "registering", "waiting_ready", "setting_default", "draining",
           "unregistering"}
 
@@ -504,8 +423,10 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
     threads = 6
     restored: list[httpx.Response] = []
     try:
-        with _Load(torchserve.predict_url, threads=threads) as load:
-            load.wait_for(20)
+        bodies = [json.dumps(example_request(4, seed=i)).encode() for i in range(threads)]
+        with BackgroundLoad(torchserve.predict_url, bodies, clients=threads, timeout_s=60,
+                            expect_predictions=4) as load:
+            load.wait_for(load.served + 20)
             # The one worker's cache footprint; the scrape also lets the sidecar see its pid.
             base = _metrics(sidecar)
             footprint = (_value(base, "dlrm_cache_device_bytes")
@@ -536,7 +457,7 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
             assert now["model_version"] != original["model_version"]
             # Every forward after the switch holds exactly one request.
             s0 = _metrics(sidecar)
-            load.wait_for(30)
+            load.wait_for(load.served + 30)
             s1 = _metrics(sidecar)
             forwards = (_value(s1, "dlrm_batch_requests_count")
                         - _value(s0, "dlrm_batch_requests_count"))
@@ -553,7 +474,7 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
             assert r.status_code == 200, r.text
             assert httpx.get(f"{sidecar.url}/batching", timeout=30).json()["batch_size"] == 16
             s2 = _metrics(sidecar)
-            load.wait_for(60)
+            load.wait_for(load.served + 60)
             s3 = _metrics(sidecar)
 
             def d(name: str, **labels: str) -> float:
@@ -563,8 +484,8 @@ def test_live_batching_change_under_load_fails_no_request(sidecar, torchserve):
             assert forwards > 0
             assert forwards - d("dlrm_batch_requests_bucket", le="1.0") > 0  # > old size
             assert d("dlrm_batch_requests_bucket", le=f"{threads}.0") == forwards
-        print(f"\nlive PUT /batching under load: {load.ok} ok, {len(load.failed)} failed")
-        assert load.failed == [], load.failed[:5]
+        print(f"\nlive PUT /batching under load: {load.served} ok, {load.failed} failed")
+        assert load.failures == [], load.failures[:5]
         assert _value(s3, "dlrm_batching_updates_total", result="applied") >= 2
         assert _value(s3, "dlrm_batching_updates_total", result="conflict") >= 1
     finally:

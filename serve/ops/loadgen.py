@@ -36,11 +36,15 @@ VERSION_HEADER = "X-DLRM-Model-Version"
 
 @dataclass(frozen=True)
 class Answer:
-    """One answered request: when it finished (monotonic s), status, serving version."""
+    """One answered request: when it finished (monotonic s), status, serving version,
+    whether it was a good answer (200, and the expected predictions when checked), and
+    which client sent it (0..clients-1; each client's answers are in the order sent)."""
 
     t: float
     status: int
     version: str | None
+    ok: bool
+    client: int = 0
 
 
 @dataclass
@@ -58,14 +62,18 @@ class BackgroundLoad:
         clients: concurrent closed-loop clients (one keep-alive connection each).
         content_type: of every body.
         timeout_s: per request; a request slower than this counts as failed.
+        expect_predictions: when set, a 200 whose JSON body does not hold exactly this many
+            ``predictions`` counts as failed too (a wrong answer is a lost request).
     """
 
     def __init__(self, url: str, bodies: Sequence[bytes], clients: int = 8,
-                 content_type: str = "application/json", timeout_s: float = 120.0) -> None:
+                 content_type: str = "application/json", timeout_s: float = 120.0,
+                 expect_predictions: int | None = None) -> None:
         if clients < 1 or not bodies:
             raise ValueError("BackgroundLoad needs clients >= 1 and at least one body")
         self.url, self.bodies, self.clients = url, list(bodies), clients
         self.content_type, self.timeout_s = content_type, timeout_s
+        self.expect_predictions = expect_predictions
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._tally = _Tally()
@@ -84,9 +92,23 @@ class BackgroundLoad:
                 except httpx.HTTPError as e:
                     self._record(None, f"{type(e).__name__}: {e}")
                     continue
-                answer = Answer(time.monotonic(), r.status_code, r.headers.get(VERSION_HEADER))
-                self._record(answer, None if r.status_code == 200
-                             else f"HTTP {r.status_code}: {r.text[:300]}")
+                failure = self._judge(r)
+                self._record(Answer(time.monotonic(), r.status_code,
+                                    r.headers.get(VERSION_HEADER), failure is None, k), failure)
+
+    def _judge(self, r: httpx.Response) -> str | None:
+        """Why the answer counts as failed, or None when it is good."""
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}: {r.text[:300]}"
+        if self.expect_predictions is None:
+            return None
+        try:
+            n = len(r.json()["predictions"])
+        except (ValueError, KeyError, TypeError) as e:
+            return f"malformed answer ({type(e).__name__}: {e}): {r.text[:200]}"
+        if n != self.expect_predictions:
+            return f"{n} predictions for {self.expect_predictions} instances"
+        return None
 
     def _record(self, answer: Answer | None, failure: str | None) -> None:
         with self._lock:
@@ -127,8 +149,8 @@ class BackgroundLoad:
 
     @property
     def served(self) -> int:
-        """Requests answered 200."""
-        return sum(1 for a in self.answers if a.status == 200)
+        """Requests answered well (200, and the expected predictions when checked)."""
+        return sum(1 for a in self.answers if a.ok)
 
     @property
     def failed(self) -> int:
@@ -136,11 +158,11 @@ class BackgroundLoad:
         return len(self.failures)
 
     def versions(self, since: float = 0.0) -> Counter[str | None]:
-        """Answers (200 only) per serving version, for answers finished after ``since``."""
-        return Counter(a.version for a in self.answers if a.status == 200 and a.t >= since)
+        """Good answers per serving version, for answers finished after ``since``."""
+        return Counter(a.version for a in self.answers if a.ok and a.t >= since)
 
     def wait_for(self, n: int, timeout_s: float = 120.0) -> None:
-        """Block until ``n`` requests have been answered 200 in all."""
+        """Block until ``n`` requests have been answered well in all."""
         deadline = time.monotonic() + timeout_s
         while self.served < n:
             if time.monotonic() > deadline:

@@ -1,0 +1,72 @@
+"""A small client of the sidecar's state API, for tools and tests that change what serves.
+
+``GET /state``, ``PUT /state`` (bearer token) and waiting until ``converged``: the one copy
+used by ``bench/bench_switch.py``, the serving-state tests and the sidecar test fixtures.
+
+Example::
+
+    client = StateClient("http://127.0.0.1:8090", token=Path(".run/sidecar-token").read_text())
+    seconds = client.declare({"model": {"version": "small-int8-s7"},
+                              "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
+                              "workers": 2, "rollout": None}, timeout_s=60)
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from serve.errors import UpstreamUnavailable
+from serve.net import wait_until
+
+__all__ = ["StateClient"]
+
+
+class StateClient:
+    """The sidecar at ``url``; ``token`` is needed only for :meth:`put_state`."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token.strip() if token else None
+        self.timeout_s = timeout_s
+
+    def state(self) -> dict[str, Any]:
+        """``GET /state``'s body."""
+        r = httpx.get(f"{self.url}/state", timeout=self.timeout_s)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def put_state(self, desired: dict[str, Any]) -> httpx.Response:
+        """``PUT /state`` as is (the caller reads the status: 202, 400, 409...)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.put(f"{self.url}/state", json=desired, headers=headers, timeout=30)
+
+    def wait_converged(self, desired: dict[str, Any] | None = None, *,
+                       timeout_s: float = 60.0) -> dict[str, Any]:
+        """Poll ``GET /state`` until ``converged`` (on ``desired``, when given); that body.
+
+        Raises:
+            UpstreamUnavailable: not within ``timeout_s``; the message holds the last body.
+        """
+        def converged() -> dict[str, Any] | None:
+            body = self.state()
+            ok = body.get("converged") and (desired is None or body.get("desired") == desired)
+            return body if ok else None
+
+        try:
+            return wait_until(converged, timeout_s=timeout_s, interval_s=0.25,
+                              what=f"{self.url}/state converged")
+        except UpstreamUnavailable:
+            raise UpstreamUnavailable(
+                f"not converged within {timeout_s:.0f} s: {json.dumps(self.state())}") from None
+
+    def declare(self, desired: dict[str, Any], *, timeout_s: float = 60.0) -> float:
+        """``PUT /state`` (must answer 202), then wait until it serves; seconds taken."""
+        t0 = time.monotonic()
+        r = self.put_state(desired)
+        if r.status_code != 202:
+            raise UpstreamUnavailable(f"PUT /state answered {r.status_code}: {r.text}")
+        self.wait_converged(desired, timeout_s=max(0.0, timeout_s - (time.monotonic() - t0)))
+        return time.monotonic() - t0
