@@ -23,7 +23,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch \
+.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -41,8 +41,8 @@ java:  ## install a Java runtime for TorchServe if missing
 kubectl:  ## install kubectl for the offline k8s tests if missing
 	@bash scripts/ensure_kubectl.sh
 
-model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>.mar [PROFILE=small SEED= VERSION=]; skips what is up to date
-	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(MODEL_IF_MISSING), --if-missing)
+model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-shuffled].mar [PROFILE=small SEED= VERSION= LABEL_SHUFFLE=1: train on permuted labels, AUC ~0.5]; skips what is up to date
+	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MODEL_IF_MISSING), --if-missing)
 
 run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
 	$(PY) -m serve.ops.launcher run
@@ -68,6 +68,9 @@ bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit 
 
 bench-switch: venv  ## with `make up` running: live batch and version changes under load -> bench/results/switch.json
 	$(PY) -m bench.bench_switch
+
+bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
+	$(PY) -m bench.bench_rollout
 
 bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee -> bench/results/e2e.json
 	$(PY) -m bench.bench_e2e

@@ -18,6 +18,29 @@
   (``application/x-dlrm-columnar``, see :mod:`serve.api.protocol`); the Content-Type of each
   request picks the decoder, anything else gets 415. Responses are always JSON.
 
+Rollouts (canary / shadow, :mod:`serve.routing`): when the model config's ``handler:``
+section has ``rollout:`` (:class:`serve.api.protocol.RolloutWiring`, written by the
+sidecar into the archives it derives), ``initialize`` loads the candidate's artifact
+beside the stable one (same runtime settings) and watches the control file. ``handle``
+reads the control once per batch (a batch sees one value) and splits the batch:
+
+* ``canary``: each request that parsed takes the candidate when
+  :func:`serve.routing.takes_candidate` says so (by its ``X-DLRM-Route-Key`` hash, else
+  at random), ONE merged forward per non-empty arm, responses in request order. A
+  forward that raises fails only its own arm's requests (500 JSON, logged).
+* ``shadow``: the stable model answers every request (one forward, exactly as without a
+  rollout); the chosen share is ALSO scored by the candidate afterwards (metrics only;
+  its failures touch no response). The batch's responses leave after both forwards.
+
+The worker's rng for requests without a route key is ``random.Random(pid)``: seeded per
+worker so that workers draw independently, reproducible within one worker's life.
+Responses of requests that reached a forward carry ``X-DLRM-Arm`` (``stable`` or
+``candidate``) and, in ``X-DLRM-Model-Version``, the version that answered; refused
+requests (bad body, Content-Type or route key) name the stable version and no arm.
+Without a rollout everything is the stable arm (still recorded in the per-arm metrics).
+Route keys are checked whether or not a rollout runs: empty or over
+:data:`serve.routing.ROUTE_KEY_MAX_CHARS` characters is a 400.
+
 The logic lives in :mod:`serve.api.protocol` (no TorchServe needed to test it).
 """
 from __future__ import annotations
@@ -25,7 +48,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -36,11 +61,14 @@ from serve.api.protocol import (
     HandlerConfig,
     MergedBatch,
     Outcome,
+    Split,
     default_num_threads,
     encode_error,
     handle_batch,
 )
+from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
+from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER, ControlWatcher, takes_candidate
 from serve.state import parse_serving_version
 
 try:  # the sidecar engineer's module; the handler works without it
@@ -50,7 +78,6 @@ except ImportError:  # pragma: no cover - only before serve/metrics.py exists
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_NAME = "artifact.pt"  # serve.model.archive packs the artifact under this name
 BATCH_INSTANCES_HEADER = "X-DLRM-Batch-Instances"
 BATCH_REQUESTS_HEADER = "X-DLRM-Batch-Requests"
 TS_BATCH_HEADER = "X-DLRM-TorchServe-Batch"
@@ -65,9 +92,14 @@ class DLRMHandler(BaseHandler):
     def __init__(self) -> None:
         super().__init__()
         self.runtime: Any = None
+        self.candidate: Any = None  # the rollout candidate's Runtime, when configured
+        self.watcher: ControlWatcher | None = None
         self.cfg = HandlerConfig()
         self.metrics: Any = None
         self.model_version = "unknown"
+        self.candidate_version: str | None = None
+        # Routes requests without a route key; reseeded with the pid in initialize.
+        self._rng = random.Random(0)
         self._last_stages: dict[str, float] = {}
 
     def initialize(self, context: Any) -> None:
@@ -96,24 +128,39 @@ class DLRMHandler(BaseHandler):
             torch.set_num_interop_threads(1)
         except RuntimeError:  # already set or parallel work has started: keep it
             pass
-        self.runtime = Runtime.from_artifact(
-            os.path.join(model_dir, ARTIFACT_NAME),
-            RuntimeConfig(device=str(self.device), cache_load_factor=self.cfg.cache_load_factor,
-                          cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
-                          num_threads=threads))
+        runtime_cfg = RuntimeConfig(
+            device=str(self.device), cache_load_factor=self.cfg.cache_load_factor,
+            cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
+            num_threads=threads)
+        self.runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg)
+        rollout = self.cfg.rollout
+        if rollout is not None:
+            self.candidate = Runtime.from_artifact(
+                os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg)
+            self.candidate_version = rollout.candidate_version
+            self.watcher = ControlWatcher(rollout.control_file)
+            # Requests without a route key are routed at random: seeded per worker (its
+            # pid), so workers draw independently and one worker's draws are reproducible.
+            self._rng = random.Random(os.getpid())
+            control = self.watcher.current()
+            logger.info("rollout: stable=%s candidate=%s (%s) control=%s (now mode=%s "
+                        "weight=%.4g)", self.model_version, rollout.candidate_version,
+                        rollout.candidate_artifact, rollout.control_file, control.mode,
+                        control.weight)
         if HandlerMetrics is not None:
             self.metrics = HandlerMetrics()
-        self._last_stages = dict(self.runtime.stats().stage_seconds)
+        self._last_stages = self._stage_seconds()
         # Everything allocated so far (torch, the model) lives as long as the worker: move
         # it out of the cyclic collector's reach so collections stay cheap (see
         # serve.api.protocol._gc_paused for the measured cost).
         gc.collect()
         gc.freeze()
         self.initialized = True
-        logger.info("DLRM handler ready: version=%s device=%s threads=%d config=%s pid=%d",
-                    self.model_version, self.device, threads, self.cfg, os.getpid())
+        logger.info("DLRM handler ready: version=%s candidate=%s device=%s threads=%d "
+                    "config=%s pid=%d", self.model_version, self.candidate_version,
+                    self.device, threads, self.cfg, os.getpid())
 
-    def _predict(self, batch: MergedBatch) -> np.ndarray:
+    def _forward(self, runtime: Any, batch: MergedBatch) -> np.ndarray:
         from serve.runtime.engine import SparseBatch
 
         if self.cfg.debug_delay_ms:  # tests only: a slow model, so the queue fills up
@@ -121,32 +168,86 @@ class DLRMHandler(BaseHandler):
         dense = torch.from_numpy(batch.dense)
         sparse = SparseBatch(values=torch.from_numpy(batch.values),
                              lengths=torch.from_numpy(batch.lengths))
-        return self.runtime.predict(dense, sparse).numpy()
+        return runtime.predict(dense, sparse).numpy()
+
+    def _predict(self, batch: MergedBatch) -> np.ndarray:
+        """The stable model: MergedBatch -> float32 (B,) probabilities."""
+        return self._forward(self.runtime, batch)
+
+    def _predict_candidate(self, batch: MergedBatch) -> np.ndarray:
+        """The rollout's candidate: MergedBatch -> float32 (B,) probabilities."""
+        return self._forward(self.candidate, batch)
+
+    def _split(self) -> Split | None:
+        """This batch's split: the control read once (None without a rollout)."""
+        if self.watcher is None or self.candidate is None:
+            return None
+        control = self.watcher.current()
+        rng, weight = self._rng, control.weight
+        return Split(mode=control.mode, candidate=self._predict_candidate,
+                     choose=lambda key: takes_candidate(key, weight, rng))
 
     def handle(self, data: list[dict], context: Any) -> list[bytes]:
         t0 = time.perf_counter()
         try:
-            bodies, ctypes = [], []
+            bodies, ctypes, keys = [], [], []
             for idx, req in enumerate(data):
-                body, ctype = _body_and_type(req, context, idx)
+                body, ctype, key = _request_parts(req, context, idx)
                 bodies.append(body)
                 ctypes.append(ctype)
-            outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg)
+                keys.append(key)
+            outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg,
+                                          route_keys=keys, split=self._split())
         except Exception:  # a bug, not bad input: answer 500 JSON, keep the worker alive
             logger.exception("DLRM handler failed on a batch of %d requests", len(data))
             err = ServeError("internal error while predicting; see the TorchServe model log")
             outcomes, info = [Outcome(500, encode_error(err)) for _ in data], None
         seconds = time.perf_counter() - t0
+        arms = info["arms"] if info is not None else {}
         for idx, out in enumerate(outcomes):
             context.set_response_status(out.status, _PHRASES.get(out.status, ""), idx)
             context.set_response_content_type(idx, "application/json")
             context.set_response_header(idx, TS_BATCH_HEADER, str(len(data)))
-            context.set_response_header(idx, MODEL_VERSION_HEADER, self.model_version)
+            context.set_response_header(idx, MODEL_VERSION_HEADER, self._version_of(out.arm))
+            if out.arm is not None:
+                context.set_response_header(idx, ARM_HEADER, out.arm)
             if info is not None:
-                context.set_response_header(idx, BATCH_INSTANCES_HEADER, str(info["instances"]))
-                context.set_response_header(idx, BATCH_REQUESTS_HEADER, str(info["requests"]))
+                run = arms.get(out.arm) if out.arm is not None else None
+                instances = run.instances if run is not None else info["instances"]
+                requests = run.requests if run is not None else info["requests"]
+                context.set_response_header(idx, BATCH_INSTANCES_HEADER, str(instances))
+                context.set_response_header(idx, BATCH_REQUESTS_HEADER, str(requests))
         self._record(outcomes, info, seconds)
         return [o.body for o in outcomes]
+
+    def _version_of(self, arm: str | None) -> str:
+        """The model version of an arm (the stable version for no arm)."""
+        if arm == "candidate" and self.candidate_version is not None:
+            return self.candidate_version
+        return self.model_version
+
+    def _runtimes(self) -> list[Any]:
+        return [r for r in (self.runtime, self.candidate) if r is not None]
+
+    def _stage_seconds(self) -> dict[str, float]:
+        """Cumulative seconds per stage, summed over the worker's runtimes."""
+        total: dict[str, float] = {}
+        for rt in self._runtimes():
+            for k, v in rt.stats().stage_seconds.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def _cache_stats(self) -> SimpleNamespace:
+        """Cache statistics summed over the runtimes (stable + candidate), in the shape
+        ``HandlerMetrics.set_cache`` reads; sums of cumulative counts stay cumulative.
+        (A namespace, not a class: TorchServe wants exactly one class in this module.)"""
+        names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
+        total = dict.fromkeys(names, 0)
+        for rt in self._runtimes():
+            st = rt.stats()
+            for name in names:
+                total[name] += int(getattr(st, name))
+        return SimpleNamespace(**total)
 
     def _record(self, outcomes: list[Outcome], info: dict | None, seconds: float) -> None:
         try:
@@ -156,16 +257,33 @@ class DLRMHandler(BaseHandler):
                 return
             for out in outcomes:
                 self.metrics.observe_request(out.status, out.instances, seconds)
-            if info is not None and info["requests"]:
+            if info is None:
+                return
+            self._record_arms(info)
+            if info["requests"]:
                 self.metrics.observe_batch(info["instances"], info["requests"])
-                stats = self.runtime.stats()
-                now = dict(stats.stage_seconds)
+                now = self._stage_seconds()
                 self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
                                              for k, v in now.items()})
                 self._last_stages = now
-                self.metrics.set_cache(stats)
+                self.metrics.set_cache(self._cache_stats())
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording DLRM metrics failed")
+
+    def _record_arms(self, info: dict) -> None:
+        """Per-arm series: each arm that ran a forward, with its model version; every
+        request of a failed forward is an error of its arm. Seconds per request = the
+        batch's decode time + the arm's forward time."""
+        try:
+            for run in info["arms"].values():
+                self.metrics.observe_arm(
+                    run.arm, self._version_of(run.arm), run.requests,
+                    run.requests if run.failed else 0, info["decode_s"] + run.forward_s,
+                    run.scores)
+            if info["shadow_diff"] is not None and self.candidate_version is not None:
+                self.metrics.observe_shadow_diff(self.candidate_version, info["shadow_diff"])
+        except Exception:  # metrics must never fail a prediction
+            logger.exception("recording the per-arm DLRM metrics failed")
 
 
 def model_version(manifest: dict | None) -> str:
@@ -175,6 +293,13 @@ def model_version(manifest: dict | None) -> str:
     raw = str(((manifest or {}).get("model") or {}).get("modelVersion") or "")
     parsed = parse_serving_version(raw)
     return parsed[0] if parsed else (raw or "unknown")
+
+
+def _request_parts(req: dict, context: Any, idx: int) -> tuple[Any, str | None, str | None]:
+    """(raw body, Content-Type, X-DLRM-Route-Key) of request ``idx`` of a TorchServe batch."""
+    body, ctype = _body_and_type(req, context, idx)
+    params = context.get_all_request_header(idx) or {}
+    return body, ctype, _header(params, ROUTE_KEY_HEADER.lower())
 
 
 def _body_and_type(req: dict, context: Any, idx: int) -> tuple[Any, str | None]:
@@ -200,6 +325,7 @@ def _body_and_type(req: dict, context: Any, idx: int) -> tuple[Any, str | None]:
 
 
 def _header(params: dict, name: str) -> str | None:
+    """The value of header ``name`` (lower case), matched case-insensitively."""
     for k, v in params.items():
         if isinstance(k, str) and k.lower() == name and isinstance(v, str):
             return v

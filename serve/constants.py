@@ -8,7 +8,12 @@ the metrics all import them from here.
 """
 from __future__ import annotations
 
-__all__ = ["CACHE_POLICIES", "STAGES"]
+__all__ = ["ARTIFACT_NAME", "CACHE_POLICIES", "CANDIDATE_ARTIFACT", "STAGES"]
 
 STAGES: tuple[str, ...] = ("decode", "embedding", "dense")
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
+
+#: The artifact's file name inside a model archive (.mar) and the folder TorchServe
+#: unpacks it into; a rollout's candidate artifact sits beside it.
+ARTIFACT_NAME = "artifact.pt"
+CANDIDATE_ARTIFACT = "candidate/artifact.pt"

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -70,6 +71,11 @@ from prometheus_client.registry import Collector
 from serve.constants import STAGES
 
 __all__ = [
+    "ARMS",
+    "ARM_ERRORS_TOTAL",
+    "ARM_REQUESTS_TOTAL",
+    "ARM_REQUEST_DURATION_SECONDS",
+    "ARM_SCORE",
     "BATCH_INSTANCES",
     "BATCH_INSTANCES_BUCKETS",
     "BATCH_REQUESTS",
@@ -86,6 +92,15 @@ __all__ = [
     "REQUESTS_TOTAL",
     "REQUEST_DURATION_BUCKETS",
     "REQUEST_DURATION_SECONDS",
+    "ROLLOUT_GUARDS",
+    "ROLLOUT_GUARD_THRESHOLD",
+    "ROLLOUT_GUARD_VALUE",
+    "ROLLOUT_PHASE",
+    "ROLLOUT_PHASES",
+    "ROLLOUT_WEIGHT",
+    "SCORE_BUCKETS",
+    "SCORE_DIFF_BUCKETS",
+    "SHADOW_SCORE_DIFF",
     "STAGES",
     "STAGE_DURATION_BUCKETS",
     "STAGE_DURATION_SECONDS",
@@ -126,6 +141,25 @@ UPSTREAM_UP = "dlrm_upstream_up"
 SWITCH_PHASE = "dlrm_switch_phase"
 STATE_CONVERGED = "dlrm_state_converged"
 RECONCILE_TOTAL = "dlrm_reconcile_total"
+# Rollouts (serve/sidecar/rollout.py): per-arm series written by the workers, labels
+# arm (ARMS) and version (a model version: at most two per pod at a time, so bounded).
+ARM_REQUESTS_TOTAL = "dlrm_arm_requests_total"
+ARM_ERRORS_TOTAL = "dlrm_arm_errors_total"
+ARM_REQUEST_DURATION_SECONDS = "dlrm_arm_request_duration_seconds"
+ARM_SCORE = "dlrm_arm_score"
+SHADOW_SCORE_DIFF = "dlrm_shadow_score_diff"
+# ... and the rollout's own state, written by the sidecar.
+ROLLOUT_PHASE = "dlrm_rollout_phase"
+ROLLOUT_WEIGHT = "dlrm_rollout_weight"
+ROLLOUT_GUARD_VALUE = "dlrm_rollout_guard_value"
+ROLLOUT_GUARD_THRESHOLD = "dlrm_rollout_guard_threshold"
+
+#: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
+ARMS: tuple[str, ...] = ("stable", "candidate")
+#: Phases of a rollout (``serve.sidecar.rollout``); ``none`` when no rollout was declared.
+ROLLOUT_PHASES: tuple[str, ...] = ("none", "baking", "promoted", "rolled_back")
+#: Guards of a rollout, by name (bounded label of the guard gauges).
+ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
 
 #: Phases of the sidecar's version switch (``serve.sidecar.switch.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
@@ -154,6 +188,18 @@ REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
 STAGE_DURATION_BUCKETS: tuple[float, ...] = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 1.0,
+)
+# Predicted click probabilities: CTRs sit mostly below 0.5, so the buckets are dense at the
+# low end. These are also the FIXED bins of the rollout's score-shift guard (population
+# stability index): changing them changes the guard's values.
+SCORE_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3,
+    0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0,
+)
+# Candidate minus stable score on the same instance (shadow mode): symmetric, dense near 0.
+SCORE_DIFF_BUCKETS: tuple[float, ...] = (
+    -0.5, -0.2, -0.1, -0.05, -0.02, -0.01, -0.005, -0.001, 0.0, 0.001, 0.005, 0.01, 0.02,
+    0.05, 0.1, 0.2, 0.5, 1.0,
 )
 # Instances per merged forward: requests carry up to thousands of instances.
 BATCH_INSTANCES_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(17))  # 1..65536
@@ -239,6 +285,32 @@ class HandlerMetrics:
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._dropped_stages: set[str] = set()
+        # Rollouts (serve.routing): one series per (arm, version); without a rollout the
+        # handler records everything as arm="stable" of its version.
+        arm_labels = ["arm", "version"]
+        self._arm_requests = Counter(
+            _strip_total(ARM_REQUESTS_TOTAL),
+            "Requests scored by each arm of a rollout (shadow candidate: scored, not "
+            "answered); requests whose body was refused belong to no arm.",
+            arm_labels, registry=r)
+        self._arm_errors = Counter(
+            _strip_total(ARM_ERRORS_TOTAL),
+            "Requests of an arm whose forward raised (any exception of that model).",
+            arm_labels, registry=r)
+        self._arm_duration = Histogram(
+            ARM_REQUEST_DURATION_SECONDS,
+            "Seconds per request of an arm: the batch's decode time plus that arm's "
+            "forward time.",
+            arm_labels, buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._arm_score = Histogram(
+            ARM_SCORE,
+            "Predicted click probabilities of each arm, one observation per instance.",
+            arm_labels, buckets=SCORE_BUCKETS, registry=r)
+        self._shadow_diff = Histogram(
+            SHADOW_SCORE_DIFF,
+            "Shadow mode: candidate minus stable predicted probability on the same "
+            "instance, one observation per instance.",
+            ["version"], buckets=SCORE_DIFF_BUCKETS, registry=r)
 
     def observe_request(self, code: int, instances: int, seconds: float) -> None:
         """One answered request: its HTTP ``code``, ``instances`` in it (0 when the body
@@ -292,6 +364,104 @@ class HandlerMetrics:
                     counter.inc(delta)
             self._device_bytes.set(int(stats.device_bytes))
             self._host_bytes.set(int(stats.host_bytes))
+
+    def observe_arm(self, arm: str, version: str, requests: int, errors: int,
+                    seconds_per_request: float, scores: np.ndarray | None = None) -> None:
+        """One arm's forward in a batch.
+
+        Args:
+            arm: ``stable`` or ``candidate`` (:data:`ARMS`).
+            version: the model version of that arm (label ``version``).
+            requests: requests the arm scored (answered, or shadow-scored).
+            errors: how many of them failed (all of them when its forward raised).
+            seconds_per_request: the batch's decode time + the arm's forward time, in
+                seconds; observed once per request in ``dlrm_arm_request_duration_seconds``.
+            scores: (n,) the predicted probabilities of the arm's instances, one
+                ``dlrm_arm_score`` observation each (None or empty: none).
+        Raises:
+            ValueError: an arm outside ARMS, an empty version, counts below 0 or errors
+                above requests, a negative or non-finite duration.
+
+        Both counters get their series even when they do not move, so that an error
+        ratio reads 0/n, not "no data".
+        """
+        _check_arm(arm, version)
+        if requests < 0 or not 0 <= errors <= requests:
+            raise ValueError(f"requests={requests} must be >= 0 and errors={errors} in "
+                             "0..requests")
+        if not math.isfinite(seconds_per_request) or seconds_per_request < 0:
+            raise ValueError(f"seconds_per_request={seconds_per_request} must be finite and "
+                             ">= 0")
+        self._arm_requests.labels(arm=arm, version=version).inc(requests)
+        self._arm_errors.labels(arm=arm, version=version).inc(errors)
+        if requests:
+            observe_many(self._arm_duration.labels(arm=arm, version=version),
+                         np.full(requests, float(seconds_per_request)))
+        if scores is not None and np.size(scores):
+            observe_many(self._arm_score.labels(arm=arm, version=version), scores)
+
+    def observe_shadow_diff(self, version: str, diffs: np.ndarray) -> None:
+        """Shadow mode: ``diffs`` (n,) = candidate minus stable score per instance, for
+        the candidate ``version``; one ``dlrm_shadow_score_diff`` observation each."""
+        _check_arm("candidate", version)
+        if np.size(diffs):
+            observe_many(self._shadow_diff.labels(version=version), diffs)
+
+
+def _check_arm(arm: str, version: str) -> None:
+    if arm not in ARMS:
+        raise ValueError(f"arm {arm!r} is not one of {ARMS}")
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"version {version!r} must be a non-empty model version")
+
+
+def observe_many(histogram: Histogram, values: np.ndarray) -> int:
+    """Add each of ``values`` as one observation of ``histogram``, exactly as a loop of
+    ``histogram.observe(v)`` would, with one write per non-empty bucket instead of one
+    per value.
+
+    Why: a batch holds up to thousands of instances, and in multiprocess mode every
+    ``observe`` takes a lock and writes the mmap file. prometheus_client has no bulk
+    call, so this uses the internals ``Histogram.observe`` itself uses: the child's
+    ``_upper_bounds`` (the buckets, +Inf last), ``_buckets`` (one value per bucket,
+    counts NOT cumulative) and ``_sum``, plus ``_raise_if_not_observable``. Checked
+    against prometheus_client 0.26.0 (the version in .venv);
+    ``tests/test_metrics.py`` compares the exposition with a loop of ``observe()``, so an
+    upgrade that changes them fails there.
+
+    Binning: ``np.searchsorted(bounds, v, side="left")`` is the first bucket whose bound
+    is >= v: prometheus' ``le`` (v <= bound). NaN values are skipped: ``observe`` would
+    count them in no bucket and turn the sum into NaN for good.
+
+    Args:
+        histogram: a Histogram without labels, or a labelled child (``h.labels(...)``).
+        values: any shape (flattened), any real dtype.
+    Returns:
+        The number of observations added.
+    Raises:
+        TypeError: ``histogram`` is not a prometheus_client Histogram (or its internals
+            changed).
+        ValueError: ``histogram`` is a labelled parent (call ``.labels(...)`` first).
+    """
+    if not hasattr(histogram, "_upper_bounds") or not hasattr(histogram,
+                                                              "_raise_if_not_observable"):
+        raise TypeError(f"observe_many needs a prometheus_client Histogram (child), got "
+                        f"{type(histogram).__name__}")
+    histogram._raise_if_not_observable()
+    buckets, total = getattr(histogram, "_buckets", None), getattr(histogram, "_sum", None)
+    if buckets is None or total is None or len(buckets) != len(histogram._upper_bounds):
+        raise TypeError("observe_many: this prometheus_client's Histogram internals differ "
+                        "from 0.26.0 (_buckets/_sum); update observe_many")
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    v = v[~np.isnan(v)]
+    if not v.size:
+        return 0
+    bounds = np.asarray(histogram._upper_bounds, dtype=np.float64)
+    counts = np.bincount(np.searchsorted(bounds, v, side="left"), minlength=bounds.size)
+    for i in np.flatnonzero(counts):
+        buckets[i].inc(int(counts[i]))
+    total.inc(float(v.sum()))
+    return int(v.size)
 
 
 def _family_total(families: Iterable[Metric], name: str) -> float | None:
@@ -423,6 +593,9 @@ class SidecarMetrics(Collector):
       reconciler is off). Alert on it staying 0, not on a 0 during a switch.
     * ``dlrm_reconcile_total{result}``: reconcile passes by outcome (one of
       :data:`RECONCILE_RESULTS`).
+    * ``dlrm_rollout_phase{phase}``: 1 for the current or last rollout's phase (one of
+      :data:`ROLLOUT_PHASES`); ``dlrm_rollout_weight``: the candidate's share;
+      ``dlrm_rollout_guard_value{guard}`` / ``dlrm_rollout_guard_threshold{guard}``.
     """
 
     UPDATE_RESULTS = ("applied", "unchanged", "conflict", "failed")
@@ -436,6 +609,9 @@ class SidecarMetrics(Collector):
         self._phase = "idle"
         self._converged = math.nan
         self._reconciles = {r: 0 for r in RECONCILE_RESULTS}
+        self._rollout_phase = "none"
+        self._rollout_weight = 0.0
+        self._guards: dict[str, tuple[float, float]] = {}
 
     def observe_request(self, route: str, method: str, code: int) -> None:
         key = (route, method, str(code))
@@ -474,7 +650,22 @@ class SidecarMetrics(Collector):
         with self._lock:
             self._reconciles[result] += 1
 
+    def set_rollout(self, phase: str, weight: float,
+                    guards: Iterable[tuple[str, float | None, float]]) -> None:
+        """Mirror the rollout: its ``phase`` (one of :data:`ROLLOUT_PHASES`), the
+        candidate's ``weight`` and each guard's (name, value or None, threshold)."""
+        if phase not in ROLLOUT_PHASES:
+            raise ValueError(f"rollout phase {phase!r} is not one of {ROLLOUT_PHASES}")
+        table = {}
+        for name, value, threshold in guards:
+            if name not in ROLLOUT_GUARDS:
+                raise ValueError(f"guard {name!r} is not one of {ROLLOUT_GUARDS}")
+            table[name] = (math.nan if value is None else float(value), float(threshold))
+        with self._lock:
+            self._rollout_phase, self._rollout_weight, self._guards = phase, weight, table
+
     def collect(self) -> Iterator[Metric]:
+        yield from self._collect_rollout()
         with self._lock:
             converged = self._converged
             reconciles = dict(self._reconciles)
@@ -517,3 +708,24 @@ class SidecarMetrics(Collector):
         for result, n in reconciles.items():
             fam.add_metric([result], n)
         yield fam
+
+    def _collect_rollout(self) -> Iterator[Metric]:
+        with self._lock:
+            phase, weight, guards = self._rollout_phase, self._rollout_weight, dict(self._guards)
+        gauge = GaugeMetricFamily(ROLLOUT_PHASE, "1 for the phase of the current or last "
+                                  "rollout (none: no rollout declared).", labels=["phase"])
+        for name in ROLLOUT_PHASES:
+            gauge.add_metric([name], 1.0 if name == phase else 0.0)
+        yield gauge
+        yield GaugeMetricFamily(ROLLOUT_WEIGHT, "Share of requests the rollout's candidate "
+                                "answers (canary) or scores (shadow), 0..1.", value=weight)
+        value = GaugeMetricFamily(ROLLOUT_GUARD_VALUE, "Each rollout guard's value at its last "
+                                  "evaluation (NaN: not enough data yet).", labels=["guard"])
+        limit = GaugeMetricFamily(ROLLOUT_GUARD_THRESHOLD, "Each rollout guard's threshold "
+                                  "(breached when the value is above it).", labels=["guard"])
+        for name in ROLLOUT_GUARDS:
+            v, t = guards.get(name, (math.nan, math.nan))
+            value.add_metric([name], v)
+            limit.add_metric([name], t)
+        yield value
+        yield limit

@@ -12,44 +12,66 @@ The file::
       batch_size: 2                   # requests TorchServe merges into one handler call
       max_batch_delay_ms: 2           # longest wait for a batch to fill, ms
     workers: 2                        # worker processes
-    rollout: null                     # reserved for canary / A-B / shadow rollouts
+    rollout: null                     # or a canary / shadow rollout of a candidate:
+    # rollout:
+    #   candidate: small-int8-s7        # the version being tried
+    #   mode: canary                    # canary: it answers its share; shadow: it only scores
+    #   weight: 0.1                     # share of requests (by X-DLRM-Route-Key hash, else random)
+    #   steps: [0.5, 1.0]               # optional: later weights, one bake period each
+    #   bake_s: 60                      # seconds each weight must survive the guards
+    #   guards: {max_error_ratio: 0.01, max_p99_ratio: 2.0, max_score_psi: 0.25,
+    #            min_requests: 20, min_instances: 500, interval_s: 5}
 
 Unknown keys, wrong types (``"8"``, ``8.0``, ``true`` for an integer) and out-of-range
 values are refused with a message that names the field, the rule and the value.
 
 TorchServe registers one *serving version* per (model version, batching, workers): the
 batching lives in the archive's ``model-config.yaml``, so a batching change is a new
-registration. :func:`serving_version` names it ``<version>_b<batch>d<delay>w<workers>``;
-:func:`parse_serving_version` reads it back, so the observed state comes from TorchServe's
-own description, not from memory the sidecar could lose.
+registration. :func:`serving_version` names it ``<version>_b<batch>d<delay>w<workers>``,
+plus ``_c<candidate>`` when the registration also holds a rollout's candidate;
+:func:`parse_serving_version` and :func:`serving_candidate` read it back, so the
+observed state comes from TorchServe's own description, not from memory the sidecar
+could lose.
 """
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from serve.errors import ConfigError, describe_field_errors
 
 __all__ = [
+    "ALLOWED_FIELDS",
     "BATCH_SIZE_MAX",
     "DEFAULT_STATE_FILE",
     "LOCAL_STATE_FILE",
     "MAX_BATCH_DELAY_MS_MAX",
+    "ROLLOUT_MODES",
     "VERSION_RE",
     "WORKERS_MAX",
     "Batching",
     "DesiredState",
+    "Guards",
     "ModelRef",
+    "Rollout",
     "describe_validation_error",
     "dump_state",
     "load_state",
     "parse_serving_version",
     "parse_state",
+    "serving_candidate",
     "serving_version",
     "write_state",
 ]
@@ -65,7 +87,14 @@ WORKERS_MAX = 64
 # Letters, digits, '.' and '-': safe in URLs, file names and TorchServe's version paths.
 # No '_': it separates the model version from the batching suffix of a serving version.
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,63}$"
-_SERVING_RE = re.compile(r"^(?P<v>[A-Za-z0-9][A-Za-z0-9.\-]{0,63})_b(?P<b>\d+)d(?P<d>\d+)w(?P<w>\d+)$")
+_SERVING_RE = re.compile(r"^(?P<v>[A-Za-z0-9][A-Za-z0-9.\-]{0,63})_b(?P<b>\d+)d(?P<d>\d+)w(?P<w>\d+)"
+                         r"(?:_c(?P<c>[A-Za-z0-9][A-Za-z0-9.\-]{0,63}))?$")
+ROLLOUT_MODES = ("canary", "shadow")
+ALLOWED_FIELDS = ("model.version, batching.batch_size, batching.max_batch_delay_ms, workers, "
+                  "rollout.candidate, rollout.mode, rollout.weight, rollout.steps, "
+                  "rollout.bake_s, rollout.guards.{max_error_ratio, max_p99_ratio, "
+                  "max_score_psi, min_requests, min_instances, interval_s}")
+BAKE_S_MAX = 7 * 24 * 3600
 
 
 class _Strict(BaseModel):
@@ -83,41 +112,116 @@ class Batching(_Strict):
                                     description="Longest wait (ms) for a batch to fill.")
 
 
+class Guards(_Strict):
+    """When a rollout's candidate is rolled back (any limit exceeded, strictly), and how
+    much traffic it needs before each guard judges. See ``serve.sidecar.guards``."""
+
+    max_error_ratio: float = Field(default=0.01, ge=0, le=1,
+                                   description="Candidate errors / candidate requests.")
+    max_p99_ratio: float = Field(default=2.0, gt=0, le=1000,
+                                 description="Candidate p99 latency / stable p99 latency.")
+    max_score_psi: float = Field(default=0.25, ge=0, le=100,
+                                 description="Population stability index of the candidate's "
+                                             "predicted scores against the stable's.")
+    min_requests: int = Field(default=20, ge=1, le=10_000_000,
+                              description="Candidate requests before errors and p99 judge.")
+    min_instances: int = Field(default=500, ge=1, le=1_000_000_000,
+                               description="Scored instances per arm before the PSI judges.")
+    interval_s: float = Field(default=5.0, gt=0, le=3600, description="Seconds between evaluations.")
+
+
+class Rollout(_Strict):
+    """A candidate version tried beside the stable one (``model.version``).
+
+    The weights walked are ``[weight, *steps]``, each held ``bake_s`` seconds with every
+    guard evaluated every ``guards.interval_s``; a breach rolls back (weight 0, candidate
+    unloaded); surviving the last weight promotes the candidate to stable.
+    """
+
+    candidate: str = Field(pattern=VERSION_RE, description="The version tried.")
+    mode: Literal["canary", "shadow"] = Field(
+        "canary", description="canary: the candidate answers its share; shadow: the stable "
+                              "answers all and the candidate scores its share unseen.")
+    weight: float = Field(ge=0, le=1, description="Share of requests for the candidate.")
+    steps: list[float] = Field(default_factory=list, max_length=20,
+                               description="Later weights, increasing, each > weight.")
+    bake_s: float = Field(60.0, gt=0, le=BAKE_S_MAX,
+                          description="Seconds each weight must survive the guards.")
+    guards: Guards = Field(default_factory=lambda: Guards())
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_increase(cls, steps: list[float], info: ValidationInfo) -> list[float]:
+        walk = [info.data.get("weight", 0.0), *steps]
+        for i, w in enumerate(steps):
+            if not 0 < w <= 1:
+                raise ValueError(f"steps[{i}]={w} must be in (0, 1]")
+            if w <= walk[i]:
+                raise ValueError(f"each step must be above the one before it and the first "
+                                 f"above weight; steps[{i}]={w} is not above {walk[i]}")
+        return steps
+
+    def weights(self) -> list[float]:
+        """The weights walked, in order: ``[weight, *steps]``."""
+        return [self.weight, *self.steps]
+
+
 class DesiredState(_Strict):
-    """What every pod should serve. ``rollout`` is reserved (must be null for now)."""
+    """What every pod should serve; ``rollout`` optionally tries a candidate beside it."""
 
     model: ModelRef
     batching: Batching = Field(default_factory=lambda: Batching(batch_size=2, max_batch_delay_ms=2))
     workers: int = Field(2, ge=1, le=WORKERS_MAX, description="Worker processes.")
-    rollout: None = None
+    rollout: Rollout | None = None
+
+    @field_validator("rollout")
+    @classmethod
+    def _candidate_differs(cls, rollout: Rollout | None, info: ValidationInfo) -> Rollout | None:
+        model = info.data.get("model")
+        if rollout is not None and model is not None and rollout.candidate == model.version:
+            raise ValueError(f"candidate {rollout.candidate!r} is model.version itself; name "
+                             "another version to try, or set rollout to null")
+        return rollout
 
     def serving_version(self) -> str:
-        """The TorchServe version that serves exactly this state."""
+        """The TorchServe version that serves exactly this state (with the rollout's
+        candidate loaded beside the stable version when there is one)."""
         return serving_version(self.model.version, self.batching.batch_size,
-                               self.batching.max_batch_delay_ms, self.workers)
+                               self.batching.max_batch_delay_ms, self.workers,
+                               self.rollout.candidate if self.rollout else None)
 
 
-def serving_version(version: str, batch_size: int, max_batch_delay_ms: int, workers: int) -> str:
-    """``small-s0-1a2b3c4d`` + (2, 2, 2) -> ``small-s0-1a2b3c4d_b2d2w2``."""
-    if not re.match(VERSION_RE, version):
-        raise ConfigError(f"model version {version!r} must match {VERSION_RE}")
-    return f"{version}_b{batch_size}d{max_batch_delay_ms}w{workers}"
+def serving_version(version: str, batch_size: int, max_batch_delay_ms: int, workers: int,
+                    candidate: str | None = None) -> str:
+    """``small-s0`` + (2, 2, 2) -> ``small-s0_b2d2w2``; with candidate ``small-s7``:
+    ``small-s0_b2d2w2_csmall-s7``."""
+    for v in (version, candidate):
+        if v is not None and not re.match(VERSION_RE, v):
+            raise ConfigError(f"model version {v!r} must match {VERSION_RE}")
+    name = f"{version}_b{batch_size}d{max_batch_delay_ms}w{workers}"
+    return name if candidate is None else f"{name}_c{candidate}"
 
 
 def parse_serving_version(name: str) -> tuple[str, int, int, int] | None:
-    """(version, batch_size, max_batch_delay_ms, workers), or None for a foreign name."""
+    """(version, batch_size, max_batch_delay_ms, workers), or None for a foreign name
+    (the stable version for a registration that also holds a candidate)."""
     m = _SERVING_RE.match(name)
     if m is None:
         return None
     return m["v"], int(m["b"]), int(m["d"]), int(m["w"])
 
 
+def serving_candidate(name: str) -> str | None:
+    """The rollout candidate a serving version holds (``..._c<candidate>``), else None."""
+    m = _SERVING_RE.match(name)
+    return m["c"] if m is not None else None
+
+
 def describe_validation_error(err: ValidationError, where: str = "") -> str:
     """One line per bad field: ``batching.batch_size: Input should be <= 4096 (got 0)``."""
     return "; ".join(describe_field_errors(
         err.errors(), prefix=where,
-        unknown_field="unknown field; remove it (allowed: model.version, batching.batch_size, "
-                      "batching.max_batch_delay_ms, workers, rollout)"))
+        unknown_field=f"unknown field; remove it (allowed: {ALLOWED_FIELDS})"))
 
 
 def parse_state(data: Any, source: str = "desired state") -> DesiredState:

@@ -16,7 +16,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Fixtures that run the real 2-rank training pipeline (about 15 s on 2 cores, cached in
 # build/test-cache afterwards): every test that uses one, directly or through another
 # fixture, is `slow`, so `make test-fast` never trains.
-TRAINING_FIXTURES = frozenset({"tiny_build", "tiny_build_seed7"})
+TRAINING_FIXTURES = frozenset({"tiny_build", "tiny_build_seed7", "tiny_build_shuffled"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

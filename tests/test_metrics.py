@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -277,3 +278,174 @@ def test_reconcile_metrics_converged_gauge_and_bounded_results():
     assert got[("dlrm_reconcile_total", (("result", "converged"),))] == 0
     sm.set_converged(True)
     assert samples(generate_latest(reg).decode())[("dlrm_state_converged", ())] == 1
+
+
+# ------------------------------------------------------------------- rollouts: per-arm series
+
+def _edge_values() -> list[float]:
+    """Dyadic values (exact in float64, so any summation order gives the same sum),
+    exactly on bucket bounds, between them, below the first and above the last."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vals = [0.0, 0.5, 1.0, 0.25, 0.125, 2.0, 1024.0, -0.5, -3.0, float("inf")]
+    vals += list(np.round(rng.random(500) * 1024) / 1024)
+    return vals
+
+
+@pytest.mark.parametrize("buckets", ["SCORE_BUCKETS", "SCORE_DIFF_BUCKETS",
+                                     "REQUEST_DURATION_BUCKETS"])
+def test_observe_many_equals_a_loop_of_observe(buckets):
+    """Pins the prometheus_client internals observe_many writes (checked against 0.26.0):
+    the exposition must equal the one of a loop of observe() on the same values."""
+    import numpy as np
+    from prometheus_client import Histogram
+
+    import serve.metrics as sm
+
+    bounds = getattr(sm, buckets)
+    vals = _edge_values() + [float(b) for b in bounds] + [np.nextafter(b, 2.0) for b in bounds]
+    texts = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        h = Histogram("x_seconds", "help", ["arm"], buckets=bounds, registry=reg)
+        plain = Histogram("y_seconds", "help", buckets=bounds, registry=reg)
+        if bulk:
+            assert sm.observe_many(h.labels(arm="stable"), np.array(vals, np.float64)) == len(vals)
+            assert sm.observe_many(plain, np.array(vals, np.float32)) == len(vals)
+        else:
+            for v in vals:
+                h.labels(arm="stable").observe(float(v))
+                plain.observe(float(np.float32(v)))
+        texts.append(generate_latest(reg).decode())
+    strip = [re.sub(r"^.*_created.*$", "", t, flags=re.MULTILINE) for t in texts]
+    assert strip[0] == strip[1]
+    assert 'le="+Inf"' in texts[1]
+
+
+def test_observe_many_on_random_scores_matches_up_to_the_float_sum():
+    import numpy as np
+    from prometheus_client import Histogram
+
+    from serve.metrics import SCORE_BUCKETS, observe_many
+
+    vals = np.random.default_rng(3).random(5000).astype(np.float32)
+    got = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        h = Histogram("s", "help", buckets=SCORE_BUCKETS, registry=reg)
+        if bulk:
+            observe_many(h, vals)
+        else:
+            for v in vals:
+                h.observe(float(v))
+        got.append(samples(generate_latest(reg).decode()))
+    loop, bulk_ = got
+    assert {k: v for k, v in loop.items() if k[0] != "s_sum" and "created" not in k[0]} == \
+        {k: v for k, v in bulk_.items() if k[0] != "s_sum" and "created" not in k[0]}
+    assert bulk_[("s_sum", ())] == pytest.approx(loop[("s_sum", ())], rel=1e-12)
+
+
+def test_observe_many_skips_nan_and_refuses_a_labelled_parent():
+    import numpy as np
+    from prometheus_client import Counter, Histogram
+
+    from serve.metrics import observe_many
+
+    reg = CollectorRegistry()
+    h = Histogram("h", "help", ["arm"], buckets=(1.0,), registry=reg)
+    assert observe_many(h.labels(arm="a"), np.array([0.5, np.nan, 2.0])) == 2
+    assert reg.get_sample_value("h_sum", {"arm": "a"}) == 2.5
+    assert reg.get_sample_value("h_count", {"arm": "a"}) == 2
+    assert observe_many(h.labels(arm="a"), np.array([])) == 0
+    with pytest.raises(ValueError, match="missing label values"):
+        observe_many(h, np.array([1.0]))
+    with pytest.raises(TypeError, match="needs a prometheus_client Histogram"):
+        observe_many(Counter("c", "help", registry=reg), np.array([1.0]))  # type: ignore[arg-type]
+
+
+def test_arm_metrics_count_requests_errors_latency_and_scores():
+    import numpy as np
+
+    reg = CollectorRegistry()
+    m = HandlerMetrics(reg)
+    m.observe_arm("stable", "v1", requests=3, errors=0, seconds_per_request=0.004,
+                  scores=np.array([0.001, 0.3, 0.3, 0.99]))  # float64: exactly on bounds
+    m.observe_arm("candidate", "v2", requests=2, errors=2, seconds_per_request=0.2,
+                  scores=None)
+    m.observe_arm("candidate", "v2", requests=1, errors=0, seconds_per_request=0.02,
+                  scores=np.array([0.6], np.float32))
+    m.observe_shadow_diff("v2", np.array([-0.3, 0.0, 0.0004, 0.7]))
+    get = reg.get_sample_value
+    s, c = {"arm": "stable", "version": "v1"}, {"arm": "candidate", "version": "v2"}
+    assert get("dlrm_arm_requests_total", s) == 3 and get("dlrm_arm_errors_total", s) == 0
+    assert get("dlrm_arm_requests_total", c) == 3 and get("dlrm_arm_errors_total", c) == 2
+    assert get("dlrm_arm_request_duration_seconds_count", s) == 3
+    assert get("dlrm_arm_request_duration_seconds_sum", s) == pytest.approx(0.012)
+    assert get("dlrm_arm_request_duration_seconds_bucket", {**s, "le": "0.005"}) == 3
+    assert get("dlrm_arm_request_duration_seconds_bucket", {**c, "le": "0.025"}) == 1
+    assert get("dlrm_arm_request_duration_seconds_bucket", {**c, "le": "0.25"}) == 3
+    assert get("dlrm_arm_score_count", s) == 4
+    assert get("dlrm_arm_score_bucket", {**s, "le": "0.001"}) == 1
+    assert get("dlrm_arm_score_bucket", {**s, "le": "0.3"}) == 3
+    assert get("dlrm_arm_score_count", c) == 1
+    d = {"version": "v2"}
+    assert get("dlrm_shadow_score_diff_count", d) == 4
+    assert get("dlrm_shadow_score_diff_bucket", {**d, "le": "-0.2"}) == 1
+    assert get("dlrm_shadow_score_diff_bucket", {**d, "le": "0.0"}) == 2
+    assert get("dlrm_shadow_score_diff_bucket", {**d, "le": "0.001"}) == 3
+    assert get("dlrm_shadow_score_diff_bucket", {**d, "le": "1.0"}) == 4
+
+
+def test_arm_metrics_refuse_bad_values_with_the_rule():
+    m = HandlerMetrics(CollectorRegistry())
+    with pytest.raises(ValueError, match=r"arm 'blue' is not one of \('stable', 'candidate'\)"):
+        m.observe_arm("blue", "v1", 1, 0, 0.1)
+    with pytest.raises(ValueError, match=r"version '' must be a non-empty model version"):
+        m.observe_arm("stable", "", 1, 0, 0.1)
+    with pytest.raises(ValueError, match=r"errors=2 in 0..requests"):
+        m.observe_arm("stable", "v1", 1, 2, 0.1)
+    with pytest.raises(ValueError, match=r"seconds_per_request=nan must be finite"):
+        m.observe_arm("stable", "v1", 1, 0, float("nan"))
+
+
+_ARM_WORKER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from prometheus_client import Histogram
+    from serve.metrics import HandlerMetrics, SCORE_BUCKETS, observe_many
+    vals = np.random.default_rng(int(sys.argv[1])).random(3000).astype(np.float32)
+    m = HandlerMetrics()
+    if sys.argv[2] == "bulk":
+        m.observe_arm("candidate", "v2", 3, 1, 0.01, vals)
+    else:
+        m.observe_arm("candidate", "v2", 3, 1, 0.01, None)
+        child = m._arm_score.labels(arm="candidate", version="v2")
+        for v in vals:
+            child.observe(float(v))
+""")
+
+
+def test_observe_many_in_multiprocess_mode_equals_observe(tmp_path):
+    """The same values through the mmap files (as in a TorchServe worker), bulk vs loop."""
+    got = []
+    for how in ("loop", "bulk"):
+        mp_dir = tmp_path / how
+        mp_dir.mkdir()
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp_dir), OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-c", _ARM_WORKER, "11", how], cwd=REPO, env=env,
+                       check=True, timeout=60)
+        reg = CollectorRegistry()
+        reg.register(HandlerAggregateCollector(mp_dir))
+        got.append({k: v for k, v in samples(generate_latest(reg).decode()).items()
+                    if k[0].startswith("dlrm_arm")})
+    loop, bulk = got
+    assert loop.keys() == bulk.keys()
+    key = ("dlrm_arm_score_sum", (("arm", "candidate"), ("version", "v2")))
+    for k in loop:
+        if k == key:
+            assert bulk[k] == pytest.approx(loop[k], rel=1e-12)
+        else:
+            assert bulk[k] == loop[k], k
+    assert bulk[("dlrm_arm_score_count", (("arm", "candidate"), ("version", "v2")))] == 3000
+    assert bulk[("dlrm_arm_errors_total", (("arm", "candidate"), ("version", "v2")))] == 1

@@ -30,7 +30,7 @@ from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler, assess
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import Observed, TorchServeClient
-from serve.state import Batching, DesiredState, ModelRef, write_state
+from serve.state import ALLOWED_FIELDS, Batching, DesiredState, ModelRef, write_state
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, dead_port, toy_mar
 from tests.promtext import samples
 
@@ -423,7 +423,7 @@ def test_status_shape(tmp_path, repo, state_file):
                     "workers": 1, "rollout": None},
         "observed": {"model": {"version": "1.0"},
                      "batching": {"batch_size": 8, "max_batch_delay_ms": 50},
-                     "workers": 1, "rollout": None, "serving_version": "1.0",
+                     "workers": 1, "candidate": None, "serving_version": "1.0",
                      "ready_workers": 1, "pending_requests": 0,
                      "registered_versions": ["1.0"]},
         "converged": False,
@@ -431,14 +431,14 @@ def test_status_shape(tmp_path, repo, state_file):
         "phase": "idle", "last_error": None, "last_switch": None,
         "target_serving_version": "small-s0_b8d50w1",
         "available_versions": ["small-s0", "small-s1"],
-        "state_file": str(state_file), "state_file_writable": True}
+        "state_file": str(state_file), "state_file_writable": True, "rollout": None}
     w.tick()
     after = w.status()
     assert after["converged"] is True and after["reason"] is None
     assert after["observed"] == {
         "model": {"version": "small-s0"},
         "batching": {"batch_size": 8, "max_batch_delay_ms": 50}, "workers": 1,
-        "rollout": None, "serving_version": "small-s0_b8d50w1", "ready_workers": 1,
+        "candidate": None, "serving_version": "small-s0_b8d50w1", "ready_workers": 1,
         "pending_requests": 0, "registered_versions": ["small-s0_b8d50w1"]}
     assert after["last_switch"] == {
         "from": "1.0", "to": "small-s0_b8d50w1", "ok": True,
@@ -561,14 +561,15 @@ def test_put_state_returns_at_once_and_the_reconciler_applies_it(tmp_path, repo,
     ({"model": {"version": "a_b"}},
      ("model.version: String should match pattern '^[A-Za-z0-9][A-Za-z0-9.\\-]{0,63}$' "
      "(got 'a_b')")),
-    ({"model": {"version": "small-s0"}, "rollout": {"canary": 5}},
-     "rollout: Input should be None (got {'canary': 5})"),
+    ({"model": {"version": "small-s0"}, "rollout": {"candidate": "small-s1"}},
+     "rollout.weight: Field required"),
     ({"model": {"version": "small-s0"}, "batchSize": 8},
-     ("batchSize: unknown field; remove it (allowed: model.version, batching.batch_size, "
-     "batching.max_batch_delay_ms, workers, rollout) (got 8)")),
+     f"batchSize: unknown field; remove it (allowed: {ALLOWED_FIELDS}) (got 8)"),
     ([1], ("body: must be a JSON object (got list); a desired state is {\"model\": "
           "{\"version\": V}, \"batching\": {\"batch_size\": 1..4096, \"max_batch_delay_ms\": "
-          "0..10000}, \"workers\": 1..64, \"rollout\": null}")),
+          "0..10000}, \"workers\": 1..64, \"rollout\": null or {\"candidate\": V2, "
+          "\"mode\": \"canary\"|\"shadow\", \"weight\": 0..1, \"steps\": [...], "
+          "\"bake_s\": s, \"guards\": {...}}}")),
 ])
 def test_bad_put_state_bodies_get_400_naming_the_field(tmp_path, repo, state_file, body,
                                                       message):
@@ -689,3 +690,26 @@ def test_cli_flags_and_env(monkeypatch, tmp_path):
     assert _parser().parse_args([]).state_file == "/x/state.yaml"
     args = _parser().parse_args(["--repository", "a", "--repository", "b"])
     assert args.repository == ["a", "b"]
+
+
+def test_put_state_rollout_names_a_missing_candidate(tmp_path, repo, state_file):
+    ts = FakeTorchServe(tmp_path / "store")
+    before = state_file.read_text()
+    body = {"model": {"version": "small-s0"}, "rollout": {"candidate": "small-s9", "weight": 0.1}}
+    [r] = requests(make_app(ts, repo, state_file), ("PUT", "/state", body))
+    assert r.status_code == 400
+    assert r.json()["message"].startswith(
+        "invalid PUT /state body: rollout.candidate: model version 'small-s9' is not in the "
+        "repository")
+    assert "available: ['small-s0', 'small-s1']" in r.json()["message"]
+    assert state_file.read_text() == before
+
+
+def test_manual_promote_and_rollback_need_a_baking_rollout(tmp_path, repo, state_file):
+    ts = FakeTorchServe(tmp_path / "store")
+    app = make_app(ts, repo, state_file)
+    r1, r2 = requests(app, ("POST", "/state/rollout/promote", None),
+                      ("POST", "/state/rollout/rollback", None))
+    for r, what in ((r1, "promote"), (r2, "roll back")):
+        assert r.status_code == 409, r.text
+        assert r.json()["message"].startswith(f"cannot {what}: no rollout was declared")

@@ -50,11 +50,19 @@ nothing goes through float) or int64 in the binary form. Dense values are finite
 that fit float32.
 Every violation raises a :mod:`serve.errors` exception whose message names the field
 path, the value, the rule and what to do.
+
+Rollouts (:mod:`serve.routing`): a request may send ``X-DLRM-Route-Key`` (1 to 256
+characters, else 400), which keeps it on one arm of a canary or shadow rollout.
+:func:`handle_batch` takes the routing as data (:class:`Split`: a mode, the candidate's
+predict, a per-request decision) and runs ONE merged forward per arm; the handler binds
+them to the worker's two runtimes and the control file.
 """
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -74,17 +82,23 @@ from serve.errors import (
     UnsupportedMediaType,
 )
 from serve.profiles import NUM_DENSE, SPARSE_FEATURES
+from serve.routing import MODES, ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS
+from serve.state import VERSION_RE
 
 __all__ = [
     "BINARY_MEDIA_TYPE",
     "BINARY_VERSION",
     "INT64_MAX",
     "JSON_MEDIA_TYPE",
+    "ArmRun",
     "HandlerConfig",
     "MergedBatch",
     "Outcome",
     "ParsedRequest",
+    "RolloutWiring",
+    "Split",
     "check_content_type",
+    "check_route_key",
     "default_num_threads",
     "encode_binary",
     "encode_error",
@@ -95,6 +109,8 @@ __all__ = [
     "merge_requests",
     "parse_body",
 ]
+
+logger = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -132,6 +148,66 @@ def default_num_threads(workers: int, cores: int | None = None) -> int:
 
 
 @dataclass(frozen=True)
+class RolloutWiring:
+    """The ``handler.rollout`` section: a rollout's candidate packed beside the stable model.
+
+    The sidecar writes it into the archives it derives for a rollout
+    (``serve.sidecar.mar``); the handler then loads both versions and splits each batch
+    as the control file says (:mod:`serve.routing`).
+
+    Attributes:
+        candidate_version: the candidate's model version (``serve.state.VERSION_RE``),
+            named in the ``X-DLRM-Model-Version`` header and the ``version`` label of the
+            per-arm metrics.
+        candidate_artifact: the candidate's artifact file, relative to the model dir
+            (e.g. ``candidate/artifact.pt``); loaded with the same runtime settings as
+            the stable artifact.
+        control_file: absolute path of the JSON control file (``{"mode", "weight"}``)
+            the sidecar rewrites while the workers run.
+    """
+
+    candidate_version: str
+    candidate_artifact: str
+    control_file: str
+
+    def __post_init__(self) -> None:
+        v = self.candidate_version
+        if not isinstance(v, str) or not re.match(VERSION_RE, v):
+            raise ConfigError(f"handler.rollout.candidate_version={v!r} must be a model version "
+                              f"matching {VERSION_RE} (letters, digits, '.', '-'; as in "
+                              "model_store/)")
+        a = self.candidate_artifact
+        if (not isinstance(a, str) or not a or a.startswith("/") or "\\" in a
+                or any(part in ("", ".", "..") for part in a.split("/"))):
+            raise ConfigError(f"handler.rollout.candidate_artifact={a!r} must be a normalized "
+                              "path relative to the model dir, without '.', '..' or empty "
+                              "parts (e.g. 'candidate/artifact.pt')")
+        c = self.control_file
+        if not isinstance(c, str) or not os.path.isabs(c):
+            raise ConfigError(f"handler.rollout.control_file={c!r} must be an absolute path "
+                              "(the sidecar and the workers must name the same file)")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RolloutWiring:
+        """Build from a mapping; unknown or missing keys are an error naming the known ones."""
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError(f"handler.rollout must be a mapping with keys "
+                              f"{sorted(f.name for f in fields(cls))} or null; got "
+                              f"{type(d).__name__} {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - known), sorted(known - set(d))
+        if unknown:
+            raise ConfigError(f"handler.rollout: unknown keys {unknown}; known keys: "
+                              f"{sorted(known)}")
+        if missing:
+            raise ConfigError(f"handler.rollout: missing keys {missing}; all of "
+                              f"{sorted(known)} are required")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class HandlerConfig:
     """The ``handler:`` section of the .mar's model-config.yaml.
 
@@ -149,6 +225,8 @@ class HandlerConfig:
             TorchServe batch), so a test can make a tiny model slow enough that the queue
             holds seconds of work (e.g. to prove a version switch drains it). 0..10000;
             leave it 0 in any archive that serves traffic.
+        rollout: a rollout's candidate loaded beside the stable model
+            (:class:`RolloutWiring`); None (the default) serves the stable model alone.
     """
 
     cache_load_factor: float | None = 0.2
@@ -159,6 +237,7 @@ class HandlerConfig:
     max_ids_per_feature: int = 64
     max_body_bytes: int = 16 * 1024 * 1024
     debug_delay_ms: int = 0
+    rollout: RolloutWiring | None = None
 
     def __post_init__(self) -> None:
         lf = self.cache_load_factor
@@ -181,6 +260,10 @@ class HandlerConfig:
         if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 10_000:
             raise ConfigError(f"handler.debug_delay_ms={d!r} must be an integer in 0..10000 "
                               "(ms slept per batch; for tests only)")
+        if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
+            raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
+                              "None; build the config with HandlerConfig.from_dict to read a "
+                              "mapping")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> HandlerConfig:
@@ -190,10 +273,17 @@ class HandlerConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"handler: unknown keys {unknown}; known keys: {sorted(known)}")
+        if d.get("rollout") is not None:
+            d["rollout"] = RolloutWiring.from_dict(d["rollout"])
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data (nested mappings); ``rollout`` is left out when None, so archives
+        without a rollout keep the config they had before rollouts existed."""
+        out = asdict(self)
+        if out["rollout"] is None:
+            del out["rollout"]
+        return out
 
 
 @dataclass
@@ -715,11 +805,81 @@ def merge_requests(parsed: Sequence[ParsedRequest]) -> MergedBatch:
 
 @dataclass
 class Outcome:
-    """One response: HTTP status and the JSON body bytes."""
+    """One response: HTTP status and the JSON body bytes.
+
+    ``instances``: samples answered (0 unless the status is 200). ``arm``: the arm whose
+    forward answered (``stable`` or ``candidate``); None when the request never reached a
+    forward (its body, Content-Type or route key was refused).
+    """
 
     status: int
     body: bytes
     instances: int = 0
+    arm: str | None = None
+
+
+@dataclass(frozen=True)
+class Split:
+    """How :func:`handle_batch` shares a batch between the two arms of a rollout.
+
+    Attributes:
+        mode: ``canary``: requests for which ``choose`` is true are answered by
+            ``candidate`` instead of the stable ``predict``. ``shadow``: the stable
+            ``predict`` answers every request; those for which ``choose`` is true are
+            ALSO scored by ``candidate``, after the stable forward, and its results reach
+            no response.
+        candidate: the candidate's forward: MergedBatch -> float32 (B,) probabilities.
+        choose: route key (None when the request sent none) -> whether the request takes
+            the candidate. Called once per request that parsed, in request order (the
+            handler binds :func:`serve.routing.takes_candidate` to the control's weight
+            and the worker's rng).
+    """
+
+    mode: str
+    candidate: Callable[[MergedBatch], np.ndarray]
+    choose: Callable[[str | None], bool]
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"Split.mode={self.mode!r} must be one of {list(MODES)}")
+
+
+@dataclass
+class ArmRun:
+    """One arm's merged forward over its requests of a batch (``info["arms"][arm]``).
+
+    Attributes:
+        arm: ``stable`` or ``candidate``.
+        answered: True when its results are the responses; False for the shadow
+            candidate (scored for the metrics only).
+        indices: positions of its requests in the batch, in order.
+        sizes: instances of each of those requests.
+        forward_s: seconds of its forward (merge + predict + checks).
+        scores: float32 (instances,) its probabilities in request order; None when the
+            forward failed.
+        error: what the forward raised (a ServeError, or any other exception: the
+            model's fault), else None.
+    """
+
+    arm: str
+    answered: bool
+    indices: list[int]
+    sizes: list[int]
+    forward_s: float = 0.0
+    scores: np.ndarray | None = None
+    error: Exception | None = None
+
+    @property
+    def requests(self) -> int:
+        return len(self.indices)
+
+    @property
+    def instances(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 def encode_predictions(probs: np.ndarray) -> bytes:
@@ -730,68 +890,181 @@ def encode_error(err: ServeError) -> bytes:
     return orjson.dumps(err.to_json())
 
 
+def check_route_key(key: str | None) -> str | None:
+    """A request's ``X-DLRM-Route-Key`` value, checked: None (no header) or 1 to
+    ``ROUTE_KEY_MAX_CHARS`` characters.
+
+    Raises:
+        InvalidInput: an empty or too long key (400), naming the header and the rule.
+    """
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise InvalidInput(f"header {ROUTE_KEY_HEADER}: is a {type(key).__name__}; send text "
+                           f"of 1 to {ROUTE_KEY_MAX_CHARS} characters")
+    if not key:
+        raise InvalidInput(f"header {ROUTE_KEY_HEADER}: is empty; send 1 to "
+                           f"{ROUTE_KEY_MAX_CHARS} characters (e.g. a user or session id), or "
+                           "leave the header out")
+    if len(key) > ROUTE_KEY_MAX_CHARS:
+        raise InvalidInput(f"header {ROUTE_KEY_HEADER}: has {len(key)} characters; at most "
+                           f"{ROUTE_KEY_MAX_CHARS} are allowed; send a shorter key (e.g. a hash "
+                           "of the user id) or leave the header out")
+    return key
+
+
+def _decode(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig) -> ParsedRequest:
+    """One request of a batch -> ParsedRequest (raises a ServeError for a bad one)."""
+    check_route_key(key)
+    media = check_content_type(ctype)
+    if media == BINARY_MEDIA_TYPE:
+        if not isinstance(body, (str, bytes, bytearray, memoryview)):
+            raise InvalidInput(f"binary body: arrived decoded as a {type(body).__name__}; "
+                               "send the raw bytes from encode_binary")
+    elif isinstance(body, str):
+        body = body.encode("utf-8")
+    elif not isinstance(body, (bytes, bytearray, memoryview)):
+        # Already decoded upstream (TorchServe's own json.loads); re-encode so the same
+        # exact rules apply. orjson refuses ints beyond 64 bits.
+        try:
+            body = orjson.dumps(body)
+        except TypeError as e:
+            raise InvalidInput(f"body could not be read as JSON ({e})") from None
+    return parse_body(body, cfg, media)
+
+
+def _run_arm(arm: str, answered: bool, requests: Sequence[tuple[int, ParsedRequest]],
+             predict: Callable[[MergedBatch], np.ndarray],
+             clock: Callable[[], float]) -> ArmRun:
+    """ONE merged forward of ``predict`` over ``requests``; never raises (a failure is
+    kept in ``ArmRun.error``, and logged with its traceback unless it is a ServeError
+    of an answering arm, which its requests report themselves)."""
+    run = ArmRun(arm, answered, [i for i, _ in requests], [p.batch_size for _, p in requests])
+    t = clock()
+    try:
+        merged = merge_requests([p for _, p in requests])
+        probs = np.asarray(predict(merged), dtype=np.float32).reshape(-1)
+        if probs.shape[0] != merged.dense.shape[0]:
+            raise RuntimeError(f"predict returned {probs.shape[0]} scores for "
+                               f"{merged.dense.shape[0]} samples")
+        run.scores = probs
+    except Exception as e:  # this arm's fault: only its requests fail
+        run.error = e
+        if not (answered and isinstance(e, ServeError)):
+            logger.exception("the %s model's forward failed on %d requests (%d instances)%s",
+                             arm, run.requests, run.instances,
+                             "" if answered else " (shadow: no response affected)")
+    run.forward_s = clock() - t
+    return run
+
+
+def _answer(run: ArmRun, outcomes: list[Outcome | None]) -> None:
+    """Fill the outcomes of ``run``'s requests: their predictions, or the arm's error
+    (a ServeError as it is; anything else as a 500 naming the model log)."""
+    if run.scores is not None:
+        start = 0
+        for i, size in zip(run.indices, run.sizes):
+            outcomes[i] = Outcome(200, encode_predictions(run.scores[start:start + size]), size,
+                                  run.arm)
+            start += size
+        return
+    err = run.error if isinstance(run.error, ServeError) else ServeError(
+        f"internal error while predicting with the {run.arm} model; see the TorchServe "
+        "model log")
+    body = encode_error(err)
+    for i in run.indices:
+        outcomes[i] = Outcome(err.status, body, 0, run.arm)
+
+
+def _shadow_diff(stable: ArmRun, candidate: ArmRun) -> np.ndarray | None:
+    """float32 (k,): candidate minus stable score, instance by instance, over the
+    candidate's (shadow) requests; None unless both forwards succeeded."""
+    if stable.scores is None or candidate.scores is None:
+        return None
+    where: dict[int, tuple[int, int]] = {}
+    start = 0
+    for i, size in zip(stable.indices, stable.sizes):
+        where[i] = (start, start + size)
+        start += size
+    base = np.concatenate([stable.scores[slice(*where[i])] for i in candidate.indices])
+    return candidate.scores - base
+
+
 def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
                  predict: Callable[[MergedBatch], np.ndarray], cfg: HandlerConfig,
-                 clock: Callable[[], float] = time.perf_counter) -> tuple[list[Outcome], dict[str, Any]]:
-    """Parse every request separately, run ONE forward for the good ones, split back.
+                 clock: Callable[[], float] = time.perf_counter, *,
+                 route_keys: Sequence[str | None] | None = None,
+                 split: Split | None = None) -> tuple[list[Outcome], dict[str, Any]]:
+    """Parse every request separately, run ONE forward per arm for the good ones, split back.
 
     Args:
         bodies: the raw body of each request (bytes; a JSON str is encoded as UTF-8).
         content_types: each request's Content-Type header (None if absent); it selects
             JSON or binary columnar decoding (:func:`check_content_type`).
-        predict: MergedBatch -> float32 (B,) probabilities.
+        predict: the stable model's forward: MergedBatch -> float32 (B,) probabilities.
+        route_keys: each request's ``X-DLRM-Route-Key`` (None: no header); checked by
+            :func:`check_route_key` whether or not a rollout runs. None: no keys at all.
+        split: a rollout's split (:class:`Split`); None: every good request is answered
+            by ``predict`` (one forward).
     Returns:
-        (one Outcome per request in order, info dict with "decode_s", "forward_s",
-        "instances", "requests" of the merged forward).
+        (one Outcome per request in order, info). info holds, summed over the arms:
+        ``decode_s`` (parsing all bodies), ``forward_s`` (all forwards, the shadow one
+        included), ``instances`` and ``requests`` (those routed to an answering arm:
+        every request that parsed); and ``arms``: {arm: :class:`ArmRun`} for each arm
+        that ran a forward, ``mode`` (the split's mode or None) and ``shadow_diff``
+        (float32 (k,) candidate minus stable score over the shadow-scored instances, or
+        None).
 
-    A bad request gets its own 4xx Outcome; the others are unaffected. ``predict``
-    errors that are ServeErrors (e.g. InvalidInput from the runtime) fail the merged
-    requests with that status; anything else propagates (a real server fault).
+    A bad request gets its own 4xx Outcome; the others are unaffected. A forward that
+    raises fails only its arm's requests: a ServeError (e.g. InvalidInput from the
+    runtime) with its status, anything else with a 500 (logged with its traceback). A
+    failing shadow forward affects no response.
     """
+    n = len(bodies)
+    if len(content_types) != n or (route_keys is not None and len(route_keys) != n):
+        raise ValueError(f"handle_batch: {n} bodies, {len(content_types)} content types and "
+                         f"{'no' if route_keys is None else len(route_keys)} route keys; give "
+                         "one of each per request")
+    keys: Sequence[str | None] = route_keys if route_keys is not None else [None] * n
     t0 = clock()
-    outcomes: list[Outcome | None] = [None] * len(bodies)
+    outcomes: list[Outcome | None] = [None] * n
     good: list[tuple[int, ParsedRequest]] = []
     for i, (body, ctype) in enumerate(zip(bodies, content_types)):
         try:
-            media = check_content_type(ctype)
-            if media == BINARY_MEDIA_TYPE:
-                if not isinstance(body, (str, bytes, bytearray, memoryview)):
-                    raise InvalidInput(f"binary body: arrived decoded as a "
-                                       f"{type(body).__name__}; send the raw bytes from "
-                                       "encode_binary")
-            elif isinstance(body, str):
-                body = body.encode("utf-8")
-            elif not isinstance(body, (bytes, bytearray, memoryview)):
-                # Already decoded upstream (TorchServe's own json.loads); re-encode so
-                # the same exact rules apply. orjson refuses ints beyond 64 bits.
-                try:
-                    body = orjson.dumps(body)
-                except TypeError as e:
-                    raise InvalidInput(f"body could not be read as JSON ({e})") from None
-            good.append((i, parse_body(body, cfg, media)))
+            good.append((i, _decode(body, ctype, keys[i], cfg)))
         except ServeError as e:
             outcomes[i] = Outcome(e.status, encode_error(e))
     t1 = clock()
-    info: dict[str, Any] = {"decode_s": t1 - t0, "forward_s": 0.0, "instances": 0, "requests": 0}
+    arms: dict[str, ArmRun] = {}
+    shadow_diff = None
     if good:
-        merged = merge_requests([p for _, p in good])
-        try:
-            probs = np.asarray(predict(merged), dtype=np.float32).reshape(-1)
-        except ServeError as e:
-            for i, _ in good:
-                outcomes[i] = Outcome(e.status, encode_error(e))
-        else:
-            if probs.shape[0] != merged.dense.shape[0]:
-                raise RuntimeError(f"predict returned {probs.shape[0]} scores for "
-                                   f"{merged.dense.shape[0]} samples")
-            start = 0
-            for (i, _), size in zip(good, merged.sizes):
-                outcomes[i] = Outcome(200, encode_predictions(probs[start:start + size]), size)
-                start += size
-        info.update(forward_s=clock() - t1, instances=int(merged.dense.shape[0]),
-                    requests=len(good))
+        stable, candidate = good, []
+        if split is not None:
+            chosen = [bool(split.choose(keys[i])) for i, _ in good]
+            candidate = [g for g, c in zip(good, chosen) if c]
+            if split.mode == "canary":
+                stable = [g for g, c in zip(good, chosen) if not c]
+        if stable:
+            arms["stable"] = _run_arm("stable", True, stable, predict, clock)
+        if candidate and split is not None:
+            arms["candidate"] = _run_arm("candidate", split.mode == "canary", candidate,
+                                         split.candidate, clock)
+        for run in arms.values():
+            if run.answered:
+                _answer(run, outcomes)
+        if split is not None and split.mode == "shadow" and "candidate" in arms:
+            shadow_diff = _shadow_diff(arms["stable"], arms["candidate"])
+    answering = [r for r in arms.values() if r.answered]
+    info: dict[str, Any] = {
+        "decode_s": t1 - t0,
+        "forward_s": sum(r.forward_s for r in arms.values()),
+        "instances": sum(r.instances for r in answering),
+        "requests": sum(r.requests for r in answering),
+        "arms": arms,
+        "mode": split.mode if split is not None else None,
+        "shadow_diff": shadow_diff,
+    }
     return [o for o in outcomes if o is not None], info
-
 
 
 def _example_arrays(n: int, seed: int, max_id: int) -> tuple[np.ndarray, np.ndarray]:

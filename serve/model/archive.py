@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
 
 __all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "build_mar", "model_config"]
@@ -40,7 +41,6 @@ __all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "build_mar", "m
 log = logging.getLogger(__name__)
 
 HANDLER_FILE = Path(__file__).resolve().parents[2] / "handlers" / "dlrm_handler.py"
-ARTIFACT_NAME = "artifact.pt"  # the handler looks for this name in model_dir
 MODEL_CONFIG_NAME = "model-config.yaml"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # TorchServe's own model-name rule
 

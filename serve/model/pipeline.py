@@ -7,6 +7,17 @@ version name defaults to ``<profile>-<dtype>-s<seed>`` (``small-int8-s0``); ``--
 names it. ``--seed`` picks the training seed (initial weights); the data keeps the
 profile's seed, so two seeds train on the same click logs and give two different models.
 
+``--label-shuffle`` builds a deliberately bad candidate (to test that a rollout's guards
+roll it back): the same click logs, but the training split's labels permuted by a
+generator seeded with the training seed (:func:`serve.model.train.shuffled_labels`; eval
+untouched), so its eval AUC is about 0.5. Its version defaults to
+``<profile>-<dtype>-s<seed>-shuffled`` and its workdir to ``build/<profile>-s<seed>-shuffled``;
+the shuffle is one of the train step's arguments, so it is in every fingerprint from the
+train step on (a shuffled and a normal build never share a step or a version), and the
+report records ``label_shuffle``. The int8 quality bar (int8 AUC >= fp32 AUC - 0.001) is
+not applied to it: on a model with AUC ~0.5 that difference is noise (both AUCs are still
+reported).
+
 Each step writes into ``--workdir`` (default ``build/<profile>-s<seed>``, one per seed so
 two seeds keep their own checkpoints) and records ``<step>.done.json`` holding a
 fingerprint of what it was built from: the profile, the step's arguments, a hash of the
@@ -23,13 +34,15 @@ sources, so the repository is checked before any work:
 - it exists with another fingerprint (or ``--force`` is given): ``ConfigError`` — versions
   are immutable, so a different build needs another name (``--version``).
 
-The report (``REPORT_KEYS``): version, seed, build fingerprint, the archive's batching
-and workers, profile, world size, sharding plan, merge diff, AUCs, table bytes,
-parameters, wall time per step, git commit.
+The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, the
+archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
+table bytes, parameters, wall time per step, git commit.
 
 Example::
 
     python -m serve.model.pipeline --profile tiny --seed 7    # -> model_store/dlrm-tiny-int8-s7.mar
+    python -m serve.model.pipeline --profile tiny --seed 8 --label-shuffle
+                                                # -> model_store/dlrm-tiny-int8-s8-shuffled.mar
 """
 from __future__ import annotations
 
@@ -57,9 +70,11 @@ from serve.state import VERSION_RE
 
 __all__ = [
     "REPORT_KEYS",
+    "SHUFFLED_SUFFIX",
     "STEPS",
     "PipelineConfig",
     "PipelineResult",
+    "config_from_args",
     "default_version",
     "default_workdir",
     "main",
@@ -71,9 +86,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STEPS = ("data", "train", "merge", "quantize", "archive")
-REPORT_KEYS = ("version", "seed", "data_seed", "build_fingerprint", "archive", "mar_batch_size",
-               "mar_max_batch_delay_ms", "mar_workers", "profile", "world_size", "sharding_plan",
-               "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype",
+REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerprint", "archive",
+               "mar_batch_size", "mar_max_batch_delay_ms", "mar_workers", "profile",
+               "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype",
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
@@ -88,14 +103,20 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
 }
 
 
-def default_version(profile_name: str, dtype: str, seed: int) -> str:
-    """The version a build gets without ``--version``: ``small-int8-s0``."""
-    return f"{profile_name}-{dtype}-s{seed}"
+SHUFFLED_SUFFIX = "-shuffled"
 
 
-def default_workdir(profile_name: str, seed: int) -> Path:
-    """One build directory per (profile, seed): ``build/small-s0``."""
-    return Path("build") / f"{profile_name}-s{seed}"
+def default_version(profile_name: str, dtype: str, seed: int, label_shuffle: bool = False) -> str:
+    """The version a build gets without ``--version``: ``small-int8-s0``, or
+    ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``."""
+    return f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+
+
+def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False) -> Path:
+    """One build directory per (profile, seed, shuffle): ``build/small-s0``, or
+    ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
+    checkpoints)."""
+    return Path("build") / f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
 
 
 @dataclass(frozen=True)
@@ -104,7 +125,9 @@ class PipelineConfig:
 
     ``seed`` is the training seed (initial weights; the data always uses the profile's
     seed); ``version`` names the model version the build adds to ``model_store``
-    (default :func:`default_version`).
+    (default :func:`default_version`). ``label_shuffle`` trains on the training split's
+    labels permuted with the training seed (a model with eval AUC ~0.5; the int8 quality
+    bar is then not applied, see :attr:`quality_check`).
     """
 
     profile: Profile
@@ -134,6 +157,7 @@ class PipelineConfig:
     handler_config: dict[str, Any] = field(default_factory=dict)
     force: bool = False
     check_quality: bool = True
+    label_shuffle: bool = False
 
     def __post_init__(self) -> None:
         from serve.model.quantize import QUANT_DTYPES
@@ -144,6 +168,9 @@ class PipelineConfig:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or self.seed < 0):
             raise ConfigError(f"--seed {self.seed!r} must be an integer >= 0")
+        if not isinstance(self.label_shuffle, bool):
+            raise ConfigError(f"label_shuffle {self.label_shuffle!r} must be True or False; "
+                              "pass --label-shuffle to permute the training labels, or omit it")
         if not re.match(VERSION_RE, self.version_name):
             raise ConfigError(
                 f"--version {self.version_name!r} is not a valid version name: use letters, "
@@ -158,7 +185,13 @@ class PipelineConfig:
     def version_name(self) -> str:
         if self.version is not None:
             return self.version
-        return default_version(self.profile.name, self.dtype, self.train_seed)
+        return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle)
+
+    @property
+    def quality_check(self) -> bool:
+        """Whether the quantize step enforces the int8 AUC bar: ``check_quality``, except
+        for a label-shuffled build, whose AUC ~0.5 makes the fp32/int8 gap noise."""
+        return self.check_quality and not self.label_shuffle
 
     @property
     def data_dir(self) -> Path:
@@ -275,7 +308,8 @@ def _train_config(cfg: PipelineConfig) -> Any:
     return TrainConfig(profile=cfg.profile, data_dir=cfg.data_dir, out_dir=cfg.checkpoint_dir,
                        nproc=cfg.nproc, backend=cfg.backend, batch_size=cfg.batch_size,
                        learning_rate=cfg.learning_rate, threads=cfg.threads,
-                       num_workers=cfg.num_workers, seed=cfg.seed)
+                       num_workers=cfg.num_workers, seed=cfg.seed,
+                       label_shuffle=cfg.label_shuffle)
 
 
 def _data_config(cfg: PipelineConfig) -> Any:
@@ -294,9 +328,9 @@ def _step_args(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         "train": {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
                   "batch_size": tcfg.global_batch, "lr": tcfg.lr,
                   "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads,
-                  "seed": tcfg.resolved_seed},
+                  "seed": tcfg.resolved_seed, "label_shuffle": tcfg.label_shuffle},
         "merge": {},
-        "quantize": {"dtype": cfg.dtype, "check": cfg.check_quality},
+        "quantize": {"dtype": cfg.dtype, "check": cfg.quality_check},
         "archive": {"model_name": cfg.model_name, "version": cfg.version_name,
                     "mar_batch_size": cfg.mar_batch_size,
                     "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms,
@@ -328,6 +362,8 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
     return {
         "version": cfg.version_name, "model_name": cfg.model_name,
         "seed": cfg.train_seed, "data_seed": data_seed,
+        # True: trained on permuted labels (serve.model.train.shuffled_labels), AUC ~0.5.
+        "label_shuffle": cfg.label_shuffle,
         "build_fingerprint": build_fingerprint, "archive": archive_name,
         # What the archive's model-config.yaml says: `make up` declares these by default.
         "mar_batch_size": cfg.mar_batch_size,
@@ -355,10 +391,14 @@ def _immutable(cfg: PipelineConfig, existing: dict[str, Any], build_fp: str) -> 
             f"(make model VERSION=NAME)")
     if cfg.force:
         return ConfigError(f"{head}: --force rebuilds every step, which makes a new version")
+    shuffle = ""
+    if bool(existing.get("label_shuffle", False)) != cfg.label_shuffle:
+        shuffle = (f"; it was trained with label_shuffle={bool(existing.get('label_shuffle'))}, "
+                   f"this build has label_shuffle={cfg.label_shuffle}")
     return ConfigError(
         f"{head}: {cfg.model_store}/{cfg.model_name}-{v}.json was built from fingerprint "
         f"{existing.get('build_fingerprint')} ({existing.get('created_at')}), this build is "
-        f"{build_fp} (its arguments or sources differ)")
+        f"{build_fp} (its arguments or sources differ{shuffle})")
 
 
 def _already_built(cfg: PipelineConfig, fps: dict[str, str],
@@ -429,8 +469,10 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     mres = r.step("merge", [cfg.merged], do_merge)
 
     def do_quantize() -> dict:
+        if cfg.label_shuffle and cfg.check_quality:
+            say("[quantize] label shuffle: the int8 AUC bar is not applied (AUC ~0.5 by design)")
         q = quantize(cfg.merged, p, cfg.data_dir, cfg.dtype, cfg.artifact,
-                     check=cfg.check_quality)
+                     check=cfg.quality_check)
         say(f"[quantize] AUC fp32 {q.auc_fp32:.4f}  {cfg.dtype} {q.auc_quantized:.4f}  "
             f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
         return dataclasses.asdict(q)
@@ -477,13 +519,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None,
                     help="training seed (initial weights; default: the profile's). The data keeps "
                          "the profile's seed, so seeds differ only in the trained weights")
+    ap.add_argument("--label-shuffle", action="store_true",
+                    help="build a deliberately bad candidate: train on the same click logs with "
+                         "the training split's labels randomly permuted (a generator seeded by "
+                         "the training seed; eval data and labels untouched), so eval AUC is "
+                         "~0.5. Default version <profile>-<dtype>-s<seed>-shuffled, workdir "
+                         "build/<profile>-s<seed>-shuffled; the report records label_shuffle; "
+                         "the int8 AUC quality bar is not applied")
     ap.add_argument("--version", default=None,
                     help="name of the model version to add (default <profile>-<dtype>-s<seed>, "
-                         "e.g. small-int8-s0); letters, digits, '.', '-'. A version is never "
-                         "replaced: a different build needs a new name")
+                         "e.g. small-int8-s0, plus -shuffled with --label-shuffle); letters, "
+                         "digits, '.', '-'. A version is never replaced: a different build "
+                         "needs a new name")
     ap.add_argument("--workdir", default=None,
-                    help="build directory (default build/<profile>-s<seed>: one per seed, so "
-                         "each keeps its own step cache)")
+                    help="build directory (default build/<profile>-s<seed>, or "
+                         "build/<profile>-s<seed>-shuffled with --label-shuffle: one per seed "
+                         "and shuffle, so each keeps its own step cache)")
     ap.add_argument("--model-store", default="model_store",
                     help="the model repository the version is added to (default model_store)")
     ap.add_argument("--if-missing", action="store_true",
@@ -515,12 +566,33 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """The build the command line asks for (``--workdir`` defaults per seed and shuffle).
+
+    Raises:
+        ConfigError: a bad setting; UnknownProfileError: no such profile.
+    """
+    profile = get_profile(args.profile)
+    seed = profile.seed if args.seed is None else args.seed
+    workdir = args.workdir or default_workdir(profile.name, seed, args.label_shuffle)
+    return PipelineConfig(
+        profile=profile, workdir=Path(workdir),
+        model_store=Path(args.model_store), model_name=args.model_name, seed=args.seed,
+        version=args.version, nproc=args.nproc,
+        backend=args.backend, dtype=args.dtype, alpha=args.alpha, samples=args.samples,
+        eval_samples=args.eval_samples, batch_size=args.batch_size,
+        learning_rate=args.lr, threads=args.threads, mar_batch_size=args.mar_batch_size,
+        mar_max_batch_delay_ms=args.mar_max_batch_delay_ms, mar_workers=args.mar_workers,
+        force=args.force, check_quality=not args.no_quality_check,
+        label_shuffle=args.label_shuffle)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_cli_logging()
     t0 = time.perf_counter()
     try:
-        profile = get_profile(args.profile)
+        get_profile(args.profile)  # an unknown profile fails first, even with --if-missing
         store = Path(args.model_store)
         if args.if_missing:
             existing = ModelRepository([store], args.model_name).versions()
@@ -528,17 +600,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{store} holds {len(existing)} model version(s), latest {existing[-1]}; "
                       "not building (--if-missing)")
                 return 0
-        seed = profile.seed if args.seed is None else args.seed
-        cfg = PipelineConfig(
-            profile=profile, workdir=Path(args.workdir or default_workdir(profile.name, seed)),
-            model_store=store, model_name=args.model_name, seed=args.seed,
-            version=args.version, nproc=args.nproc,
-            backend=args.backend, dtype=args.dtype, alpha=args.alpha, samples=args.samples,
-            eval_samples=args.eval_samples, batch_size=args.batch_size,
-            learning_rate=args.lr, threads=args.threads, mar_batch_size=args.mar_batch_size,
-            mar_max_batch_delay_ms=args.mar_max_batch_delay_ms, mar_workers=args.mar_workers,
-            force=args.force,
-            check_quality=not args.no_quality_check)
+        cfg = config_from_args(args)
         res = run_pipeline(cfg, say=lambda s: print(s, flush=True))
     except ServeError as e:
         print(f"error: {e.message}", file=sys.stderr)
@@ -552,8 +614,9 @@ def _summary(res: PipelineResult, seconds: float) -> str:
     rep = res.report
     ran = ", ".join(res.ran) or "nothing"
     skipped = f"; skipped {', '.join(res.skipped)}" if res.skipped else ""
+    shuffled = ", labels shuffled" if rep.get("label_shuffle") else ""
     head = (f"version {res.version}: {res.archive} (profile {rep.get('profile')}, seed "
-            f"{rep.get('seed')}, {rep.get('world_size')} ranks) in {seconds:.1f}s; "
+            f"{rep.get('seed')}{shuffled}, {rep.get('world_size')} ranks) in {seconds:.1f}s; "
             f"ran {ran}{skipped}")
     lines = ["", head]
     try:  # a version stored by an older pipeline may lack some keys: show what there is

@@ -22,6 +22,16 @@ multi-node is::
         -m serve.model.train --profile small --data DIR --out CKPT_DIR
 
 with DIR readable and CKPT_DIR writable (shared filesystem) on every node.
+
+Label shuffle (``--label-shuffle``, :func:`shuffled_labels`): trains a deliberately bad
+model on the same click logs. The labels of the **training split only** are permuted
+(the row order, dense features and ids stay as they are) by a permutation drawn from a
+generator seeded with the training seed, so the labels become independent of the
+features while keeping their exact multiset (same CTR). The eval split, its labels and
+the fixed merge-check batch are untouched, so the model's AUC on eval is about 0.5. Every
+rank computes the same permutation of the whole split (same seed, same file) and then
+reads its own batches of it, exactly as without shuffle (rank r takes global batches r,
+r + N, r + 2N, ...), so the ranks together see one consistent permuted data set.
 """
 from __future__ import annotations
 
@@ -36,21 +46,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError, ShardingError
+from serve.model.data import ClickLogDataset
 from serve.net import free_port
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
 __all__ = [
     "OUTPUTS_FILE",
     "PLAN_FILE",
+    "ShuffledLabelDataset",
     "TrainConfig",
+    "label_permutation",
     "main",
     "max_world_size",
     "plan_sharding",
+    "shuffled_labels",
     "train",
+    "train_dataset",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +75,9 @@ PLAN_FILE = "plan.json"
 OUTPUTS_FILE = "sharded_outputs.pt"
 # fbgemm needs column shards whose width is a multiple of 4.
 _MIN_COLUMN_SHARD = 4
+# Second word of the label permutation's seed: its stream is [training seed, this tag], so
+# it is unrelated to any other use of the training seed (torch.manual_seed for weights).
+_LABEL_SHUFFLE_STREAM = 0x1ABE15
 
 
 @dataclass(frozen=True)
@@ -80,10 +99,15 @@ class TrainConfig:
     eval_batch: int = 512            # rows of the fixed batch saved for the merge check
     log_every: int = 50
     seed: int | None = None          # initial weights (None: the profile's seed)
+    # Permute the training labels (seeded by resolved_seed): a model with eval AUC ~0.5.
+    label_shuffle: bool = False
 
     def __post_init__(self) -> None:
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"--seed {self.seed} must be >= 0")
+        if not isinstance(self.label_shuffle, bool):
+            raise ConfigError(f"label_shuffle {self.label_shuffle!r} must be True or False; "
+                              "pass --label-shuffle to permute the training labels, or omit it")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -212,6 +236,73 @@ def format_plan(types: dict[str, str], shards: dict[str, list]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- labels
+
+def label_permutation(n: int, seed: int) -> np.ndarray:
+    """The permutation of ``n`` training rows that ``--label-shuffle`` applies: int64 (n,).
+
+    Drawn from ``numpy.random.default_rng([seed, tag])`` (a stream of its own), so it is the
+    same in every process for the same ``n`` and ``seed``, and differs between seeds.
+
+    Raises:
+        ConfigError: ``n`` or ``seed`` is negative.
+    """
+    if n < 0:
+        raise ConfigError(f"label permutation of {n} rows: the row count must be >= 0 "
+                          "(pass the number of training rows)")
+    if seed < 0:
+        raise ConfigError(f"label permutation seed {seed} must be >= 0; "
+                          "pass --seed S with S >= 0")
+    return np.random.default_rng([seed, _LABEL_SHUFFLE_STREAM]).permutation(n)
+
+
+def shuffled_labels(labels: np.ndarray, seed: int) -> np.ndarray:
+    """``labels[label_permutation(len(labels), seed)]``: row i gets the label of row perm[i].
+
+    A true permutation: the same multiset of labels (same CTR), only no longer tied to
+    the rows' features. Returns a new in-memory array; ``labels`` (a memmap) is unchanged.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ConfigError(f"labels have shape {labels.shape}; expected one label per row (n,)")
+    return labels[label_permutation(int(labels.shape[0]), seed)]
+
+
+class ShuffledLabelDataset(ClickLogDataset):
+    """The **training** split with its labels permuted by :func:`shuffled_labels`.
+
+    Rows, batches and the rank split are those of :class:`ClickLogDataset` (rank r takes
+    global batches r, r + world_size, ...); only the labels differ. The permutation spans
+    the whole split and is computed identically on every rank from ``seed``, so batch b
+    has the same (shuffled) labels whichever rank reads it. The eval split cannot be
+    shuffled: evaluation must measure the model against the true labels.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, drop_last: bool = False,
+                 limit: int | None = None) -> None:
+        super().__init__(data_dir, "train", batch_size, rank=rank, world_size=world_size,
+                         drop_last=drop_last, limit=limit)
+        self.seed = seed
+        self.labels = shuffled_labels(self._data().labels, seed)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        dense, ids, lengths, _ = super().__getitem__(i)
+        b = self.batches[i]
+        lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, self.rows)
+        return dense, ids, lengths, torch.from_numpy(self.labels[lo:hi].astype(np.float32))
+
+
+def train_dataset(cfg: TrainConfig, batch_size: int, rank: int = 0,
+                  world_size: int = 1) -> ClickLogDataset:
+    """This rank's training batches: labels permuted when ``cfg.label_shuffle``."""
+    if cfg.label_shuffle:
+        return ShuffledLabelDataset(cfg.data_dir, batch_size, cfg.resolved_seed, rank=rank,
+                                    world_size=world_size, drop_last=True)
+    return ClickLogDataset(cfg.data_dir, "train", batch_size, rank=rank,
+                           world_size=world_size, drop_last=True)
+
+
 # ----------------------------------------------------------------------------- ranks
 
 def _build_model(profile: Profile, device: torch.device) -> Any:
@@ -273,11 +364,10 @@ def _sharded_model(cfg: TrainConfig, device: torch.device, plan: Any) -> tuple[A
 def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int,
                 local_batch: int, device: torch.device) -> _RankRun:
     """Train this rank's share of the click log; rank 0 prints progress every log_every."""
-    from serve.model.data import ClickLogDataset, iter_batches
+    from serve.model.data import iter_batches
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    ds = ClickLogDataset(cfg.data_dir, "train", local_batch, rank=rank,
-                         world_size=world_size, drop_last=True)
+    ds = train_dataset(cfg, local_batch, rank, world_size)
     epochs = cfg.epochs or cfg.profile.epochs
     total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
     step, rows, t0, ema = 0, 0, time.perf_counter(), None
@@ -306,7 +396,7 @@ def _fixed_batch_outputs(dmp: Any, cfg: TrainConfig, device: torch.device) -> di
 
     The same rows on every rank, so each rank's output is the sharded model's answer.
     """
-    from serve.model.data import ClickLogDataset, load_split, to_batch
+    from serve.model.data import load_split, to_batch
 
     dmp.eval()
     n = min(cfg.eval_batch, len(load_split(cfg.data_dir, "eval")))
@@ -355,7 +445,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                 "steps": run.steps, "rows": run.rows, "train_seconds": round(run.seconds, 3),
                 "final_loss": run.final_loss, "global_batch": local_batch * world_size,
                 "learning_rate": cfg.lr, "dense_learning_rate": cfg.dense_learning_rate,
-                "epochs": run.epochs, "seed": seed,
+                "epochs": run.epochs, "seed": seed, "label_shuffle": cfg.label_shuffle,
             }
             (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
         dist.barrier()
@@ -388,6 +478,9 @@ def train(cfg: TrainConfig) -> dict:
     if rank == 0:
         print(f"sharding plan: profile {cfg.profile.name}, world size {world}, {backend} on {dev}\n"
               + format_plan(types, shards), flush=True)
+        if cfg.label_shuffle:
+            print(f"label shuffle: the training labels are permuted (seed {cfg.resolved_seed}); "
+                  "eval is untouched, so expect eval AUC ~0.5", flush=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -440,6 +533,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None,
                     help="seed of the initial weights (default: the profile's); the data's own "
                          "seed is set when it is generated (serve.model.data --seed)")
+    ap.add_argument("--label-shuffle", action="store_true",
+                    help="permute the training split's labels with a generator seeded by --seed "
+                         "(eval data and labels untouched): a deliberately bad model whose eval "
+                         "AUC is ~0.5")
     return ap
 
 
@@ -449,7 +546,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        batch_size=args.batch_size, learning_rate=args.lr,
                        dense_learning_rate=args.dense_lr, epochs=args.epochs,
                        max_steps=args.max_steps, num_workers=args.workers,
-                       threads=args.threads, log_every=args.log_every, seed=args.seed)
+                       threads=args.threads, log_every=args.log_every, seed=args.seed,
+                       label_shuffle=args.label_shuffle)
 
 
 def main(argv: list[str] | None = None) -> int:

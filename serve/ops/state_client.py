@@ -38,10 +38,43 @@ class StateClient:
         r.raise_for_status()
         return dict(r.json())
 
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def put_state(self, desired: dict[str, Any]) -> httpx.Response:
         """``PUT /state`` as is (the caller reads the status: 202, 400, 409...)."""
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return httpx.put(f"{self.url}/state", json=desired, headers=headers, timeout=30)
+        return httpx.put(f"{self.url}/state", json=desired, headers=self._auth(), timeout=30)
+
+    def rollout_action(self, action: str) -> httpx.Response:
+        """``POST /state/rollout/{promote|rollback}`` as is."""
+        if action not in ("promote", "rollback"):
+            raise ValueError(f"rollout action {action!r} must be 'promote' or 'rollback'")
+        return httpx.post(f"{self.url}/state/rollout/{action}", headers=self._auth(),
+                          timeout=30)
+
+    def wait_rollout(self, *, phase: str | None = None, serving: bool | None = None,
+                     converged: bool = False, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Poll ``GET /state`` until its ``rollout`` is in ``phase`` (and ``serving`` is
+        as asked, and the state ``converged`` when asked); that body.
+
+        Raises:
+            UpstreamUnavailable: not within ``timeout_s``; the message holds the last body.
+        """
+        def reached() -> dict[str, Any] | None:
+            body = self.state()
+            r = body.get("rollout") or {}
+            ok = (bool(r) and (phase is None or r.get("phase") == phase)
+                  and (serving is None or r.get("serving") == serving)
+                  and (not converged or body.get("converged")))
+            return body if ok else None
+
+        try:
+            return wait_until(reached, timeout_s=timeout_s, interval_s=0.25,
+                              what=f"{self.url}/state rollout {phase}")
+        except UpstreamUnavailable:
+            raise UpstreamUnavailable(
+                f"rollout not {phase or ''} (serving={serving}, converged={converged}) within "
+                f"{timeout_s:.0f} s: {json.dumps(self.state())}") from None
 
     def wait_converged(self, desired: dict[str, Any] | None = None, *,
                        timeout_s: float = 60.0) -> dict[str, Any]:

@@ -53,8 +53,9 @@ from serve.errors import ConfigError, Conflict, InsufficientMemory, ServeError, 
 from serve.metrics import SidecarMetrics
 from serve.repository import ModelRepository
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.mar import is_sidecar_archive
+from serve.sidecar.mar import control_path, is_sidecar_archive
 from serve.sidecar.memory import MemoryCheck
+from serve.sidecar.rollout import RolloutController
 from serve.sidecar.schemas import (
     ObservedBatching,
     ObservedModel,
@@ -64,7 +65,14 @@ from serve.sidecar.schemas import (
 )
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import Observed, Registered, TorchServeClient, observe
-from serve.state import DesiredState, dump_state, parse_serving_version, parse_state, write_state
+from serve.state import (
+    DesiredState,
+    dump_state,
+    parse_serving_version,
+    parse_state,
+    serving_candidate,
+    write_state,
+)
 
 __all__ = ["Assessment", "PassResult", "Reconciler", "SwitchFailed", "assess", "observed_state"]
 
@@ -117,6 +125,7 @@ def observed_state(observed: Observed) -> ObservedState:
     parsed = parse_serving_version(serving.version)
     return ObservedState(
         model=ObservedModel(version=parsed[0] if parsed else serving.version),
+        candidate=serving_candidate(serving.version),
         batching=ObservedBatching(batch_size=serving.batch_size,
                                   max_batch_delay_ms=serving.max_batch_delay_ms),
         workers=serving.workers, serving_version=serving.version,
@@ -166,6 +175,8 @@ class Reconciler:
         switch: the version switch (owns the phase, the memory probe and the peak).
         repository: where the model versions' archives are.
         metrics: the sidecar's metrics (converged gauge, pass counter); None: none.
+        rollouts: runs a declared rollout (guards, promotion, rollback); None: a
+            declared rollout is served as declared, never judged.
         clock: monotonic seconds (back-off, deadlines, durations).
         retry_base_s, retry_max_s: back-off after a failed switch: base, 2 x base, ...
             up to max.
@@ -176,6 +187,7 @@ class Reconciler:
     def __init__(self, torchserve: TorchServeClient, config: SidecarConfig, *,
                  switch: VersionSwitch, repository: ModelRepository,
                  metrics: SidecarMetrics | None = None,
+                 rollouts: RolloutController | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  retry_base_s: float = 2.0, retry_max_s: float = 300.0,
                  sample_interval_s: float = 0.25) -> None:
@@ -187,6 +199,7 @@ class Reconciler:
         self.switch = switch
         self.repository = repository
         self.metrics = metrics
+        self.rollouts = rollouts
         self.clock = clock
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.sample_interval_s = sample_interval_s
@@ -300,7 +313,8 @@ class Reconciler:
         self._seq += 1
         seq = self._seq
         digest = self.read_desired()
-        desired = self.desired
+        declared = self.desired  # GET /state may re-read the file while this pass awaits
+        desired = self.effective()
         target = desired.serving_version() if desired else None
         try:
             result, switch_error, cleanup_error, observed = await self._act(desired)
@@ -314,14 +328,66 @@ class Reconciler:
         if self.file_error is not None and result in ("converged", "waiting", "applied"):
             result = "invalid"
         error = (switch_error.message if switch_error else cleanup_error) or self.file_error
+        converged = a.converged and self.file_error is None
+        if converged:
+            await self._rollout_step(declared, a.target)
         return self._finish(PassResult(
-            seq, digest, target, result, a.converged and self.file_error is None, a.serving,
+            seq, digest, target, result, converged, a.serving,
             self._reason(a), switch_error, cleanup_error), error)
+
+    def effective(self) -> DesiredState | None:
+        """What to converge to: the desired state with its rollout's outcome applied
+        (:meth:`serve.sidecar.rollout.RolloutController.effective`)."""
+        if self.rollouts is None:
+            return self.desired
+        self.rollouts.declare(self.desired)
+        return self.rollouts.effective(self.desired)
+
+    async def _rollout_step(self, desired: DesiredState | None, serving: str | None) -> None:
+        """After a pass that converged on ``desired``: start the bake once the two-arm
+        registration serves, evaluate the guards when due, write an outcome into the
+        file."""
+        ctl = self.rollouts
+        if ctl is None or desired is None:
+            return
+        ctl.on_serving(desired, serving)
+        try:
+            transition = await asyncio.to_thread(ctl.tick)
+        except Exception:  # noqa: BLE001 - a metrics read must not stop reconciling
+            _log.exception("evaluating the rollout's guards failed; retrying next period")
+            transition = None
+        if transition in ("promoted", "rolled_back"):
+            self.wake()
+        self.settle_rollout()
+
+    def settle_rollout(self) -> None:
+        """Write a rollout's outcome into the desired-state file where it is writable
+        (promoted: the candidate is the model version; both: ``rollout: null``), so a
+        restart keeps it; where read-only, the outcome holds in memory (GET /state)."""
+        ctl, desired = self.rollouts, self.desired
+        if ctl is None or desired is None:
+            return
+        settled = ctl.settled_state(desired)
+        if settled is None:
+            return
+        ctl.mark_settled()
+        why = self.writable_error()
+        if why is not None:
+            _log.warning("rollout outcome not written (%s); update the desired state to %s "
+                         "to make it durable", why, settled.serving_version())
+            return
+        try:
+            write_state(self.path, settled)
+        except OSError as e:
+            _log.error("could not write the rollout's outcome into %s: %s", self.path, e)
+            return
+        self.wake()
 
     async def _act(self, desired: DesiredState | None
                    ) -> tuple[str, ServeError | None, str | None, Observed | None]:
         """(result, switch error, clean-up error, what TorchServe serves now or None when
-        an action may have changed it) of this pass's actions."""
+        an action may have changed it) of this pass's actions toward ``desired`` (the
+        effective desired state)."""
         observed = await observe(self.ts)
         a = assess(desired, observed)
         acted = False
@@ -413,6 +479,11 @@ class Reconciler:
         gone = []
         for path in sorted(store.glob(f"{model}-*.mar")):
             if path.name not in keep and is_sidecar_archive(path, store, model):
+                path.unlink(missing_ok=True)
+                gone.append(path)
+        live = {control_path(store, model, r.version).name for r in registered}
+        for path in sorted(store.glob(f"{model}-*.control.json")):
+            if path.name not in live:
                 path.unlink(missing_ok=True)
                 gone.append(path)
         return gone
@@ -561,7 +632,7 @@ class Reconciler:
             down = None
         except UpstreamUnavailable as e:
             observed, down = Observed(default=None), e.message
-        a = assess(self.desired, observed)
+        a = assess(self.effective(), observed)
         versions = await asyncio.to_thread(self.repository.versions)
         return StateStatus(
             desired=self.desired, observed=observed_state(observed),
@@ -570,4 +641,5 @@ class Reconciler:
             phase=self.switch.phase.value, last_error=self.last_error or self.file_error,
             last_switch=self.last_switch, target_serving_version=a.target,
             available_versions=versions, state_file=str(self.path),
-            state_file_writable=self.writable_error() is None)
+            state_file_writable=self.writable_error() is None,
+            rollout=self.rollouts.status() if self.rollouts is not None else None)

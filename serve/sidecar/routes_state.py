@@ -8,6 +8,9 @@ PUT takes a whole desired state (the ``desired`` object of GET), validates it (4
 the field and the rule; a version the repository lacks names the ones it has), writes the
 file atomically and answers 202 at once: the reconciler applies it; poll GET /state.
 Where the file is read-only (a ConfigMap) it answers 409 and says to edit the ConfigMap.
+
+``POST /state/rollout/promote`` and ``POST /state/rollout/rollback`` end a baking rollout
+by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends
 from pydantic import ValidationError
 
-from serve.errors import ConfigError, InvalidInput, UpstreamUnavailable
+from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailable
 from serve.sidecar.auth import require_token
-from serve.sidecar.reconciler import observed_state
-from serve.sidecar.schemas import ObservedState, StateAccepted, StateStatus
+from serve.sidecar.reconciler import Reconciler, observed_state
+from serve.sidecar.rollout import RolloutController
+from serve.sidecar.schemas import ObservedState, RolloutStatus, StateAccepted, StateStatus
 from serve.sidecar.state import SidecarState, StateDep
 from serve.sidecar.torchserve import Observed, observe
 from serve.state import DesiredState, describe_validation_error
@@ -29,7 +33,9 @@ __all__ = ["router"]
 router = APIRouter()
 
 _SHAPE = ('a desired state is {"model": {"version": V}, "batching": {"batch_size": 1..4096, '
-          '"max_batch_delay_ms": 0..10000}, "workers": 1..64, "rollout": null}')
+          '"max_batch_delay_ms": 0..10000}, "workers": 1..64, "rollout": null or '
+          '{"candidate": V2, "mode": "canary"|"shadow", "weight": 0..1, "steps": [...], '
+          '"bake_s": s, "guards": {...}}}')
 
 
 @router.get("/state", response_model=StateStatus, response_model_by_alias=True,
@@ -72,12 +78,54 @@ def _validated(body: Any, state: SidecarState) -> DesiredState:
         raise InvalidInput(f"invalid PUT /state body: {describe_validation_error(e)}"
                            ) from None
     repository = state.repository
-    if repository is not None and not repository.exists(desired.model.version):
-        try:
-            repository.archive(desired.model.version)
-        except ConfigError as e:
-            raise InvalidInput(f"invalid PUT /state body: model.version: {e.message}") from None
+    versions = [("model.version", desired.model.version)]
+    if desired.rollout is not None:
+        versions.append(("rollout.candidate", desired.rollout.candidate))
+    for where, version in versions:
+        if repository is not None and not repository.exists(version):
+            try:
+                repository.archive(version)
+            except ConfigError as e:
+                raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
     return desired
+
+
+def _rollouts(state: SidecarState, what: str) -> tuple[Reconciler, RolloutController]:
+    reconciler = state.require_reconciler(what)
+    if reconciler.rollouts is None:
+        raise Conflict(f"{what}: this sidecar runs no rollout controller")
+    reconciler.effective()  # picks up a rollout declared since the last pass
+    return reconciler, reconciler.rollouts
+
+
+@router.post("/state/rollout/promote", response_model=RolloutStatus,
+             dependencies=[Depends(require_token)],
+             summary="Promote the baking rollout's candidate now",
+             responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
+async def promote(state: StateDep) -> RolloutStatus:
+    reconciler, ctl = _rollouts(state, "POST /state/rollout/promote")
+    ctl.promote("promoted by hand (POST /state/rollout/promote)")
+    reconciler.settle_rollout()
+    reconciler.wake()
+    status = ctl.status()
+    if status is None:  # pragma: no cover - promote() raised without a run
+        raise Conflict("no rollout")
+    return status
+
+
+@router.post("/state/rollout/rollback", response_model=RolloutStatus,
+             dependencies=[Depends(require_token)],
+             summary="Roll the baking rollout's candidate back now",
+             responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
+async def rollback(state: StateDep) -> RolloutStatus:
+    reconciler, ctl = _rollouts(state, "POST /state/rollout/rollback")
+    ctl.rollback("rolled back by hand (POST /state/rollout/rollback)")
+    reconciler.settle_rollout()
+    reconciler.wake()
+    status = ctl.status()
+    if status is None:  # pragma: no cover
+        raise Conflict("no rollout")
+    return status
 
 
 async def _status_without_file(state: SidecarState) -> StateStatus:

@@ -11,16 +11,18 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
-from serve.state import DesiredState
+from serve.state import DesiredState, Rollout
 
 __all__ = [
     "BatchingState",
     "BatchingStatus",
     "BatchingUpdate",
     "BatchingUpdateResult",
+    "GuardStatus",
     "ObservedBatching",
     "ObservedModel",
     "ObservedState",
+    "RolloutStatus",
     "StateAccepted",
     "StateStatus",
     "SwitchRecord",
@@ -108,9 +110,12 @@ class ObservedState(BaseModel):
     model: ObservedModel | None
     batching: ObservedBatching | None
     workers: int = Field(description="Workers of the default version (any status).")
-    rollout: None = None
+    candidate: str | None = Field(
+        default=None, description="A rollout's candidate loaded beside the model version "
+                                  "(the serving version's _c<candidate> suffix).")
     serving_version: str | None = Field(
-        description="TorchServe's name of the default version: <version>_b<batch>d<delay>w<workers>.")
+        description="TorchServe's name of the default version: "
+                    "<version>_b<batch>d<delay>w<workers>[_c<candidate>].")
     ready_workers: int
     pending_requests: int | None = Field(
         default=None, description="Requests queued for the default version (TorchServe's jobQueueStatus).")
@@ -139,6 +144,43 @@ class SwitchRecord(BaseModel):
         None, description="The numbers of the check made before loading the new version.")
 
 
+class GuardStatus(BaseModel):
+    """One guard of a rollout at its last evaluation."""
+
+    name: str = Field(description="error_ratio, p99_ratio or score_psi.")
+    value: float | None = Field(description="Its value over the window; null: not enough data.")
+    threshold: float = Field(description="Breached when value > threshold.")
+    status: str = Field(description="ok, breached or insufficient_data.")
+    detail: str
+
+
+class RolloutStatus(BaseModel):
+    """The current (or last) rollout: phase, weight, guards, and why it ended."""
+
+    phase: str = Field(description="baking, promoted or rolled_back.")
+    stable: str
+    candidate: str
+    mode: str
+    weight: float = Field(description="The candidate's share now (0 until it serves, and "
+                                      "after a rollback).")
+    weights: list[float] = Field(description="The weights walked: [weight, *steps].")
+    step: int = Field(description="Index of the current weight in weights.")
+    bake_s: float
+    bake_elapsed_s: float | None = Field(description="Seconds at the current weight.")
+    serving: bool = Field(description="Both versions are loaded and the candidate takes "
+                                      "its share.")
+    serving_version: str | None
+    guards: list[GuardStatus] = Field(description="At the last evaluation.")
+    guard_interval_s: float
+    evaluations: int
+    last_evaluated_s_ago: float | None
+    reason: str | None = Field(description="Why it was promoted or rolled back, or what "
+                                           "the bake waits for.")
+    started_at: str | None
+    finished_at: str | None
+    spec: Rollout
+
+
 class StateStatus(BaseModel):
     """GET /state: the declared state, what serves, and whether they agree (and why not)."""
 
@@ -156,6 +198,8 @@ class StateStatus(BaseModel):
     state_file: str | None
     state_file_writable: bool = Field(
         description="False where the file is read-only (a ConfigMap): PUT /state answers 409.")
+    rollout: RolloutStatus | None = Field(
+        default=None, description="The current or last rollout; null if none was declared.")
 
 
 class StateAccepted(BaseModel):

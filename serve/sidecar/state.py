@@ -22,8 +22,10 @@ from serve.errors import Conflict
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
+from serve.sidecar.rollout import RolloutController
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import TorchServeClient
 
@@ -86,10 +88,16 @@ class SidecarState:
             forget_workers=self.handler_metrics.forget if self.handler_metrics else None)
         self.metrics.set_switch_phase(self._switch.phase.value)
         if config.state_file is not None:
+            collector = self.handler_metrics
             self._reconciler = Reconciler(
                 self._torchserve, config, switch=self._switch, metrics=self.metrics,
                 repository=self.repository or ModelRepository(config.repository_roots,
                                                               config.model_name),
+                rollouts=RolloutController(
+                    read_families=collector.collect if collector is not None else list,
+                    control_file=lambda version: control_path(
+                        config.model_store, config.model_name, version),
+                    metrics=self.metrics, clock=self.clock),
                 clock=self.clock)
 
     def start(self) -> None:

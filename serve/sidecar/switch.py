@@ -65,8 +65,15 @@ from typing import Any
 
 from serve.errors import ServeError, UpstreamUnavailable
 from serve.repository import ModelRepository
+from serve.routing import write_control
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.mar import is_sidecar_archive, mar_path, rewrite_mar
+from serve.sidecar.mar import (
+    CandidateArchive,
+    control_path,
+    is_sidecar_archive,
+    mar_path,
+    rewrite_mar,
+)
 from serve.sidecar.memory import MemoryCheck, MemoryProbe, PeakTracker, check_fits
 from serve.sidecar.schemas import BatchingState
 from serve.sidecar.torchserve import (
@@ -108,12 +115,17 @@ class SwitchPlan:
             already (nothing to copy).
         dst: the target's archive in the model store.
         old: the default version now; None when nothing is registered.
+        candidate: a rollout's candidate packed beside the model version (its archive,
+            its control file); ``mode`` is the rollout's, written in the control file
+            with weight 0 until the rollout controller starts baking.
     """
 
     new: BatchingState
     src: Path | None
     dst: Path
     old: Registered | None = None
+    candidate: CandidateArchive | None = None
+    mode: str = "canary"
 
 
 def _error_text(e: BaseException) -> str:
@@ -207,8 +219,15 @@ class VersionSwitch:
             dst = Path(url) if os.path.isabs(url) else store / url
             return SwitchPlan(new=new, src=None, dst=dst, old=observed.serving)
         src = repository.archive(desired.model.version)
+        candidate = None
+        if desired.rollout is not None:
+            candidate = CandidateArchive(
+                version=desired.rollout.candidate,
+                src=repository.archive(desired.rollout.candidate),
+                control_file=control_path(store, self._model, target))
         return SwitchPlan(new=new, src=src, dst=mar_path(store, self._model, target),
-                          old=observed.serving)
+                          old=observed.serving, candidate=candidate,
+                          mode=desired.rollout.mode if desired.rollout else "canary")
 
     async def check_memory(self, plan: SwitchPlan, observed: Observed) -> MemoryCheck | None:
         """Refuse a switch whose new workers would not fit beside the ones running.
@@ -223,7 +242,11 @@ class VersionSwitch:
             return None
         old = plan.old
         per_worker = self.memory.worker_bytes(old.pids, self._reported) if old else []
-        size = await asyncio.to_thread(lambda: plan.src.stat().st_size if plan.src else 0)
+        def archives_size() -> int:
+            paths = [plan.src] + ([plan.candidate.src] if plan.candidate else [])
+            return sum(p.stat().st_size for p in paths if p is not None)
+
+        size = await asyncio.to_thread(archives_size)
         return check_fits(self.memory, target=plan.new.model_version, pids=observed.pids(),
                           per_worker=per_worker, archive_bytes=size, workers=plan.new.workers,
                           headroom=self.config.memory_headroom, reported=self._reported)
@@ -239,10 +262,13 @@ class VersionSwitch:
                   plan.dst, plan.src)
         new = plan.new
         plan.dst.parent.mkdir(parents=True, exist_ok=True)
+        if plan.candidate is not None:
+            # weight 0 until the rollout controller sees it serve and starts baking
+            await asyncio.to_thread(write_control, plan.candidate.control_file, plan.mode, 0.0)
         dst = await asyncio.to_thread(
             rewrite_mar, plan.src, plan.dst, version=new.model_version,
             batch_size=new.batch_size, max_batch_delay_ms=new.max_batch_delay_ms,
-            workers=new.workers)
+            workers=new.workers, candidate=plan.candidate)
         self.sample()
         return dst
 
@@ -362,6 +388,7 @@ class VersionSwitch:
         src = Path(old.url) if os.path.isabs(old.url) else store / old.url
         if old.url and is_sidecar_archive(src, store, self._model):
             src.unlink(missing_ok=True)
+        control_path(store, self._model, old.version).unlink(missing_ok=True)
 
     async def rollback(self, plan: SwitchPlan) -> None:
         """Undo a switch that failed before the new version became default: unregister
@@ -379,6 +406,8 @@ class VersionSwitch:
         if is_sidecar_archive(plan.dst, self.config.model_store, self._model):
             plan.dst.unlink(missing_ok=True)
             plan.dst.with_name(plan.dst.name + ".tmp").unlink(missing_ok=True)
+        if plan.candidate is not None:
+            plan.candidate.control_file.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ whole runs
 
