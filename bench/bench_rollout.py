@@ -50,6 +50,16 @@ def _guards(body: dict[str, Any]) -> dict[str, Any]:
             for g in r.get("guards", [])}
 
 
+def _workers_rss_mib() -> float:
+    """RSS of every TorchServe worker on this machine (MiB), steady state."""
+    import psutil
+
+    from serve.sidecar.memory import worker_rss
+
+    total = sum(worker_rss(p) or 0 for p in psutil.pids())
+    return round(total / (1 << 20), 1)
+
+
 def _measure(client: StateClient, url: str, bodies: list[bytes], clients: int,
              seconds: float, instances: int) -> dict[str, Any]:
     """Throughput over ``seconds`` after a warm-up of 2 answers per client."""
@@ -60,11 +70,12 @@ def _measure(client: StateClient, url: str, bodies: list[bytes], clients: int,
         time.sleep(seconds)
         n1, t1 = load.served, time.monotonic()
         state = client.state()
+        rss = _workers_rss_mib()
     rate = (n1 - n0) / (t1 - t0)
     return {"requests_per_s": round(rate, 2), "instances_per_s": round(rate * instances, 1),
             "served": load.served, "failed": load.failed, "failures": load.failures[:3],
             "by_version": {str(k): v for k, v in load.versions().items()},
-            "guards": _guards(state)}
+            "workers_rss_mib": rss, "guards": _guards(state)}
 
 
 def _declare(client: StateClient, desired: dict[str, Any], timeout_s: float) -> None:
@@ -105,15 +116,18 @@ def _bad_run(client: StateClient, url: str, bodies: list[bytes], start: dict[str
 
 def _print(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["instances_per_s"]
-    print("| run | instances/s | vs single | served | failed | error_ratio | p99_ratio | score_psi |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | instances/s | vs single | workers RSS MiB | served | failed | error_ratio "
+          "| p99_ratio | score_psi |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = r.get("guards", {})
         vals = [g.get(k, {}).get("value") for k in ("error_ratio", "p99_ratio", "score_psi")]
         cells = ["-" if v is None else f"{v:.4g}" for v in vals]
         ips = r.get("instances_per_s")
         rel = f"{ips / base:.3f}" if ips else "-"
-        print(f"| {r['run']} | {ips if ips else '-'} | {rel} | {r['served']} | {r['failed']} | "
+        print(f"| {r['run']} | {ips if ips else '-'} "
+              f"{r.get('instances_per_s_rounds', '')} | {rel} | {r.get('workers_rss_mib', '-')} "
+              f"| {r['served']} | {r['failed']} | "
               + " | ".join(cells) + " |")
 
 
@@ -135,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--clients", type=int, default=8, help="closed-loop clients")
     ap.add_argument("--instances", type=int, default=512, help="instances per request")
     ap.add_argument("--seconds", type=float, default=30.0, help="measurement window per run")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="the three runs are repeated this many times, interleaved (machine "
+                         "noise drifts); the table shows the median per run")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a state change (or the bad candidate's rollback) may take")
     ap.add_argument("--out", default=str(OUT))
@@ -160,19 +177,31 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"only {v0} in the repository; build a candidate: make model SEED=7")
     bodies = [example_binary(args.instances, seed=s) for s in range(8)]
     rows: list[dict[str, Any]] = []
+    rounds: dict[str, list[dict[str, Any]]] = {}
     try:
-        for name, rollout in (("single", None),
-                              ("canary", {"candidate": good, "mode": "canary"}),
-                              ("shadow", {"candidate": good, "mode": "shadow"})):
-            label = name if rollout is None else f"{name} {args.weight:g} ({good})"
-            print(f"==> {label}", flush=True)
-            if rollout is not None:
-                rollout = {**rollout, "weight": args.weight, "bake_s": LONG_BAKE_S}
-            _declare(client, {**start, "rollout": rollout}, args.timeout)
-            row = _measure(client, url, bodies, args.clients, args.seconds, args.instances)
-            rows.append({"run": label, **row})
-            if rollout is not None:
-                _end(client, args.timeout)
+        for k in range(args.rounds):
+            for name, rollout in (("single", None),
+                                  ("canary", {"candidate": good, "mode": "canary"}),
+                                  ("shadow", {"candidate": good, "mode": "shadow"})):
+                label = name if rollout is None else f"{name} {args.weight:g} ({good})"
+                print(f"==> round {k + 1}/{args.rounds}: {label}", flush=True)
+                if rollout is not None:
+                    rollout = {**rollout, "weight": args.weight, "bake_s": LONG_BAKE_S}
+                _declare(client, {**start, "rollout": rollout}, args.timeout)
+                row = _measure(client, url, bodies, args.clients, args.seconds, args.instances)
+                if rollout is None:  # GET /state still shows the last rollout's guards
+                    row["guards"] = {}
+                print(f"    {row['instances_per_s']} instances/s, {row['failed']} failed",
+                      flush=True)
+                rounds.setdefault(label, []).append(row)
+                if rollout is not None:
+                    _end(client, args.timeout)
+        for label, runs in rounds.items():
+            median = sorted(runs, key=lambda r: r["instances_per_s"])[(len(runs) - 1) // 2]
+            rows.append({"run": label, **median,
+                         "instances_per_s_rounds": [r["instances_per_s"] for r in runs],
+                         "served": sum(r["served"] for r in runs),
+                         "failed": sum(r["failed"] for r in runs)})
         if bad is not None:
             print(f"==> bad canary ({bad})", flush=True)
             rows.append(_bad_run(client, url, bodies, start, bad, args))
@@ -183,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             client.put_state(start)
     _print(rows)
     doc = {"clients": args.clients, "instances": args.instances, "seconds": args.seconds,
+           "rounds": args.rounds,
            "weight": args.weight, "stable": v0, "candidate": good, "bad": bad, "rows": rows,
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
