@@ -20,7 +20,7 @@ The file::
     #   steps: [0.5, 1.0]               # optional: later weights, one bake period each
     #   bake_s: 60                      # seconds each weight must survive the guards
     #   guards: {max_error_ratio: 0.01, max_p99_ratio: 2.0, max_score_psi: 0.25,
-    #            min_requests: 20, min_instances: 500, interval_s: 5}
+    #            min_requests: 100, min_instances: 500, interval_s: 5}
 
 Unknown keys, wrong types (``"8"``, ``8.0``, ``true`` for an integer) and out-of-range
 values are refused with a message that names the field, the rule and the value.
@@ -123,7 +123,9 @@ class Guards(_Strict):
     max_score_psi: float = Field(default=0.25, ge=0, le=100,
                                  description="Population stability index of the candidate's "
                                              "predicted scores against the stable's.")
-    min_requests: int = Field(default=20, ge=1, le=10_000_000,
+    # 100: below it a p99 is the maximum of a handful of samples, and one error in 20
+    # requests reads as a 5% error ratio; both would judge noise.
+    min_requests: int = Field(default=100, ge=1, le=10_000_000,
                               description="Candidate requests before errors and p99 judge.")
     min_instances: int = Field(default=500, ge=1, le=1_000_000_000,
                                description="Scored instances per arm before the PSI judges.")

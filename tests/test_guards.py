@@ -47,6 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 LAT_LEN = len(REQUEST_DURATION_BUCKETS) + 1
 SCORE_LEN = len(SCORE_BUCKETS) + 1
 
+# The guards as the tests size their windows: 20 requests (the default asks 100).
+LIMITS = GuardLimits(min_requests=20)
+
 
 class Workers:
     """The workers' per-arm metrics on a fresh in-process registry (same names, labels
@@ -392,7 +395,7 @@ def test_psi_refuses_invalid_arguments(e, a, eps, match):
 def test_limits_defaults_and_validation():
     limits = GuardLimits()
     assert (limits.max_error_ratio, limits.max_p99_ratio, limits.max_score_psi,
-            limits.min_requests, limits.min_instances) == (0.01, 2.0, 0.25, 20, 500)
+            limits.min_requests, limits.min_instances) == (0.01, 2.0, 0.25, 100, 500)
     for bad in ({"max_error_ratio": -0.1}, {"max_error_ratio": 1.5},
                 {"max_p99_ratio": 0}, {"max_score_psi": math.inf},
                 {"min_requests": 0}, {"min_instances": 2.5}, {"min_requests": True}):
@@ -401,7 +404,7 @@ def test_limits_defaults_and_validation():
 
 
 def test_results_come_in_guard_order_and_serialize():
-    results = evaluate(Snapshot(), GuardLimits())
+    results = evaluate(Snapshot(), LIMITS)
     assert tuple(r.name for r in results) == ROLLOUT_GUARDS
     assert all(r.status == "insufficient_data" and r.value is None for r in results)
     assert breaches(results) == []
@@ -420,7 +423,7 @@ def test_results_come_in_guard_order_and_serialize():
 
 
 def test_error_ratio_ok_breached_insufficient_and_strict():
-    limits = GuardLimits()
+    limits = LIMITS
     few = by_name(evaluate(Snapshot(candidate=arm(requests=12, errors=12)), limits))
     assert few["error_ratio"].status == "insufficient_data"
     assert few["error_ratio"].detail == "candidate has 12 of the 20 requests needed"
@@ -448,7 +451,7 @@ def test_p99_ratio_ok_breached_and_strict():
     # Stable in (7.5 ms, 10 ms], candidate in (10 ms, 25 ms]: p99s by interpolation.
     stable_p99 = 0.0075 + 0.0025 * 0.99
     candidate_p99 = 0.01 + 0.015 * 0.99
-    slow = by_name(evaluate(_latency_window(0.009, 0.02), GuardLimits()))["p99_ratio"]
+    slow = by_name(evaluate(_latency_window(0.009, 0.02), LIMITS))["p99_ratio"]
     assert slow.status == "breached"
     assert slow.value == pytest.approx(candidate_p99 / stable_p99)  # ~2.49
     assert slow.detail.startswith("candidate p99 0.02485 s / stable p99 0.009975 s = 2.491 > 2")
@@ -457,12 +460,12 @@ def test_p99_ratio_ok_breached_and_strict():
     assert (same["p99_ratio"].status, same["p99_ratio"].value) == ("ok", 1.0)  # 1.0 !> 1.0
     tighter = GuardLimits(max_p99_ratio=0.999)
     assert by_name(evaluate(_latency_window(0.009, 0.009), tighter))["p99_ratio"].breached
-    faster = by_name(evaluate(_latency_window(0.009, 0.002), GuardLimits()))["p99_ratio"]
+    faster = by_name(evaluate(_latency_window(0.009, 0.002), LIMITS))["p99_ratio"]
     assert faster.status == "ok" and faster.value < 1
 
 
 def test_p99_ratio_needs_requests_and_a_stable_p99():
-    limits = GuardLimits()
+    limits = LIMITS
     few = by_name(evaluate(_latency_window(0.009, 0.5, n=5), limits))["p99_ratio"]
     assert few.status == "insufficient_data" and few.value is None
     assert few.detail == "candidate has 5 of the 20 requests needed"
@@ -488,24 +491,24 @@ def _spread(center: float, n: int, seed: int) -> list[float]:
 def test_score_psi_sees_a_shifted_distribution_and_not_the_same_one():
     stable_scores = _spread(0.2, 2000, seed=1)
     shifted = Snapshot(stable=arm(scores=stable_scores), candidate=arm(scores=[0.5] * 1000))
-    result = by_name(evaluate(shifted, GuardLimits()))["score_psi"]
+    result = by_name(evaluate(shifted, LIMITS))["score_psi"]
     assert result.status == "breached" and result.value > 1.0  # far above 0.2
     assert result.detail.startswith(
         "score PSI of candidate (1000 instances) vs stable (2000 instances) = ")
 
     same = Snapshot(stable=arm(scores=stable_scores), candidate=arm(scores=stable_scores))
-    result = by_name(evaluate(same, GuardLimits()))["score_psi"]
+    result = by_name(evaluate(same, LIMITS))["score_psi"]
     assert result.status == "ok" and result.value == pytest.approx(0.0, abs=1e-12)
 
     # Another sample of the same distribution: small sampling noise, well below 0.1.
     resampled = Snapshot(stable=arm(scores=stable_scores),
                          candidate=arm(scores=_spread(0.2, 2000, seed=2)))
-    result = by_name(evaluate(resampled, GuardLimits()))["score_psi"]
+    result = by_name(evaluate(resampled, LIMITS))["score_psi"]
     assert result.status == "ok" and result.value < 0.1
 
 
 def test_score_psi_needs_instances_on_both_arms_and_is_strict():
-    limits = GuardLimits()
+    limits = LIMITS
     few = Snapshot(stable=arm(scores=[0.2] * 600), candidate=arm(scores=[0.5] * 499))
     result = by_name(evaluate(few, limits))["score_psi"]
     assert result.status == "insufficient_data"
@@ -535,7 +538,7 @@ def test_end_to_end_from_families_to_breaches():
         w.serve("stable", "v1", seconds=0.004, scores=scores)
         w.serve("candidate", "v2", seconds=0.004, scores=scores)
     w.serve("candidate", "v2", seconds=0.004, scores=[], n=30, failed=2)  # 2 of 130 fail
-    results = evaluate(w.snap().minus(base), GuardLimits())
+    results = evaluate(w.snap().minus(base), LIMITS)
     got = {r.name: r.status for r in results}
     assert got == {"error_ratio": "breached", "p99_ratio": "ok", "score_psi": "ok"}
     assert [r.name for r in breaches(results)] == ["error_ratio"]

@@ -38,8 +38,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BATCHING = {"batch_size": 4, "max_batch_delay_ms": 5}
 # The tiny models of two seeds differ more than the small ones: their score PSI on random
 # inputs is 0.13-0.20 (small: 0.011), close to the default limit of 0.25; the shuffled-label
-# model's is ~7.5. A limit of 0.5 keeps both far from the line.
-GUARDS = {"interval_s": 2, "min_requests": 20, "min_instances": 500, "max_score_psi": 0.5}
+# model's is ~7.5. A limit of 0.5 keeps both far from the line. The p99 limit is loose:
+# the test machine's two cores are shared with the load generator (and, in CI, with
+# whatever else runs), so one slow forward moves a p99 of ~100 requests by 2x; this module
+# checks the rollout's mechanics, bench-rollout measures latency.
+GUARDS = {"interval_s": 2, "min_requests": 50, "min_instances": 500, "max_score_psi": 0.5,
+          "max_p99_ratio": 10.0}
 LOAD_INSTANCES = 64
 CLIENTS = 6
 

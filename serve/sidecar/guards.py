@@ -559,7 +559,7 @@ class GuardLimits:
     max_error_ratio: float = 0.01
     max_p99_ratio: float = 2.0
     max_score_psi: float = 0.25
-    min_requests: int = 20
+    min_requests: int = 100
     min_instances: int = 500
 
     def __post_init__(self) -> None:
