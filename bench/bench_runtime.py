@@ -1,17 +1,23 @@
 """In-process runtime vs TorchRec's quantized DLRM, CPU levers, and cache hit ratios.
 
-    python -m bench.bench_runtime            # full: small-profile-sized model (~2 min)
+    python -m bench.bench_runtime            # full: small-profile-sized model (~7 min)
     python -m bench.bench_runtime --quick    # smoke: tiny model, few iterations
 
 Writes ``bench/results/runtime.json``:
 ``{"throughput": [{"batch", "torchrec_samples_per_s", "runtime_samples_per_s", ...}],
-   "levers": [...], "hit_ratio": [{"load_factor", "alpha", "policy", "hit_ratio", "ideal"}]}``
+   "levers": [...], "hit_ratio": [{"scenario", "load_factor", "alpha", "policy",
+   "hit_ratio", "ideal", ...}]}``
 
 Throughput: both sides get the same prebuilt inputs (a KJT for TorchRec, a SparseBatch
 for us); each point is the best of 5 interleaved timed rounds. Ids follow Zipf(1.05) per feature.
 Hit ratio: the real EmbeddingCache on CPU, replaying Zipf traffic (one-hot, batch 512)
-over tables capped at ``--sim-rows`` rows, beside the ideal static top-k hit ratio (the
-sum of the k most likely rows' probabilities).
+over the 26 criteo-kaggle tables capped at 20,000 rows each, beside the ideal static top-k
+hit ratio (the sum of the k most likely rows' probabilities), measured over the second
+half of the batches (the first half warms the cache up). Policies: LRU, LFU with its
+default aging (``LFU_DECAY_PER_ROW`` x the rows), LFU without aging. Scenarios:
+``static`` (one Zipf distribution throughout; every alpha and load factor) and ``shift``
+(alpha 1.05: the measured half draws from a new random permutation of the ids, i.e.
+yesterday's hot rows turn cold and others turn hot; ideal = the new distribution's).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from serve.profiles import CRITEO_KAGGLE_CARDINALITIES, get_profile
-from serve.runtime.cache import EmbeddingCache, capacity_for
+from serve.runtime.cache import LFU_DECAY_PER_ROW, EmbeddingCache, capacity_for
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
 log = logging.getLogger("bench.runtime")
@@ -36,6 +42,9 @@ log = logging.getLogger("bench.runtime")
 BATCHES = (1, 64, 512, 4096)
 LOAD_FACTORS = (0.05, 0.1, 0.2, 0.5)
 ALPHAS = (0.8, 1.05, 1.2)
+SHIFT_ALPHA = 1.05
+# (name in the results, policy, lfu_decay_every: None = the default aging, 0 = none)
+CACHE_POLICIES = (("lru", "lru", None), ("lfu", "lfu", None), ("lfu, no aging", "lfu", 0))
 
 
 class ZipfIds:
@@ -168,34 +177,64 @@ def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
 
 
 def hit_ratios(sim_rows: int, batches: int, warmup: int, batch: int) -> list[dict]:
+    """Static grid (every alpha x load factor) and the shift scenario (SHIFT_ALPHA), for
+    each of CACHE_POLICIES: one row per point."""
     cards = [min(c, sim_rows) for c in CRITEO_KAGGLE_CARDINALITIES]
     total = sum(cards)
     print(f"hit-ratio simulation: {total:,} rows in 26 tables, batch {batch}, "
-          f"{warmup} warm-up + {batches} measured batches per point", flush=True)
+          f"{warmup} warm-up + {batches} measured batches per point; LFU ages every "
+          f"{LFU_DECAY_PER_ROW} x {total:,} ids", flush=True)
     table = torch.zeros((total, 4), dtype=torch.uint8)   # payload is irrelevant here
     offsets = torch.tensor([0] + cards[:-1]).cumsum(0).unsqueeze(1)
     out = []
-    for alpha in ALPHAS:
-        zipf = ZipfIds(cards, alpha, seed=3)
-        traffic = [(zipf.sample(batch) + offsets).reshape(-1) for _ in range(warmup + batches)]
-        for lf in LOAD_FACTORS:
-            cap = capacity_for(total, 4, load_factor=lf, cache_bytes=None)
-            ideal = zipf.ideal_hit_ratio(cap)
-            for policy in ("lru", "lfu"):
-                cache = EmbeddingCache(table, cap, policy, "cpu")
-                for i, g in enumerate(traffic):
-                    if i == warmup:
-                        h0, l0 = cache.counters.hits, cache.counters.lookups
-                    rows, counts = torch.unique(g, return_counts=True)
-                    cache.lookup(rows, counts)
-                c = cache.counters
-                hr = (c.hits - h0) / (c.lookups - l0)
-                out.append({"load_factor": lf, "alpha": alpha, "policy": policy,
-                            "hit_ratio": hr, "ideal": ideal, "capacity": cap,
-                            "evictions": c.evictions})
-                print(f"  lf {lf:<4} alpha {alpha:<4} {policy}: hit {hr:.3f}  ideal {ideal:.3f}",
-                      flush=True)
+    for scenario, alphas in (("static", ALPHAS), ("shift", (SHIFT_ALPHA,))):
+        for alpha in alphas:
+            before = ZipfIds(cards, alpha, seed=3)
+            after = ZipfIds(cards, alpha, seed=4) if scenario == "shift" else before
+            traffic = [(before.sample(batch) + offsets).reshape(-1) for _ in range(warmup)]
+            traffic += [(after.sample(batch) + offsets).reshape(-1) for _ in range(batches)]
+            for lf in LOAD_FACTORS:
+                cap = capacity_for(total, 4, load_factor=lf, cache_bytes=None)
+                ideal = after.ideal_hit_ratio(cap)
+                for name, policy, decay in CACHE_POLICIES:
+                    out.append(_replay(EmbeddingCache(table, cap, policy, "cpu",
+                                                      lfu_decay_every=decay),
+                                       traffic, warmup)
+                               | {"scenario": scenario, "load_factor": lf, "alpha": alpha,
+                                  "policy": name, "ideal": ideal, "capacity": cap})
+                    print(f"  {scenario:<6} lf {lf:<4} alpha {alpha:<4} {name:<13}: hit "
+                          f"{out[-1]['hit_ratio']:.3f}  ideal {ideal:.3f}", flush=True)
     return out
+
+
+def _replay(cache: EmbeddingCache, traffic: list[torch.Tensor], warmup: int) -> dict[str, Any]:
+    """Feed the batches of global ids; the hit ratio over those after ``warmup``."""
+    h0 = l0 = 0
+    for i, g in enumerate(traffic):
+        if i == warmup:
+            h0, l0 = cache.counters.hits, cache.counters.lookups
+        rows, counts = torch.unique(g, return_counts=True)
+        cache.lookup(rows, counts, n_ids=g.numel())
+    c = cache.counters
+    return {"hit_ratio": (c.hits - h0) / (c.lookups - l0), "evictions": c.evictions,
+            "lfu_decays": c.lfu_decays}
+
+
+def _print_hit_ratios(hr: list[dict]) -> None:
+    names = [n for n, _, _ in CACHE_POLICIES]
+    shown = {"lru": "LRU", "lfu": "LFU (aging)", "lfu, no aging": "LFU, no aging"}
+    for scenario, title in (("static", "static Zipf"),
+                            ("shift", f"hot set moved (alpha {SHIFT_ALPHA})")):
+        print(f"\nhit ratio, {title}\n| load factor | alpha | "
+              + " | ".join(shown.get(n, n) for n in names)
+              + " | ideal |\n|---:|---:|" + "---:|" * (len(names) + 1))
+        for lf in LOAD_FACTORS:
+            for a in ALPHAS:
+                pts = {r["policy"]: r for r in hr if r["scenario"] == scenario
+                       and r["load_factor"] == lf and r["alpha"] == a}
+                if pts:
+                    print(f"| {lf} | {a} | " + " | ".join(f"{pts[n]['hit_ratio']:.3f}" for n in names)
+                          + f" | {pts[names[0]]['ideal']:.3f} |")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -229,12 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in levers:
         print(f"| {r['lever']} ({r['threads']} thr) | {r['samples_per_s']:,.0f} | "
               f"{r['max_abs_diff']:.1e} | {r['auc_delta']:+.1e} |")
-    print("\n| load factor | alpha | LRU | LFU | ideal |\n|---:|---:|---:|---:|---:|")
-    for lf in LOAD_FACTORS:
-        for a in ALPHAS:
-            pts = {r["policy"]: r for r in hr if r["load_factor"] == lf and r["alpha"] == a}
-            print(f"| {lf} | {a} | {pts['lru']['hit_ratio']:.3f} | {pts['lfu']['hit_ratio']:.3f} "
-                  f"| {pts['lru']['ideal']:.3f} |")
+    _print_hit_ratios(hr)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -9,13 +9,16 @@ this benchmark. This module alone needs only ``torch``.
 
 1. Exactness: the ``tiny`` int8 artifact and the CPU runtime's probabilities carried in
    ``bench/gpu_fixture/`` (``python -m bench.make_gpu_fixture``), served on the GPU without
-   a cache, through the cache (LRU and LFU, 1 slot and 20%) and as CUDA graphs.
+   a cache, through the cache (LRU and LFU, 1 slot and 20%; LFU also with its counts
+   halved every 100 ids and batches split into forwards of 16) and as CUDA graphs.
 2. Scale: random int8 tables at ``criteo-kaggle`` size (33.8M rows x 64) quantized on the
    GPU with ``quantize_rows_reference`` in chunks, random fp32 MLPs.
 3. Throughput at batch 1, 64, 512, 4096, 32768 with every row on the device and with the
    cache (load factor 0.2, LRU), on fresh Zipf(1.05) one-hot traffic (never replayed, so
    the cache cannot memorise the benchmark), after a warm-up; the cache's hit ratio beside
-   the ideal static top-k ratio.
+   the ideal static top-k ratio, and its page-locked host bytes (= the table's bytes).
+   The runtimes keep the default ``max_forward_instances`` (8192), as served: batch 32768
+   runs as 4 forwards (``forwards_per_batch``).
 4. Batch-1 p50/p99 latency of the whole ``predict`` call (CPU tensors in, CPU out): eager
    without cache, CUDA-graph replay without cache, and eager with the cache.
 
@@ -138,6 +141,9 @@ def check_exactness(device: str, fixture: Path, mapped: bool = False) -> list[di
         "cache lfu 20%": RuntimeConfig(device=device, cache_load_factor=0.2,
                                        cache_policy="lfu", cache_on_cpu=True),
         "cache lru 1 slot": RuntimeConfig(device=device, cache_bytes=rb, cache_on_cpu=True),
+        "cache lfu 20%, aging every 100 ids, 16 per forward": RuntimeConfig(
+            device=device, cache_load_factor=0.2, cache_policy="lfu", cache_on_cpu=True,
+            lfu_decay_every=100, max_forward_instances=16),
     }
     if on_cuda:
         configs["cuda graphs"] = RuntimeConfig(device=device, cache_load_factor=1.0,
@@ -337,16 +343,19 @@ def _throughput_phase(rts: _Runtimes, zipf: ZipfTraffic, batch_sizes: list[int],
         s_cache = _throughput(rts.cached, batches)
         after = rts.cached.stats()
         hr = (after.hits - before.hits) / max(1, after.lookups - before.lookups)
+        cap = rts.full.config.max_forward_instances
         row = {"batch": b, "all_on_device_samples_per_s": s_full,
                "cache_samples_per_s": s_cache, "cache_vs_all": s_cache / s_full,
-               "hit_ratio": hr}
+               "hit_ratio": hr, "forwards_per_batch": 1 if cap is None else -(-b // cap)}
         if rts.cached_mapped is not None:
             row["cache_mapped_samples_per_s"] = _throughput(rts.cached_mapped, batches)
         tp.append(row)
         print(f"    batch {b:>6}: all-on-device {s_full:>13,.0f}/s  cache {s_cache:>13,.0f}/s "
               f"({s_cache / s_full:.0%})  hit ratio {hr:.3f}"
               + (f"  mapped-miss cache {row['cache_mapped_samples_per_s']:>13,.0f}/s"
-                 if rts.cached_mapped is not None else ""), flush=True)
+                 if rts.cached_mapped is not None else "")
+              + (f"  ({row['forwards_per_batch']} forwards per batch)"
+                 if row["forwards_per_batch"] > 1 else ""), flush=True)
     return tp
 
 
@@ -387,7 +396,8 @@ def _print_summary(result: dict[str, Any], out: Path) -> None:
     c = result["cache"]
     print(f"\ncache: {c['capacity']:,} slots, hit ratio {c['hit_ratio_overall']:.3f} since load "
           f"(ideal static top-k {c['ideal_hit_ratio']:.3f}), device {c['device_bytes'] / 2**30:.2f} "
-          f"GiB, host {c['host_bytes'] / 2**30:.2f} GiB")
+          f"GiB, host {c['host_bytes'] / 2**30:.2f} GiB, of which page-locked "
+          f"{c['pinned_bytes'] / 2**30:.2f} GiB")
     lat = result["latency_batch1"]
     print("\n| batch-1 predict | p50 ms | p99 ms |\n|---|---:|---:|")
     for name, v in lat.items():
@@ -430,10 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(x) for x in args.batches.split(",") if x.strip()]
     result["throughput"] = _throughput_phase(rts, zipf, batch_sizes, samples_per_size)
     st = rts.cached.stats()
+    cache = rts.cached.cache
     result["cache"] = {"load_factor": 0.2, "alpha": 1.05, "capacity": rts.capacity,
                        "hit_ratio_overall": st.hit_ratio,
                        "ideal_hit_ratio": zipf.ideal_hit_ratio(rts.capacity),
                        "device_bytes": st.device_bytes, "host_bytes": st.host_bytes,
+                       "pinned_bytes": cache.pinned_bytes if cache is not None else 0,
                        "evictions": st.evictions}
     result["latency_batch1"] = _latency_phase(rts, zipf, samples_per_size, result)
     result["wall_s"] = time.perf_counter() - t_start

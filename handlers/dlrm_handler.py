@@ -62,19 +62,20 @@ from serve.api.protocol import (
     MergedBatch,
     Outcome,
     Split,
-    default_num_threads,
     encode_error,
     handle_batch,
 )
 from serve.constants import ARTIFACT_NAME
+from serve.cpu import choose_threads
 from serve.errors import ServeError
 from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER, ControlWatcher, takes_candidate
 from serve.state import parse_serving_version
 
 try:  # the sidecar engineer's module; the handler works without it
-    from serve.metrics import HandlerMetrics
+    from serve.metrics import HandlerMetrics, clean_dead_worker_files
 except ImportError:  # pragma: no cover - only before serve/metrics.py exists
     HandlerMetrics = None  # type: ignore[assignment,misc]
+    clean_dead_worker_files = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,12 @@ class DLRMHandler(BaseHandler):
         else:
             self.device = torch.device("cpu")
         workers = int(yaml_cfg.get("maxWorkers") or yaml_cfg.get("minWorkers") or 1)
-        threads = self.cfg.num_threads or default_num_threads(workers)
+        # handler.num_threads, else OMP_NUM_THREADS, else the pod's CPU budget (cgroup
+        # quota, not the node's cores) / workers: serve.cpu.choose_threads.
+        choice = choose_threads(workers, self.cfg.num_threads)
+        threads = choice.threads
+        logger.log(logging.WARNING if choice.oversubscribed else logging.INFO,
+                   "threads: %s", choice.describe())
         torch.set_num_threads(threads)
         try:  # inter-op threads only matter for forks in the graph; one is enough
             torch.set_num_interop_threads(1)
@@ -131,7 +137,7 @@ class DLRMHandler(BaseHandler):
         runtime_cfg = RuntimeConfig(
             device=str(self.device), cache_load_factor=self.cfg.cache_load_factor,
             cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
-            num_threads=threads)
+            num_threads=threads, max_forward_instances=self.cfg.max_forward_instances)
         self.runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg)
         rollout = self.cfg.rollout
         if rollout is not None:
@@ -148,6 +154,7 @@ class DLRMHandler(BaseHandler):
                         rollout.candidate_artifact, rollout.control_file, control.mode,
                         control.weight)
         if HandlerMetrics is not None:
+            _clean_metric_files()
             self.metrics = HandlerMetrics()
         self._last_stages = self._stage_seconds()
         # Everything allocated so far (torch, the model) lives as long as the worker: move
@@ -284,6 +291,19 @@ class DLRMHandler(BaseHandler):
                 self.metrics.observe_shadow_diff(self.candidate_version, info["shadow_diff"])
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording the per-arm DLRM metrics failed")
+
+
+def _clean_metric_files() -> None:
+    """Before this worker's metrics start: fold the prometheus_client files of dead
+    workers in PROMETHEUS_MULTIPROC_DIR (serve.metrics.clean_dead_worker_files), so they
+    do not pile up in the pod's 64 MiB tmpfs. Never fails the worker: logged."""
+    mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not mp_dir or clean_dead_worker_files is None:
+        return
+    try:
+        logger.info("metric files: %s", clean_dead_worker_files(mp_dir).describe())
+    except Exception:  # metrics must never keep a worker from serving
+        logger.exception("cleaning dead workers' metric files in %s failed", mp_dir)
 
 
 def model_version(manifest: dict | None) -> str:

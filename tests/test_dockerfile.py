@@ -102,6 +102,13 @@ def test_python_matches_the_venv():
     assert m and (int(m[1]), int(m[2])) == sys.version_info[:2]
 
 
+def test_thread_count_is_left_to_the_cpu_quota():
+    """OMP_NUM_THREADS in the image would override serve/cpu.py's quota rule for every
+    model (tests/test_k8s.py checks the manifests the same way)."""
+    envs = " ".join(arg for op, arg in instructions() if op == "ENV")
+    assert "OMP_NUM_THREADS" not in envs
+
+
 def test_runs_as_the_fixed_non_root_uid():
     users = [arg for op, arg in instructions() if op == "USER"]
     assert users and users[-1].split(":")[0] == str(UID)

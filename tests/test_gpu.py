@@ -2,9 +2,14 @@
 
 The paths (serve/runtime/cache.py, serve/runtime/engine.py):
 
-* the host miss path's pinned staging buffer (host gather, one async copy, reuse);
-* the mapped miss path (``cache_miss_path="mapped"``: the GPU reads the pinned table);
-* CUDA-graph capture and replay of a whole predict, without and with the cache;
+* the host table page-locked in place (``cudaHostRegister``: exactly its bytes, not
+  through PyTorch's power-of-two caching host allocator) and unregistered on close;
+* the host miss path's two small pinned staging buffers (host gather in chunks, async
+  copies, reuse only after the previous copy out of a buffer is done);
+* the mapped miss path (``cache_miss_path="mapped"``: the GPU reads the registered table);
+* LFU counts and their aging on the device;
+* CUDA-graph capture and replay of a whole predict at several batch sizes, without and
+  with the cache, and a batch split by ``max_forward_instances``;
 * all of it on ``cuda:1`` when there are two devices (streams, events and graphs are
   per device: a runtime there must not lean on the current device, cuda:0).
 
@@ -43,7 +48,7 @@ import torch
 
 from serve.errors import ConfigError
 from serve.runtime.artifact import Artifact, dequantize_rows, load_artifact, row_bytes
-from serve.runtime.cache import EmbeddingCache, host_mapped_view
+from serve.runtime.cache import EmbeddingCache, host_mapped_view, page_exclusive_empty
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,8 +122,20 @@ def _sparse(bt: dict[str, torch.Tensor]) -> SparseBatch:
 
 
 def _random_table(rows: int, row_bytes_: int, seed: int) -> torch.Tensor:
+    """Random bytes in memory of its own pages (as the runtime allocates host tables), so
+    a CUDA cache page-locks it in place."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, row_bytes_), dtype=torch.uint8, generator=g)
+    out = page_exclusive_empty(rows, row_bytes_)
+    out.copy_(torch.randint(0, 256, (rows, row_bytes_), dtype=torch.uint8, generator=g))
+    return out
+
+
+def _host_allocator_bytes() -> int | None:
+    """Bytes PyTorch's caching host allocator holds (None where this torch has no stats)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    return int(stats().get("allocated_bytes.current", 0))
 
 
 def _zipf_rows(n_rows: int, draws: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,11 +165,13 @@ def _same_state(a: EmbeddingCache, b: EmbeddingCache) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_miss_path_is_exact_through_its_staging_buffer(device):
-    """Batches of growing and shrinking miss counts (the 40k-id batch has ~6300 distinct
-    rows, so its misses outgrow the first 4096-row pinned buffer): every row exact, and
-    on CUDA the same admissions, evictions and counters as the same cache on CPU."""
+    """Batches of growing and shrinking miss counts through staging buffers of 1000 rows
+    (the 40k-id batch has ~6300 distinct rows: 7 chunks, alternating buffers): every row
+    exact, and on CUDA the same admissions, evictions and counters as the same cache on
+    CPU, with the two pinned buffers never grown."""
     table = _random_table(20_000, 20, seed=0)
-    cache = EmbeddingCache(table, capacity=64, policy="lru", device=device, miss_path="host")
+    cache = EmbeddingCache(table, capacity=64, policy="lru", device=device, miss_path="host",
+                           staging_bytes=20 * 1000)
     ref = EmbeddingCache(table, capacity=64, policy="lru", device="cpu")
     g = torch.Generator().manual_seed(1)
     for draws in (3, 300, 4096, 9000, 50, 40_000, 200):
@@ -166,8 +185,10 @@ def test_host_miss_path_is_exact_through_its_staging_buffer(device):
     if cache.device.type == "cuda":
         _same_state(cache, ref)
         assert cache.host_table.is_pinned()
-        assert cache._staging is not None and cache._staging.is_pinned()
-        assert cache._staging.shape[0] > 4096   # it grew past the first allocation
+        assert len(cache._staging) == 2
+        assert all(b.is_pinned() and b.shape == (1000, 20) for b in cache._staging)
+    else:
+        assert cache._staging == []             # CPU: host memory is device memory
 
 
 @pytest.mark.parametrize("device", CUDA_DEVICES)
@@ -187,6 +208,85 @@ def test_host_miss_path_waits_before_reusing_its_staging_buffer(device):
     for rows, out in outs:
         assert out.device == cache.device
         assert torch.equal(out.cpu(), table[rows])
+
+
+# -- the host table: page-locked in place, exactly its size ----------------------------
+
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_host_table_is_page_locked_in_place(device):
+    """A pageable table of 3,000,001 x 20 bytes (60 MB, not a power of two): the cache
+    registers that memory itself (same pointer, no copy), page-locks exactly its bytes and
+    nothing through PyTorch's caching host allocator; two caches share one registration;
+    the last close unregisters it. Lookups through both miss paths stay exact."""
+    table = _random_table(3_000_001, 20, seed=8)
+    assert not table.is_pinned()
+    torch.cuda.init()
+    before = _host_allocator_bytes()
+    mapped = EmbeddingCache(table, capacity=256, policy="lru", device=device, miss_path="mapped")
+    assert mapped.host_table.data_ptr() == table.data_ptr()          # in place
+    assert table.is_pinned() and mapped.pinned_bytes == table.numel() == 60_000_020
+    if before is not None:
+        assert _host_allocator_bytes() == before                     # not the caching allocator
+    host = EmbeddingCache(table, capacity=256, policy="lru", device=device, miss_path="host")
+    assert host.pinned_bytes == table.numel()                        # one shared registration
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        rows, counts = _zipf_rows(3_000_001, 5000, g)
+        rd = rows.to(mapped.device)
+        assert torch.equal(mapped.lookup(rd, counts.to(rd.device)).cpu(), table[rows])
+        assert torch.equal(host.lookup(rd, counts.to(rd.device)).cpu(), table[rows])
+    if before is not None:   # the host path's two staging buffers: small, fixed
+        assert _host_allocator_bytes() - before <= 2 * 2 * (4 << 20)
+    mapped.close()
+    assert table.is_pinned() and host.pinned_bytes == table.numel()  # host still uses it
+    rows = torch.tensor([0, 3_000_000, 17])
+    assert torch.equal(host.lookup(rows.to(host.device)).cpu(), table[rows])
+    host.close()
+    assert not table.is_pinned() and host.pinned_bytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        mapped.lookup(rows.to(host.device))
+
+
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_runtime_pins_exactly_its_table(art, batches, cpu_ref, device):
+    """A cached runtime: the host table is page-locked at exactly the artifact's table
+    bytes (no pinned copy rounded to a power of two, no pageable copy kept), answers as
+    the CPU does through the mapped miss path, and ``close`` unregisters it."""
+    torch.cuda.init()
+    before = _host_allocator_bytes()
+    rt = Runtime.from_artifact(art, RuntimeConfig(device=device, cache_load_factor=0.2,
+                                                  cache_miss_path="mapped"))
+    assert rt.cache is not None and rt.cache.miss_path == "mapped"
+    table = rt.cache.host_table
+    assert table.is_pinned() and rt.cache.pinned_bytes == art.table_bytes == rt.stats().host_bytes
+    if before is not None:
+        assert _host_allocator_bytes() == before
+    for bt, ref in zip(batches, cpu_ref):
+        _assert_close_to_cpu(rt.predict(bt["dense"], _sparse(bt)), ref["p"], device, PROB_TOL)
+    rt.close()
+    assert not table.is_pinned() and rt.cache.pinned_bytes == 0
+
+
+# -- LFU on the device -------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lfu_counts_and_aging_match_cpu(device):
+    """LFU with its counts halved every 500 ids (about every other batch): the same
+    counts, residents, counters and bytes on the device as on CPU."""
+    table = _random_table(5000, 20, seed=10)
+    cache = EmbeddingCache(table, capacity=128, policy="lfu", device=device,
+                           lfu_decay_every=500)
+    ref = EmbeddingCache(table, capacity=128, policy="lfu", device="cpu", lfu_decay_every=500)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        rows, counts = _zipf_rows(5000, 300, g)
+        got = cache.lookup(rows.to(cache.device), counts.to(cache.device))
+        assert torch.equal(got.cpu(), table[rows])
+        ref.lookup(rows, counts)
+    assert cache.row_freq is not None and ref.row_freq is not None
+    assert torch.equal(cache.row_freq.cpu(), ref.row_freq)
+    _same_state(cache, ref)
+    assert cache.counters.lfu_decays == 20 * 300 // 500
 
 
 # -- the mapped miss path ---------------------------------------------------------------
@@ -318,7 +418,7 @@ def test_cuda_graph_capture_and_replay_match_cpu(art, device, config):
     rt = Runtime.from_artifact(art, RuntimeConfig(device=device, cuda_graphs=True,
                                                   **GRAPH_CONFIGS[config]))
     ref = Runtime.from_artifact(art, RuntimeConfig(cache_load_factor=1.0))
-    for b in (1, 64):
+    for b in (1, 7, 64):
         if rt.cache is not None:
             assert rt.cache.static_ok(F * b)
         for seed in range(3):
@@ -333,26 +433,46 @@ def test_cuda_graph_capture_and_replay_match_cpu(art, device, config):
                 assert mid.lookups - before.lookups == F * b
                 assert (after.lookups - mid.lookups, after.hits - mid.hits) == (F * b, F * b)
     if rt.device.type == "cuda":
-        assert sorted(rt._graphs) == [1, 64]
+        assert sorted(rt._graphs) == [1, 7, 64]
         multi = SparseBatch(torch.arange(2 * F), torch.full((F, 1), 2, dtype=torch.int32))
         dense = torch.randn(1, 13)
         _assert_close_to_cpu(rt.predict(dense, multi), ref.predict(dense, multi), device,
                              PROB_TOL)   # multi-hot: eager, no new graph
-        assert sorted(rt._graphs) == [1, 64]
+        assert sorted(rt._graphs) == [1, 7, 64]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_cap_splits_a_batch_on_the_device(art, device):
+    """A batch of 3 x 64 + 5 one-hot samples through a runtime capped at 64 per forward:
+    four forwards (on CUDA three replays of the batch-64 graph and one batch-5 capture,
+    with the cache's fixed-shape step), the probabilities of the CPU runtime split alike
+    (on CPU chunks and one forward can differ by an ulp: tests/test_runtime.py)."""
+    rt = Runtime.from_artifact(art, RuntimeConfig(
+        device=device, cuda_graphs=True, max_forward_instances=64, cache_load_factor=0.4,
+        cache_miss_path="mapped", cache_on_cpu=True))
+    ref = Runtime.from_artifact(art, RuntimeConfig(cache_load_factor=1.0,
+                                                   max_forward_instances=64))
+    dense, sparse = _one_hot(3 * 64 + 5, seed=12)
+    _assert_close_to_cpu(rt.predict(dense, sparse), ref.predict(dense, sparse), device, PROB_TOL)
+    st = rt.stats()
+    assert (st.forwards, st.samples, st.lookups) == (4, 3 * 64 + 5, F * (3 * 64 + 5))
+    if rt.device.type == "cuda":
+        assert sorted(rt._graphs) == [5, 64]
 
 
 # -- a second device --------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", _on("cuda:1"))
 def test_runtime_on_cuda1_leaves_cuda0_alone(art, batches, cpu_ref, device):
-    """With cuda:0 current, runtimes on cuda:1 (host and mapped misses, CUDA graphs) keep
-    every tensor there, allocate nothing on cuda:0, leave the current device as it was,
-    and answer as the CPU does."""
+    """With cuda:0 current, runtimes on cuda:1 (host and mapped misses, CUDA graphs, a
+    batch split by the forward cap) keep every tensor there, allocate nothing on cuda:0,
+    leave the current device as it was, and answer as the CPU does."""
     torch.cuda.set_device(0)
     gc.collect()
     torch.cuda.synchronize(0)
     before = torch.cuda.memory_allocated(0)
-    host = Runtime.from_artifact(art, RuntimeConfig(device=device, cache_load_factor=0.2))
+    host = Runtime.from_artifact(art, RuntimeConfig(device=device, cache_load_factor=0.2,
+                                                    max_forward_instances=16))
     graphs = Runtime.from_artifact(art, RuntimeConfig(
         device=device, cache_load_factor=0.4, cache_miss_path="mapped", cuda_graphs=True))
     for rt in (host, graphs):
@@ -362,6 +482,9 @@ def test_runtime_on_cuda1_leaves_cuda0_alone(art, batches, cpu_ref, device):
             got = rt.predict(bt["dense"], _sparse(bt))
             _assert_close_to_cpu(got, ref["p"], device, PROB_TOL)
     assert sorted(graphs._graphs) == [1, 64]     # the one-hot fixture batches
+    assert host.stats().forwards > len(batches)   # the batches of 64 and 256 were split
+    for rt in (host, graphs):
+        rt.close()
     assert torch.cuda.current_device() == 0
     torch.cuda.synchronize(1)
     assert torch.cuda.memory_allocated(0) == before

@@ -398,6 +398,17 @@ def test_resources_requests_equal_limits_and_gpu_only_in_limits(docs):
     assert "nvidia.com/gpu" not in container(docs, "sidecar")["resources"]["limits"]
 
 
+def test_worker_threads_follow_the_cpu_limit(docs, cpu_docs):
+    """The workers size their torch threads from the container's CPU quota / workers
+    (serve/cpu.py). OMP_NUM_THREADS would override that for every model, so the manifest
+    leaves it unset; limits.cpu is whole CPUs (a fractional quota is rounded up)."""
+    for variant in (docs, cpu_docs):
+        ts = container(variant, "torchserve")
+        assert "OMP_NUM_THREADS" not in {e["name"] for e in ts.get("env", [])}
+        cpu = str(ts["resources"]["limits"]["cpu"])
+        assert re.fullmatch(r"[1-9]\d*", cpu), f"limits.cpu {cpu!r}: use whole CPUs"
+
+
 def test_every_container_is_hardened(docs):
     spec = pod_spec(docs)
     psc = spec["securityContext"]
@@ -540,10 +551,19 @@ def test_graceful_shutdown_budget(docs):
     spec = pod_spec(docs)
     mar_timeout = inspect.signature(build_mar).parameters["response_timeout_s"].default
     response_timeout = max(int(pod_properties(docs)["default_response_timeout"]), mar_timeout)
+    from serve.ops.drain import main as drain_main  # noqa: F401 - the preStop's module exists
+
     for c in spec["containers"]:
         cmd = c["lifecycle"]["preStop"]["exec"]["command"]
-        assert cmd[0] == "sleep"
-        assert spec["terminationGracePeriodSeconds"] >= int(cmd[1]) + response_timeout
+        assert cmd[:3] == ["python", "-m", "serve.ops.drain"], cmd
+        settle = float(cmd[cmd.index("--settle-s") + 1])
+        drain = float(cmd[cmd.index("--timeout-s") + 1])
+        # the drain outlasts the longest response, and the grace period the drain + the stop
+        assert drain >= response_timeout
+        assert spec["terminationGracePeriodSeconds"] >= settle + drain + 15
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["DLRM_SIDECAR_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
+            "dlrm-sidecar-token"
     assert "--foreground" in container(docs, "torchserve")["args"]
 
 

@@ -18,7 +18,8 @@ POD_PACKAGES = ("serve/runtime", "serve/api", "serve/sidecar", "handlers")
 FORBIDDEN = ("serve.model", "torchrec", "fbgemm_gpu")
 # Shared ground at the top of serve/ is imported by every layer, so it obeys the rule too.
 SHARED = ("serve/errors.py", "serve/profiles.py", "serve/metrics.py", "serve/constants.py",
-          "serve/net.py", "serve/zipf.py", "serve/clilog.py", "serve/routing.py")
+          "serve/net.py", "serve/zipf.py", "serve/clilog.py", "serve/routing.py",
+          "serve/cpu.py")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -71,7 +72,7 @@ def test_importing_the_pod_modules_loads_no_build_code() -> None:
     code = (
         "import sys\n"
         "import serve.runtime.engine, serve.runtime.cache, serve.api.protocol\n"
-        "import serve.sidecar.app, serve.metrics, serve.routing\n"
+        "import serve.sidecar.app, serve.metrics, serve.routing, serve.cpu\n"
         f"bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
         f"for f in {FORBIDDEN!r}))\n"
         "print(bad)\n"

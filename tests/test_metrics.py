@@ -22,6 +22,7 @@ from serve.metrics import (
     HandlerMetrics,
     SidecarMetrics,
     cache_hit_ratio_family,
+    clean_dead_worker_files,
     torchserve_families,
     workers_family,
 )
@@ -449,3 +450,128 @@ def test_observe_many_in_multiprocess_mode_equals_observe(tmp_path):
             assert bulk[k] == loop[k], k
     assert bulk[("dlrm_arm_score_count", (("arm", "candidate"), ("version", "v2")))] == 3000
     assert bulk[("dlrm_arm_errors_total", (("arm", "candidate"), ("version", "v2")))] == 1
+
+
+# ------------------------------------------------- dead workers' files (clean at worker start)
+
+_GAUGES = ("dlrm_cache_device_bytes", "dlrm_cache_host_bytes")
+
+
+def _exposed(mp_dir: Path) -> dict[tuple[str, tuple], float]:
+    """What the sidecar would expose from ``mp_dir`` (summed over the files)."""
+    reg = CollectorRegistry()
+    reg.register(HandlerAggregateCollector(mp_dir))
+    return samples(generate_latest(reg).decode())
+
+
+def _db_files(mp_dir: Path) -> set[str]:
+    return {p.name for p in mp_dir.glob("*.db")}
+
+
+def _assert_same_sums(before: dict, after: dict, skip: tuple[str, ...] = _GAUGES) -> None:
+    """Every counter/histogram series equal: exactly, or to rounding for float ``_sum``s."""
+    kept = {k: v for k, v in before.items() if k[0] not in skip}
+    assert kept.keys() == {k for k in after if k[0] not in skip}
+    for k, v in kept.items():
+        if k[0].endswith("_sum") or k[0] == "dlrm_cache_hit_ratio":
+            assert after[k] == pytest.approx(v, rel=1e-12), k
+        else:
+            assert after[k] == v, k
+
+
+def test_dead_workers_files_are_merged_and_the_sums_never_go_back(tmp_path):
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    pid3, pid5 = sorted(_run_workers(mp_dir, [3, 5]))  # both have exited
+    assert len(_db_files(mp_dir)) == 6  # counter, histogram, gauge_livesum per worker
+    before = _exposed(mp_dir)
+    assert before[("dlrm_cache_device_bytes", ())] == 800
+
+    report = clean_dead_worker_files(mp_dir)
+    assert report.dead_pids == (pid3, pid5)
+    assert sorted(report.gauges_removed) == sorted(f"gauge_livesum_{p}.db" for p in (pid3, pid5))
+    assert sorted(report.merged) == sorted(f"{t}_{p}.db" for t in ("counter", "histogram")
+                                           for p in (pid3, pid5))
+    assert (report.files_before, report.files_after) == (6, 2)
+    assert _db_files(mp_dir) == {"counter_merged.db", "histogram_merged.db"}
+    assert report.describe() == (f"2 dead workers (pids {pid3}, {pid5}): 2 live-gauge files "
+                                 "removed, 4 counter/histogram files merged; 6 -> 2 files")
+    after = _exposed(mp_dir)
+    _assert_same_sums(before, after)
+    # live gauges are the sum over LIVE workers: the dead ones' values are gone
+    assert not any(k[0] in _GAUGES for k in after)
+
+    # More workers come and go: the merged file accumulates, the file count stays bounded.
+    for ks in ([2, 4], [6], [1, 1, 1]):
+        _run_workers(mp_dir, ks)
+        before = _exposed(mp_dir)
+        report = clean_dead_worker_files(mp_dir)
+        assert len(report.dead_pids) == len(ks)
+        assert _db_files(mp_dir) == {"counter_merged.db", "histogram_merged.db"}
+        _assert_same_sums(before, _exposed(mp_dir))
+    got = _exposed(mp_dir)
+    ks = [3, 5, 2, 4, 6, 1, 1, 1]
+    assert got[("dlrm_requests_total", (("code", "200"),))] == sum(ks)
+    assert got[("dlrm_requests_total", (("code", "413"),))] == len(ks)
+    assert got[("dlrm_instances_total", ())] == 10 * sum(ks)
+    assert got[("dlrm_request_duration_seconds_count", ())] == sum(ks) + len(ks)
+    assert got[("dlrm_cache_hits_total", ())] == 2 * sum(ks)
+    assert got[("dlrm_cache_misses_total", ())] == 2 * len(ks)
+    assert got[("dlrm_stage_duration_seconds_count", (("stage", "dense"),))] == len(ks)
+
+    # Nothing dead: nothing changes.
+    again = clean_dead_worker_files(mp_dir)
+    assert again.dead_pids == () and again.merged == () and again.files_after == 2
+    assert again.describe() == "no dead workers' files; 2 files"
+    _assert_same_sums(got, _exposed(mp_dir))
+
+
+def test_live_workers_and_this_process_keep_their_files(tmp_path):
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    pid3, pid5 = sorted(_run_workers(mp_dir, [3, 5]))
+    before = _exposed(mp_dir)
+    # pid5 is "alive" (injected), pid3 dead
+    report = clean_dead_worker_files(mp_dir, is_alive=lambda pid: pid == pid5)
+    assert report.dead_pids == (pid3,)
+    assert _db_files(mp_dir) == {"counter_merged.db", "histogram_merged.db",
+                                 f"counter_{pid5}.db", f"histogram_{pid5}.db",
+                                 f"gauge_livesum_{pid5}.db"}
+    after = _exposed(mp_dir)
+    _assert_same_sums(before, after)
+    assert after[("dlrm_cache_device_bytes", ())] == 500  # the live worker's gauge stays
+    # a worker never takes itself for dead (own_pid), whatever is_alive says
+    report = clean_dead_worker_files(mp_dir, is_alive=lambda pid: False, own_pid=pid5)
+    assert report.dead_pids == ()
+    assert f"counter_{pid5}.db" in _db_files(mp_dir)
+
+
+def test_cleaning_a_missing_directory_does_nothing(tmp_path):
+    report = clean_dead_worker_files(tmp_path / "absent")
+    assert report.dead_pids == () and report.files_after == 0
+    assert not (tmp_path / "absent").exists()
+
+
+_CLEANER = textwrap.dedent("""
+    import sys
+    from serve.metrics import clean_dead_worker_files
+    print(len(clean_dead_worker_files(sys.argv[1]).merged))
+""")
+
+
+def test_workers_starting_together_merge_each_file_once(tmp_path):
+    """Workers start (and clean) concurrently: the lock file serializes them."""
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    _run_workers(mp_dir, [3, 5, 7])
+    before = _exposed(mp_dir)
+    procs = [subprocess.Popen([sys.executable, "-c", _CLEANER, str(mp_dir)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    merged = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        merged.append(int(out))
+    assert sorted(merged) == [0, 0, 0, 6]  # one of them merged all, the others found none
+    assert _db_files(mp_dir) == {"counter_merged.db", "histogram_merged.db"}
+    _assert_same_sums(before, _exposed(mp_dir))

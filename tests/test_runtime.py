@@ -235,8 +235,9 @@ def test_gpu_check_fixture_matches_the_cpu_runtime():
     from bench import gpu_check
 
     rows = gpu_check.check_exactness("cpu", Path("bench/gpu_fixture"))
-    assert [r["config"] for r in rows] == ["no cache", "cache lru 20%", "cache lfu 20%",
-                                           "cache lru 1 slot"]
+    assert [r["config"] for r in rows] == [
+        "no cache", "cache lru 20%", "cache lfu 20%", "cache lru 1 slot",
+        "cache lfu 20%, aging every 100 ids, 16 per forward"]
     # A tolerance, not torch.equal: the carried probabilities were computed on the machine
     # that made the fixture (another MKL kernel/thread split), so even "no cache" differs
     # by an ulp here; cached vs uncached in one process is pinned exactly above.
@@ -360,3 +361,111 @@ def test_cached_graph_body_matches_predict_on_cpu(tiny_models):
             assert torch.equal(out, plain.predict(dense, sparse)), step
     st = rt.stats()
     assert st.lookups == 5 * 8 * F and st.hits > 0
+
+
+# -- forward cap: a large batch in chunks --------------------------------------------------
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+@pytest.mark.parametrize("cap", [3, 100, 512])
+def test_forward_cap_gives_the_predictions_of_one_forward(tiny_models, cap, multi_hot):
+    """B = 3 x cap + 5 samples through a runtime capped at ``cap`` per forward: the
+    probabilities of one uncapped forward, within EXACT_TOL, not bit for bit. Each
+    sample's arithmetic is the same, but MKL picks its GEMM blocking and its split over
+    threads by the batch height, which can change a dot product's summation order.
+    Measured on this CPU (AVX-512) with this model: with 2 threads, at any cap (16..8192,
+    the default 8192 included) typically 1 sample of 1.5k-25k differs, by at most 2e-7;
+    with 1 thread, caps that are multiples of 32 were bit-identical (next test)."""
+    _, _, _, art, _ = tiny_models
+    one = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=None))
+    capped = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=cap))
+    b = 3 * cap + 5
+    dense, sparse = _batch(60 + cap, b, multi_hot)
+    want, got = one.predict(dense, sparse), capped.predict(dense, sparse)
+    assert got.shape == (b,)
+    assert (got - want).abs().max().item() <= EXACT_TOL
+    st = capped.stats()
+    assert (st.forwards, st.samples, st.lookups) == (-(-b // cap), b, sparse.values.numel())
+    # The chunks are re-sliced feature-major batches: bit-identical to predicting the same
+    # slices one by one (same arithmetic, same batch heights).
+    sliced = torch.cat([_slice_predict(one, dense, sparse, i, cap) for i in range(0, b, cap)])
+    assert torch.equal(got, sliced)
+
+
+@pytest.mark.parametrize("cap", [64, 512])
+def test_forward_cap_is_bit_exact_on_one_thread_at_a_multiple_of_32(tiny_models, cap):
+    """One intra-op thread (MKL's single-thread kernels block the batch in panels whose
+    height divides 32) and a cap that is a multiple of 32: every chunk boundary falls on
+    a panel boundary, and the chunks are bit-identical to one forward (measured for
+    32..8192 on this CPU)."""
+    _, _, _, art, _ = tiny_models
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=None))
+        capped = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=cap))
+        for multi_hot in (False, True):
+            dense, sparse = _batch(90 + cap, 3 * cap + 5, multi_hot)
+            assert torch.equal(capped.predict(dense, sparse), one.predict(dense, sparse))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_forward_cap_with_a_cache_is_cached_equals_uncached(tiny_models):
+    _, _, _, art, _ = tiny_models
+    plain = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=16))
+    cached = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=16, cache_on_cpu=True,
+                                                      cache_load_factor=0.05, cache_policy="lfu"))
+    for step in range(3):
+        dense, sparse = _batch(70 + step, 16 * 3 + 5, multi_hot=step == 1)
+        assert torch.equal(cached.predict(dense, sparse), plain.predict(dense, sparse))
+    st = cached.stats()
+    assert st.forwards == 3 * 4 and st.hits + st.misses == st.lookups
+
+
+def test_forward_cap_default_matches_the_handler_config():
+    from serve.api.protocol import HandlerConfig
+    from serve.runtime.engine import DEFAULT_MAX_FORWARD_INSTANCES
+
+    assert RuntimeConfig().max_forward_instances == DEFAULT_MAX_FORWARD_INSTANCES == 8192
+    assert HandlerConfig().max_forward_instances == DEFAULT_MAX_FORWARD_INSTANCES
+    assert HandlerConfig(max_forward_instances=None).max_forward_instances is None
+    for bad in (0, True, 2.0):
+        with pytest.raises(ConfigError, match=r"^handler.max_forward_instances=.* must be an "
+                                               r"integer >= 1 or null$"):
+            HandlerConfig(max_forward_instances=bad)
+
+
+def test_new_config_fields_are_validated():
+    with pytest.raises(ConfigError, match=r"^max_forward_instances 0 must be an integer >= 1 "):
+        RuntimeConfig(max_forward_instances=0)
+    with pytest.raises(ConfigError, match=r"^max_forward_instances True must be an integer"):
+        RuntimeConfig(max_forward_instances=True)
+    with pytest.raises(ConfigError, match=r"^lfu_decay_every -5 must be an integer >= 0"):
+        RuntimeConfig(lfu_decay_every=-5)
+    assert RuntimeConfig(max_forward_instances=None, lfu_decay_every=0).lfu_decay_every == 0
+
+
+def test_lfu_decay_reaches_the_cache(tiny_models):
+    from serve.runtime.cache import LFU_DECAY_PER_ROW
+
+    _, _, _, art, _ = tiny_models
+    total = sum(t.rows for t in art.tables)
+    cfg = RuntimeConfig(cache_on_cpu=True, cache_policy="lfu", lfu_decay_every=500)
+    rt = Runtime.from_artifact(art, cfg)
+    assert rt.cache is not None and rt.cache.lfu_decay_every == 500
+    dense, sparse = _batch(80, 64, multi_hot=False)      # 64 x 26 = 1664 ids: 3 halvings
+    rt.predict(dense, sparse)
+    assert rt.cache.counters.lfu_decays == 3
+    default = Runtime.from_artifact(art, RuntimeConfig(cache_on_cpu=True, cache_policy="lfu"))
+    assert default.cache is not None and default.cache.lfu_decay_every == LFU_DECAY_PER_ROW * total
+
+
+def test_closed_runtime_refuses_to_predict(tiny_models):
+    _, _, _, art, _ = tiny_models
+    rt = Runtime.from_artifact(art, RuntimeConfig(cache_on_cpu=True))
+    dense, sparse = _batch(81, 4, multi_hot=False)
+    rt.predict(dense, sparse)
+    rt.close()
+    rt.close()
+    with pytest.raises(RuntimeError, match=r"EmbeddingCache is closed"):
+        rt.predict(dense, sparse)

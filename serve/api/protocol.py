@@ -74,6 +74,7 @@ import numpy as np
 import orjson
 
 from serve.constants import CACHE_POLICIES
+from serve.cpu import available_cpus, threads_per_worker
 from serve.errors import (
     ConfigError,
     InvalidInput,
@@ -138,13 +139,16 @@ _LENGTH_RULE = "lengths must be integers >= 0"
 
 
 def default_num_threads(workers: int, cores: int | None = None) -> int:
-    """torch intra-op threads per worker: cores / workers, at least 1.
+    """torch intra-op threads per worker from the CPU budget: cores / workers, at least 1.
 
-    More than that oversubscribes the cores (STACK.md measured up to 10x loss).
+    ``cores`` defaults to the CPUs the process can really use,
+    :func:`serve.cpu.available_cpus`: min(CPU affinity, ceil(cgroup CPU quota)), so a pod
+    with a 4-CPU limit on a 64-core node counts 4, not 64. More threads than that
+    oversubscribe the CPUs (STACK.md measured up to 10x loss). This is the budget alone:
+    the handler's full rule (``handler.num_threads``, then ``OMP_NUM_THREADS``, then this)
+    is :func:`serve.cpu.choose_threads`.
     """
-    cores = cores if cores is not None else (len(os.sched_getaffinity(0))
-                                             if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    return max(1, cores // max(1, workers))
+    return threads_per_worker(max(1, workers), cores if cores is not None else available_cpus())
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,8 @@ class HandlerConfig:
         cache_bytes: device cache size in bytes (alternative to the load factor).
         cache_policy: "lru" | "lfu".
         num_threads: torch intra-op threads per worker; None = cores / workers.
+        max_forward_instances: most samples per forward; a larger TorchServe batch is
+            split into chunks (RuntimeConfig.max_forward_instances); None = no cap.
         max_instances: most instances (samples) per HTTP request; more -> 413.
         max_ids_per_feature: most ids in one feature of one instance; more -> 400.
         max_body_bytes: largest body the handler decodes; larger -> 413. Keep it below
@@ -233,6 +239,7 @@ class HandlerConfig:
     cache_bytes: int | None = None
     cache_policy: str = "lru"
     num_threads: int | None = None
+    max_forward_instances: int | None = 8192
     max_instances: int = 4096
     max_ids_per_feature: int = 64
     max_body_bytes: int = 16 * 1024 * 1024
@@ -244,7 +251,7 @@ class HandlerConfig:
         if lf is not None and (isinstance(lf, bool) or not isinstance(lf, (int, float))
                                or not 0.0 < lf <= 1.0):
             raise ConfigError(f"handler.cache_load_factor={lf!r} must be in (0, 1] or null")
-        for name in ("cache_bytes", "num_threads"):
+        for name in ("cache_bytes", "num_threads", "max_forward_instances"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1 or null")

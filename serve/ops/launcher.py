@@ -18,6 +18,8 @@ fixtures build).
 (TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, and
 GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
 8080/8081/8082/8090 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
+Before anything starts, each of these ports is test-bound (``check_ports``): a busy one
+fails at once, naming the port, its setting, its holder and the flag/variable that moves it.
 
 Each server runs in its own process group (TorchServe's Java frontend and its Python
 workers share one), so stopping kills the whole tree and leaves no orphan workers.
@@ -26,12 +28,14 @@ The test fixture ``tests/fixtures/torchserve.py`` uses the same functions.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,11 +53,15 @@ from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load
 
 __all__ = [
     "LaunchConfig",
+    "PortUse",
     "Service",
+    "check_ports",
     "default_state",
     "describe_state",
     "ensure_state",
     "main",
+    "planned_ports",
+    "port_holder",
     "post_json",
     "render_ts_config",
     "sidecar_command",
@@ -104,6 +112,9 @@ class LaunchConfig:
     log_dir: Path = Path("logs")
     sidecar: bool = True
     ready_timeout_s: float = 300.0
+    # On stop (Ctrl-C, SIGTERM, `down`): longest wait for the sidecar's drain (POST /drain)
+    # before TorchServe is stopped anyway.
+    drain_timeout_s: float = 60.0
     extra_env: dict[str, str] = field(default_factory=dict)
     ts_overrides: dict[str, str] = field(default_factory=dict)  # config.properties keys to set
 
@@ -468,6 +479,134 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+# ----------------------------------------------------------------------------- ports
+
+@dataclass(frozen=True)
+class PortUse:
+    """One port the launcher will bind, what it is for and how to move it.
+
+    Attributes:
+        port: the port number.
+        setting: the LaunchConfig field (``inference_port``, ...).
+        what: who listens there (``TorchServe inference API``).
+        flag: the launcher's command-line flag that moves it (None: no flag).
+        env: the environment variable that moves it; ``make up``/``make run`` pass it
+            through (``make up TS_INFERENCE_PORT=8180``).
+    """
+
+    port: int
+    setting: str
+    what: str
+    flag: str | None
+    env: str
+
+    def how_to_move(self) -> str:
+        """``--inference-port PORT or TS_INFERENCE_PORT=PORT (make up TS_INFERENCE_PORT=PORT)``."""
+        by_env = f"{self.env}=PORT (make up {self.env}=PORT)"
+        return f"{self.flag} PORT or {by_env}" if self.flag else by_env
+
+
+# (setting, what listens there, flag, env): the order TorchServe and the sidecar bind them.
+_PORTS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("inference_port", "TorchServe inference API", "--inference-port", "TS_INFERENCE_PORT"),
+    ("management_port", "TorchServe management API", "--management-port", "TS_MANAGEMENT_PORT"),
+    ("metrics_port", "TorchServe metrics API", "--metrics-port", "TS_METRICS_PORT"),
+    ("grpc_inference_port", "TorchServe gRPC inference API (always started)", None,
+     "GRPC_INFERENCE_PORT"),
+    ("grpc_management_port", "TorchServe gRPC management API (always started)", None,
+     "GRPC_MANAGEMENT_PORT"),
+    ("sidecar_port", "the sidecar (FastAPI)", "--sidecar-port", "SIDECAR_PORT"),
+)
+
+
+def planned_ports(cfg: LaunchConfig) -> list[PortUse]:
+    """Every port ``start`` will have bound on ``cfg.host``: TorchServe's five, and the
+    sidecar's when ``cfg.sidecar`` is on."""
+    return [PortUse(getattr(cfg, setting), setting, what, flag, env)
+            for setting, what, flag, env in _PORTS
+            if setting != "sidecar_port" or cfg.sidecar]
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP ``port``: ``pid 4242 (python3 -m http.server 8080)``, or None
+    when that cannot be known (another user's process, or listing sockets is not
+    permitted here)."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    pids = sorted({c.pid for c in conns if c.pid and c.laddr and c.laddr.port == port
+                   and c.status == psutil.CONN_LISTEN})
+    if not pids:
+        return None
+    described = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            cmd = " ".join(proc.cmdline()) or proc.name()
+        except (psutil.Error, OSError):
+            cmd = "name unknown"
+        described.append(f"pid {pid} ({cmd if len(cmd) <= 100 else cmd[:97] + '...'})")
+    return ", ".join(described)
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (None: it can).
+
+    SO_REUSEADDR as the servers set it: a port in TIME_WAIT after ``make down`` is free
+    for them, and for this check; a listening socket is not.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return f"host {host!r} does not resolve ({e.strerror}); pass --host ADDRESS"
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "in use"
+            if e.errno == errno.EACCES:
+                return "not permitted (ports below 1024 need privileges)"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine; pass --host ADDRESS"
+            return f"cannot be bound ({e.strerror})"
+    return None
+
+
+def check_ports(cfg: LaunchConfig,
+                holder: Callable[[int], str | None] = port_holder) -> None:
+    """Refuse to start while a port the service needs cannot be bound on ``cfg.host``.
+
+    Without this a busy port shows only as TorchServe exiting before ready. Every port
+    of :func:`planned_ports` is tried (bind, then closed at once); the error lists each
+    one that fails, with its setting, who holds it (``holder``; "unknown" when that
+    cannot be known) and the flag / variable that moves it.
+
+    Raises:
+        ConfigError: at least one port cannot be bound.
+    """
+    lines = []
+    for use in planned_ports(cfg):
+        problem = _bind_problem(cfg.host, use.port)
+        if problem is None:
+            continue
+        who = ""
+        if problem == "in use":
+            who = f", held by {holder(use.port) or 'unknown (not visible to this user)'}"
+        lines.append(f"  port {use.port} ({use.setting}: {use.what}) on {cfg.host} is "
+                     f"{problem}{who}; move it with {use.how_to_move()}")
+    if lines:
+        raise ConfigError(
+            f"cannot start: {len(lines)} port{'s' if len(lines) != 1 else ''} the service "
+            "needs cannot be bound:\n" + "\n".join(lines)
+            + "\nstop what holds them (`make down` if it is this service), or move the ports")
+
+
 def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
     """Start TorchServe (+ sidecar) and wait until a predict is answered.
 
@@ -475,7 +614,9 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
     tells which version and batching it declares), so a repository without versions fails
     before anything starts. Records the process groups in ``run_dir/pids.json`` (``down``
     reads it) and refuses to start while a service recorded there is alive: both would
-    share ``run_dir``.
+    share ``run_dir``. Before anything is written or started, every port is checked
+    (:func:`check_ports`): a busy one fails at once, naming it, its holder and how to
+    move it.
     """
     pidfile = _pidfile(cfg)
     if pidfile.exists():
@@ -486,6 +627,7 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
         if any(_group_alive(int(p)) for p in pids.values() if p):
             raise ConfigError(f"a service started from {cfg.path(cfg.run_dir)} is running "
                               f"(pids {pids}); stop it first: `make down`")
+    check_ports(cfg)
     state = None
     if cfg.sidecar:
         state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository())
@@ -559,10 +701,30 @@ def _cmd_run(cfg: LaunchConfig) -> int:
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print("stopping ...", flush=True)
-        svc.stop()
-        print("stopped", flush=True)
+        _drain_then_stop(svc)
         return 0
+
+
+def _drain_then_stop(svc: Service) -> None:
+    """Drain through the sidecar (new requests refused with 503, accepted ones answered),
+    then stop; a second signal stops at once. TorchServe does not drain on SIGTERM."""
+    cfg = svc.config
+    if svc.sidecar is not None and svc.sidecar.poll() is None:
+        from serve.ops.drain import request_drain
+
+        print(f"draining (new requests get 503, accepted ones are answered; at most "
+              f"{cfg.drain_timeout_s:.0f} s; signal again to stop now) ...", flush=True)
+        try:
+            token = cfg.token_file.read_text().strip() if cfg.token_file.is_file() else None
+            report = request_drain(cfg.sidecar_url, token, cfg.drain_timeout_s)
+            print(f"drained in {report.get('seconds')} s", flush=True)
+        except UpstreamUnavailable as e:
+            print(f"drain failed ({e.message}); stopping anyway", flush=True)
+        except KeyboardInterrupt:
+            print("stopping now", flush=True)
+    print("stopping ...", flush=True)
+    svc.stop()
+    print("stopped", flush=True)
 
 
 def _cmd_up(cfg: LaunchConfig) -> int:
@@ -582,6 +744,16 @@ def _cmd_down(cfg: LaunchConfig) -> int:
         print("nothing to stop (no .run/pids.json)")
         return 0
     pids = json.loads(pidfile.read_text())
+    if pids.get("sidecar"):
+        from serve.ops.drain import request_drain
+
+        print("draining (accepted requests are answered, new ones get 503) ...", flush=True)
+        try:
+            token = cfg.token_file.read_text().strip() if cfg.token_file.is_file() else None
+            report = request_drain(cfg.sidecar_url, token, cfg.drain_timeout_s)
+            print(f"drained in {report.get('seconds')} s", flush=True)
+        except UpstreamUnavailable as e:
+            print(f"drain failed ({e.message}); stopping anyway", flush=True)
     for name, pid in pids.items():
         if pid:
             print(f"stopping {name} (process group {pid}) ...", flush=True)
@@ -626,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sidecar", action="store_true", help="start TorchServe only")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the first answered predict (the artifact loads first)")
+    ap.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="on stop (Ctrl-C, SIGTERM, down): longest wait for the accepted "
+                         "requests to be answered before TorchServe is stopped")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: the readiness poll would print a line per try.
@@ -641,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         model_store=Path(args.model_store), mar_name=args.mar, ts_config=Path(args.ts_config),
         state_file=Path(args.state_file),
         repositories=tuple(Path(d) for d in args.repository or ()),
-        sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout)
+        sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
+        drain_timeout_s=args.drain_timeout)
     try:
         return {"run": _cmd_run, "up": _cmd_up, "down": _cmd_down}[args.command](cfg)
     except (ConfigError, UpstreamUnavailable) as e:

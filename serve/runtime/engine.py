@@ -16,6 +16,19 @@ When the cache is used: on CUDA whenever its capacity is below the table rows; o
 only with ``cache_on_cpu=True``, because there device memory *is* host memory and the
 cache would only cost time (the tests turn it on to cover its logic on CPU).
 
+A batch above ``max_forward_instances`` samples is split into consecutive chunks of at
+most that many, one forward each, and the probabilities are concatenated: the buffers
+that grow with a forward (the dequantization scratch, the cache's miss gather, the
+allocator's blocks) stay bounded by the cap, not by the largest TorchServe batch.
+On CPU the chunks give the same probabilities as one forward up to float rounding: each
+sample's arithmetic is the same, but MKL picks its GEMM kernel and blocking by the batch
+height, which can change the summation order of a dot product (measured: at most a few
+float32 ulp, see tests/test_runtime.py).
+
+Every CUDA call of a runtime (tables and cache set-up, predict, graph capture and replay,
+staging copies and their events) runs under ``torch.cuda.device(self.device)``, so a
+runtime on ``cuda:1`` uses cuda:1's current stream whatever device is current.
+
 Example::
 
     rt = Runtime.from_artifact("build/small/artifact.pt", RuntimeConfig(device="cuda"))
@@ -23,6 +36,7 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -34,13 +48,25 @@ import torch.nn.functional as F
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
 from serve.runtime.artifact import Artifact, dequantize_rows, load_artifact
-from serve.runtime.cache import MISS_PATHS, POLICIES, EmbeddingCache, capacity_for
+from serve.runtime.cache import (
+    MISS_PATHS,
+    POLICIES,
+    EmbeddingCache,
+    capacity_for,
+    device_guard,
+    page_exclusive_empty,
+    resolve_decay_every,
+)
 from serve.runtime.dense import PRECISIONS, DenseDLRM, convert_precision
 
-__all__ = ["STAGES", "Runtime", "RuntimeConfig", "RuntimeStats", "SparseBatch"]
+__all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
+           "RuntimeStats", "SparseBatch"]
 
 log = logging.getLogger(__name__)
 
+#: Default cap on samples per forward (``RuntimeConfig.max_forward_instances``): 8192
+#: one-hot samples are 213k ids, so the per-forward buffers stay in the tens of MB.
+DEFAULT_MAX_FORWARD_INSTANCES = 8192
 
 
 @dataclass(frozen=True)
@@ -53,6 +79,9 @@ class RuntimeConfig:
             1.0 keeps every row there (no cache). Ignored when ``cache_bytes`` is set.
         cache_bytes: device bytes for cached row payload (overrides the load factor).
         cache_policy: "lru" or "lfu" (see serve/runtime/cache.py).
+        lfu_decay_every: LFU aging: every count is halved after this many sparse ids
+            looked up (0 = never; None = ``cache.LFU_DECAY_PER_ROW`` (8) x the table rows,
+            the default). Ignored by LRU.
         num_threads: torch intra-op threads for this process (None: leave as is). Set it
             deliberately when several workers share a host: oversubscription costs up to 10x.
         cache_on_cpu: run the cache on CPU too (tests; it only costs time there).
@@ -66,6 +95,9 @@ class RuntimeConfig:
             graph captured once per batch size (cuts launch overhead at small batches).
             With a cache this needs the LRU policy, ``cache_miss_path="mapped"`` and
             capacity >= 2 x F x B (EmbeddingCache.static_ok); otherwise eager.
+        max_forward_instances: most samples in one forward; ``predict`` splits a larger
+            batch into chunks of at most this many (default 8192; None = no cap). A
+            TorchServe batch can hold batch_size x max_instances samples.
     """
 
     device: str = "cpu"
@@ -78,6 +110,8 @@ class RuntimeConfig:
     dense_precision: str = "fp32"
     compile: bool = False
     cuda_graphs: bool = False
+    lfu_decay_every: int | None = None
+    max_forward_instances: int | None = DEFAULT_MAX_FORWARD_INSTANCES
 
     def __post_init__(self) -> None:
         try:
@@ -105,6 +139,12 @@ class RuntimeConfig:
         if self.dense_precision not in PRECISIONS:
             raise ConfigError(f"dense_precision {self.dense_precision!r} is not one of "
                               f"{PRECISIONS}")
+        resolve_decay_every(self.lfu_decay_every, 1)    # raises ConfigError if malformed
+        cap = self.max_forward_instances
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(f"max_forward_instances {cap!r} must be an integer >= 1 "
+                              "(samples per forward; larger batches are split), or None "
+                              "for no cap")
 
 
 @dataclass(frozen=True)
@@ -129,6 +169,8 @@ class RuntimeStats:
     out of the cache. Without a cache every lookup is a hit. ``device_bytes``: quantized
     rows on the compute device plus the cache's maps; ``host_bytes``: the full host copy
     behind a cache (0 without one). ``stage_seconds``: wall seconds per stage.
+    ``forwards``: model forwards (a batch split by ``max_forward_instances`` counts one per
+    chunk); ``samples``: samples predicted.
     """
 
     lookups: int
@@ -166,6 +208,43 @@ def _check_tables(artifact: Artifact) -> None:
                             "the runtime needs one dim and one dtype")
 
 
+def _concat_rows(tables: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the tables, one after the other, into ``out`` (R, row_bytes) and return it:
+    one copy per table straight into its destination, no intermediate."""
+    lo = 0
+    for t in tables:
+        out[lo : lo + t.shape[0]].copy_(t)
+        lo += t.shape[0]
+    return out
+
+
+def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
+                 cap: int) -> list[tuple[torch.Tensor, SparseBatch]]:
+    """Consecutive chunks of at most ``cap`` samples of a validated batch.
+
+    Args:
+        dense: (B, N); sparse: values (nnz,) feature-major, lengths (F, B).
+    Returns:
+        ``(dense (b, N), SparseBatch(values (nnz_c,), lengths (F, b)))`` per chunk, in
+        order; each chunk's values are feature-major again (feature 0's ids of its
+        samples, then feature 1's ...).
+    """
+    lengths = sparse.lengths
+    nf, b = lengths.shape
+    pos = torch.zeros(nf * b + 1, dtype=torch.int64)
+    torch.cumsum(lengths.reshape(-1).long(), 0, out=pos[1:])
+    starts = list(range(0, b, cap)) + [b]
+    # pos[f * B + s]: where (feature f, sample s) starts in values; one small gather for
+    # the chunk bounds of every feature: (F, chunks + 1).
+    idx = torch.arange(nf).unsqueeze(1) * b + torch.tensor(starts).unsqueeze(0)
+    bounds = pos[idx].tolist()
+    out = []
+    for c, (i, j) in enumerate(itertools.pairwise(starts)):
+        values = torch.cat([sparse.values[bounds[f][c] : bounds[f][c + 1]] for f in range(nf)])
+        out.append((dense[i:j], SparseBatch(values, lengths[:, i:j].contiguous())))
+    return out
+
+
 class Runtime:
     """Serves one artifact on one device. Not thread-safe: one caller at a time."""
 
@@ -175,6 +254,11 @@ class Runtime:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _check_tables(artifact)
+        with device_guard(self.device):
+            self._setup(artifact, config)
+
+    def _setup(self, artifact: Artifact, config: RuntimeConfig) -> None:
+        """Tables or cache, and the dense part, on ``self.device`` (under its guard)."""
         self.feature_names: list[str] = list(artifact.feature_names)
         self.num_dense: int = artifact.num_dense
         self.dim = artifact.embedding_dim
@@ -213,16 +297,36 @@ class Runtime:
     def _place_rows(self, artifact: Artifact, config: RuntimeConfig
                     ) -> tuple[EmbeddingCache | None, torch.Tensor | None]:
         """``(cache, None)`` when the rows are served through a cache (hot rows on the
-        device, all in host memory), else ``(None, table)`` with every row on the device."""
-        host = torch.cat([t.data for t in artifact.tables])  # (R, row_bytes) uint8
-        cap = capacity_for(self.total_rows, host.shape[1], load_factor=config.cache_load_factor,
+        device, all in host memory), else ``(None, table)`` with every row on the device.
+
+        The tables (memory-mapped when loaded from a file) are copied once, straight into
+        the memory that serves them: the device table, or the host table in memory of its
+        own pages that the cache page-locks in place (exactly its bytes, no second copy).
+        """
+        tables = [t.data for t in artifact.tables]
+        rb = tables[0].shape[1]
+        cap = capacity_for(self.total_rows, rb, load_factor=config.cache_load_factor,
                            cache_bytes=config.cache_bytes)
         use_cache = (config.cache_on_cpu if self.device.type == "cpu"
                      else cap < self.total_rows)
-        if use_cache:
-            return EmbeddingCache(host, cap, config.cache_policy, self.device,
-                                  miss_path=config.cache_miss_path), None
-        return None, host.to(self.device)
+        if not use_cache:
+            if self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous():
+                return None, tables[0]
+            return None, _concat_rows(tables, torch.empty((self.total_rows, rb),
+                                                          dtype=torch.uint8, device=self.device))
+        host = _concat_rows(tables, page_exclusive_empty(self.total_rows, rb))
+        return EmbeddingCache(host, cap, config.cache_policy, self.device,
+                              miss_path=config.cache_miss_path,
+                              lfu_decay_every=config.lfu_decay_every), None
+
+    def close(self) -> None:
+        """Release what outlives Python's collector: the captured CUDA graphs (first: a
+        graph with the cache step reads the host table on replay), then the cache's
+        page-locked host table (``cudaHostUnregister``). Idempotent; a runtime with a
+        cache answers no predict afterwards (the cache refuses lookups)."""
+        self._graphs.clear()
+        if self.cache is not None:
+            self.cache.close()
 
     @classmethod
     def from_artifact(cls, artifact: Artifact | str | os.PathLike,
@@ -299,7 +403,7 @@ class Runtime:
             bag_index = None
         else:
             uniq, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
-            emb = self._dequantize(self.cache.lookup(uniq, counts))    # (U, D)
+            emb = self._dequantize(self.cache.lookup(uniq, counts, n_ids=g.numel()))  # (U, D)
             bag_index = inverse
         self._lookups += g.numel()
         if one_hot:
@@ -348,6 +452,16 @@ class Runtime:
         lengths, b = self._check(dense, sparse)
         if b == 0:
             return torch.zeros(0, dtype=torch.float32)
+        cap = self.config.max_forward_instances
+        with device_guard(self.device):
+            if cap is None or b <= cap:
+                return self._forward(dense, sparse, lengths, b)
+            return torch.cat([self._forward(d, s, s.lengths, d.shape[0])
+                              for d, s in _split_batch(dense, sparse, cap)])
+
+    def _forward(self, dense: torch.Tensor, sparse: SparseBatch, lengths: torch.Tensor,
+                 b: int) -> torch.Tensor:
+        """One forward of a validated batch: (B, N) dense + F features -> (B,) on the CPU."""
         t0 = time.perf_counter()
         nf = len(self.feature_names)
         if (self.config.cuda_graphs and self.device.type == "cuda"
@@ -372,20 +486,21 @@ class Runtime:
 
         Inputs go through pinned host buffers so each needs one async copy; the wrap
         rule (id % rows + offset) runs inside the graph on static per-position tensors.
+        Called under this runtime's device guard (``predict``), so the copies and the
+        replay go to this device's current stream.
         """
-        with torch.cuda.device(self.device):   # copies and replay on this device's stream
-            entry = self._graphs.get(b)
-            if entry is None:
-                entry = self._capture(b)
-                self._graphs[b] = entry
-            graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
-            h_vals.copy_(sparse.values)
-            h_dense.copy_(dense)
-            s_vals.copy_(h_vals, non_blocking=True)
-            s_dense.copy_(h_dense, non_blocking=True)
-            graph.replay()
-            h_out.copy_(s_out, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
+        entry = self._graphs.get(b)
+        if entry is None:
+            entry = self._capture(b)
+            self._graphs[b] = entry
+        graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
+        h_vals.copy_(sparse.values)
+        h_dense.copy_(dense)
+        s_vals.copy_(h_vals, non_blocking=True)
+        s_dense.copy_(h_dense, non_blocking=True)
+        graph.replay()
+        h_out.copy_(s_out, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
         if self.cache is None:   # the cache counts its own lookups inside the graph
             n = h_vals.numel()
             self._lookups += n
@@ -449,7 +564,7 @@ class Runtime:
         self._stage[name] += float(seconds)
 
     def stats(self) -> RuntimeStats:
-        """A snapshot of the cumulative counters."""
+        """A snapshot of the cumulative counters (one device sync with a cache)."""
         if self.cache is not None:
             c = self.cache.counters
             lookups, hits, misses, ev = c.lookups, c.hits, c.misses, c.evictions

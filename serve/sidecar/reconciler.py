@@ -216,6 +216,8 @@ class Reconciler:
         self._switch_t0: float | None = None
         self._wake = asyncio.Event()
         self._passed = asyncio.Event()
+        self._pass_lock = asyncio.Lock()
+        self.paused: str | None = None
 
     # ------------------------------------------------------------------ the desired state
 
@@ -562,11 +564,20 @@ class Reconciler:
         """Run the next pass now (after the current one, if one runs)."""
         self._wake.set()
 
+    async def pause(self, reason: str) -> None:
+        """Stop reconciling for good (a drain for shutdown): waits for a pass in progress
+        to end; no switch or clean-up starts after this returns."""
+        async with self._pass_lock:
+            self.paused = reason
+        _log.info("reconciler paused: %s", reason)
+
     async def run(self) -> None:
         """Pass after pass: every ``reconcile_interval_s``, or at once when woken."""
         while True:
             try:
-                await self.tick()
+                async with self._pass_lock:
+                    if self.paused is None:
+                        await self.tick()
             except Exception:  # noqa: BLE001 - a bug: log it, keep reconciling
                 _log.exception("reconcile pass failed")
             with contextlib.suppress(TimeoutError):
@@ -634,10 +645,13 @@ class Reconciler:
             observed, down = Observed(default=None), e.message
         a = assess(self.effective(), observed)
         versions = await asyncio.to_thread(self.repository.versions)
+        reason = f"TorchServe did not answer: {down}" if down else self._reason(a)
+        if self.paused is not None:
+            reason = f"not reconciling: {self.paused}" + (f"; {reason}" if reason else "")
         return StateStatus(
             desired=self.desired, observed=observed_state(observed),
             converged=a.converged and self.file_error is None and down is None,
-            reason=f"TorchServe did not answer: {down}" if down else self._reason(a),
+            reason=reason,
             phase=self.switch.phase.value, last_error=self.last_error or self.file_error,
             last_switch=self.last_switch, target_serving_version=a.target,
             available_versions=versions, state_file=str(self.path),

@@ -1,14 +1,17 @@
-"""``GET /healthz`` (the sidecar is alive) and ``GET /readyz`` (the model can answer).
+"""``GET /healthz`` (the sidecar is alive), ``GET /readyz`` (the model can answer) and
+``POST /drain`` (shutdown: refuse new requests, answer the accepted ones).
 
 Kubernetes probes: liveness must not depend on TorchServe (a slow model load would get
-the sidecar restarted for nothing); readiness says whether the pod can serve.
+the sidecar restarted for nothing); readiness says whether the pod can serve, and turns
+503 for good once a drain began (:mod:`serve.sidecar.drain`).
 """
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from serve.errors import UpstreamUnavailable
+from serve.sidecar.auth import require_token
 from serve.sidecar.state import StateDep
 from serve.sidecar.torchserve import ready_workers
 
@@ -26,6 +29,10 @@ async def healthz() -> dict[str, str]:
             responses={503: {"description": "not ready, with the reason"}})
 async def readyz(state: StateDep) -> JSONResponse:
     model = state.config.model_name
+    if state.draining:
+        err = UpstreamUnavailable(f"the pod is shutting down (drain: "
+                                  f"{state.drainer.report.phase}); it takes no new requests")
+        return JSONResponse(err.to_json(), status_code=503)
     try:
         desc = await state.torchserve.describe()
     except UpstreamUnavailable as e:
@@ -46,3 +53,13 @@ async def readyz(state: StateDep) -> JSONResponse:
     return JSONResponse({"status": "ready", "model": model,
                          "model_version": str(desc.get("modelVersion")),
                          "ready_workers": ready})
+
+
+@router.post("/drain", dependencies=[Depends(require_token)],
+             summary="Shutdown: refuse new requests (503), answer the accepted ones",
+             responses={401: {}, 403: {}, 503: {"description": "the drain failed"}})
+async def drain(state: StateDep) -> JSONResponse:
+    """Pause the reconciler, make the closed version default, drain the others; answers
+    when every accepted request is answered (then stop TorchServe). Idempotent."""
+    report = await state.drainer.drain()
+    return JSONResponse(report.to_json(), status_code=200 if report.drained else 503)

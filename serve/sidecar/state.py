@@ -22,6 +22,7 @@ from serve.errors import Conflict
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.drain import Drainer
 from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
@@ -60,6 +61,7 @@ class SidecarState:
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
     _reconcile_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _drainer: Drainer | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -99,6 +101,8 @@ class SidecarState:
                         config.model_store, config.model_name, version),
                     metrics=self.metrics, clock=self.clock),
                 clock=self.clock)
+        self._drainer = Drainer(self._torchserve, config, switch=self._switch,
+                                reconciler=self._reconciler, clock=self.clock)
 
     def start(self) -> None:
         """Start the reconciler's loop (the app's lifespan; no-op without a state file)."""
@@ -121,6 +125,19 @@ class SidecarState:
             raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
                                "with its lifespan (uvicorn, TestClient as a context manager)")
         return self._torchserve
+
+    @property
+    def drainer(self) -> Drainer:
+        """The shutdown drain (POST /drain); only while the app runs."""
+        if self._drainer is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._drainer
+
+    @property
+    def draining(self) -> bool:
+        """A drain for shutdown has begun: the pod is not ready any more."""
+        return self._drainer is not None and self._drainer.draining
 
     @property
     def reconciler(self) -> Reconciler | None:

@@ -1,0 +1,88 @@
+"""Drain this pod (or `make run`'s service) before its TorchServe is stopped.
+
+    python -m serve.ops.drain [--sidecar-url URL] [--settle-s 5] [--timeout-s 120]
+
+Asks the sidecar (``POST /drain``, :mod:`serve.sidecar.drain`) to refuse new requests
+with a clean 503 and to wait until every accepted request is answered; returns when it
+has. It is the torchserve container's ``preStop`` hook in Kubernetes: the kubelet sends
+SIGTERM only after it returns, so TorchServe (which does not drain on SIGTERM itself)
+stops with nothing in flight. ``--settle-s`` first waits for the endpoint removal to
+reach the load balancers (requests still routed here meanwhile are answered normally).
+
+The token: ``DLRM_SIDECAR_TOKEN``, else ``--token-file``. Exit code 0 when drained, 1
+when not (the preStop hook then only logs an event; the pod stops regardless).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serve.errors import UpstreamUnavailable
+
+__all__ = ["main", "request_drain"]
+
+
+def request_drain(sidecar_url: str, token: str | None, timeout_s: float) -> dict[str, Any]:
+    """``POST {sidecar_url}/drain``; the sidecar's report (``drained``, ``seconds``...).
+
+    Raises:
+        UpstreamUnavailable: the sidecar did not answer or could not drain.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.post(f"{sidecar_url.rstrip('/')}/drain", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise UpstreamUnavailable(f"the sidecar at {sidecar_url} did not answer POST /drain "
+                                  f"within {timeout_s:.0f} s: {e!r}") from None
+    try:
+        body: dict[str, Any] = r.json()
+    except ValueError:
+        body = {"raw": r.text[:200]}
+    if r.status_code != 200 or not body.get("drained"):
+        raise UpstreamUnavailable(f"POST /drain answered {r.status_code}: {json.dumps(body)}")
+    return body
+
+
+def _token(path: str | None) -> str | None:
+    env = os.environ.get("DLRM_SIDECAR_TOKEN")
+    if env:
+        return env.strip()
+    if path and Path(path).is_file():
+        return Path(path).read_text().strip()
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve.ops.drain",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sidecar-url", default=os.environ.get("DLRM_SIDECAR_URL",
+                                                            "http://127.0.0.1:8090"))
+    ap.add_argument("--token-file", default=".run/sidecar-token",
+                    help="used when DLRM_SIDECAR_TOKEN is not set")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="seconds to wait before closing (endpoint removal propagates)")
+    ap.add_argument("--timeout-s", type=float, default=120.0,
+                    help="longest wait for the accepted requests to be answered")
+    args = ap.parse_args(argv)
+    if args.settle_s > 0:
+        time.sleep(args.settle_s)
+    try:
+        report = request_drain(args.sidecar_url, _token(args.token_file), args.timeout_s)
+    except UpstreamUnavailable as e:
+        print(f"drain failed: {e.message}", file=sys.stderr, flush=True)
+        return 1
+    print(f"drained in {report.get('seconds')} s (versions {report.get('versions')})",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
