@@ -23,7 +23,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout \
+.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -68,6 +68,9 @@ bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit 
 
 bench-switch: venv  ## with `make up` running: live batch and version changes under load -> bench/results/switch.json
 	$(PY) -m bench.bench_switch
+
+faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
+	$(PY) -m serve.ops.faults$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout

@@ -798,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sidecar", action="store_true", help="start TorchServe only")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the first answered predict (the artifact loads first)")
+    ap.add_argument("--run-dir", default=".run",
+                    help="per-instance state: rendered config, token, pids (default .run)")
+    ap.add_argument("--log-dir", default="logs", help="TorchServe's and the sidecar's logs")
     ap.add_argument("--drain-timeout", type=float, default=60.0,
                     help="on stop (Ctrl-C, SIGTERM, down): longest wait for the accepted "
                          "requests to be answered before TorchServe is stopped")
@@ -817,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         state_file=Path(args.state_file),
         repositories=tuple(Path(d) for d in args.repository or ()),
         sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),
+        log_dir=Path(args.log_dir))
     try:
         return {"run": _cmd_run, "up": _cmd_up, "down": _cmd_down}[args.command](cfg)
     except (ConfigError, UpstreamUnavailable) as e:
