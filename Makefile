@@ -15,7 +15,7 @@ VERSION ?=
 # rebuild the existing default version (versions are immutable).
 # run/up/bench/capacity serve a version that exists: build one only when there is none
 # (a new build is `make model`, which refuses to reuse a name for a different build).
-run up bench-e2e capacity: MODEL_IF_MISSING := 1
+run up bench-e2e capacity faults: MODEL_IF_MISSING := 1
 SHAPE ?= step
 DURATION ?= 60s
 IMAGE ?= dlrm-serve
