@@ -23,7 +23,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults \
+.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -74,6 +74,9 @@ faults: venv java model  ## fault suite against a real service under load (kill 
 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout
+
+feedback-check: venv  ## with `make up` running: held-out rows through the service, their labels to POST /feedback; online AUC/calibration vs the build baseline -> bench/results/feedback.json
+	$(PY) -m serve.ops.feedback_check
 
 bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee -> bench/results/e2e.json
 	$(PY) -m bench.bench_e2e

@@ -41,6 +41,12 @@ Without a rollout everything is the stable arm (still recorded in the per-arm me
 Route keys are checked whether or not a rollout runs: empty or over
 :data:`serve.routing.ROUTE_KEY_MAX_CHARS` characters is a 400.
 
+Prediction log (:mod:`serve.predlog`): with ``DLRM_PREDICTION_LOG_DIR`` in TorchServe's
+environment, every scored request (sampled by a hash of its id) is appended there after
+the batch, keyed by TorchServe's request id (the response's ``x-request-id``), with its
+version, arm and scores; the sidecar joins ``POST /feedback`` labels with it. Writing it
+never fails a prediction.
+
 The logic lives in :mod:`serve.api.protocol` (no TorchServe needed to test it).
 """
 from __future__ import annotations
@@ -68,6 +74,7 @@ from serve.api.protocol import (
 from serve.constants import ARTIFACT_NAME
 from serve.cpu import choose_threads
 from serve.errors import ServeError
+from serve.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
 from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER, ControlWatcher, takes_candidate
 from serve.state import parse_serving_version
 
@@ -102,6 +109,7 @@ class DLRMHandler(BaseHandler):
         # Routes requests without a route key; reseeded with the pid in initialize.
         self._rng = random.Random(0)
         self._last_stages: dict[str, float] = {}
+        self.predlog: PredictionLogWriter | None = None
 
     def initialize(self, context: Any) -> None:
         # Keep bodies as raw bytes: TorchServe's own json.loads would accept NaN and turn
@@ -153,6 +161,14 @@ class DLRMHandler(BaseHandler):
                         "weight=%.4g)", self.model_version, rollout.candidate_version,
                         rollout.candidate_artifact, rollout.control_file, control.mode,
                         control.weight)
+        # The prediction log (serve.predlog) that POST /feedback joins labels with; its
+        # folder comes from TorchServe's environment (the launcher / the Deployment).
+        log_cfg = PredictionLogConfig.from_env()
+        if log_cfg is not None:
+            self.predlog = PredictionLogWriter(log_cfg)
+            logger.info("prediction log: %s (sample %.3g, %d-byte files, %d bytes at most)",
+                        log_cfg.directory, log_cfg.sample_rate, log_cfg.file_bytes,
+                        log_cfg.max_bytes)
         if HandlerMetrics is not None:
             _clean_metric_files()
             self.metrics = HandlerMetrics()
@@ -225,7 +241,31 @@ class DLRMHandler(BaseHandler):
                 context.set_response_header(idx, BATCH_INSTANCES_HEADER, str(instances))
                 context.set_response_header(idx, BATCH_REQUESTS_HEADER, str(requests))
         self._record(outcomes, info, seconds)
+        if info is not None and self.predlog is not None:
+            self._log_predictions(info, context)
         return [o.body for o in outcomes]
+
+    def _log_predictions(self, info: dict, context: Any) -> None:
+        """Every scored request of the batch (answered, or shadow-scored: arm
+        ``candidate``) into the prediction log, keyed by TorchServe's request id (the
+        ``x-request-id`` of the response). Never fails a prediction: logged."""
+        try:
+            now, preds = time.time(), []
+            for run in info["arms"].values():
+                if run.scores is None:
+                    continue
+                version, start = self._version_of(run.arm), 0
+                for idx, size in zip(run.indices, run.sizes):
+                    rid = context.get_request_id(idx)
+                    if rid:
+                        preds.append(Prediction(str(rid), version, run.arm, now,
+                                                run.scores[start:start + size]))
+                    start += size
+            written = self.predlog.write(preds) if self.predlog is not None else 0
+            if written and self.metrics is not None:
+                self.metrics.observe_logged(written)
+        except Exception:  # the log must never fail a prediction
+            logger.exception("writing the prediction log failed")
 
     def _version_of(self, arm: str | None) -> str:
         """The model version of an arm (the stable version for no arm)."""

@@ -76,6 +76,10 @@ __all__ = [
     "ARM_REQUESTS_TOTAL",
     "ARM_REQUEST_DURATION_SECONDS",
     "ARM_SCORE",
+    "BASELINE_AUC",
+    "BASELINE_CALIBRATION_RATIO",
+    "BASELINE_OBSERVED_CTR",
+    "BASELINE_PREDICTED_CTR",
     "BATCH_INSTANCES",
     "BATCH_INSTANCES_BUCKETS",
     "BATCH_REQUESTS",
@@ -86,7 +90,20 @@ __all__ = [
     "CACHE_HIT_RATIO",
     "CACHE_HOST_BYTES",
     "CACHE_MISSES_TOTAL",
+    "EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS",
+    "FEEDBACK_LABELS_TOTAL",
+    "FEEDBACK_RESULTS",
+    "GPU_MEMORY_TOTAL_BYTES",
+    "GPU_MEMORY_USED_BYTES",
+    "GPU_UTILIZATION_RATIO",
     "INSTANCES_TOTAL",
+    "ONLINE_AUC",
+    "ONLINE_CALIBRATION_RATIO",
+    "ONLINE_LABELS",
+    "ONLINE_OBSERVED_CTR",
+    "ONLINE_PREDICTED_CTR",
+    "PREDICTION_LOG_BYTES",
+    "PREDICTION_LOG_RECORDS_TOTAL",
     "RECONCILE_RESULTS",
     "RECONCILE_TOTAL",
     "REQUESTS_TOTAL",
@@ -155,6 +172,29 @@ ROLLOUT_PHASE = "dlrm_rollout_phase"
 ROLLOUT_WEIGHT = "dlrm_rollout_weight"
 ROLLOUT_GUARD_VALUE = "dlrm_rollout_guard_value"
 ROLLOUT_GUARD_THRESHOLD = "dlrm_rollout_guard_threshold"
+# Predicted CTR against the version's build-time baseline, and online calibration from
+# click feedback (sidecar, serve.sidecar.feedback). Gauges labelled {version} (baseline) or
+# {version, arm} (online): the versions a pod serves, at most two at a time.
+BASELINE_PREDICTED_CTR = "dlrm_baseline_predicted_ctr"
+BASELINE_OBSERVED_CTR = "dlrm_baseline_observed_ctr"
+BASELINE_CALIBRATION_RATIO = "dlrm_baseline_calibration_ratio"
+BASELINE_AUC = "dlrm_baseline_auc"
+FEEDBACK_LABELS_TOTAL = "dlrm_feedback_labels_total"
+ONLINE_LABELS = "dlrm_online_labels"
+ONLINE_OBSERVED_CTR = "dlrm_online_observed_ctr"
+ONLINE_PREDICTED_CTR = "dlrm_online_predicted_ctr"
+ONLINE_CALIBRATION_RATIO = "dlrm_online_calibration_ratio"
+ONLINE_AUC = "dlrm_online_auc"
+PREDICTION_LOG_BYTES = "dlrm_prediction_log_bytes"
+PREDICTION_LOG_RECORDS_TOTAL = "dlrm_prediction_log_records_total"
+# GPU resource signals through NVML (sidecar, serve.sidecar.gpu), labelled {device} only
+# (the CUDA device index); absent on machines without an NVIDIA GPU.
+GPU_UTILIZATION_RATIO = "dlrm_gpu_utilization_ratio"
+GPU_MEMORY_USED_BYTES = "dlrm_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL_BYTES = "dlrm_gpu_memory_total_bytes"
+# Embedding deltas (the fresh-embeddings issue): unix time the newest applied delta was
+# built, per {version}; ``time() - it`` is the embeddings' staleness.
+EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS = "dlrm_embedding_delta_created_timestamp_seconds"
 
 #: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
 ARMS: tuple[str, ...] = ("stable", "candidate")
@@ -162,6 +202,12 @@ ARMS: tuple[str, ...] = ("stable", "candidate")
 ROLLOUT_PHASES: tuple[str, ...] = ("none", "baking", "promoted", "rolled_back")
 #: Guards of a rollout, by name (bounded label of the guard gauges).
 ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
+#: What became of one feedback label (``dlrm_feedback_labels_total{result}``): ``joined``
+#: with a logged prediction; ``unknown`` request id never logged here (not sampled, served
+#: by another pod, or evicted from the index); ``expired`` logged but its file was rotated
+#: away; ``duplicate`` this (request id, index) was already labelled; ``bad_index`` the
+#: request had fewer instances than the index.
+FEEDBACK_RESULTS: tuple[str, ...] = ("joined", "unknown", "expired", "duplicate", "bad_index")
 
 #: Phases of the sidecar's version switch (``serve.sidecar.switch.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
@@ -267,6 +313,10 @@ class HandlerMetrics:
             BATCH_REQUESTS,
             "Requests per forward pass: the TorchServe batch size actually formed.",
             buckets=BATCH_REQUESTS_BUCKETS, registry=r)
+        self._logged = Counter(
+            _strip_total(PREDICTION_LOG_RECORDS_TOTAL),
+            "Requests written to the prediction log (sampled) for joining click feedback.",
+            registry=r)
         self._hits = Counter(_strip_total(CACHE_HITS_TOTAL),
                              "Embedding rows found in the device cache.", registry=r)
         self._misses = Counter(_strip_total(CACHE_MISSES_TOTAL),
@@ -366,6 +416,12 @@ class HandlerMetrics:
                     counter.inc(delta)
             self._device_bytes.set(int(stats.device_bytes))
             self._host_bytes.set(int(stats.host_bytes))
+
+    def observe_logged(self, requests: int) -> None:
+        """``requests`` more requests written to the prediction log (serve.predlog)."""
+        if requests < 0:
+            raise ValueError(f"requests={requests} must be >= 0")
+        self._logged.inc(requests)
 
     def observe_arm(self, arm: str, version: str, requests: int, errors: int,
                     seconds_per_request: float, scores: np.ndarray | None = None) -> None:

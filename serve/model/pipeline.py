@@ -36,7 +36,9 @@ sources, so the repository is checked before any work:
 
 The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, the
 archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
-table bytes, parameters, wall time per step, git commit.
+table bytes, parameters, wall time per step, git commit, and the ``baseline``: the served
+(int8) model on the held-out rows (observed and predicted CTR, calibration ratio, AUC, score
+bins; :func:`serve.quality.summarize`), which the pod's online metrics are compared with.
 
 Example::
 
@@ -88,7 +90,7 @@ log = logging.getLogger(__name__)
 STEPS = ("data", "train", "merge", "quantize", "archive")
 REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerprint", "archive",
                "mar_batch_size", "mar_max_batch_delay_ms", "mar_workers", "profile",
-               "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype",
+               "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype", "baseline",
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
@@ -97,7 +99,8 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "data": ("model/data.py", "profiles.py"),
     "train": ("model/train.py", "model/dlrm.py", "model/data.py", "profiles.py"),
     "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
-    "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py", "model/merge.py"),
+    "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py",
+                 "quality.py", "model/merge.py"),
     "archive": ("model/archive.py", "model/pipeline.py", "api/protocol.py",
                 "../handlers/dlrm_handler.py"),
 }
@@ -373,6 +376,9 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "merged_max_abs_diff": mres["merged_max_abs_diff"],
         "auc_fp32": qres["auc_fp32"], "auc_quantized": qres["auc_quantized"],
         "quantized_dtype": qres["quantized_dtype"], "eval_rows": qres["eval_rows"],
+        # The served (int8) model on the held-out rows: what the pod's predicted-CTR and
+        # calibration metrics are compared with (dlrm_baseline_*; serve.quality).
+        "baseline": qres.get("baseline"),
         "table_bytes_fp32": qres["table_bytes_fp32"],
         "table_bytes_quantized": qres["table_bytes_quantized"],
         "num_parameters": mres["num_parameters"],

@@ -35,6 +35,7 @@ from serve.clilog import setup_cli_logging
 from serve.errors import ConfigError, QualityError, ServeError
 from serve.model.auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
+from serve.quality import summarize
 
 __all__ = [
     "FLOAT_ARTIFACT_MAX_BYTES",
@@ -69,6 +70,10 @@ class QuantizeResult:
     table_bytes_quantized_fbgemm: int
     num_parameters: int
     seconds: float
+    # The int8 (served) model on the held-out rows: serve.quality.ScoreSummary.to_dict()
+    # (rows, observed/predicted CTR, calibration ratio, AUC, score bins): the version's
+    # baseline that the pod's online metrics are compared with.
+    baseline: dict | None = None
 
 
 def float_artifact_path(out: str | os.PathLike) -> Path:
@@ -96,6 +101,15 @@ def evaluate_auc(model: torch.nn.Module, data_dir: str | os.PathLike, split: str
                  batch_size: int = 4096, limit: int | None = None,
                  progress: bool = False) -> tuple[float, int]:
     """AUC of ``model`` on a split; returns (auc, rows). Forward in eval mode, no grad."""
+    y, s = evaluate_scores(model, data_dir, split, batch_size, limit, progress)
+    return roc_auc(y, s), int(y.shape[0])
+
+
+def evaluate_scores(model: torch.nn.Module, data_dir: str | os.PathLike, split: str = "eval",
+                    batch_size: int = 4096, limit: int | None = None,
+                    progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(labels uint8 (n,), click probabilities float32 (n,)) of ``model`` on a split, in
+    row order: the sigmoid of the model's logits, as the serving runtime answers."""
     from serve.model.data import ClickLogDataset, iter_batches
 
     ds = ClickLogDataset(data_dir, split, batch_size, limit=limit)
@@ -104,14 +118,13 @@ def evaluate_auc(model: torch.nn.Module, data_dir: str | os.PathLike, split: str
     t0 = time.perf_counter()
     with torch.no_grad():
         for i, b in enumerate(iter_batches(ds, num_workers=0)):
-            scores.append(model(b.dense, b.sparse).reshape(-1).float().numpy())
+            scores.append(torch.sigmoid(model(b.dense, b.sparse).reshape(-1).float()).numpy())
             labels.append(b.labels.numpy())
             if progress and (i + 1) % 10 == 0:
                 n = sum(len(x) for x in labels)
                 print(f"  eval {n}/{ds.rows} rows ({n / (time.perf_counter() - t0):,.0f} rows/s)",
                       flush=True)
-    y, s = np.concatenate(labels), np.concatenate(scores)
-    return roc_auc(y, s), int(y.shape[0])
+    return np.concatenate(labels), np.concatenate(scores)
 
 
 def _fbgemm_table_bytes(qmodel: Any) -> int:
@@ -159,14 +172,16 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
         save_artifact(artifact_from_float_dlrm(model, meta={**base_meta, "dtype": "fp32"}), fpath)
     qmodel = quantize_model(model, dtype, inplace=True)
     del model
-    auc_q, _ = evaluate_auc(qmodel, data_dir, limit=eval_limit, progress=progress)
+    labels_q, scores_q = evaluate_scores(qmodel, data_dir, limit=eval_limit, progress=progress)
+    baseline = summarize(labels_q, scores_q)
+    auc_q = roc_auc(labels_q, scores_q)
     art = artifact_from_quantized_dlrm(qmodel, dtype, meta={**base_meta, f"auc_{dtype}": auc_q})
     res = QuantizeResult(
         artifact=os.fspath(out), float_artifact=os.fspath(fpath) if float_artifact else None,
         quantized_dtype=dtype, auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
         table_bytes_fp32=profile.table_bytes_fp32(), table_bytes_quantized=art.table_bytes,
         table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel), num_parameters=nparams,
-        seconds=round(time.perf_counter() - t0, 3))
+        seconds=round(time.perf_counter() - t0, 3), baseline=baseline.to_dict())
     Path(f"{out}.json").write_text(json.dumps(asdict(res), indent=2))
     if check and dtype == "int8" and auc_q < auc_fp32 - max_auc_drop:
         raise QualityError(f"int8 AUC {auc_q:.5f} is below fp32 AUC {auc_fp32:.5f} - "

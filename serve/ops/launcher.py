@@ -48,6 +48,7 @@ import httpx
 
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.net import wait_until
+from serve.predlog import LOG_DIR_ENV
 from serve.repository import ModelRepository
 from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
 
@@ -151,6 +152,11 @@ class LaunchConfig:
     @property
     def multiproc_dir(self) -> Path:
         return self.path(self.run_dir) / "prometheus"
+
+    @property
+    def prediction_log_dir(self) -> Path:
+        """The workers' prediction log (serve.predlog), joined by POST /feedback."""
+        return self.path(self.run_dir) / "predictions"
 
     @property
     def token_file(self) -> Path:
@@ -333,6 +339,7 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         "TMPDIR": str(tmp), "TEMP": str(tmp),  # pid file + .mar unpack dir per instance
         "LOG_LOCATION": str(log_dir), "METRICS_LOCATION": str(log_dir),
         "PROMETHEUS_MULTIPROC_DIR": str(cfg.multiproc_dir),
+        LOG_DIR_ENV: str(cfg.prediction_log_dir),
         "PYTHONUNBUFFERED": "1",
     })
     env.update(cfg.extra_env)
@@ -354,7 +361,8 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
            "--metrics-url", cfg.metrics_url, "--model-name", cfg.model_name,
            "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
            "--model-store", str(cfg.path(cfg.model_store)),
-           "--state-file", str(cfg.path(cfg.state_file))]
+           "--state-file", str(cfg.path(cfg.state_file)),
+           "--prediction-log-dir", str(cfg.prediction_log_dir)]
     for d in cfg.repository_dirs:
         cmd += ["--repository", str(d)]
     return cmd

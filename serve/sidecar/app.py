@@ -11,6 +11,9 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 * ``GET /batching`` and ``PUT /batching`` (bearer token)
   (:mod:`serve.sidecar.routes_batching`): the default version's batching settings, and
   a shortcut that edits them in the desired state and waits until they serve.
+* ``POST /feedback`` (bearer token) and ``GET /feedback``
+  (:mod:`serve.sidecar.routes_feedback`): click labels joined with the workers'
+  prediction log; the online CTR, calibration and AUC per version and arm.
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.routes_health`), ``/docs``
   (OpenAPI).
 
@@ -41,7 +44,14 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from serve.errors import ConfigError
-from serve.sidecar import routes_batching, routes_health, routes_metrics, routes_state
+from serve.predlog import LOG_DIR_ENV
+from serve.sidecar import (
+    routes_batching,
+    routes_feedback,
+    routes_health,
+    routes_metrics,
+    routes_state,
+)
 from serve.sidecar.config import (
     DEFAULT_CGROUP_ROOT,
     DEFAULT_STATE_FILE,
@@ -52,6 +62,7 @@ from serve.sidecar.config import (
     SidecarConfig,
 )
 from serve.sidecar.error_handlers import register_exception_handlers
+from serve.sidecar.feedback import FeedbackConfig
 from serve.sidecar.mar import rewrite_mar
 from serve.sidecar.middleware import count_requests
 from serve.sidecar.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
@@ -111,7 +122,7 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     register_exception_handlers(app)
     app.middleware("http")(count_requests)
     for router in (routes_health.router, routes_metrics.router, routes_batching.router,
-                   routes_state.router):
+                   routes_state.router, routes_feedback.router):
         app.include_router(router)
     return app
 
@@ -178,6 +189,18 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"TorchServe's memory limit when it runs in another container than "
                         f"the sidecar (Downward API limits.memory of that container) "
                         f"[{MEMORY_LIMIT_ENV}]; default: the sidecar's cgroup limit")
+    p.add_argument("--prediction-log-dir", default=os.environ.get(LOG_DIR_ENV) or None,
+                   help=f"the prediction log folder TorchServe's workers write "
+                        f"[{LOG_DIR_ENV}]; POST /feedback joins labels with it. Unset: no "
+                        f"join (every label counts as unknown)")
+    p.add_argument("--feedback-window-s", type=float,
+                   default=float(_env("DLRM_FEEDBACK_WINDOW_S", "3600")),
+                   help="seconds a labelled prediction counts in the online CTR, calibration "
+                        "and AUC [DLRM_FEEDBACK_WINDOW_S]")
+    p.add_argument("--feedback-index-entries", type=int,
+                   default=int(_env("DLRM_FEEDBACK_INDEX_ENTRIES", "200000")),
+                   help="logged request ids the join remembers (~150 bytes each) "
+                        "[DLRM_FEEDBACK_INDEX_ENTRIES]")
     p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -211,7 +234,10 @@ def main(argv: list[str] | None = None) -> None:
             state_file=Path(args.state_file) if args.state_file else None,
             repositories=tuple(Path(r) for r in repositories),
             reconcile_interval_s=args.reconcile_interval, cgroup_root=Path(args.cgroup_root),
-            memory_limit_bytes=args.memory_limit_bytes)
+            memory_limit_bytes=args.memory_limit_bytes,
+            feedback=FeedbackConfig(
+                log_dir=Path(args.prediction_log_dir) if args.prediction_log_dir else None,
+                window_s=args.feedback_window_s, index_entries=args.feedback_index_entries))
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None
     import uvicorn

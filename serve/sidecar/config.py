@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.errors import ConfigError
+from serve.sidecar.feedback import FeedbackConfig
 from serve.state import (  # the limits are the desired state's: defined once there
     BATCH_SIZE_MAX,
     DEFAULT_STATE_FILE,
@@ -84,6 +85,8 @@ class SidecarConfig:
         memory_headroom: a switch is refused when usage + the new version's estimated
             need exceeds this fraction of the limit (the rest absorbs the estimate's error
             and the page cache; an OOM kill would fail every request in flight).
+        feedback: the prediction log folder the workers write and the bounds of the
+            click-feedback join (:class:`~serve.sidecar.feedback.FeedbackConfig`).
     """
 
     inference_url: str = "http://127.0.0.1:8080"
@@ -103,6 +106,7 @@ class SidecarConfig:
     cgroup_root: Path = DEFAULT_CGROUP_ROOT
     memory_limit_bytes: int | None = None
     memory_headroom: float = 0.9
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     def __post_init__(self) -> None:
         for name in ("inference_url", "management_url", "metrics_url"):

@@ -14,10 +14,14 @@ from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS
 from serve.state import DesiredState, Rollout
 
 __all__ = [
+    "FEEDBACK_MAX_LABELS",
     "BatchingState",
     "BatchingStatus",
     "BatchingUpdate",
     "BatchingUpdateResult",
+    "FeedbackAnswer",
+    "FeedbackBody",
+    "FeedbackLabel",
     "GuardStatus",
     "ObservedBatching",
     "ObservedModel",
@@ -210,3 +214,44 @@ class StateAccepted(BaseModel):
     target_serving_version: str
     state_file: str
     message: str
+
+
+# --------------------------------------------------------------------------- /feedback
+
+#: Labels one POST /feedback may carry (a body of 100,000 is ~7 MB of JSON).
+FEEDBACK_MAX_LABELS = 100_000
+#: TorchServe's request ids are UUIDs (36 characters); room for other id schemes.
+REQUEST_ID_MAX_CHARS = 128
+
+
+class FeedbackLabel(BaseModel):
+    """One click label for an earlier prediction. Strict: ``"1"``, ``1.0`` and ``true``
+    are refused, as are unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    request_id: str = Field(min_length=1, max_length=REQUEST_ID_MAX_CHARS,
+                            description="The x-request-id header of the prediction's response.")
+    index: int = Field(ge=0, description="Position of the instance in that request (0-based).")
+    label: int = Field(ge=0, le=1, description="1 = clicked, 0 = not clicked.")
+
+
+class FeedbackBody(BaseModel):
+    """Body of POST /feedback."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    labels: list[FeedbackLabel] = Field(min_length=1, max_length=FEEDBACK_MAX_LABELS)
+
+
+class FeedbackAnswer(BaseModel):
+    """What became of the labels of one POST /feedback (see serve.sidecar.feedback)."""
+
+    received: int
+    joined: int
+    unknown: int
+    expired: int
+    duplicate: int
+    bad_index: int
+    joined_by_arm: list[dict[str, Any]] = Field(
+        description="Labels added to each (version, arm) window by this body.")

@@ -23,6 +23,7 @@ from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
 from serve.sidecar.drain import Drainer
+from serve.sidecar.feedback import FeedbackService
 from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
@@ -47,6 +48,7 @@ class SidecarState:
         update_lock: held while a PUT /batching runs (a second one gets 409).
         running: switches in progress (kept referenced until they end).
         repository: the model versions (``config.repository_roots``).
+        feedback: the click-feedback join (POST /feedback), registered in ``registry``.
     """
 
     config: SidecarConfig
@@ -57,6 +59,8 @@ class SidecarState:
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: set[asyncio.Task[Any]] = field(default_factory=set)
     repository: ModelRepository | None = None
+    feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
+        SidecarConfig().feedback))
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
@@ -75,9 +79,25 @@ class SidecarState:
         if config.multiproc_dir is not None:
             handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
             registry.register(handler_metrics)
-        return cls(config=config, registry=registry, metrics=metrics,
-                   handler_metrics=handler_metrics, clock=clock,
-                   repository=ModelRepository(config.repository_roots, config.model_name))
+        repository = ModelRepository(config.repository_roots, config.model_name)
+        state = cls(config=config, registry=registry, metrics=metrics,
+                    handler_metrics=handler_metrics, clock=clock, repository=repository)
+        state.feedback = FeedbackService(
+            config.feedback, versions=state.served_versions,
+            baseline_of=lambda v: repository.report(v).get("baseline"))
+        registry.register(state.feedback)
+        return state
+
+    def served_versions(self) -> list[str]:
+        """The repository versions the desired state serves now: the stable one and a
+        rollout's candidate (empty without a desired-state file)."""
+        desired = self._reconciler.effective() if self._reconciler is not None else None
+        if desired is None:
+            return []
+        out = [desired.model.version]
+        if desired.rollout is not None:
+            out.append(desired.rollout.candidate)
+        return out
 
     def connect(self, client: httpx.AsyncClient) -> None:
         """Talk to TorchServe through ``client`` (called by the app's lifespan)."""
