@@ -23,7 +23,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -41,6 +41,15 @@ java:  ## install a Java runtime for TorchServe if missing
 kubectl:  ## install kubectl for the offline k8s tests if missing
 	@bash scripts/ensure_kubectl.sh
 
+prometheus:  ## install Prometheus 2.42 + promtool (Debian) for the rules and pipeline tests if missing
+	@bash scripts/ensure_prometheus.sh
+
+chromium:  ## install headless Chromium (Debian) for the /docs browser test if missing
+	@bash scripts/ensure_chromium.sh
+
+monitoring: venv  ## regenerate k8s/monitoring/ (rules, PrometheusRule, dashboard) from serve/ops/monitoring.py
+	$(PY) -m serve.ops.monitoring --write
+
 model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-shuffled].mar [PROFILE=small SEED= VERSION= LABEL_SHUFFLE=1: train on permuted labels, AUC ~0.5]; skips what is up to date
 	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MODEL_IF_MISSING), --if-missing)
 
@@ -53,10 +62,10 @@ up: venv java model  ## start the service in the background
 down: venv  ## stop the background service
 	$(PY) -m serve.ops.launcher down
 
-test: venv java kubectl  ## run the test suite (CPU; GPU tests skip without CUDA)
+test: venv java kubectl prometheus chromium  ## run the test suite (CPU; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
-test-fast: venv  ## unit tests only (no TorchServe, no slow)
+test-fast: venv prometheus  ## unit tests only (no TorchServe, no slow)
 	$(PY) -m pytest -q -m "not slow and not integration"
 
 lint: venv  ## ruff + mypy
@@ -74,6 +83,9 @@ faults: venv java model  ## fault suite against a real service under load (kill 
 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout
+
+promcheck: venv prometheus  ## with `make up` running: a loopback Prometheus with our rules scrapes the sidecar under load; its QPS/p99 vs the load generator's -> bench/results/promcheck.json
+	$(PY) -m serve.ops.promcheck
 
 feedback-check: venv  ## with `make up` running: held-out rows through the service, their labels to POST /feedback; online AUC/calibration vs the build baseline -> bench/results/feedback.json
 	$(PY) -m serve.ops.feedback_check

@@ -68,6 +68,7 @@ from serve.api.protocol import (
     MergedBatch,
     Outcome,
     Split,
+    cache_on_cpu_from_env,
     encode_error,
     handle_batch,
 )
@@ -145,7 +146,8 @@ class DLRMHandler(BaseHandler):
         runtime_cfg = RuntimeConfig(
             device=str(self.device), cache_load_factor=self.cfg.cache_load_factor,
             cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
-            num_threads=threads, max_forward_instances=self.cfg.max_forward_instances)
+            num_threads=threads, max_forward_instances=self.cfg.max_forward_instances,
+            cache_on_cpu=cache_on_cpu_from_env(os.environ))
         self.runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg)
         rollout = self.cfg.rollout
         if rollout is not None:

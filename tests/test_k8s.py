@@ -851,3 +851,18 @@ def test_probe_paths_exist_on_the_real_services(docs, torchserve, sidecar):
         path = ts[probe]["httpGet"]["path"]
         # No Authorization header, as the kubelet sends it: token auth must be off.
         assert httpx.get(f"{torchserve.inference_url}{path}", timeout=10).status_code == 200
+
+
+def test_monitoring_kustomization_applies_the_operator_objects_only():
+    """`kubectl apply -k k8s/monitoring/` (the documented command) builds exactly the
+    ServiceMonitor, the PrometheusRule and the dashboard ConfigMap; the plain rule files,
+    their promtool tests and dashboard.json in that folder are not Kubernetes objects."""
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / "monitoring")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout)
+                   if d)
+    assert kinds == [("ConfigMap", "dlrm-serve-dashboard"), ("PrometheusRule", "dlrm-serve"),
+                     ("ServiceMonitor", "dlrm-serve")]
+    sm_doc = (K8S / "monitoring" / "servicemonitor.yaml").read_text()
+    assert "kubectl apply -k k8s/monitoring/" in sm_doc

@@ -392,11 +392,15 @@ def test_forward_cap_gives_the_predictions_of_one_forward(tiny_models, cap, mult
 
 
 @pytest.mark.parametrize("cap", [64, 512])
-def test_forward_cap_is_bit_exact_on_one_thread_at_a_multiple_of_32(tiny_models, cap):
-    """One intra-op thread (MKL's single-thread kernels block the batch in panels whose
-    height divides 32) and a cap that is a multiple of 32: every chunk boundary falls on
-    a panel boundary, and the chunks are bit-identical to one forward (measured for
-    32..8192 on this CPU)."""
+def test_forward_cap_on_one_thread_at_a_multiple_of_32(tiny_models, cap):
+    """One intra-op thread and a cap that is a multiple of 32: the chunks are bit-identical
+    to predicting the same slices one by one, and within EXACT_TOL of one forward.
+
+    Bit-identical to one forward too on some CPUs (MKL's single-thread kernels block the
+    batch in panels whose height divides 32: measured for 32..8192 on the CI machine of
+    2026-11-30), but not on all: on an AVX512-FP16 Xeon (2026-12-01) the one-forward
+    result differs in the last bits. So that is not asserted; the chunks' own arithmetic is.
+    """
     _, _, _, art, _ = tiny_models
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -405,7 +409,11 @@ def test_forward_cap_is_bit_exact_on_one_thread_at_a_multiple_of_32(tiny_models,
         capped = Runtime.from_artifact(art, RuntimeConfig(max_forward_instances=cap))
         for multi_hot in (False, True):
             dense, sparse = _batch(90 + cap, 3 * cap + 5, multi_hot)
-            assert torch.equal(capped.predict(dense, sparse), one.predict(dense, sparse))
+            got = capped.predict(dense, sparse)
+            sliced = torch.cat([_slice_predict(one, dense, sparse, i, cap)
+                                for i in range(0, dense.shape[0], cap)])
+            assert torch.equal(got, sliced)
+            assert (got - one.predict(dense, sparse)).abs().max().item() <= EXACT_TOL
     finally:
         torch.set_num_threads(threads)
 

@@ -64,7 +64,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
@@ -89,6 +89,7 @@ from serve.state import VERSION_RE
 __all__ = [
     "BINARY_MEDIA_TYPE",
     "BINARY_VERSION",
+    "CACHE_ON_CPU_ENV",
     "INT64_MAX",
     "JSON_MEDIA_TYPE",
     "ArmRun",
@@ -98,6 +99,7 @@ __all__ = [
     "ParsedRequest",
     "RolloutWiring",
     "Split",
+    "cache_on_cpu_from_env",
     "check_content_type",
     "check_route_key",
     "default_num_threads",
@@ -291,6 +293,25 @@ class HandlerConfig:
         if out["rollout"] is None:
             del out["rollout"]
         return out
+
+
+#: Environment variable of TorchServe (and so of its workers): "1" runs the embedding cache
+#: on CPU too. On CPU the cache only costs time (device memory *is* host memory), so it is
+#: off by default; the Prometheus pipeline test turns it on to check the hit-ratio series.
+CACHE_ON_CPU_ENV = "DLRM_CACHE_ON_CPU"
+
+
+def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
+    """Whether ``DLRM_CACHE_ON_CPU`` asks for the cache on CPU ("1"/"0", unset = off).
+
+    Raises:
+        ConfigError: any other value (names it and the two accepted ones).
+    """
+    v = environ.get(CACHE_ON_CPU_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ConfigError(f"{CACHE_ON_CPU_ENV}={v!r} must be 1 (cache on CPU too) or 0 "
+                          "(the default: no cache on CPU)")
+    return v == "1"
 
 
 @dataclass

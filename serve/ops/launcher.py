@@ -116,7 +116,8 @@ class LaunchConfig:
     # On stop (Ctrl-C, SIGTERM, `down`): longest wait for the sidecar's drain (POST /drain)
     # before TorchServe is stopped anyway.
     drain_timeout_s: float = 60.0
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # TorchServe's (and workers')
+    sidecar_env: dict[str, str] = field(default_factory=dict)  # the sidecar's
     ts_overrides: dict[str, str] = field(default_factory=dict)  # config.properties keys to set
 
     def __post_init__(self) -> None:
@@ -379,6 +380,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
+    env.update(cfg.sidecar_env)
     with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

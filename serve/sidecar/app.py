@@ -61,6 +61,7 @@ from serve.sidecar.config import (
     TOKEN_ENV,
     SidecarConfig,
 )
+from serve.sidecar.docs import mount_docs
 from serve.sidecar.error_handlers import register_exception_handlers
 from serve.sidecar.feedback import FeedbackConfig
 from serve.sidecar.mar import rewrite_mar
@@ -109,6 +110,8 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
             yield
         finally:
             await state.stop()
+            if state.gpu is not None:
+                state.gpu.close()
             if http_client is None:
                 await client.aclose()
 
@@ -117,7 +120,10 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
         description="Prometheus metrics, the declared serving state (reconciled into "
                     "TorchServe) and live batching settings for the TorchServe DLRM model "
                     "beside it.",
-        version="0.1.0", lifespan=lifespan)
+        version="0.1.0", lifespan=lifespan,
+        # /docs from local assets (air-gapped clusters have no CDN); no ReDoc.
+        docs_url=None, redoc_url=None)
+    mount_docs(app)
     app.state.sidecar = state
     register_exception_handlers(app)
     app.middleware("http")(count_requests)

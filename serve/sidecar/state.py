@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Annotated, Any
 
 import httpx
@@ -24,6 +25,7 @@ from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
 from serve.sidecar.drain import Drainer
 from serve.sidecar.feedback import FeedbackService
+from serve.sidecar.gpu import GpuCollector
 from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
@@ -49,6 +51,8 @@ class SidecarState:
         running: switches in progress (kept referenced until they end).
         repository: the model versions (``config.repository_roots``).
         feedback: the click-feedback join (POST /feedback), registered in ``registry``.
+        gpu: the GPUs' utilization and memory through NVML, registered in ``registry`` by
+            :meth:`create` (disabled, exporting nothing, without an NVIDIA GPU/driver).
     """
 
     config: SidecarConfig
@@ -61,6 +65,7 @@ class SidecarState:
     repository: ModelRepository | None = None
     feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
         SidecarConfig().feedback))
+    gpu: GpuCollector | None = None
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
@@ -69,9 +74,11 @@ class SidecarState:
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
-               clock: Callable[[], float] = time.monotonic) -> SidecarState:
+               clock: Callable[[], float] = time.monotonic,
+               nvml: ModuleType | None = None) -> SidecarState:
         """A state with fresh metrics registered in ``registry`` (default: a new one,
-        never the global registry, so apps don't collide)."""
+        never the global registry, so apps don't collide). ``nvml``: the NVML bindings
+        for the GPU metrics (default: the real pynvml; tests pass a fake module)."""
         registry = registry if registry is not None else CollectorRegistry()
         metrics = SidecarMetrics()
         registry.register(metrics)
@@ -86,6 +93,8 @@ class SidecarState:
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
         registry.register(state.feedback)
+        state.gpu = GpuCollector.create(nvml)  # one per state: its own registry
+        registry.register(state.gpu)
         return state
 
     def served_versions(self) -> list[str]:
