@@ -186,14 +186,9 @@ class DLRMHandler(BaseHandler):
                     self.device, threads, self.cfg, os.getpid())
 
     def _forward(self, runtime: Any, batch: MergedBatch) -> np.ndarray:
-        from serve.runtime.engine import SparseBatch
-
         if self.cfg.debug_delay_ms:  # tests only: a slow model, so the queue fills up
             time.sleep(self.cfg.debug_delay_ms / 1000.0)
-        dense = torch.from_numpy(batch.dense)
-        sparse = SparseBatch(values=torch.from_numpy(batch.values),
-                             lengths=torch.from_numpy(batch.lengths))
-        return runtime.predict(dense, sparse).numpy()
+        return runtime.predict_arrays(batch.dense, batch.values, batch.lengths)
 
     def _predict(self, batch: MergedBatch) -> np.ndarray:
         """The stable model: MergedBatch -> float32 (B,) probabilities."""

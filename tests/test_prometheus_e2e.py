@@ -27,10 +27,10 @@ import httpx
 import pytest
 import yaml
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, HandlerConfig
+from serve.api.protocol import BINARY_MEDIA_TYPE, CACHE_ON_CPU_ENV, HandlerConfig
 from serve.net import free_ports
 from serve.ops import monitoring
-from serve.ops.feedback_check import post_labels
+from serve.ops.feedback_check import label_triples, post_labels
 from serve.ops.heldout import binary_bodies, score_split
 from serve.ops.promcheck import run_load_and_check, simulate_hit_ratio
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer
@@ -88,7 +88,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
         grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
         state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
         ready_timeout_s=180,
-        extra_env={"OMP_NUM_THREADS": "1", "DLRM_CACHE_ON_CPU": "1"},
+        extra_env={"OMP_NUM_THREADS": "1", CACHE_ON_CPU_ENV: "1"},
         sidecar_env={"PYTHONPATH": path, "DLRM_FAKE_NVML_DEVICES": "2"})
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()
@@ -104,8 +104,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
         from serve.model.data import load_split  # offline data format (test side only)
 
         labels = load_split(tiny_build.data_dir, "eval").labels
-        post_labels(cfg.sidecar_url, token, [(a.request_id, k, int(labels[a.start + k]))
-                                             for a in answers for k in range(a.stop - a.start)])
+        post_labels(cfg.sidecar_url, token, label_triples(answers, labels))
         # a few bad requests, so the errors-by-code series exist (the dashboard shows them)
         for _ in range(3):
             r = httpx.post(predict_url, content=b'{"instances": 1}',

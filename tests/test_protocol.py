@@ -7,7 +7,6 @@ import struct
 import numpy as np
 import orjson
 import pytest
-import torch
 
 from serve.api.protocol import (
     BINARY_MEDIA_TYPE,
@@ -239,12 +238,8 @@ def tiny_runtime(tmp_path_factory):
 
 
 def _predict_with(runtime):
-    from serve.runtime.engine import SparseBatch
-
     def predict(m):
-        return runtime.predict(torch.from_numpy(m.dense),
-                               SparseBatch(torch.from_numpy(m.values),
-                                           torch.from_numpy(m.lengths))).numpy()
+        return runtime.predict_arrays(m.dense, m.values, m.lengths)
     return predict
 
 
@@ -260,7 +255,6 @@ def _counting_predict(runtime):
 
 
 def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
-    from serve.runtime.engine import SparseBatch
 
     reqs = [_multi_hot(2, 11), _multi_hot(3, 12), _multi_hot(1, 13)]
     bodies = [orjson.dumps(reqs[0]), _set_ids(1, "C7", [-5]), orjson.dumps(reqs[1]),
@@ -277,8 +271,7 @@ def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
     assert orjson.loads(outs[4].body)["type"] == "UnsupportedMediaType"
     for out, req in ((outs[0], reqs[0]), (outs[2], reqs[1])):
         p = parse_body(orjson.dumps(req), CFG)
-        alone = tiny_runtime.predict(torch.from_numpy(p.dense), SparseBatch(
-            torch.from_numpy(p.values), torch.from_numpy(p.lengths))).numpy()
+        alone = tiny_runtime.predict_arrays(p.dense, p.values, p.lengths)
         got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
         assert got.shape == alone.shape
         np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)

@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,11 @@ import httpx
 import numpy as np
 
 from serve.errors import ServeError
-from serve.ops.heldout import data_dir_of, score_split
+from serve.ops.heldout import ScoredRequest, data_dir_of, score_split
 from serve.quality import summarize
 from serve.repository import ModelRepository
 
-__all__ = ["CheckRow", "compare", "main", "post_labels"]
+__all__ = ["CheckRow", "compare", "label_triples", "main", "post_labels"]
 
 REPO = Path(__file__).resolve().parents[2]
 AUC_TOLERANCE = 0.01
@@ -45,6 +46,14 @@ LABELS_PER_POST = 50_000
 
 
 CheckRow = dict[str, Any]
+
+
+def label_triples(answers: Sequence[ScoredRequest], labels: np.ndarray
+                  ) -> list[tuple[str, int, int]]:
+    """(request id, instance index, label) of every instance the answers scored: the
+    body of ``POST /feedback`` for held-out rows (``labels``: the split's, by row)."""
+    return [(a.request_id, k, int(labels[a.start + k]))
+            for a in answers for k in range(a.stop - a.start)]
 
 
 def post_labels(sidecar_url: str, token: str, triples: list[tuple[str, int, int]],
@@ -153,8 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     from serve.model.data import load_split  # offline data format
 
     labels = np.asarray(load_split(data_dir, "eval").labels)
-    triples = [(a.request_id, k, int(labels[a.start + k]))
-               for a in answers for k in range(a.stop - a.start)]
+    triples = label_triples(answers, labels)
     served_by = sorted({(a.version, a.arm) for a in answers}, key=str)
     # What the client saw: the same join done here, the reference for the sidecar's.
     n = answers[-1].stop if answers else 0

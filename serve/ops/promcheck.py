@@ -37,7 +37,6 @@ import argparse
 import bisect
 import json
 import math
-import socket
 import sys
 import tempfile
 import time
@@ -49,21 +48,22 @@ import httpx
 import numpy as np
 
 from serve.errors import ServeError
-from serve.metrics import REQUEST_DURATION_BUCKETS
+from serve.metrics import CACHE_HITS_TOTAL, CACHE_MISSES_TOTAL, REQUEST_DURATION_BUCKETS
+from serve.net import free_port
 from serve.ops.loadgen import Answer, BackgroundLoad
+from serve.ops.monitoring import P50_RECORD, P99_RECORD, QPS_RECORD
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer
 
-__all__ = ["CACHE_TOLERANCE", "HIT_RATIO_EXPR", "P99_RECORD", "QPS_RECORD", "QPS_TOLERANCE",
-           "WINDOW_S", "bucket_of", "check_window", "main", "simulate_hit_ratio"]
+__all__ = ["CACHE_TOLERANCE", "HIT_RATIO_EXPR", "QPS_TOLERANCE", "WINDOW_S", "bucket_of",
+           "check_window", "main", "simulate_hit_ratio"]
 
 REPO = Path(__file__).resolve().parents[2]
 WINDOW_S = 60.0           # the recording rules' [1m]
 QPS_TOLERANCE = 0.10      # the issue's bar: within 10 % of the load generator's rate
 CACHE_TOLERANCE = 0.01    # absolute, on the hit ratio
-QPS_RECORD = "dlrm:requests_per_second:rate1m"
-P99_RECORD = "dlrm:request_duration_seconds:p99_1m"
-HIT_RATIO_EXPR = ("sum(rate(dlrm_cache_hits_total[1m])) / (sum(rate(dlrm_cache_hits_total[1m]))"
-                  " + sum(rate(dlrm_cache_misses_total[1m])))")
+# hits / (hits + misses) over the same [1m] as the other two (the recorded ratio is [5m])
+HIT_RATIO_EXPR = (f"sum(rate({CACHE_HITS_TOTAL}[1m])) / (sum(rate({CACHE_HITS_TOTAL}[1m]))"
+                  f" + sum(rate({CACHE_MISSES_TOTAL}[1m])))")
 
 Row = dict[str, Any]
 
@@ -92,24 +92,17 @@ def simulate_hit_ratio(artifact: Path, bodies: Sequence[bytes], content_type: st
         num_threads=1))
     hcfg = HandlerConfig()
     per_body: list[tuple[int, int]] = []
+    prev = rt.stats()
     for c in range(cycles):
         for body in bodies:
-            before = rt.stats()
-            _predict(rt, parse_body(body, hcfg, content_type))
-            after = rt.stats()
+            # one request per forward, as the handler runs it at batch size 1
+            req = parse_body(body, hcfg, content_type)
+            rt.predict_arrays(req.dense, req.values, req.lengths)
+            now = rt.stats()
             if c == cycles - 1:
-                per_body.append((after.hits - before.hits, after.misses - before.misses))
+                per_body.append((now.hits - prev.hits, now.misses - prev.misses))
+            prev = now
     return per_body
-
-
-def _predict(rt: Any, req: Any) -> None:
-    import torch
-
-    from serve.runtime.engine import SparseBatch
-
-    # as the handler does it (handlers/dlrm_handler.py _forward), one request per batch
-    rt.predict(torch.from_numpy(req.dense), SparseBatch(values=torch.from_numpy(req.values),
-                                                        lengths=torch.from_numpy(req.lengths)))
 
 
 def _percentile99(xs: np.ndarray) -> float:
@@ -140,7 +133,7 @@ def check_window(prom: PrometheusServer, answers: Sequence[Answer], t_end_wall: 
     lo, hi = bucket_of(p99)
     prom_qps = prom.value(f"sum({QPS_RECORD})", t_end_wall)
     prom_p99 = prom.value(f"max({P99_RECORD})", t_end_wall)
-    prom_p50 = prom.value("max(dlrm:request_duration_seconds:p50_1m)", t_end_wall)
+    prom_p50 = prom.value(f"max({P50_RECORD})", t_end_wall)
     rows: list[Row] = [
         {"check": "QPS (requests/s)", "prometheus": prom_qps, "loadgen": rate,
          "rule": f"within {QPS_TOLERANCE:.0%}",
@@ -208,12 +201,6 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve.ops.promcheck",
@@ -246,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
               "running (make up)?", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="promcheck-") as tmp:
-        cfg = PrometheusConfig(port=args.port or _free_port(), targets=[args.sidecar],
+        cfg = PrometheusConfig(port=args.port or free_port(), targets=[args.sidecar],
                                data_dir=Path(tmp))
         try:
             with PrometheusServer(cfg) as prom:

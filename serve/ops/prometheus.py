@@ -30,11 +30,12 @@ import httpx
 import yaml
 
 from serve.errors import ConfigError, UpstreamUnavailable
+from serve.ops import monitoring
 
 __all__ = ["PrometheusConfig", "PrometheusServer", "Sample", "prometheus_binary"]
 
 REPO = Path(__file__).resolve().parents[2]
-MONITORING_DIR = REPO / "k8s" / "monitoring"
+MONITORING_DIR = REPO / monitoring.MONITORING_DIR
 #: The rule files a cluster's Prometheus loads (recording before alerts: alerts use records).
 RULE_FILES: tuple[str, ...] = ("recording.rules.yaml", "alerts.rules.yaml")
 

@@ -42,6 +42,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -562,6 +563,15 @@ class Runtime:
         if name not in self._stage:
             raise ConfigError(f"stage {name!r} is not one of {STAGES}")
         self._stage[name] += float(seconds)
+
+    def predict_arrays(self, dense: np.ndarray, values: np.ndarray,
+                       lengths: np.ndarray) -> np.ndarray:
+        """:meth:`predict` on numpy arrays, as the request decoder makes them (zero-copy
+        views: float32 (B, N) dense, int64 (nnz,) values, int32 (F, B) lengths); (B,)
+        float32 probabilities as numpy."""
+        return self.predict(torch.from_numpy(dense),
+                            SparseBatch(values=torch.from_numpy(values),
+                                        lengths=torch.from_numpy(lengths))).numpy()
 
     def stats(self) -> RuntimeStats:
         """A snapshot of the cumulative counters (one device sync with a cache)."""

@@ -21,7 +21,7 @@ memory: NVML's per-device figures include every process on the device.
 
 Example::
 
-    gpu = GpuCollector.create()          # the real pynvml; disabled without a GPU
+    gpu = GpuCollector()                 # the real pynvml; disabled without a GPU
     registry.register(gpu)
     ...
     gpu.close()                          # nvmlShutdown, at shutdown
@@ -91,13 +91,6 @@ class GpuCollector(Collector):
         self._last_error = ""
         self._last_log: float | None = None
         self._start(nvml)
-
-    @classmethod
-    def create(cls, nvml: ModuleType | None = None, *,
-               clock: Callable[[], float] = time.monotonic) -> GpuCollector:
-        """A collector on ``nvml`` (default: the real pynvml); never raises for a
-        missing GPU, driver or package (it is then disabled)."""
-        return cls(nvml, clock=clock)
 
     def _start(self, nvml: ModuleType | None) -> None:
         if nvml is None:

@@ -93,7 +93,7 @@ class SidecarState:
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
         registry.register(state.feedback)
-        state.gpu = GpuCollector.create(nvml)  # one per state: its own registry
+        state.gpu = GpuCollector(nvml)  # one per state: its own registry
         registry.register(state.gpu)
         return state
 
