@@ -112,6 +112,40 @@ class Conflict(ServeError):
 __all__.append("Conflict")
 
 
+class InvalidDelta(InvalidInput):
+    """An embedding delta that cannot be read or does not fit the model (400).
+
+    ``field`` names the part of the delta at fault (``sha256``, ``tables[3].ids``...);
+    it is in the JSON body so a client can tell what to fix.
+    """
+
+    kind = "InvalidDelta"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "field": self.field}
+
+
+class DeltaConflict(Conflict):
+    """A well-formed delta that does not apply here: another base version, or not the
+    next sequence number of its version (409). Nothing was changed."""
+
+    kind = "DeltaConflict"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "field": self.field}
+
+
+__all__ += ["DeltaConflict", "InvalidDelta"]
+
+
 class QualityError(ServeError):
     """A built model misses its quality bar (e.g. int8 AUC below fp32 AUC - 0.001)."""
 

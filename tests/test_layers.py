@@ -19,7 +19,8 @@ FORBIDDEN = ("serve.model", "torchrec", "fbgemm_gpu")
 # Shared ground at the top of serve/ is imported by every layer, so it obeys the rule too.
 SHARED = ("serve/errors.py", "serve/profiles.py", "serve/metrics.py", "serve/constants.py",
           "serve/net.py", "serve/zipf.py", "serve/clilog.py", "serve/routing.py",
-          "serve/cpu.py", "serve/quality.py", "serve/predlog.py")
+          "serve/cpu.py", "serve/quality.py", "serve/predlog.py", "serve/deltas.py",
+          "serve/rowformat.py")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

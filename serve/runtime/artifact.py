@@ -16,7 +16,6 @@ File: ``torch.save`` of a dict, format version ``FORMAT_VERSION``.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 
 from serve.errors import ArtifactError
+from serve.rowformat import DTYPES, row_bytes
+from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 
 __all__ = [
     "DTYPES",
@@ -38,27 +39,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-DTYPES = ("int8", "int4", "fp16", "fp32")
-_SCALE_BIAS_BYTES = 4
-
-
-def _payload_bytes(dtype: str, dim: int) -> int:
-    if dtype == "int8":
-        return _SCALE_BIAS_BYTES + dim
-    if dtype == "int4":
-        if dim % 2:
-            raise ArtifactError(f"int4 tables need an even embedding dim, got {dim}")
-        return _SCALE_BIAS_BYTES + dim // 2
-    if dtype == "fp16":
-        return 2 * dim
-    if dtype == "fp32":
-        return 4 * dim
-    raise ArtifactError(f"unknown table dtype {dtype!r}; expected one of {DTYPES}")
-
-
-def row_bytes(dtype: str, dim: int) -> int:
-    """Bytes per stored row, a multiple of 4."""
-    return 4 * math.ceil(_payload_bytes(dtype, dim) / 4)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: str, dim: int) -> torch.Tensor:
