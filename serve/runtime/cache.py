@@ -685,6 +685,30 @@ class EmbeddingCache:
         self.row_to_slot.index_copy_(0, new_rows, victims.to(torch.int32))
         self.slot_last_use.index_copy_(0, victims, victims + now)
 
+    @_on_own_device
+    def update_rows(self, rows: torch.Tensor, data: torch.Tensor) -> int:
+        """Overwrite rows in place: the host table, and the device slot of every row that
+        is resident (overwrite, not invalidate: the policy state (LRU keys, LFU counts)
+        stays as it was, so a delta changes values, never what is cached).
+
+        Args:
+            rows: int64 (n,) global rows, unique, in 0..R-1.
+            data: uint8 (n, row_bytes) the new rows, in the table's row format.
+        Returns:
+            how many of them were resident on the device.
+        """
+        self._check_open()
+        rows_cpu = rows.to("cpu", dtype=torch.int64)
+        data_cpu = data.to("cpu")
+        self.host_table.index_copy_(0, rows_cpu, data_cpu)
+        rows_d = rows_cpu.to(self.device, non_blocking=True)
+        slot = self.row_to_slot.index_select(0, rows_d).long()
+        resident = slot >= 0
+        hit = int(resident.sum())
+        if hit:
+            self.slots.index_copy_(0, slot[resident], data_cpu.to(self.device)[resident])
+        return hit
+
     def static_ok(self, n: int) -> bool:
         """Whether ``lookup_static`` may serve ``n`` ids: LRU, misses readable by the device
         (CPU, or CUDA with the mapped miss path), and at least 2n slots, so the n oldest

@@ -59,6 +59,7 @@ from serve.runtime.cache import (
     resolve_decay_every,
 )
 from serve.runtime.dense import PRECISIONS, DenseDLRM, convert_precision
+from serve.runtime.shared import SharedTables
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
            "RuntimeStats", "SparseBatch"]
@@ -171,7 +172,9 @@ class RuntimeStats:
     rows on the compute device plus the cache's maps; ``host_bytes``: the full host copy
     behind a cache (0 without one). ``stage_seconds``: wall seconds per stage.
     ``forwards``: model forwards (a batch split by ``max_forward_instances`` counts one per
-    chunk); ``samples``: samples predicted.
+    chunk); ``samples``: samples predicted. ``wrapped``: per feature (``feature_names``
+    order), ids that were >= the table's rows and wrapped modulo rows (new ids outgrowing
+    a table show up here first).
     """
 
     lookups: int
@@ -184,6 +187,7 @@ class RuntimeStats:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     forwards: int = 0
     samples: int = 0
+    wrapped: tuple[int, ...] = ()
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -249,8 +253,11 @@ def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
 class Runtime:
     """Serves one artifact on one device. Not thread-safe: one caller at a time."""
 
-    def __init__(self, artifact: Artifact, config: RuntimeConfig) -> None:
+    def __init__(self, artifact: Artifact, config: RuntimeConfig,
+                 shared: SharedTables | None = None) -> None:
         self.config = config
+        self.shared: SharedTables | None = None
+        self._shared_offer = shared
         self.device = _resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -273,6 +280,8 @@ class Runtime:
         self._rows_d = torch.tensor(self.table_rows, dtype=torch.int64, device=dev)
         self._offsets_d = torch.tensor(offsets, dtype=torch.int64, device=dev)
         self._feature_ids_d = torch.arange(len(self.table_rows), device=dev)
+        self._wrapped_d = torch.zeros(len(self.table_rows), dtype=torch.int64, device=dev)
+        self._offsets = offsets
         self.cache: EmbeddingCache | None
         self.table: torch.Tensor | None
         self.cache, self.table = self._place_rows(artifact, config)
@@ -310,6 +319,10 @@ class Runtime:
                            cache_bytes=config.cache_bytes)
         use_cache = (config.cache_on_cpu if self.device.type == "cpu"
                      else cap < self.total_rows)
+        if not use_cache and self.device.type == "cpu" and self._shared_offer is not None:
+            # One copy for every worker of the pod (serve.runtime.shared).
+            self.shared = self._shared_offer
+            return None, self.shared.open(tables)
         if not use_cache:
             if self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous():
                 return None, tables[0]
@@ -331,11 +344,55 @@ class Runtime:
 
     @classmethod
     def from_artifact(cls, artifact: Artifact | str | os.PathLike,
-                      config: RuntimeConfig = RuntimeConfig()) -> Runtime:
-        """Load (path: memory-mapped read) and prepare an artifact for ``config.device``."""
+                      config: RuntimeConfig = RuntimeConfig(),
+                      shared: SharedTables | None = None) -> Runtime:
+        """Load (path: memory-mapped read) and prepare an artifact for ``config.device``.
+
+        ``shared``: on CPU without a cache, serve the rows from this pod-wide shared copy
+        instead of a private one (ignored where a cache or a device holds the rows).
+        """
         if not isinstance(artifact, Artifact):
             artifact = load_artifact(artifact)
-        return cls(artifact, config)
+        return cls(artifact, config, shared)
+
+    def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite rows of one table (an embedding delta): host rows and, with a cache,
+        the copies resident on the device, so the next predict is exact.
+
+        Args:
+            table: index in ``feature_names`` order.
+            ids: int64 (n,) unique row ids in 0..rows-1 of that table.
+            rows: uint8 (n, row_bytes) in the artifact's row format.
+
+        Not thread-safe, like predict: call it between batches. With a shared table, the
+        caller holds its write lock (serve.runtime.follower does).
+        """
+        if not 0 <= table < len(self.table_rows):
+            raise ConfigError(f"table {table} is not in 0..{len(self.table_rows) - 1}")
+        n = int(ids.shape[0])
+        if n == 0:
+            return
+        rb = self.row_bytes
+        if tuple(rows.shape) != (n, rb) or rows.dtype != torch.uint8:
+            raise ConfigError(f"rows must be uint8 ({n}, {rb}), got {rows.dtype} "
+                              f"{tuple(rows.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.table_rows[table]:
+            raise ConfigError(f"ids must be in 0..{self.table_rows[table] - 1} for table "
+                              f"{self.feature_names[table]}")
+        g = ids.to(torch.int64) + self._offsets[table]
+        with device_guard(self.device):
+            if self.cache is not None:
+                self.cache.update_rows(g, rows)
+            else:
+                t = self._table()
+                t.index_copy_(0, g.to(t.device), rows.to(t.device))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per stored row (the artifact's row format)."""
+        if self.cache is not None:
+            return self.cache.row_bytes
+        return int(self._table().shape[1])
 
     # -- validation ----------------------------------------------------------------------
     def _check(self, dense: torch.Tensor, sparse: SparseBatch) -> tuple[torch.Tensor, int]:
@@ -388,10 +445,14 @@ class Runtime:
         if one_hot:
             nf = len(self.table_rows)
             vv = v.view(nf, -1)
-            return (vv % self._rows_d.unsqueeze(1) + self._offsets_d.unsqueeze(1)).view(-1)
+            rows = self._rows_d.unsqueeze(1)
+            self._wrapped_d += (vv >= rows).sum(1)
+            return (vv % rows + self._offsets_d.unsqueeze(1)).view(-1)
         per_feature = lengths.sum(1).to(dev, non_blocking=True)
         feat = torch.repeat_interleave(self._feature_ids_d, per_feature, output_size=v.numel())
-        return v % self._rows_d.index_select(0, feat) + self._offsets_d.index_select(0, feat)
+        rows = self._rows_d.index_select(0, feat)
+        self._wrapped_d.index_add_(0, feat, (v >= rows).long())
+        return v % rows + self._offsets_d.index_select(0, feat)
 
     def _embed(self, sparse: SparseBatch, lengths: torch.Tensor, b: int) -> torch.Tensor:
         """Pooled embeddings (B, F, D) float32 on the device."""
@@ -495,6 +556,10 @@ class Runtime:
             entry = self._capture(b)
             self._graphs[b] = entry
         graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
+        # The graph wraps ids itself; count the wrapped ones here, on the host.
+        nf = len(self.table_rows)
+        wrapped = (sparse.values.view(nf, -1) >= torch.tensor(self.table_rows).unsqueeze(1)).sum(1)
+        self._wrapped_d += wrapped.to(self.device)
         h_vals.copy_(sparse.values)
         h_dense.copy_(dense)
         s_vals.copy_(h_vals, non_blocking=True)
@@ -586,4 +651,5 @@ class Runtime:
                             hit_ratio=hits / lookups if lookups else 0.0,
                             device_bytes=dev_b, host_bytes=host_b,
                             stage_seconds=dict(self._stage), forwards=self._forwards,
-                            samples=self._samples)
+                            samples=self._samples,
+                            wrapped=tuple(int(x) for x in self._wrapped_d.tolist()))

@@ -1,0 +1,175 @@
+"""A worker follows its version's embedding deltas: in order, once, between two batches.
+
+The sidecar validates a posted delta and adds it to the pod's :class:`serve.deltas.DeltaStore`
+(``<delta_dir>/<version>/<seq>.delta``). Every worker runs one :class:`DeltaFollower` per
+version it serves (stable, and a rollout's candidate). Its steps, each a method:
+
+1. :meth:`pending`: the store's sequence numbers above the one applied here;
+2. :meth:`load`: read and check the next one (checksum, base version, sequence, the
+   runtime's tables) *outside* the batch lock, so batches go on meanwhile;
+3. :meth:`apply`: under the worker's batch lock (a batch holds it for its whole
+   forward, so a batch sees all of a delta or none of it) overwrite the rows:
+   ``Runtime.update_rows`` writes the host rows and the device-cached copies. With the
+   pod-wide shared table (:mod:`serve.runtime.shared`) it also takes that table's write
+   lock (no worker is mid-batch), and only the first worker to get there writes: the
+   others find the table's sequence already there (one copy, so each worker's view gets
+   the delta exactly once either way);
+4. :meth:`write_status`: ``workers/<pid>.json`` (sequence, rows, apply seconds), which
+   the sidecar reads for ``GET /state``, ``/metrics`` and to answer the POST.
+
+:meth:`catch_up` runs 1-4 until nothing is pending: at worker start (before the first
+batch: a new or restarted worker serves every delta of its version), then from a
+background thread every ``poll_s``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve.deltas import Delta, DeltaStore, TableLayout, WorkerStatus, check_layout
+from serve.errors import DeltaConflict, ServeError
+
+__all__ = ["DeltaFollower", "runtime_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def runtime_layout(runtime: Any) -> TableLayout:
+    """What a delta must fit, read from a :class:`serve.runtime.engine.Runtime`."""
+    return TableLayout(tuple(runtime.feature_names), tuple(runtime.table_rows), runtime.dtype,
+                       runtime.dim, runtime.row_bytes)
+
+
+class DeltaFollower:
+    """Applies one version's deltas to one runtime.
+
+    Args:
+        store: the pod's delta store.
+        version: the version this runtime serves.
+        runtime: a :class:`serve.runtime.engine.Runtime` (``update_rows``, ``shared``).
+        batch_lock: held by the worker for each batch; taken here for each apply.
+        pid: written in the status (default: this process).
+        clock: wall seconds (status timestamps); perf: seconds for durations.
+    """
+
+    def __init__(self, store: DeltaStore, version: str, runtime: Any,
+                 batch_lock: threading.Lock, *, pid: int | None = None,
+                 clock: Callable[[], float] = time.time,
+                 perf: Callable[[], float] = time.perf_counter) -> None:
+        self.store, self.version, self.runtime = store, version, runtime
+        self.batch_lock = batch_lock
+        self.pid = os.getpid() if pid is None else pid
+        self.clock, self.perf = clock, perf
+        self.layout = runtime_layout(runtime)
+        self.applied = 0
+        self.rows = 0
+        self.apply_seconds = 0.0
+        self.applied_at = 0.0
+        self.created_at = 0.0
+        self._failed: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- steps ---------------------------------------------------------------------------
+    def pending(self) -> list[int]:
+        """Sequence numbers in the store not applied here yet, ascending."""
+        return [s for s in self.store.sequences(self.version) if s > self.applied]
+
+    def load(self, sequence: int) -> Delta:
+        """Read and check delta ``sequence`` (no lock held).
+
+        Raises:
+            InvalidDelta: unreadable, bad checksum, does not fit the tables.
+            DeltaConflict: another base version, or not the next sequence here.
+        """
+        delta = self.store.read(self.version, sequence)
+        if delta.base_version != self.version:
+            raise DeltaConflict("header.base_version",
+                                f"{delta.base_version!r} is not this worker's version "
+                                f"{self.version!r}")
+        if delta.sequence != sequence or sequence != self.applied + 1:
+            raise DeltaConflict("header.sequence",
+                                f"{delta.sequence} (file {sequence}) is not the next after "
+                                f"{self.applied}")
+        check_layout(delta, self.layout)
+        return delta
+
+    def apply(self, delta: Delta) -> float:
+        """Write ``delta``'s rows between two batches; return the seconds the write took
+        (not the wait for the running batch)."""
+        prepared = [(t.table, torch.from_numpy(np.ascontiguousarray(t.ids, dtype=np.int64)),
+                     torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
+                    for t in delta.tables]
+        shared = getattr(self.runtime, "shared", None)
+        with self.batch_lock, (shared.write() if shared is not None
+                               else contextlib.nullcontext()):
+            t0 = self.perf()
+            if shared is None or shared.sequence() < delta.sequence:
+                for table, ids, rows in prepared:
+                    self.runtime.update_rows(table, ids, rows)
+                if shared is not None:
+                    shared.set_sequence(delta.sequence)
+            seconds = self.perf() - t0
+        self.applied = delta.sequence
+        self.rows += delta.rows
+        self.apply_seconds = seconds
+        self.applied_at = self.clock()
+        self.created_at = delta.created_at
+        return seconds
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(pid=self.pid, version=self.version, sequence=self.applied,
+                            rows=self.rows, apply_seconds=round(self.apply_seconds, 6),
+                            applied_at=self.applied_at, created_at=self.created_at)
+
+    def write_status(self) -> None:
+        self.store.write_worker_status(self.status())
+
+    def catch_up(self) -> int:
+        """Apply every pending delta in order; return how many were applied. A delta that
+        fails its checks stops the catch-up there (later ones need it) and is logged once;
+        the worker keeps serving what it has."""
+        done = 0
+        for seq in self.pending():
+            if seq != self.applied + 1:
+                break  # a gap in the store: wait for the missing one
+            try:
+                delta = self.load(seq)
+            except (ServeError, OSError) as e:
+                if self._failed != seq:
+                    log.error("delta %s #%d not applied: %s", self.version, seq, e)
+                    self._failed = seq
+                break
+            seconds = self.apply(delta)
+            done += 1
+            log.info("delta %s #%d applied: %d rows in %.2f ms", self.version, seq,
+                     delta.rows, seconds * 1e3)
+            self.write_status()
+        return done
+
+    # -- background ------------------------------------------------------------------------
+    def start(self, poll_s: float) -> None:
+        """Catch up every ``poll_s`` seconds from a daemon thread."""
+        def loop() -> None:
+            while not self._stop.wait(poll_s):
+                try:
+                    self.catch_up()
+                except Exception:  # never let the follower die silently
+                    log.exception("delta follower of %s failed; retrying", self.version)
+
+        self._thread = threading.Thread(target=loop, name=f"deltas-{self.version}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,141 @@
+"""One host copy of a version's embedding tables for every worker of a pod.
+
+Each TorchServe worker is its own process. Without sharing, each copies the tables into
+its own memory (2 workers x 57 MB on ``small``, 2 x 2.3 GB at criteo-kaggle scale). Here
+the first worker writes the concatenated tables, uint8 (R, row_bytes), once into a file
+(``tables.bin`` in the version's delta folder, see :mod:`serve.deltas`) and every worker
+maps it ``MAP_SHARED``: the pages live once, in the page cache (tmpfs or disk-backed),
+whatever the number of workers.
+
+Deltas write into that one mapping, so they must never land under a batch that is
+reading it: a batch holds the **read** side of a cross-process reader-writer lock
+(``flock`` on ``tables.lock``) for its whole forward, and a delta is written under the
+**write** side. Plain ``flock`` does not stop new readers from overtaking a waiting
+writer (two busy workers would starve it), so both sides first pass a turnstile
+(``tables.turn``, exclusive, held by a writer until it is done; a reader only passes
+through): a writer waits for at most the batches already running. Cost per batch: three
+``flock`` calls, a few microseconds.
+
+``tables.seq`` holds the sequence number of the newest delta written into the mapping,
+so the first worker to take the write side writes a delta and the others only record
+that they see it (each worker's view gets every delta exactly once).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from serve.errors import ArtifactError
+
+__all__ = ["SharedTables"]
+
+log = logging.getLogger(__name__)
+
+
+class SharedTables:
+    """The shared table file of one version, its locks and its sequence number.
+
+    Args:
+        path: the table file (``<delta_dir>/<version>/tables.bin``); its folder is created.
+        max_sequence: the newest delta the store holds for the version: a file claiming a
+            newer one (the store was emptied behind it) is written afresh by :meth:`open`.
+    """
+
+    def __init__(self, path: str | os.PathLike, max_sequence: int = 0) -> None:
+        self.path = Path(path)
+        self.max_sequence = max_sequence
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        base = self.path.with_suffix("")
+        # One descriptor each per process (flock locks belong to the open file).
+        self._rw = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self._turn = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT, 0o644)
+        self._seq_path = Path(f"{base}.seq")
+
+    def close(self) -> None:
+        for fd in (self._rw, self._turn):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- locks -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        """Held by a batch for its whole forward: no delta is written meanwhile."""
+        fcntl.flock(self._turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._rw, fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._rw, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        """Exclusive: waits for the batches running in every worker, blocks new ones."""
+        fcntl.flock(self._turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._rw, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._rw, fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(self._turn, fcntl.LOCK_UN)
+
+    # -- the sequence written into the mapping -----------------------------------------
+    def sequence(self) -> int:
+        """The newest delta written into the file (0: none). Read under a lock."""
+        try:
+            return int(self._seq_path.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def set_sequence(self, seq: int) -> None:
+        """Record that delta ``seq`` is in the file; call under :meth:`write`."""
+        tmp = self._seq_path.with_name(self._seq_path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(str(int(seq)))
+        os.replace(tmp, self._seq_path)
+
+    # -- the mapping -------------------------------------------------------------------
+    def open(self, tables: list[torch.Tensor]) -> torch.Tensor:
+        """The shared table, uint8 (R, row_bytes), mapped ``MAP_SHARED``.
+
+        The first caller writes the file from ``tables`` (each uint8 (rows_t, row_bytes),
+        in feature order; typically memory-mapped from the artifact); later callers map
+        it. A file whose size does not match, or that claims a delta newer than
+        ``max_sequence``, is written afresh from ``tables``.
+
+        Raises:
+            ArtifactError: the tables have different row widths.
+        """
+        widths = {int(t.shape[1]) for t in tables}
+        if len(widths) != 1:
+            raise ArtifactError(f"tables mix row widths {sorted(widths)}")
+        rb = widths.pop()
+        rows = sum(int(t.shape[0]) for t in tables)
+        nbytes = rows * rb
+        with self.write():
+            size = self.path.stat().st_size if self.path.exists() else -1
+            seq = self.sequence()
+            if size != nbytes or seq > self.max_sequence:
+                why = ("missing" if size < 0 else f"{size} bytes, expected {nbytes}"
+                       if size != nbytes else f"at delta {seq}, the store holds {self.max_sequence}")
+                log.info("shared tables %s: writing %d rows x %d bytes (%s)", self.path, rows,
+                         rb, why)
+                tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    f.writelines(t.contiguous().numpy().tobytes() for t in tables)
+                os.replace(tmp, self.path)
+                self.set_sequence(0)
+            storage = torch.UntypedStorage.from_file(os.fspath(self.path), shared=True,
+                                                     nbytes=nbytes)
+        table = torch.empty(0, dtype=torch.uint8)
+        table.set_(storage)  # type: ignore[arg-type]
+        return table.view(rows, rb)
