@@ -51,10 +51,12 @@ The logic lives in :mod:`serve.api.protocol` (no TorchServe needed to test it).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import random
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -64,6 +66,7 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from serve.api.protocol import (
+    DeltaWiring,
     HandlerConfig,
     MergedBatch,
     Outcome,
@@ -74,6 +77,7 @@ from serve.api.protocol import (
 )
 from serve.constants import ARTIFACT_NAME
 from serve.cpu import choose_threads
+from serve.deltas import DeltaStore
 from serve.errors import ServeError
 from serve.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
 from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER, ControlWatcher, takes_candidate
@@ -111,6 +115,9 @@ class DLRMHandler(BaseHandler):
         self._rng = random.Random(0)
         self._last_stages: dict[str, float] = {}
         self.predlog: PredictionLogWriter | None = None
+        # Held for each batch; a delta is applied between two batches under it.
+        self._batch_lock = threading.Lock()
+        self.followers: list[Any] = []
 
     def initialize(self, context: Any) -> None:
         # Keep bodies as raw bytes: TorchServe's own json.loads would accept NaN and turn
@@ -120,6 +127,7 @@ class DLRMHandler(BaseHandler):
         # either way (TorchServe decodes only JSON and text/*); numpy views it in place.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         from serve.runtime.engine import Runtime, RuntimeConfig
+        from serve.runtime.shared import SharedTables
 
         props = context.system_properties
         model_dir = props.get("model_dir")
@@ -148,11 +156,22 @@ class DLRMHandler(BaseHandler):
             cache_bytes=self.cfg.cache_bytes, cache_policy=self.cfg.cache_policy,
             num_threads=threads, max_forward_instances=self.cfg.max_forward_instances,
             cache_on_cpu=cache_on_cpu_from_env(os.environ))
-        self.runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg)
+        deltas = DeltaWiring.from_env(os.environ)
+        store = DeltaStore(deltas.directory) if deltas is not None else None
+
+        def shared_for(version: str) -> SharedTables | None:
+            if store is None or deltas is None or not deltas.shared_tables:
+                return None
+            return SharedTables(store.folder(version) / "tables.bin",
+                                store.last_sequence(version))
+
+        self.runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg,
+                                             shared=shared_for(self.model_version))
         rollout = self.cfg.rollout
         if rollout is not None:
             self.candidate = Runtime.from_artifact(
-                os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg)
+                os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg,
+                shared=shared_for(rollout.candidate_version))
             self.candidate_version = rollout.candidate_version
             self.watcher = ControlWatcher(rollout.control_file)
             # Requests without a route key are routed at random: seeded per worker (its
@@ -171,6 +190,8 @@ class DLRMHandler(BaseHandler):
             logger.info("prediction log: %s (sample %.3g, %d-byte files, %d bytes at most)",
                         log_cfg.directory, log_cfg.sample_rate, log_cfg.file_bytes,
                         log_cfg.max_bytes)
+        if store is not None and deltas is not None:
+            self._follow_deltas(store, deltas)
         if HandlerMetrics is not None:
             _clean_metric_files()
             self.metrics = HandlerMetrics()
@@ -184,6 +205,35 @@ class DLRMHandler(BaseHandler):
         logger.info("DLRM handler ready: version=%s candidate=%s device=%s threads=%d "
                     "config=%s pid=%d", self.model_version, self.candidate_version,
                     self.device, threads, self.cfg, os.getpid())
+
+    def _follow_deltas(self, store: DeltaStore, wiring: DeltaWiring) -> None:
+        """One follower per served version (stable, candidate): every delta already in
+        the store is applied before the first batch, later ones between batches by a
+        background thread (serve.runtime.follower)."""
+        from serve.runtime.follower import DeltaFollower
+
+        pairs = [(self.model_version, self.runtime)]
+        if self.candidate is not None and self.candidate_version is not None:
+            pairs.append((self.candidate_version, self.candidate))
+        for version, rt in pairs:
+            f = DeltaFollower(store, version, rt, self._batch_lock)
+            n = f.catch_up()
+            f.write_status()
+            f.start(wiring.poll_s)
+            self.followers.append(f)
+            logger.info("deltas: following %s in %s (%d applied at start, sequence %d, "
+                        "shared tables %s)", version, store.folder(version), n, f.applied,
+                        rt.shared.path if rt.shared is not None else "off")
+
+    @contextlib.contextmanager
+    def _batch_guard(self) -> Any:
+        """A batch's hold on the tables: the worker's batch lock, and the read side of
+        each shared table (no delta lands in any worker while this batch runs)."""
+        with self._batch_lock, contextlib.ExitStack() as stack:
+            for rt in self._runtimes():
+                if rt.shared is not None:
+                    stack.enter_context(rt.shared.read())
+            yield
 
     def _forward(self, runtime: Any, batch: MergedBatch) -> np.ndarray:
         if self.cfg.debug_delay_ms:  # tests only: a slow model, so the queue fills up
@@ -216,8 +266,9 @@ class DLRMHandler(BaseHandler):
                 bodies.append(body)
                 ctypes.append(ctype)
                 keys.append(key)
-            outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg,
-                                          route_keys=keys, split=self._split())
+            with self._batch_guard():
+                outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg,
+                                              route_keys=keys, split=self._split())
         except Exception:  # a bug, not bad input: answer 500 JSON, keep the worker alive
             logger.exception("DLRM handler failed on a batch of %d requests", len(data))
             err = ServeError("internal error while predicting; see the TorchServe model log")
@@ -283,15 +334,19 @@ class DLRMHandler(BaseHandler):
 
     def _cache_stats(self) -> SimpleNamespace:
         """Cache statistics summed over the runtimes (stable + candidate), in the shape
-        ``HandlerMetrics.set_cache`` reads; sums of cumulative counts stay cumulative.
+        ``HandlerMetrics.set_cache`` reads, plus ``wrapped`` (per feature, for
+        ``set_wrapped``); sums of cumulative counts stay cumulative.
         (A namespace, not a class: TorchServe wants exactly one class in this module.)"""
         names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
-        total = dict.fromkeys(names, 0)
+        total: dict[str, Any] = dict.fromkeys(names, 0)
+        wrapped = [0] * len(self.runtime.feature_names) if self.runtime is not None else []
         for rt in self._runtimes():
             st = rt.stats()
             for name in names:
                 total[name] += int(getattr(st, name))
-        return SimpleNamespace(**total)
+            for i, n in enumerate(st.wrapped):
+                wrapped[i] += n
+        return SimpleNamespace(**total, wrapped=tuple(wrapped))
 
     def _record(self, outcomes: list[Outcome], info: dict | None, seconds: float) -> None:
         try:
@@ -310,7 +365,9 @@ class DLRMHandler(BaseHandler):
                 self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
                                              for k, v in now.items()})
                 self._last_stages = now
-                self.metrics.set_cache(self._cache_stats())
+                stats = self._cache_stats()
+                self.metrics.set_cache(stats)
+                self.metrics.set_wrapped(self.runtime.feature_names, stats.wrapped)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording DLRM metrics failed")
 

@@ -54,6 +54,7 @@ import re
 import threading
 from collections import Counter as _Tally
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -90,7 +91,12 @@ __all__ = [
     "CACHE_HIT_RATIO",
     "CACHE_HOST_BYTES",
     "CACHE_MISSES_TOTAL",
+    "EMBEDDING_DELTA_APPLIED_SEQUENCE",
+    "EMBEDDING_DELTA_APPLY_SECONDS",
     "EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS",
+    "EMBEDDING_DELTA_ROWS_UPDATED",
+    "EMBEDDING_DELTA_SEQUENCE",
+    "EMBEDDING_IDS_WRAPPED_TOTAL",
     "FEEDBACK_LABELS_TOTAL",
     "FEEDBACK_RESULTS",
     "GPU_MEMORY_TOTAL_BYTES",
@@ -128,11 +134,13 @@ __all__ = [
     "WORKERS",
     "CacheStats",
     "CleanupReport",
+    "EmbeddingDeltaGauges",
     "HandlerAggregateCollector",
     "HandlerMetrics",
     "SidecarMetrics",
     "cache_hit_ratio_family",
     "clean_dead_worker_files",
+    "embedding_delta_families",
     "torchserve_families",
     "workers_family",
 ]
@@ -195,6 +203,16 @@ GPU_MEMORY_TOTAL_BYTES = "dlrm_gpu_memory_total_bytes"
 # Embedding deltas (the fresh-embeddings issue): unix time the newest applied delta was
 # built, per {version}; ``time() - it`` is the embeddings' staleness.
 EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS = "dlrm_embedding_delta_created_timestamp_seconds"
+# Ids >= their table's rows (they wrap modulo rows), per feature: label `feature` is one of
+# the model's 26 sparse feature names (bounded), never an id.
+EMBEDDING_IDS_WRAPPED_TOTAL = "dlrm_embedding_ids_wrapped_total"
+# ... and the rest of the delta pipeline's state per served {version} (sidecar,
+# serve.sidecar.deltas): the last sequence stored, the one every live worker has applied,
+# the rows those deltas wrote and the slowest worker's last apply time.
+EMBEDDING_DELTA_SEQUENCE = "dlrm_embedding_delta_sequence"
+EMBEDDING_DELTA_APPLIED_SEQUENCE = "dlrm_embedding_delta_applied_sequence"
+EMBEDDING_DELTA_ROWS_UPDATED = "dlrm_embedding_delta_rows_updated"
+EMBEDDING_DELTA_APPLY_SECONDS = "dlrm_embedding_delta_apply_seconds"
 
 #: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
 ARMS: tuple[str, ...] = ("stable", "candidate")
@@ -330,6 +348,10 @@ class HandlerMetrics:
         self._host_bytes = Gauge(CACHE_HOST_BYTES,
                                  "Embedding bytes held in host memory.",
                                  registry=r, multiprocess_mode="livesum")
+        self._wrapped = Counter(
+            _strip_total(EMBEDDING_IDS_WRAPPED_TOTAL),
+            "Sparse ids >= their table's rows, wrapped modulo rows, per feature: new ids "
+            "outgrowing a table.", ["feature"], registry=r)
         self._stage = Histogram(
             STAGE_DURATION_SECONDS,
             "Time per pipeline stage of one forward pass, in seconds.",
@@ -416,6 +438,18 @@ class HandlerMetrics:
                     counter.inc(delta)
             self._device_bytes.set(int(stats.device_bytes))
             self._host_bytes.set(int(stats.host_bytes))
+
+    def set_wrapped(self, features: list[str], wrapped: tuple[int, ...]) -> None:
+        """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
+        per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
+        with self._lock:
+            for name, value in zip(features, wrapped):
+                key = f"wrapped:{name}"
+                last = self._last.get(key, 0)
+                delta = value - last if value >= last else value
+                self._last[key] = value
+                if delta:
+                    self._wrapped.labels(feature=name).inc(delta)
 
     def observe_logged(self, requests: int) -> None:
         """``requests`` more requests written to the prediction log (serve.predlog)."""
@@ -630,6 +664,60 @@ def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metr
             renamed.add_sample(name + s.name[len(family.name):], s.labels, s.value,
                                s.timestamp, s.exemplar)
         out.append(renamed)
+    return out
+
+
+@dataclass(frozen=True)
+class EmbeddingDeltaGauges:
+    """One served version's embedding-delta state at a scrape (``serve.sidecar.deltas``).
+
+    ``None`` leaves that version's series out of the family: no live worker reports
+    (``applied_sequence``, ``rows_updated``, ``apply_seconds``) or no delta applied by
+    every live worker yet (``created_at``), rather than a made-up 0.
+    """
+
+    version: str
+    last_sequence: int
+    applied_sequence: int | None = None
+    rows_updated: int | None = None
+    apply_seconds: float | None = None
+    created_at: float | None = None
+
+
+def embedding_delta_families(gauges: Iterable[EmbeddingDeltaGauges]) -> list[Metric]:
+    """The embedding-delta gauges, labelled ``{version}`` (served versions only: bounded).
+
+    * ``dlrm_embedding_delta_sequence``: the last delta sequence the pod stored.
+    * ``dlrm_embedding_delta_applied_sequence``: the last one every live worker serving the
+      version has applied (their minimum); below the stored one while workers catch up.
+    * ``dlrm_embedding_delta_rows_updated``: embedding rows written by the deltas applied
+      (the slowest worker's count).
+    * ``dlrm_embedding_delta_apply_seconds``: the slowest live worker's last apply time.
+    * ``dlrm_embedding_delta_created_timestamp_seconds``: unix time the newest delta
+      applied by every live worker was built; ``time() - it`` is the staleness the
+      ``DlrmEmbeddingDeltasStale`` alert watches.
+    """
+    rows = list(gauges)
+    specs: list[tuple[str, str, str]] = [
+        (EMBEDDING_DELTA_SEQUENCE, "last_sequence",
+         "Last embedding delta sequence number the pod stored for the version."),
+        (EMBEDDING_DELTA_APPLIED_SEQUENCE, "applied_sequence",
+         "Last embedding delta sequence every live worker serving the version applied."),
+        (EMBEDDING_DELTA_ROWS_UPDATED, "rows_updated",
+         "Embedding rows written by the deltas every live worker applied (slowest worker)."),
+        (EMBEDDING_DELTA_APPLY_SECONDS, "apply_seconds",
+         "Seconds the slowest live worker's last delta apply took (batch wait excluded)."),
+        (EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS, "created_at",
+         "Unix time the newest delta applied by every live worker was built."),
+    ]
+    out: list[Metric] = []
+    for name, attr, doc in specs:
+        family = GaugeMetricFamily(name, doc, labels=["version"])
+        for g in rows:
+            value = getattr(g, attr)
+            if value is not None:
+                family.add_metric([g.version], float(value))
+        out.append(family)
     return out
 
 

@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,9 +91,11 @@ __all__ = [
     "BINARY_MEDIA_TYPE",
     "BINARY_VERSION",
     "CACHE_ON_CPU_ENV",
+    "DELTA_DIR_ENV",
     "INT64_MAX",
     "JSON_MEDIA_TYPE",
     "ArmRun",
+    "DeltaWiring",
     "HandlerConfig",
     "MergedBatch",
     "Outcome",
@@ -312,6 +315,52 @@ def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
         raise ConfigError(f"{CACHE_ON_CPU_ENV}={v!r} must be 1 (cache on CPU too) or 0 "
                           "(the default: no cache on CPU)")
     return v == "1"
+
+
+DELTA_DIR_ENV = "DLRM_DELTA_DIR"
+SHARED_TABLES_ENV = "DLRM_SHARED_TABLES"
+DELTA_POLL_ENV = "DLRM_DELTA_POLL_MS"
+
+
+@dataclass(frozen=True)
+class DeltaWiring:
+    """How a worker follows embedding deltas, from TorchServe's environment.
+
+    ``DLRM_DELTA_DIR``: the pod's delta store (serve.deltas), shared with the sidecar;
+    unset = no deltas, each worker keeps its own copy of the tables.
+    ``DLRM_SHARED_TABLES``: "1" (default) = on CPU without a cache, the workers share one
+    copy of the tables in ``<dir>/<version>/tables.bin`` (serve.runtime.shared); "0" = a
+    private copy each (what the memory benchmark compares with).
+    ``DLRM_DELTA_POLL_MS``: how often a worker looks for new deltas (default 100 ms).
+    """
+
+    directory: Path
+    shared_tables: bool = True
+    poll_s: float = 0.1
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> DeltaWiring | None:
+        """None when ``DLRM_DELTA_DIR`` is unset or empty.
+
+        Raises:
+            ConfigError: a value out of its rule (named with the rule).
+        """
+        d = environ.get(DELTA_DIR_ENV, "").strip()
+        if not d:
+            return None
+        shared = environ.get(SHARED_TABLES_ENV, "1").strip()
+        if shared not in ("0", "1"):
+            raise ConfigError(f"{SHARED_TABLES_ENV}={shared!r} must be 1 (workers share one "
+                              "copy of the tables, the default) or 0 (a copy each)")
+        poll = environ.get(DELTA_POLL_ENV, "100").strip()
+        try:
+            poll_ms = int(poll)
+        except ValueError:
+            poll_ms = -1
+        if not 10 <= poll_ms <= 60_000:
+            raise ConfigError(f"{DELTA_POLL_ENV}={poll!r} must be an integer number of "
+                              "milliseconds in 10..60000 (default 100)")
+        return cls(Path(d), shared == "1", poll_ms / 1000.0)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from serve.api.protocol import DELTA_DIR_ENV
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.net import wait_until
 from serve.predlog import LOG_DIR_ENV
@@ -158,6 +159,13 @@ class LaunchConfig:
     def prediction_log_dir(self) -> Path:
         """The workers' prediction log (serve.predlog), joined by POST /feedback."""
         return self.path(self.run_dir) / "predictions"
+
+    @property
+    def delta_dir(self) -> Path:
+        """The pod's embedding-delta store (serve.deltas): the sidecar adds posted deltas,
+        the workers follow them and share their tables there. Kept across restarts (a
+        restarted service serves the deltas it had); ``make clean`` removes it."""
+        return self.path(self.run_dir) / "deltas"
 
     @property
     def token_file(self) -> Path:
@@ -341,6 +349,7 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         "LOG_LOCATION": str(log_dir), "METRICS_LOCATION": str(log_dir),
         "PROMETHEUS_MULTIPROC_DIR": str(cfg.multiproc_dir),
         LOG_DIR_ENV: str(cfg.prediction_log_dir),
+        DELTA_DIR_ENV: str(cfg.delta_dir),
         "PYTHONUNBUFFERED": "1",
     })
     env.update(cfg.extra_env)
@@ -363,7 +372,8 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
            "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
            "--model-store", str(cfg.path(cfg.model_store)),
            "--state-file", str(cfg.path(cfg.state_file)),
-           "--prediction-log-dir", str(cfg.prediction_log_dir)]
+           "--prediction-log-dir", str(cfg.prediction_log_dir),
+           "--delta-dir", str(cfg.delta_dir)]
     for d in cfg.repository_dirs:
         cmd += ["--repository", str(d)]
     return cmd
@@ -380,6 +390,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
+    env[DELTA_DIR_ENV] = str(cfg.delta_dir)
     env.update(cfg.sidecar_env)
     with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,

@@ -14,6 +14,9 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 * ``POST /feedback`` (bearer token) and ``GET /feedback``
   (:mod:`serve.sidecar.routes_feedback`): click labels joined with the workers'
   prediction log; the online CTR, calibration and AUC per version and arm.
+* ``POST /embeddings/deltas`` (bearer token) and ``GET /embeddings/deltas``
+  (:mod:`serve.sidecar.routes_deltas`, :mod:`serve.sidecar.deltas`): embedding deltas
+  for a served version, stored in ``--delta-dir`` and applied by the workers.
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.routes_health`), ``/docs``
   (OpenAPI).
 
@@ -47,6 +50,7 @@ from serve.errors import ConfigError
 from serve.predlog import LOG_DIR_ENV
 from serve.sidecar import (
     routes_batching,
+    routes_deltas,
     routes_feedback,
     routes_health,
     routes_metrics,
@@ -55,6 +59,7 @@ from serve.sidecar import (
 from serve.sidecar.config import (
     DEFAULT_CGROUP_ROOT,
     DEFAULT_STATE_FILE,
+    DELTA_DIR_ENV,
     MEMORY_LIMIT_ENV,
     REPOSITORY_ENV,
     STATE_FILE_ENV,
@@ -89,7 +94,8 @@ _log = logging.getLogger(__name__)
 
 def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = None,
                http_client: httpx.AsyncClient | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic,
+               wall_clock: Callable[[], float] = time.time) -> FastAPI:
     """The sidecar app.
 
     Args:
@@ -98,8 +104,10 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
             fresh ``CollectorRegistry`` (never the global one, so apps don't collide).
         http_client: client for TorchServe; default one made and closed with the app.
         clock: monotonic seconds, for durations and deadlines.
+        wall_clock: unix seconds (the age of the newest embedding delta applied).
     """
-    state = SidecarState.create(config, registry=registry, clock=clock)
+    state = SidecarState.create(config, registry=registry, clock=clock,
+                                wall_clock=wall_clock)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -128,7 +136,7 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     register_exception_handlers(app)
     app.middleware("http")(count_requests)
     for router in (routes_health.router, routes_metrics.router, routes_batching.router,
-                   routes_state.router, routes_feedback.router):
+                   routes_state.router, routes_feedback.router, routes_deltas.router):
         app.include_router(router)
     return app
 
@@ -207,6 +215,11 @@ def _parser() -> argparse.ArgumentParser:
                    default=int(_env("DLRM_FEEDBACK_INDEX_ENTRIES", "200000")),
                    help="logged request ids the join remembers (~150 bytes each) "
                         "[DLRM_FEEDBACK_INDEX_ENTRIES]")
+    p.add_argument("--delta-dir", default=os.environ.get(DELTA_DIR_ENV) or None,
+                   help=f"the pod's embedding-delta folder, shared with the TorchServe "
+                        f"workers (they follow <dir>/<version>/) [{DELTA_DIR_ENV}]; POST "
+                        f"/embeddings/deltas stores deltas there. Unset: deltas are off "
+                        f"(POST answers 409)")
     p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -243,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             memory_limit_bytes=args.memory_limit_bytes,
             feedback=FeedbackConfig(
                 log_dir=Path(args.prediction_log_dir) if args.prediction_log_dir else None,
-                window_s=args.feedback_window_s, index_entries=args.feedback_index_entries))
+                window_s=args.feedback_window_s, index_entries=args.feedback_index_entries),
+            delta_dir=Path(args.delta_dir) if args.delta_dir else None)
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None
     import uvicorn

@@ -23,6 +23,7 @@ __all__ = [
     "BATCH_SIZE_MAX",
     "DEFAULT_CGROUP_ROOT",
     "DEFAULT_STATE_FILE",
+    "DELTA_DIR_ENV",
     "MAX_BATCH_DELAY_MS_MAX",
     "MEMORY_LIMIT_ENV",
     "REPOSITORY_ENV",
@@ -46,6 +47,9 @@ REPOSITORY_ENV = "DLRM_REPOSITORY"
 #: ``resourceFieldRef``) here.
 MEMORY_LIMIT_ENV = "DLRM_MEMORY_LIMIT_BYTES"
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Environment variable naming the pod's embedding-delta folder (``--delta-dir``), shared
+#: with the TorchServe workers (:class:`serve.deltas.DeltaStore`); unset, deltas are off.
+DELTA_DIR_ENV = "DLRM_DELTA_DIR"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class SidecarConfig:
             and the page cache; an OOM kill would fail every request in flight).
         feedback: the prediction log folder the workers write and the bounds of the
             click-feedback join (:class:`~serve.sidecar.feedback.FeedbackConfig`).
+        delta_dir: the pod's embedding-delta store (:class:`serve.deltas.DeltaStore`), a
+            folder the TorchServe workers read too; POST /embeddings/deltas adds to it.
+            None turns deltas off (POST /embeddings/deltas answers 409).
     """
 
     inference_url: str = "http://127.0.0.1:8080"
@@ -107,6 +114,7 @@ class SidecarConfig:
     memory_limit_bytes: int | None = None
     memory_headroom: float = 0.9
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    delta_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("inference_url", "management_url", "metrics_url"):
@@ -130,6 +138,11 @@ class SidecarConfig:
         object.__setattr__(self, "model_store", Path(self.model_store))
         if self.state_file is not None:
             object.__setattr__(self, "state_file", Path(self.state_file))
+        if self.delta_dir is not None:
+            if not str(self.delta_dir).strip():
+                raise ConfigError("delta_dir is empty; pass a folder (shared with the "
+                                  f"workers, {DELTA_DIR_ENV}) or None to turn deltas off")
+            object.__setattr__(self, "delta_dir", Path(self.delta_dir))
         object.__setattr__(self, "repositories", tuple(Path(r) for r in self.repositories))
         object.__setattr__(self, "cgroup_root", Path(self.cgroup_root))
         limit = self.memory_limit_bytes

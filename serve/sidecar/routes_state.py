@@ -11,6 +11,9 @@ Where the file is read-only (a ConfigMap) it answers 409 and says to edit the Co
 
 ``POST /state/rollout/promote`` and ``POST /state/rollout/rollback`` end a baking rollout
 by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
+
+With ``--delta-dir``, GET /state also has ``embeddings``: per served version, the last
+embedding delta stored and what the live workers applied (:mod:`serve.sidecar.deltas`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,13 @@ from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailabl
 from serve.sidecar.auth import require_token
 from serve.sidecar.reconciler import Reconciler, observed_state
 from serve.sidecar.rollout import RolloutController
-from serve.sidecar.schemas import ObservedState, RolloutStatus, StateAccepted, StateStatus
+from serve.sidecar.schemas import (
+    EmbeddingsStatus,
+    ObservedState,
+    RolloutStatus,
+    StateAccepted,
+    StateStatus,
+)
 from serve.sidecar.state import SidecarState, StateDep
 from serve.sidecar.torchserve import Observed, observe
 from serve.state import DesiredState, describe_validation_error
@@ -43,8 +52,14 @@ _SHAPE = ('a desired state is {"model": {"version": V}, "batching": {"batch_size
 async def get_state(state: StateDep) -> StateStatus:
     reconciler = state.reconciler
     if reconciler is not None:
-        return await reconciler.status()
-    return await _status_without_file(state)
+        status = await reconciler.status()
+    else:
+        status = await _status_without_file(state)
+    if state.deltas is not None:
+        summaries = await state.deltas.summaries()
+        status = status.model_copy(update={"embeddings": {
+            v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()}})
+    return status
 
 
 @router.put("/state", status_code=202, response_model=StateAccepted,

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
 from serve.state import DesiredState, Rollout
@@ -19,6 +26,10 @@ __all__ = [
     "BatchingStatus",
     "BatchingUpdate",
     "BatchingUpdateResult",
+    "DeltaAnswer",
+    "DeltaWorker",
+    "DeltasStatus",
+    "EmbeddingsStatus",
     "FeedbackAnswer",
     "FeedbackBody",
     "FeedbackLabel",
@@ -30,6 +41,7 @@ __all__ = [
     "StateAccepted",
     "StateStatus",
     "SwitchRecord",
+    "WorkerDeltaStatus",
 ]
 
 
@@ -185,6 +197,42 @@ class RolloutStatus(BaseModel):
     spec: Rollout
 
 
+class WorkerDeltaStatus(BaseModel):
+    """What one live worker has applied for one version (``serve.deltas.WorkerStatus``)."""
+
+    pid: int
+    version: str
+    sequence: int = Field(description="Last delta sequence applied (0: none yet).")
+    rows: int = Field(description="Rows written by the deltas applied so far.")
+    apply_seconds: float = Field(description="Seconds the last apply took (the wait for "
+                                             "the batch in progress excluded).")
+    applied_at: float = Field(description="Unix seconds of the last apply.")
+    created_at: float = Field(description="When the last applied delta was built (unix "
+                                          "seconds; 0: none).")
+
+
+class EmbeddingsStatus(BaseModel):
+    """One served version's embedding deltas: stored, and applied by its live workers.
+
+    The applied-side values are null while no live worker serving the version reports.
+    """
+
+    last_sequence: int = Field(description="Last delta sequence stored (0: none).")
+    applied_sequence: int | None = Field(
+        description="Last sequence every live worker serving the version has applied "
+                    "(their minimum).")
+    rows_updated: int | None = Field(
+        description="Rows written by the deltas applied (the slowest worker's count).")
+    apply_seconds_max: float | None = Field(
+        description="The slowest worker's last apply, in seconds.")
+    newest_delta_created_at: float | None = Field(
+        description="When the newest delta applied by every live worker was built (unix "
+                    "seconds); null before the first.")
+    newest_delta_age_s: float | None = Field(
+        description="Seconds since then: how stale the embeddings are.")
+    workers: list[WorkerDeltaStatus]
+
+
 class StateStatus(BaseModel):
     """GET /state: the declared state, what serves, and whether they agree (and why not)."""
 
@@ -204,6 +252,17 @@ class StateStatus(BaseModel):
         description="False where the file is read-only (a ConfigMap): PUT /state answers 409.")
     rollout: RolloutStatus | None = Field(
         default=None, description="The current or last rollout; null if none was declared.")
+    embeddings: dict[str, EmbeddingsStatus] | None = Field(
+        default=None, description="Embedding deltas per served version (stored, and "
+                                  "applied by the live workers); absent when the sidecar "
+                                  "runs without --delta-dir.")
+
+    @model_serializer(mode="wrap")
+    def _omit_embeddings_when_off(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("embeddings") is None:
+            data.pop("embeddings", None)
+        return data
 
 
 class StateAccepted(BaseModel):
@@ -255,3 +314,39 @@ class FeedbackAnswer(BaseModel):
     bad_index: int
     joined_by_arm: list[dict[str, Any]] = Field(
         description="Labels added to each (version, arm) window by this body.")
+
+
+# --------------------------------------------------------------------------- /embeddings
+
+
+class DeltaWorker(BaseModel):
+    """One live worker in the answer to POST /embeddings/deltas."""
+
+    pid: int
+    sequence: int = Field(description="Last delta sequence it has applied.")
+    apply_seconds: float = Field(description="Seconds its last apply took.")
+
+
+class DeltaAnswer(BaseModel):
+    """POST /embeddings/deltas: the delta is stored (200: every live worker serving the
+    version applied it; 202: not within ``wait_s``, they still will)."""
+
+    version: str = Field(description="The delta's base version.")
+    sequence: int
+    rows: int = Field(description="Rows the delta changes, over all tables.")
+    bytes: int = Field(description="Size of the delta file.")
+    applied: bool = Field(description="Every live worker serving the version (at least "
+                                      "one) reports this sequence or a later one.")
+    workers: list[DeltaWorker] = Field(description="The live workers serving the version "
+                                                   "when the wait ended.")
+    waited_s: float
+    message: str
+
+
+class DeltasStatus(BaseModel):
+    """GET /embeddings/deltas: per served version, the deltas stored and applied."""
+
+    enabled: bool = Field(description="False when the sidecar runs without --delta-dir.")
+    delta_dir: str | None
+    versions: dict[str, EmbeddingsStatus]
+    message: str | None = Field(default=None, description="How to enable deltas, when off.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Annotated, Any
@@ -19,10 +19,12 @@ import httpx
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
+from serve.deltas import DeltaStore
 from serve.errors import Conflict
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.deltas import DeltaService
 from serve.sidecar.drain import Drainer
 from serve.sidecar.feedback import FeedbackService
 from serve.sidecar.gpu import GpuCollector
@@ -31,7 +33,7 @@ from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
 from serve.sidecar.rollout import RolloutController
 from serve.sidecar.switch import VersionSwitch
-from serve.sidecar.torchserve import TorchServeClient
+from serve.sidecar.torchserve import TorchServeClient, observe
 
 __all__ = ["SidecarState", "StateDep", "get_state"]
 
@@ -53,6 +55,9 @@ class SidecarState:
         feedback: the click-feedback join (POST /feedback), registered in ``registry``.
         gpu: the GPUs' utilization and memory through NVML, registered in ``registry`` by
             :meth:`create` (disabled, exporting nothing, without an NVIDIA GPU/driver).
+        wall_clock: unix seconds (the age of the newest embedding delta applied).
+        deltas: the embedding-delta service (POST /embeddings/deltas), registered in
+            ``registry``; None without ``config.delta_dir``.
     """
 
     config: SidecarConfig
@@ -66,6 +71,8 @@ class SidecarState:
     feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
         SidecarConfig().feedback))
     gpu: GpuCollector | None = None
+    wall_clock: Callable[[], float] = time.time
+    deltas: DeltaService | None = None
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
@@ -75,10 +82,12 @@ class SidecarState:
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
                clock: Callable[[], float] = time.monotonic,
-               nvml: ModuleType | None = None) -> SidecarState:
+               nvml: ModuleType | None = None,
+               wall_clock: Callable[[], float] = time.time) -> SidecarState:
         """A state with fresh metrics registered in ``registry`` (default: a new one,
         never the global registry, so apps don't collide). ``nvml``: the NVML bindings
-        for the GPU metrics (default: the real pynvml; tests pass a fake module)."""
+        for the GPU metrics (default: the real pynvml; tests pass a fake module).
+        ``wall_clock``: unix seconds (default ``time.time``)."""
         registry = registry if registry is not None else CollectorRegistry()
         metrics = SidecarMetrics()
         registry.register(metrics)
@@ -88,13 +97,20 @@ class SidecarState:
             registry.register(handler_metrics)
         repository = ModelRepository(config.repository_roots, config.model_name)
         state = cls(config=config, registry=registry, metrics=metrics,
-                    handler_metrics=handler_metrics, clock=clock, repository=repository)
+                    handler_metrics=handler_metrics, clock=clock, repository=repository,
+                    wall_clock=wall_clock)
         state.feedback = FeedbackService(
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
         registry.register(state.feedback)
         state.gpu = GpuCollector(nvml)  # one per state: its own registry
         registry.register(state.gpu)
+        if config.delta_dir is not None:
+            state.deltas = DeltaService(DeltaStore(config.delta_dir),
+                                        versions=state.served_versions,
+                                        report_of=repository.report, clock=clock,
+                                        wall_clock=wall_clock)
+            registry.register(state.deltas)
         return state
 
     def served_versions(self) -> list[str]:
@@ -132,6 +148,12 @@ class SidecarState:
                 clock=self.clock)
         self._drainer = Drainer(self._torchserve, config, switch=self._switch,
                                 reconciler=self._reconciler, clock=self.clock)
+        if self.deltas is not None:
+            self.deltas.set_live_pids(self._worker_pids)
+
+    async def _worker_pids(self) -> Iterable[int]:
+        """The pids of every TorchServe worker of the model now (all versions)."""
+        return list((await observe(self.torchserve)).pids())
 
     def start(self) -> None:
         """Start the reconciler's loop (the app's lifespan; no-op without a state file)."""

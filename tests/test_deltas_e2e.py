@@ -1,0 +1,208 @@
+"""Embedding deltas end to end: the real launcher, TorchServe (2 workers sharing one copy of
+the tables), the sidecar, and ``POST /embeddings/deltas`` under load.
+
+* 0 failed requests while a delta is applied under load (8 clients, 512 instances each);
+  the count served is printed (``pytest -s``) and asserted > 0;
+* after the delta, predictions over HTTP equal, bit for bit, those of a runtime built
+  directly from an artifact that has the updated rows;
+* a delta with a wrong base version, a repeated sequence or a bad checksum gets a 4xx
+  naming the problem, nothing changes, and the service keeps serving.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
+from serve.deltas import DELTA_MEDIA_TYPE, Delta, DeltaTable, encode_delta
+from serve.net import free_ports
+from serve.ops.loadgen import BackgroundLoad
+from serve.ops.state_client import StateClient
+from serve.repository import ModelRepository
+from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
+from serve.runtime.engine import Runtime, RuntimeConfig
+from serve.state import parse_state, write_state
+from tests.fixtures.torchserve import tiny_random_artifact
+from tests.promtext import samples
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VERSION = "tiny-d"
+F, N = 26, 13
+
+
+@dataclass
+class Served:
+    cfg: Any
+    token: str
+    artifact: Artifact
+
+    @property
+    def predict_url(self) -> str:
+        return f"{self.cfg.inference_url}/predictions/dlrm"
+
+    @property
+    def sidecar_url(self) -> str:
+        return self.cfg.sidecar_url
+
+    def post_delta(self, body: bytes, wait_s: float = 30) -> httpx.Response:
+        return httpx.post(f"{self.sidecar_url}/embeddings/deltas", content=body,
+                          params={"wait_s": wait_s}, timeout=60,
+                          headers={"Authorization": f"Bearer {self.token}",
+                                   "Content-Type": DELTA_MEDIA_TYPE})
+
+    def predict(self, body: bytes) -> np.ndarray:
+        r = httpx.post(self.predict_url, content=body, timeout=30,
+                       headers={"Content-Type": BINARY_MEDIA_TYPE})
+        assert r.status_code == 200, r.text
+        return np.asarray(orjson.loads(r.content)["predictions"], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from serve.model.archive import build_mar
+    from serve.ops.launcher import LaunchConfig, start
+
+    root = tmp_path_factory.mktemp("deltas")
+    art_path = tiny_random_artifact(root / "artifact.pt", seed=5)
+    mar = build_mar(art_path, root / "build", model_name="dlrm", version=VERSION,
+                    batch_size=2, max_batch_delay_ms=2,
+                    handler_config={"num_threads": 1, "max_instances": 1024},
+                    min_workers=2, max_workers=2, file_name=f"{VERSION}.mar")
+    repo = ModelRepository([root / "model_store"])
+    repo.add(VERSION, mar, {"version": VERSION, "profile": "tiny", "quantized_dtype": "int8",
+                            "created_at": "2026-12-01T00:00:00+00:00", "mar_batch_size": 2,
+                            "mar_max_batch_delay_ms": 2, "mar_workers": 2})
+    write_state(root / "state.yaml", parse_state({
+        "model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
+        "workers": 2}))
+    inf, mgmt, met, side, gi, gm = free_ports(6)
+    cfg = LaunchConfig(
+        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
+        state_file=root / "state.yaml", run_dir=root / "run", log_dir=root / "logs",
+        sidecar=True, ready_timeout_s=180,
+        extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    svc = start(cfg)
+    token = cfg.token_file.read_text().strip()
+    try:
+        StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=180)
+        yield Served(cfg, token, load_artifact(art_path, mmap=False))
+    finally:
+        svc.stop()
+
+
+def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION) -> Delta:
+    """New rows for the hot ids (0..99) and random others of 6 tables."""
+    g = torch.Generator().manual_seed(seed)
+    tables = []
+    for t in (0, 2, 5, 11, 19, 25):
+        qt = art.tables[t]
+        ids = torch.unique(torch.cat([torch.arange(min(100, qt.rows)),
+                                      torch.randint(0, qt.rows, (qt.rows // 4,), generator=g)]))
+        w = (torch.rand((ids.numel(), art.embedding_dim), generator=g) - 0.5) * 2.0
+        tables.append(DeltaTable(qt.feature, t, ids.numpy().astype(np.int64),
+                                 quantize_rows_reference(w, art.dtype).numpy()))
+    return Delta(base, sequence, time.time(), art.dtype, art.embedding_dim,
+                 row_bytes(art.dtype, art.embedding_dim), tuple(tables))
+
+
+def _rebuilt(art: Artifact, *deltas: Delta) -> Artifact:
+    new = copy.deepcopy(art)
+    for d in deltas:
+        for t in d.tables:
+            new.tables[t.table].data[torch.from_numpy(t.ids)] = torch.from_numpy(t.rows.copy())
+    return new
+
+
+def _requests(n: int, b: int, seed: int) -> list[tuple[bytes, tuple]]:
+    """Binary bodies of b one-hot instances with hot ids (Zipf over 0..199)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        dense = rng.standard_normal((b, N)).astype(np.float32)
+        lengths = np.ones((F, b), dtype=np.int32)
+        values = np.minimum(rng.zipf(1.3, F * b) - 1, 10_000).astype(np.int64)
+        out.append((encode_binary(dense, lengths, values), (dense, values, lengths)))
+    return out
+
+
+def test_delta_under_load_is_exact_and_fails_nothing(served: Served) -> None:
+    reqs = _requests(16, 512, seed=1)
+    fixed_body, fixed_arrays = reqs[0]
+    before = served.predict(fixed_body)
+    stale = Runtime.from_artifact(served.artifact, RuntimeConfig()).predict_arrays(*fixed_arrays)
+    assert np.array_equal(before, stale), "the service does not serve the artifact exactly"
+    d1 = _delta(served.artifact, 1, seed=11)
+    with BackgroundLoad(served.predict_url, [b for b, _ in reqs], clients=8,
+                        content_type=BINARY_MEDIA_TYPE) as load:
+        load.wait_for(16)
+        r = served.post_delta(encode_delta(d1))
+        at = load.served
+        load.wait_for(at + 16)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["applied"] is True and res["sequence"] == 1 and res["rows"] == d1.rows
+    assert len(res["workers"]) == 2, res   # both workers report it
+    print(f"\ndelta #1 ({d1.rows} rows, {res['bytes']} bytes) under 8 clients x 512: served "
+          f"{load.served}, failed {load.failed}; apply s per worker "
+          f"{[w['apply_seconds'] for w in res['workers']]}")
+    assert load.failed == 0 and load.served > 0
+    ref = Runtime.from_artifact(_rebuilt(served.artifact, d1), RuntimeConfig())
+    for body, arrays in reqs[:4]:
+        got = served.predict(body)   # either worker: both must serve the delta
+        assert np.array_equal(got, ref.predict_arrays(*arrays))
+    assert not np.array_equal(served.predict(fixed_body), before)
+
+    st = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()
+    emb = st["embeddings"][VERSION]
+    assert emb["last_sequence"] == 1 and emb["applied_sequence"] == 1
+    assert emb["rows_updated"] == d1.rows and len(emb["workers"]) == 2
+    m = samples(httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text)
+    lab = (("version", VERSION),)
+    assert m[("dlrm_embedding_delta_applied_sequence", lab)] == 1
+    assert m[("dlrm_embedding_delta_created_timestamp_seconds", lab)] == pytest.approx(
+        d1.created_at)
+
+
+def test_refused_deltas_change_nothing_and_the_service_keeps_serving(served: Served) -> None:
+    body, _ = _requests(1, 64, seed=2)[0]
+    before = served.predict(body)
+    last = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()["embeddings"][VERSION][
+        "last_sequence"]
+    wrong_base = served.post_delta(encode_delta(_delta(served.artifact, last + 1, 3, "tiny-x")))
+    repeated = served.post_delta(encode_delta(_delta(served.artifact, max(last, 1), 4)))
+    damaged = bytearray(encode_delta(_delta(served.artifact, last + 1, 5)))
+    damaged[-10] ^= 0x55
+    bad_sum = served.post_delta(bytes(damaged))
+    assert wrong_base.status_code == 409 and "tiny-x" in wrong_base.json()["message"]
+    assert repeated.status_code == 409 and repeated.json()["field"] == "header.sequence"
+    assert bad_sum.status_code == 400 and bad_sum.json()["field"] == "sha256"
+    after = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()["embeddings"][VERSION]
+    assert after["last_sequence"] == last
+    assert np.array_equal(served.predict(body), before)
+
+
+def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
+    rows0 = served.artifact.tables[0].rows
+    dense = np.zeros((3, N), dtype=np.float32)
+    lengths = np.ones((F, 3), dtype=np.int32)
+    values = np.zeros(F * 3, dtype=np.int64)
+    values[:3] = rows0 + np.arange(3)        # C1: 3 ids beyond the table
+    key = ("dlrm_embedding_ids_wrapped_total", (("feature", "C1"),))
+
+    def wrapped() -> float:
+        return samples(httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text).get(key, 0.0)
+
+    start = wrapped()
+    served.predict(encode_binary(dense, lengths, values))
+    assert wrapped() == start + 3
