@@ -9,6 +9,8 @@ PROFILE ?= small
 # <profile>-<dtype>-s<seed>); each build adds an immutable version to model_store/.
 SEED ?=
 VERSION ?=
+# make delta: the day of click logs the embedding delta trains on (>= 1).
+DAY ?= 1
 # `make run` / `make up` serve the declared version (.run/state.yaml), so they only need
 # *a* version: their `model` step builds only when model_store/ holds none. Without
 # this, any edit to the archive's sources would make their `make model` refuse to
@@ -23,7 +25,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model delta run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -52,6 +54,9 @@ monitoring: venv  ## regenerate k8s/monitoring/ (rules, PrometheusRule, dashboar
 
 model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-shuffled].mar [PROFILE=small SEED= VERSION= LABEL_SHUFFLE=1: train on permuted labels, AUC ~0.5]; skips what is up to date
 	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MODEL_IF_MISSING), --if-missing)
+
+delta: venv  ## build the next embedding delta of the serving version (or VERSION=) on day DAY=1's click logs: resumed embedding-only training, quantized like a full build; prints the .delta path last
+	$(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION))
 
 run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
 	$(PY) -m serve.ops.launcher run

@@ -182,3 +182,23 @@ def test_cli_help():
     proc = subprocess.run([sys.executable, "-m", "serve.model.data", "--help"], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0 and "--alpha" in proc.stdout and "Zipf" in proc.stdout
+
+
+def test_cli_day_writes_that_day(tmp_path):
+    out = tmp_path / "d1"
+    proc = subprocess.run([sys.executable, "-m", "serve.model.data", "--profile", "tiny",
+                           "--samples", "500", "--eval-samples", "200", "--day", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "day 1" in proc.stdout
+    assert json.loads((out / "meta.json").read_text())["day"] == 1
+    bad = subprocess.run([sys.executable, "-m", "serve.model.data", "--profile", "tiny",
+                          "--day", "-2", "--out", str(tmp_path / "x")], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--day -2 must be an integer >= 0" in bad.stderr
+
+
+def test_day_must_be_an_integer():
+    with pytest.raises(ConfigError, match="--day True"):
+        DataConfig.for_profile(TINY, day=True)

@@ -17,9 +17,23 @@ table instead of being 0..k. Labels come from a planted ground-truth model (per-
 random effects, a dense linear term and a few pairwise id interactions), so a trained
 DLRM has something real to learn and AUC means something.
 
+Days (``--day N``): day 0 is the data above. Day d >= 1 is the same world a little
+later, deterministic in (seed, d) and cumulative (day d = day d-1 plus one more drift):
+
+- new hot ids: per feature, the top-K Zipf ranks (K = 1% of the table, at least 3, at
+  most a quarter of it) are swapped with ranks drawn from the cold half of the previous
+  day's mapping, so ids a day-0 model barely trained become hot;
+- changed effects: the planted per-id effect of a share (30%) of the ids hot on day d
+  (top 2% of ranks) is redrawn.
+
+The dense weights and the pairwise interactions stay, so retraining only the embedding
+rows can recover what drifted. Day d's splits draw from random streams of their own.
+``ensure_day_data(profile, d)`` keeps one folder per day, ``build/<profile>-data/day<d>``.
+
 Example::
 
     python -m serve.model.data --profile tiny --out build/tiny/data
+    python -m serve.model.data --profile tiny --day 1 --out build/tiny-data/day1
 """
 from __future__ import annotations
 
@@ -31,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +63,8 @@ __all__ = [
     "ClickLogDataset",
     "DataConfig",
     "DataSplit",
+    "day_data_dir",
+    "ensure_day_data",
     "generate",
     "iter_batches",
     "load_split",
@@ -68,6 +84,14 @@ _PAIR_WEIGHT = 0.5
 _LATENT = 4
 _PAIRS = ((0, 1), (2, 5), (3, 7), (10, 13), (4, 11), (15, 20))
 _BIAS = -1.0
+# Day drift (module docstring): tuned so the day-0 `small` model loses a few AUC points on
+# day 1 and embedding-only continued training on day 1 wins them back.
+_DRIFT_STREAM = 0xDA7
+_DAY_SPLIT_STREAM = 0xDA75
+_DRIFT_HOT_SHARE = 0.01      # top ranks remapped to cold ids, per table and day
+_DRIFT_MIN_HOT = 3
+_DRIFT_EFFECT_RANKS = 0.02   # the "hot" ranks whose effects may be redrawn
+_DRIFT_EFFECT_SHARE = 0.3    # share of those redrawn each day
 
 
 @dataclass(frozen=True)
@@ -79,8 +103,12 @@ class DataConfig:
     train_samples: int
     eval_samples: int
     seed: int = 0
+    day: int = 0          # 0: the original logs; d >= 1: d days of drift (module docstring)
 
     def __post_init__(self) -> None:
+        if isinstance(self.day, bool) or not isinstance(self.day, int) or self.day < 0:
+            raise ConfigError(f"--day {self.day!r} must be an integer >= 0 (0 = the original "
+                              "click logs, d >= 1 = d days of drift)")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ConfigError(f"--alpha {self.alpha} must be a finite number > 0 (Zipf exponent)")
         if self.train_samples < 1 or self.eval_samples < 1:
@@ -90,19 +118,19 @@ class DataConfig:
     @classmethod
     def for_profile(cls, profile: Profile, alpha: float | None = None,
                     samples: int | None = None, eval_samples: int | None = None,
-                    seed: int | None = None) -> DataConfig:
+                    seed: int | None = None, day: int = 0) -> DataConfig:
         return cls(profile=profile, alpha=profile.zipf_alpha if alpha is None else alpha,
                    train_samples=profile.train_samples if samples is None else samples,
                    eval_samples=profile.eval_samples if eval_samples is None else eval_samples,
-                   seed=profile.seed if seed is None else seed)
+                   seed=profile.seed if seed is None else seed, day=day)
 
 
 # ----------------------------------------------------------------------------- sampling
 
 class _Planted:
-    """The ground-truth model the labels come from (deterministic in the seed)."""
+    """The ground-truth model the labels come from (deterministic in seed and day)."""
 
-    def __init__(self, profile: Profile, seed: int) -> None:
+    def __init__(self, profile: Profile, seed: int, day: int = 0) -> None:
         rng = np.random.default_rng([seed, 7])
         f = profile.num_sparse
         # Per-feature informativeness: some features matter a lot, some barely.
@@ -114,6 +142,24 @@ class _Planted:
                        / math.sqrt(_LATENT)
                        for i in sorted({i for p in self.pairs for i in p})}
         self.perms = [id_permutation(seed, i, c) for i, c in enumerate(profile.cardinalities)]
+        for d in range(1, day + 1):
+            self._drift(profile, seed, d)
+
+    def _drift(self, profile: Profile, seed: int, day: int) -> None:
+        """Move the world from day ``day - 1`` to ``day``: new hot ids, changed effects."""
+        rng = np.random.default_rng([seed, _DRIFT_STREAM, day])
+        for j, card in enumerate(profile.cardinalities):
+            prev = self.perms[j]
+            perm = prev.copy()
+            k = min(max(_DRIFT_MIN_HOT, round(_DRIFT_HOT_SHARE * card)), card // 4)
+            if k > 0:  # the top-k ranks take ids from the cold half, and give theirs away
+                cold = rng.choice(np.arange(card // 2, card), size=k, replace=False)
+                perm[:k], perm[cold] = prev[cold], prev[:k]
+            h = min(card, max(k, round(_DRIFT_EFFECT_RANKS * card), 1))
+            redraw = perm[:h][rng.random(h) < _DRIFT_EFFECT_SHARE]
+            effects = self.effects[j].copy()
+            effects[redraw] = np.asarray(rng.standard_normal(redraw.shape[0]), dtype=np.float32)
+            self.perms[j], self.effects[j] = perm, effects
 
     def logit(self, z: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """z: (n, N) standardised dense; ids: (n, F, M); lengths: (n, F) -> (n,) logits."""
@@ -157,7 +203,9 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
     positives = 0
     for c, start in enumerate(range(0, n, _CHUNK_ROWS)):
         rows = min(_CHUNK_ROWS, n - start)
-        rng = np.random.default_rng([cfg.seed, split_seed, c])
+        # Day 0 keeps its original streams (same bytes as before days existed).
+        rng = np.random.default_rng([cfg.seed, split_seed, c] if cfg.day == 0 else
+                                    [cfg.seed, split_seed, c, _DAY_SPLIT_STREAM, cfg.day])
         z = rng.standard_normal((rows, NUM_DENSE)).astype(np.float32)
         ids = np.zeros((rows, f, m), dtype=np.int64)
         if m > 1:
@@ -199,14 +247,15 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    planted = _Planted(p, cfg.seed)
+    planted = _Planted(p, cfg.seed, cfg.day)
     cdfs = [zeta_cdf(c, cfg.alpha) for c in p.cardinalities]
     splits = {}
     for split, n, s in (("train", cfg.train_samples, 1), ("eval", cfg.eval_samples, 2)):
         splits[split] = _generate_split(cfg, planted, cdfs, tmp, split, n, s, progress)
     meta = {
         "format_version": FORMAT_VERSION, "profile": p.name, "alpha": cfg.alpha,
-        "seed": cfg.seed, "num_dense": NUM_DENSE, "dense_features": list(DENSE_FEATURES),
+        "seed": cfg.seed, "day": cfg.day, "num_dense": NUM_DENSE,
+        "dense_features": list(DENSE_FEATURES),
         "sparse_features": list(p.feature_names), "cardinalities": list(p.cardinalities),
         "max_ids_per_feature": p.max_ids_per_feature,
         "dtypes": {"dense": "float32", "sparse": _id_dtype(p).name, "labels": "uint8",
@@ -217,6 +266,46 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    return out
+
+
+def day_data_dir(profile_name: str, day: int) -> Path:
+    """Where one day of a profile's click logs lives: ``build/<profile>-data/day<day>``."""
+    return Path("build") / f"{profile_name}-data" / f"day{day}"
+
+
+def ensure_day_data(profile: Profile, day: int, out: Path | None = None,
+                    say: Callable[[str], None] = print) -> Path:
+    """Day ``day`` of ``profile``'s click logs (the profile's data seed and sample counts,
+    what the pipeline trains on), generated into ``out`` (default :func:`day_data_dir`)
+    unless it is already there; returns the directory.
+
+    An existing directory is reused when its meta.json names the same profile, seed, day,
+    alpha and train/eval row counts; otherwise it is regenerated (atomically).
+
+    Raises:
+        ConfigError: ``day`` is not an integer >= 0.
+    """
+    cfg = DataConfig.for_profile(profile, day=day)
+    out = day_data_dir(profile.name, day) if out is None else Path(out)
+    want = {"profile": profile.name, "seed": cfg.seed, "day": cfg.day, "alpha": cfg.alpha,
+            "train": cfg.train_samples, "eval": cfg.eval_samples}
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        have = {"profile": meta.get("profile"), "seed": meta.get("seed"),
+                "day": meta.get("day", 0), "alpha": meta.get("alpha"),
+                "train": meta["splits"]["train"]["rows"], "eval": meta["splits"]["eval"]["rows"]}
+        fresh = have == want and meta.get("format_version") == FORMAT_VERSION
+    except (OSError, ValueError, KeyError, TypeError):
+        fresh = False
+    if fresh:
+        say(f"data: day {day} of {profile.name} (seed {cfg.seed}) is in {out}, reused")
+        return out
+    t0 = time.perf_counter()
+    say(f"data: generating day {day} of {profile.name} (seed {cfg.seed}, "
+        f"{cfg.train_samples:,} train + {cfg.eval_samples:,} eval rows) into {out} ...")
+    generate(cfg, out, progress=False)
+    say(f"data: day {day} written in {time.perf_counter() - t0:.1f}s")
     return out
 
 
@@ -387,6 +476,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-samples", type=int, default=None,
                     help="held-out rows (default: the profile's eval_samples)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: the profile's)")
+    ap.add_argument("--day", type=int, default=0,
+                    help="day of the logs (default 0, the original): day d >= 1 has d days of "
+                         "drift (new hot ids, changed per-id effects; same dense weights), "
+                         "deterministic in (seed, day)")
     return ap
 
 
@@ -395,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
         cfg = DataConfig.for_profile(get_profile(args.profile), args.alpha, args.samples,
-                                     args.eval_samples, args.seed)
+                                     args.eval_samples, args.seed, day=args.day)
         t0 = time.perf_counter()
         out = generate(cfg, args.out)
     except ServeError as e:
@@ -404,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((out / "meta.json").read_text())
     print(f"wrote {out}: train {meta['splits']['train']['rows']} rows "
           f"(ctr {meta['splits']['train']['ctr']:.3f}), eval {meta['splits']['eval']['rows']} rows, "
-          f"alpha {cfg.alpha}, {time.perf_counter() - t0:.1f}s")
+          f"alpha {cfg.alpha}, day {cfg.day}, {time.perf_counter() - t0:.1f}s")
     return 0
 
 

@@ -34,6 +34,13 @@ sources, so the repository is checked before any work:
 - it exists with another fingerprint (or ``--force`` is given): ``ConfigError`` — versions
   are immutable, so a different build needs another name (``--version``).
 
+``--data-day N`` (N >= 1) builds the same model from scratch on day N of the click logs
+(:mod:`serve.model.data`: drifted hot ids and effects), the reference an embedding delta
+(:mod:`serve.model.delta`) is compared with. Its version defaults to
+``<profile>-<dtype>-s<seed>-day<N>`` and its workdir to ``build/<profile>-s<seed>-day<N>``;
+the day is one of the data step's arguments (only when N > 0, so day-0 builds keep their
+arguments) and the report records ``data_day``.
+
 The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, the
 archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
 table bytes, parameters, wall time per step, git commit, and the ``baseline``: the served
@@ -109,17 +116,26 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
 SHUFFLED_SUFFIX = "-shuffled"
 
 
-def default_version(profile_name: str, dtype: str, seed: int, label_shuffle: bool = False) -> str:
+def _day_suffix(data_day: int) -> str:
+    return f"-day{data_day}" if data_day > 0 else ""
+
+
+def default_version(profile_name: str, dtype: str, seed: int, label_shuffle: bool = False,
+                    data_day: int = 0) -> str:
     """The version a build gets without ``--version``: ``small-int8-s0``, or
-    ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``."""
-    return f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+    ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``, ``small-int8-s0-day1``
+    for one on day 1's data."""
+    return (f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+            f"{_day_suffix(data_day)}")
 
 
-def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False) -> Path:
-    """One build directory per (profile, seed, shuffle): ``build/small-s0``, or
+def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False,
+                    data_day: int = 0) -> Path:
+    """One build directory per (profile, seed, shuffle, day): ``build/small-s0``, or
     ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
-    checkpoints)."""
-    return Path("build") / f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+    checkpoints), ``build/small-s0-day1`` on day 1's data."""
+    return Path("build") / (f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+                            f"{_day_suffix(data_day)}")
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,7 @@ class PipelineConfig:
     force: bool = False
     check_quality: bool = True
     label_shuffle: bool = False
+    data_day: int = 0     # day of the click logs (serve.model.data; 0 = the original)
 
     def __post_init__(self) -> None:
         from serve.model.quantize import QUANT_DTYPES
@@ -174,6 +191,10 @@ class PipelineConfig:
         if not isinstance(self.label_shuffle, bool):
             raise ConfigError(f"label_shuffle {self.label_shuffle!r} must be True or False; "
                               "pass --label-shuffle to permute the training labels, or omit it")
+        if isinstance(self.data_day, bool) or not isinstance(self.data_day, int) \
+                or self.data_day < 0:
+            raise ConfigError(f"--data-day {self.data_day!r} must be an integer >= 0 "
+                              "(0 = the original click logs)")
         if not re.match(VERSION_RE, self.version_name):
             raise ConfigError(
                 f"--version {self.version_name!r} is not a valid version name: use letters, "
@@ -188,7 +209,8 @@ class PipelineConfig:
     def version_name(self) -> str:
         if self.version is not None:
             return self.version
-        return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle)
+        return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle,
+                               self.data_day)
 
     @property
     def quality_check(self) -> bool:
@@ -319,15 +341,19 @@ def _data_config(cfg: PipelineConfig) -> Any:
     from serve.model.data import DataConfig
 
     # The profile's data seed, whatever the training seed: two seeds, same click logs.
-    return DataConfig.for_profile(cfg.profile, cfg.alpha, cfg.samples, cfg.eval_samples)
+    return DataConfig.for_profile(cfg.profile, cfg.alpha, cfg.samples, cfg.eval_samples,
+                                  day=cfg.data_day)
 
 
 def _step_args(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     """Each step's arguments, in ``STEPS`` order (they and the sources make the fingerprints)."""
     dcfg, tcfg = _data_config(cfg), _train_config(cfg)
+    data: dict[str, Any] = {"alpha": dcfg.alpha, "train_samples": dcfg.train_samples,
+                            "eval_samples": dcfg.eval_samples, "seed": dcfg.seed}
+    if dcfg.day > 0:  # only then: day-0 builds keep the arguments they always had
+        data["day"] = dcfg.day
     return {
-        "data": {"alpha": dcfg.alpha, "train_samples": dcfg.train_samples,
-                 "eval_samples": dcfg.eval_samples, "seed": dcfg.seed},
+        "data": data,
         "train": {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
                   "batch_size": tcfg.global_batch, "lr": tcfg.lr,
                   "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads,
@@ -366,7 +392,7 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "version": cfg.version_name, "model_name": cfg.model_name,
         "seed": cfg.train_seed, "data_seed": data_seed,
         # True: trained on permuted labels (serve.model.train.shuffled_labels), AUC ~0.5.
-        "label_shuffle": cfg.label_shuffle,
+        "label_shuffle": cfg.label_shuffle, "data_day": cfg.data_day,
         "build_fingerprint": build_fingerprint, "archive": archive_name,
         # What the archive's model-config.yaml says: `make up` declares these by default.
         "mar_batch_size": cfg.mar_batch_size,
@@ -532,6 +558,11 @@ def _parser() -> argparse.ArgumentParser:
                          "~0.5. Default version <profile>-<dtype>-s<seed>-shuffled, workdir "
                          "build/<profile>-s<seed>-shuffled; the report records label_shuffle; "
                          "the int8 AUC quality bar is not applied")
+    ap.add_argument("--data-day", type=int, default=0, metavar="N",
+                    help="build from scratch on day N of the click logs (default 0; N >= 1 has "
+                         "N days of drift, see serve.model.data): default version "
+                         "<profile>-<dtype>-s<seed>-day<N>, workdir build/<profile>-s<seed>-day<N>; "
+                         "the full-rebuild reference for `make delta`")
     ap.add_argument("--version", default=None,
                     help="name of the model version to add (default <profile>-<dtype>-s<seed>, "
                          "e.g. small-int8-s0, plus -shuffled with --label-shuffle); letters, "
@@ -580,7 +611,8 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     """
     profile = get_profile(args.profile)
     seed = profile.seed if args.seed is None else args.seed
-    workdir = args.workdir or default_workdir(profile.name, seed, args.label_shuffle)
+    workdir = args.workdir or default_workdir(profile.name, seed, args.label_shuffle,
+                                              args.data_day)
     return PipelineConfig(
         profile=profile, workdir=Path(workdir),
         model_store=Path(args.model_store), model_name=args.model_name, seed=args.seed,
@@ -590,7 +622,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         learning_rate=args.lr, threads=args.threads, mar_batch_size=args.mar_batch_size,
         mar_max_batch_delay_ms=args.mar_max_batch_delay_ms, mar_workers=args.mar_workers,
         force=args.force, check_quality=not args.no_quality_check,
-        label_shuffle=args.label_shuffle)
+        label_shuffle=args.label_shuffle, data_day=args.data_day)
 
 
 def main(argv: list[str] | None = None) -> int:

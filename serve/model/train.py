@@ -12,6 +12,18 @@ Output directory (``--out``), written atomically (``DIR.tmp`` then rename):
     plan.json                       world size, backend, table -> sharding type, shards
     sharded_outputs.pt              a fixed eval batch and the sharded model's logits
                                     on it, so ``serve.model.merge`` can prove it is exact
+    changed_rows.npz                (--resume only) per feature name, int64 sorted unique
+                                    ids of the rows the training touched (ids in any
+                                    rank's batches); plan.json "changed_rows" counts them
+
+Continued training (``--resume CKPT_DIR``): every rank builds the sharded model as
+usual, then reads the checkpoint's weights into its own shards
+(``torch.distributed.checkpoint.load`` into ``dmp.state_dict()``, then
+``load_state_dict``) and trains on ``--data`` from there. The world size must be the
+checkpoint's (plan.json). Optimizer state is not restored: Adagrad's accumulators
+start fresh. ``--sparse-only`` (needs ``--resume``) steps only the embedding optimizer:
+the dense MLPs are bit-identical to the checkpoint's, so the only change is embedding
+rows, exactly those listed in changed_rows.npz (what ``serve.model.delta`` ships).
 
 Launch: by default this command spawns ``--nproc`` local ranks itself on a free
 loopback port. Under ``torchrun`` (RANK/WORLD_SIZE set) it runs as one of its ranks, so
@@ -50,17 +62,19 @@ import numpy as np
 import torch
 
 from serve.clilog import setup_cli_logging
-from serve.errors import ConfigError, ServeError, ShardingError
+from serve.errors import CheckpointError, ConfigError, ServeError, ShardingError
 from serve.model.data import ClickLogDataset
 from serve.net import free_port
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
 __all__ = [
+    "CHANGED_ROWS_FILE",
     "OUTPUTS_FILE",
     "PLAN_FILE",
     "ShuffledLabelDataset",
     "TrainConfig",
     "label_permutation",
+    "load_changed_rows",
     "main",
     "max_world_size",
     "plan_sharding",
@@ -73,6 +87,7 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
 OUTPUTS_FILE = "sharded_outputs.pt"
+CHANGED_ROWS_FILE = "changed_rows.npz"
 # fbgemm needs column shards whose width is a multiple of 4.
 _MIN_COLUMN_SHARD = 4
 # Second word of the label permutation's seed: its stream is [training seed, this tag], so
@@ -101,8 +116,18 @@ class TrainConfig:
     seed: int | None = None          # initial weights (None: the profile's seed)
     # Permute the training labels (seeded by resolved_seed): a model with eval AUC ~0.5.
     label_shuffle: bool = False
+    # Continued training: start from this checkpoint's weights (same world size).
+    resume_from: Path | None = None
+    # Step only the embedding optimizer (needs resume_from): the MLPs stay bit-identical.
+    sparse_only: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sparse_only, bool):
+            raise ConfigError(f"sparse_only {self.sparse_only!r} must be True or False")
+        if self.sparse_only and self.resume_from is None:
+            raise ConfigError("--sparse-only without --resume would train embeddings against "
+                              "randomly initialised MLPs that never learn; pass --resume "
+                              "CKPT_DIR (the checkpoint to continue from) or drop --sparse-only")
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"--seed {self.seed} must be >= 0")
         if not isinstance(self.label_shuffle, bool):
@@ -303,6 +328,61 @@ def train_dataset(cfg: TrainConfig, batch_size: int, rank: int = 0,
                            world_size=world_size, drop_last=True)
 
 
+# ----------------------------------------------------------------------------- resume
+
+def check_resume(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """Validate ``cfg.resume_from`` for a run over ``world_size`` ranks; its plan.json.
+
+    Raises:
+        ConfigError: no such checkpoint, no plan.json, another profile, or another world
+            size than the checkpoint's (its shards are laid out for that many ranks).
+    """
+    ckpt = Path(cfg.resume_from) if cfg.resume_from is not None else None
+    if ckpt is None:
+        return {}
+    if not (ckpt / ".metadata").is_file():
+        raise ConfigError(f"--resume {ckpt}: no checkpoint there (no .metadata); pass the "
+                          "directory `python -m serve.model.train --out` wrote")
+    try:
+        plan = json.loads((ckpt / PLAN_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--resume {ckpt}: {PLAN_FILE} is missing or unreadable ({e}); "
+                          "the checkpoint is incomplete, re-train it") from None
+    if plan.get("profile") != cfg.profile.name:
+        raise ConfigError(f"--resume {ckpt} was trained with profile {plan.get('profile')!r}, "
+                          f"this run is {cfg.profile.name!r}; use --profile "
+                          f"{plan.get('profile')}")
+    if plan.get("world_size") != world_size:
+        raise ConfigError(f"--resume {ckpt} was saved by {plan.get('world_size')} ranks but "
+                          f"this run has {world_size}; resume with --nproc "
+                          f"{plan.get('world_size')} (the checkpoint's world size)")
+    return dict(plan)
+
+
+def _touched(batch: Any, masks: list[np.ndarray]) -> None:
+    """Mark the ids of a batch's KJT (feature-major) in the per-feature masks (rows,) bool."""
+    values = batch.sparse.values().numpy()
+    pos = 0
+    for mask, n in zip(masks, batch.sparse.length_per_key()):
+        mask[values[pos:pos + n]] = True
+        pos += n
+
+
+def load_changed_rows(ckpt: str | os.PathLike) -> dict[str, np.ndarray]:
+    """``changed_rows.npz`` of a resumed checkpoint: feature name -> int64 (n,) sorted
+    unique ids.
+
+    Raises:
+        CheckpointError: the file is missing (not a resumed run, or an older checkpoint).
+    """
+    path = Path(ckpt) / CHANGED_ROWS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint was written without the "
+                              "touched-row list; re-run `python -m serve.model.train`")
+    with np.load(path) as z:
+        return {k: z[k].astype(np.int64) for k in z.files}
+
+
 # ----------------------------------------------------------------------------- ranks
 
 def _build_model(profile: Profile, device: torch.device) -> Any:
@@ -327,6 +407,7 @@ class _RankRun:
     seconds: float
     final_loss: float | None
     epochs: int
+    touched: list[np.ndarray]   # per feature: bool (rows,), ids in this rank's batches
 
 
 def _rank_device(cfg: TrainConfig, rank: int) -> tuple[str, torch.device]:
@@ -355,10 +436,23 @@ def _sharded_model(cfg: TrainConfig, device: torch.device, plan: Any) -> tuple[A
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(),
                                 {"lr": cfg.lr, "eps": 1e-8})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan)
+    if cfg.resume_from is not None:
+        _resume(dmp, Path(cfg.resume_from))
+    if cfg.sparse_only:  # no dense optimizer: the MLPs' gradients are computed, never applied
+        return dmp, CombinedOptimizer([dmp.fused_optimizer])
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.Adam(params, lr=cfg.dense_learning_rate))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+
+
+def _resume(dmp: Any, ckpt: Path) -> None:
+    """Read ``ckpt`` into this rank's shards and dense replica (collective: every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = dmp.state_dict()
+    dcp.load(state, checkpoint_id=str(ckpt))
+    dmp.load_state_dict(state)
 
 
 def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int,
@@ -368,6 +462,7 @@ def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
     ds = train_dataset(cfg, local_batch, rank, world_size)
+    touched = [np.zeros(c, dtype=bool) for c in cfg.profile.cardinalities]
     epochs = cfg.epochs or cfg.profile.epochs
     total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
     step, rows, t0, ema = 0, 0, time.perf_counter(), None
@@ -376,6 +471,7 @@ def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int
         for batch in iter_batches(ds, cfg.num_workers):
             if step >= total:
                 break
+            _touched(batch, touched)
             logits = dmp(batch.dense.to(device), batch.sparse.to(device)).squeeze(-1)
             loss = loss_fn(logits, batch.labels.to(device))
             opt.zero_grad()
@@ -388,7 +484,7 @@ def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int
                 el = time.perf_counter() - t0
                 print(f"train step {step}/{total} rows {rows} rows/s {rows / el:,.0f} "
                       f"loss {ema:.4f}", flush=True)
-    return _RankRun(step, rows, time.perf_counter() - t0, ema, epochs)
+    return _RankRun(step, rows, time.perf_counter() - t0, ema, epochs, touched)
 
 
 def _fixed_batch_outputs(dmp: Any, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
@@ -434,9 +530,16 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         run = _train_loop(dmp, opt, cfg, rank, world_size, local_batch, device)
         outputs = _fixed_batch_outputs(dmp, cfg, device)
         dcp.save(dmp.state_dict(), checkpoint_id=tmp_dir)
+        mine = [np.flatnonzero(m).astype(np.int64) for m in run.touched]
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, mine)
         dist.barrier()
         if rank == 0:
             torch.save(outputs, Path(tmp_dir) / OUTPUTS_FILE)
+            changed: dict[str, Any] = {f: np.unique(np.concatenate([r[j] for r in every]))
+                       for j, f in enumerate(p.feature_names)}
+            if cfg.resume_from is not None:  # what a delta of this update may contain
+                np.savez(Path(tmp_dir) / CHANGED_ROWS_FILE, **changed)
             meta = {
                 "profile": p.name, "world_size": world_size, "backend": backend,
                 "device": device.type, "sharding_plan": types,
@@ -446,11 +549,24 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                 "final_loss": run.final_loss, "global_batch": local_batch * world_size,
                 "learning_rate": cfg.lr, "dense_learning_rate": cfg.dense_learning_rate,
                 "epochs": run.epochs, "seed": seed, "label_shuffle": cfg.label_shuffle,
+                "resumed_from": (os.fspath(cfg.resume_from) if cfg.resume_from is not None
+                                 else None),
+                "sparse_only": cfg.sparse_only, "day": _data_day(cfg.data_dir),
+                "changed_rows": int(sum(v.shape[0] for v in changed.values())),
             }
             (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _data_day(data_dir: Path) -> int | None:
+    """The day of the click logs (meta.json "day"; None when not recorded)."""
+    try:
+        day = json.loads((Path(data_dir) / "meta.json").read_text()).get("day")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return day if isinstance(day, int) else None
 
 
 def _under_torchrun() -> bool:
@@ -471,6 +587,7 @@ def train(cfg: TrainConfig) -> dict:
     if not torchrun and dev == "cuda" and world > torch.cuda.device_count():
         raise ShardingError(f"--nproc {world} needs {world} GPUs with nccl but this machine has "
                             f"{torch.cuda.device_count()}; use --nproc <= that or --backend gloo")
+    check_resume(cfg, world)  # a wrong checkpoint fails here, not in every rank
     # Validate (and show) the plan before any rank starts.
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     _, types, shards = plan_sharding(cfg.profile, world, dev, local_ws,
@@ -481,6 +598,9 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.label_shuffle:
             print(f"label shuffle: the training labels are permuted (seed {cfg.resolved_seed}); "
                   "eval is untouched, so expect eval AUC ~0.5", flush=True)
+        if cfg.resume_from is not None:
+            what = "embeddings only (MLPs frozen)" if cfg.sparse_only else "all weights"
+            print(f"resume: continuing from {cfg.resume_from}, training {what}", flush=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -537,6 +657,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="permute the training split's labels with a generator seeded by --seed "
                          "(eval data and labels untouched): a deliberately bad model whose eval "
                          "AUC is ~0.5")
+    ap.add_argument("--resume", default=None, metavar="CKPT_DIR",
+                    help="continue training from this checkpoint (written by this command; "
+                         "same profile and --nproc as it was saved with); optimizer state "
+                         "starts fresh")
+    ap.add_argument("--sparse-only", action="store_true",
+                    help="with --resume: update only the embedding rows (no dense optimizer "
+                         "step, the MLPs stay bit-identical), as embedding deltas need")
     return ap
 
 
@@ -547,7 +674,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        dense_learning_rate=args.dense_lr, epochs=args.epochs,
                        max_steps=args.max_steps, num_workers=args.workers,
                        threads=args.threads, log_every=args.log_every, seed=args.seed,
-                       label_shuffle=args.label_shuffle)
+                       label_shuffle=args.label_shuffle,
+                       resume_from=Path(args.resume) if args.resume else None,
+                       sparse_only=args.sparse_only)
 
 
 def main(argv: list[str] | None = None) -> int:
