@@ -342,6 +342,8 @@ class FakeRuntime:
         self.model = FakeModel(offset, error)
         self.stages = {"decode": 0.0, "embedding": 0.0, "dense": 0.0}
         self.hits = 0
+        self.shared = None                  # no pod-wide shared tables
+        self.feature_names = [f"C{i}" for i in range(1, 27)]
 
     def predict_arrays(self, dense, values, lengths):
         self.hits += int(values.size)
@@ -360,6 +362,7 @@ class FakeRuntime:
             device_bytes: int = 100
             host_bytes: int = 0
             stage_seconds: dict = field(default_factory=dict)
+            wrapped: tuple = (0,) * 26
         return S(self.hits, stage_seconds=dict(self.stages))
 
 

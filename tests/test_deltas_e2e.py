@@ -206,3 +206,40 @@ def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
     start = wrapped()
     served.predict(encode_binary(dense, lengths, values))
     assert wrapped() == start + 3
+
+
+def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
+        served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m serve.evaluate`` on a live endpoint: the last stdout line is JSON with
+    auc and rows, and the AUC is that of the served model's scores on those rows (the
+    same as an in-process runtime serving what the service serves now)."""
+    import json
+
+    from serve import evaluate
+    from serve.model.data import ensure_day_data, load_split
+    from serve.ops.heldout import binary_bodies
+    from serve.profiles import get_profile
+    from serve.quality import roc_auc
+
+    rows = 3000
+    data_dir = ensure_day_data(get_profile("tiny"), 1)
+    rc = evaluate.main(["--url", served.cfg.inference_url, "--day", "1", "--profile", "tiny",
+                        "--rows", str(rows), "--batch", "500", "--clients", "2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    res = json.loads(out[-1])
+    assert res["rows"] == rows and res["day"] == 1 and res["versions"] == {VERSION: 6}
+    # The service now serves the artifact plus every delta accepted so far.
+    state = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()
+    assert state["embeddings"][VERSION]["applied_sequence"] == 1
+    scores = []
+    ref = Runtime.from_artifact(_rebuilt(served.artifact, _delta(served.artifact, 1, seed=11)))
+    from serve.api.protocol import HandlerConfig, parse_body
+
+    cfg = HandlerConfig(max_instances=1024)
+    for _, _, body in binary_bodies(data_dir, "eval", rows, 500):
+        req = parse_body(body, cfg, BINARY_MEDIA_TYPE)
+        scores.append(ref.predict_arrays(req.dense, req.values, req.lengths))
+    labels = np.asarray(load_split(data_dir, "eval").labels[:rows], dtype=np.float64)
+    assert res["auc"] == pytest.approx(roc_auc(labels, np.concatenate(scores)), abs=1e-6)
+    assert evaluate.main(["--url", "ftp://x", "--day", "1"]) == 2

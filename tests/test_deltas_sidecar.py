@@ -423,3 +423,28 @@ def test_collect_survives_garbage_and_uses_the_last_known_pids(tmp_path: Path) -
     assert m[("dlrm_embedding_delta_rows_updated", v)] == 3
     assert m[("dlrm_embedding_delta_apply_seconds", v)] == 0.5
     assert m[("dlrm_embedding_delta_created_timestamp_seconds", v)] == NOW - 5
+
+
+# ------------------------------------------------------------------ the model volume
+
+
+def test_sync_takes_the_volumes_deltas_in_order_through_the_same_checks(tmp_path: Path) -> None:
+    """Deltas published on the model volume reach the store in sequence order; a gap
+    waits, a damaged file stops the version there (logged), nothing else changes."""
+    svc = _service(tmp_path / "store", [], FakeClock())
+    volume = tmp_path / "repo" / "deltas" / SERVED
+    volume.mkdir(parents=True)
+    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(make_delta(1))
+    (volume / f"dlrm-{SERVED}-00000003.delta").write_bytes(make_delta(3))
+    (volume / "notes.txt").write_text("not a delta")
+    got = svc.sync([tmp_path / "empty-root", tmp_path / "repo"])
+    assert [a.sequence for a in got] == [1]          # 3 waits for 2
+    assert svc.store.sequences(SERVED) == [1]
+    bad = bytearray(make_delta(2))
+    bad[-1] ^= 1
+    (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(bytes(bad))
+    assert svc.sync([tmp_path / "repo"]) == [] and svc.store.sequences(SERVED) == [1]
+    (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(make_delta(2))
+    assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [2, 3]
+    assert svc.sync([tmp_path / "repo"]) == []        # once
+    assert svc.store.sequences(SERVED) == [1, 2, 3]

@@ -94,6 +94,9 @@ class SidecarConfig:
         delta_dir: the pod's embedding-delta store (:class:`serve.deltas.DeltaStore`), a
             folder the TorchServe workers read too; POST /embeddings/deltas adds to it.
             None turns deltas off (POST /embeddings/deltas answers 409).
+        delta_sync_s: every this many seconds, take the deltas published on the model
+            volume (``<repository>/deltas/<version>/``) for the served versions
+            (:meth:`serve.sidecar.deltas.DeltaService.sync`); 0 = never.
     """
 
     inference_url: str = "http://127.0.0.1:8080"
@@ -115,8 +118,12 @@ class SidecarConfig:
     memory_headroom: float = 0.9
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     delta_dir: Path | None = None
+    delta_sync_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not (self.delta_sync_s >= 0 and self.delta_sync_s != float("inf")):
+            raise ConfigError(f"delta_sync_s {self.delta_sync_s} must be a finite number of "
+                              "seconds >= 0 (0 = do not read deltas from the model volume)")
         for name in ("inference_url", "management_url", "metrics_url"):
             value = getattr(self, name)
             if not isinstance(value, str) or not re.match(r"^https?://[^/]+", value):

@@ -36,10 +36,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -69,6 +72,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+# A delta file on the model volume: anything ending in its 8-digit sequence + ".delta".
+_VOLUME_FILE = re.compile(r"(\d{8})\.delta$")
 
 #: How often a POST waiting for the workers re-reads their status files (seconds).
 POLL_INTERVAL_S = 0.05
@@ -175,6 +181,7 @@ class DeltaService(Collector):
         self._pids_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state_lock = threading.Lock()
+        self._sync_failed: set[Path] = set()
 
     # ------------------------------------------------------------------ live workers
 
@@ -264,6 +271,50 @@ class DeltaService(Collector):
                   delta.sequence, delta.rows, len(blob))
         return Accepted(delta.base_version, delta.sequence, delta.rows, len(blob),
                         delta.created_at)
+
+    # ------------------------------------------------------------------ model volume
+
+    def sync(self, roots: Iterable[Path]) -> list[Accepted]:
+        """Pick up deltas published on the model volume: for each served version, the
+        files ``<root>/deltas/<version>/*<seq:08d>.delta`` (what ``make delta`` writes,
+        e.g. ``dlrm-small-int8-s0-00000001.delta``) whose sequence is above the store's,
+        in sequence order, through the same checks as a POST (:meth:`add`).
+
+        This is how every pod of a Deployment gets the same deltas, including pods that
+        start later (a new pod's store is empty: it replays the volume's deltas of its
+        version before its workers' first batch settles). A file that fails a check is
+        logged once and stops that version's sync there (later ones need it).
+        """
+        out: list[Accepted] = []
+        for version in self._versions():
+            last = self.store.last_sequence(version)
+            found: dict[int, Path] = {}
+            for root in roots:
+                folder = Path(root) / "deltas" / version
+                try:
+                    names = sorted(os.listdir(folder))
+                except OSError:
+                    continue
+                for name in names:
+                    m = _VOLUME_FILE.search(name)
+                    if m and int(m.group(1)) > last:
+                        found.setdefault(int(m.group(1)), folder / name)
+            for seq in sorted(found):
+                if seq != last + 1:
+                    break  # a gap on the volume: wait for the missing file
+                path = found[seq]
+                try:
+                    accepted = self.add(path.read_bytes())
+                except (ServeError, OSError) as e:
+                    if path not in self._sync_failed:
+                        self._sync_failed.add(path)
+                        _log.error("embedding delta %s from the model volume not taken: %s",
+                                   path, getattr(e, "message", e))
+                    break
+                _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
+                out.append(accepted)
+                last = seq
+        return out
 
     # ------------------------------------------------------------------ wait
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from serve.sidecar.reconciler import Reconciler
 from serve.sidecar.rollout import RolloutController
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import TorchServeClient, observe
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["SidecarState", "StateDep", "get_state"]
 
@@ -77,6 +80,7 @@ class SidecarState:
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
     _reconcile_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _delta_sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _drainer: Drainer | None = field(default=None, repr=False)
 
     @classmethod
@@ -156,18 +160,36 @@ class SidecarState:
         return list((await observe(self.torchserve)).pids())
 
     def start(self) -> None:
-        """Start the reconciler's loop (the app's lifespan; no-op without a state file)."""
+        """Start the reconciler's loop (the app's lifespan; no-op without a state file),
+        and the model volume's delta pickup (with a delta folder and ``delta_sync_s``)."""
         if self._reconciler is not None and self._reconcile_task is None:
             self._reconcile_task = asyncio.create_task(self._reconciler.run())
+        if self.deltas is not None and self.config.delta_sync_s > 0 \
+                and self._delta_sync_task is None:
+            self._delta_sync_task = asyncio.create_task(self._sync_deltas())
+
+    async def _sync_deltas(self) -> None:
+        """Every ``delta_sync_s``: deltas published on the model volume (the repository
+        folders), through the same checks as a POST. Never dies: errors are logged."""
+        roots = list(self.config.repository_roots)
+        while True:
+            try:
+                if self.deltas is not None:
+                    await asyncio.to_thread(self.deltas.sync, roots)
+            except Exception:  # noqa: BLE001 - a bad volume must not stop the sidecar
+                _log.exception("picking up embedding deltas from %s failed", roots)
+            await asyncio.sleep(self.config.delta_sync_s)
 
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
         each pass starts from what TorchServe describes."""
-        task, self._reconcile_task = self._reconcile_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for name in ("_reconcile_task", "_delta_sync_task"):
+            task = getattr(self, name)
+            setattr(self, name, None)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     @property
     def torchserve(self) -> TorchServeClient:
