@@ -25,7 +25,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model delta run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -57,6 +57,13 @@ model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-sh
 
 delta: venv  ## build the next embedding delta of the serving version (or VERSION=) on day DAY=1's click logs: resumed embedding-only training, quantized like a full build; prints the .delta path last
 	$(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION))
+
+delta-check: venv  ## with `make up` running: make delta DAY=1, then day-1 AUC before/after POST /embeddings/deltas under load (8 x 512) -> bench/results/delta_check.json
+	@set -o pipefail; path=$$($(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION)) | tee /dev/stderr | tail -1) && \
+	$(PY) -m serve.ops.delta_check --delta "$$path" --day $(DAY)
+
+bench-memory: venv java model  ## pod RSS/PSS with 2 and 4 workers, tables per worker vs shared -> bench/results/memory.json
+	$(PY) -m bench.bench_memory
 
 run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
 	$(PY) -m serve.ops.launcher run

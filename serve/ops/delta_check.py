@@ -1,0 +1,138 @@
+"""Freshness end to end: a later day's AUC on the live service before and after its
+embedding delta, the delta applied under load with nothing failed.
+
+With ``make up`` running and a delta built by ``make delta DAY=1`` (or ``make delta-check``,
+which runs both)::
+
+    python -m serve.ops.delta_check --delta build/small-s0/deltas/small-int8-s0/00000001/dlrm-small-int8-s0-00000001.delta
+
+Steps:
+
+1. ``python -m serve.evaluate``'s measurement of day ``--day``'s held-out rows on the
+   inference API: the AUC before;
+2. ``--clients`` closed-loop clients send ``--instances``-instance requests the whole
+   time while the delta goes to ``POST /embeddings/deltas`` (bearer token); the POST
+   waits until every worker applied it; the load runs on for ``--after-s`` seconds;
+3. the AUC after, the same way.
+
+Pass: 0 failed requests, the POST answered 200 (applied by every worker), and the AUC
+rose by at least ``--min-gain`` (0.01). Prints a table and writes JSON
+(``bench/results/delta_check.json``): the AUCs, the delta's rows and bytes, the apply
+time per worker, requests served and failed. Exit 1 on a failed check, 2 on a bad setup.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.deltas import DELTA_MEDIA_TYPE, decode_delta
+from serve.errors import ServeError
+from serve.ops.loadgen import BackgroundLoad
+from serve.profiles import PROFILES, get_profile
+
+__all__ = ["main"]
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "bench" / "results" / "delta_check.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m serve.ops.delta_check",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--delta", required=True, help="the delta file (make delta prints its path)")
+    ap.add_argument("--url", default="http://127.0.0.1:8080", help="inference endpoint")
+    ap.add_argument("--sidecar", default="http://127.0.0.1:8090", help="sidecar endpoint")
+    ap.add_argument("--token-file", default=str(REPO / ".run" / "sidecar-token"),
+                    help="the sidecar's bearer token (make up writes .run/sidecar-token)")
+    ap.add_argument("--day", type=int, default=None,
+                    help="held-out day to measure (default: the delta's training day, from "
+                         "its done.json beside it, else 1)")
+    ap.add_argument("--profile", default="small", help=f"profile ({', '.join(PROFILES)})")
+    ap.add_argument("--clients", type=int, default=8, help="load clients (default 8)")
+    ap.add_argument("--instances", type=int, default=512,
+                    help="instances per load request (default 512)")
+    ap.add_argument("--after-s", type=float, default=10.0,
+                    help="seconds of load after the POST answered (default 10)")
+    ap.add_argument("--min-gain", type=float, default=0.01, help="AUC gain required (0.01)")
+    ap.add_argument("--json", default=str(OUT), help=f"output (default {OUT})")
+    return ap
+
+
+def _auc(url: str, day: int, profile: str) -> dict[str, Any]:
+    from serve.evaluate import evaluate, predict_url
+    from serve.model.data import ensure_day_data
+
+    data = ensure_day_data(get_profile(profile), day)
+    return evaluate(predict_url(url, "dlrm"), data, progress=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        blob = Path(args.delta).read_bytes()
+        delta = decode_delta(blob)
+        token = Path(args.token_file).read_text().strip()
+    except (OSError, ServeError) as e:
+        print(f"delta_check: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 2
+    day = args.day
+    if day is None:
+        done = Path(args.delta).with_name("done.json")
+        day = int(json.loads(done.read_text()).get("day", 1)) if done.is_file() else 1
+    print(f"delta {args.delta}: version {delta.base_version} #{delta.sequence}, "
+          f"{delta.rows:,} rows, {len(blob):,} bytes; measuring day {day}", flush=True)
+    before = _auc(args.url, day, args.profile)
+    print(f"  AUC before: {before['auc']:.4f} ({before['rows']:,} rows)", flush=True)
+    bodies = [example_binary(args.instances, seed=s) for s in range(16)]
+    predict = f"{args.url.rstrip('/')}/predictions/dlrm"
+    with BackgroundLoad(predict, bodies, clients=args.clients,
+                        content_type=BINARY_MEDIA_TYPE) as load:
+        load.wait_for(2 * args.clients)
+        at_post = load.served
+        t0 = time.perf_counter()
+        r = httpx.post(f"{args.sidecar}/embeddings/deltas", content=blob, timeout=300,
+                       params={"wait_s": 120}, trust_env=False,
+                       headers={"Authorization": f"Bearer {token}",
+                                "Content-Type": DELTA_MEDIA_TYPE})
+        post_s = time.perf_counter() - t0
+        time.sleep(args.after_s)
+    answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    print(f"  POST /embeddings/deltas: {r.status_code} in {post_s:.2f} s; load "
+          f"{args.clients} clients x {args.instances}: served {load.served} "
+          f"({load.served - at_post} from the POST on), failed {load.failed}", flush=True)
+    after = _auc(args.url, day, args.profile)
+    gain = after["auc"] - before["auc"]
+    workers = answer.get("workers", [])
+    checks = {"post_applied": r.status_code == 200 and bool(answer.get("applied")),
+              "no_failed_requests": load.failed == 0 and load.served > 0,
+              "auc_gain": gain >= args.min_gain}
+    res = {"version": delta.base_version, "sequence": delta.sequence, "day": day,
+           "delta_rows": delta.rows, "delta_bytes": len(blob), "auc_before": before["auc"],
+           "auc_after": after["auc"], "auc_gain": round(gain, 6), "eval_rows": after["rows"],
+           "post_status": r.status_code, "post_seconds": round(post_s, 3),
+           "apply_seconds_per_worker": {str(w["pid"]): w["apply_seconds"] for w in workers},
+           "load": {"clients": args.clients, "instances": args.instances,
+                    "served": load.served, "failed": load.failed},
+           "checks": checks, "ok": all(checks.values())}
+    print(f"| AUC day {day} before | after | gain | delta rows | delta bytes | apply s per "
+          "worker | served | failed |")
+    apply_s = ", ".join(f"{w['apply_seconds']:.3f}" for w in workers)
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {before['auc']:.4f} | {after['auc']:.4f} | {gain:+.4f} | {delta.rows:,} | "
+          f"{len(blob):,} | {apply_s} | "
+          f"{load.served} | {load.failed} |")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"checks: {checks} -> {'ok' if res['ok'] else 'FAILED'}; wrote {args.json}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
