@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, CACHE_ON_CPU_ENV, HandlerConfig
+from serve.api.protocol import BINARY_MEDIA_TYPE, CACHE_ON_CPU_ENV, HandlerConfig, example_request
 from serve.net import free_ports
 from serve.ops import monitoring
 from serve.ops.feedback_check import label_triples, post_labels
@@ -105,6 +106,12 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
 
         labels = load_split(tiny_build.data_dir, "eval").labels
         post_labels(cfg.sidecar_url, token, label_triples(answers, labels))
+        # an embedding delta and an id beyond its table, so the freshness and wrapped-id
+        # series exist (the dashboard shows them); the delta overwrites one row with its
+        # own bytes, so the predictions (and the cache's hits) stay what they were
+        _post_identity_delta(cfg.sidecar_url, token, tiny_build.artifact, version)
+        r = httpx.post(predict_url, json=example_request(1, seed=1, max_id=2**40), timeout=30)
+        assert r.status_code == 200, r.text
         # a few bad requests, so the errors-by-code series exist (the dashboard shows them)
         for _ in range(3):
             r = httpx.post(predict_url, content=b'{"instances": 1}',
@@ -130,6 +137,23 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
         svc.stop()
         shutil.rmtree(root / "run", ignore_errors=True)
 
+
+
+def _post_identity_delta(sidecar_url: str, token: str, artifact_path: Path, version: str) -> None:
+    """POST delta #1 of ``version``: row 0 of table 0 with the bytes it already has."""
+    import numpy as np
+
+    from serve.deltas import Delta, DeltaTable, encode_delta
+    from serve.runtime.artifact import load_artifact
+
+    art = load_artifact(artifact_path)
+    t = art.tables[0]
+    row = t.data[:1].numpy().copy()
+    delta = Delta(version, 1, time.time(), art.dtype, art.embedding_dim, row.shape[1],
+                  (DeltaTable(t.feature, 0, np.zeros(1, dtype=np.int64), row),))
+    r = httpx.post(f"{sidecar_url}/embeddings/deltas", content=encode_delta(delta),
+                   headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["applied"], r.text
 
 
 def test_prometheus_values_match_what_the_load_generator_sent(observed: Observed) -> None:

@@ -57,7 +57,9 @@ from serve.metrics import (
     BATCH_REQUESTS,
     CACHE_HITS_TOTAL,
     CACHE_MISSES_TOTAL,
+    EMBEDDING_DELTA_APPLIED_SEQUENCE,
     EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS,
+    EMBEDDING_IDS_WRAPPED_TOTAL,
     FEEDBACK_LABELS_TOTAL,
     GPU_MEMORY_TOTAL_BYTES,
     GPU_MEMORY_USED_BYTES,
@@ -622,6 +624,21 @@ def panels() -> tuple[Panel, ...]:
             (f"sum by (result) (rate({FEEDBACK_LABELS_TOTAL}[1m]))", "{{result}}"),),
             "Click labels posted to /feedback per second, by what became of them (joined "
             "with a logged prediction, unknown, expired, duplicate, bad_index)."),
+        Panel("Embedding freshness", "s", (
+            (f"time() - max by (version) ({EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS})",
+             "{{version}} newest delta age"),
+            (f"min by (version) ({EMBEDDING_DELTA_APPLIED_SEQUENCE})",
+             "{{version}} delta sequence (all pods)")),
+            "Age of the newest embedding delta every worker of a version applied (the "
+            "DlrmEmbeddingDeltasStale alert fires past 6 h), and the lowest delta sequence "
+            "applied over the pods (right axis): a pod behind the others shows here.",
+            {"overrides": [{"matcher": {"id": "byRegexp", "options": ".*sequence.*"},
+                            "properties": [{"id": "custom.axisPlacement", "value": "right"},
+                                           {"id": "unit", "value": "short"}]}]}),
+        Panel("Ids beyond their table", "short", (
+            (f"sum by (feature) (rate({EMBEDDING_IDS_WRAPPED_TOTAL}[5m]))", "{{feature}}"),),
+            "Sparse ids per second that were >= their table's rows and wrapped modulo rows, "
+            "per feature: new ids outgrowing a table (grow it in the next build)."),
         Panel("Rollout", "percentunit", (
             (f"max by (pod) ({ROLLOUT_WEIGHT})", "{{pod}} candidate weight"),
             (f"count by (phase) ({ROLLOUT_PHASE} == 1)", "pods {{phase}}")),
