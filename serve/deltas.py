@@ -74,8 +74,9 @@ __all__ = [
 DELTA_MAGIC = b"DLRMDELTA1\n"
 DELTA_MEDIA_TYPE = "application/x-dlrm-delta"
 FORMAT = 1
-#: Largest delta body the sidecar reads (bytes). A day of small-profile training changes
-#: ~1-2 MB of rows; criteo-kaggle scale deltas are tens of MB.
+#: Largest delta body the sidecar reads (bytes). A day of small-profile training changed
+#: 630,523 of its 840,543 rows (47.9 MB: every row seen that day moves); a day at
+#: criteo-kaggle scale touches a smaller share of far larger tables (hundreds of MB).
 MAX_DELTA_BYTES = 1 << 30
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")

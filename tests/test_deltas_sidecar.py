@@ -448,3 +448,27 @@ def test_sync_takes_the_volumes_deltas_in_order_through_the_same_checks(tmp_path
     assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [2, 3]
     assert svc.sync([tmp_path / "repo"]) == []        # once
     assert svc.store.sequences(SERVED) == [1, 2, 3]
+
+
+def test_a_new_pod_is_ready_only_once_its_workers_have_the_volumes_deltas(
+        tmp_path: Path) -> None:
+    """A pod started after deltas were published: /readyz is 503 until the sidecar took
+    them from the volume and every live worker applied them; then 200, and it stays 200
+    while a later delta is being applied (latched: no flapping out of the Service)."""
+    volume = tmp_path / "repo" / "deltas" / SERVED
+    volume.mkdir(parents=True)
+    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(make_delta(1))
+    pod = start_pod(tmp_path)
+    try:
+        with pod.client() as c:
+            wait_until(lambda: pod.store.sequences(SERVED) == [1], timeout_s=30,
+                       what="the volume's delta in the store", interval_s=0.05)
+            r = c.get("/readyz")
+            assert r.status_code == 503 and "applied embedding delta 0 of 1" in r.json()["message"]
+            for pid in pod.pids():
+                pod.store.write_worker_status(status(pid, 1))
+            assert c.get("/readyz").status_code == 200
+            assert post(c, make_delta(2)).status_code == 202   # no worker applies it
+            assert c.get("/readyz").status_code == 200
+    finally:
+        pod.stop()

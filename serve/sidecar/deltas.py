@@ -182,6 +182,8 @@ class DeltaService(Collector):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state_lock = threading.Lock()
         self._sync_failed: set[Path] = set()
+        self._synced = False      # a sync pass over the model volume has completed
+        self._caught_up = False   # latched: the pod once had every stored delta applied
 
     # ------------------------------------------------------------------ live workers
 
@@ -314,7 +316,35 @@ class DeltaService(Collector):
                 _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
                 out.append(accepted)
                 last = seq
+        self._synced = True
         return out
+
+    async def not_caught_up(self, need_sync: bool) -> str | None:
+        """Why a starting pod is not ready yet as far as deltas go, or None.
+
+        Until the pod first catches up: the model volume must have been read once
+        (``need_sync``), and every live worker of each served version must have applied
+        the store's last delta. Latched after that: a delta posted later, which the
+        workers apply within their poll interval, never takes a serving pod out of the
+        Service.
+        """
+        if self._caught_up:
+            return None
+        if need_sync and not self._synced:
+            return ("the embedding deltas on the model volume have not been read yet; "
+                    "ready within the sync interval")
+        pids = await self.live_pids()
+        for version in self._versions():
+            last = await asyncio.to_thread(self.store.last_sequence, version)
+            if last == 0:
+                continue
+            statuses = await asyncio.to_thread(self.store.worker_statuses, version, list(pids))
+            applied = min((st.sequence for st in statuses), default=0)
+            if applied < last:
+                return (f"version {version}: its workers have applied embedding delta "
+                        f"{applied} of {last}; ready once they have all")
+        self._caught_up = True
+        return None
 
     # ------------------------------------------------------------------ wait
 

@@ -50,6 +50,11 @@ async def readyz(state: StateDep) -> JSONResponse:
         await state.torchserve.ping()
     except UpstreamUnavailable as e:
         return JSONResponse(e.to_json(), status_code=503)
+    if state.deltas is not None:  # a new pod serves only once it has its version's deltas
+        behind = await state.deltas.not_caught_up(
+            need_sync=state.config.delta_sync_s > 0 and bool(state.config.repository_roots))
+        if behind is not None:
+            return JSONResponse(UpstreamUnavailable(behind).to_json(), status_code=503)
     return JSONResponse({"status": "ready", "model": model,
                          "model_version": str(desc.get("modelVersion")),
                          "ready_workers": ready})
