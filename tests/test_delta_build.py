@@ -21,6 +21,7 @@ from serve.model.train import (
 )
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
+from tests.fixtures.deltas import with_delta_rows
 
 TINY = get_profile("tiny")
 FILES = ("train.dense.f32", "train.sparse.ids", "train.labels.u8",
@@ -173,10 +174,7 @@ def test_next_sequence_counts_finished_deltas_only(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 def _apply(base, delta):
-    tables = [t.data.clone() for t in base.tables]
-    for t in delta.tables:
-        tables[t.table][torch.from_numpy(t.ids)] = torch.from_numpy(t.rows.copy())
-    return tables
+    return [t.data for t in with_delta_rows(base, delta).tables]
 
 
 def _check_seq(prev_art: Path, res, tiny_build) -> None:

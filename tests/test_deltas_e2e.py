@@ -10,7 +10,6 @@ the tables), the sidecar, and ``POST /embeddings/deltas`` under load.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from serve.repository import ModelRepository
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.state import parse_state, write_state
+from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.torchserve import tiny_random_artifact
 from tests.promtext import samples
 
@@ -116,12 +116,6 @@ def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION) -> Delt
                  row_bytes(art.dtype, art.embedding_dim), tuple(tables))
 
 
-def _rebuilt(art: Artifact, *deltas: Delta) -> Artifact:
-    new = copy.deepcopy(art)
-    for d in deltas:
-        for t in d.tables:
-            new.tables[t.table].data[torch.from_numpy(t.ids)] = torch.from_numpy(t.rows.copy())
-    return new
 
 
 def _requests(n: int, b: int, seed: int) -> list[tuple[bytes, tuple]]:
@@ -157,7 +151,7 @@ def test_delta_under_load_is_exact_and_fails_nothing(served: Served) -> None:
           f"{load.served}, failed {load.failed}; apply s per worker "
           f"{[w['apply_seconds'] for w in res['workers']]}")
     assert load.failed == 0 and load.served > 0
-    ref = Runtime.from_artifact(_rebuilt(served.artifact, d1), RuntimeConfig())
+    ref = Runtime.from_artifact(with_delta_rows(served.artifact, d1), RuntimeConfig())
     for body, arrays in reqs[:4]:
         got = served.predict(body)   # either worker: both must serve the delta
         assert np.array_equal(got, ref.predict_arrays(*arrays))
@@ -233,7 +227,7 @@ def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
     state = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()
     assert state["embeddings"][VERSION]["applied_sequence"] == 1
     scores = []
-    ref = Runtime.from_artifact(_rebuilt(served.artifact, _delta(served.artifact, 1, seed=11)))
+    ref = Runtime.from_artifact(with_delta_rows(served.artifact, _delta(served.artifact, 1, seed=11)))
     from serve.api.protocol import HandlerConfig, parse_body
 
     cfg = HandlerConfig(max_instances=1024)

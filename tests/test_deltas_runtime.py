@@ -7,7 +7,6 @@ the arithmetic is the same.
 """
 from __future__ import annotations
 
-import copy
 import multiprocessing as mp
 import threading
 import time
@@ -24,6 +23,7 @@ from serve.runtime.artifact import Artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
+from tests.fixtures.deltas import with_delta_rows
 
 F = 26
 VERSION = "tiny-int8-s0"
@@ -60,13 +60,6 @@ def _delta(art: Artifact, seed: int, sequence: int = 1, tables: tuple[int, ...] 
                  row_bytes(art.dtype, art.embedding_dim), tuple(out))
 
 
-def _rebuilt(art: Artifact, *deltas: Delta) -> Artifact:
-    """The artifact a full build with the delta's rows would give."""
-    new = copy.deepcopy(art)
-    for d in deltas:
-        for t in d.tables:
-            new.tables[t.table].data[torch.from_numpy(t.ids)] = torch.from_numpy(t.rows.copy())
-    return new
 
 
 def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
@@ -91,7 +84,7 @@ def test_delta_applied_equals_rebuilt_artifact(base, tmp_path, policy, lf):
     store = _store_with(tmp_path, d1, d2)
     f = DeltaFollower(store, VERSION, rt, threading.Lock())
     assert f.catch_up() == 2 and f.applied == 2 and f.rows == d1.rows + d2.rows
-    ref = Runtime.from_artifact(_rebuilt(base, d1, d2), RuntimeConfig(cache_load_factor=1.0))
+    ref = Runtime.from_artifact(with_delta_rows(base, d1, d2), RuntimeConfig(cache_load_factor=1.0))
     stale = Runtime.from_artifact(base, RuntimeConfig(cache_load_factor=1.0))
     changed = False
     for step in range(10, 16):
@@ -114,7 +107,7 @@ def test_delta_without_cache_and_status(base, tmp_path):
     st = store.worker_statuses(VERSION, pids=[4242])[0]
     assert (st.sequence, st.rows, st.created_at) == (1, d1.rows, d1.created_at)
     assert st.apply_seconds > 0 and st.applied_at == 100.0
-    ref = Runtime.from_artifact(_rebuilt(base, d1))
+    ref = Runtime.from_artifact(with_delta_rows(base, d1))
     dense, sparse = _batch(5, 128, multi_hot=True)
     assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
     assert f.catch_up() == 0, "a delta applies once"
@@ -158,7 +151,7 @@ def test_batches_see_all_of_a_delta_or_none(base, tmp_path):
     """A thread predicts the same batch under the batch lock while deltas land: every
     answer equals the answer before or after a whole delta, never a mix."""
     deltas = [_delta(base, 40 + i, i + 1, share=0.5) for i in range(4)]
-    refs = [Runtime.from_artifact(_rebuilt(base, *deltas[:i])) for i in range(5)]
+    refs = [Runtime.from_artifact(with_delta_rows(base, *deltas[:i])) for i in range(5)]
     dense, sparse = _batch(9, 256, multi_hot=True)
     expected = [r.predict(dense, sparse) for r in refs]
     rt = Runtime.from_artifact(base, RuntimeConfig())
@@ -246,7 +239,7 @@ def test_shared_tables_one_copy_two_processes(base, tmp_path):
     reader.join(60)
     writer.join(60)
     assert reader.exitcode == 0 and writer.exitcode == 0
-    ref = Runtime.from_artifact(_rebuilt(base, d1))
+    ref = Runtime.from_artifact(with_delta_rows(base, d1))
     expected = ref.predict(*_batch(3, 64, multi_hot=True)).numpy()
     for out in outs:
         assert np.array_equal(out, expected)
