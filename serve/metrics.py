@@ -430,12 +430,7 @@ class HandlerMetrics:
         with self._lock:
             for key, counter in (("hits", self._hits), ("misses", self._misses),
                                  ("evictions", self._evictions)):
-                value = int(getattr(stats, key))
-                last = self._last.get(key, 0)
-                delta = value - last if value >= last else value
-                self._last[key] = value
-                if delta:
-                    counter.inc(delta)
+                self._advance(counter, key, int(getattr(stats, key)))
             self._device_bytes.set(int(stats.device_bytes))
             self._host_bytes.set(int(stats.host_bytes))
 
@@ -444,12 +439,16 @@ class HandlerMetrics:
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
         with self._lock:
             for name, value in zip(features, wrapped):
-                key = f"wrapped:{name}"
-                last = self._last.get(key, 0)
-                delta = value - last if value >= last else value
-                self._last[key] = value
-                if delta:
-                    self._wrapped.labels(feature=name).inc(delta)
+                self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
+
+    def _advance(self, counter: Counter, key: str, value: int) -> None:
+        """Move ``counter`` by ``value``'s increase since the last value seen under ``key``
+        (a lower value: the runtime was rebuilt and counts from zero again). Under _lock."""
+        last = self._last.get(key, 0)
+        self._last[key] = value
+        delta = value - last if value >= last else value
+        if delta:
+            counter.inc(delta)
 
     def observe_logged(self, requests: int) -> None:
         """``requests`` more requests written to the prediction log (serve.predlog)."""

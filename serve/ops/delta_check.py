@@ -34,6 +34,7 @@ import httpx
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
 from serve.deltas import DELTA_MEDIA_TYPE, decode_delta
 from serve.errors import ServeError
+from serve.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
 from serve.profiles import PROFILES, get_profile
 
@@ -66,11 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _auc(url: str, day: int, profile: str) -> dict[str, Any]:
-    from serve.evaluate import evaluate, predict_url
+    from serve.evaluate import evaluate
     from serve.model.data import ensure_day_data
 
     data = ensure_day_data(get_profile(profile), day)
-    return evaluate(predict_url(url, "dlrm"), data, progress=False)
+    return evaluate(url, data, progress=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         blob = Path(args.delta).read_bytes()
         delta = decode_delta(blob)
         token = Path(args.token_file).read_text().strip()
+        predict = predict_url(args.url, "dlrm")
     except (OSError, ServeError) as e:
         print(f"delta_check: {getattr(e, 'message', e)}", file=sys.stderr)
         return 2
@@ -88,10 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         day = int(json.loads(done.read_text()).get("day", 1)) if done.is_file() else 1
     print(f"delta {args.delta}: version {delta.base_version} #{delta.sequence}, "
           f"{delta.rows:,} rows, {len(blob):,} bytes; measuring day {day}", flush=True)
-    before = _auc(args.url, day, args.profile)
+    before = _auc(predict, day, args.profile)
     print(f"  AUC before: {before['auc']:.4f} ({before['rows']:,} rows)", flush=True)
     bodies = [example_binary(args.instances, seed=s) for s in range(16)]
-    predict = f"{args.url.rstrip('/')}/predictions/dlrm"
     with BackgroundLoad(predict, bodies, clients=args.clients,
                         content_type=BINARY_MEDIA_TYPE) as load:
         load.wait_for(2 * args.clients)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  POST /embeddings/deltas: {r.status_code} in {post_s:.2f} s; load "
           f"{args.clients} clients x {args.instances}: served {load.served} "
           f"({load.served - at_post} from the POST on), failed {load.failed}", flush=True)
-    after = _auc(args.url, day, args.profile)
+    after = _auc(predict, day, args.profile)
     gain = after["auc"] - before["auc"]
     workers = answer.get("workers", [])
     checks = {"post_applied": r.status_code == 200 and bool(answer.get("applied")),

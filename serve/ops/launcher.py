@@ -390,7 +390,6 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
-    env[DELTA_DIR_ENV] = str(cfg.delta_dir)
     env.update(cfg.sidecar_env)
     with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,

@@ -256,16 +256,16 @@ class Runtime:
     def __init__(self, artifact: Artifact, config: RuntimeConfig,
                  shared: SharedTables | None = None) -> None:
         self.config = config
-        self.shared: SharedTables | None = None
-        self._shared_offer = shared
+        self.shared: SharedTables | None = None   # set by _place_rows when it serves them
         self.device = _resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _check_tables(artifact)
         with device_guard(self.device):
-            self._setup(artifact, config)
+            self._setup(artifact, config, shared)
 
-    def _setup(self, artifact: Artifact, config: RuntimeConfig) -> None:
+    def _setup(self, artifact: Artifact, config: RuntimeConfig,
+               shared: SharedTables | None) -> None:
         """Tables or cache, and the dense part, on ``self.device`` (under its guard)."""
         self.feature_names: list[str] = list(artifact.feature_names)
         self.num_dense: int = artifact.num_dense
@@ -281,10 +281,13 @@ class Runtime:
         self._offsets_d = torch.tensor(offsets, dtype=torch.int64, device=dev)
         self._feature_ids_d = torch.arange(len(self.table_rows), device=dev)
         self._wrapped_d = torch.zeros(len(self.table_rows), dtype=torch.int64, device=dev)
+        # The CUDA-graph path counts wrapped ids on the host (the graph wraps them itself).
+        self._rows_h = torch.tensor(self.table_rows, dtype=torch.int64).unsqueeze(1)
+        self._wrapped_h = torch.zeros(len(self.table_rows), dtype=torch.int64)
         self._offsets = offsets
         self.cache: EmbeddingCache | None
         self.table: torch.Tensor | None
-        self.cache, self.table = self._place_rows(artifact, config)
+        self.cache, self.table = self._place_rows(artifact, config, shared)
 
         dense = DenseDLRM(artifact.dense_arch, artifact.over_arch, len(self.feature_names))
         dense = dense.to(dev).eval()
@@ -304,7 +307,7 @@ class Runtime:
                  f"cache {self.cache.capacity} slots ({config.cache_policy})" if self.cache
                  else "no cache")
 
-    def _place_rows(self, artifact: Artifact, config: RuntimeConfig
+    def _place_rows(self, artifact: Artifact, config: RuntimeConfig, shared: SharedTables | None
                     ) -> tuple[EmbeddingCache | None, torch.Tensor | None]:
         """``(cache, None)`` when the rows are served through a cache (hot rows on the
         device, all in host memory), else ``(None, table)`` with every row on the device.
@@ -319,10 +322,10 @@ class Runtime:
                            cache_bytes=config.cache_bytes)
         use_cache = (config.cache_on_cpu if self.device.type == "cpu"
                      else cap < self.total_rows)
-        if not use_cache and self.device.type == "cpu" and self._shared_offer is not None:
+        if not use_cache and self.device.type == "cpu" and shared is not None:
             # One copy for every worker of the pod (serve.runtime.shared).
-            self.shared = self._shared_offer
-            return None, self.shared.open(tables)
+            self.shared = shared
+            return None, shared.open(tables)
         if not use_cache:
             if self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous():
                 return None, tables[0]
@@ -557,9 +560,7 @@ class Runtime:
             self._graphs[b] = entry
         graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
         # The graph wraps ids itself; count the wrapped ones here, on the host.
-        nf = len(self.table_rows)
-        wrapped = (sparse.values.view(nf, -1) >= torch.tensor(self.table_rows).unsqueeze(1)).sum(1)
-        self._wrapped_d += wrapped.to(self.device)
+        self._wrapped_h += (sparse.values.view(len(self.table_rows), -1) >= self._rows_h).sum(1)
         h_vals.copy_(sparse.values)
         h_dense.copy_(dense)
         s_vals.copy_(h_vals, non_blocking=True)
@@ -652,4 +653,5 @@ class Runtime:
                             device_bytes=dev_b, host_bytes=host_b,
                             stage_seconds=dict(self._stage), forwards=self._forwards,
                             samples=self._samples,
-                            wrapped=tuple(int(x) for x in self._wrapped_d.tolist()))
+                            wrapped=tuple(int(x) for x in
+                                          (self._wrapped_d.cpu() + self._wrapped_h).tolist()))

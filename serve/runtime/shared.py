@@ -131,7 +131,8 @@ class SharedTables:
                          rb, why)
                 tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
                 with open(tmp, "wb") as f:
-                    f.writelines(t.contiguous().numpy().tobytes() for t in tables)
+                    # memoryviews of the (memory-mapped) tables: no second copy in memory
+                    f.writelines(t.contiguous().numpy().data for t in tables)
                 os.replace(tmp, self.path)
                 self.set_sequence(0)
             storage = torch.UntypedStorage.from_file(os.fspath(self.path), shared=True,
