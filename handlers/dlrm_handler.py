@@ -354,8 +354,13 @@ class DLRMHandler(BaseHandler):
                 self.runtime.record_stage("decode", info["decode_s"])
             if self.metrics is None:
                 return
+            by_status: dict[int, list[int]] = {}  # status -> [requests, instances]
             for out in outcomes:
-                self.metrics.observe_request(out.status, out.instances, seconds)
+                tally = by_status.setdefault(out.status, [0, 0])
+                tally[0] += 1
+                tally[1] += out.instances
+            for status, (requests, instances) in by_status.items():
+                self.metrics.observe_requests(status, requests, instances, seconds)
             if info is None:
                 return
             self._record_arms(info)

@@ -48,6 +48,21 @@ def test_buckets_span_half_a_millisecond_to_a_second():
     assert 4096 in BATCH_REQUESTS_BUCKETS and all(b in BATCH_REQUESTS_BUCKETS for b in range(1, 9))
 
 
+def test_observe_requests_equals_one_observe_request_per_request():
+    one, many = CollectorRegistry(), CollectorRegistry()
+    a, b = HandlerMetrics(one), HandlerMetrics(many)
+    for _ in range(32):
+        a.observe_request(200, 1, 0.25)  # a power of 2: the sums add exactly
+    a.observe_request(400, 0, 0.25)
+    b.observe_requests(200, 32, 32, 0.25)
+    b.observe_requests(400, 1, 0, 0.25)
+    def samples(reg):  # *_created is when each series began: it differs by design
+        return [ln for ln in generate_latest(reg).decode().splitlines() if "_created" not in ln]
+    assert samples(one) == samples(many)
+    with pytest.raises(ValueError, match="requests=0"):
+        b.observe_requests(200, 0, 0, 0.001)
+
+
 def test_handler_metrics_counts_exactly_on_a_fresh_registry():
     reg = CollectorRegistry()
     m = HandlerMetrics(reg)

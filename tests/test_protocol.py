@@ -215,13 +215,15 @@ def _multi_hot(n: int, seed: int) -> dict:
     return body
 
 
-def test_merge_equals_parsing_the_concatenated_request():
-    reqs = [_multi_hot(n, seed) for n, seed in ((2, 1), (1, 2), (4, 3))]
+@pytest.mark.parametrize("shape", [((2, 1), (1, 2), (4, 3)),
+                                   tuple((1 + s % 3, 10 + s) for s in range(24))])
+def test_merge_equals_parsing_the_concatenated_request(shape):
+    reqs = [_multi_hot(n, seed) for n, seed in shape]
     parsed = [parse_body(orjson.dumps(r), CFG) for r in reqs]
     merged = merge_requests(parsed)
     whole = parse_body(orjson.dumps({"instances": [i for r in reqs for i in r["instances"]]}),
                        HandlerConfig(max_instances=100, max_ids_per_feature=3))
-    assert merged.sizes == [2, 1, 4]
+    assert merged.sizes == [n for n, _ in shape]
     np.testing.assert_array_equal(merged.dense, whole.dense)
     np.testing.assert_array_equal(merged.lengths, whole.lengths)
     np.testing.assert_array_equal(merged.values, whole.values)

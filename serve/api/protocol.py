@@ -864,20 +864,38 @@ def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) ->
 # ----------------------------------------------------------------------------- batching
 
 def merge_requests(parsed: Sequence[ParsedRequest]) -> MergedBatch:
-    """Concatenate requests into one feature-major batch (request order kept)."""
+    """Concatenate requests into one feature-major batch (request order kept).
+
+    Feature-major means: for each feature, request 0's ids, then request 1's ... One
+    gather over all the requests' ids (not a split per request and feature: with 32
+    single-instance requests that was 832 tiny arrays and 12% of the worker's time).
+    """
     if len(parsed) == 1:
         p = parsed[0]
-        return MergedBatch(p.dense, p.lengths, p.values, [p.batch_size])
+        return MergedBatch(p.dense, p.lengths, p.values, [p.batch_size for p in parsed])
     dense = np.concatenate([p.dense for p in parsed])
     lengths = np.concatenate([p.lengths for p in parsed], axis=1)
-    # Feature-major: for each feature, request 0's ids, then request 1's ... Split each
-    # request's values at its per-feature totals and interleave.
-    pieces = []
-    for p in parsed:
-        ends = np.cumsum(p.lengths.sum(axis=1, dtype=np.int64))
-        pieces.append(np.split(p.values, ends[:-1]))
-    values = np.concatenate([pc[f] for f in range(len(SPARSE_FEATURES)) for pc in pieces])
-    return MergedBatch(dense, lengths, values, [p.batch_size for p in parsed])
+    values = np.concatenate([p.values for p in parsed])
+    return MergedBatch(dense, lengths, values[_feature_major_order(parsed)],
+                       [p.batch_size for p in parsed])
+
+
+def _feature_major_order(parsed: Sequence[ParsedRequest]) -> np.ndarray:
+    """int64 (nnz,): positions in the requests' concatenated ids, in feature-major order.
+
+    Each request's ids are feature-major already, so each (request r, feature f) pair is
+    one contiguous segment: at ``base[r] + start-in-request[r, f]``, ``seg[r, f]`` long.
+    The merged order takes the segments feature by feature, request by request.
+    """
+    seg = np.stack([p.lengths.sum(axis=1, dtype=np.int64) for p in parsed])  # (R, F)
+    within = np.cumsum(seg, axis=1) - seg                                      # (R, F)
+    totals = seg.sum(axis=1)
+    base = np.cumsum(totals) - totals                                          # (R,)
+    starts = (base[:, None] + within).T.reshape(-1)   # (F*R,) feature-major segments
+    counts = seg.T.reshape(-1)
+    # position k of segment s: starts[s] + (k - first output position of s)
+    first = np.cumsum(counts) - counts
+    return np.repeat(starts - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 @dataclass
