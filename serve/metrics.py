@@ -56,7 +56,7 @@ from collections import Counter as _Tally
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -131,6 +131,12 @@ __all__ = [
     "SWITCH_PHASE",
     "SWITCH_PHASES",
     "TORCHSERVE_PREFIX",
+    "TUNER_BATCH_SIZE",
+    "TUNER_DECISIONS_TOTAL",
+    "TUNER_MAX_BATCH_DELAY_SECONDS",
+    "TUNER_PHASE",
+    "TUNER_PHASES",
+    "TUNER_REASONS",
     "WORKERS",
     "CacheStats",
     "CleanupReport",
@@ -176,6 +182,13 @@ ARM_REQUEST_DURATION_SECONDS = "dlrm_arm_request_duration_seconds"
 ARM_SCORE = "dlrm_arm_score"
 SHADOW_SCORE_DIFF = "dlrm_shadow_score_diff"
 # ... and the rollout's own state, written by the sidecar.
+TUNER_PHASE = "dlrm_tuner_phase"
+TUNER_BATCH_SIZE = "dlrm_tuner_batch_size"
+TUNER_MAX_BATCH_DELAY_SECONDS = "dlrm_tuner_max_batch_delay_seconds"
+TUNER_DECISIONS_TOTAL = "dlrm_tuner_decisions_total"
+#: The batching tuner's phases (serve.sidecar.tuner) and the reasons of its decisions.
+TUNER_PHASES = ("off", "paused", "observing", "switching", "trying", "settled")
+TUNER_REASONS = ("seed", "trial", "best", "failed")
 ROLLOUT_PHASE = "dlrm_rollout_phase"
 ROLLOUT_WEIGHT = "dlrm_rollout_weight"
 ROLLOUT_GUARD_VALUE = "dlrm_rollout_guard_value"
@@ -750,6 +763,11 @@ class SidecarMetrics(Collector):
     * ``dlrm_rollout_phase{phase}``: 1 for the current or last rollout's phase (one of
       :data:`ROLLOUT_PHASES`); ``dlrm_rollout_weight``: the candidate's share;
       ``dlrm_rollout_guard_value{guard}`` / ``dlrm_rollout_guard_threshold{guard}``.
+    * ``dlrm_tuner_phase{phase}``: 1 for the batching tuner's phase (one of
+      :data:`TUNER_PHASES`); ``dlrm_tuner_batch_size`` and
+      ``dlrm_tuner_max_batch_delay_seconds``: the batching it asks for (NaN: none, the
+      declared batching serves); ``dlrm_tuner_decisions_total{reason}``: settings it
+      applied, by reason (:data:`TUNER_REASONS`).
     """
 
     UPDATE_RESULTS = ("applied", "unchanged", "conflict", "failed")
@@ -766,6 +784,9 @@ class SidecarMetrics(Collector):
         self._rollout_phase = "none"
         self._rollout_weight = 0.0
         self._guards: dict[str, tuple[float, float]] = {}
+        self._tuner_phase = "off"
+        self._tuner_setting: tuple[float, float] = (math.nan, math.nan)
+        self._tuner_decisions = {r: 0 for r in TUNER_REASONS}
 
     def observe_request(self, route: str, method: str, code: int) -> None:
         key = (route, method, str(code))
@@ -818,8 +839,44 @@ class SidecarMetrics(Collector):
         with self._lock:
             self._rollout_phase, self._rollout_weight, self._guards = phase, weight, table
 
+    def set_tuner(self, phase: str, setting: Any | None) -> None:
+        """Mirror the batching tuner: its ``phase`` and the setting it asks for (an object
+        with ``batch_size`` and ``max_batch_delay_ms``; None: none)."""
+        if phase not in TUNER_PHASES:
+            raise ValueError(f"tuner phase {phase!r} is not one of {TUNER_PHASES}")
+        value = ((float(setting.batch_size), setting.max_batch_delay_ms / 1000.0)
+                 if setting is not None else (math.nan, math.nan))
+        with self._lock:
+            self._tuner_phase, self._tuner_setting = phase, value
+
+    def observe_tuner_decision(self, reason: str) -> None:
+        if reason not in self._tuner_decisions:
+            raise ValueError(f"tuner reason {reason!r} is not one of {TUNER_REASONS}")
+        with self._lock:
+            self._tuner_decisions[reason] += 1
+
+    def _collect_tuner(self) -> Iterator[Metric]:
+        with self._lock:
+            phase, (batch, delay) = self._tuner_phase, self._tuner_setting
+            decisions = dict(self._tuner_decisions)
+        gauge = GaugeMetricFamily(TUNER_PHASE, "1 for the batching tuner's current phase.",
+                                  labels=["phase"])
+        for name in TUNER_PHASES:
+            gauge.add_metric([name], 1.0 if name == phase else 0.0)
+        yield gauge
+        yield GaugeMetricFamily(TUNER_BATCH_SIZE, "Batch size the tuner asks for (NaN: "
+                                "none; the declared batching serves).", value=batch)
+        yield GaugeMetricFamily(TUNER_MAX_BATCH_DELAY_SECONDS, "Max batch delay the tuner "
+                                "asks for, in seconds (NaN: none).", value=delay)
+        fam = CounterMetricFamily(TUNER_DECISIONS_TOTAL, "Batching settings the tuner "
+                                  "applied, by reason.", labels=["reason"])
+        for reason, n in decisions.items():
+            fam.add_metric([reason], n)
+        yield fam
+
     def collect(self) -> Iterator[Metric]:
         yield from self._collect_rollout()
+        yield from self._collect_tuner()
         with self._lock:
             converged = self._converged
             reconciles = dict(self._reconciles)

@@ -1,4 +1,6 @@
 """Shared test setup. Fixtures live in tests/fixtures/, one module per component."""
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,10 @@ pytest_plugins = [
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "integration: starts real servers (TorchServe, sidecar)")
+    # The sidecars the tests start (subprocesses inherit this) run without the batching
+    # tuner, which would otherwise retune under a test's load and change the serving
+    # version behind its back; tests/test_tuner_e2e.py turns it on for itself.
+    os.environ.setdefault("DLRM_AUTOTUNE", "0")
 
 
 # Fixtures that run the real 2-rank training pipeline (about 15 s on 2 cores, cached in

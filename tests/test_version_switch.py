@@ -535,22 +535,25 @@ def test_put_batching_edits_the_desired_state_and_waits_until_it_serves(ts, repo
                         break
                     await asyncio.sleep(0.02)
                 put = await c.put("/batching", json={"batch_size": 16}, headers=auth)
+                tuner = await c.get("/tuner")
                 ok = await c.get("/batching")
                 ts.failures[("POST", "/models")] = 500
                 failed = await c.put("/batching", json={"batch_size": 4}, headers=auth)
                 after = await c.get("/batching")
                 await asyncio.sleep(0.2)  # a few passes: the reverted state is converged
                 state = await c.get("/state")
-                return [put, ok, failed, after, state]
+                return [put, tuner, ok, failed, after, state]
 
-    put, ok, failed, after, state = run(go())
+    put, tuner, ok, failed, after, state = run(go())
     assert put.status_code == 200, put.text
     assert put.json() == {
         "batch_size": 16, "max_batch_delay_ms": 50, "workers": 1, "model_version": TARGET,
         "changed": True, "seconds": pytest.approx(put.json()["seconds"]),
-        "removed_version": "small-s0_b8d50w1",
+        "removed_version": "small-s0_b8d50w1", "tuner_turned_off": True,
         "previous": {"batch_size": 8, "max_batch_delay_ms": 50, "workers": 1,
                      "model_version": "small-s0_b8d50w1"}}
+    # a batching set by hand is pinned: the tuner (on by default) is off now
+    assert tuner.json()["enabled"] is False and "PUT /batching" in tuner.json()["reason"]
     assert ok.json() == {"batch_size": 16, "max_batch_delay_ms": 50, "workers": 1,
                          "model_version": TARGET}  # idle: no status fields
     assert failed.status_code == 503 and failed.json()["type"] == "UpstreamUnavailable"

@@ -17,6 +17,9 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 * ``POST /embeddings/deltas`` (bearer token) and ``GET /embeddings/deltas``
   (:mod:`serve.sidecar.routes_deltas`, :mod:`serve.sidecar.deltas`): embedding deltas
   for a served version, stored in ``--delta-dir`` and applied by the workers.
+* ``GET /tuner`` and ``PUT /tuner`` (bearer token) (:mod:`serve.sidecar.routes_tuner`,
+  :mod:`serve.sidecar.tuner`): the batching tuner, which picks batch size and max delay
+  from the traffic (on by default).
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.routes_health`), ``/docs``
   (OpenAPI).
 
@@ -55,8 +58,10 @@ from serve.sidecar import (
     routes_health,
     routes_metrics,
     routes_state,
+    routes_tuner,
 )
 from serve.sidecar.config import (
+    AUTOTUNE_ENV,
     DEFAULT_CGROUP_ROOT,
     DEFAULT_STATE_FILE,
     DELTA_DIR_ENV,
@@ -74,6 +79,7 @@ from serve.sidecar.middleware import count_requests
 from serve.sidecar.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.state import SidecarState
 from serve.sidecar.tokens import ensure_dev_token, load_token
+from serve.sidecar.tuner import TunerConfig
 
 __all__ = [
     "DEFAULT_STATE_FILE",
@@ -136,7 +142,8 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     register_exception_handlers(app)
     app.middleware("http")(count_requests)
     for router in (routes_health.router, routes_metrics.router, routes_batching.router,
-                   routes_state.router, routes_feedback.router, routes_deltas.router):
+                   routes_state.router, routes_feedback.router, routes_deltas.router,
+                   routes_tuner.router):
         app.include_router(router)
     return app
 
@@ -220,6 +227,22 @@ def _parser() -> argparse.ArgumentParser:
                         f"workers (they follow <dir>/<version>/) [{DELTA_DIR_ENV}]; POST "
                         f"/embeddings/deltas stores deltas there. Unset: deltas are off "
                         f"(POST answers 409)")
+    p.add_argument("--autotune", choices=["on", "off"],
+                   default="off" if _env(AUTOTUNE_ENV, "on").strip().lower() in (
+                       "0", "false", "off", "no") else "on",
+                   help=f"the batching tuner [{AUTOTUNE_ENV}=0 turns it off]: picks batch "
+                        f"size and max delay from the traffic and applies them like PUT "
+                        f"/batching (needs --state-file); off: the declared batching serves. "
+                        f"PUT /tuner turns it on or off live. Default on")
+    p.add_argument("--p99-goal-ms", type=float,
+                   default=float(_env("DLRM_P99_GOAL_MS", "60")),
+                   help="the tuner's p99 latency goal in ms [DLRM_P99_GOAL_MS]")
+    p.add_argument("--tune-window-s", type=float, default=10.0,
+                   help="seconds of traffic the tuner measures a setting on")
+    p.add_argument("--tune-min-dwell-s", type=float, default=30.0,
+                   help="seconds a setting the tuner chose is kept at least")
+    p.add_argument("--tune-min-switch-interval-s", type=float, default=10.0,
+                   help="seconds between two switches of the tuner, at least")
     p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -257,7 +280,10 @@ def main(argv: list[str] | None = None) -> None:
             feedback=FeedbackConfig(
                 log_dir=Path(args.prediction_log_dir) if args.prediction_log_dir else None,
                 window_s=args.feedback_window_s, index_entries=args.feedback_index_entries),
-            delta_dir=Path(args.delta_dir) if args.delta_dir else None)
+            delta_dir=Path(args.delta_dir) if args.delta_dir else None,
+            tuner=TunerConfig(enabled=args.autotune == "on", p99_goal_ms=args.p99_goal_ms,
+                              window_s=args.tune_window_s, min_dwell_s=args.tune_min_dwell_s,
+                              min_switch_interval_s=args.tune_min_switch_interval_s))
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None
     import uvicorn

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from serve.errors import ConfigError
 from serve.sidecar.feedback import FeedbackConfig
+from serve.sidecar.tuner import TunerConfig
 from serve.state import (  # the limits are the desired state's: defined once there
     BATCH_SIZE_MAX,
     DEFAULT_STATE_FILE,
@@ -20,6 +21,7 @@ from serve.state import (  # the limits are the desired state's: defined once th
 )
 
 __all__ = [
+    "AUTOTUNE_ENV",
     "BATCH_SIZE_MAX",
     "DEFAULT_CGROUP_ROOT",
     "DEFAULT_STATE_FILE",
@@ -47,6 +49,8 @@ REPOSITORY_ENV = "DLRM_REPOSITORY"
 #: ``resourceFieldRef``) here.
 MEMORY_LIMIT_ENV = "DLRM_MEMORY_LIMIT_BYTES"
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Environment variable turning the batching tuner off (``0``, ``false``, ``off``) or on.
+AUTOTUNE_ENV = "DLRM_AUTOTUNE"
 #: Environment variable naming the pod's embedding-delta folder (``--delta-dir``), shared
 #: with the TorchServe workers (:class:`serve.deltas.DeltaStore`); unset, deltas are off.
 DELTA_DIR_ENV = "DLRM_DELTA_DIR"
@@ -97,6 +101,8 @@ class SidecarConfig:
         delta_sync_s: every this many seconds, take the deltas published on the model
             volume (``<repository>/deltas/<version>/``) for the served versions
             (:meth:`serve.sidecar.deltas.DeltaService.sync`); 0 = never.
+        tuner: the batching tuner (:class:`~serve.sidecar.tuner.TunerConfig`; on by
+            default, acting only with a desired-state file).
     """
 
     inference_url: str = "http://127.0.0.1:8080"
@@ -119,6 +125,7 @@ class SidecarConfig:
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     delta_dir: Path | None = None
     delta_sync_s: float = 5.0
+    tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def __post_init__(self) -> None:
         if not (self.delta_sync_s >= 0 and self.delta_sync_s != float("inf")):

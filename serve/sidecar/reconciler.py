@@ -66,6 +66,7 @@ from serve.sidecar.schemas import (
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import Observed, Registered, TorchServeClient, observe
 from serve.state import (
+    Batching,
     DesiredState,
     dump_state,
     parse_serving_version,
@@ -218,6 +219,8 @@ class Reconciler:
         self._passed = asyncio.Event()
         self._pass_lock = asyncio.Lock()
         self.paused: str | None = None
+        # The batching tuner's choice (serve.sidecar.tuner); None: the declared batching.
+        self.batching_override: Batching | None = None
 
     # ------------------------------------------------------------------ the desired state
 
@@ -339,11 +342,16 @@ class Reconciler:
 
     def effective(self) -> DesiredState | None:
         """What to converge to: the desired state with its rollout's outcome applied
-        (:meth:`serve.sidecar.rollout.RolloutController.effective`)."""
-        if self.rollouts is None:
-            return self.desired
-        self.rollouts.declare(self.desired)
-        return self.rollouts.effective(self.desired)
+        (:meth:`serve.sidecar.rollout.RolloutController.effective`), with the batching
+        tuner's setting (:attr:`batching_override`) in place of the declared batching."""
+        desired = self.desired
+        if self.rollouts is not None:
+            self.rollouts.declare(desired)
+            desired = self.rollouts.effective(desired)
+        override = self.batching_override
+        if desired is not None and override is not None:
+            desired = desired.model_copy(update={"batching": override})
+        return desired
 
     async def _rollout_step(self, desired: DesiredState | None, serving: str | None) -> None:
         """After a pass that converged on ``desired``: start the bake once the two-arm

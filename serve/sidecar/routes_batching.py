@@ -66,6 +66,12 @@ async def put_batching(update: BatchingUpdate, state: StateDep) -> BatchingUpdat
 async def _apply(state: SidecarState, reconciler: Reconciler,
                  update: BatchingUpdate) -> BatchingUpdateResult:
     """Apply ``update`` (the caller holds the update lock; released here) and count it."""
+    # A setting given by hand is pinned: the tuner would otherwise move it again.
+    pinned = state.tuner is not None and state.tuner.enabled
+    if pinned:
+        state.set_tuner(False, f"turned off by PUT /batching "
+                               f"{update.model_dump(exclude_none=True)}: the setting is pinned; "
+                               'PUT /tuner {"enabled": true} resumes tuning')
     try:
         result = await apply_batching(reconciler, state.torchserve, update, state.clock)
     except Conflict:
@@ -77,7 +83,7 @@ async def _apply(state: SidecarState, reconciler: Reconciler,
     finally:
         state.update_lock.release()
     state.metrics.observe_update("applied" if result.changed else "unchanged", result.seconds)
-    return result
+    return result.model_copy(update={"tuner_turned_off": pinned})
 
 
 def edited(desired: DesiredState, update: BatchingUpdate) -> DesiredState:

@@ -26,6 +26,7 @@ from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailabl
 from serve.sidecar.auth import require_token
 from serve.sidecar.reconciler import Reconciler, observed_state
 from serve.sidecar.rollout import RolloutController
+from serve.sidecar.routes_tuner import tuner_status
 from serve.sidecar.schemas import (
     EmbeddingsStatus,
     ObservedState,
@@ -55,6 +56,7 @@ async def get_state(state: StateDep) -> StateStatus:
         status = await reconciler.status()
     else:
         status = await _status_without_file(state)
+    status = status.model_copy(update={"tuner": tuner_status(state)})
     if state.deltas is not None:
         summaries = await state.deltas.summaries()
         status = status.model_copy(update={"embeddings": {
@@ -73,6 +75,13 @@ async def get_state(state: StateDep) -> StateStatus:
 async def put_state(body: Annotated[Any, Body()], state: StateDep) -> StateAccepted:
     reconciler = state.require_reconciler("PUT /state")
     desired = _validated(body, state)
+    declared = reconciler.desired
+    if (state.tuner is not None and state.tuner.enabled and declared is not None
+            and desired.batching != declared.batching):
+        state.set_tuner(False, f"turned off by PUT /state declaring batching "
+                               f"{desired.batching.batch_size}/"
+                               f"{desired.batching.max_batch_delay_ms} ms: pinned; PUT /tuner "
+                               '{"enabled": true} resumes tuning')
     reconciler.write(desired)
     last = reconciler.last_pass
     converged = bool(last is not None and last.converged and reconciler.desired == desired)

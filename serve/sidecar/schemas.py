@@ -41,6 +41,8 @@ __all__ = [
     "StateAccepted",
     "StateStatus",
     "SwitchRecord",
+    "TunerStatus",
+    "TunerUpdate",
     "WorkerDeltaStatus",
 ]
 
@@ -105,6 +107,50 @@ class BatchingUpdateResult(BatchingState):
     previous: BatchingState
     seconds: float
     removed_version: str | None = None
+    tuner_turned_off: bool = Field(
+        False, description="True when this PUT turned the batching tuner off: a setting "
+                           "given by hand is pinned (PUT /tuner {\"enabled\": true} resumes).")
+
+
+# --------------------------------------------------------------------------- /tuner
+
+
+class TunerUpdate(BaseModel):
+    """Body of PUT /tuner; omitted fields keep their value. Strict types, no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = Field(None, description="Tune (true) or serve the declared "
+                                                   "batching (false).")
+    p99_goal_ms: float | None = Field(None, gt=0, le=60_000,
+                                      description="The p99 latency goal settings are judged on.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> TunerUpdate:
+        if self.enabled is None and self.p99_goal_ms is None:
+            raise ValueError("give at least one of enabled, p99_goal_ms")
+        return self
+
+
+class TunerStatus(BaseModel):
+    """GET /tuner (and ``tuner`` in GET /state): the batching tuner's state and decisions."""
+
+    enabled: bool
+    phase: str = Field(description="off, paused, observing, switching, trying or settled "
+                                   "(see dlrm_tuner_phase).")
+    reason: str = Field(description="Why it is in this phase / did what it did last.")
+    setting: dict[str, int] | None = Field(
+        description="The batching the tuner asks for; null: the declared batching serves.")
+    serving: dict[str, int] | None = Field(description="What TorchServe serves now.")
+    pending: dict[str, int] | None = Field(description="Chosen, being switched to.")
+    p99_goal_ms: float
+    traffic: dict[str, Any] | None = Field(description="The last measurement window.")
+    trials: list[dict[str, Any]] = Field(description="The current search's measured settings.")
+    queue: list[dict[str, int]] = Field(description="Settings the search will still try.")
+    decisions: list[dict[str, Any]] = Field(
+        description="The last settings it applied: at_s (sidecar monotonic s), from, to, "
+                    "reason (seed, trial, best, failed), detail.")
+    config: dict[str, Any]
 
 
 # --------------------------------------------------------------------------- /state
@@ -252,6 +298,8 @@ class StateStatus(BaseModel):
         description="False where the file is read-only (a ConfigMap): PUT /state answers 409.")
     rollout: RolloutStatus | None = Field(
         default=None, description="The current or last rollout; null if none was declared.")
+    tuner: TunerStatus | None = Field(
+        default=None, description="The batching tuner (null without a desired-state file).")
     embeddings: dict[str, EmbeddingsStatus] | None = Field(
         default=None, description="Embedding deltas per served version (stored, and "
                                   "applied by the live workers); absent when the sidecar "

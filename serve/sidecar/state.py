@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from serve.deltas import DeltaStore
 from serve.errors import Conflict
-from serve.metrics import HandlerAggregateCollector, SidecarMetrics
+from serve.metrics import HandlerAggregateCollector, SidecarMetrics, torchserve_families
 from serve.repository import ModelRepository
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
 from serve.sidecar.deltas import DeltaService
@@ -33,8 +33,10 @@ from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.reconciler import Reconciler
 from serve.sidecar.rollout import RolloutController
-from serve.sidecar.switch import VersionSwitch
-from serve.sidecar.torchserve import TorchServeClient, observe
+from serve.sidecar.switch import SwitchPhase, VersionSwitch
+from serve.sidecar.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.tuner import BatchTuner, Setting, counters_from
+from serve.state import Batching
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class SidecarState:
         wall_clock: unix seconds (the age of the newest embedding delta applied).
         deltas: the embedding-delta service (POST /embeddings/deltas), registered in
             ``registry``; None without ``config.delta_dir``.
+        tuner: the batching tuner (:mod:`serve.sidecar.tuner`); it acts only with a
+            desired-state file (through the reconciler).
     """
 
     config: SidecarConfig
@@ -76,6 +80,8 @@ class SidecarState:
     gpu: GpuCollector | None = None
     wall_clock: Callable[[], float] = time.time
     deltas: DeltaService | None = None
+    tuner: BatchTuner | None = None
+    _tune_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
     _reconciler: Reconciler | None = field(default=None, repr=False)
@@ -107,6 +113,9 @@ class SidecarState:
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
         registry.register(state.feedback)
+        state.tuner = BatchTuner(config.tuner, clock=clock,
+                                 on_decision=lambda d: metrics.observe_tuner_decision(d.reason))
+        metrics.set_tuner(state.tuner.phase, None)
         state.gpu = GpuCollector(nvml)  # one per state: its own registry
         registry.register(state.gpu)
         if config.delta_dir is not None:
@@ -167,6 +176,88 @@ class SidecarState:
         if self.deltas is not None and self.config.delta_sync_s > 0 \
                 and self._delta_sync_task is None:
             self._delta_sync_task = asyncio.create_task(self._sync_deltas())
+        if self._reconciler is not None and self.tuner is not None and self._tune_task is None:
+            self._tune_task = asyncio.create_task(self._tune())
+
+    async def _tune(self) -> None:
+        """Every ``tuner.interval_s``: one tuner observation. Never dies: errors are
+        logged (a failed read judges nothing; the next one goes on)."""
+        while True:
+            if self.tuner is not None:
+                await asyncio.sleep(self.tuner.config.interval_s)
+            try:
+                await self.tune_once()
+            except Exception:  # noqa: BLE001 - the tuner must not stop the sidecar
+                _log.exception("batching tuner step failed")
+
+    async def tune_once(self) -> Setting | None:
+        """One observation of the tuner: read the counters and what serves, step it, and
+        hand its setting to the reconciler (woken when it changed). Returns the setting
+        asked for now, or None."""
+        tuner, reconciler = self.tuner, self._reconciler
+        if tuner is None or reconciler is None:
+            return None
+        change = None
+        if tuner.enabled:
+            observed = await observe(self.torchserve)
+            serving = observed.serving
+            setting = (Setting(serving.batch_size, serving.max_batch_delay_ms)
+                       if serving is not None else None)
+            try:
+                families = torchserve_families(await self.torchserve.metrics_text())
+            except Exception as e:  # noqa: BLE001 - without them concurrency is unknown
+                _log.debug("TorchServe metrics unavailable to the tuner: %s", e)
+                families = []
+            handler = self.handler_metrics
+            workers_families = (await asyncio.to_thread(lambda: list(handler.collect()))
+                                if handler is not None else [])
+            counters = counters_from(workers_families, families, self.clock())
+            change = tuner.step(counters, setting,
+                                serving.workers if serving is not None else 0,
+                                self._tuner_blocked(reconciler, observed))
+        override = tuner.override if tuner.enabled else None
+        batching = (Batching(batch_size=override.batch_size,
+                             max_batch_delay_ms=override.max_batch_delay_ms)
+                    if override is not None else None)
+        if batching != reconciler.batching_override:
+            reconciler.batching_override = batching
+            reconciler.wake()
+        self.metrics.set_tuner(tuner.phase, override)
+        return change
+
+    def _tuner_blocked(self, reconciler: Reconciler, observed: Observed) -> str | None:
+        """Why the tuner must not judge or act now (None: it may)."""
+        if reconciler.paused is not None:
+            return f"the reconciler is paused ({reconciler.paused})"
+        desired = reconciler.desired
+        if desired is None:
+            return "there is no valid desired state"
+        if desired.rollout is not None:
+            return f"a rollout of {desired.rollout.candidate} is declared; batching holds"
+        if self.tuner is not None and self.tuner.pending is not None:
+            return None  # its own switch: step() follows it
+        if self.switch.phase is not SwitchPhase.IDLE:
+            return f"a version switch is running ({self.switch.phase.value})"
+        last = reconciler.last_pass
+        if last is None or not last.converged:
+            return "the serving state has not converged yet"
+        if observed.serving is None:
+            return "nothing serves"
+        return None
+
+    def set_tuner(self, enabled: bool, why: str) -> None:
+        """Turn the tuner on or off (PUT /tuner; PUT /batching and PUT /state with a new
+        batching turn it off); the reconciler follows at its next pass."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        was = tuner.enabled
+        tuner.set_enabled(enabled, why)
+        if was != enabled:
+            _log.info("batching tuner %s: %s", "on" if enabled else "off", why)
+        if self._reconciler is not None and not enabled:
+            self._reconciler.batching_override = None
+        self.metrics.set_tuner(tuner.phase, None)
 
     async def _sync_deltas(self) -> None:
         """Every ``delta_sync_s``: deltas published on the model volume (the repository
@@ -183,7 +274,7 @@ class SidecarState:
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
         each pass starts from what TorchServe describes."""
-        for name in ("_reconcile_task", "_delta_sync_task"):
+        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task"):
             task = getattr(self, name)
             setattr(self, name, None)
             if task is not None:

@@ -1,0 +1,247 @@
+"""The batching tuner's state machine, step by step, on synthetic traffic (no I/O).
+
+A ``Plant`` stands in for TorchServe + the workers: given the serving setting it produces
+the cumulative counters the sidecar would read, with a throughput that depends on the
+setting (a table per traffic shape). The tuner is the real one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.errors import ConfigError
+from serve.metrics import REQUEST_DURATION_BUCKETS, HandlerMetrics, SidecarMetrics
+from serve.sidecar.tuner import (
+    BatchTuner,
+    Counters,
+    Setting,
+    Traffic,
+    TunerConfig,
+    counters_from,
+    seed_candidates,
+)
+
+S = Setting
+
+
+@dataclass
+class Shape:
+    """A traffic: instances per request, requests in flight, and the requests/s each
+    setting serves (a setting not in the table serves ``default_rps``)."""
+
+    instances: int
+    concurrency: float
+    rps: dict[Setting, float]
+    default_rps: float = 100.0
+    handler_s: float = 0.004   # every request's handler time (one histogram bucket)
+
+
+@dataclass
+class Plant:
+    shape: Shape
+    t: float = 0.0
+    requests: float = 0.0
+    instances: float = 0.0
+    hsum: float = 0.0
+    buckets: list[float] = field(default_factory=lambda: [0.0] * (len(REQUEST_DURATION_BUCKETS) + 1))
+    batches: float = 0.0
+    ts_lat: float = 0.0
+    pending: tuple[Setting, float] | None = None  # a switch TorchServe is applying
+
+    def advance(self, serving: Setting, dt: float) -> Counters:
+        rps = self.shape.rps.get(serving, self.shape.default_rps)
+        n = rps * dt
+        self.t += dt
+        self.requests += n
+        self.instances += n * self.shape.instances
+        self.hsum += n * self.shape.handler_s
+        for i, b in enumerate(REQUEST_DURATION_BUCKETS):  # cumulative buckets
+            if self.shape.handler_s <= b:
+                self.buckets[i] += n
+        self.buckets[-1] += n
+        self.batches += n / serving.batch_size
+        self.ts_lat += self.shape.concurrency * dt * 1e6  # Little: C requests in flight
+        return Counters(self.t, self.requests, self.instances, self.hsum, tuple(self.buckets),
+                        self.batches, {"v": self.ts_lat}, {"v": self.requests})
+
+
+SINGLE = Shape(1, 64.0, {S(2, 2): 1000, S(24, 5): 4400, S(32, 5): 4000, S(24, 2): 3000})
+RANKING = Shape(400, 4.0, {S(2, 2): 180, S(2, 5): 170, S(24, 5): 40, S(32, 5): 30})
+FAST = TunerConfig(interval_s=1.0, window_s=4.0, settle_s=2.0, min_dwell_s=20.0,
+                   min_switch_interval_s=6.0, min_requests=50)
+
+
+def drive(tuner: BatchTuner, plant: Plant, serving: Setting, seconds: float,
+          workers: int = 2, switch_s: float = 2.0) -> Setting:
+    """Run the loop for ``seconds``: the tuner's choice serves ``switch_s`` later."""
+    t_end = plant.t + seconds
+    while plant.t < t_end:
+        counters = plant.advance(serving, tuner.config.interval_s)
+        if plant.pending is not None and plant.t >= plant.pending[1]:
+            serving, plant.pending = plant.pending[0], None
+        change = tuner.step(counters, serving, workers)
+        if change is not None:
+            plant.pending = (change, plant.t + switch_s)
+    return serving
+
+
+def test_config_refuses_bad_values_with_the_rule():
+    with pytest.raises(ConfigError, match="p99_goal_ms=0 must be a finite number > 0"):
+        TunerConfig(p99_goal_ms=0)
+    with pytest.raises(ConfigError, match="shape_change=1.0 must be > 1"):
+        TunerConfig(shape_change=1.0)
+    with pytest.raises(ConfigError, match="fill=1.5 must be in"):
+        TunerConfig(fill=1.5)
+    with pytest.raises(ConfigError, match="min_dwell_s=-1 must be a finite number >= 0"):
+        TunerConfig(min_dwell_s=-1)
+
+
+def test_traffic_window_uses_littles_law_and_survives_a_dropped_series():
+    a = Counters(0.0, 100, 100, 0.4, (0,) * 7 + (100,) * (len(REQUEST_DURATION_BUCKETS) - 6),
+                 10, {"old": 5e6}, {"old": 100})
+    buckets = tuple(x * 11 for x in a.handler_buckets)
+    # 10 s later: 1000 more requests; the old version's series is gone, a new one has
+    # 20e6 us of latency (2 requests in flight on average) over 1000 requests.
+    b = Counters(10.0, 1100, 1100, 4.4, buckets, 110, {"new": 20e6}, {"new": 1000})
+    t = Traffic.between(a, b, wait_factor=2.0)
+    assert t is not None
+    assert t.rate_rps == pytest.approx(100.0) and t.instances_per_request == pytest.approx(1.0)
+    assert t.concurrency == pytest.approx(2.0)
+    # mean e2e 20 ms, mean handler 4 ms -> wait 16 ms; p99 = handler p99 + 2 x 16
+    assert t.wait_ms == pytest.approx(16.0)
+    assert t.handler_p99_ms is not None
+    assert t.p99_ms == pytest.approx(t.handler_p99_ms + 32.0)
+    assert t.requests_per_batch == pytest.approx(10.0)
+    # counters that went back (the workers restarted) judge nothing
+    assert Traffic.between(b, a, 2.0) is None
+
+
+def test_seed_candidates_follow_the_traffic_shape():
+    single = Traffic(10, 44000, 44000, 4400, 4400, 1.0, 64.0, 5.0, 10.0, 25.0, 20.0)
+    assert seed_candidates(single, 2, TunerConfig()) == [S(24, 5), S(32, 5), S(24, 2)]
+    ranking = Traffic(10, 1800, 720000, 180, 72000, 400.0, 4.0, 20.0, 5.0, 30.0, 2.0)
+    # 1024 instances per batch at most: batch 2 for 400-instance requests
+    assert seed_candidates(ranking, 2, TunerConfig()) == [S(2, 2), S(2, 5)]
+    idle = Traffic(10, 300, 300, 30, 30, 1.0, 0.2, 2.0, 1.0, 4.0, 1.0)
+    assert seed_candidates(idle, 2, TunerConfig())[0] == S(1, 5)
+
+
+def test_single_instance_traffic_is_searched_and_the_best_kept():
+    decisions = []
+    tuner = BatchTuner(FAST, on_decision=decisions.append)
+    plant = Plant(SINGLE)
+    serving = drive(tuner, plant, S(2, 2), 120)
+    assert serving == S(24, 5)
+    assert tuner.phase == "settled"
+    assert [(d.reason, d.to) for d in decisions] == [
+        ("seed", S(24, 5)), ("trial", S(32, 5)), ("trial", S(24, 2)), ("best", S(24, 5))]
+    # measured: the incumbent and each trial, one window each
+    assert [t.setting for t in tuner.trials] == [S(2, 2), S(24, 5), S(32, 5), S(24, 2)]
+    # no two switches closer than the interval
+    times = [d.at_s for d in decisions]
+    assert all(b - a >= FAST.min_switch_interval_s for a, b in pairwise(times))
+    status = tuner.status()
+    assert status["setting"] == {"batch_size": 24, "max_batch_delay_ms": 5}
+    assert status["decisions"][-1]["reason"] == "best"
+
+
+def test_dwell_holds_then_a_new_traffic_is_searched_again():
+    tuner = BatchTuner(FAST)
+    plant = Plant(SINGLE)
+    serving = S(2, 2)
+    while tuner.phase != "settled":
+        serving = drive(tuner, plant, serving, 1)
+    n = len(tuner.decisions)
+    plant.shape = RANKING  # the traffic changes right after settling
+    serving = drive(tuner, plant, serving, 10)
+    assert len(tuner.decisions) == n and "min dwell" in tuner.why  # held
+    serving = drive(tuner, plant, serving, 120)
+    assert serving == S(2, 2)
+    assert tuner.decisions[n].reason == "seed" and tuner.decisions[n].to == S(2, 2)
+    # stable traffic: no more decisions, however long
+    m = len(tuner.decisions)
+    drive(tuner, plant, serving, 300)
+    assert len(tuner.decisions) == m and tuner.phase == "settled"
+
+
+def test_a_setting_over_the_goal_loses_even_when_faster():
+    slow = Shape(1, 64.0, {S(2, 2): 1000, S(24, 5): 9000, S(32, 5): 4000, S(24, 2): 3000},
+                 handler_s=0.09)  # 90 ms handler p99: every setting breaks a 60 ms goal
+    tuner = BatchTuner(FAST)
+    drive(tuner, Plant(slow), S(2, 2), 120)
+    # none meets the goal: the lowest p99 wins; all are equal here, so the first
+    # measured (the incumbent) is kept
+    assert tuner.best().setting == S(2, 2)
+    loose = BatchTuner(TunerConfig(**{**FAST.__dict__, "p99_goal_ms": 1000.0}))
+    assert drive(loose, Plant(slow), S(2, 2), 120) == S(24, 5)
+
+
+def test_too_little_traffic_judges_nothing():
+    quiet = Shape(1, 0.1, {}, default_rps=2.0)
+    tuner = BatchTuner(FAST)
+    drive(tuner, Plant(quiet), S(2, 2), 120)
+    assert not tuner.decisions and "fewer than 50" in tuner.why
+
+
+def test_off_and_blocked_do_nothing():
+    tuner = BatchTuner(TunerConfig(enabled=False))
+    plant = Plant(SINGLE)
+    assert drive(tuner, plant, S(2, 2), 60) == S(2, 2) and tuner.phase == "off"
+    on = BatchTuner(FAST)
+    for _ in range(30):
+        assert on.step(plant.advance(S(2, 2), 1.0), S(2, 2), 2, blocked="a rollout") is None
+    assert on.phase == "paused" and on.why == "a rollout"
+    on.set_enabled(False, "test")
+    assert on.phase == "off" and on.override is None
+
+
+def test_a_switch_that_never_serves_is_given_up():
+    tuner = BatchTuner(FAST)
+    plant = Plant(SINGLE)
+    serving = S(2, 2)
+    while tuner.pending is None:
+        tuner.step(plant.advance(serving, 1.0), serving, 2)
+    for _ in range(310):  # TorchServe keeps serving 2/2
+        tuner.step(plant.advance(serving, 1.0), serving, 2)
+        if tuner.decisions[-1].reason == "failed":
+            break
+    assert tuner.pending is None and tuner.decisions[-1].reason == "failed"
+    assert tuner.override == serving and S(24, 5) in tuner.avoid
+    drive(tuner, plant, serving, 60)  # the search goes on without the failed setting
+    assert all(d.to != S(24, 5) for d in list(tuner.decisions)[1:])
+
+
+def test_counters_from_real_families():
+    reg = CollectorRegistry()
+    m = HandlerMetrics(reg)
+    m.observe_requests(200, 30, 30, 0.003)
+    m.observe_requests(400, 2, 0, 0.001)
+    m.observe_batch(instances=30, requests=30)
+    ts_text = ('# TYPE ts_inference_latency_microseconds counter\n'
+               'ts_inference_latency_microseconds{model_name="dlrm",model_version="a"} 5000.0\n'
+               '# TYPE ts_inference_requests_total counter\n'
+               'ts_inference_requests_total{model_name="dlrm",model_version="a"} 32.0\n')
+    c = counters_from(reg.collect(), text_string_to_metric_families(ts_text), 7.0)
+    assert (c.t, c.requests, c.instances, c.batches) == (7.0, 32, 30, 1)
+    assert c.handler_buckets[-1] == 32 and c.handler_sum_s == pytest.approx(0.092)
+    assert list(c.ts_latency_us.values()) == [5000.0]
+    assert list(c.ts_requests.values()) == [32.0]
+
+
+def test_metrics_mirror_the_tuner():
+    sm = SidecarMetrics()
+    sm.set_tuner("trying", S(24, 5))
+    sm.observe_tuner_decision("seed")
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for fam in sm.collect() for s in fam.samples}
+    assert values[("dlrm_tuner_phase", (("phase", "trying"),))] == 1.0
+    assert values[("dlrm_tuner_phase", (("phase", "settled"),))] == 0.0
+    assert values[("dlrm_tuner_batch_size", ())] == 24.0
+    assert values[("dlrm_tuner_max_batch_delay_seconds", ())] == 0.005
+    assert values[("dlrm_tuner_decisions_total", (("reason", "seed"),))] == 1.0
+    with pytest.raises(ValueError, match="tuner phase 'bogus'"):
+        sm.set_tuner("bogus", None)
