@@ -234,8 +234,6 @@ class SidecarState:
             return "there is no valid desired state"
         if desired.rollout is not None:
             return f"a rollout of {desired.rollout.candidate} is declared; batching holds"
-        if self.tuner is not None and self.tuner.pending is not None:
-            return None  # its own switch: step() follows it
         if self.switch.phase is not SwitchPhase.IDLE:
             return f"a version switch is running ({self.switch.phase.value})"
         last = reconciler.last_pass

@@ -140,7 +140,7 @@ class TunerConfig:
     p99_goal_ms: float = 60.0
     interval_s: float = 2.0
     window_s: float = 10.0
-    settle_s: float = 4.0
+    settle_s: float = 6.0
     min_requests: int = 200
     min_dwell_s: float = 30.0
     min_switch_interval_s: float = 10.0
@@ -447,14 +447,17 @@ class BatchTuner:
             self.phase = "off"
             return None
         now = counters.t
+        if self.pending is not None:
+            # Its own switch: done once the chosen setting serves and the reconciler is
+            # converged again (the old version drained and unregistered: measuring while
+            # it goes would charge the clean-up to the new setting).
+            return self._await_switch(serving if blocked is None else None, now)
         if blocked is not None or serving is None:
             self.why = blocked or "nothing serves"
             if self.pending is None:
                 self.phase = "paused"
                 self._window = None
             return None
-        if self.pending is not None:
-            return self._await_switch(serving, now)
         if self._deferred is not None:
             setting, reason, detail = self._deferred
             return self._apply(now, setting, reason, detail)
@@ -489,8 +492,9 @@ class BatchTuner:
         self._window = counters
         return traffic
 
-    def _await_switch(self, serving: Setting, now: float) -> Setting | None:
-        """A chosen setting is being applied: measure from when it serves."""
+    def _await_switch(self, serving: Setting | None, now: float) -> Setting | None:
+        """A chosen setting is being applied: measure from when it serves (``serving``
+        None: not known to serve yet)."""
         pending = self.pending
         if pending is None:
             return None
@@ -506,12 +510,12 @@ class BatchTuner:
         # The reconciler retries a failed switch with back-off; give up after the longest
         # plausible switch and go back to what serves.
         if now - self.pending_since > 300.0:
-            self._decide(now, serving, "failed",
-                         f"{pending} did not serve within 300 s; keeping {serving} and not "
+            self._decide(now, self.serving, "failed",
+                         f"{pending} did not serve within 300 s; keeping {self.serving} and not "
                          f"trying {pending} again (GET /state shows the switch's error)")
             self.avoid.add(pending)
             self.pending = None
-            self.override = serving
+            self.override = self.serving
             self._restart_search()
             self.phase = "observing"
         return None
