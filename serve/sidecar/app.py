@@ -237,12 +237,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--p99-goal-ms", type=float,
                    default=float(_env("DLRM_P99_GOAL_MS", "60")),
                    help="the tuner's p99 latency goal in ms [DLRM_P99_GOAL_MS]")
-    p.add_argument("--tune-window-s", type=float, default=10.0,
-                   help="seconds of traffic the tuner measures a setting on")
-    p.add_argument("--tune-min-dwell-s", type=float, default=30.0,
-                   help="seconds a setting the tuner chose is kept at least")
-    p.add_argument("--tune-min-switch-interval-s", type=float, default=10.0,
-                   help="seconds between two switches of the tuner, at least")
+    p.add_argument("--tune-window-s", type=float,
+                   default=float(_env("DLRM_TUNE_WINDOW_S", "10")),
+                   help="seconds of traffic the tuner measures a setting on "
+                        "[DLRM_TUNE_WINDOW_S]")
+    p.add_argument("--tune-settle-s", type=float,
+                   default=float(_env("DLRM_TUNE_SETTLE_S", "6")),
+                   help="seconds skipped after a switch before measuring "
+                        "[DLRM_TUNE_SETTLE_S]")
+    p.add_argument("--tune-min-dwell-s", type=float,
+                   default=float(_env("DLRM_TUNE_MIN_DWELL_S", "30")),
+                   help="seconds a setting the tuner chose is kept at least "
+                        "[DLRM_TUNE_MIN_DWELL_S]")
+    p.add_argument("--tune-min-switch-interval-s", type=float,
+                   default=float(_env("DLRM_TUNE_MIN_SWITCH_INTERVAL_S", "10")),
+                   help="seconds between two switches of the tuner, at least "
+                        "[DLRM_TUNE_MIN_SWITCH_INTERVAL_S]")
     p.add_argument("--log-level", default=_env("DLRM_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -282,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                 window_s=args.feedback_window_s, index_entries=args.feedback_index_entries),
             delta_dir=Path(args.delta_dir) if args.delta_dir else None,
             tuner=TunerConfig(enabled=args.autotune == "on", p99_goal_ms=args.p99_goal_ms,
-                              window_s=args.tune_window_s, min_dwell_s=args.tune_min_dwell_s,
+                              window_s=args.tune_window_s, settle_s=args.tune_settle_s,
+                              min_dwell_s=args.tune_min_dwell_s,
                               min_switch_interval_s=args.tune_min_switch_interval_s))
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None

@@ -310,15 +310,16 @@ class Traffic:
                    handler_p99_ms=handler_p99, wait_ms=wait, p99_ms=p99,
                    requests_per_batch=dreq / dbatches if dbatches > 0 else None)
 
-    def moved_from(self, other: Traffic, factor: float) -> bool:
-        """Instances per request or concurrency changed by more than ``factor``."""
+    def moved_from(self, other: Traffic, factor: float, *, concurrency: bool = True) -> bool:
+        """Instances per request (or, with ``concurrency``, the requests in flight)
+        changed by more than ``factor``."""
         def far(x: float | None, y: float | None) -> bool:
             if x is None or y is None:
                 return False
             lo, hi = sorted((max(x, 1e-9), max(y, 1e-9)))
             return hi / lo > factor
         return (far(self.instances_per_request, other.instances_per_request)
-                or far(self.concurrency, other.concurrency))
+                or (concurrency and far(self.concurrency, other.concurrency)))
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -558,8 +559,11 @@ class BatchTuner:
         serving = self.serving
         if serving is None:
             return None
-        if self.shape is not None and traffic.moved_from(self.shape, self.config.shape_change):
-            # The traffic changed under the search: start over for the new one.
+        # Requests in flight depend on the setting under trial (closed-loop clients
+        # come back sooner when it is faster), so only the request size says that the
+        # traffic itself changed under the search: then start over for the new one.
+        if self.shape is not None and traffic.moved_from(self.shape, self.config.shape_change,
+                                                         concurrency=False):
             self.phase = "observing"
             self.shape = None
             return self.consider(traffic, workers, now)
