@@ -26,6 +26,7 @@ VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java kubectl prometheus chromium monitoring promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+        wrk bench-autotune \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
@@ -48,6 +49,9 @@ prometheus:  ## install Prometheus 2.42 + promtool (Debian) for the rules and pi
 
 chromium:  ## install headless Chromium (Debian) for the /docs browser test if missing
 	@bash scripts/ensure_chromium.sh
+
+wrk:  ## install wrk (the load generator of make bench-autotune) if missing
+	@bash scripts/ensure_wrk.sh
 
 monitoring: venv  ## regenerate k8s/monitoring/ (rules, PrometheusRule, dashboard) from serve/ops/monitoring.py
 	$(PY) -m serve.ops.monitoring --write
@@ -89,6 +93,9 @@ bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit 
 
 bench-switch: venv  ## with `make up` running: live batch and version changes under load -> bench/results/switch.json
 	$(PY) -m bench.bench_switch
+
+bench-autotune: venv wrk  ## with `make up` running: the batching tuner vs a static sweep on single, ranking and mixed traffic (wrk; ~15 min) -> bench/results/autotune.json
+	$(PY) -m bench.bench_autotune
 
 faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
 	$(PY) -m serve.ops.faults$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
