@@ -8,6 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
+from serve.api import protocol
 from serve.api.protocol import (
     BINARY_MEDIA_TYPE,
     INT64_MAX,
@@ -22,7 +23,13 @@ from serve.api.protocol import (
     merge_requests,
     parse_body,
 )
-from serve.errors import ConfigError, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from serve.errors import (
+    ConfigError,
+    InvalidInput,
+    PayloadTooLarge,
+    ServeError,
+    UnsupportedMediaType,
+)
 from serve.model.archive import build_mar, model_config
 from serve.ops.launcher import LaunchConfig, render_ts_config
 from serve.profiles import SPARSE_FEATURES
@@ -575,3 +582,308 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
         alone = _predict_with(tiny_runtime)(merge_requests([p]))
         got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
         np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- JSON fast path
+# parse_body tries a fast path first (protocol._fast_parse) and falls back to the
+# validating parse (protocol._parse_doc) for anything it cannot prove valid. The fast path
+# must build bit-identical arrays for what it accepts and accept nothing the validating
+# parse refuses; the validating parse is called directly as the reference.
+
+F32_MAX = float(np.finfo(np.float32).max)
+BIG_CFG = HandlerConfig(max_instances=512, max_ids_per_feature=3)
+# dense cells beside normal floats: ints (up to 2^64-1, which orjson keeps as int),
+# negatives, the float32 limits, subnormals, values whose float64 -> float32 rounding is
+# a tie or double-rounding case
+_DENSE_SPECIALS = [0, 1, -1, 7, -(2**63), 2**63, 2**64 - 1, 2**53 + 1, 9007199791611905,
+                   16777217, F32_MAX, -F32_MAX, 3.4e38, -3.4e38, 1e38, -0.0, 0.0, 5e-324,
+                   1e-46, 1.401298464324817e-45, 0.1, -123.456, 1e-7]
+_ID_SPECIALS = [0, 1, 2, INT64_MAX, INT64_MAX - 1, 2**53 + 1, 2**31, 2**32 - 1]
+
+
+def _random_request(n: int, seed: int, *, one_hot: bool) -> tuple[list, np.ndarray, list]:
+    """(dense: n rows of 13 JSON numbers, lengths (26, n), ids: per feature, a list)."""
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.integers(-30, 38, size=(n, 13))
+    wide = rng.standard_normal((n, 13)) * scale
+    kind = rng.integers(0, 4, size=(n, 13))  # 0, 1: float; 2: int; 3: a special value
+    dense = [[float(wide[i, j]) if kind[i, j] < 2
+              else int(rng.integers(-(2**40), 2**40)) if kind[i, j] == 2
+              else _DENSE_SPECIALS[int(rng.integers(len(_DENSE_SPECIALS)))]
+              for j in range(13)] for i in range(n)]
+    lengths = (np.ones((26, n), dtype=np.int32) if one_hot
+               else rng.integers(0, 4, size=(26, n)).astype(np.int32))
+    ids = []
+    for f in range(26):
+        k = int(lengths[f].sum())
+        col = rng.integers(0, INT64_MAX, size=k, dtype=np.int64, endpoint=True).tolist()
+        for i in range(k):
+            if rng.random() < 0.1:
+                col[i] = _ID_SPECIALS[int(rng.integers(len(_ID_SPECIALS)))]
+        ids.append(col)
+    return dense, lengths, ids
+
+
+def _as_rows(dense: list, lengths: np.ndarray, ids: list) -> bytes:
+    n = len(dense)
+    ends = np.cumsum(lengths, axis=1)
+    return orjson.dumps({"instances": [
+        {"dense": dense[b],
+         "sparse": {f: ids[fi][int(ends[fi, b] - lengths[fi, b]):int(ends[fi, b])]
+                    for fi, f in enumerate(SPARSE_FEATURES)}}
+        for b in range(n)]})
+
+
+def _as_columnar(dense: list, lengths: np.ndarray, ids: list) -> bytes:
+    return orjson.dumps({"dense": dense, "sparse": {
+        f: {"values": ids[fi], "lengths": lengths[fi].tolist()}
+        for fi, f in enumerate(SPARSE_FEATURES)}})
+
+
+def _assert_identical(a, b) -> None:
+    for name in ("dense", "lengths", "values"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        assert x.tobytes() == y.tobytes(), name  # bit-identical (-0.0 included)
+        assert x.flags.c_contiguous and x.flags.writeable and x.flags.aligned, name
+
+
+@pytest.mark.parametrize("n", [1, 7, 512])
+@pytest.mark.parametrize("one_hot", [True, False], ids=["one-hot", "multi-hot"])
+@pytest.mark.parametrize("form", ["rows", "columnar"])
+def test_fast_path_equals_the_validating_parse(form, one_hot, n):
+    encode = _as_rows if form == "rows" else _as_columnar
+    for seed in range(12 if n < 512 else 2):
+        dense, lengths, ids = _random_request(n, seed * 1000 + n, one_hot=one_hot)
+        body = encode(dense, lengths, ids)
+        fast = protocol._fast_parse(orjson.loads(body), BIG_CFG)
+        assert fast is not None, f"seed {seed}: the fast path refused a valid body"
+        slow = protocol._parse_doc(orjson.loads(body), BIG_CFG)
+        _assert_identical(fast, slow)
+        _assert_identical(parse_body(body, BIG_CFG), slow)
+        assert slow.lengths.tolist() == lengths.tolist()
+        assert slow.values.tolist() == [v for col in ids for v in col]
+
+
+@pytest.mark.parametrize("form", ["rows", "columnar"])
+def test_fast_path_takes_bodies_without_any_id(form):
+    lengths = np.zeros((26, 3), dtype=np.int32)
+    body = (_as_rows if form == "rows" else _as_columnar)([[1.5] * 13] * 3, lengths,
+                                                          [[] for _ in range(26)])
+    fast = protocol._fast_parse(orjson.loads(body), CFG)
+    assert fast is not None and fast.values.shape == (0,)
+    _assert_identical(fast, protocol._parse_doc(orjson.loads(body), CFG))
+
+
+def _rows2(f) -> bytes:
+    """A valid 2-instance row body (one-hot), changed by ``f``."""
+    return _mut(f, example_request(2, seed=3))
+
+
+def _rows2_multi(f) -> bytes:
+    """A valid 2-instance multi-hot row body (ids in C1 of instance 0: 3, so the fast path
+    takes its multi-hot branch), changed by ``f``."""
+    base = example_request(2, seed=3)
+    base["instances"][0]["sparse"]["C1"] = [5, 6, 7]
+    base["instances"][1]["sparse"]["C2"] = []
+    return _mut(f, base)
+
+
+def _cols2(f) -> bytes:
+    return _mut(f, example_request(2, seed=3, form="columnar"))
+
+
+def _sp(i: int, feat: str, v):
+    return lambda d: d["instances"][i]["sparse"].__setitem__(feat, v)
+
+
+def _dn(i: int, j: int, v):
+    return lambda d: d["instances"][i]["dense"].__setitem__(j, v)
+
+
+def _col(feat: str, key: str, v):
+    return lambda d: d["sparse"][feat].__setitem__(key, v)
+
+
+FAST_BAD = [
+    ("rows: bool in dense", _rows2(_dn(1, 3, True))),
+    ("rows: false in dense", _rows2(_dn(0, 0, False))),
+    ("rows: string in dense", _rows2(_dn(1, 3, "1.5"))),
+    ("rows: null in dense", _rows2(_dn(0, 12, None))),
+    ("rows: list in dense", _rows2(_dn(0, 12, [1.0]))),
+    ("rows: dense 1e39", _rows2(_dn(1, 2, 1e39))),
+    ("rows: dense -1e39", _rows2(_dn(1, 2, -1e39))),
+    ("rows: dense just over float32 max", _rows2(_dn(0, 5, 3.4028235e38))),
+    ("rows: dense 12 values", _rows2(lambda d: d["instances"][1]["dense"].pop())),
+    ("rows: dense 14 values", _rows2(lambda d: d["instances"][0]["dense"].append(1.0))),
+    ("rows: dense a 13-char string", _rows2(lambda d: d["instances"][0].__setitem__(
+        "dense", "1234567890123"))),
+    ("rows: dense an object of 13 keys", _rows2(lambda d: d["instances"][0].__setitem__(
+        "dense", {str(k): 1.0 for k in range(13)}))),
+    ("rows: dense a number", _rows2(lambda d: d["instances"][0].__setitem__("dense", 1.0))),
+    ("rows: bool id", _rows2(_sp(0, "C1", [True]))),
+    ("rows: bool id multi-hot", _rows2_multi(_sp(1, "C9", [3, False]))),
+    ("rows: float id 1.0", _rows2(_sp(1, "C7", [1.0]))),
+    ("rows: float id multi-hot", _rows2_multi(_sp(1, "C7", [3, 2.5]))),
+    ("rows: negative id", _rows2(_sp(1, "C7", [-5]))),
+    ("rows: negative id multi-hot", _rows2_multi(_sp(1, "C26", [4, -1]))),
+    ("rows: id 2^63", _rows2(_sp(0, "C26", [2**63]))),
+    ("rows: id 2^64-1 multi-hot", _rows2_multi(_sp(0, "C26", [1, 2**64 - 1]))),
+    ("rows: string id", _rows2(_sp(0, "C1", ["7"]))),
+    ("rows: one-char string cell", _rows2(_sp(0, "C4", "7"))),
+    ("rows: one-key object cell", _rows2(_sp(1, "C4", {"7": 7}))),
+    ("rows: empty string cell", _rows2_multi(_sp(1, "C4", ""))),
+    ("rows: empty object cell", _rows2_multi(_sp(0, "C5", {}))),
+    ("rows: nested list id", _rows2(_sp(0, "C5", [[5]]))),
+    ("rows: null id", _rows2_multi(_sp(0, "C5", [1, None]))),
+    ("rows: number cell", _rows2(_sp(0, "C2", 7))),
+    ("rows: null cell", _rows2_multi(_sp(1, "C2", None))),
+    ("rows: missing feature", _rows2(lambda d: d["instances"][1]["sparse"].pop("C7"))),
+    ("rows: extra feature", _rows2(_sp(0, "C27", [1]))),
+    ("rows: renamed feature", _rows2(lambda d: d["instances"][0].__setitem__("sparse", {
+        ("c1" if f == "C1" else f): v for f, v in d["instances"][0]["sparse"].items()}))),
+    ("rows: sparse a list", _rows2(lambda d: d["instances"][0].__setitem__(
+        "sparse", [[1]] * 26))),
+    ("rows: extra key in instance", _rows2(lambda d: d["instances"][0].update(x=1))),
+    ("rows: instance without sparse", _rows2(lambda d: d["instances"][1].pop("sparse"))),
+    ("rows: instance a 2-item list", _rows2(lambda d: d["instances"].__setitem__(0, [1, 2]))),
+    ("rows: extra top-level key", _rows2(lambda d: d.update(foo=1))),
+    ("rows: instances an object", b'{"instances": {"a": 1}}'),
+    ("rows: empty instances", b'{"instances": []}'),
+    ("rows: too many instances", orjson.dumps(example_request(5))),
+    ("rows: too many ids", _rows2_multi(_sp(1, "C3", [1, 2, 3, 4]))),
+    ("rows: too many ids one-hot otherwise", _rows2(_sp(1, "C3", [1, 2, 3, 4]))),
+    ("columnar: bool in dense", _cols2(lambda d: d["dense"][0].__setitem__(0, True))),
+    ("columnar: dense 1e39", _cols2(lambda d: d["dense"][1].__setitem__(12, 1e39))),
+    ("columnar: dense row length", _cols2(lambda d: d["dense"][0].append(1))),
+    ("columnar: dense empty", _cols2(lambda d: d.update(dense=[]))),
+    ("columnar: dense an object", _cols2(lambda d: d.update(dense={"a": [1.0] * 13}))),
+    ("columnar: lengths bool", _cols2(_col("C3", "lengths", [True, 1]))),
+    ("columnar: lengths 1.0", _cols2(_col("C3", "lengths", [1.0, 1]))),
+    ("columnar: lengths negative", _cols2(_col("C3", "lengths", [-1, 3]))),
+    ("columnar: lengths over the cap", _cols2(lambda d: d["sparse"]["C4"].update(
+        values=[1, 2, 3, 4, 5], lengths=[1, 4]))),
+    ("columnar: lengths beyond int32", _cols2(_col("C4", "lengths", [2**40, 1]))),
+    ("columnar: lengths count", _cols2(_col("C3", "lengths", [1]))),
+    ("columnar: lengths vs values", _cols2(_col("C3", "lengths", [1, 2]))),
+    ("columnar: lengths a string", _cols2(_col("C3", "lengths", "11"))),
+    ("columnar: values an object", _cols2(_col("C3", "values", {"1": 1, "2": 2}))),
+    ("columnar: values an empty string", _cols2(lambda d: d["sparse"]["C3"].update(
+        values="", lengths=[0, 0]))),
+    ("columnar: values an empty object", _cols2(lambda d: d["sparse"]["C3"].update(
+        values={}, lengths=[0, 0]))),
+    ("columnar: lengths counts that add up", _cols2(lambda d: d["sparse"].update(
+        C3={"values": [1, 2], "lengths": [2]}, C4={"values": [], "lengths": [0, 0, 0]}))),
+    ("columnar: values bool", _cols2(_col("C3", "values", [1, True]))),
+    ("columnar: values 1.0", _cols2(_col("C3", "values", [1.0, 2]))),
+    ("columnar: values negative", _cols2(_col("C3", "values", [1, -2]))),
+    ("columnar: values 2^63", _cols2(_col("C3", "values", [2**63, 2]))),
+    ("columnar: values string", _cols2(_col("C3", "values", [1, "2"]))),
+    ("columnar: missing lengths", _cols2(lambda d: d["sparse"]["C3"].pop("lengths"))),
+    ("columnar: extra key in column", _cols2(_col("C3", "x", 1))),
+    ("columnar: column a list", _cols2(lambda d: d["sparse"].__setitem__("C3", [1, 2]))),
+    ("columnar: missing feature", _cols2(lambda d: d["sparse"].pop("C26"))),
+    ("columnar: extra feature", _cols2(lambda d: d["sparse"].__setitem__(
+        "C27", {"values": [], "lengths": [0, 0]}))),
+    ("columnar: sparse a list", _cols2(lambda d: d.update(sparse=[1]))),
+    ("columnar: too many rows", orjson.dumps(example_request(5, form="columnar"))),
+    ("columnar: extra top-level key", _cols2(lambda d: d.update(instances=[]))),
+    ("top-level array", b"[1, 2]"),
+    ("top-level object of one other key", b'{"dense": []}'),
+]
+
+
+
+
+def _big(f, form: str = "rows") -> bytes:
+    """A valid 8-instance body (more ids, dense values and lengths than the fast path
+    checks with Python's min/max: its numpy branch), changed by ``f``; for BIG_CFG."""
+    return _mut(f, example_request(8, seed=4, form=form))
+
+
+def _big_multi(f) -> bytes:
+    base = example_request(8, seed=4)
+    base["instances"][3]["sparse"]["C1"] = [5, 6, 7]
+    return _mut(f, base)
+
+
+# checked against BIG_CFG (512 instances, 3 ids per feature)
+FAST_BAD_BIG = [
+    ("big rows: negative id", _big(_sp(7, "C26", [-3]))),
+    ("big rows: negative id multi-hot", _big_multi(_sp(5, "C2", [4, -3]))),
+    ("big rows: id 2^63", _big(_sp(7, "C26", [2**63]))),
+    ("big rows: bool id", _big(_sp(6, "C20", [False]))),
+    ("big rows: dense 1e39", _big(_dn(7, 12, 1e39))),
+    ("big rows: dense -3.5e38", _big(_dn(0, 0, -3.5e38))),
+    ("big rows: bool in dense", _big(_dn(3, 3, True))),
+    ("big rows: too many ids", _big_multi(_sp(7, "C26", [1, 2, 3, 4]))),
+    ("big columnar: lengths negative", _big(_col("C9", "lengths", [1] * 7 + [-1]), "columnar")),
+    ("big columnar: lengths over the cap", _big(lambda d: d["sparse"]["C9"].update(
+        lengths=[0] * 7 + [8], values=list(range(8))), "columnar")),
+    ("big columnar: negative id", _big(_col("C9", "values", [1] * 7 + [-1]), "columnar")),
+    ("big columnar: dense 1e39", _big(lambda d: d["dense"][7].__setitem__(1, 1e39),
+                                      "columnar")),
+]
+
+
+@pytest.mark.parametrize("name,body,cfg",
+                         [(*b, CFG) for b in FAST_BAD] + [(*b, BIG_CFG) for b in FAST_BAD_BIG],
+                         ids=[b[0] for b in FAST_BAD + FAST_BAD_BIG])
+def test_fast_path_refuses_and_errors_are_the_validating_parse_s(name, body, cfg):
+    doc = orjson.loads(body)
+    assert protocol._fast_parse(doc, cfg) is None
+    with pytest.raises(ServeError) as want:
+        protocol._parse_doc(orjson.loads(body), cfg)
+    with pytest.raises(ServeError) as got:
+        parse_body(body, cfg)
+    assert type(got.value) is type(want.value) and type(want.value) in (InvalidInput,
+                                                                       PayloadTooLarge)
+    assert got.value.message == want.value.message
+
+
+_ODD_VALUES = [True, False, None, "", "7", {}, {"a": 1}, [], [1], [[1]], [1, 2], [1, 2, 3, 4],
+               1.0, 1.5, -1, 0, 1, 2**63, INT64_MAX, 2**64 - 1, -(2**63), 1e39, 3.4028235e38,
+               [True], [1.0], ["1"], [None], [-1], {"values": [], "lengths": []}]
+
+
+def _outcome(parse, body: bytes) -> tuple:
+    try:
+        p = parse(body)
+    except ServeError as e:
+        return type(e).__name__, e.message
+    return tuple((a.dtype.str, a.shape, a.tobytes()) for a in (p.dense, p.lengths, p.values))
+
+
+def test_randomly_broken_bodies_get_the_validating_parse_s_result_or_error():
+    """Seeded fuzz: replace, drop or add one or two values anywhere in a valid body."""
+    rng = np.random.default_rng(2024)
+    accepted = 0
+    for case in range(600):
+        form = ("rows", "columnar")[case % 2]
+        doc = example_request(1 + case % 3, seed=case, form=form,
+                              max_id=(4, 2**31, INT64_MAX)[case % 3])
+        for _ in range(int(rng.integers(0, 3))):  # 0: the valid body itself
+            nodes, todo = [], [doc]
+            while todo:  # every (container, key) pair of the tree
+                c = todo.pop()
+                for k in (list(c) if isinstance(c, dict) else range(len(c))):
+                    nodes.append((c, k))
+                    if isinstance(c[k], (dict, list)):
+                        todo.append(c[k])
+            if not nodes:
+                break
+            c, k = nodes[int(rng.integers(len(nodes)))]
+            op = rng.random()
+            if op < 0.7:
+                c[k] = copy.deepcopy(_ODD_VALUES[int(rng.integers(len(_ODD_VALUES)))])
+            elif op < 0.85:
+                c.pop(k)
+            elif isinstance(c, dict):
+                c["x"] = 1
+            else:
+                c.append(1)
+        body = orjson.dumps(doc)
+        got = _outcome(lambda b: parse_body(b, CFG), body)
+        assert got == _outcome(lambda b: protocol._parse_doc(orjson.loads(b), CFG), body), body
+        accepted += isinstance(got[0], tuple)
+    assert 150 < accepted < 450  # both outcomes well represented

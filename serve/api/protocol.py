@@ -61,11 +61,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import re
+import struct
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
 from pathlib import Path
@@ -419,8 +420,7 @@ def check_content_type(content_type: str | bytes | None) -> str:
     return JSON_MEDIA_TYPE
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
+class _gc_paused:  # lower case: used like a function, ``with _gc_paused():``
     """Pause Python's cyclic garbage collector while a request is decoded.
 
     A 512-instance body becomes ~15k lists and dicts; every 700 container allocations
@@ -428,13 +428,17 @@ def _gc_paused() -> Iterator[None]:
     included). Measured on a 2-core host: handling two 512-instance requests cost 44 ms
     of CPU with the collector on and 26 ms with it paused. JSON trees hold no cycles, so
     reference counting frees them anyway. Process-wide: the worker is single-threaded.
+    A class, not a ``@contextmanager`` generator: 0.4 us instead of 2 us a request.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
+
+    __slots__ = ("_was_enabled",)
+
+    def __enter__(self) -> None:
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was_enabled:
             gc.enable()
 
 
@@ -471,16 +475,30 @@ def _check_size(size: int, cfg: HandlerConfig) -> None:
 
 
 def _parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> ParsedRequest:
+    doc = _load_json(body, cfg)
+    # The common valid body takes the fast path; anything it does not prove valid goes
+    # through the validating parse, which raises the precise error (or accepts it).
+    parsed = _fast_parse(doc, cfg)
+    return parsed if parsed is not None else _parse_doc(doc, cfg)
+
+
+def _load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> Any:
+    """The body's JSON value (size and syntax checked; nothing else)."""
     size = len(body)
     _check_size(size, cfg)
     if size == 0:
         raise InvalidInput("body is empty; send a JSON object "
                            '{"instances": [...]} or {"dense": [...], "sparse": {...}}')
     try:
-        doc = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise InvalidInput(f"body is not valid JSON ({e}); send UTF-8 JSON (NaN and Infinity "
                            "are not JSON numbers)") from None
+
+
+def _parse_doc(doc: Any, cfg: HandlerConfig) -> ParsedRequest:
+    """The validating parse of a decoded body: checks every rule in order and raises the
+    first violation with its field path. The reference for :func:`_fast_parse`."""
     if not isinstance(doc, dict):
         raise InvalidInput(
             f"body is a JSON {_json_type(doc)}; expected an object "
@@ -734,6 +752,172 @@ def _feature_error(path: str, got: set) -> None:
         parts.append(f"unknown features {', '.join(unknown)}")
     raise InvalidInput(f"{path}: {'; '.join(parts)}; every instance needs exactly the sparse "
                        "features C1..C26 (an empty list [] for no ids)")
+
+
+# ----------------------------------------------------------------------------- fast path
+#
+# The validating parse above walks the decoded JSON many times (type sets, per-instance
+# key checks, 26 per-feature loops): ~4.7 ms of a 512-instance row body beside orjson's
+# ~3.2 ms, and ~45 us of a 1-instance one. For a valid body the functions below prove the
+# same rules in fewer passes and build bit-identical arrays. Whatever they cannot prove (a
+# wrong shape, type, key or limit) makes them return None, and the validating parse runs
+# from the start: errors and their wording come from one place only.
+
+_FEATURES_OF = operator.itemgetter(*SPARSE_FEATURES)  # dict -> tuple of its F values
+_NUM_SPARSE = len(SPARSE_FEATURES)
+# What a malformed value raises inside the fast path (a missing key, a number where a
+# list belongs, an id beyond int64): all mean "let the validating parse describe it".
+_NOT_FAST = (KeyError, TypeError, ValueError, OverflowError)
+# Lists up to this long are reduced (min/max) by Python's builtins: ~0.5 us against
+# ~1.5 us per numpy reduction, whose fixed cost dominates a 1-instance request.
+_PY_REDUCE_MAX = 64
+
+
+def _fast_parse(doc: Any, cfg: HandlerConfig) -> ParsedRequest | None:
+    """A valid body (either JSON form) -> its ParsedRequest, or None: not proven valid."""
+    if type(doc) is not dict:
+        return None
+    try:
+        if len(doc) == 1:
+            return _fast_rows(doc["instances"], cfg)
+        if len(doc) == 2:
+            return _fast_columnar(doc["dense"], doc["sparse"], cfg)
+    except _NOT_FAST:
+        pass
+    return None
+
+
+def _fast_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest | None:
+    """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`)."""
+    if type(instances) is not list or not 0 < len(instances) <= cfg.max_instances:
+        return None
+    n = len(instances)
+    # Two keys each, and both looked up: exactly {dense, sparse} (a non-object raises).
+    if set(map(len, instances)) != {2}:
+        return None
+    dense = _fast_dense([inst["dense"] for inst in instances], n)
+    sparse = [inst["sparse"] for inst in instances]
+    # F keys each, and all F looked up: exactly C1..C26.
+    if dense is None or set(map(len, sparse)) != {_NUM_SPARSE}:
+        return None
+    try:
+        # One-hot (the usual DLRM request): every cell unpacks to exactly one item. A
+        # non-list cell of one item yields a str (a character, an object key), which
+        # _fast_ids refuses. Sample-major: one C-level gather per instance.
+        flat = [x for cells in map(_FEATURES_OF, sparse) for [x] in cells]
+    except (TypeError, ValueError):  # some cell is not one item: the general case
+        return _fast_rows_multi_hot(dense, sparse, cfg)
+    values = _fast_ids(flat)
+    if values is None:
+        return None
+    if n > 1:  # (B, F) sample-major -> (F, B) feature-major (a copy)
+        values = values.reshape(n, _NUM_SPARSE).T.reshape(-1)
+    return ParsedRequest(dense, np.ones((_NUM_SPARSE, n), dtype=np.int32), values)
+
+
+def _fast_rows_multi_hot(dense: np.ndarray, sparse: list, cfg: HandlerConfig
+                         ) -> ParsedRequest | None:
+    """The row form with any number of ids per cell (``sparse``: B objects of F keys)."""
+    n = len(sparse)
+    cells = [sp[f] for f in SPARSE_FEATURES for sp in sparse]  # (F*B) feature-major
+    if not _all_of_type(cells, list):
+        return None
+    lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells))
+    if int(lengths.max()) > cfg.max_ids_per_feature:
+        return None
+    flat: list = []
+    extend = flat.extend  # list.extend copies a list without an iterator: ~2x chain's speed
+    for cell in cells:
+        extend(cell)
+    values = _fast_ids(flat)
+    if values is None:
+        return None
+    return ParsedRequest(dense, lengths.reshape(_NUM_SPARSE, n), values)
+
+
+def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedRequest | None:
+    """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`)."""
+    if type(dense_rows) is not list or not 0 < len(dense_rows) <= cfg.max_instances:
+        return None
+    n = len(dense_rows)
+    dense = _fast_dense(dense_rows, n)
+    if dense is None or type(sparse) is not dict or len(sparse) != _NUM_SPARSE:
+        return None
+    cols = _FEATURES_OF(sparse)
+    if set(map(len, cols)) != {2}:  # exactly {values, lengths}: both looked up below
+        return None
+    lens = [col["lengths"] for col in cols]
+    vals = [col["values"] for col in cols]
+    if (not _all_of_type(lens, list) or not _all_of_type(vals, list)
+            or set(map(len, lens)) != {n}):
+        return None
+    lflat = list(chain.from_iterable(lens))
+    if not _all_of_type(lflat, int):
+        return None
+    if lflat.count(1) == len(lflat):  # one-hot (ints, so 1 exactly): nothing to convert
+        lengths = np.ones((_NUM_SPARSE, n), dtype=np.int32)
+    else:
+        lengths = np.array(lflat, dtype=np.int32)  # OverflowError beyond int32
+        if len(lflat) <= _PY_REDUCE_MAX:
+            in_range = min(lflat) >= 0 and max(lflat) <= cfg.max_ids_per_feature
+        else:
+            in_range = lengths.min() >= 0 and lengths.max() <= cfg.max_ids_per_feature
+        if not in_range:
+            return None
+        lengths = lengths.reshape(_NUM_SPARSE, n)
+    if lengths.sum(axis=1).tolist() != list(map(len, vals)):
+        return None
+    values = _fast_ids(list(chain.from_iterable(vals)))
+    return None if values is None else ParsedRequest(dense, lengths, values)
+
+
+def _all_of_type(items: list, *types: type) -> bool:
+    """Whether every item's exact type is one of ``types`` (so a bool is no int here).
+
+    When all items have the first type (the usual case), one C-level pass and a count
+    that compares type objects by identity: ~2/3 the cost of ``set(map(type, items))``.
+    """
+    found = list(map(type, items))
+    return found.count(types[0]) == len(found) or set(found) <= set(types)
+
+
+def _fast_dense(rows: list, n: int) -> np.ndarray | None:
+    """B rows of N numbers -> float32 (B, N) as :func:`_dense_matrix` builds it, or None."""
+    if set(map(len, rows)) != {NUM_DENSE}:
+        return None
+    flat = list(chain.from_iterable(rows))
+    # Exact types: numpy would take a bool as 0/1 and parse a numeric string. (A non-list
+    # row of N items yields str items too: characters or object keys.)
+    if not _all_of_type(flat, float, int):
+        return None
+    # |v| <= float32 max, as _dense_matrix checks it (NaN fails both ways).
+    if len(flat) <= _PY_REDUCE_MAX:
+        # Python compares an int with the bound exactly, numpy after rounding it to
+        # float64: at worst a huge int falls back, never the other way round. numpy
+        # converts to float32 through float64, as _dense_matrix does in two steps.
+        if not (-_F32_MAX <= min(flat) and max(flat) <= _F32_MAX):
+            return None
+        return np.array(flat, dtype=np.float32).reshape(n, NUM_DENSE)
+    # struct packs Python numbers 2-3x faster than np.array converts them (45 against
+    # 130 us for 512 rows); both convert an int as float(int) does.
+    wide = np.frombuffer(struct.pack(f"{len(flat)}d", *flat), dtype=np.float64)
+    if not (-_F32_MAX <= wide.min() and wide.max() <= _F32_MAX):
+        return None
+    return wide.astype(np.float32).reshape(n, NUM_DENSE)
+
+
+def _fast_ids(flat: list) -> np.ndarray | None:
+    """Flat ids -> int64 (nnz,) as :func:`_ids_array` builds it, or None."""
+    if not flat:
+        return np.zeros(0, dtype=np.int64)
+    if not _all_of_type(flat, int):  # exact: no bool, float or str
+        return None
+    small = len(flat) <= _PY_REDUCE_MAX
+    if small and min(flat) < 0:
+        return None
+    # OverflowError beyond int64; fromiter: ~15% faster than np.array on 10k ints
+    values = np.fromiter(flat, dtype=np.int64, count=len(flat))
+    return values if small or values.min() >= 0 else None
 
 
 def _binary_array(buf: memoryview, dtype: str, count: int, offset: int) -> np.ndarray:
