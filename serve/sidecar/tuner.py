@@ -415,6 +415,7 @@ class BatchTuner:
         self._measure_from = -math.inf
         self._deferred: tuple[Setting, str, str] | None = None  # held by the interval
         self._confirm: Traffic | None = None  # a new traffic seen once, to be confirmed
+        self.shape_seen = False                # a search has started since it was enabled
         self._after_switch = "settled"
 
     # ---- control ------------------------------------------------------------------
@@ -425,6 +426,7 @@ class BatchTuner:
         self.enabled = enabled
         self.why = why
         self.avoid.clear()
+        self.shape_seen = False
         self._restart_search()
         self.pending = None
         self.override = None
@@ -455,9 +457,10 @@ class BatchTuner:
             return self._await_switch(serving if blocked is None else None, now)
         if blocked is not None or serving is None:
             self.why = blocked or "nothing serves"
-            if self.pending is None:
-                self.phase = "paused"
-                self._window = None
+            if self.phase == "trying":  # a search cut short: start over afterwards
+                self._restart_search()
+            self.phase = "paused"
+            self._window = None
             return None
         if self._deferred is not None:
             setting, reason, detail = self._deferred
@@ -538,14 +541,17 @@ class BatchTuner:
                         f"{self.config.min_dwell_s:.0f} s)")
             return None
         # A window that straddles a change of traffic is a blend of both: search only
-        # once two windows in a row agree on the new traffic.
+        # once two windows in a row agree on the new traffic. The first traffic the tuner
+        # sees (just on, or after a search was cut short) needs no confirmation: there is
+        # no earlier traffic for its window to blend with.
         confirm = self._confirm
-        if new and (confirm is None or traffic.moved_from(confirm, self.config.shape_change)):
+        if new and self.shape_seen and (
+                confirm is None or traffic.moved_from(confirm, self.config.shape_change)):
             self._confirm = traffic
             self.why = "the traffic moved; confirming it over one more window"
             return None
         self._confirm = None
-        self.shape = traffic
+        self.shape, self.shape_seen = traffic, True
         self.trials = [Trial(serving, traffic)]
         self.queue = [s for s in seed_candidates(traffic, workers, self.config)
                       if s != serving and s not in self.avoid]
