@@ -146,7 +146,7 @@ def parse_settings(text: str) -> list[Setting]:
 
 DEFAULT_SETTING = Setting(2, 2)  # the shipped default the tuned runs start from
 # Sweeps: the full run's and --quick's (two each, 32/5 kept for the single comparison).
-DEFAULTS = {"single": "8/2,16/5,24/5,32/5,48/5", "ranking": "1/0,2/2,4/2,8/5"}
+DEFAULTS = {"single": "8/2,16/5,24/2,24/5,32/2,32/5,48/5", "ranking": "1/0,2/2,4/2,8/5"}
 QUICK = {"single": "8/2,32/5", "ranking": "1/0,4/2"}
 # Durations (s): the full run's and --quick's, for the flags left unset. The quiet time
 # stays 30 s in --quick: the tuner needs about two 10 s windows before its first decision.

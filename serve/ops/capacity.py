@@ -6,6 +6,11 @@
    answers ``/ping``; stopped again afterwards when this started it);
 2. runs the step load test (``python -m loadtest.run --shape step``): closed-loop users
    double per step, each step measured after it settled;
+   The batching tuner (``serve.sidecar.tuner``) is paused for the run (``PUT /tuner
+   {"enabled": false}``, turned back on afterwards): the declared batching serves, so the
+   knee is one configuration's, not the sum of the tuner's searches across 54-second
+   steps (each search switches the serving version three times). The ranking traffic's
+   own tuned figure is ``make bench-autotune``'s;
 3. finds the knee with the project's one knee rule (:mod:`serve.ops.knee`): walking up
    the judged steps until the first whose p99 is over the goal (default 60 ms, the
    MLPerf DLRM-v2 server bound) or whose failure ratio is over bounds, the step that
@@ -22,6 +27,7 @@ Units: rates in requests/s (one request carries many instances: the HPA's metric
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -32,7 +38,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +81,9 @@ class CapacityConfig:
     duration: the whole step run (loadtest's format: 90s, 5m); steps share it.
     users: step levels passed to the load test ("1,2,4,8,16"), or "" for its default.
     instances: instances per request passed to the load test, or "" for its default.
+    sidecar, token_file: the sidecar whose batching tuner is paused during the run (its
+        token: ``DLRM_SIDECAR_TOKEN`` or the file); pause_settle_s: seconds given to the
+        switch back to the declared batching before measuring.
     """
 
     host: str = DEFAULT_HOST
@@ -85,6 +95,9 @@ class CapacityConfig:
     instances: str = ""
     output: Path = DEFAULT_OUTPUT
     hpa: Path = DEFAULT_HPA
+    sidecar: str = "http://127.0.0.1:8090"
+    token_file: Path = Path(".run/sidecar-token")
+    pause_settle_s: float = 15.0
 
     def __post_init__(self) -> None:
         if not (self.p99_goal_ms > 0 and math.isfinite(self.p99_goal_ms)):
@@ -260,6 +273,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="whole step run (steps share it; longer = steadier figures)")
     p.add_argument("--users", default="", help="step levels, e.g. 1,2,4,8,16,32")
     p.add_argument("--instances", default="", help="instances per request (loadtest format)")
+    p.add_argument("--sidecar", default="http://127.0.0.1:8090",
+                   help="the sidecar whose batching tuner is paused during the run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="capacity.json path")
     p.add_argument("--hpa", type=Path, default=DEFAULT_HPA, help="HPA manifest to update")
     p.add_argument("--from-summary", type=Path, default=None,
@@ -281,11 +296,45 @@ def _measure(cfg: CapacityConfig) -> dict[str, Any]:
         _launcher("up")
         started = True
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with _tuner_paused(cfg), tempfile.TemporaryDirectory() as tmp:
             return _run_loadtest(cfg, Path(tmp) / "summary.json")
     finally:
         if started:
             _launcher("down")
+
+
+@contextlib.contextmanager
+def _tuner_paused(cfg: CapacityConfig) -> Iterator[None]:
+    """Turn the sidecar's batching tuner off for the block when it is on (and on again
+    after); nothing when no sidecar or tuner answers at ``cfg.sidecar``."""
+    url = f"{cfg.sidecar.rstrip('/')}/tuner"
+    try:
+        on = httpx.get(url, timeout=5.0).json().get("enabled") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        on = False
+    if not on:
+        yield
+        return
+    token = os.environ.get("DLRM_SIDECAR_TOKEN", "").strip()
+    if not token and cfg.token_file.is_file():
+        token = cfg.token_file.read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def put(enabled: bool) -> None:
+        r = httpx.put(url, json={"enabled": enabled}, headers=headers, timeout=10.0)
+        if r.status_code != 200:
+            raise CapacityError(f"PUT {url} {{'enabled': {enabled}}} answered "
+                                f"{r.status_code}: {r.text[:300]}")
+
+    put(False)
+    print("==> batching tuner paused for the measurement (the declared batching serves)",
+          flush=True)
+    time.sleep(cfg.pause_settle_s)  # the reconciler switches back to the declared batching
+    try:
+        yield
+    finally:
+        put(True)
+        print("==> batching tuner on again", flush=True)
 
 
 def _write(cfg: CapacityConfig, knee: Knee, target: float,
@@ -309,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = CapacityConfig(host=args.host, p99_goal_ms=args.p99_goal_ms,
                              headroom=args.headroom, max_fail_ratio=args.max_fail_ratio,
                              duration=args.duration, users=args.users,
-                             instances=args.instances, output=args.output, hpa=args.hpa)
+                             instances=args.instances, output=args.output, hpa=args.hpa,
+                             sidecar=args.sidecar)
         if args.from_summary is not None:
             summary = json.loads(args.from_summary.read_text())
         else:

@@ -12,15 +12,15 @@ The model behind it (see README "Batching that tunes itself" for the measurement
    system ``C`` (Little's law on TorchServe's cumulative inference latency: microseconds
    of latency accrued per second = requests in flight), the instances per request ``m``
    and the worker count ``W``. Each worker can only batch what is queued for it, about
-   ``C / W`` requests, so the seed batch is ``fill x C / W`` (fill 0.75: a batch that
-   waits for the very last in-flight request stalls on it), capped so a batch holds at
-   most ``max_batch_instances`` instances (the forward's latency grows with them). The
-   delay is short for big requests (they fill a batch alone) and longer for small ones.
-2. **A bounded online search.** The seed and at most two neighbours (the full ``C / W``
-   batch, the other delay) are each served for one measurement window; the one with the
+   ``C / W`` requests, so the seed batch is ``C / W``, capped so a batch holds at most
+   ``max_batch_instances`` instances (the forward's latency grows with them). The delay
+   is short for big requests (they fill a batch alone) and longer for small ones.
+2. **A bounded online search.** The seed and at most two neighbours (0.75 x the seed
+   batch: a batch that waits for the very last request in flight can stall on it; the
+   other delay) are each served for one measurement window; the one with the
    highest instances/s whose estimated p99 meets the goal wins (a trial must beat the
-   incumbent by ``hysteresis`` to displace it; when no setting meets the goal, the lowest
-   p99 wins). The search costs ``3 x (switch + settle + window)``, about a minute.
+   incumbent by ``hysteresis`` to displace it; when no setting meets the goal, the most
+   instances/s wins). The search costs ``3 x (switch + settle + window)``, about a minute.
 3. **Dwell.** The winner is kept at least ``min_dwell_s``; a new search starts only when
    the traffic moves past the ``shape_change`` factor (instances per request or
    concurrency), and no two switches are closer than ``min_switch_interval_s``.
@@ -129,7 +129,10 @@ class TunerConfig:
     shape_change: a new search starts when instances per request or concurrency moved by
         more than this factor since the search that chose the serving setting.
     fill: the seed batch is ``fill x`` the requests queued per worker.
-    max_batch_instances: the seed batch holds at most this many instances.
+    smaller: the search's smaller neighbour is ``smaller x`` the seed batch (a batch that
+        waits for the very last request in flight can stall on it).
+    max_batch_instances: a batch holds at most this many instances (the forward at 512
+        instances takes ~13 ms on one core; two ranking requests fill it).
     small_request_instances: requests below this many instances get
         ``small_delay_ms``, others ``large_delay_ms``.
     wait_factor: p99 estimate = handler p99 + wait_factor x mean wait outside the handler.
@@ -146,8 +149,9 @@ class TunerConfig:
     min_switch_interval_s: float = 10.0
     hysteresis: float = 0.05
     shape_change: float = 1.5
-    fill: float = 0.75
-    max_batch_instances: int = 1024
+    fill: float = 1.0
+    smaller: float = 0.75
+    max_batch_instances: int = 512
     max_batch_size: int = 128
     small_request_instances: float = 16.0
     small_delay_ms: int = 5
@@ -326,8 +330,9 @@ class Traffic:
 
 
 def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Setting]:
-    """The settings a search measures, best guess first: the queueing seed, the full
-    ``C / W`` batch, and the seed with the other delay (duplicates dropped)."""
+    """The settings a search measures, best guess first: the queueing seed
+    (``fill x C / W``), a smaller batch (``smaller x`` it), and the seed with the other
+    delay (duplicates dropped)."""
     m = max(traffic.instances_per_request, 1.0)
     c = traffic.concurrency if traffic.concurrency is not None else traffic.rate_rps * (
         (traffic.handler_p99_ms or 0.0) / 1000.0)
@@ -342,7 +347,8 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
     other = cfg.large_delay_ms if small else cfg.small_delay_ms
     seed = Setting(batch(cfg.fill * per_worker), delay)
     out: list[Setting] = []
-    for s in (seed, Setting(batch(per_worker), delay), Setting(seed.batch_size, other)):
+    for s in (seed, Setting(batch(cfg.smaller * cfg.fill * per_worker), delay),
+              Setting(seed.batch_size, other)):
         if s not in out:
             out.append(s)
     return out
@@ -581,12 +587,11 @@ class BatchTuner:
     def best(self) -> Trial:
         """The search's winner: the highest instances/s among trials that meet the goal,
         the earliest winning ties within ``hysteresis`` (the incumbent is first); when
-        none meets it, the lowest p99."""
+        none meets it, the highest instances/s of all."""
         goal = self.config.p99_goal_ms
-        good = [t for t in self.trials if t.meets(goal)]
-        if not good:
-            return min(self.trials, key=lambda t: t.traffic.p99_ms
-                       if t.traffic.p99_ms is not None else math.inf)
+        # None meets the goal (overload): still the most instances/s, which drains the
+        # queue fastest; the p99 estimate of an overloaded window is mostly queueing.
+        good = [t for t in self.trials if t.meets(goal)] or self.trials
         winner = good[0]
         for t in good[1:]:
             if t.traffic.instances_per_s > winner.traffic.instances_per_s * (
