@@ -24,9 +24,13 @@ For single and ranking:
 2. tuned: ``PUT /batching`` back to the shipped default 2/2 (which also turns the tuner
    off), ``PUT /tuner {"enabled": true}``, then the traffic runs while ``GET /tuner`` is
    polled until the tuner has settled (its phase is ``settled`` after a decision, or no
-   decision for ``--quiet-s``), then a ``--measure-s`` run is the tuned figure. For
-   single, the ``--measure-s`` run that starts ``--single-probe-at-s`` (60) s into the
-   tuner-on traffic is also recorded and compared with static 32/5 of the sweep
+   decision for ``--quiet-s``), then a ``--measure-s`` run is the tuned figure. Right
+   after it, the sweep's best static setting is pinned and measured again: that figure
+   is ``best_static_samples_per_s`` and the ratio's denominator (the sweep's is kept as
+   ``best_static_sweep_samples_per_s``), because the same setting measured minutes apart
+   moved by up to 16% on this machine. For single, static 32/5 is measured right before
+   the tuner is turned on, and the ``--measure-s`` run that starts
+   ``--single-probe-at-s`` (60) s into the tuner-on traffic is compared with it
    (``at_60s_samples_per_s``, ``static_32_5_samples_per_s``, ``ratio_vs_32_5``).
 
 For mixed, the tuner starts from 2/2 as above; ``settle_s`` counts from the switch to
@@ -617,10 +621,30 @@ class Bench:
             _log(f"{name}: the tuner decided during the measured run; measuring again once "
                  "it settles")
 
+    def static_run(self, name: str, setting: Setting) -> WrkResult:
+        """``setting`` pinned (PUT /batching: the tuner goes off), a warm-up, a measured
+        run of traffic ``name``."""
+        self.sidecar.put_batching(setting)
+        self.wrk.run(self.traffic[name], self.cfg.warmup_s)
+        return self.wrk.run(self.traffic[name], self.cfg.measure_s)
+
+    def adjacent(self, best_of: str) -> dict[str, Any]:
+        """The best static setting of ``best_of`` measured again right after a tuned run:
+        the same setting measured minutes apart moved by up to 16% on this machine, so
+        the ratio compares figures taken back to back."""
+        best = self.best[best_of]
+        m = self.static_run(best_of, Setting.parse(best["setting"]))
+        _log(f"{best_of}: best static {best['setting']} again, right after: "
+             f"{m.samples_per_s:.0f} samples/s, p99 {m.p99_ms:.1f} ms (sweep: "
+             f"{best['samples_per_s']:.0f})")
+        return {**best, "samples_per_s": round(m.samples_per_s, 1),
+                "p99_ms": round(m.p99_ms, 2), "sweep_samples_per_s": best["samples_per_s"],
+                "failed": m.failed}
+
     def _row(self, traffic: str, best_of: str, m: WrkResult, watch: TunerWatch,
              ref_s: float, runs: list[WrkResult], settled: bool,
              measure_start: float) -> dict[str, Any]:
-        best = self.best[best_of]
+        best = self.adjacent(best_of)
         tuned = watch.setting()
         try:
             served = str(self.sidecar.batching())
@@ -635,7 +659,8 @@ class Bench:
             "ratio": round(m.samples_per_s / best["samples_per_s"], 3)
             if best["samples_per_s"] else None,
             "settle_s": watch.settle_s(ref_s),
-            "failed": sum(r.failed for r in runs),
+            "failed": sum(r.failed for r in runs) + best["failed"],
+            "best_static_sweep_samples_per_s": best["sweep_samples_per_s"],
             "tuned_setting": str(tuned) if tuned else None,
             "served_after": served,
             "best_static_meets_goal": best["meets_goal"],
@@ -651,24 +676,30 @@ class Bench:
 
     def tuned(self, name: str) -> dict[str, Any]:
         """The tuner from 2/2 on traffic ``name`` until settled, then a measured run."""
+        ref_run = None
+        if name == "single":
+            # The issue's reference, measured right before the tuner's run (not minutes
+            # earlier in the sweep): static 32/5 on the same traffic.
+            ref_run = self.static_run(name, Setting.parse(REFERENCE_SINGLE))
+            _log(f"single: static {REFERENCE_SINGLE} right before: "
+                 f"{ref_run.samples_per_s:.0f} samples/s")
         _log(f"{name}: tuner on from {DEFAULT_SETTING}")
         watch, t0 = self._start_tuner()
         runs: list[WrkResult] = []
         extra: dict[str, Any] = {}
-        if name == "single":
+        if ref_run is not None:
             # The issue's check: the figure after the tuner has seen probe_at_s of traffic.
             self._run(name, self.cfg.single_probe_at_s, watch, runs)
             probe = self._run(name, self.cfg.measure_s, watch, runs)
-            ref = next(r for r in self.sweeps["single"] if r["setting"] == REFERENCE_SINGLE)
+            ref = round(ref_run.samples_per_s, 1)
             extra = {"at_60s_samples_per_s": round(probe.samples_per_s, 1),
                      "at_60s_p99_ms": round(probe.p99_ms, 2),
                      "at_60s_probe_start_s": self.cfg.single_probe_at_s,
-                     "static_32_5_samples_per_s": ref["samples_per_s"],
-                     "ratio_vs_32_5": round(probe.samples_per_s / ref["samples_per_s"], 3)
-                     if ref["samples_per_s"] else None}
+                     "static_32_5_samples_per_s": ref,
+                     "static_32_5_p99_ms": round(ref_run.p99_ms, 2),
+                     "ratio_vs_32_5": round(probe.samples_per_s / ref, 3) if ref else None}
             _log(f"single: after {self.cfg.single_probe_at_s:.0f} s: "
-                 f"{probe.samples_per_s:.0f} samples/s vs static {REFERENCE_SINGLE} "
-                 f"{ref['samples_per_s']:.0f}")
+                 f"{probe.samples_per_s:.0f} samples/s vs static {REFERENCE_SINGLE} {ref:.0f}")
         m, settled, measure_start = self._settle_and_measure(name, watch, t0, runs)
         row = {**self._row(name, name, m, watch, t0, runs, settled, measure_start), **extra}
         _log(f"{name}: tuned {row['tuned_setting']}: {m.samples_per_s:.0f} samples/s, p99 "
