@@ -714,3 +714,23 @@ def test_manual_promote_and_rollback_need_a_baking_rollout(tmp_path, repo, state
     for r, what in ((r1, "promote"), (r2, "roll back")):
         assert r.status_code == 409, r.text
         assert r.json()["message"].startswith(f"cannot {what}: no rollout was declared")
+
+
+def test_put_state_with_a_new_batching_pins_it_and_the_tuner_can_resume(tmp_path, repo,
+                                                                       state_file):
+    ts = FakeTorchServe(tmp_path / "store")
+    same = {"model": {"version": "small-s1"},
+            "batching": {"batch_size": 8, "max_batch_delay_ms": 50}, "workers": 1}
+    new = {**same, "batching": {"batch_size": 16, "max_batch_delay_ms": 5}}
+    r1, t1, r2, t2, bad, on, st = requests(
+        make_app(ts, repo, state_file), ("WAIT", "", None),
+        ("PUT", "/state", same), ("GET", "/tuner", None),       # a new version only
+        ("PUT", "/state", new), ("GET", "/tuner", None),        # a new batching: pinned
+        ("PUT", "/tuner", {"enabled": 1}), ("PUT", "/tuner", {"enabled": True}),
+        ("GET", "/state", None))[1:]
+    assert r1.status_code == 202 and t1.json()["enabled"] is True
+    assert r2.status_code == 202 and t2.json()["enabled"] is False
+    assert "PUT /state declaring batching 16/5 ms" in t2.json()["reason"]
+    assert bad.status_code == 400 and "enabled" in bad.json()["message"]
+    assert on.status_code == 200 and on.json()["enabled"] is True
+    assert st.json()["tuner"]["enabled"] is True

@@ -67,11 +67,7 @@ async def _apply(state: SidecarState, reconciler: Reconciler,
                  update: BatchingUpdate) -> BatchingUpdateResult:
     """Apply ``update`` (the caller holds the update lock; released here) and count it."""
     # A setting given by hand is pinned: the tuner would otherwise move it again.
-    pinned = state.tuner is not None and state.tuner.enabled
-    if pinned:
-        state.set_tuner(False, f"turned off by PUT /batching "
-                               f"{update.model_dump(exclude_none=True)}: the setting is pinned; "
-                               'PUT /tuner {"enabled": true} resumes tuning')
+    pinned = state.pin_batching(f"PUT /batching {update.model_dump(exclude_none=True)}")
     try:
         result = await apply_batching(reconciler, state.torchserve, update, state.clock)
     except Conflict:

@@ -76,12 +76,9 @@ async def put_state(body: Annotated[Any, Body()], state: StateDep) -> StateAccep
     reconciler = state.require_reconciler("PUT /state")
     desired = _validated(body, state)
     declared = reconciler.desired
-    if (state.tuner is not None and state.tuner.enabled and declared is not None
-            and desired.batching != declared.batching):
-        state.set_tuner(False, f"turned off by PUT /state declaring batching "
-                               f"{desired.batching.batch_size}/"
-                               f"{desired.batching.max_batch_delay_ms} ms: pinned; PUT /tuner "
-                               '{"enabled": true} resumes tuning')
+    if declared is not None and desired.batching != declared.batching:
+        state.pin_batching(f"PUT /state declaring batching {desired.batching.batch_size}/"
+                           f"{desired.batching.max_batch_delay_ms} ms")
     reconciler.write(desired)
     last = reconciler.last_pass
     converged = bool(last is not None and last.converged and reconciler.desired == desired)

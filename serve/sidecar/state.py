@@ -243,6 +243,15 @@ class SidecarState:
             return "nothing serves"
         return None
 
+    def pin_batching(self, what: str) -> bool:
+        """A batching set by hand (``what``: the call and its value) is pinned: turn the
+        tuner off, which would move it again. Returns whether the tuner was on."""
+        if self.tuner is None or not self.tuner.enabled:
+            return False
+        self.set_tuner(False, f"turned off by {what}: the setting is pinned; PUT /tuner "
+                              '{"enabled": true} resumes tuning')
+        return True
+
     def set_tuner(self, enabled: bool, why: str) -> None:
         """Turn the tuner on or off (PUT /tuner; PUT /batching and PUT /state with a new
         batching turn it off); the reconciler follows at its next pass."""
