@@ -10,7 +10,8 @@ bodies through ``bench/wrk/post.lua``, it measures three traffics:
 * ``single``: 1-instance requests (``--single-bodies`` distinct, seeded) over
   ``--single-connections`` (64) connections;
 * ``ranking``: requests of ``--ranking-instances`` (100-700, uniform, seeded;
-  ``--ranking-bodies`` of them) over ``--ranking-connections`` (4) connections;
+  ``--ranking-bodies`` of them) over ``--ranking-connections`` (3) connections (at 4,
+  no static setting held p99 <= 60 ms in one run);
 * ``mixed``: single traffic for ``--mixed-first-s`` (90) s, then ranking, wrk run after
   wrk run with the tuner left running across the change.
 
@@ -466,12 +467,19 @@ class TunerWatch:
     def since(self, t: float) -> list[Decision]:
         return [d for d in self.decisions if d.seen_s >= t]
 
-    def settled(self, ref_s: float, quiet_s: float) -> bool:
+    def settled(self, ref_s: float, quiet_s: float, instances: float) -> bool:
         """Settled since ``ref_s``: phase ``settled`` after a decision seen since then, or
         no decision for ``quiet_s`` -- but never while a switch or a search runs (a
-        switching/trying/paused phase, a pending setting, settings queued to try)."""
+        switching/trying/paused phase, a pending setting, settings queued to try), nor
+        before the tuner's serving setting was chosen for this traffic (its
+        ``searched_for`` window holds about ``instances`` per request: within 1.5x)."""
         phase = self.body.get("phase")
         if phase in BUSY or self.body.get("pending") is not None or self.body.get("queue"):
+            return False
+        shape = self.body.get("searched_for") or {}
+        m = shape.get("instances_per_request")
+        if not isinstance(m, (int, float)) or not (
+                instances / 1.5 <= max(float(m), 1e-9) <= instances * 1.5):
             return False
         recent = self.since(ref_s)
         if phase == "settled" and recent:
@@ -592,14 +600,15 @@ class Bench:
     def _until_settled(self, name: str, watch: TunerWatch, ref_s: float,
                        runs: list[WrkResult]) -> bool:
         """Run ``name`` until the tuner settled since ``ref_s``; False: timed out."""
-        if watch.settled(ref_s, self.cfg.quiet_s):
+        instances = self.traffic[name].mean_instances
+        if watch.settled(ref_s, self.cfg.quiet_s, instances):
             return True
         left = self.cfg.settle_timeout_s - (time.monotonic() - ref_s)
         if left > 0:
             _log(f"{name}: waiting for the tuner to settle (up to {left:.0f} s more)")
             self._run(name, left, watch, runs,
-                      until=lambda: watch.settled(ref_s, self.cfg.quiet_s))
-        ok = watch.settled(ref_s, self.cfg.quiet_s)
+                      until=lambda: watch.settled(ref_s, self.cfg.quiet_s, instances))
+        ok = watch.settled(ref_s, self.cfg.quiet_s, instances)
         if not ok:
             _log(f"WARNING {name}: the tuner did not settle within "
                  f"{self.cfg.settle_timeout_s:.0f} s (phase {watch.body.get('phase')})")
@@ -792,7 +801,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranking-settings", default=None,
                     help=f"B/D,... of the ranking sweep (default {DEFAULTS['ranking']})")
     ap.add_argument("--single-connections", type=int, default=64)
-    ap.add_argument("--ranking-connections", type=int, default=4)
+    ap.add_argument("--ranking-connections", type=int, default=3)
     ap.add_argument("--single-bodies", type=int, default=256,
                     help="distinct 1-instance bodies")
     ap.add_argument("--ranking-bodies", type=int, default=48, help="distinct ranking bodies")

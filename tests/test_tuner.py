@@ -151,19 +151,29 @@ def test_single_instance_traffic_is_searched_and_the_best_kept():
     assert status["decisions"][-1]["reason"] == "best"
 
 
-def test_dwell_holds_then_a_new_traffic_is_searched_again():
+def test_dwell_holds_against_load_but_a_new_kind_of_request_is_searched_at_once():
     tuner = BatchTuner(FAST)
     plant = Plant(SINGLE)
     serving = S(2, 2)
     while tuner.phase != "settled":
         serving = drive(tuner, plant, serving, 1)
     n = len(tuner.decisions)
-    plant.shape = RANKING  # the traffic changes right after settling
+    # more clients, same requests: held for the dwell (20 s here), then searched
+    plant.shape = Shape(1, 200.0, SINGLE.rps)
     serving = drive(tuner, plant, serving, 10)
-    assert len(tuner.decisions) == n and "min dwell" in tuner.why  # held
+    assert len(tuner.decisions) == n and "min dwell" in tuner.why
+    serving = drive(tuner, plant, serving, 30)
+    assert len(tuner.decisions) > n and tuner.decisions[n].reason == "seed"
+    assert tuner.decisions[n].to == S(100, 5)  # 200 in flight over 2 workers
+    while tuner.phase != "settled":
+        serving = drive(tuner, plant, serving, 1)
+    n, t_change = len(tuner.decisions), plant.t
+    plant.shape = RANKING  # another kind of request: no dwell, confirmed over 2 windows
+    serving = drive(tuner, plant, serving, 3 * FAST.window_s + 2)
+    assert tuner.decisions[n].reason == "seed" and tuner.decisions[n].to == S(2, 2)
+    assert tuner.decisions[n].at_s - t_change <= 3 * FAST.window_s + 2
     serving = drive(tuner, plant, serving, 120)
     assert serving == S(2, 2)
-    assert tuner.decisions[n].reason == "seed" and tuner.decisions[n].to == S(2, 2)
     # stable traffic: no more decisions, however long
     m = len(tuner.decisions)
     drive(tuner, plant, serving, 300)

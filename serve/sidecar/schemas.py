@@ -145,6 +145,8 @@ class TunerStatus(BaseModel):
     pending: dict[str, int] | None = Field(description="Chosen, being switched to.")
     p99_goal_ms: float
     traffic: dict[str, Any] | None = Field(description="The last measurement window.")
+    searched_for: dict[str, Any] | None = Field(
+        description="The window the current search (or the serving setting's) began on.")
     trials: list[dict[str, Any]] = Field(description="The current search's measured settings.")
     queue: list[dict[str, int]] = Field(description="Settings the search will still try.")
     decisions: list[dict[str, Any]] = Field(

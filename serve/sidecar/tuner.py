@@ -541,7 +541,12 @@ class BatchTuner:
         if not new and not broken:
             self.why = f"keeping {serving}: the traffic has not moved"
             return None
-        if self.phase == "settled" and now - self.settled_at < self.config.min_dwell_s:
+        # The dwell holds against load moving (requests in flight); a different kind of
+        # request (single items after ranking) is searched for at once.
+        kind = self.shape is None or traffic.moved_from(self.shape, self.config.shape_change,
+                                                        concurrency=False)
+        if (self.phase == "settled" and not kind
+                and now - self.settled_at < self.config.min_dwell_s):
             self.why = (f"traffic moved, but {serving} was chosen "
                         f"{now - self.settled_at:.0f} s ago (min dwell "
                         f"{self.config.min_dwell_s:.0f} s)")
@@ -662,6 +667,7 @@ class BatchTuner:
             "pending": asdict(self.pending) if self.pending is not None else None,
             "p99_goal_ms": cfg.p99_goal_ms,
             "traffic": self.last.to_json() if self.last is not None else None,
+            "searched_for": self.shape.to_json() if self.shape is not None else None,
             "trials": [t.to_json() for t in self.trials],
             "queue": [asdict(s) for s in self.queue],
             "decisions": [d.to_json() for d in self.decisions],
