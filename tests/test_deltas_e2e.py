@@ -23,7 +23,6 @@ import torch
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
 from serve.deltas import DELTA_MEDIA_TYPE, Delta, DeltaTable, encode_delta
-from serve.net import free_ports
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.repository import ModelRepository
@@ -31,7 +30,7 @@ from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_refere
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.state import parse_state, write_state
 from tests.fixtures.deltas import with_delta_rows
-from tests.fixtures.torchserve import tiny_random_artifact
+from tests.fixtures.torchserve import service_config, tiny_random_artifact
 from tests.promtext import samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -70,7 +69,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from serve.model.archive import build_mar
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import start
 
     root = tmp_path_factory.mktemp("deltas")
     art_path = tiny_random_artifact(root / "artifact.pt", seed=5)
@@ -85,13 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     write_state(root / "state.yaml", parse_state({
         "model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
         "workers": 2}))
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
-        state_file=root / "state.yaml", run_dir=root / "run", log_dir=root / "logs",
-        sidecar=True, ready_timeout_s=180,
-        extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    cfg = service_config(root)
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()
     try:

@@ -19,6 +19,7 @@ from serve.api.protocol import example_request
 from serve.ops import feedback_check
 from serve.repository import ModelRepository
 from serve.state import parse_state, write_state
+from tests.fixtures.torchserve import service_config
 from tests.promtext import samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -52,8 +53,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Served]:
-    from serve.net import free_ports
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import start
     from serve.ops.state_client import StateClient
 
     root = tmp_path_factory.mktemp("feedback")
@@ -64,12 +64,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Ser
     write_state(state_file, parse_state({"model": {"version": version},
                                          "batching": {"batch_size": 4, "max_batch_delay_ms": 5},
                                          "workers": 1}))
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
-        state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
-        ready_timeout_s=180, extra_env={"OMP_NUM_THREADS": "1"})
+    cfg = service_config(root, extra_env={"OMP_NUM_THREADS": "1"})
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()
     try:

@@ -31,6 +31,7 @@ from serve.ops.state_client import StateClient
 from serve.repository import ModelRepository
 from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER
 from serve.state import parse_state, write_state
+from tests.fixtures.torchserve import service_config
 from tests.promtext import samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -93,8 +94,7 @@ def _add(repo: ModelRepository, build: Any) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_build, tiny_build_seed7,
            tiny_build_shuffled) -> Iterator[Served]:
-    from serve.net import free_ports
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import start
 
     root = tmp_path_factory.mktemp("rollout")
     repo = ModelRepository([root / "model_store"])
@@ -103,15 +103,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build, tiny_build_seed
     state_file = root / "state.yaml"
     write_state(state_file, parse_state({"model": {"version": versions.stable},
                                          "batching": BATCHING, "workers": 1}))
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
-        state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
-        ready_timeout_s=180, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-        ts_overrides={"job_queue_size": "200"})
+    cfg = service_config(root, ts_overrides={"job_queue_size": "200"})
     svc = start(cfg)
-    client = StateClient(f"http://127.0.0.1:{side}", cfg.token_file.read_text().strip(),
+    client = StateClient(cfg.sidecar_url, cfg.token_file.read_text().strip(),
                          timeout_s=30)
     try:
         client.wait_converged(timeout_s=180)

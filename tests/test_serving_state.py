@@ -21,11 +21,10 @@ import pytest
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
 from serve.errors import UpstreamUnavailable
-from serve.net import free_ports
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.repository import ModelRepository
-from tests.fixtures.torchserve import tiny_random_artifact
+from tests.fixtures.torchserve import service_config, tiny_random_artifact
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,16 +111,7 @@ def repo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _launch(root: Path) -> Any:
-    from serve.ops.launcher import LaunchConfig
-
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    return LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
-        state_file=root / "state.yaml", run_dir=root / "run", log_dir=root / "logs",
-        sidecar=True, ready_timeout_s=180,
-        extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-        ts_overrides={"job_queue_size": "200"})
+    return service_config(root, ts_overrides={"job_queue_size": "200"})
 
 
 @pytest.fixture(scope="module")

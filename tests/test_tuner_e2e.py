@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from serve.api.protocol import example_request
-from serve.net import free_ports
 from serve.ops.loadgen import BackgroundLoad
 from serve.repository import ModelRepository
+from tests.fixtures.torchserve import service_config
 from tests.test_serving_state import Served, _add_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -30,18 +30,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from datetime import UTC, datetime
 
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import start
 
     root = tmp_path_factory.mktemp("tuner_e2e")
     repo = ModelRepository([root / "model_store"])
     _add_version(repo, root, "tiny-a", 0, datetime(2026, 12, 1, tzinfo=UTC))
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
-        state_file=root / "state.yaml", run_dir=root / "run", log_dir=root / "logs",
-        sidecar=True, ready_timeout_s=180,
-        extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    cfg = service_config(
+        root,
         # short windows so a search takes ~a minute here (defaults: 10 s / 30 s / 10 s)
         sidecar_env={"DLRM_AUTOTUNE": "1", "DLRM_TUNE_WINDOW_S": "4",
                      "DLRM_TUNE_SETTLE_S": "3", "DLRM_TUNE_MIN_DWELL_S": "10",
