@@ -36,7 +36,6 @@ from serve.sidecar.rollout import RolloutController
 from serve.sidecar.switch import SwitchPhase, VersionSwitch
 from serve.sidecar.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.tuner import BatchTuner, Setting, counters_from
-from serve.state import Batching
 
 _log = logging.getLogger(__name__)
 
@@ -182,9 +181,11 @@ class SidecarState:
     async def _tune(self) -> None:
         """Every ``tuner.interval_s``: one tuner observation. Never dies: errors are
         logged (a failed read judges nothing; the next one goes on)."""
+        tuner = self.tuner
+        if tuner is None:
+            return
         while True:
-            if self.tuner is not None:
-                await asyncio.sleep(self.tuner.config.interval_s)
+            await asyncio.sleep(tuner.config.interval_s)
             try:
                 await self.tune_once()
             except Exception:  # noqa: BLE001 - the tuner must not stop the sidecar
@@ -216,9 +217,7 @@ class SidecarState:
                                 serving.workers if serving is not None else 0,
                                 self._tuner_blocked(reconciler, observed))
         override = tuner.override if tuner.enabled else None
-        batching = (Batching(batch_size=override.batch_size,
-                             max_batch_delay_ms=override.max_batch_delay_ms)
-                    if override is not None else None)
+        batching = override.batching() if override is not None else None
         if batching != reconciler.batching_override:
             reconciler.batching_override = batching
             reconciler.wake()

@@ -65,7 +65,7 @@ from serve.metrics import (
     TUNER_REASONS,
 )
 from serve.sidecar.guards import histogram_quantile
-from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX
+from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
 
 __all__ = [
     "PHASES",
@@ -93,17 +93,19 @@ TS_REQUESTS = "ts_inference_requests"
 
 @dataclass(frozen=True)
 class Setting:
-    """TorchServe batching: requests per batch, ms a batch may wait to fill."""
+    """TorchServe batching: requests per batch, ms a batch may wait to fill. The tuner's
+    hashable, positional form of the desired state's :class:`~serve.state.Batching`,
+    which holds the rules (a setting outside them raises its ValidationError)."""
 
     batch_size: int
     max_batch_delay_ms: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.batch_size <= BATCH_SIZE_MAX:
-            raise ValueError(f"batch_size {self.batch_size} must be in 1..{BATCH_SIZE_MAX}")
-        if not 0 <= self.max_batch_delay_ms <= MAX_BATCH_DELAY_MS_MAX:
-            raise ValueError(f"max_batch_delay_ms {self.max_batch_delay_ms} must be in "
-                             f"0..{MAX_BATCH_DELAY_MS_MAX}")
+        self.batching()
+
+    def batching(self) -> Batching:
+        """This setting as the desired state's batching (what the reconciler serves)."""
+        return Batching(batch_size=self.batch_size, max_batch_delay_ms=self.max_batch_delay_ms)
 
     def __str__(self) -> str:
         return f"{self.batch_size}/{self.max_batch_delay_ms}ms"
