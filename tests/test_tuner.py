@@ -6,7 +6,7 @@ setting (a table per traffic shape). The tuner is the real one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import pytest
@@ -20,6 +20,7 @@ from serve.sidecar.tuner import (
     Counters,
     Setting,
     Traffic,
+    Trial,
     TunerConfig,
     counters_from,
     seed_candidates,
@@ -180,6 +181,21 @@ def test_dwell_holds_against_load_but_a_new_kind_of_request_is_searched_at_once(
     assert len(tuner.decisions) == m and tuner.phase == "settled"
 
 
+def test_a_win_inside_the_hysteresis_keeps_what_serves():
+    # 24/5 measures highest, but 32/2 (serving: the last trial) is within 5% of it
+    close = Shape(1, 64.0, {S(2, 2): 1000, S(32, 5): 4000, S(24, 5): 4100, S(32, 2): 3950})
+    decisions = []
+    tuner = BatchTuner(FAST, on_decision=decisions.append)
+    serving = drive(tuner, Plant(close), S(2, 2), 120)
+    assert [(d.reason, d.to) for d in decisions] == [
+        ("seed", S(32, 5)), ("trial", S(24, 5)), ("trial", S(32, 2))]
+    assert serving == S(32, 2) and tuner.phase == "settled"
+    # ...but a clear win moves it: 24/5's 4,100 is more than 5% over 3,000
+    assert tuner.best().setting == S(32, 2)
+    tuner.trials[-1] = Trial(S(32, 2), replace(tuner.trials[-1].traffic, instances_per_s=3000.0))
+    assert tuner.best().setting == S(24, 5)
+
+
 def test_a_setting_over_the_goal_loses_even_when_faster():
     fast_but_slow = Shape(1, 64.0, {S(2, 2): 1000, S(32, 5): 4000, S(24, 5): 3500,
                                     S(32, 2): 9000})
@@ -197,6 +213,25 @@ def test_a_setting_over_the_goal_loses_even_when_faster():
     assert drive(BatchTuner(FAST), Plant(overloaded), S(2, 2), 120) == S(24, 5)
 
 
+def test_a_window_closes_early_on_fast_traffic_only():
+    # 10-s windows at most; one closes at 3 s once it holds 2,000 requests
+    cfg = TunerConfig(interval_s=1.0, window_s=10.0, quick_window_s=3.0, quick_requests=2000,
+                      settle_s=2.0, min_requests=50)
+    fast = BatchTuner(cfg)
+    plant = Plant(SINGLE)
+    drive(fast, plant, S(2, 2), 6)              # 1,000 req/s: 3,000 requests in 3 s
+    assert fast.last is not None and fast.last.seconds == pytest.approx(3.0)
+    assert fast.trials == []                    # even the first traffic is confirmed
+    drive(fast, plant, S(2, 2), 3)
+    assert [t.setting for t in fast.trials] == [S(2, 2)]
+    assert fast.trials[0].traffic.seconds == pytest.approx(3.0)
+    slow, plant = BatchTuner(cfg), Plant(RANKING)
+    drive(slow, plant, S(2, 2), 8)              # 180 req/s: the full window
+    assert slow.trials == [] and slow.last is None
+    drive(slow, plant, S(2, 2), 6)
+    assert slow.last is not None and slow.last.seconds == pytest.approx(10.0)
+
+
 def test_too_little_traffic_judges_nothing():
     quiet = Shape(1, 0.1, {}, default_rps=2.0)
     tuner = BatchTuner(FAST)
@@ -212,6 +247,8 @@ def test_off_and_blocked_do_nothing():
     for _ in range(30):
         assert on.step(plant.advance(S(2, 2), 1.0), S(2, 2), 2, blocked="a rollout") is None
     assert on.phase == "paused" and on.why == "a rollout"
+    on.step(plant.advance(S(2, 2), 1.0), S(2, 2), 2)  # free again: the reason says so
+    assert on.phase == "observing" and "free again" in on.why
     on.set_enabled(False, "test")
     assert on.phase == "off" and on.override is None
 

@@ -239,10 +239,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="the tuner's p99 latency goal in ms [DLRM_P99_GOAL_MS]")
     p.add_argument("--tune-window-s", type=float,
                    default=float(_env("DLRM_TUNE_WINDOW_S", "10")),
-                   help="seconds of traffic the tuner measures a setting on "
+                   help="seconds of traffic the tuner measures a setting on, at most (a "
+                        "window closes after 3 s once it holds 2,000 requests) "
                         "[DLRM_TUNE_WINDOW_S]")
     p.add_argument("--tune-settle-s", type=float,
-                   default=float(_env("DLRM_TUNE_SETTLE_S", "6")),
+                   default=float(_env("DLRM_TUNE_SETTLE_S", "4")),
                    help="seconds skipped after a switch before measuring "
                         "[DLRM_TUNE_SETTLE_S]")
     p.add_argument("--tune-min-dwell-s", type=float,
