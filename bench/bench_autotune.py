@@ -29,10 +29,11 @@ For single and ranking:
    after it, the sweep's best static setting is pinned and measured again: that figure
    is ``best_static_samples_per_s`` and the ratio's denominator (the sweep's is kept as
    ``best_static_sweep_samples_per_s``), because the same setting measured minutes apart
-   moved by up to 16% on this machine. For single, static 32/5 is measured right before
-   the tuner is turned on, and the ``--measure-s`` run that starts
-   ``--single-probe-at-s`` (60) s into the tuner-on traffic is compared with it
-   (``at_60s_samples_per_s``, ``static_32_5_samples_per_s``, ``ratio_vs_32_5``).
+   moved by up to 25% on this machine. For single, static 32/5 is measured right before
+   the tuner is turned on and again after the tuned figures, and the ``--measure-s`` run
+   that starts ``--single-probe-at-s`` (60) s into the tuner-on traffic is compared with
+   the mean of the two (``at_60s_samples_per_s``, ``static_32_5_samples_per_s``, its
+   ``_before_``/``_after_`` parts, ``ratio_vs_32_5``).
 
 For mixed, the tuner starts from 2/2 as above; ``settle_s`` counts from the switch to
 ranking, and the tuned figure is a ranking run after it settled, compared with ranking's
@@ -695,22 +696,30 @@ class Bench:
         _log(f"{name}: tuner on from {DEFAULT_SETTING}")
         watch, t0 = self._start_tuner()
         runs: list[WrkResult] = []
-        extra: dict[str, Any] = {}
         if ref_run is not None:
             # The check: the figure after the tuner has seen probe_at_s of traffic.
             self._run(name, self.cfg.single_probe_at_s, watch, runs)
             probe = self._run(name, self.cfg.measure_s, watch, runs)
-            ref = round(ref_run.samples_per_s, 1)
-            extra = {"at_60s_samples_per_s": round(probe.samples_per_s, 1),
-                     "at_60s_p99_ms": round(probe.p99_ms, 2),
-                     "at_60s_probe_start_s": self.cfg.single_probe_at_s,
-                     "static_32_5_samples_per_s": ref,
-                     "static_32_5_p99_ms": round(ref_run.p99_ms, 2),
-                     "ratio_vs_32_5": round(probe.samples_per_s / ref, 3) if ref else None}
             _log(f"single: after {self.cfg.single_probe_at_s:.0f} s: "
-                 f"{probe.samples_per_s:.0f} samples/s vs static {REFERENCE_SINGLE} {ref:.0f}")
+                 f"{probe.samples_per_s:.0f} samples/s vs static {REFERENCE_SINGLE} "
+                 f"{ref_run.samples_per_s:.0f} before")
         m, settled, measure_start = self._settle_and_measure(name, watch, t0, runs)
-        row = {**self._row(name, name, m, watch, t0, runs, settled, measure_start), **extra}
+        row = self._row(name, name, m, watch, t0, runs, settled, measure_start)
+        if ref_run is not None:
+            # ...and again after (A-B-A): this machine's speed wanders by 25% within
+            # minutes, so the reference is the mean of the two around the probe.
+            after = self.static_run(name, Setting.parse(REFERENCE_SINGLE))
+            ref = round((ref_run.samples_per_s + after.samples_per_s) / 2, 1)
+            row.update({"at_60s_samples_per_s": round(probe.samples_per_s, 1),
+                        "at_60s_p99_ms": round(probe.p99_ms, 2),
+                        "at_60s_probe_start_s": self.cfg.single_probe_at_s,
+                        "static_32_5_samples_per_s": ref,
+                        "static_32_5_before_samples_per_s": round(ref_run.samples_per_s, 1),
+                        "static_32_5_after_samples_per_s": round(after.samples_per_s, 1),
+                        "static_32_5_p99_ms": round(max(ref_run.p99_ms, after.p99_ms), 2),
+                        "ratio_vs_32_5": round(probe.samples_per_s / ref, 3) if ref else None})
+            _log(f"single: static {REFERENCE_SINGLE} again, after: {after.samples_per_s:.0f} "
+                 f"samples/s; reference (mean) {ref:.0f}")
         _log(f"{name}: tuned {row['tuned_setting']}: {m.samples_per_s:.0f} samples/s, p99 "
              f"{m.p99_ms:.1f} ms, settle {row['settle_s']} s, failed {row['failed']}")
         return row
