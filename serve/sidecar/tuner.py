@@ -20,9 +20,10 @@ The model behind it (see README "Batching that tunes itself" for the measurement
    other delay) are each served for one measurement window; the one with the
    highest instances/s whose estimated p99 meets the goal wins, unless a setting within
    ``hysteresis`` of it needs no switch (the one serving, else the one from before the
-   search); when no setting meets the goal, the most instances/s wins. The search costs ``3 x (switch + settle + window)``: ~45 s for
-   single-instance traffic (its windows close early: thousands of requests in 3 s),
-   more for ranking traffic (full 10-s windows).
+   search); when no setting meets the goal, the most instances/s wins. The search
+   costs ``3 x (switch + settle + window)``: ~45 s for single-instance traffic (its
+   windows close early: thousands of requests in 3 s), more for ranking traffic (full
+   10-s windows).
 3. **Dwell.** The winner is kept at least ``min_dwell_s``; a new search starts only when
    the traffic moves past the ``shape_change`` factor (instances per request or
    concurrency), and no two switches are closer than ``min_switch_interval_s``.
