@@ -77,3 +77,18 @@ def test_drain_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0 and "preStop" in capsys.readouterr().out
+
+
+def test_the_tools_token_comes_from_the_env_then_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serve.ops.state_client import TOKEN_ENV, sidecar_token
+
+    f = tmp_path / "sidecar-token"
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert sidecar_token(f) is None and sidecar_token(None) is None  # no file, no env
+    f.write_text("from-file\n")
+    assert sidecar_token(f) == "from-file"
+    monkeypatch.setenv(TOKEN_ENV, "  from-env \n")
+    assert sidecar_token(f) == "from-env"
+    monkeypatch.setenv(TOKEN_ENV, "   ")  # blank: the file
+    assert sidecar_token(str(f)) == "from-file"

@@ -46,8 +46,9 @@ from typing import Any
 
 import httpx
 
-from serve.errors import CapacityError, ConfigError, ServeError
+from serve.errors import CapacityError, ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.knee import Knee, find_knee
+from serve.ops.state_client import StateClient, sidecar_token
 
 __all__ = [
     "CapacityConfig",
@@ -307,23 +308,19 @@ def _measure(cfg: CapacityConfig) -> dict[str, Any]:
 def _tuner_paused(cfg: CapacityConfig) -> Iterator[None]:
     """Turn the sidecar's batching tuner off for the block when it is on (and on again
     after); nothing when no sidecar or tuner answers at ``cfg.sidecar``."""
-    url = f"{cfg.sidecar.rstrip('/')}/tuner"
+    client = StateClient(cfg.sidecar, sidecar_token(cfg.token_file))
     try:
-        on = httpx.get(url, timeout=5.0).json().get("enabled") is True
-    except (httpx.HTTPError, ValueError, AttributeError):
+        on = client.tuner().get("enabled") is True
+    except UpstreamUnavailable:
         on = False
     if not on:
         yield
         return
-    token = os.environ.get("DLRM_SIDECAR_TOKEN", "").strip()
-    if not token and cfg.token_file.is_file():
-        token = cfg.token_file.read_text().strip()
-    headers = {"Authorization": f"Bearer {token}"}
 
     def put(enabled: bool) -> None:
-        r = httpx.put(url, json={"enabled": enabled}, headers=headers, timeout=10.0)
+        r = client.put_tuner({"enabled": enabled})
         if r.status_code != 200:
-            raise CapacityError(f"PUT {url} {{'enabled': {enabled}}} answered "
+            raise CapacityError(f"PUT {client.url}/tuner {{'enabled': {enabled}}} answered "
                                 f"{r.status_code}: {r.text[:300]}")
 
     put(False)

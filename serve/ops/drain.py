@@ -19,12 +19,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from serve.errors import UpstreamUnavailable
+from serve.ops.state_client import sidecar_token
 
 __all__ = ["main", "request_drain"]
 
@@ -50,15 +50,6 @@ def request_drain(sidecar_url: str, token: str | None, timeout_s: float) -> dict
     return body
 
 
-def _token(path: str | None) -> str | None:
-    env = os.environ.get("DLRM_SIDECAR_TOKEN")
-    if env:
-        return env.strip()
-    if path and Path(path).is_file():
-        return Path(path).read_text().strip()
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.ops.drain",
                                  description=__doc__,
@@ -75,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.settle_s > 0:
         time.sleep(args.settle_s)
     try:
-        report = request_drain(args.sidecar_url, _token(args.token_file), args.timeout_s)
+        report = request_drain(args.sidecar_url, sidecar_token(args.token_file), args.timeout_s)
     except UpstreamUnavailable as e:
         print(f"drain failed: {e.message}", file=sys.stderr, flush=True)
         return 1

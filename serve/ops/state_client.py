@@ -13,7 +13,9 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +23,22 @@ import httpx
 from serve.errors import UpstreamUnavailable
 from serve.net import wait_until
 
-__all__ = ["StateClient"]
+__all__ = ["TOKEN_ENV", "StateClient", "sidecar_token"]
+
+#: The environment variable that holds the sidecar's bearer token (a Kubernetes Secret).
+TOKEN_ENV = "DLRM_SIDECAR_TOKEN"
+
+
+def sidecar_token(token_file: str | os.PathLike[str] | None) -> str | None:
+    """The sidecar's bearer token for a tool: ``DLRM_SIDECAR_TOKEN`` when set and not
+    blank, else the contents of ``token_file`` when it exists (``make up`` writes
+    ``.run/sidecar-token``), else None. Stripped."""
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    if env:
+        return env
+    if token_file is not None and Path(token_file).is_file():
+        return Path(token_file).read_text().strip()
+    return None
 
 
 class StateClient:
@@ -44,6 +61,22 @@ class StateClient:
     def put_state(self, desired: dict[str, Any]) -> httpx.Response:
         """``PUT /state`` as is (the caller reads the status: 202, 400, 409...)."""
         return httpx.put(f"{self.url}/state", json=desired, headers=self._auth(), timeout=30)
+
+    def tuner(self) -> dict[str, Any]:
+        """``GET /tuner``'s body (UpstreamUnavailable: no tuner answers there)."""
+        try:
+            r = httpx.get(f"{self.url}/tuner", timeout=self.timeout_s)
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise UpstreamUnavailable(f"GET {self.url}/tuner: {e}") from None
+        if r.status_code != 200 or not isinstance(body, dict):
+            raise UpstreamUnavailable(f"GET {self.url}/tuner answered {r.status_code}: "
+                                      f"{r.text[:300]}")
+        return body
+
+    def put_tuner(self, body: dict[str, Any]) -> httpx.Response:
+        """``PUT /tuner`` as is (``{"enabled": ...}`` and/or ``{"p99_goal_ms": ...}``)."""
+        return httpx.put(f"{self.url}/tuner", json=body, headers=self._auth(), timeout=30)
 
     def rollout_action(self, action: str) -> httpx.Response:
         """``POST /state/rollout/{promote|rollback}`` as is."""
