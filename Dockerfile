@@ -72,6 +72,9 @@ RUN set -eux; \
 COPY model_store/ /opt/dlrm/model/
 # Local defaults (loopback only); the pod mounts its own from k8s/configmap.yaml here.
 COPY config.properties /etc/dlrm/config.properties
+# TorchServe's logging: per-request lines off (log4j2.xml's header says why; the pod
+# mounts the same file from k8s/configmap.yaml here).
+COPY log4j2.xml /etc/dlrm/log4j2.xml
 # logs: TorchServe's log4j; model-store: TorchServe's (writable) model store, where the
 # sidecar puts the archives it registers (the pod mounts an emptyDir over it).
 RUN mkdir -p /opt/dlrm/logs /opt/dlrm/model-store \
@@ -87,4 +90,5 @@ ENTRYPOINT ["/usr/bin/tini", "-g", "--"]
 # run` starts both. One way to serve, the one the pod uses, rather than a second
 # image-only path that would load a model without the serving state.
 CMD ["torchserve", "--start", "--foreground", "--ts-config", "/etc/dlrm/config.properties", \
+     "--log-config", "/etc/dlrm/log4j2.xml", \
      "--model-store", "/opt/dlrm/model-store", "--disable-token-auth", "--ncs"]

@@ -482,6 +482,22 @@ def test_pod_config_is_the_repo_config_with_pinned_differences(docs):
     assert pod["enable_model_api"] == "true"
 
 
+def test_pod_log_config_is_the_repo_file_and_torchserve_reads_it(docs):
+    """The ConfigMap's log4j2.xml is the repo's byte for byte (per-request lines off), and
+    the torchserve container passes it as --log-config from where the ConfigMap is mounted."""
+    cm = one(docs, "ConfigMap", "dlrm-serve-torchserve")
+    assert cm["data"]["log4j2.xml"] == (REPO / "log4j2.xml").read_text(), \
+        "k8s/configmap.yaml's log4j2.xml drifted from the repo's log4j2.xml: copy it over"
+    ts = container(docs, "torchserve")
+    path = arg_value(ts["args"], "--log-config")
+    conf = arg_value(ts["args"], "--ts-config")
+    assert path.rsplit("/", 1)[0] == conf.rsplit("/", 1)[0]  # the same ConfigMap folder
+    mounts = {m["mountPath"]: m["name"] for m in ts["volumeMounts"]}
+    volume = mounts[path.rsplit("/", 1)[0]]
+    vols = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert vols[volume]["configMap"]["name"] == "dlrm-serve-torchserve"
+
+
 def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
     from serve.sidecar import app as sidecar
 

@@ -118,7 +118,8 @@ def test_torchserve_starts_without_models_unless_an_archive_is_named(tmp_path: P
     cmd = torchserve_command(cfg, tmp_path / "conf.properties")
     assert "--models" not in cmd
     assert cmd[1:] == ["--start", "--foreground", "--ncs", "--model-store",
-                       str(tmp_path / "model_store"), "--ts-config", str(tmp_path / "conf.properties")]
+                       str(tmp_path / "model_store"), "--log-config", str(REPO / "log4j2.xml"),
+                       "--ts-config", str(tmp_path / "conf.properties")]
     cmd = torchserve_command(_cfg(tmp_path, mar_name="test.mar"), tmp_path / "c")
     assert _flag(cmd, "--models") == ["dlrm=test.mar"]
     # without the sidecar nothing else would register a model: the fixtures' dlrm.mar
@@ -166,6 +167,14 @@ def test_start_refuses_before_anything_starts(store: Path, tmp_path: Path):
     with pytest.raises(ConfigError, match=r"no model version in .*empty/; run `make model`"):
         start(_cfg(tmp_path, model_store=empty))
     assert not (tmp_path / "run" / "torchserve").exists() and not (tmp_path / "logs").exists()
+
+
+def test_a_missing_log_config_is_refused_before_anything_starts(store: Path, tmp_path: Path):
+    cfg = _cfg(tmp_path, model_store=store, log_config=tmp_path / "nope.xml")
+    with pytest.raises(ConfigError, match=r"TorchServe log config .*nope\.xml does not exist: "
+                                          r"pass --log-config FILE"):
+        start(cfg)
+    assert not (tmp_path / "run" / "torchserve").exists()
 
 
 def test_readiness_timeout_points_at_the_sidecar(tmp_path: Path):

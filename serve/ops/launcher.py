@@ -110,6 +110,9 @@ class LaunchConfig:
     # Model repository folders the sidecar reads versions from (empty: model_store).
     repositories: tuple[Path, ...] = ()
     ts_config: Path = Path("config.properties")
+    # TorchServe's logging (torchserve --log-config): ours keeps per-request lines off the
+    # request path (DLRM_REQUEST_LOG=info brings them back); see the file's header.
+    log_config: Path = Path("log4j2.xml")
     run_dir: Path = Path(".run")
     log_dir: Path = Path("logs")
     sidecar: bool = True
@@ -308,7 +311,8 @@ def torchserve_command(cfg: LaunchConfig, conf: Path) -> list[str]:
     """
     torchserve = Path(sys.executable).parent / "torchserve"
     cmd = [str(torchserve) if torchserve.exists() else "torchserve", "--start", "--foreground",
-           "--ncs", "--model-store", str(cfg.path(cfg.model_store))]
+           "--ncs", "--model-store", str(cfg.path(cfg.model_store)),
+           "--log-config", str(cfg.path(cfg.log_config))]
     if cfg.startup_archive is not None:
         cmd += ["--models", f"{cfg.model_name}={cfg.startup_archive}"]
     return cmd + ["--ts-config", str(conf)]
@@ -332,6 +336,9 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     src = cfg.path(cfg.ts_config)
     if not src.is_file():
         raise ConfigError(f"TorchServe config {src} does not exist")
+    if not cfg.path(cfg.log_config).is_file():
+        raise ConfigError(f"TorchServe log config {cfg.path(cfg.log_config)} does not exist: "
+                          "pass --log-config FILE (the repo ships log4j2.xml)")
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise ConfigError("no Java runtime found; TorchServe needs Java 11+: run `make java`")
     store.mkdir(parents=True, exist_ok=True)  # the sidecar copies archives into it
@@ -815,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
                          "with --no-sidecar, default <model-name>.mar). Without it, TorchServe "
                          "starts empty and the sidecar registers the desired state's version")
     ap.add_argument("--ts-config", default="config.properties", help="TorchServe config to start from")
+    ap.add_argument("--log-config", default="log4j2.xml",
+                    help="TorchServe's log4j2 config (default: the repo's, per-request lines "
+                         "off; DLRM_REQUEST_LOG=info turns the access log on)")
     ap.add_argument("--no-sidecar", action="store_true", help="start TorchServe only")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
                     help="seconds to wait for the first answered predict (the artifact loads first)")
@@ -837,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_inference_port=_env_port("GRPC_INFERENCE_PORT", 7070),
         grpc_management_port=_env_port("GRPC_MANAGEMENT_PORT", 7071),
         model_store=Path(args.model_store), mar_name=args.mar, ts_config=Path(args.ts_config),
-        state_file=Path(args.state_file),
+        log_config=Path(args.log_config), state_file=Path(args.state_file),
         repositories=tuple(Path(d) for d in args.repository or ()),
         sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
         drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),
