@@ -84,6 +84,24 @@ def test_writer_then_scan_reads_back_every_record_exactly(tmp_path: Path) -> Non
         assert np.array_equal(a.scores, b.scores)  # bit for bit: float32 stored as is
 
 
+def test_a_record_is_the_documented_layout_byte_for_byte() -> None:
+    """b"DPL1" | u32 meta bytes | u32 n | compact JSON meta | float32 scores, little-endian,
+    for float32 (n,) scores and for the ones encode must convert (float64, 2-D, a view)."""
+    import json
+    import struct
+
+    rng = np.random.default_rng(7)
+    cases = [rng.random(3, dtype=np.float32), rng.random(4), rng.random((2, 2)).astype(np.float32),
+             rng.random(6, dtype=np.float32)[::2], np.empty(0, np.float32)]
+    for i, scores in enumerate(cases):
+        p = Prediction(f"req-{i}", "small-int8-s0", "candidate", 1_700_000_000.123456, scores)
+        meta = json.dumps({"id": p.request_id, "v": p.version, "a": p.arm, "t": 1_700_000_000.123},
+                          separators=(",", ":")).encode()
+        flat = np.asarray(scores, dtype="<f4").reshape(-1)
+        want = struct.pack("<4sII", b"DPL1", len(meta), flat.size) + meta + flat.tobytes()
+        assert encode(p) == want, i
+
+
 def test_scan_stops_at_a_partial_record_and_resumes_from_it(tmp_path: Path) -> None:
     rec = encode(_pred("a", 4, 0)) + encode(_pred("b", 4, 1))
     path = tmp_path / "0000000000001-1.dpl"
