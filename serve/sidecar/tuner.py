@@ -352,7 +352,8 @@ class Traffic:
 def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Setting]:
     """The settings a search measures, best guess first: the queueing seed
     (``fill x C / W``), a smaller batch (``smaller x`` it), and the seed with the other
-    delay (duplicates dropped)."""
+    delay (duplicates dropped; none with batch 1: a batch of one never waits, so its
+    delay changes nothing and a trial of it would only measure noise)."""
     m = max(traffic.instances_per_request, 1.0)
     c = traffic.concurrency if traffic.concurrency is not None else traffic.rate_rps * (
         (traffic.handler_p99_ms or 0.0) / 1000.0)
@@ -369,7 +370,7 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
     out: list[Setting] = []
     for s in (seed, Setting(batch(cfg.smaller * cfg.fill * per_worker), delay),
               Setting(seed.batch_size, other)):
-        if s not in out:
+        if s not in out and (s.batch_size > 1 or s == seed):
             out.append(s)
     return out
 
