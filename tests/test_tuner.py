@@ -197,10 +197,29 @@ def test_a_win_inside_the_noise_keeps_what_serves_else_the_seed():
     # ...and a clear win over the seed moves it: 4,700 is more than 15% over 4,000
     tuner.trials[2] = Trial(S(24, 5), replace(tuner.trials[2].traffic, instances_per_s=4700.0))
     assert tuner.best().setting == S(24, 5)
-    # the seed must meet the goal to be kept
+    # the seed must meet the goal (up to seed_margin over it: 69 ms) to be kept
     tuner.trials[2] = Trial(S(24, 5), replace(tuner.trials[2].traffic, instances_per_s=4100.0))
-    tuner.trials[1] = Trial(S(32, 5), replace(tuner.trials[1].traffic, p99_ms=61.0))
+    tuner.trials[1] = Trial(S(32, 5), replace(tuner.trials[1].traffic, p99_ms=70.0))
     assert tuner.best().setting == S(24, 5)
+
+
+def test_the_seed_gets_the_benefit_of_the_p99_estimates_doubt():
+    # measured: 2/2 (before the search) 40,423 inst/s at p99~59.9 ms, the seed 1/2 49,074
+    # at p99~60.6 ms; wrk then measured p99 96 ms for 2/2 and 52 ms for batch 1
+    tuner = BatchTuner(FAST)
+    ranking = Traffic(10, 970, 404230, 97, 40423, 415.0, 2.9, 20.0, 5.0, 59.9, 2.0)
+    tuner.seed = S(1, 2)
+    tuner.trials = [Trial(S(2, 2), ranking),
+                    Trial(S(1, 2), replace(ranking, instances_per_s=49074.0, p99_ms=60.6))]
+    assert tuner.best().setting == S(1, 2)
+    # ...up to seed_margin (15%) over the goal: at 70 ms (> 69) the seed is out
+    tuner.trials[1] = Trial(S(1, 2), replace(tuner.trials[1].traffic, p99_ms=70.0))
+    assert tuner.best().setting == S(2, 2)
+    # a neighbour gets no such doubt
+    tuner.seed = S(2, 2)
+    tuner.trials = [Trial(S(2, 2), replace(ranking, p99_ms=30.0)),
+                    Trial(S(1, 2), replace(ranking, instances_per_s=60000.0, p99_ms=60.6))]
+    assert tuner.best().setting == S(2, 2)
 
 
 def test_a_setting_over_the_goal_loses_even_when_faster():

@@ -139,10 +139,12 @@ class TunerConfig:
         serving, else the one from before the search) only when its instances/s is
         higher by more than this fraction.
     seed_margin: a neighbour displaces the seed only when its instances/s is higher by
-        more than this fraction. The seed is the queueing model's answer; the
-        neighbours check it, and one 3-s window of the same setting moved by 10-30% here
-        (measured: trials picked 24/5 and 22/5 over the seed and then served 9-19% below
-        static 32/5).
+        more than this fraction, and the seed counts as meeting the p99 goal up to this
+        fraction over it. The seed is the queueing model's answer; the neighbours check
+        it, and one window is noisy here: the same setting's instances/s moved by 10-30%
+        between 3-s windows (trials picked 24/5 and 22/5 over the seed and then served
+        9-19% below static 32/5), and the p99 estimate was 16% over wrk's p99 for batch 1
+        (60.6 vs 52 ms: the seed 1/2 was dropped for 2/2, whose real p99 was 96 ms).
     shape_change: a new search starts when instances per request or concurrency moved by
         more than this factor since the search that chose the serving setting.
     fill: the seed batch is ``fill x`` the requests queued per worker.
@@ -615,16 +617,21 @@ class BatchTuner:
 
     def best(self) -> Trial:
         """The search's winner among trials that meet the goal (when none does, among
-        all: overload): the highest instances/s, unless, in this order, the one serving
-        now (the last trial: no switch) is within ``hysteresis`` of it, the seed is within
-        ``seed_margin``, or the one that served before the search (the first) is within
-        ``hysteresis``."""
+        all: overload; the seed meets it up to ``seed_margin`` over it): the highest
+        instances/s, unless, in this order, the one serving now (the last trial: no
+        switch) is within ``hysteresis`` of it, the seed is within ``seed_margin``, or the
+        one that served before the search (the first) is within ``hysteresis``."""
         cfg = self.config
+        good = [t for t in self.trials if t.meets(cfg.p99_goal_ms)]
+        # The seed gets the benefit of the estimate's doubt (seed_margin over the goal).
+        seed = next((t for t in self.trials if t.setting == self.seed
+                     and t.meets(cfg.p99_goal_ms * (1 + cfg.seed_margin))), None)
+        if seed is not None and not any(seed is g for g in good):
+            good.append(seed)
         # None meets the goal (overload): still the most instances/s, which drains the
         # queue fastest; the p99 estimate of an overloaded window is mostly queueing.
-        good = [t for t in self.trials if t.meets(cfg.p99_goal_ms)] or self.trials
+        good = good or self.trials
         top = max(good, key=lambda t: t.traffic.instances_per_s)
-        seed = next((t for t in good if t.setting == self.seed), None)
         # A difference inside the noise is not worth a switch, nor worth leaving the
         # model's answer for (measured: the same setting moves 10-30% between windows).
         for t, margin in ((self.trials[-1], cfg.hysteresis), (seed, cfg.seed_margin),
