@@ -734,3 +734,30 @@ def test_put_state_with_a_new_batching_pins_it_and_the_tuner_can_resume(tmp_path
     assert bad.status_code == 400 and "enabled" in bad.json()["message"]
     assert on.status_code == 200 and on.json()["enabled"] is True
     assert st.json()["tuner"]["enabled"] is True
+
+
+def test_stop_task_ends_a_task_that_swallowed_its_first_cancel():
+    """A cancel lost inside a task must not hang the sidecar's shutdown (it once hung a
+    test's app lifespan): stop_task cancels again until the task has ended."""
+    from serve.sidecar.state import stop_task
+
+    swallowed = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:  # the second cancel ends it
+                    raise
+                swallowed.append(True)  # e.g. suppress(CancelledError) in a finally
+
+    async def go() -> asyncio.Task[None]:
+        task = asyncio.create_task(stubborn())
+        await asyncio.sleep(0)
+        await asyncio.wait_for(stop_task(task, retry_s=0.05), timeout=5)
+        return task
+
+    task = asyncio.run(go())
+    assert swallowed == [True] and task.cancelled()
+

@@ -438,9 +438,10 @@ class Reconciler:
             try:
                 check = await self.switch.switch(plan, observed)
             finally:
+                # gather, not suppress(CancelledError): a cancel of THIS task arriving
+                # here must propagate (suppressing it kept the reconciler looping).
                 sampler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sampler
+                await asyncio.gather(sampler, return_exceptions=True)
         except Exception as e:  # noqa: BLE001 - a bad archive fails this switch, not the loop
             error = _as_serve_error(e)
             if plan is None:  # plan() failed (e.g. no such version): the switch never began

@@ -8,7 +8,6 @@ build a state with a fake client and a fresh registry, or read it after requests
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +37,21 @@ from serve.sidecar.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.tuner import BatchTuner, Setting, counters_from
 
 _log = logging.getLogger(__name__)
+
+
+async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again every ``retry_s``.
+
+    A single cancel can be lost inside a task (Python 3.11's ``wait_for`` returning a
+    result that raced the cancel; a ``finally`` that awaits a cancelled child and
+    suppresses its CancelledError), and then a plain ``cancel(); await task`` waits
+    forever: a test's app lifespan once hung that way. What the task raised on its way
+    out, other than the cancellation, is logged."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry_s)
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
 
 __all__ = ["SidecarState", "StateDep", "get_state"]
 
@@ -284,9 +298,7 @@ class SidecarState:
             task = getattr(self, name)
             setattr(self, name, None)
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await stop_task(task)
 
     @property
     def torchserve(self) -> TorchServeClient:

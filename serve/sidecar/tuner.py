@@ -24,8 +24,8 @@ The model behind it (see README "Batching that tunes itself" for the measurement
    clearly), or the one from before the search is within ``hysteresis``; when no
    setting meets the goal, the most instances/s wins. The search
    costs ``3 x (switch + settle + window)``: ~45 s for single-instance traffic (its
-   windows close early: thousands of requests in 3 s), more for ranking traffic (full
-   10-s windows).
+   windows close early: thousands of requests in 3 s); ranking traffic of 100-700
+   instances (seed batch 1, no neighbours) needs one switch and a full 10-s window.
 3. **Dwell.** The winner is kept at least ``min_dwell_s``; a new search starts only when
    the traffic moves past the ``shape_change`` factor (instances per request or
    concurrency), and no two switches are closer than ``min_switch_interval_s``.
