@@ -38,6 +38,8 @@ from serve.sidecar.tuner import BatchTuner, Setting, counters_from
 
 _log = logging.getLogger(__name__)
 
+__all__ = ["SidecarState", "StateDep", "get_state"]
+
 
 async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
     """Cancel ``task`` and wait until it has ended, cancelling again every ``retry_s``.
@@ -45,15 +47,14 @@ async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
     A single cancel can be lost inside a task (Python 3.11's ``wait_for`` returning a
     result that raced the cancel; a ``finally`` that awaits a cancelled child and
     suppresses its CancelledError), and then a plain ``cancel(); await task`` waits
-    forever: a test's app lifespan once hung that way. What the task raised on its way
-    out, other than the cancellation, is logged."""
+    forever (a test's app lifespan once hung with an idle event loop; which task held it
+    was not found). What the task raised on its way out, other than the cancellation,
+    is logged."""
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=retry_s)
     if not task.cancelled() and task.exception() is not None:
         _log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
-
-__all__ = ["SidecarState", "StateDep", "get_state"]
 
 
 @dataclass
