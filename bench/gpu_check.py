@@ -104,13 +104,13 @@ def build_random_artifact(profile_name: str, device: torch.device, seed: int = 0
     p = get_profile(profile_name)
     g = torch.Generator(device=device).manual_seed(seed)
     tables = []
-    for name, feat, rows in zip(p.table_names, p.feature_names, p.cardinalities):
+    for name, rows in zip(p.table_names, p.cardinalities):
         parts = []
         for lo in range(0, rows, chunk_rows):
             n = min(chunk_rows, rows - lo)
             w = (torch.rand((n, p.embedding_dim), device=device, generator=g) - 0.5) * 0.1
             parts.append(quantize_rows_reference(w, "int8"))
-        tables.append(QuantTable(name, feat, rows, p.embedding_dim, "int8", torch.cat(parts)))
+        tables.append(QuantTable(name, rows, p.embedding_dim, "int8", torch.cat(parts)))
 
     def mlp(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -122,9 +122,9 @@ def build_random_artifact(profile_name: str, device: torch.device, seed: int = 0
 
     f = p.num_sparse
     over_in = p.embedding_dim + f * (f + 1) // 2
-    return Artifact(list(p.feature_names), NUM_DENSE, p.embedding_dim, "int8", tables,
-                    mlp([NUM_DENSE, *p.dense_arch]), mlp([over_in, *p.over_arch]),
-                    {"origin": "bench.gpu_check random"})
+    return Artifact.dlrm(list(p.feature_names), NUM_DENSE, "int8", tables,
+                         mlp([NUM_DENSE, *p.dense_arch]), mlp([over_in, *p.over_arch]),
+                         {"origin": "bench.gpu_check random"})
 
 
 def check_exactness(device: str, fixture: Path, mapped: bool = False) -> list[dict[str, Any]]:

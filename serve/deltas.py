@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from serve.errors import DeltaConflict, InvalidDelta, ServeError
+from serve.schema import ModelSchema
 
 __all__ = [
     "DELTA_MAGIC",
@@ -69,6 +70,7 @@ __all__ = [
     "decode_delta",
     "encode_delta",
     "layout_for_report",
+    "layout_for_schema",
 ]
 
 DELTA_MAGIC = b"DLRMDELTA1\n"
@@ -119,8 +121,10 @@ class Delta:
 
 @dataclass(frozen=True)
 class TableLayout:
-    """What a delta must fit: the model's features (table order), rows per table, dtype,
-    dim and row bytes (from the version's artifact or its profile)."""
+    """What a delta must fit: per table (schema order), the name a delta gives it (its
+    first feature: our built-in DLRM's one feature per table) and its rows; the one dtype,
+    dim and row bytes of every table ("mixed", 0, 0 when the tables differ: such models
+    take no deltas yet)."""
 
     feature_names: tuple[str, ...]
     table_rows: tuple[int, ...]
@@ -129,21 +133,33 @@ class TableLayout:
     row_bytes: int
 
 
-def layout_for_report(report: dict[str, Any]) -> TableLayout:
-    """The tables of a version from its build report (profile and quantized dtype).
-
-    Raises:
-        InvalidDelta: the report names no known profile or dtype (an old or foreign build).
-    """
-    from serve.profiles import get_profile
+def layout_for_schema(schema: ModelSchema) -> TableLayout:
+    """The delta layout of a model: a delta row of table t updates it for every feature
+    that reads t (a shared table is written once)."""
     from serve.rowformat import row_bytes
 
+    first: dict[str, str] = {}
+    for f in schema.features:
+        first.setdefault(f.table, f.name)
+    formats = {(t.dtype, t.dim) for t in schema.tables}
+    dtype, dim = formats.pop() if len(formats) == 1 else ("mixed", 0)
+    return TableLayout(tuple(first[t.name] for t in schema.tables),
+                       tuple(t.rows for t in schema.tables), dtype, dim,
+                       row_bytes(dtype, dim) if dim else 0)
+
+
+def layout_for_report(report: dict[str, Any]) -> TableLayout:
+    """The tables of a version from its build report (its schema, or for older builds
+    its profile and quantized dtype).
+
+    Raises:
+        InvalidDelta: the report gives no schema (an old or foreign build).
+    """
+    from serve.schema import schema_from_report
+
     try:
-        p = get_profile(str(report["profile"]))
-        dtype = str(report["quantized_dtype"])
-        return TableLayout(tuple(p.feature_names), tuple(p.cardinalities), dtype,
-                           p.embedding_dim, row_bytes(dtype, p.embedding_dim))
-    except (KeyError, ServeError) as e:
+        return layout_for_schema(schema_from_report(report))
+    except ServeError as e:
         raise InvalidDelta("base_version", f"version {report.get('version')!r} has no usable "
                                            f"build report ({e}); deltas need one") from e
 
@@ -268,6 +284,10 @@ def check_layout(delta: Delta, layout: TableLayout) -> None:
     Raises:
         InvalidDelta: naming the field and the rule.
     """
+    if layout.dtype == "mixed":
+        raise InvalidDelta("header.dtype", "this model's tables mix dtypes or dims; a delta "
+                                           "carries one row format, so deltas are not "
+                                           "supported for it yet: ship a new version")
     for key in ("dtype", "dim", "row_bytes"):
         if getattr(delta, key) != getattr(layout, key):
             raise InvalidDelta(f"header.{key}", f"{getattr(delta, key)!r} does not match the "

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve.errors import ConfigError, UnknownProfileError
+from serve.schema import DEFAULT_MAX_IDS, ModelSchema, criteo_schema
 
 __all__ = [
+    "BUILTIN_MAX_IDS",
     "CRITEO_KAGGLE_CARDINALITIES",
     "DENSE_FEATURES",
     "NUM_DENSE",
@@ -21,6 +23,8 @@ __all__ = [
 ]
 
 NUM_DENSE = 13
+#: Most ids per feature and instance that the built-in DLRM's requests may carry.
+BUILTIN_MAX_IDS = DEFAULT_MAX_IDS
 NUM_SPARSE = 26
 DENSE_FEATURES: tuple[str, ...] = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
 SPARSE_FEATURES: tuple[str, ...] = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
@@ -95,6 +99,11 @@ class Profile:
 
     def table_bytes_fp32(self) -> int:
         return self.total_rows * self.embedding_dim * 4
+
+    def schema(self, dtype: str = "int8", max_ids: int = BUILTIN_MAX_IDS) -> ModelSchema:
+        """The request schema and tables of this profile's DLRM stored as ``dtype``."""
+        return criteo_schema(self.feature_names, self.cardinalities, self.embedding_dim,
+                             dtype, NUM_DENSE, max_ids)
 
 
 PROFILES: dict[str, Profile] = {

@@ -184,9 +184,9 @@ def _check_seq(prev_art: Path, res, tiny_build) -> None:
     assert delta.rows == res.done["rows"] > 0
     assert res.path.stat().st_size == res.done["bytes"]
     for got, want in zip(_apply(old, delta), new.tables):
-        assert torch.equal(got, want.data), want.feature
+        assert torch.equal(got, want.data), want.name
     for name in ("dense_arch", "over_arch"):
-        for (wo, bo), (wn, bn) in zip(getattr(old, name), getattr(new, name)):
+        for (wo, bo), (wn, bn) in zip(getattr(old.dense, name), getattr(new.dense, name)):
             assert torch.equal(wo, wn) and torch.equal(bo, bn)
     touched = load_changed_rows(res.folder / "checkpoint")
     for t in delta.tables:

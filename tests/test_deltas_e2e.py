@@ -103,7 +103,7 @@ def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION) -> Delt
         ids = torch.unique(torch.cat([torch.arange(min(100, qt.rows)),
                                       torch.randint(0, qt.rows, (qt.rows // 4,), generator=g)]))
         w = (torch.rand((ids.numel(), art.embedding_dim), generator=g) - 0.5) * 2.0
-        tables.append(DeltaTable(qt.feature, t, ids.numpy().astype(np.int64),
+        tables.append(DeltaTable(art.table_feature(t), t, ids.numpy().astype(np.int64),
                                  quantize_rows_reference(w, art.dtype).numpy()))
     return Delta(base, sequence, time.time(), art.dtype, art.embedding_dim,
                  row_bytes(art.dtype, art.embedding_dim), tuple(tables))

@@ -55,7 +55,7 @@ def _delta(art: Artifact, seed: int, sequence: int = 1, tables: tuple[int, ...] 
                                       torch.randint(0, qt.rows, (n,), generator=g)]))
         w = (torch.rand((ids.numel(), art.embedding_dim), generator=g) - 0.5) * 0.5
         rows = quantize_rows_reference(w, art.dtype)
-        out.append(DeltaTable(qt.feature, t, ids.numpy().astype(np.int64), rows.numpy()))
+        out.append(DeltaTable(art.table_feature(t), t, ids.numpy().astype(np.int64), rows.numpy()))
     return Delta(VERSION, sequence, 1_800_000_000.0 + sequence, art.dtype, art.embedding_dim,
                  row_bytes(art.dtype, art.embedding_dim), tuple(out))
 

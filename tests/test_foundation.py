@@ -61,7 +61,7 @@ def test_torchrec_quantized_tables_convert_exactly(tmp_path, name, qdtype):
     art = artifact_from_quantized_dlrm(qmodel, name)
     save_artifact(art, tmp_path / "a.pt")
     back = load_artifact(tmp_path / "a.pt")
-    assert [t.feature for t in back.tables] == [f"C{i}" for i in range(1, 27)]
+    assert [back.table_feature(i) for i in range(len(back.tables))] == [f"C{i}" for i in range(1, 27)]
     assert back.dtype == name and len(back.tables) == profile.num_sparse
     # Sample b asks every table for row b % rows: B = the largest table covers every row.
     b = max(profile.cardinalities)
@@ -72,7 +72,7 @@ def test_torchrec_quantized_tables_convert_exactly(tmp_path, name, qdtype):
     ebc = model.sparse_arch.embedding_bag_collection
     for t in back.tables:
         assert t.dtype == name and tuple(t.data.shape) == (t.rows, row_bytes(name, t.dim)), t.name
-        theirs = looked_up[t.feature][: t.rows]
+        theirs = looked_up[t.name[2:]][: t.rows]
         assert theirs.dtype == torch.float32
         assert torch.equal(dequantize_rows(t.data, name, t.dim), theirs), t.name
         # Our reference quantizer (random tables on the GPU machine) follows FBGEMM's

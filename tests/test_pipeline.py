@@ -268,7 +268,7 @@ def test_a_second_seed_adds_a_second_version_with_other_weights(tiny_build, tiny
     assert repo.report("tiny-int8-s7")["build_fingerprint"] == s7.report["build_fingerprint"]
     # different weights
     a0, a7 = load_artifact(s0.artifact), load_artifact(s7.artifact)
-    assert not torch.equal(a0.dense_arch[0][0], a7.dense_arch[0][0])
+    assert not torch.equal(a0.dense.dense_arch[0][0], a7.dense.dense_arch[0][0])
     assert not torch.equal(a0.tables[0].data, a7.tables[0].data)
 
 

@@ -150,7 +150,7 @@ def _post_identity_delta(sidecar_url: str, token: str, artifact_path: Path, vers
     t = art.tables[0]
     row = t.data[:1].numpy().copy()
     delta = Delta(version, 1, time.time(), art.dtype, art.embedding_dim, row.shape[1],
-                  (DeltaTable(t.feature, 0, np.zeros(1, dtype=np.int64), row),))
+                  (DeltaTable(art.table_feature(0), 0, np.zeros(1, dtype=np.int64), row),))
     r = httpx.post(f"{sidecar_url}/embeddings/deltas", content=encode_delta(delta),
                    headers={"Authorization": f"Bearer {token}"}, timeout=60)
     assert r.status_code == 200 and r.json()["applied"], r.text

@@ -44,7 +44,8 @@ def test_artifacts_hold_the_merged_weights(tiny_build):
         step = (w.max(1).values - w.min(1).values) / 255
         assert ((back - w).abs().max(1).values <= step * 0.5 + 2e-3).all(), ft.name
     # The MLPs are carried over in fp32, identical in both.
-    for (wa, ba), (wb, bb) in zip(fart.dense_arch + fart.over_arch, qart.dense_arch + qart.over_arch):
+    for (wa, ba), (wb, bb) in zip(fart.dense.dense_arch + fart.dense.over_arch,
+                                      qart.dense.dense_arch + qart.dense.over_arch):
         assert torch.equal(wa, wb) and torch.equal(ba, bb)
 
 

@@ -20,13 +20,16 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from serve.errors import UpstreamUnavailable
+from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import RECONCILE_RESULTS, SidecarMetrics
+from serve.profiles import get_profile
 from serve.repository import ModelRepository
+from serve.schema import FeatureSpec, ModelSchema, TableSpec
 from serve.sidecar import reconciler as reconciler_module
 from serve.sidecar.app import DEFAULT_STATE_FILE, SidecarConfig, create_app
 from serve.sidecar.config import STATE_FILE_ENV
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.model_schema import SchemaCache, check_rollout_schema
 from serve.sidecar.reconciler import Reconciler, assess
 from serve.sidecar.switch import VersionSwitch
 from serve.sidecar.torchserve import Observed, TorchServeClient
@@ -421,7 +424,7 @@ def test_status_shape(tmp_path, repo, state_file):
         "desired": {"model": {"version": "small-s0"},
                     "batching": {"batch_size": 8, "max_batch_delay_ms": 50},
                     "workers": 1, "rollout": None},
-        "observed": {"model": {"version": "1.0"},
+        "observed": {"model": {"version": "1.0", "schema": None},
                      "batching": {"batch_size": 8, "max_batch_delay_ms": 50},
                      "workers": 1, "candidate": None, "serving_version": "1.0",
                      "ready_workers": 1, "pending_requests": 0,
@@ -437,7 +440,7 @@ def test_status_shape(tmp_path, repo, state_file):
     after = w.status()
     assert after["converged"] is True and after["reason"] is None
     assert after["observed"] == {
-        "model": {"version": "small-s0"},
+        "model": {"version": "small-s0", "schema": None},
         "batching": {"batch_size": 8, "max_batch_delay_ms": 50}, "workers": 1,
         "candidate": None, "serving_version": "small-s0_b8d50w1", "ready_workers": 1,
         "pending_requests": 0, "registered_versions": ["small-s0_b8d50w1"]}
@@ -761,3 +764,155 @@ def test_stop_task_ends_a_task_that_swallowed_its_first_cancel():
     task = asyncio.run(go())
     assert swallowed == [True] and task.cancelled()
 
+
+
+# ------------------------------------------------------------------ model schemas
+
+#: An imported model's schema: 2 dense, two features reading one table.
+OWN = ModelSchema(dense=2, tables=(TableSpec("t_item", rows=1000, dim=16),),
+                  features=(FeatureSpec("item_id", "t_item", 1),
+                            FeatureSpec("history", "t_item", 20)))
+#: The same requests, another table layout (rows, dim, dtype, pooling).
+OWN_RESIZED = ModelSchema(dense=2, tables=(TableSpec("t_item", 5000, 32, "mean", "fp16"),),
+                          features=OWN.features)
+#: Other requests: a third dense feature and one more sparse feature.
+OWN_WIDER = ModelSchema(dense=3, tables=OWN.tables + (TableSpec("t_user", 10, 8),),
+                        features=OWN.features + (FeatureSpec("user_id", "t_user", 1),))
+
+
+@pytest.fixture
+def schema_repo(tmp_path: Path) -> ModelRepository:
+    """Versions with every kind of report: a built-in build (profile + dtype), imports
+    recording their schema, and a report with neither."""
+    root = tmp_path / "schema-repo"
+    repo = ModelRepository([root])
+    root.mkdir(parents=True)
+    reports = {"tiny-s0": {"profile": "tiny", "quantized_dtype": "int8"},
+               "own-a": {"schema": OWN.to_dict()},
+               "own-b": {"schema": OWN_RESIZED.to_dict()},
+               "own-c": {"schema": OWN_WIDER.to_dict()},
+               "plain": {}}
+    for i, (version, report) in enumerate(reports.items()):
+        src = toy_mar(root / f".src-{version}.mar", version=version)
+        repo.add(version, src, {"created_at": f"2026-01-01T00:00:{i:02d}Z",
+                                "version": version, **report})
+        src.unlink()
+    return repo
+
+
+def test_get_state_shows_the_served_versions_schema(tmp_path, schema_repo):
+    ts = FakeTorchServe(tmp_path / "store")
+    state_file = tmp_path / "state.yaml"
+    write_state(state_file, desired("own-a"))
+    own, _, builtin, _, plain = requests(
+        make_app(ts, schema_repo, state_file), ("WAIT", "", None),
+        ("PUT", "/state", {"model": {"version": "tiny-s0"}}), ("WAIT", "", None),
+        ("PUT", "/state", {"model": {"version": "plain"}}), ("WAIT", "", None))
+    model = own.json()["observed"]["model"]
+    assert model == {"version": "own-a", "schema": {"dense": 2, "sparse": [
+        {"name": "item_id", "table": "t_item", "rows": 1000, "dim": 16, "pooling": "sum",
+         "max_ids": 1},
+        {"name": "history", "table": "t_item", "rows": 1000, "dim": 16, "pooling": "sum",
+         "max_ids": 20}]}}
+    model = builtin.json()["observed"]["model"]
+    assert model["version"] == "tiny-s0"
+    schema = model["schema"]  # derived from the report's profile and quantized_dtype
+    assert schema == get_profile("tiny").schema("int8").describe()
+    assert schema["dense"] == 13 and len(schema["sparse"]) == 26
+    assert schema["sparse"][0] == {"name": "C1", "table": "t_C1", "rows": 500, "dim": 16,
+                                   "pooling": "sum", "max_ids": 64}
+    assert plain.status_code == 200
+    assert plain.json()["observed"]["model"] == {"version": "plain", "schema": None}
+
+
+def test_the_schema_is_read_once_per_version_from_the_injected_reader(tmp_path, repo,
+                                                                     state_file):
+    reads: list[str] = []
+    reports = {"small-s0": {"schema": OWN.to_dict()}, "small-s1": {"profile": "nope"}}
+
+    def report_of(version: str) -> dict[str, Any]:
+        reads.append(version)
+        return reports[version]  # KeyError: no report
+
+    ts = FakeTorchServe(tmp_path / "store")
+    w = World(ts, repo, state_file)
+    w.rec.schemas = SchemaCache(report_of)
+    assert w.status()["observed"]["model"] == {"version": "1.0", "schema": None}
+    assert w.status()["observed"]["model"]["schema"] is None
+    assert reads == ["1.0", "1.0"]  # no report: not remembered (it may be written later)
+    w.tick()
+    for _ in range(3):
+        assert w.status()["observed"]["model"] == {"version": "small-s0",
+                                                   "schema": OWN.describe()}
+    assert reads.count("small-s0") == 1  # reports are immutable: read and parsed once
+    cache = w.rec.schemas
+    assert cache.schema("small-s1") is None and cache.schema("small-s1") is None
+    assert reads.count("small-s1") == 1  # underivable: a fact of an immutable report
+
+
+@pytest.mark.parametrize("stable, candidate, differences", [
+    ("own-a", "own-c", ["dense features: 2 vs 3",
+                        "sparse features only in the second: ['user_id']"]),
+    ("tiny-s0", "own-a", ["dense features: 13 vs 2"]),
+])
+def test_a_rollout_to_another_request_schema_is_409_and_changes_nothing(
+        tmp_path, schema_repo, stable, candidate, differences):
+    ts = FakeTorchServe(tmp_path / "store")
+    state_file = tmp_path / "state.yaml"
+    write_state(state_file, desired(stable))
+    before = state_file.read_text()
+    body = {"model": {"version": stable},
+            "rollout": {"candidate": candidate, "weight": 0.1}}
+    put, get = requests(make_app(ts, schema_repo, state_file), ("PUT", "/state", body),
+                        ("GET", "/state", None))
+    assert put.status_code == 409, put.text
+    answer = put.json()
+    assert (answer["code"], answer["type"]) == (409, "Conflict")
+    message = answer["message"]
+    assert message.startswith(f"rollout.candidate: {candidate!r} takes other requests than "
+                              f"the stable version {stable!r} (")
+    for difference in differences:
+        assert difference in message
+    assert message.endswith("import the candidate with the same features, or switch the "
+                            "version with PUT /state instead of a rollout (model.version "
+                            "set to the candidate, rollout null)")
+    assert state_file.read_text() == before
+    assert get.json()["desired"]["rollout"] is None
+    assert get.json()["desired"]["model"] == {"version": stable}
+
+
+def test_a_rollout_to_the_same_requests_with_other_tables_is_accepted(tmp_path, schema_repo):
+    ts = FakeTorchServe(tmp_path / "store")
+    state_file = tmp_path / "state.yaml"
+    write_state(state_file, desired("own-a"))
+    body = {"model": {"version": "own-a"}, "rollout": {"candidate": "own-b", "weight": 0.1}}
+    [put] = requests(make_app(ts, schema_repo, state_file), ("PUT", "/state", body))
+    assert put.status_code == 202, put.text
+    assert yaml.safe_load(state_file.read_text())["rollout"]["candidate"] == "own-b"
+
+
+def test_the_rollout_check_skips_versions_without_a_schema():
+    reports: dict[str, dict[str, Any]] = {"a": {"schema": OWN.to_dict()}, "b": {},
+                                          "c": {"schema": OWN_WIDER.to_dict()}}
+    schemas = SchemaCache(reports.__getitem__)
+    check_rollout_schema(schemas, "a", "b")        # b's schema is unknown: not compared
+    check_rollout_schema(schemas, "a", "missing")  # no report
+    check_rollout_schema(schemas, "a", "a")
+    with pytest.raises(Conflict, match=r"dense features: 2 vs 3"):
+        check_rollout_schema(schemas, "a", "c")
+    with pytest.raises(Conflict, match=r"sparse features only in the first: \['user_id'\]"):
+        check_rollout_schema(schemas, "c", "a")
+
+
+@pytest.mark.parametrize("error", [OSError("gone"), ValueError("bad JSON"),
+                                   TypeError("a list, not an object")])
+def test_an_unreadable_report_shows_no_schema_and_is_read_again(error):
+    reads: list[str] = []
+
+    def report_of(version: str) -> dict[str, Any]:
+        reads.append(version)
+        raise error
+
+    cache = SchemaCache(report_of)
+    assert cache.describe("v") is None and cache.describe("v") is None
+    assert reads == ["v", "v"]

@@ -177,6 +177,8 @@ def test_openapi_docs_are_served(dead_app):
     assert put_state["schema"]["$ref"] == "#/components/schemas/DesiredState"
     assert "DesiredState" in spec["components"]["schemas"]
     assert spec["components"]["schemas"]["BatchingUpdate"]["additionalProperties"] is False
+    observed_model = spec["components"]["schemas"]["ObservedModel"]["properties"]
+    assert observed_model["schema"]["anyOf"][0] == {"$ref": "#/components/schemas/RequestSchema"}
 
 
 def test_unexpected_error_is_a_json_500_and_is_counted(tmp_path):
@@ -347,7 +349,8 @@ def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
         assert r.status_code == 202, r.text
         assert r.json()["converged"] is False
         changed = wait_converged(sidecar.url)
-        assert changed["observed"]["model"] == {"version": other}
+        # Its report (above) has neither a schema nor a profile to derive one from.
+        assert changed["observed"]["model"] == {"version": other, "schema": None}
         assert changed["available_versions"] == [SESSION_VERSION, other]
         assert changed["last_switch"]["from"] == observed["serving_version"]
         count = len(load.answers) + load.failed
@@ -369,7 +372,7 @@ def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
         assert all(v == other for v in versions[last_old + 1:])
         assert versions[-1] == other
     assert restored.status_code == 202
-    assert back["observed"]["model"] == {"version": SESSION_VERSION}
+    assert back["observed"]["model"]["version"] == SESSION_VERSION
 
 
 @pytest.mark.integration

@@ -128,9 +128,9 @@ def test_checkpoint_of_another_shape_is_refused(ckpt_copy, tmp_path):
     plan = json.loads((ckpt_copy / PLAN_FILE).read_text())
     plan["profile"] = "small"  # lie about the profile: the tensor shapes still tell
     (ckpt_copy / PLAN_FILE).write_text(json.dumps(plan))
-    with pytest.raises(CheckpointError, match=r"does not match the model: missing "
+    with pytest.raises(CheckpointError, match=r"does not match the model: missing keys "
                                               r"\['dense_arch\.model\._mlp\.2\._linear\.bias', .*\], "
-                                              r"unexpected \[\]; it was written for another model"):
+                                              r"unexpected keys \[\]; it was written for another model"):
         merge_checkpoint(ckpt_copy, get_profile("small"), tmp_path / "m.pt")
 
 

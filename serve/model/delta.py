@@ -203,7 +203,8 @@ def diff_artifacts(old: Any, new: Any) -> list[tuple[int, str, np.ndarray, np.nd
                          f"({old.dtype}, dim {old.embedding_dim}, {len(old.tables)} tables); "
                          "a delta needs the same model layout: build a new version instead")
     for name in ("dense_arch", "over_arch"):
-        for i, ((wo, bo), (wn, bn)) in enumerate(zip(getattr(old, name), getattr(new, name))):
+        for i, ((wo, bo), (wn, bn)) in enumerate(zip(getattr(old.dense, name),
+                                                     getattr(new.dense, name))):
             if not (torch.equal(wo, wn) and torch.equal(bo, bn)):
                 raise ServeError(f"{name} layer {i} changed in continued training; deltas carry "
                                  "embedding rows only: train with sparse_only (--sparse-only) "
@@ -211,12 +212,12 @@ def diff_artifacts(old: Any, new: Any) -> list[tuple[int, str, np.ndarray, np.nd
     out = []
     for ti, (to, tn) in enumerate(zip(old.tables, new.tables)):
         if to.data.shape != tn.data.shape:
-            raise ServeError(f"table {tn.feature} is {tuple(tn.data.shape)} in the new artifact, "
+            raise ServeError(f"table {tn.name} is {tuple(tn.data.shape)} in the new artifact, "
                              f"{tuple(to.data.shape)} in the previous one; build a new version")
         changed = (to.data != tn.data).any(dim=1)
         ids = torch.nonzero(changed).flatten().to(torch.int64)
         if ids.numel():
-            out.append((ti, tn.feature, ids.numpy().copy(),
+            out.append((ti, new.table_feature(ti), ids.numpy().copy(),
                         tn.data.index_select(0, ids).numpy().copy()))
     return out
 

@@ -1,25 +1,229 @@
-"""Export a trained TorchRec DLRM into the serving artifact format (build side only).
+"""A TorchRec model into the serving artifact (build side only; the pod never imports it).
 
 The runtime (:mod:`serve.runtime.artifact`) defines the format and reads it; this module
-reads TorchRec modules (duck-typed: ``sparse_arch.embedding_bag_collection``, FBGEMM TBEs)
-and writes it, so the pod never needs TorchRec or this module.
+reads TorchRec modules and writes it:
+
+* :func:`model_schema`: the request schema from the model's ``EmbeddingBagCollection``
+  modules (every one found, in ``named_modules`` order; in each, its tables in config
+  order and each table's features in order: the order of the KeyedTensor it returns);
+* :func:`quantize_for_serving`: TorchRec's own ``quantize_inference_model`` with each
+  table's dtype, on a copy;
+* :func:`tables_from_quantized`: the quantized rows of every table, read from the FBGEMM
+  TBEs by table name (TBEs group tables by dtype, so their order is not the config's);
+* :func:`export_dense`: the model after pooling as a ``torch.export`` program, made by
+  swapping each collection for a stub that returns its slice of a pooled input;
+* :func:`dlrm_dense`: TorchRec ``DLRM``'s layers as plain weights (the runtime's own fast
+  :class:`serve.runtime.dense.DenseDLRM`).
+
+Shapes: B batch, N dense features, F sparse features, D_f the dim of feature f's table.
 """
 from __future__ import annotations
 
+import copy
+import io
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-from serve.errors import ArtifactError
+from serve.errors import ArtifactError, ConfigError
 from serve.runtime.artifact import (
     _SCALE_BIAS_BYTES,
     Artifact,
+    DLRMDense,
+    ExportedDense,
     QuantTable,
     quantize_rows_reference,
     row_bytes,
 )
+from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
 
-__all__ = ["artifact_from_float_dlrm", "artifact_from_quantized_dlrm"]
+__all__ = ["TORCH_DTYPES", "artifact_from_float_dlrm", "artifact_from_quantized_dlrm",
+           "collections", "dlrm_dense", "export_dense", "is_torchrec_dlrm", "model_schema",
+           "pooled_reference", "quantize_for_serving", "tables_from_quantized"]
+
+#: Our table dtypes as ``quantize_inference_model`` takes them (per table).
+TORCH_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint4x2,
+                                        "fp16": torch.float16, "fp32": torch.float32}
+#: Largest batch the exported program is traced for (its batch dimension is symbolic).
+MAX_EXPORT_BATCH = 1 << 20
+
+
+def collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every embedding-bag collection of ``model`` (float or quantized), in
+    ``named_modules`` order, as (qualified name, module)."""
+    return [(n, m) for n, m in model.named_modules()
+            if n and callable(getattr(m, "embedding_bag_configs", None))]
+
+
+def _pooling(cfg: Any) -> str:
+    name = getattr(cfg.pooling, "name", str(cfg.pooling)).lower()
+    if name not in ("sum", "mean"):
+        raise ConfigError(f"table {cfg.name}: pooling {name!r} is not served; the contract "
+                          "takes sum or mean pooling")
+    return name
+
+
+def model_schema(model: nn.Module, num_dense: int, *, dtype: str = "int8",
+                 table_dtypes: Mapping[str, str] | None = None,
+                 max_ids: Mapping[str, int] | None = None,
+                 default_max_ids: int = DEFAULT_MAX_IDS) -> ModelSchema:
+    """The schema of a TorchRec model: its collections' tables and features.
+
+    Args:
+        num_dense: N, dense features the model's forward takes.
+        dtype: the stored dtype of every table not named in ``table_dtypes``.
+        max_ids: most ids per instance, per feature (others: ``default_max_ids``).
+    Raises:
+        ConfigError: no collection, an unknown table or feature named in the options, a
+            pooling other than sum/mean, names that clash.
+    """
+    table_dtypes = dict(table_dtypes or {})
+    max_ids = dict(max_ids or {})
+    found = collections(model)
+    if not found:
+        seq = [n for n, m in model.named_modules() if type(m).__name__ == "EmbeddingCollection"]
+        raise ConfigError("the model has no torchrec EmbeddingBagCollection"
+                          + (f" (sequence EmbeddingCollection at {seq} is out of scope)"
+                             if seq else "") + "; the contract keeps embeddings in "
+                          "EmbeddingBagCollection modules")
+    tables: list[TableSpec] = []
+    features: list[FeatureSpec] = []
+    for _, ebc in found:
+        for cfg in ebc.embedding_bag_configs():
+            tables.append(TableSpec(cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim),
+                                    _pooling(cfg), table_dtypes.pop(cfg.name, dtype)))
+            features.extend(FeatureSpec(f, cfg.name, int(max_ids.pop(f, default_max_ids)))
+                            for f in cfg.feature_names)
+    if table_dtypes:
+        raise ConfigError(f"--table-dtype names tables {sorted(table_dtypes)} that the model "
+                          f"does not have; its tables: {[t.name for t in tables]}")
+    if max_ids:
+        raise ConfigError(f"max ids are given for features {sorted(max_ids)} that the model "
+                          f"does not have; its features: {[f.name for f in features]}")
+    return ModelSchema(num_dense, tuple(tables), tuple(features))
+
+
+def quantize_for_serving(model: nn.Module, schema: ModelSchema) -> nn.Module:
+    """TorchRec's ``quantize_inference_model`` on a deep copy, each table in its dtype."""
+    from torchrec.inference.modules import quantize_inference_model
+
+    per_table = {t.name: TORCH_DTYPES[t.dtype] for t in schema.tables}
+    q = quantize_inference_model(copy.deepcopy(model), per_table_weight_dtype=per_table)
+    return q.eval()
+
+
+def tables_from_quantized(qmodel: nn.Module, schema: ModelSchema) -> list[QuantTable]:
+    """Each table's rows in our row format, read from its FBGEMM TBE (FBGEMM's layout:
+    scale/bias kept apart by ``split_embedding_weights``, rows padded: padding dropped)."""
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for _, qebc in collections(qmodel):
+        for tbe in getattr(qebc, "_emb_modules", []):
+            names = [spec[0] for spec in tbe.embedding_specs]
+            for name, (w, sb, *_) in zip(names, tbe.split_embedding_weights()):
+                weights[name] = (w, sb)
+    out: list[QuantTable] = []
+    for spec in schema.tables:
+        if spec.name not in weights:
+            raise ArtifactError(f"table {spec.name}: not found in the quantized model's TBEs "
+                                f"({sorted(weights)})")
+        w, sb = weights[spec.name]
+        dim, dtype = spec.dim, spec.dtype
+        rows = torch.zeros((spec.rows, row_bytes(dtype, dim)), dtype=torch.uint8)
+        if dtype in ("fp16", "fp32"):
+            width = (2 if dtype == "fp16" else 4) * dim
+            rows[:, :width] = w[:, :width]
+        else:
+            if sb is None:
+                raise ArtifactError(f"table {spec.name}: no scale/bias in {dtype} weights")
+            rows[:, :_SCALE_BIAS_BYTES] = sb[:, :_SCALE_BIAS_BYTES]
+            width = dim if dtype == "int8" else dim // 2
+            rows[:, _SCALE_BIAS_BYTES : _SCALE_BIAS_BYTES + width] = w[:, :width]
+        out.append(QuantTable(spec.name, spec.rows, dim, dtype, rows))
+    return out
+
+
+class _PooledStub(nn.Module):
+    """Stands in for one collection in the exported program: returns a KeyedTensor of its
+    features over ``pooled`` (B, sum of its features' dims), set just before the call."""
+
+    def __init__(self, keys: list[str], dims: list[int]) -> None:
+        super().__init__()
+        self.keys_ = keys
+        self.dims = dims
+        self.pooled: torch.Tensor | None = None
+
+    def forward(self, features: Any) -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        return KeyedTensor(keys=self.keys_, length_per_key=self.dims, values=self.pooled)
+
+
+class _AfterPooling(nn.Module):
+    """``forward(dense (B, N), pooled (B, sum_f D_f)) -> logits (B,)``: the model with each
+    collection replaced by a :class:`_PooledStub` over its slice of ``pooled``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self._slices: list[tuple[_PooledStub, int, int]] = []
+        lo = 0
+        for name, ebc in collections(model):
+            keys: list[str] = []
+            dims: list[int] = []
+            for cfg in ebc.embedding_bag_configs():
+                keys.extend(cfg.feature_names)
+                dims.extend([int(cfg.embedding_dim)] * len(cfg.feature_names))
+            stub = _PooledStub(keys, dims)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, stub)
+            self._slices.append((stub, lo, lo + sum(dims)))
+            lo += sum(dims)
+        self.width = lo
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        for stub, a, b in self._slices:
+            stub.pooled = pooled[:, a:b]
+        return self.model(dense, None).reshape(-1)
+
+
+def export_dense(model: nn.Module, schema: ModelSchema) -> ExportedDense:
+    """The model after pooling as serialized ``torch.export`` bytes, batch dim symbolic.
+
+    Raises:
+        ConfigError: the model cannot be traced this way, typically because its forward
+            reads the KeyedJaggedTensor outside its collections (it receives None here).
+    """
+    after = _AfterPooling(copy.deepcopy(model)).eval()
+    if after.width != schema.pooled_dim:
+        raise ArtifactError(f"the collections pool {after.width} values per sample, the "
+                            f"schema {schema.pooled_dim}")
+    batch = torch.export.Dim("B", min=1, max=MAX_EXPORT_BATCH)
+    example = (torch.zeros(2, schema.dense), torch.zeros(2, schema.pooled_dim))
+    try:
+        with torch.no_grad():
+            program = torch.export.export(after, example, dynamic_shapes=({0: batch}, {0: batch}),
+                                          strict=False)
+    except Exception as e:
+        raise ConfigError(
+            f"the model's layers after pooling do not export with torch.export "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the contract: "
+            "forward(dense (B, N) float32, sparse KeyedJaggedTensor) uses the "
+            "KeyedJaggedTensor only through its EmbeddingBagCollection modules, and "
+            "returns logits (B,) or (B, 1)") from e
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return ExportedDense(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+
+
+def is_torchrec_dlrm(model: nn.Module) -> bool:
+    """Exactly TorchRec's plain ``DLRM`` (not a subclass such as ``DLRM_DCN``)."""
+    try:
+        from torchrec.models.dlrm import DLRM
+    except ImportError:  # pragma: no cover - the build always has TorchRec
+        return False
+    return type(model) is DLRM
 
 
 def _mlp_layers(state: dict[str, torch.Tensor], prefix: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -34,46 +238,30 @@ def _mlp_layers(state: dict[str, torch.Tensor], prefix: str) -> list[tuple[torch
             for w in weights]
 
 
-def _dense_layers(model: torch.nn.Module) -> tuple[list, list]:
+def dlrm_dense(model: nn.Module) -> DLRMDense:
+    """TorchRec ``DLRM``'s bottom and top MLPs as plain fp32 weights."""
     state = model.state_dict()
-    return _mlp_layers(state, "dense_arch."), _mlp_layers(state, "over_arch.")
+    return DLRMDense(_mlp_layers(state, "dense_arch."), _mlp_layers(state, "over_arch."))
 
 
-_TORCH_QDTYPE = {"int8": "INT8", "int4": "INT4", "fp16": "FP16"}
+def pooled_reference(model: nn.Module, kjt: Any) -> torch.Tensor:
+    """(B, sum_f D_f): each collection's pooled output, in schema order (for checks)."""
+    return torch.cat([ebc(kjt).values() for _, ebc in collections(model)], dim=1)
 
 
 def artifact_from_quantized_dlrm(qmodel: Any, dtype: str,
                                  meta: dict[str, Any] | None = None) -> Artifact:
-    """Convert a DLRM quantized by ``torchrec.inference.modules.quantize_inference_model``.
-
-    Reads each table through the TBE's ``split_embedding_weights`` (FBGEMM layout:
-    scale/bias first, then data, then padding) and drops the padding.
-    """
-    if dtype not in _TORCH_QDTYPE:
-        raise ArtifactError(f"quantized dtype {dtype!r} not in {tuple(_TORCH_QDTYPE)}")
-    qebc = qmodel.sparse_arch.embedding_bag_collection
-    configs = qebc.embedding_bag_configs()
-    split: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for tbe in qebc._emb_modules:  # one TBE per (dtype, device) group; tables in config order
-        split.extend((w, sb) for w, sb, *_ in tbe.split_embedding_weights())
-    if len(split) != len(configs):
-        raise ArtifactError(f"{len(split)} quantized tables for {len(configs)} configs")
-    tables: list[QuantTable] = []
-    for cfg, (w, sb) in zip(configs, split):
-        dim, rows = cfg.embedding_dim, cfg.num_embeddings
-        out = torch.zeros((rows, row_bytes(dtype, dim)), dtype=torch.uint8)
-        if dtype == "fp16":
-            out[:, : 2 * dim] = w[:, : 2 * dim]
-        else:
-            if sb is None:
-                raise ArtifactError(f"table {cfg.name}: no scale/bias in {dtype} weights")
-            out[:, :_SCALE_BIAS_BYTES] = sb[:, :_SCALE_BIAS_BYTES]
-            width = dim if dtype == "int8" else dim // 2
-            out[:, _SCALE_BIAS_BYTES : _SCALE_BIAS_BYTES + width] = w[:, :width]
-        tables.append(QuantTable(cfg.name, cfg.feature_names[0], rows, dim, dtype, out))
-    dense, over = _dense_layers(qmodel)
-    return Artifact([t.feature for t in tables], dense[0][0].shape[1], tables[0].dim, dtype,
-                    tables, dense, over, dict(meta or {}))
+    """Our built-in DLRM quantized by ``quantize_inference_model``: one table per feature."""
+    if dtype not in TORCH_DTYPES:
+        raise ArtifactError(f"quantized dtype {dtype!r} not in {tuple(TORCH_DTYPES)}")
+    configs = qmodel.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    dense = dlrm_dense(qmodel)
+    schema = ModelSchema(
+        int(dense.dense_arch[0][0].shape[1]),
+        tuple(TableSpec(c.name, c.num_embeddings, c.embedding_dim, "sum", dtype) for c in configs),
+        tuple(FeatureSpec(c.feature_names[0], c.name, DEFAULT_MAX_IDS) for c in configs))
+    tables = tables_from_quantized(qmodel, schema)
+    return Artifact(schema, tables, dense, dict(meta or {}))
 
 
 def artifact_from_float_dlrm(model: Any, meta: dict[str, Any] | None = None,
@@ -83,8 +271,9 @@ def artifact_from_float_dlrm(model: Any, meta: dict[str, Any] | None = None,
     tables = []
     for cfg in ebc.embedding_bag_configs():
         w = ebc.embedding_bags[cfg.name].weight.detach().float().cpu()
-        tables.append(QuantTable(cfg.name, cfg.feature_names[0], cfg.num_embeddings,
-                                 cfg.embedding_dim, dtype, quantize_rows_reference(w, dtype)))
-    dense, over = _dense_layers(model)
-    return Artifact([t.feature for t in tables], dense[0][0].shape[1], tables[0].dim, dtype,
-                    tables, dense, over, dict(meta or {}))
+        tables.append(QuantTable(cfg.name, cfg.num_embeddings, cfg.embedding_dim, dtype,
+                                 quantize_rows_reference(w, dtype)))
+    dense = dlrm_dense(model)
+    feats = [c.feature_names[0] for c in ebc.embedding_bag_configs()]
+    return Artifact.dlrm(feats, dense.dense_arch[0][0].shape[1], dtype, tables,
+                         dense.dense_arch, dense.over_arch, dict(meta or {}))

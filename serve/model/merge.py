@@ -39,6 +39,7 @@ __all__ = [
     "MERGED_FORMAT",
     "MergeResult",
     "check_checkpoint",
+    "load_dcp_into",
     "load_merged",
     "main",
     "merge_checkpoint",
@@ -135,7 +136,8 @@ def _find_corrupt_shard(ckpt: Path) -> tuple[str, str] | None:
     return None
 
 
-def _load_into(model: torch.nn.Module, ckpt: Path) -> None:
+def load_dcp_into(model: torch.nn.Module, ckpt: Path,
+                  hint: str = "re-train with this profile") -> None:
     """Read every shard of ``ckpt`` into ``model``'s own tensors, in this one process.
 
     ``torch.distributed.checkpoint.load`` without a process group runs single-process
@@ -157,12 +159,12 @@ def _load_into(model: torch.nn.Module, ckpt: Path) -> None:
     missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint {ckpt} does not match the model: missing {missing[:3]}, unexpected "
-            f"{unexpected[:3]}; it was written for another model; re-train with this profile")
+            f"checkpoint {ckpt} does not match the model: missing keys {missing[:3]}, "
+            f"unexpected keys {unexpected[:3]}; it was written for another model; {hint}")
     for k, t in state.items():
         if tuple(saved[k].size) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {ckpt}: {k} has shape {tuple(saved[k].size)}, the "
-                                  f"model needs {tuple(t.shape)}; re-train with this profile")
+                                  f"model needs {tuple(t.shape)}; {hint}")
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
@@ -202,7 +204,7 @@ def merge_checkpoint(ckpt: str | os.PathLike, profile: Profile, out: str | os.Pa
     # Built on CPU, not meta + to_empty: DLRM has non-persistent buffers (the interaction's
     # triu indices) that no checkpoint holds, so they must be initialised for real.
     model = build_dlrm(profile, device="cpu")
-    _load_into(model, ckpt)
+    load_dcp_into(model, ckpt)
     outputs_file = ckpt / OUTPUTS_FILE
     if not outputs_file.is_file():
         raise CheckpointError(f"checkpoint outputs {outputs_file} are missing; cannot prove the "

@@ -97,7 +97,7 @@ log = logging.getLogger(__name__)
 STEPS = ("data", "train", "merge", "quantize", "archive")
 REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerprint", "archive",
                "mar_batch_size", "mar_max_batch_delay_ms", "mar_workers", "profile",
-               "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype", "baseline",
+               "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype", "baseline", "schema",
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
@@ -107,7 +107,7 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "train": ("model/train.py", "model/dlrm.py", "model/data.py", "profiles.py"),
     "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
     "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py",
-                 "quality.py", "model/merge.py"),
+                 "quality.py", "model/merge.py", "model/importer.py", "schema.py"),
     "archive": ("model/archive.py", "model/pipeline.py", "api/protocol.py",
                 "../handlers/dlrm_handler.py"),
 }
@@ -405,6 +405,9 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         # The served (int8) model on the held-out rows: what the pod's predicted-CTR and
         # calibration metrics are compared with (dlrm_baseline_*; serve.quality).
         "baseline": qres.get("baseline"),
+        # The request schema and tables (serve.schema), and the import check's result.
+        "schema": qres.get("schema"),
+        "check": {"max_abs_diff": qres.get("check_max_abs_diff")},
         "table_bytes_fp32": qres["table_bytes_fp32"],
         "table_bytes_quantized": qres["table_bytes_quantized"],
         "num_parameters": mres["num_parameters"],

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from serve.clilog import setup_cli_logging
-from serve.errors import ConfigError, QualityError, ServeError
+from serve.errors import ArtifactError, ConfigError, QualityError, ServeError
 from serve.model.auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
 from serve.quality import summarize
@@ -74,6 +74,9 @@ class QuantizeResult:
     # (rows, observed/predicted CTR, calibration ratio, AUC, score bins): the version's
     # baseline that the pod's online metrics are compared with.
     baseline: dict | None = None
+    # The import check (serve.model.importer.check_artifact) and the model's schema.
+    check_max_abs_diff: float | None = None
+    schema: dict | None = None
 
 
 def float_artifact_path(out: str | os.PathLike) -> Path:
@@ -150,6 +153,7 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     The quantized artifact is written only if it passes the quality bar.
     """
     from serve.model.export import artifact_from_float_dlrm, artifact_from_quantized_dlrm
+    from serve.model.importer import DEFAULT_TOLERANCE, check_artifact
     from serve.model.merge import load_merged
     from serve.runtime.artifact import save_artifact
 
@@ -176,12 +180,19 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     baseline = summarize(labels_q, scores_q)
     auc_q = roc_auc(labels_q, scores_q)
     art = artifact_from_quantized_dlrm(qmodel, dtype, meta={**base_meta, f"auc_{dtype}": auc_q})
+    # The importer's check (serve.model.importer): our runtime against TorchRec's quantized
+    # forward on a generated batch (multi-hot, empty bags, every table's last row).
+    check = check_artifact(art, qmodel, batch=64, seed=0, tolerance=DEFAULT_TOLERANCE)
+    if not check.passed:
+        raise ArtifactError(f"the runtime's probabilities differ from TorchRec's quantized "
+                            f"forward by {check.max_abs_diff:.3g} > {check.tolerance:g}")
     res = QuantizeResult(
         artifact=os.fspath(out), float_artifact=os.fspath(fpath) if float_artifact else None,
         quantized_dtype=dtype, auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
         table_bytes_fp32=profile.table_bytes_fp32(), table_bytes_quantized=art.table_bytes,
         table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel), num_parameters=nparams,
-        seconds=round(time.perf_counter() - t0, 3), baseline=baseline.to_dict())
+        seconds=round(time.perf_counter() - t0, 3), baseline=baseline.to_dict(),
+        check_max_abs_diff=check.max_abs_diff, schema=art.schema.to_dict())
     Path(f"{out}.json").write_text(json.dumps(asdict(res), indent=2))
     if check and dtype == "int8" and auc_q < auc_fp32 - max_auc_drop:
         raise QualityError(f"int8 AUC {auc_q:.5f} is below fp32 AUC {auc_fp32:.5f} - "

@@ -12,7 +12,19 @@ its 16-byte padding, rounded up to a multiple of 4 bytes so rows can be viewed a
     fp16 : [D x fp16]
     fp32 : [D x fp32]   (the unquantized reference)
 
-File: ``torch.save`` of a dict, format version ``FORMAT_VERSION``.
+File: ``torch.save`` of a dict, format version ``FORMAT_VERSION`` (2):
+
+    {"format_version": 2, "schema": ModelSchema.to_dict(),
+     "tables": [{"name", "data": uint8 (rows, row_bytes)}, ...]   (schema.tables order),
+     "dense": {"kind": "dlrm", "dense_arch", "over_arch"}          (our built-in DLRM)
+            | {"kind": "export", "program": uint8 (n,)}            (torch.export bytes),
+     "meta": {...}}
+
+Why ``torch.export`` for the dense part of other models: it records the user's layers
+after pooling as a graph of ATen operators that ``torch.export.load`` runs with stock
+PyTorch (no TorchRec, no user code in the pod), with the batch dimension symbolic;
+TorchScript would need the user's modules to be scriptable, which TorchRec's are not
+throughout. Format 1 (one table per feature, one dim, DLRM layers, no schema) still loads.
 """
 from __future__ import annotations
 
@@ -22,14 +34,19 @@ from typing import Any
 
 import torch
 
-from serve.errors import ArtifactError
+from serve.errors import ArtifactError, ConfigError
 from serve.rowformat import DTYPES, row_bytes
 from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
+from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
 
 __all__ = [
     "DTYPES",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "Artifact",
+    "DLRMDense",
+    "DenseSpec",
+    "ExportedDense",
     "QuantTable",
     "dequantize_rows",
     "load_artifact",
@@ -38,7 +55,9 @@ __all__ = [
     "save_artifact",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats this runtime reads: 1 (the built-in DLRM only, before schemas) and 2.
+READ_VERSIONS = (1, 2)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: str, dim: int) -> torch.Tensor:
@@ -92,7 +111,6 @@ class QuantTable:
     """One embedding table: ``data`` is uint8 (rows, row_bytes(dtype, dim))."""
 
     name: str
-    feature: str
     rows: int
     dim: int
     dtype: str
@@ -111,46 +129,161 @@ class QuantTable:
 
 
 @dataclass
-class Artifact:
-    """Everything the runtime needs to serve one DLRM.
+class DLRMDense:
+    """TorchRec ``DLRM``'s layers after pooling, as fp32 (weight (out, in), bias (out,))
+    Linear layers: every layer of ``dense_arch`` and all but the last of ``over_arch`` are
+    followed by ReLU, and the interaction is the upper triangle (offset 1) of the
+    (F+1) x (F+1) dot products of [dense_embedding, sparse_embeddings...]
+    (:class:`serve.runtime.dense.DenseDLRM`). Needs one dim D for every feature."""
 
-    ``dense_arch`` / ``over_arch`` are lists of (weight (out, in), bias (out,)) fp32
-    Linear layers; every layer but the last of ``over_arch`` is followed by ReLU
-    (TorchRec's DLRM), and the DLRM interaction is the upper triangle (offset 1) of
-    the (F+1) x (F+1) dot products of [dense_embedding, sparse_embeddings...].
-    """
-
-    feature_names: list[str]
-    num_dense: int
-    embedding_dim: int
-    dtype: str
-    tables: list[QuantTable]
     dense_arch: list[tuple[torch.Tensor, torch.Tensor]]
     over_arch: list[tuple[torch.Tensor, torch.Tensor]]
+
+    kind = "dlrm"
+
+
+@dataclass
+class ExportedDense:
+    """Any model's layers after pooling, as a ``torch.export`` program (serialized bytes,
+    uint8 (n,)): ``forward(dense (B, N) float32, pooled (B, sum_f D_f) float32) -> logits
+    (B,)``, where ``pooled`` holds each feature's pooled embedding in schema order. It
+    loads and runs with ``torch`` alone (no TorchRec), for any batch size B."""
+
+    program: torch.Tensor
+
+    kind = "export"
+
+
+DenseSpec = DLRMDense | ExportedDense
+
+
+@dataclass
+class Artifact:
+    """Everything the runtime needs to serve one model.
+
+    Attributes:
+        schema: the request schema and the tables' layout (:class:`serve.schema.ModelSchema`).
+        tables: the quantized rows of each table, in ``schema.tables`` order.
+        dense: the model after pooling (:class:`DLRMDense` or :class:`ExportedDense`).
+        meta: free-form build information (version, profile, ...).
+    """
+
+    schema: ModelSchema
+    tables: list[QuantTable]
+    dense: DenseSpec
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        specs = self.schema.tables
+        if len(specs) != len(self.tables):
+            raise ArtifactError(f"the schema has {len(specs)} tables, the artifact "
+                                f"{len(self.tables)}; they must match one to one")
+        for spec, t in zip(specs, self.tables):
+            if (spec.name, spec.rows, spec.dim, spec.dtype) != (t.name, t.rows, t.dim, t.dtype):
+                raise ArtifactError(
+                    f"table {t.name} ({t.rows} x {t.dim} {t.dtype}) does not match the "
+                    f"schema's {spec.name} ({spec.rows} x {spec.dim} {spec.dtype})")
+        if isinstance(self.dense, DLRMDense):
+            dims = {t.dim for t in self.tables}
+            if len(dims) != 1:
+                raise ArtifactError(f"a DLRM dense part needs one embedding dim, the tables "
+                                    f"have {sorted(dims)}")
+
+    @classmethod
+    def dlrm(cls, feature_names: list[str], num_dense: int, dtype: str,
+             tables: list[QuantTable], dense_arch: list[tuple[torch.Tensor, torch.Tensor]],
+             over_arch: list[tuple[torch.Tensor, torch.Tensor]],
+             meta: dict[str, Any] | None = None, max_ids: int = DEFAULT_MAX_IDS) -> Artifact:
+        """Our built-in DLRM: table ``i`` is read by feature ``feature_names[i]`` alone,
+        sum-pooled."""
+        if len(feature_names) != len(tables):
+            raise ArtifactError(f"{len(feature_names)} features for {len(tables)} tables; "
+                                "the built-in DLRM has one table per feature")
+        schema = ModelSchema(
+            num_dense,
+            tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype) for t in tables),
+            tuple(FeatureSpec(f, t.name, max_ids) for f, t in zip(feature_names, tables)))
+        del dtype  # every table states its own
+        return cls(schema, tables, DLRMDense(dense_arch, over_arch), dict(meta or {}))
+
+    # -- views ---------------------------------------------------------------------------
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.schema.feature_names)
+
+    @property
+    def num_dense(self) -> int:
+        return self.schema.dense
+
+    @property
+    def dtype(self) -> str:
+        """The tables' dtype, or "mixed"."""
+        dtypes = {t.dtype for t in self.tables}
+        return dtypes.pop() if len(dtypes) == 1 else "mixed"
+
+    @property
+    def embedding_dim(self) -> int:
+        """The tables' dim, or 0 when they differ."""
+        dims = {t.dim for t in self.tables}
+        return dims.pop() if len(dims) == 1 else 0
 
     @property
     def table_bytes(self) -> int:
         return sum(t.nbytes for t in self.tables)
 
+    def table_feature(self, table: int) -> str:
+        """The first feature (request order) that reads table ``table``: the name deltas
+        carry for it (our built-in DLRM: the table's one feature)."""
+        name = self.schema.tables[table].name
+        return next(f.name for f in self.schema.features if f.table == name)
+
 
 def save_artifact(art: Artifact, path: str | os.PathLike) -> None:
-    """Write atomically (tmp file + rename) so a reader never sees half a file."""
+    """Write format ``FORMAT_VERSION`` atomically (tmp file + rename): a reader never sees
+    half a file."""
+    if isinstance(art.dense, DLRMDense):
+        dense: dict[str, Any] = {"kind": "dlrm", "dense_arch": art.dense.dense_arch,
+                                 "over_arch": art.dense.over_arch}
+    else:
+        dense = {"kind": "export", "program": art.dense.program}
     blob = {
         "format_version": FORMAT_VERSION,
-        "feature_names": art.feature_names, "num_dense": art.num_dense,
-        "embedding_dim": art.embedding_dim, "dtype": art.dtype,
-        "tables": [{"name": t.name, "feature": t.feature, "rows": t.rows, "dim": t.dim,
-                    "dtype": t.dtype, "data": t.data} for t in art.tables],
-        "dense_arch": art.dense_arch, "over_arch": art.over_arch, "meta": art.meta,
+        "schema": art.schema.to_dict(),
+        "tables": [{"name": t.name, "data": t.data} for t in art.tables],
+        "dense": dense, "meta": art.meta,
     }
     tmp = f"{os.fspath(path)}.tmp"
     torch.save(blob, tmp)
     os.replace(tmp, path)
 
 
+def _from_v1(blob: dict[str, Any]) -> Artifact:
+    """Format 1: one table per feature (``feature`` key), one dim and dtype, DLRM layers."""
+    tables = [QuantTable(t["name"], int(t["rows"]), int(t["dim"]), str(t["dtype"]), t["data"])
+              for t in blob["tables"]]
+    return Artifact.dlrm([str(t["feature"]) for t in blob["tables"]], int(blob["num_dense"]),
+                         str(blob["dtype"]), tables, [tuple(x) for x in blob["dense_arch"]],
+                         [tuple(x) for x in blob["over_arch"]], dict(blob["meta"]))
+
+
+def _from_v2(blob: dict[str, Any]) -> Artifact:
+    schema = ModelSchema.from_dict(blob["schema"])
+    data = {t["name"]: t["data"] for t in blob["tables"]}
+    tables = [QuantTable(s.name, s.rows, s.dim, s.dtype, data[s.name]) for s in schema.tables]
+    d = blob["dense"]
+    dense: DenseSpec
+    if d["kind"] == "dlrm":
+        dense = DLRMDense([tuple(x) for x in d["dense_arch"]], [tuple(x) for x in d["over_arch"]])
+    elif d["kind"] == "export":
+        dense = ExportedDense(d["program"])
+    else:
+        raise ArtifactError(f"dense kind {d['kind']!r} is not 'dlrm' or 'export'")
+    return Artifact(schema, tables, dense, dict(blob["meta"]))
+
+
 def load_artifact(path: str | os.PathLike, mmap: bool = True) -> Artifact:
-    """Read an artifact; ``mmap=True`` maps the tables instead of copying them in."""
+    """Read an artifact of format 1 or 2; ``mmap=True`` maps the tables instead of copying
+    them in."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ArtifactError(f"artifact {path} does not exist; build it with `make model`")
@@ -159,15 +292,14 @@ def load_artifact(path: str | os.PathLike, mmap: bool = True) -> Artifact:
     except Exception as e:
         raise ArtifactError(f"artifact {path} is unreadable ({type(e).__name__}: {e}); "
                             "rebuild it with `make model`") from e
-    if not isinstance(blob, dict) or blob.get("format_version") != FORMAT_VERSION:
-        got = blob.get("format_version") if isinstance(blob, dict) else type(blob).__name__
-        raise ArtifactError(f"artifact {path} has format version {got!r}; this runtime reads "
-                            f"version {FORMAT_VERSION}; rebuild it with `make model`")
+    version = blob.get("format_version") if isinstance(blob, dict) else type(blob).__name__
+    if version not in READ_VERSIONS:
+        raise ArtifactError(f"artifact {path} has format version {version!r}; this runtime "
+                            f"reads versions {list(READ_VERSIONS)}; rebuild it with "
+                            "`make model` or re-import it")
     try:
-        tables = [QuantTable(**t) for t in blob["tables"]]
-        return Artifact(list(blob["feature_names"]), int(blob["num_dense"]),
-                        int(blob["embedding_dim"]), str(blob["dtype"]), tables,
-                        [tuple(x) for x in blob["dense_arch"]],
-                        [tuple(x) for x in blob["over_arch"]], dict(blob["meta"]))
+        return _from_v1(blob) if version == 1 else _from_v2(blob)
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"artifact {path} is missing field {e}; rebuild it with `make model`") from e
+    except ConfigError as e:
+        raise ArtifactError(f"artifact {path}: {e.message}") from e

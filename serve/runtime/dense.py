@@ -1,4 +1,9 @@
-"""The dense part of a DLRM in plain PyTorch, numerically as TorchRec's ``DLRM``.
+"""The dense part of a model (everything after pooling) in plain PyTorch.
+
+Two kinds (:mod:`serve.runtime.artifact`): our built-in DLRM, numerically as TorchRec's
+``DLRM`` (:class:`DenseDLRM`, written out so that the precision levers and CUDA graphs
+apply), and any other model's layers as a ``torch.export`` program
+(:class:`ExportedDenseModule`).
 
 Shapes: B batch, F sparse features, D embedding dim, N dense features.
 
@@ -9,12 +14,14 @@ upper triangle with offset 1, concatenated after the dense embedding.
 """
 from __future__ import annotations
 
+import io
+
 import torch
 from torch import nn
 
 from serve.errors import ConfigError
 
-__all__ = ["PRECISIONS", "DenseDLRM", "convert_precision"]
+__all__ = ["PRECISIONS", "DenseDLRM", "ExportedDenseModule", "convert_precision"]
 
 # "fp32" is exact against TorchRec; the others are lossy and opt-in (see RuntimeConfig).
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -57,12 +64,32 @@ class DenseDLRM(nn.Module):
                               f"F={num_sparse} give {want}; the artifact is inconsistent")
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """dense (B, N) float32, sparse (B, F, D) float32 -> logits (B,) float32."""
+        """dense (B, N) float32, sparse (B, F, D) (or (B, F*D)) float32 -> logits (B,) float32."""
         x = self.dense_arch(dense)                                     # (B, D)
+        if sparse.dim() == 2:
+            sparse = sparse.view(sparse.shape[0], self.num_sparse, -1)
         combined = torch.cat((x.unsqueeze(1), sparse.to(x.dtype)), 1)  # (B, F+1, D)
         inter = torch.bmm(combined, combined.transpose(1, 2))          # (B, F+1, F+1)
         flat = inter.flatten(1).index_select(1, self.triu_flat)        # (B, F(F+1)/2)
         return self.over_arch(torch.cat((x, flat), 1)).squeeze(1).float()
+
+
+class ExportedDenseModule(nn.Module):
+    """Any model's layers after pooling, from its ``torch.export`` program bytes
+    (:class:`serve.runtime.artifact.ExportedDense`), loaded with stock PyTorch.
+
+    ``forward(dense (B, N), pooled (B, sum_f D_f) or (B, F, D)) -> logits (B,)``.
+    """
+
+    def __init__(self, program: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        ep = torch.export.load(io.BytesIO(program.numpy().tobytes()))
+        self.program = ep.module().to(device)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if pooled.dim() == 3:
+            pooled = pooled.reshape(pooled.shape[0], -1)
+        return self.program(dense, pooled).reshape(-1).float()
 
 
 def convert_precision(model: DenseDLRM, precision: str, device: torch.device) -> nn.Module:

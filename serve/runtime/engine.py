@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
-from serve.runtime.artifact import Artifact, dequantize_rows, load_artifact
+from serve.rowformat import row_bytes
+from serve.runtime.artifact import Artifact, DLRMDense, dequantize_rows, load_artifact
 from serve.runtime.cache import (
     MISS_PATHS,
     POLICIES,
@@ -58,8 +59,9 @@ from serve.runtime.cache import (
     page_exclusive_empty,
     resolve_decay_every,
 )
-from serve.runtime.dense import PRECISIONS, DenseDLRM, convert_precision
+from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, convert_precision
 from serve.runtime.shared import SharedTables
+from serve.schema import ModelSchema
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
            "RuntimeStats", "SparseBatch"]
@@ -203,24 +205,53 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _check_tables(artifact: Artifact) -> None:
-    """The runtime serves one embedding dim and one row format across all tables."""
     if not artifact.tables:
         raise ArtifactError("artifact has no embedding tables")
-    dims = {t.dim for t in artifact.tables}
-    dtypes = {t.dtype for t in artifact.tables}
-    if len(dims) != 1 or len(dtypes) != 1:
-        raise ArtifactError(f"tables mix dims {sorted(dims)} / dtypes {sorted(dtypes)}; "
-                            "the runtime needs one dim and one dtype")
+
+
+@dataclass
+class _Group:
+    """Features whose tables share a row format (dtype, dim) and a pooling: embedded by one
+    gather, one dequantization and one pooling. A model of one dim, dtype and pooling (our
+    built-in DLRM) is one group of every feature, in order.
+
+    Tensors on the runtime's device unless ``_h``; F_g = len(features).
+    """
+
+    features: tuple[int, ...]       # feature indices, request order
+    dtype: str
+    dim: int
+    mode: str                       # "sum" | "mean" (F.embedding_bag's mode)
+    rows_d: torch.Tensor            # int64 (F_g,) rows of each feature's table
+    offsets_d: torch.Tensor         # int64 (F_g,) global row of each feature's table
+    ids_d: torch.Tensor             # arange(F_g)
+    features_d: torch.Tensor        # int64 (F_g,) = features (for per-feature counters)
+    rows_h: torch.Tensor            # int64 (F_g, 1) on the host
+    scratch: torch.Tensor | None = None
 
 
 def _concat_rows(tables: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the tables, one after the other, into ``out`` (R, row_bytes) and return it:
-    one copy per table straight into its destination, no intermediate."""
+    one copy per table straight into its destination, no intermediate. A table of narrower
+    rows (another dim or dtype) fills the first bytes of its rows; the rest stays zero."""
     lo = 0
     for t in tables:
-        out[lo : lo + t.shape[0]].copy_(t)
+        dst = out[lo : lo + t.shape[0]]
+        if t.shape[1] < out.shape[1]:
+            dst[:, t.shape[1]:].zero_()
+            dst = dst[:, : t.shape[1]]
+        dst.copy_(t)
         lo += t.shape[0]
     return out
+
+
+def _widen(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tables of mixed row widths as tables of the widest rows (zero-padded copies of the
+    narrower ones; tables already that wide are passed through, not copied)."""
+    rb = max(int(t.shape[1]) for t in tables)
+    return [t if t.shape[1] == rb else _concat_rows([t], torch.empty((t.shape[0], rb),
+                                                                     dtype=torch.uint8))
+            for t in tables]
 
 
 def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
@@ -267,45 +298,78 @@ class Runtime:
     def _setup(self, artifact: Artifact, config: RuntimeConfig,
                shared: SharedTables | None) -> None:
         """Tables or cache, and the dense part, on ``self.device`` (under its guard)."""
+        self.schema: ModelSchema = artifact.schema
         self.feature_names: list[str] = list(artifact.feature_names)
         self.num_dense: int = artifact.num_dense
+        #: The tables' one dim and dtype, or 0 and "mixed" (then see ``schema.tables``).
         self.dim = artifact.embedding_dim
-        self.dtype = artifact.tables[0].dtype
+        self.dtype = artifact.dtype
+        #: Rows per table (``schema.tables`` order); a table may serve several features.
         self.table_rows = [t.rows for t in artifact.tables]
         self.total_rows = sum(self.table_rows)
         offsets = [0]
         for r in self.table_rows[:-1]:
             offsets.append(offsets[-1] + r)
-        dev = self.device
-        self._rows_d = torch.tensor(self.table_rows, dtype=torch.int64, device=dev)
-        self._offsets_d = torch.tensor(offsets, dtype=torch.int64, device=dev)
-        self._feature_ids_d = torch.arange(len(self.table_rows), device=dev)
-        self._wrapped_d = torch.zeros(len(self.table_rows), dtype=torch.int64, device=dev)
-        # The CUDA-graph path counts wrapped ids on the host (the graph wraps them itself).
-        self._rows_h = torch.tensor(self.table_rows, dtype=torch.int64).unsqueeze(1)
-        self._wrapped_h = torch.zeros(len(self.table_rows), dtype=torch.int64)
         self._offsets = offsets
+        dev = self.device
+        ftab = self.schema.feature_tables
+        #: Rows of each feature's table (request order).
+        self.feature_rows = [self.table_rows[t] for t in ftab]
+        self._groups = self._make_groups(ftab, offsets)
+        self._single = len(self._groups) == 1
+        nf = len(self.feature_names)
+        self._wrapped_d = torch.zeros(nf, dtype=torch.int64, device=dev)
+        # The CUDA-graph path (one group) counts wrapped ids on the host (the graph wraps
+        # them itself); it also uses the one group's per-feature rows and offsets.
+        self._wrapped_h = torch.zeros(nf, dtype=torch.int64)
+        g0 = self._groups[0]
+        self._rows_d, self._offsets_d, self._rows_h = g0.rows_d, g0.offsets_d, g0.rows_h
         self.cache: EmbeddingCache | None
         self.table: torch.Tensor | None
         self.cache, self.table = self._place_rows(artifact, config, shared)
 
-        dense = DenseDLRM(artifact.dense_arch, artifact.over_arch, len(self.feature_names))
-        dense = dense.to(dev).eval()
         self._dense_dtype = torch.bfloat16 if config.dense_precision == "bf16" else torch.float32
-        self.dense: torch.nn.Module = convert_precision(dense, config.dense_precision, dev)
+        self.dense: torch.nn.Module
+        if isinstance(artifact.dense, DLRMDense):
+            dense = DenseDLRM(artifact.dense.dense_arch, artifact.dense.over_arch, nf)
+            self.dense = convert_precision(dense.to(dev).eval(), config.dense_precision, dev)
+        else:
+            if config.dense_precision != "fp32":
+                raise ConfigError(f"dense_precision {config.dense_precision!r} applies to the "
+                                  "built-in DLRM only; this model's dense part is an exported "
+                                  "program: serve it with 'fp32'")
+            self.dense = ExportedDenseModule(artifact.dense.program, dev)
         if config.compile:
             self.dense = torch.compile(self.dense, dynamic=True)  # type: ignore[assignment]
         self._graphs: dict[int, tuple] = {}
         self._capture_stream: torch.cuda.Stream | None = None
-        self._scratch: torch.Tensor | None = None
         self._lookups = self._hits = 0
         self._stage = {s: 0.0 for s in STAGES}
         self._forwards = self._samples = 0
-        log.info("runtime on %s: %d tables, %d rows, %s rows of %d bytes; %s",
-                 dev, len(self.table_rows), self.total_rows, self.dtype,
-                 artifact.tables[0].data.shape[1],
+        log.info("runtime on %s: %d tables, %d features, %d rows, %s rows of %d bytes; %s",
+                 dev, len(self.table_rows), nf, self.total_rows, self.dtype,
+                 max(t.data.shape[1] for t in artifact.tables),
                  f"cache {self.cache.capacity} slots ({config.cache_policy})" if self.cache
                  else "no cache")
+
+    def _make_groups(self, ftab: tuple[int, ...], offsets: list[int]) -> list[_Group]:
+        """One :class:`_Group` per (dtype, dim, pooling), in order of first feature."""
+        keyed: dict[tuple[str, int, str], list[int]] = {}
+        for f, t in enumerate(ftab):
+            spec = self.schema.tables[t]
+            keyed.setdefault((spec.dtype, spec.dim, spec.pooling), []).append(f)
+        dev = self.device
+        groups = []
+        for (dtype, dim, pooling), feats in keyed.items():
+            rows = [self.table_rows[ftab[f]] for f in feats]
+            groups.append(_Group(
+                tuple(feats), dtype, dim, pooling,
+                torch.tensor(rows, dtype=torch.int64, device=dev),
+                torch.tensor([offsets[ftab[f]] for f in feats], dtype=torch.int64, device=dev),
+                torch.arange(len(feats), device=dev),
+                torch.tensor(feats, dtype=torch.int64, device=dev),
+                torch.tensor(rows, dtype=torch.int64).unsqueeze(1)))
+        return groups
 
     def _place_rows(self, artifact: Artifact, config: RuntimeConfig, shared: SharedTables | None
                     ) -> tuple[EmbeddingCache | None, torch.Tensor | None]:
@@ -315,9 +379,10 @@ class Runtime:
         The tables (memory-mapped when loaded from a file) are copied once, straight into
         the memory that serves them: the device table, or the host table in memory of its
         own pages that the cache page-locks in place (exactly its bytes, no second copy).
+        Tables of different row widths are stored at the widest (narrower rows padded).
         """
         tables = [t.data for t in artifact.tables]
-        rb = tables[0].shape[1]
+        rb = max(int(t.shape[1]) for t in tables)
         cap = capacity_for(self.total_rows, rb, load_factor=config.cache_load_factor,
                            cache_bytes=config.cache_bytes)
         use_cache = (config.cache_on_cpu if self.device.type == "cpu"
@@ -325,9 +390,10 @@ class Runtime:
         if not use_cache and self.device.type == "cpu" and shared is not None:
             # One copy for every worker of the pod (serve.runtime.shared).
             self.shared = shared
-            return None, shared.open(tables)
+            return None, shared.open(_widen(tables))
         if not use_cache:
-            if self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous():
+            if (self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous()
+                    and tables[0].shape[1] == rb):
                 return None, tables[0]
             return None, _concat_rows(tables, torch.empty((self.total_rows, rb),
                                                           dtype=torch.uint8, device=self.device))
@@ -363,9 +429,11 @@ class Runtime:
         the copies resident on the device, so the next predict is exact.
 
         Args:
-            table: index in ``feature_names`` order.
+            table: index in ``schema.tables`` order (every feature reading the table sees
+                the new rows).
             ids: int64 (n,) unique row ids in 0..rows-1 of that table.
-            rows: uint8 (n, row_bytes) in the artifact's row format.
+            rows: uint8 (n, row_bytes(dtype, dim)) in the table's row format (or already
+                padded to the stored width, the widest table's, when tables differ).
 
         Not thread-safe, like predict: call it between batches. With a shared table, the
         caller holds its write lock (serve.runtime.follower does).
@@ -376,12 +444,18 @@ class Runtime:
         if n == 0:
             return
         rb = self.row_bytes
-        if tuple(rows.shape) != (n, rb) or rows.dtype != torch.uint8:
-            raise ConfigError(f"rows must be uint8 ({n}, {rb}), got {rows.dtype} "
+        spec = self.schema.tables[table]
+        own = row_bytes(spec.dtype, spec.dim)
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n \
+                or rows.shape[1] not in (own, rb):
+            raise ConfigError(f"rows must be uint8 ({n}, {own}) (table {spec.name}: "
+                              f"{spec.dtype}, dim {spec.dim}), got {rows.dtype} "
                               f"{tuple(rows.shape)}")
+        if rows.shape[1] != rb:   # stored at the widest table's width, zero-padded
+            rows = torch.cat((rows, torch.zeros((n, rb - own), dtype=torch.uint8)), dim=1)
         if int(ids.min()) < 0 or int(ids.max()) >= self.table_rows[table]:
             raise ConfigError(f"ids must be in 0..{self.table_rows[table] - 1} for table "
-                              f"{self.feature_names[table]}")
+                              f"{self.schema.tables[table].name}")
         g = ids.to(torch.int64) + self._offsets[table]
         with device_guard(self.device):
             if self.cache is not None:
@@ -430,13 +504,13 @@ class Runtime:
             f, s = divmod(seg, b)
             raise InvalidInput(f"sparse feature {self.feature_names[f]}: id {int(values[first])} "
                                f"(sample {s}) is negative; ids must be integers >= 0 (ids >= "
-                               f"the table's {self.table_rows[f]} rows wrap modulo rows)")
+                               f"the table's {self.feature_rows[f]} rows wrap modulo rows)")
         return lengths, b
 
     # -- embedding -----------------------------------------------------------------------
-    def _global_rows(self, values: torch.Tensor, lengths: torch.Tensor,
+    def _global_rows(self, g: _Group, values: torch.Tensor, lengths: torch.Tensor,
                      one_hot: bool) -> torch.Tensor:
-        """int64 (nnz,) global rows on the device: offset[f] + id % rows[f].
+        """int64 (nnz_g,) global rows on the device of one group's ids: offset[f] + id % rows[f].
 
         Computed on the device (``output_size`` avoids a sync): at batch 32768 the
         host-side version cost milliseconds per batch. One-hot batches broadcast per
@@ -446,56 +520,81 @@ class Runtime:
         dev = self.device
         v = values.to(dev, non_blocking=True).long()
         if one_hot:
-            nf = len(self.table_rows)
-            vv = v.view(nf, -1)
-            rows = self._rows_d.unsqueeze(1)
-            self._wrapped_d += (vv >= rows).sum(1)
-            return (vv % rows + self._offsets_d.unsqueeze(1)).view(-1)
+            vv = v.view(len(g.features), -1)
+            rows = g.rows_d.unsqueeze(1)
+            wrapped = (vv >= rows).sum(1)
+            if self._single:
+                self._wrapped_d += wrapped
+            else:
+                self._wrapped_d.index_add_(0, g.features_d, wrapped)
+            return (vv % rows + g.offsets_d.unsqueeze(1)).view(-1)
         per_feature = lengths.sum(1).to(dev, non_blocking=True)
-        feat = torch.repeat_interleave(self._feature_ids_d, per_feature, output_size=v.numel())
-        rows = self._rows_d.index_select(0, feat)
-        self._wrapped_d.index_add_(0, feat, (v >= rows).long())
-        return v % rows + self._offsets_d.index_select(0, feat)
+        feat = torch.repeat_interleave(g.ids_d, per_feature, output_size=v.numel())
+        rows = g.rows_d.index_select(0, feat)
+        self._wrapped_d.index_add_(0, feat if self._single else g.features_d.index_select(0, feat),
+                                   (v >= rows).long())
+        return v % rows + g.offsets_d.index_select(0, feat)
 
     def _embed(self, sparse: SparseBatch, lengths: torch.Tensor, b: int) -> torch.Tensor:
-        """Pooled embeddings (B, F, D) float32 on the device."""
-        nf, d = len(self.feature_names), self.dim
-        one_hot = sparse.values.numel() == nf * b and bool((lengths == 1).all())
-        g = self._global_rows(sparse.values, lengths, one_hot)
+        """Pooled embeddings on the device, float32: (B, F, D) for a model of one group
+        (one dim, dtype and pooling), else (B, sum_f D_f) in feature order."""
+        if self._single:
+            return self._embed_group(self._groups[0], sparse.values, lengths, b)
+        # Each feature's ids are one slice of the feature-major values.
+        bounds = [0, *itertools.accumulate(lengths.sum(1).tolist())]
+        parts: list[torch.Tensor | None] = [None] * len(self.feature_names)
+        for g in self._groups:
+            vals = torch.cat([sparse.values[bounds[f] : bounds[f + 1]] for f in g.features])
+            lens = lengths[list(g.features)]
+            emb = self._embed_group(g, vals, lens, b)                  # (B, F_g, D_g)
+            for j, f in enumerate(g.features):
+                parts[f] = emb[:, j]
+        return torch.cat(parts, dim=1)  # type: ignore[arg-type]
+
+    def _embed_group(self, g: _Group, values: torch.Tensor, lengths: torch.Tensor,
+                     b: int) -> torch.Tensor:
+        """One group's pooled embeddings (B, F_g, D_g) float32 on the device.
+
+        Args:
+            values: int64 (nnz_g,) the group's ids, feature-major; lengths: (F_g, B).
+        """
+        nf, d = len(g.features), g.dim
+        one_hot = values.numel() == nf * b and bool((lengths == 1).all())
+        rows = self._global_rows(g, values, lengths, one_hot)
         if self.cache is None:
-            emb = self._dequantize(self._table().index_select(0, g))   # (nnz, D)
-            self._hits += g.numel()
+            emb = self._dequantize(g, self._table().index_select(0, rows))   # (nnz, D)
+            self._hits += rows.numel()
             bag_index = None
         else:
-            uniq, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
-            emb = self._dequantize(self.cache.lookup(uniq, counts, n_ids=g.numel()))  # (U, D)
-            bag_index = inverse
-        self._lookups += g.numel()
-        if one_hot:
+            uniq, inverse, counts = torch.unique(rows, return_inverse=True, return_counts=True)
+            emb = self._dequantize(g, self.cache.lookup(uniq, counts, n_ids=rows.numel()))
+            bag_index = inverse                                             # emb: (U, D)
+        self._lookups += rows.numel()
+        if one_hot:   # one id per bag: the pooled value is the row (sum and mean alike)
             if bag_index is not None:
                 emb = emb.index_select(0, bag_index)
             return emb.view(nf, b, d).transpose(0, 1)
         offsets = torch.zeros(nf * b + 1, dtype=torch.int64)
         torch.cumsum(lengths.reshape(-1).long(), 0, out=offsets[1:])
         if bag_index is None:
-            bag_index = torch.arange(g.numel(), device=self.device)
-        pooled = F.embedding_bag(bag_index, emb, offsets.to(self.device), mode="sum",
+            bag_index = torch.arange(rows.numel(), device=self.device)
+        pooled = F.embedding_bag(bag_index, emb, offsets.to(self.device), mode=g.mode,
                                  include_last_offset=True)                      # (F*B, D)
         return pooled.view(nf, b, d).transpose(0, 1)
 
-    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, g: _Group, rows: torch.Tensor) -> torch.Tensor:
         """uint8 (n, row_bytes) -> float32 (n, D), the same arithmetic as
-        ``serve.runtime.artifact.dequantize_rows`` (q * scale + bias), written into a reused
-        buffer: fresh multi-MB tensors per call cost page faults that dominated batch
-        4096 on CPU (measured 89 ms vs a few ms)."""
-        if self.dtype != "int8":
-            return dequantize_rows(rows, self.dtype, self.dim)
-        n, d = rows.shape[0], self.dim
-        if self._scratch is None or self._scratch.shape[0] < n:
+        ``serve.runtime.artifact.dequantize_rows`` (q * scale + bias), written into the
+        group's reused buffer: fresh multi-MB tensors per call cost page faults that
+        dominated batch 4096 on CPU (measured 89 ms vs a few ms)."""
+        if g.dtype != "int8":
+            return dequantize_rows(rows, g.dtype, g.dim)
+        n, d = rows.shape[0], g.dim
+        if g.scratch is None or g.scratch.shape[0] < n:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of it
-                self._scratch = torch.empty((max(n, 1024), d), dtype=torch.float32,
-                                            device=rows.device)
-        out = self._scratch[:n]
+                g.scratch = torch.empty((max(n, 1024), d), dtype=torch.float32,
+                                        device=rows.device)
+        out = g.scratch[:n]
         out.copy_(rows[:, 4 : 4 + d])                                  # uint8 -> float32
         sb = rows[:, :4].contiguous().view(torch.float16).float()      # (n, 2) scale, bias
         # (A mixed uint8 * float32 mul into `out` measured 25% slower than copy + mul_.)
@@ -529,7 +628,7 @@ class Runtime:
         """One forward of a validated batch: (B, N) dense + F features -> (B,) on the CPU."""
         t0 = time.perf_counter()
         nf = len(self.feature_names)
-        if (self.config.cuda_graphs and self.device.type == "cuda"
+        if (self.config.cuda_graphs and self.device.type == "cuda" and self._single
                 and (self.cache is None or self.cache.static_ok(nf * b))
                 and sparse.values.numel() == nf * b and bool((lengths == 1).all())):
             out = self._predict_graph(dense, sparse, b)
@@ -560,7 +659,7 @@ class Runtime:
             self._graphs[b] = entry
         graph, s_vals, s_dense, s_out, h_vals, h_dense, h_out = entry
         # The graph wraps ids itself; count the wrapped ones here, on the host.
-        self._wrapped_h += (sparse.values.view(len(self.table_rows), -1) >= self._rows_h).sum(1)
+        self._wrapped_h += (sparse.values.view(len(self.feature_names), -1) >= self._rows_h).sum(1)
         h_vals.copy_(sparse.values)
         h_dense.copy_(dense)
         s_vals.copy_(h_vals, non_blocking=True)
@@ -585,7 +684,7 @@ class Runtime:
         g = vals % rows_rep + offs_rep
         raw = (self._table().index_select(0, g) if self.cache is None
                else self.cache.lookup_static(g))
-        emb = dequantize_rows(raw, self.dtype, d)  # fresh tensors: they live in the graph pool
+        emb = dequantize_rows(raw, self._groups[0].dtype, d)  # fresh tensors: they live in the graph pool
         emb = emb.view(nf, b, d).transpose(0, 1)
         return torch.sigmoid(self.dense(dense.to(self._dense_dtype),
                                         emb.to(self._dense_dtype)).float())

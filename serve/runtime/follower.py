@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.deltas import Delta, DeltaStore, TableLayout, WorkerStatus, check_layout
+from serve.deltas import (
+    Delta,
+    DeltaStore,
+    TableLayout,
+    WorkerStatus,
+    check_layout,
+    layout_for_schema,
+)
 from serve.errors import DeltaConflict, ServeError
 
 __all__ = ["DeltaFollower", "runtime_layout"]
@@ -43,9 +50,8 @@ log = logging.getLogger(__name__)
 
 
 def runtime_layout(runtime: Any) -> TableLayout:
-    """What a delta must fit, read from a :class:`serve.runtime.engine.Runtime`."""
-    return TableLayout(tuple(runtime.feature_names), tuple(runtime.table_rows), runtime.dtype,
-                       runtime.dim, runtime.row_bytes)
+    """What a delta must fit, from a :class:`serve.runtime.engine.Runtime`'s schema."""
+    return layout_for_schema(runtime.schema)
 
 
 class DeltaFollower:

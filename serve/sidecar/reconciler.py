@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -55,6 +56,7 @@ from serve.repository import ModelRepository
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.mar import control_path, is_sidecar_archive
 from serve.sidecar.memory import MemoryCheck
+from serve.sidecar.model_schema import SchemaCache
 from serve.sidecar.rollout import RolloutController
 from serve.sidecar.schemas import (
     ObservedBatching,
@@ -117,15 +119,24 @@ def assess(desired: DesiredState | None, observed: Observed) -> Assessment:
     return Assessment(False, "switch", why, target)
 
 
-def observed_state(observed: Observed) -> ObservedState:
-    """``observed`` in the desired state's shape (plus serving version, READY workers...)."""
+def observed_state(observed: Observed,
+                   schema_of: Callable[[str], dict[str, Any] | None] | None = None
+                   ) -> ObservedState:
+    """``observed`` in the desired state's shape (plus serving version, READY workers...).
+
+    ``schema_of``: the request schema (``ModelSchema.describe()``) of a repository
+    version, or None (:meth:`SchemaCache.describe`; it reads each report once); None: no
+    schema is shown.
+    """
     serving = observed.serving
     if serving is None:
         return ObservedState(model=None, batching=None, workers=0, serving_version=None,
                              ready_workers=0, registered_versions=observed.names())
     parsed = parse_serving_version(serving.version)
+    version = parsed[0] if parsed else serving.version
+    schema = schema_of(version) if schema_of is not None else None
     return ObservedState(
-        model=ObservedModel(version=parsed[0] if parsed else serving.version),
+        model=ObservedModel.model_validate({"version": version, "schema": schema}),
         candidate=serving_candidate(serving.version),
         batching=ObservedBatching(batch_size=serving.batch_size,
                                   max_batch_delay_ms=serving.max_batch_delay_ms),
@@ -178,6 +189,8 @@ class Reconciler:
         metrics: the sidecar's metrics (converged gauge, pass counter); None: none.
         rollouts: runs a declared rollout (guards, promotion, rollback); None: a
             declared rollout is served as declared, never judged.
+        schemas: the versions' schemas (GET /state's ``observed.model.schema``);
+            None: read from ``repository``'s build reports (each once).
         clock: monotonic seconds (back-off, deadlines, durations).
         retry_base_s, retry_max_s: back-off after a failed switch: base, 2 x base, ...
             up to max.
@@ -189,6 +202,7 @@ class Reconciler:
                  switch: VersionSwitch, repository: ModelRepository,
                  metrics: SidecarMetrics | None = None,
                  rollouts: RolloutController | None = None,
+                 schemas: SchemaCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  retry_base_s: float = 2.0, retry_max_s: float = 300.0,
                  sample_interval_s: float = 0.25) -> None:
@@ -199,6 +213,7 @@ class Reconciler:
         self.path: Path = config.state_file
         self.switch = switch
         self.repository = repository
+        self.schemas = schemas if schemas is not None else SchemaCache(repository.report)
         self.metrics = metrics
         self.rollouts = rollouts
         self.clock = clock
@@ -658,7 +673,7 @@ class Reconciler:
         if self.paused is not None:
             reason = f"not reconciling: {self.paused}" + (f"; {reason}" if reason else "")
         return StateStatus(
-            desired=self.desired, observed=observed_state(observed),
+            desired=self.desired, observed=observed_state(observed, self.schemas.describe),
             converged=a.converged and self.file_error is None and down is None,
             reason=reason,
             phase=self.switch.phase.value, last_error=self.last_error or self.file_error,

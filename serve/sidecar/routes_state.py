@@ -8,6 +8,13 @@ PUT takes a whole desired state (the ``desired`` object of GET), validates it (4
 the field and the rule; a version the repository lacks names the ones it has), writes the
 file atomically and answers 202 at once: the reconciler applies it; poll GET /state.
 Where the file is read-only (a ConfigMap) it answers 409 and says to edit the ConfigMap.
+A rollout whose candidate has another request schema than ``model.version`` (dense count,
+sparse features, their order, max ids; :meth:`serve.schema.ModelSchema.request_differences`)
+is refused with 409 naming the differences; other table sizes and dims are fine.
+
+GET's ``observed.model.schema`` is the served version's request schema
+(:meth:`serve.schema.ModelSchema.describe`), read once per version from its build report;
+null when the version has no report or no derivable schema.
 
 ``POST /state/rollout/promote`` and ``POST /state/rollout/rollback`` end a baking rollout
 by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
@@ -24,6 +31,7 @@ from pydantic import ValidationError
 
 from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailable
 from serve.sidecar.auth import require_token
+from serve.sidecar.model_schema import check_rollout_schema
 from serve.sidecar.reconciler import Reconciler, observed_state
 from serve.sidecar.rollout import RolloutController
 from serve.sidecar.routes_tuner import tuner_status
@@ -71,7 +79,9 @@ async def get_state(state: StateDep) -> StateStatus:
                 "schema": {"$ref": "#/components/schemas/DesiredState"}}}}},
             responses={400: {"description": "invalid desired state"}, 401: {}, 403: {},
                        409: {"description": "the desired-state file is read-only (a "
-                                            "ConfigMap), or the sidecar has none"}})
+                                            "ConfigMap), or the sidecar has none; or the "
+                                            "rollout's candidate takes other requests "
+                                            "(another request schema) than model.version"}})
 async def put_state(body: Annotated[Any, Body()], state: StateDep) -> StateAccepted:
     reconciler = state.require_reconciler("PUT /state")
     desired = _validated(body, state)
@@ -89,7 +99,8 @@ async def put_state(body: Annotated[Any, Body()], state: StateDep) -> StateAccep
 
 
 def _validated(body: Any, state: SidecarState) -> DesiredState:
-    """The body as a desired state whose version is in the repository, or 400."""
+    """The body as a desired state whose versions are in the repository (else 400), and
+    whose rollout's candidate takes the stable version's requests (else 409)."""
     if not isinstance(body, dict):
         raise InvalidInput(f"invalid PUT /state body: body: must be a JSON object "
                            f"(got {type(body).__name__}); {_SHAPE}")
@@ -108,6 +119,9 @@ def _validated(body: Any, state: SidecarState) -> DesiredState:
                 repository.archive(version)
             except ConfigError as e:
                 raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
+    if desired.rollout is not None and state.schemas is not None:
+        # Both exist; the candidate must take the stable version's requests (409).
+        check_rollout_schema(state.schemas, desired.model.version, desired.rollout.candidate)
     return desired
 
 
@@ -155,7 +169,8 @@ async def _status_without_file(state: SidecarState) -> StateStatus:
     reason = ("this sidecar was started without --state-file: nothing declares what to "
               "serve, and nothing is reconciled")
     try:
-        observed: ObservedState = observed_state(await observe(state.torchserve))
+        schema_of = state.schemas.describe if state.schemas is not None else None
+        observed: ObservedState = observed_state(await observe(state.torchserve), schema_of)
     except UpstreamUnavailable as e:
         observed = observed_state(Observed(default=None))
         reason = f"{reason}; TorchServe did not answer: {e.message}"

@@ -37,7 +37,9 @@ __all__ = [
     "ObservedBatching",
     "ObservedModel",
     "ObservedState",
+    "RequestSchema",
     "RolloutStatus",
+    "SparseFeatureSchema",
     "StateAccepted",
     "StateStatus",
     "SwitchRecord",
@@ -158,9 +160,41 @@ class TunerStatus(BaseModel):
 # --------------------------------------------------------------------------- /state
 
 
+class SparseFeatureSchema(BaseModel):
+    """One sparse feature of a request, with the table it reads (``ModelSchema.describe``)."""
+
+    name: str = Field(description="The feature's name (its key in a request).")
+    table: str = Field(description="The embedding table it reads (several features may "
+                                   "read one table).")
+    rows: int = Field(description="Rows of that table: ids are 0..rows-1.")
+    dim: int = Field(description="Width of that table's embeddings.")
+    pooling: str = Field(description="How the table pools a feature's ids: sum or mean.")
+    max_ids: int = Field(description="Most ids one instance may carry in the feature "
+                                     "(1: one-hot).")
+
+
+class RequestSchema(BaseModel):
+    """What a request to a model version carries (:meth:`serve.schema.ModelSchema.describe`)."""
+
+    dense: int = Field(description="Dense features per instance.")
+    sparse: list[SparseFeatureSchema] = Field(
+        description="The sparse features, in request order.")
+
+
 class ObservedModel(BaseModel):
+    """The model version TorchServe serves, and its request schema."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
     version: str = Field(description="The repository version TorchServe's default version "
                                      "serves (its serving-version name without the suffix).")
+    # ``schema`` would shadow BaseModel.schema: the attribute is schema_, the key "schema".
+    schema_: RequestSchema | None = Field(
+        default=None, alias="schema",
+        description="The request schema of that version, from its build report: dense "
+                    "count and the sparse features in request order (name, table, rows, "
+                    "dim, pooling, max_ids). Null when the repository has no report for "
+                    "the version, or none from which a schema can be derived.")
 
 
 class ObservedBatching(BaseModel):

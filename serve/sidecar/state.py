@@ -30,6 +30,7 @@ from serve.sidecar.feedback import FeedbackService
 from serve.sidecar.gpu import GpuCollector
 from serve.sidecar.mar import control_path
 from serve.sidecar.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.model_schema import SchemaCache
 from serve.sidecar.reconciler import Reconciler
 from serve.sidecar.rollout import RolloutController
 from serve.sidecar.switch import SwitchPhase, VersionSwitch
@@ -71,6 +72,8 @@ class SidecarState:
         update_lock: held while a PUT /batching runs (a second one gets 409).
         running: switches in progress (kept referenced until they end).
         repository: the model versions (``config.repository_roots``).
+        schemas: the versions' request schemas, read once from their build reports
+            (GET /state's ``observed.model.schema``, the rollout's schema check).
         feedback: the click-feedback join (POST /feedback), registered in ``registry``.
         gpu: the GPUs' utilization and memory through NVML, registered in ``registry`` by
             :meth:`create` (disabled, exporting nothing, without an NVIDIA GPU/driver).
@@ -89,6 +92,7 @@ class SidecarState:
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: set[asyncio.Task[Any]] = field(default_factory=set)
     repository: ModelRepository | None = None
+    schemas: SchemaCache | None = None
     feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
         SidecarConfig().feedback))
     gpu: GpuCollector | None = None
@@ -122,7 +126,7 @@ class SidecarState:
         repository = ModelRepository(config.repository_roots, config.model_name)
         state = cls(config=config, registry=registry, metrics=metrics,
                     handler_metrics=handler_metrics, clock=clock, repository=repository,
-                    wall_clock=wall_clock)
+                    schemas=SchemaCache(repository.report), wall_clock=wall_clock)
         state.feedback = FeedbackService(
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
@@ -172,7 +176,7 @@ class SidecarState:
                     control_file=lambda version: control_path(
                         config.model_store, config.model_name, version),
                     metrics=self.metrics, clock=self.clock),
-                clock=self.clock)
+                schemas=self.schemas, clock=self.clock)
         self._drainer = Drainer(self._torchserve, config, switch=self._switch,
                                 reconciler=self._reconciler, clock=self.clock)
         if self.deltas is not None:

@@ -1,0 +1,459 @@
+"""Import the user's own TorchRec model into the model store: one immutable version.
+
+    python -m serve.model.importer --factory FILE.py:FUNCTION --checkpoint PATH --version NAME
+        [--num-dense N] [--dtype int8] [--table-dtype TABLE=fp16 ...] [--max-ids FEATURE=N ...]
+
+The contract (README, "Serve your own TorchRec model"): ``FUNCTION()`` returns a
+``torch.nn.Module`` (on CPU or on the meta device) whose ``forward(dense_features,
+sparse_features)`` takes float32 (B, N) and a ``KeyedJaggedTensor``, returns logits (B,)
+or (B, 1), and keeps its embeddings in ``EmbeddingBagCollection`` modules (sum or mean
+pooling), reading the KeyedJaggedTensor only through them.
+
+Steps, all before anything is written:
+
+1. load the factory and the checkpoint: a ``torch.distributed.checkpoint`` directory as
+   ``dcp.save(dmp.state_dict(), ...)`` writes it from N ranks (read shard by shard into
+   the unsharded model), or one ``torch.save(model.state_dict())`` file; keys and shapes
+   are checked both ways (a missing or unexpected key, a shape that does not match: named);
+2. the schema from the model's collections (:func:`serve.model.export.model_schema`);
+3. a contract check: a forward on a generated batch must return (B,) or (B, 1) floats;
+4. tables quantized by TorchRec's own ``quantize_inference_model`` (each table in its
+   dtype); the layers after pooling stored as a ``torch.export`` program (TorchRec's plain
+   ``DLRM``: as weights, served by our own dense DLRM);
+5. the check: our runtime's probabilities against ``torch.sigmoid`` of the quantized
+   TorchRec model's forward on a generated batch covering every feature (multi-hot up to
+   each feature's max ids, empty bags included); refused when they differ by more than
+   ``--tolerance`` (1e-6);
+6. the archive and the report (schema, parameters, bytes per table, the check) are added
+   to the repository; the last line printed is one JSON object
+   ``{"version", "max_abs_diff", "report", "archive"}``.
+
+A failed import leaves ``model_store/`` unchanged (the repository only ever receives a
+complete archive, and its report last).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.clilog import setup_cli_logging
+from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
+from serve.schema import DEFAULT_MAX_IDS, ModelSchema
+
+__all__ = ["CheckResult", "ImportConfig", "check_artifact", "generated_batch", "import_model",
+           "load_checkpoint", "load_factory", "main"]
+
+#: Largest |ours - TorchRec's| probability an import accepts by default.
+DEFAULT_TOLERANCE = 1e-6
+_PREFIXES = ("_dmp_wrapped_module.", "module.")
+
+
+@dataclass(frozen=True)
+class ImportConfig:
+    """One import. ``factory`` is ``FILE.py:FUNCTION``; see the module docstring."""
+
+    factory: str
+    checkpoint: Path
+    version: str
+    num_dense: int | None = None
+    dtype: str = "int8"
+    table_dtypes: Mapping[str, str] = field(default_factory=dict)
+    max_ids: Mapping[str, int] = field(default_factory=dict)
+    default_max_ids: int = DEFAULT_MAX_IDS
+    tolerance: float = DEFAULT_TOLERANCE
+    check_batch: int = 64
+    seed: int = 0
+    model_store: Path = Path("model_store")
+    model_name: str = "dlrm"
+    # The archive's TorchServe settings (what `make up` declares for it by default).
+    mar_batch_size: int = 2
+    mar_max_batch_delay_ms: int = 2
+    mar_workers: int = 2
+
+    def __post_init__(self) -> None:
+        from serve.rowformat import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        for t, d in self.table_dtypes.items():
+            if d not in DTYPES:
+                raise ConfigError(f"--table-dtype {t}={d}: the dtype must be one of "
+                                  f"{', '.join(DTYPES)}")
+        if not (isinstance(self.tolerance, float) and self.tolerance >= 0):
+            raise ConfigError(f"--tolerance {self.tolerance!r} must be a float >= 0")
+        if isinstance(self.check_batch, bool) or self.check_batch < 1:
+            raise ConfigError(f"--check-batch {self.check_batch!r} must be >= 1")
+        if self.num_dense is not None and self.num_dense < 0:
+            raise ConfigError(f"--num-dense {self.num_dense} must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Our runtime against TorchRec's quantized forward on one generated batch."""
+
+    max_abs_diff: float
+    batch: int
+    ids: int
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+# ----------------------------------------------------------------------------- loading
+def load_factory(spec: str) -> tuple[Callable[[], nn.Module], Any]:
+    """``FILE.py:FUNCTION`` -> (the function, its module). ``ConfigError`` names what is off."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise ConfigError(f"--factory {spec!r} must be FILE.py:FUNCTION")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--factory {spec!r}: {file} does not exist")
+    mod_name = f"_dlrm_factory_{abs(hash(file.resolve()))}"
+    loader = importlib.util.spec_from_file_location(mod_name, file)
+    if loader is None or loader.loader is None:
+        raise ConfigError(f"--factory {spec!r}: {file} is not a Python file")
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        loader.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"--factory {spec!r}: importing {file} failed "
+                          f"({type(e).__name__}: {e})") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        have = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"--factory {spec!r}: {file} has no function {name!r}; it has {have}")
+    return fn, module
+
+
+def _strip(key: str) -> str:
+    for p in _PREFIXES:
+        while key.startswith(p):
+            key = key[len(p):]
+    return key
+
+
+def _check_keys(model: nn.Module, saved: Mapping[str, Sequence[int]], where: str) -> None:
+    state = model.state_dict()
+    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {where} does not match the model: missing keys {missing[:5]}, "
+            f"unexpected keys {unexpected[:5]}; it was written for another model: check "
+            "--factory, or re-train")
+    for k, t in state.items():
+        if tuple(saved[k]) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {where}: {k} has shape {tuple(saved[k])}, the "
+                                  f"model needs {tuple(t.shape)}; check --factory, or re-train")
+
+
+def load_checkpoint(model: nn.Module, path: Path) -> nn.Module:
+    """Load a DCP directory or a state-dict file into ``model`` (strict) and return it.
+
+    A model built on the meta device is materialized on the CPU first.
+    """
+    path = Path(path)
+    if any(p.is_meta for p in model.parameters()):
+        model = model.to_empty(device="cpu")
+    if path.is_dir():
+        from serve.model.merge import load_dcp_into
+
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {path} is a folder without .metadata; give a "
+                                  "torch.distributed.checkpoint directory or a state-dict file")
+        load_dcp_into(model, path, hint="check --factory, or re-train")
+        return model
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+                              "give torch.save(model.state_dict()) or a DCP directory") from e
+    if isinstance(blob, dict) and "state_dict" in blob and isinstance(blob["state_dict"], dict):
+        blob = blob["state_dict"]
+    if not isinstance(blob, dict) or not all(isinstance(v, torch.Tensor) for v in blob.values()):
+        raise CheckpointError(f"checkpoint {path} holds {type(blob).__name__}, not a state dict "
+                              "of tensors; save it with torch.save(model.state_dict(), PATH)")
+    state = {_strip(k): v for k, v in blob.items()}
+    _check_keys(model, {k: v.shape for k, v in state.items()}, os.fspath(path))
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+# ----------------------------------------------------------------------------- checking
+def generated_batch(schema: ModelSchema, batch: int, seed: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch that covers every feature: dense (B, N) float32, values int64 (nnz,)
+    feature-major, lengths int32 (F, B). Sample 0 carries each feature's max ids, sample
+    1 none (an empty bag) when B > 1, the rest 1..max ids; ids span each table."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn((batch, schema.dense), generator=g)
+    lengths = torch.zeros((len(schema.features), batch), dtype=torch.int32)
+    values = []
+    rows = {t.name: t.rows for t in schema.tables}
+    for f, spec in enumerate(schema.features):
+        cap = spec.max_ids
+        ln = torch.randint(1, cap + 1, (batch,), generator=g, dtype=torch.int32)
+        ln[0] = cap
+        if batch > 1:
+            ln[1] = 0
+        lengths[f] = ln
+        n = int(ln.sum())
+        ids = torch.randint(0, rows[spec.table], (n,), generator=g)
+        if n:
+            ids[0] = rows[spec.table] - 1   # the last row of the table is read too
+        values.append(ids)
+    return dense, torch.cat(values), lengths
+
+
+def _kjt(schema: ModelSchema, values: torch.Tensor, lengths: torch.Tensor) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(schema.feature_names), values=values,
+                                               lengths=lengths.reshape(-1))
+
+
+def _check_contract(model: nn.Module, schema: ModelSchema, seed: int) -> None:
+    """The forward on a generated batch of 3 returns (3,) or (3, 1) finite floats."""
+    dense, values, lengths = generated_batch(schema, 3, seed)
+    try:
+        with torch.no_grad():
+            out = model(dense, _kjt(schema, values, lengths))
+    except Exception as e:
+        raise ConfigError(f"the model's forward(dense (3, {schema.dense}), KeyedJaggedTensor of "
+                          f"{list(schema.feature_names)}) failed ({type(e).__name__}: {e}); "
+                          "check --num-dense and the contract") from e
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) not in ((3,), (3, 1)) \
+            or not out.is_floating_point():
+        got = (f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise ConfigError(f"the model's forward returned {got} for a batch of 3; the contract "
+                          "is logits of shape (B,) or (B, 1), floating point")
+
+
+def check_artifact(artifact: Any, qmodel: nn.Module, *, batch: int, seed: int,
+                   tolerance: float) -> CheckResult:
+    """Our runtime (CPU, no cache) vs ``torch.sigmoid`` of ``qmodel`` (TorchRec's quantized
+    model) on :func:`generated_batch`: the largest absolute difference of probabilities."""
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+
+    schema = artifact.schema
+    dense, values, lengths = generated_batch(schema, batch, seed)
+    rt = Runtime(artifact, RuntimeConfig(device="cpu", cache_load_factor=1.0))
+    try:
+        ours = rt.predict(dense, SparseBatch(values, lengths))
+    finally:
+        rt.close()
+    with torch.no_grad():
+        ref = torch.sigmoid(qmodel(dense, _kjt(schema, values, lengths)).float().reshape(-1))
+    diff = float((ours - ref).abs().max()) if batch else 0.0
+    return CheckResult(diff, batch, int(values.numel()), tolerance)
+
+
+# ----------------------------------------------------------------------------- the import
+def _report(cfg: ImportConfig, model: nn.Module, artifact: Any, check: CheckResult,
+            dense_kind: str, seconds: dict[str, float]) -> dict[str, Any]:
+    schema: ModelSchema = artifact.schema
+    return {
+        "version": cfg.version, "model_name": cfg.model_name, "origin": "import",
+        "factory": cfg.factory, "checkpoint": os.fspath(cfg.checkpoint),
+        "schema": schema.to_dict(), "dense_kind": dense_kind,
+        "quantized_dtype": artifact.dtype,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "table_bytes_quantized": artifact.table_bytes,
+        "table_bytes": {t.name: t.nbytes for t in artifact.tables},
+        "check": {"max_abs_diff": check.max_abs_diff, "batch": check.batch, "ids": check.ids,
+                  "tolerance": check.tolerance,
+                  "reference": "torch.sigmoid(quantize_inference_model(model)(dense, kjt))"},
+        "mar_batch_size": cfg.mar_batch_size,
+        "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms, "mar_workers": cfg.mar_workers,
+        # No held-out labels come with an import: the quality baseline is unknown.
+        "baseline": None,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "wall_seconds": seconds,
+    }
+
+
+def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the import; returns ``{"version", "max_abs_diff", "report", "archive"}``.
+
+    Raises:
+        ConfigError: a bad option or factory, a model outside the contract, a version
+            that exists already.
+        CheckpointError: the checkpoint does not fit the model.
+        ArtifactError: the check failed (our runtime differs from TorchRec's forward).
+    """
+    from serve.model.archive import build_mar
+    from serve.model.export import (
+        collections,
+        dlrm_dense,
+        export_dense,
+        is_torchrec_dlrm,
+        model_schema,
+        quantize_for_serving,
+        tables_from_quantized,
+    )
+    from serve.repository import ModelRepository
+    from serve.runtime.artifact import Artifact, save_artifact
+
+    repo = ModelRepository([cfg.model_store], cfg.model_name)
+    if repo.exists(cfg.version):
+        raise ConfigError(f"version {cfg.version!r} already exists in {cfg.model_store} and "
+                          "versions are immutable; pick another --version")
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    fn, module = load_factory(cfg.factory)
+    num_dense = cfg.num_dense if cfg.num_dense is not None else getattr(module, "NUM_DENSE", None)
+    if not isinstance(num_dense, int) or isinstance(num_dense, bool):
+        raise ConfigError("the number of dense features is unknown: pass --num-dense N, or "
+                          "define NUM_DENSE = N in the factory's module")
+    say(f"[load] {cfg.factory}() and {cfg.checkpoint}")
+    model = fn()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--factory {cfg.factory} returned {type(model).__name__}, not a "
+                          "torch.nn.Module")
+    model = load_checkpoint(model, Path(cfg.checkpoint)).eval()
+    seconds["load"] = round(time.perf_counter() - t0, 3)
+
+    t = time.perf_counter()
+    # The module's MAX_IDS may serve several factories: only this model's features count.
+    # --max-ids is checked strictly (a feature the model lacks is an error).
+    ours = {f for _, ebc in collections(model) for c in ebc.embedding_bag_configs()
+            for f in c.feature_names}
+    max_ids = {k: v for k, v in dict(getattr(module, "MAX_IDS", {}) or {}).items() if k in ours}
+    max_ids.update(cfg.max_ids)
+    schema = model_schema(model, num_dense, dtype=cfg.dtype, table_dtypes=cfg.table_dtypes,
+                          max_ids=max_ids, default_max_ids=cfg.default_max_ids)
+    say(f"[schema] {schema.dense} dense, {len(schema.features)} sparse features over "
+        f"{len(schema.tables)} tables ({schema.total_rows:,} rows)")
+    _check_contract(model, schema, cfg.seed)
+    qmodel = quantize_for_serving(model, schema)
+    tables = tables_from_quantized(qmodel, schema)
+    if is_torchrec_dlrm(model):
+        dense, kind = dlrm_dense(model), "dlrm"
+    else:
+        dense, kind = export_dense(model, schema), "export"
+    art = Artifact(schema, tables, dense, {"version": cfg.version, "origin": "import",
+                                           "factory": cfg.factory})
+    seconds["quantize_export"] = round(time.perf_counter() - t, 3)
+    say(f"[quantize] tables {art.dtype}, {art.table_bytes:,} bytes; dense part: {kind}")
+
+    t = time.perf_counter()
+    check = check_artifact(art, qmodel, batch=cfg.check_batch, seed=cfg.seed,
+                           tolerance=cfg.tolerance)
+    seconds["check"] = round(time.perf_counter() - t, 3)
+    say(f"[check] max |ours - TorchRec| = {check.max_abs_diff:.3g} over {check.batch} samples "
+        f"({check.ids} ids); tolerance {check.tolerance:g}")
+    if not check.passed:
+        raise ArtifactError(
+            f"the imported model's probabilities differ from TorchRec's quantized forward by "
+            f"{check.max_abs_diff:.3g} > {check.tolerance:g}; nothing was written. The model "
+            "may do work outside its EmbeddingBagCollections that the export did not keep; "
+            "see the contract in the README")
+
+    t = time.perf_counter()
+    cfg.model_store.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".import-", dir=cfg.model_store) as tmp:
+        path = Path(tmp) / "artifact.pt"
+        save_artifact(art, path)
+        mar = build_mar(path, Path(tmp), model_name=cfg.model_name, version=cfg.version,
+                        file_name=f"{cfg.model_name}-{cfg.version}.mar",
+                        batch_size=cfg.mar_batch_size,
+                        max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
+                        min_workers=cfg.mar_workers, max_workers=cfg.mar_workers)
+        seconds["archive"] = round(time.perf_counter() - t, 3)
+        report = _report(cfg, model, art, check, kind, seconds)
+        stored = repo.add(cfg.version, mar, report)
+    say(f"[store] added version {cfg.version}: {stored}")
+    return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
+            "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
+            "archive": os.fspath(stored)}
+
+
+# ----------------------------------------------------------------------------- CLI
+def _pairs(items: Sequence[str], flag: str, conv: Callable[[str], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} {item!r} must be NAME=VALUE")
+        try:
+            out[key] = conv(value)
+        except ValueError:
+            raise ConfigError(f"{flag} {item!r}: {value!r} is not valid") from None
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.model.importer",
+        description="Import your own TorchRec model (factory + checkpoint) into the model "
+                    "store as an immutable version, after checking that our runtime gives "
+                    "TorchRec's own quantized probabilities. Prints one JSON line last.")
+    ap.add_argument("--factory", required=True,
+                    help="FILE.py:FUNCTION; FUNCTION() returns the model (CPU or meta device)")
+    ap.add_argument("--checkpoint", required=True, type=Path,
+                    help="a torch.distributed.checkpoint directory (dcp.save of a DMP "
+                         "state_dict, any number of ranks) or a torch.save(state_dict) file")
+    ap.add_argument("--version", required=True, help="the new version's name (immutable)")
+    ap.add_argument("--num-dense", type=int, default=None,
+                    help="N dense features of forward's first argument (default: the factory "
+                         "module's NUM_DENSE)")
+    ap.add_argument("--dtype", default="int8",
+                    help="stored dtype of every table: int8 (default), int4, fp16 or fp32")
+    ap.add_argument("--table-dtype", action="append", default=[], metavar="TABLE=DTYPE",
+                    help="another dtype for one table (repeatable), e.g. t_user=fp16")
+    ap.add_argument("--max-ids", action="append", default=[], metavar="FEATURE=N",
+                    help="most ids per instance of one feature (repeatable; default: the "
+                         "factory module's MAX_IDS, else --default-max-ids)")
+    ap.add_argument("--default-max-ids", type=int, default=DEFAULT_MAX_IDS,
+                    help=f"most ids per instance of the other features (default {DEFAULT_MAX_IDS})")
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                    help="largest accepted |ours - TorchRec| probability (default 1e-6)")
+    ap.add_argument("--check-batch", type=int, default=64,
+                    help="samples in the generated check batch (default 64)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the check batch")
+    ap.add_argument("--model-store", type=Path, default=Path("model_store"),
+                    help="the repository folder (default model_store/)")
+    ap.add_argument("--model-name", default="dlrm", help="TorchServe's model name (dlrm)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_cli_logging()
+    args = _parser().parse_args(argv)
+    try:
+        cfg = ImportConfig(
+            factory=args.factory, checkpoint=args.checkpoint, version=args.version,
+            num_dense=args.num_dense, dtype=args.dtype,
+            table_dtypes=_pairs(args.table_dtype, "--table-dtype", str),
+            max_ids=_pairs(args.max_ids, "--max-ids", int),
+            default_max_ids=args.default_max_ids, tolerance=args.tolerance,
+            check_batch=args.check_batch, seed=args.seed, model_store=args.model_store,
+            model_name=args.model_name)
+        out = import_model(cfg, say=lambda m: print(m, flush=True))
+    except ServeError as e:
+        print(f"import failed: {e.message}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

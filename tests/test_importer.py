@@ -1,0 +1,241 @@
+"""The importer (serve.model.importer) and artifact format 2 in the runtime.
+
+The user's own models (tests/fixtures/own_models.py): tables of different dims, a table
+read by two features, mean pooling, DLRM_DCN, and our built-in DLRM through the same door.
+Each import is checked against TorchRec's own quantized forward; here we also check the
+runtime's paths that the import check does not take (cache, updates, format 1).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve.errors import ArtifactError, CheckpointError, ConfigError
+from serve.model.importer import (
+    ImportConfig,
+    check_artifact,
+    generated_batch,
+    import_model,
+    load_factory,
+    main,
+)
+from serve.repository import ModelRepository
+from serve.runtime.artifact import FORMAT_VERSION, load_artifact, save_artifact
+from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "own_models.py"
+
+
+def _factory(name: str) -> str:
+    return f"{FIXTURE}:{name}"
+
+
+@pytest.fixture(scope="module")
+def ranker_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fn, _ = load_factory(_factory("make_ranker"))
+    path = tmp_path_factory.mktemp("ckpt") / "ranker.pt"
+    model = fn()
+    with torch.no_grad():   # non-zero, distinct rows everywhere (TorchRec inits are small)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def _cfg(tmp_path: Path, factory: str, ckpt: Path, version: str = "own-a", **kw) -> ImportConfig:
+    return ImportConfig(factory=_factory(factory), checkpoint=ckpt, version=version,
+                        model_store=tmp_path / "store", **kw)
+
+
+def _own_artifact(ckpt: Path, **schema_kw):
+    """(artifact, quantized TorchRec model) of the ranker, built as the importer does."""
+    from serve.model.export import (
+        export_dense,
+        model_schema,
+        quantize_for_serving,
+        tables_from_quantized,
+    )
+    from serve.model.importer import load_checkpoint
+    from serve.runtime.artifact import Artifact
+
+    fn, mod = load_factory(_factory("make_ranker"))
+    model = load_checkpoint(fn(), ckpt).eval()
+    schema = model_schema(model, mod.NUM_DENSE, max_ids=mod.MAX_IDS, **schema_kw)
+    q = quantize_for_serving(model, schema)
+    return Artifact(schema, tables_from_quantized(q, schema), export_dense(model, schema)), q
+
+
+def test_import_own_model_from_a_state_dict_is_exact(tmp_path: Path, ranker_ckpt: Path) -> None:
+    out = import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
+    assert out["version"] == "own-a" and out["max_abs_diff"] <= 1e-6
+    repo = ModelRepository([tmp_path / "store"])
+    assert repo.versions() == ["own-a"]
+    report = repo.report("own-a")
+    assert report["dense_kind"] == "export" and report["check"]["max_abs_diff"] <= 1e-6
+    assert report["table_bytes"] == {"t_user": 1000 * 36, "t_item": 2000 * 20, "t_tag": 50 * 12}
+    sparse = {f["name"]: f for f in report["schema"]["features"]}
+    assert sparse["history"] == {"name": "history", "table": "t_item", "max_ids": 20}
+    assert [t["pooling"] for t in report["schema"]["tables"]] == ["sum", "sum", "mean"]
+
+
+def test_meta_factory_mixed_dtypes_and_cli_json_line(tmp_path: Path, ranker_ckpt: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    rc = main(["--factory", _factory("make_ranker_meta"), "--checkpoint", str(ranker_ckpt),
+               "--version", "own-mixed", "--model-store", str(tmp_path / "store"),
+               "--table-dtype", "t_user=fp16", "--table-dtype", "t_tag=fp32",
+               "--check-batch", "200", "--seed", "3"])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["version"] == "own-mixed" and last["max_abs_diff"] <= 1e-6
+    dtypes = [t["dtype"] for t in
+              ModelRepository([tmp_path / "store"]).report("own-mixed")["schema"]["tables"]]
+    assert dtypes == ["fp16", "int8", "fp32"]
+
+
+def test_dlrm_dcn_and_builtin_dlrm_import_exactly(tmp_path: Path) -> None:
+    for factory, n, kind in (("make_dcn", 32, "export"), ("make_builtin_tiny", 13, "dlrm")):
+        fn, _ = load_factory(_factory(factory))
+        ckpt = tmp_path / f"{factory}.pt"
+        torch.save(fn().state_dict(), ckpt)
+        out = import_model(_cfg(tmp_path, factory, ckpt, version=factory.replace("_", "-"),
+                                num_dense=n, default_max_ids=3), say=lambda m: None)
+        assert out["max_abs_diff"] <= 1e-6, factory
+        report = ModelRepository([tmp_path / "store"]).report(out["version"])
+        assert report["dense_kind"] == kind
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("missing", r"missing keys \['top\.2\.bias'\], unexpected keys \[\]"),
+    ("unexpected", r"missing keys \[\], unexpected keys \['extra\.weight'\]"),
+    ("shape", r"ebc\.embedding_bags\.t_tag\.weight has shape \(49, 8\), the model needs \(50, 8\)"),
+])
+def test_bad_checkpoints_name_the_key_and_leave_the_store_unchanged(
+        tmp_path: Path, ranker_ckpt: Path, damage: str, match: str) -> None:
+    state = torch.load(ranker_ckpt, weights_only=True)
+    if damage == "missing":
+        del state["top.2.bias"]
+    elif damage == "unexpected":
+        state["extra.weight"] = torch.zeros(2)
+    else:
+        state["ebc.embedding_bags.t_tag.weight"] = torch.zeros(49, 8)
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    store = tmp_path / "store"
+    store.mkdir()
+    with pytest.raises(CheckpointError, match=match):
+        import_model(_cfg(tmp_path, "make_ranker", bad), say=lambda m: None)
+    assert os.listdir(store) == []
+
+
+def test_a_forward_outside_the_contract_is_refused(tmp_path: Path) -> None:
+    fn, _ = load_factory(_factory("make_two_logits"))
+    ckpt = tmp_path / "two.pt"
+    torch.save(fn().state_dict(), ckpt)
+    with pytest.raises(ConfigError, match=r"returned torch\.float32 \(3, 2\) for a batch of 3; "
+                                          r"the contract is logits of shape \(B,\) or \(B, 1\)"):
+        import_model(_cfg(tmp_path, "make_two_logits", ckpt), say=lambda m: None)
+    assert not (tmp_path / "store").exists() or os.listdir(tmp_path / "store") == []
+
+
+def test_bad_options_are_named(tmp_path: Path, ranker_ckpt: Path) -> None:
+    with pytest.raises(ConfigError, match=r"has no function 'nope'"):
+        import_model(_cfg(tmp_path, "nope", ranker_ckpt), say=lambda m: None)
+    with pytest.raises(ConfigError, match=r"--table-dtype names tables \['t_nope'\]"):
+        import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, table_dtypes={"t_nope": "fp16"}),
+                     say=lambda m: None)
+    with pytest.raises(ConfigError, match=r"--dtype 'int3' must be one of"):
+        _cfg(tmp_path, "make_ranker", ranker_ckpt, dtype="int3")
+
+
+def test_a_check_that_differs_refuses_the_import(tmp_path: Path, ranker_ckpt: Path) -> None:
+    art, q = _own_artifact(ranker_ckpt)
+    with torch.no_grad():
+        art.tables[2].data[:, 4:] = 0   # t_tag's codes lost: the model no longer matches
+    res = check_artifact(art, q, batch=16, seed=0, tolerance=1e-6)
+    assert not res.passed and res.max_abs_diff > 1e-6
+
+
+def _batches(schema, n: int = 4):
+    return [generated_batch(schema, b, seed=b) for b in (1, 2, 33, 130)[:n]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_mixed_dims_cached_equals_uncached(ranker_ckpt: Path, policy: str) -> None:
+    art, _ = _own_artifact(ranker_ckpt, table_dtypes={"t_user": "fp16"})
+    plain = Runtime(art, RuntimeConfig(cache_load_factor=1.0))
+    cached = Runtime(art, RuntimeConfig(cache_load_factor=0.2, cache_on_cpu=True,
+                                        cache_policy=policy))
+    assert cached.cache is not None and cached.cache.capacity < cached.total_rows
+    for _ in range(3):  # again: hits the second time round
+        for dense, values, lengths in _batches(art.schema):
+            want = plain.predict(dense, SparseBatch(values, lengths))
+            got = cached.predict(dense, SparseBatch(values, lengths))
+            assert torch.equal(got, want)
+    st = cached.stats()
+    assert st.misses > 0 and st.hits > 0
+    cached.close()
+
+
+def test_update_of_the_shared_table_equals_a_rebuild(ranker_ckpt: Path) -> None:
+    art, _ = _own_artifact(ranker_ckpt)
+    g = torch.Generator().manual_seed(5)
+    t = art.schema.table_index("t_item")
+    ids = torch.unique(torch.randint(0, 2000, (300,), generator=g))
+    new_rows = torch.randint(0, 256, (ids.numel(), art.tables[t].data.shape[1]),
+                             dtype=torch.uint8, generator=g)
+    new_rows[:, :4] = art.tables[t].data[ids, :4]   # keep sane fp16 scale/bias
+    rebuilt = copy.deepcopy(art)
+    rebuilt.tables[t].data[ids] = new_rows
+    for cfg in (RuntimeConfig(cache_load_factor=1.0),
+                RuntimeConfig(cache_load_factor=0.2, cache_on_cpu=True)):
+        live, ref = Runtime(art, cfg), Runtime(rebuilt, cfg)
+        dense, values, lengths = generated_batch(art.schema, 64, seed=1)
+        before = live.predict(dense, SparseBatch(values, lengths))
+        live.update_rows(t, ids, new_rows)   # the table's own width (20 bytes, stored at 36)
+        after = live.predict(dense, SparseBatch(values, lengths))
+        assert torch.equal(after, ref.predict(dense, SparseBatch(values, lengths)))
+        assert not torch.equal(before, after)  # both item_id and history read the new rows
+        live.close()
+        ref.close()
+
+
+def test_format_2_round_trip_and_format_1_still_loads(tmp_path: Path, ranker_ckpt: Path) -> None:
+    art, _ = _own_artifact(ranker_ckpt)
+    save_artifact(art, tmp_path / "a.pt")
+    back = load_artifact(tmp_path / "a.pt")
+    assert FORMAT_VERSION == 2 and back.schema == art.schema
+    dense, values, lengths = generated_batch(art.schema, 20, seed=2)
+    a = Runtime(art, RuntimeConfig(cache_load_factor=1.0)).predict(dense, SparseBatch(values, lengths))
+    b = Runtime(back, RuntimeConfig(cache_load_factor=1.0)).predict(dense, SparseBatch(values, lengths))
+    assert torch.equal(a, b)
+
+    from serve.model.export import artifact_from_float_dlrm
+    from serve.model.importer import load_factory as lf
+
+    fn, _ = lf(_factory("make_builtin_tiny"))
+    v2 = artifact_from_float_dlrm(fn(), dtype="int8")
+    v1 = {"format_version": 1, "feature_names": v2.feature_names, "num_dense": 13,
+          "embedding_dim": v2.embedding_dim, "dtype": "int8",
+          "tables": [{"name": t.name, "feature": v2.table_feature(i), "rows": t.rows,
+                      "dim": t.dim, "dtype": t.dtype, "data": t.data}
+                     for i, t in enumerate(v2.tables)],
+          "dense_arch": v2.dense.dense_arch, "over_arch": v2.dense.over_arch, "meta": {}}
+    torch.save(v1, tmp_path / "v1.pt")
+    old = load_artifact(tmp_path / "v1.pt")
+    assert old.schema == v2.schema and old.schema.max_ids == (64,) * 26
+    dense, values, lengths = generated_batch(v2.schema, 9, seed=0)
+    assert torch.equal(Runtime(old, RuntimeConfig()).predict(dense, SparseBatch(values, lengths)),
+                       Runtime(v2, RuntimeConfig()).predict(dense, SparseBatch(values, lengths)))
+
+
+def test_schema_mismatch_inside_an_artifact_is_an_error(ranker_ckpt: Path) -> None:
+    from serve.runtime.artifact import Artifact
+
+    art, _ = _own_artifact(ranker_ckpt)
+    with pytest.raises(ArtifactError, match=r"the schema has 3 tables, the artifact 2"):
+        Artifact(art.schema, art.tables[:2], art.dense)
