@@ -50,7 +50,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.quint4
 MAX_EXPORT_BATCH = 1 << 20
 
 
-def collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def collections(model: nn.Module) -> list[tuple[str, Any]]:
     """Every embedding-bag collection of ``model`` (float or quantized), in
     ``named_modules`` order, as (qualified name, module)."""
     return [(n, m) for n, m in model.named_modules()

@@ -310,7 +310,7 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         tables_from_quantized,
     )
     from serve.repository import ModelRepository
-    from serve.runtime.artifact import Artifact, save_artifact
+    from serve.runtime.artifact import Artifact, DLRMDense, ExportedDense, save_artifact
 
     repo = ModelRepository([cfg.model_store], cfg.model_name)
     if repo.exists(cfg.version):
@@ -345,6 +345,7 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
     _check_contract(model, schema, cfg.seed)
     qmodel = quantize_for_serving(model, schema)
     tables = tables_from_quantized(qmodel, schema)
+    dense: DLRMDense | ExportedDense
     if is_torchrec_dlrm(model):
         dense, kind = dlrm_dense(model), "dlrm"
     else:

@@ -182,17 +182,17 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     art = artifact_from_quantized_dlrm(qmodel, dtype, meta={**base_meta, f"auc_{dtype}": auc_q})
     # The importer's check (serve.model.importer): our runtime against TorchRec's quantized
     # forward on a generated batch (multi-hot, empty bags, every table's last row).
-    check = check_artifact(art, qmodel, batch=64, seed=0, tolerance=DEFAULT_TOLERANCE)
-    if not check.passed:
+    exact = check_artifact(art, qmodel, batch=64, seed=0, tolerance=DEFAULT_TOLERANCE)
+    if not exact.passed:
         raise ArtifactError(f"the runtime's probabilities differ from TorchRec's quantized "
-                            f"forward by {check.max_abs_diff:.3g} > {check.tolerance:g}")
+                            f"forward by {exact.max_abs_diff:.3g} > {exact.tolerance:g}")
     res = QuantizeResult(
         artifact=os.fspath(out), float_artifact=os.fspath(fpath) if float_artifact else None,
         quantized_dtype=dtype, auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
         table_bytes_fp32=profile.table_bytes_fp32(), table_bytes_quantized=art.table_bytes,
         table_bytes_quantized_fbgemm=_fbgemm_table_bytes(qmodel), num_parameters=nparams,
         seconds=round(time.perf_counter() - t0, 3), baseline=baseline.to_dict(),
-        check_max_abs_diff=check.max_abs_diff, schema=art.schema.to_dict())
+        check_max_abs_diff=exact.max_abs_diff, schema=art.schema.to_dict())
     Path(f"{out}.json").write_text(json.dumps(asdict(res), indent=2))
     if check and dtype == "int8" and auc_q < auc_fp32 - max_auc_drop:
         raise QualityError(f"int8 AUC {auc_q:.5f} is below fp32 AUC {auc_fp32:.5f} - "
