@@ -138,3 +138,27 @@ clean:  ## remove build outputs, run state and logs (keeps .venv and the model v
 
 clean-models:  ## delete every model version in model_store/ (and the archives TorchServe was given)
 	rm -f model_store/*.mar model_store/*.json
+
+import: venv  ## import your own TorchRec model as a version: FACTORY=file.py:function CHECKPOINT=dcp-dir-or-state-dict VERSION=name [IMPORT_ARGS="--num-dense N --table-dtype t=fp16 ..."]
+	@test -n "$(FACTORY)" -a -n "$(CHECKPOINT)" -a -n "$(VERSION)" || { echo "usage: make import FACTORY=file.py:function CHECKPOINT=PATH VERSION=NAME [IMPORT_ARGS=...]" >&2; exit 2; }
+	$(PY) -m serve.model.importer --factory $(FACTORY) --checkpoint $(CHECKPOINT) --version $(VERSION) $(IMPORT_ARGS)
+
+# Own-model examples: train a factory's model on generated data over 2 gloo ranks
+# (serve.model.fit writes a torch.distributed.checkpoint), then import it as a version.
+# Version names use '-' not '_' (serving versions match [A-Za-z0-9][A-Za-z0-9.-]*).
+.PHONY: import examples example-dcn example-dlrmv2 example-ranker
+EXAMPLE_STEPS ?= 20
+
+examples: example-dcn example-dlrmv2 example-ranker  ## train and import all three own-model examples (examples/)
+
+example-dcn: venv  ## examples/article_dcn (DLRM_DCN, 256 dense, user/item tables): fit on 2 ranks, import as article-dcn-int8 [EXAMPLE_STEPS=20]
+	$(PY) -m serve.model.fit --factory examples/article_dcn/model.py:make_model --out build/examples/article_dcn/ckpt --world-size 2 --steps $(EXAMPLE_STEPS)
+	$(PY) -m serve.model.importer --factory examples/article_dcn/model.py:make_model --checkpoint build/examples/article_dcn/ckpt --version article-dcn-int8
+
+example-dlrmv2: venv  ## examples/dlrm_v2 (MLPerf DLRM-v2, rows capped at DLRMV2_MAX_ROWS=20000): fit on 2 ranks, import as dlrm-v2-int8
+	$(PY) -m serve.model.fit --factory examples/dlrm_v2/model.py:make_model --out build/examples/dlrm_v2/ckpt --world-size 2 --steps $(EXAMPLE_STEPS) --dense-lr 0.001
+	$(PY) -m serve.model.importer --factory examples/dlrm_v2/model.py:make_model --checkpoint build/examples/dlrm_v2/ckpt --version dlrm-v2-int8
+
+example-ranker: venv  ## examples/own_ranker (hand-written TorchRec ranker: mixed dims, shared table, mean pooling): fit on 2 ranks, import as own-ranker-int8
+	$(PY) -m serve.model.fit --factory examples/own_ranker/model.py:make_model --out build/examples/own_ranker/ckpt --world-size 2 --steps $(EXAMPLE_STEPS)
+	$(PY) -m serve.model.importer --factory examples/own_ranker/model.py:make_model --checkpoint build/examples/own_ranker/ckpt --version own-ranker-int8

@@ -12,7 +12,10 @@ Bodies are ``orjson.dumps(example_request(n, form=...))`` (one-hot, seed 0) and,
 validating parse (``_parse_doc``), with the garbage collector paused as ``parse_body``
 does. "after" is ``parse_body`` itself. ``loads_ms`` is ``orjson.loads`` alone, the floor
 both share. The ``binary`` rows (``example_binary``, no JSON) are for reference: they have
-no "before" (null). Each figure is the median over ``--repeat`` rounds of the per-call
+no "before" (null). The ``custom-*`` rows decode against a small non-Criteo schema
+(:data:`CUSTOM_SCHEMA`: N=3; user_id and item_id one id each, history up to 20, two of
+them reading one table), bodies from ``example_request(n, schema=..., multi_hot=True)``
+(seed 2): the fast path must stay fast for any model's schema. Each figure is the median over ``--repeat`` rounds of the per-call
 time (``time.perf_counter``) of a loop sized to ~5 ms; before and after alternate within
 each round, so background load hits both alike.
 """
@@ -36,15 +39,23 @@ from serve.api.protocol import (
     _gc_paused,
     _load_json,
     _parse_doc,
+    _spec_of,
     example_binary,
     example_request,
     parse_body,
 )
 from serve.profiles import SPARSE_FEATURES
+from serve.schema import FeatureSpec, ModelSchema, TableSpec
 
 SIZES = (1, 64, 512)
 OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 ROUND_S = 0.005  # each timed loop runs about this long
+#: A small model unlike the built-in one: 3 dense, 3 features, 2 tables.
+CUSTOM_SCHEMA = ModelSchema(
+    dense=3,
+    tables=(TableSpec("t_user", rows=1000, dim=8), TableSpec("t_item", rows=5000, dim=8)),
+    features=(FeatureSpec("user_id", "t_user", 1), FeatureSpec("item_id", "t_item", 1),
+              FeatureSpec("history", "t_item", 20)))
 
 
 def _multi_hot(n: int, form: str, seed: int = 1) -> dict[str, Any]:
@@ -63,9 +74,9 @@ def _multi_hot(n: int, form: str, seed: int = 1) -> dict[str, Any]:
                        for f in SPARSE_FEATURES}}
 
 
-def _slow(body: bytes, cfg: HandlerConfig) -> Any:
+def _slow(body: bytes, cfg: HandlerConfig, schema: ModelSchema | None = None) -> Any:
     with _gc_paused():
-        return _parse_doc(_load_json(body, cfg), cfg)
+        return _parse_doc(_load_json(body, cfg), cfg, _spec_of(schema))
 
 
 def _per_call(fn: Callable[[], Any], calls: int) -> float:
@@ -82,7 +93,17 @@ def _calls_for(fn: Callable[[], Any]) -> int:
 
 def measure(form: str, n: int, repeat: int, cfg: HandlerConfig) -> dict[str, Any]:
     """One table row: medians in ms over ``repeat`` interleaved rounds."""
-    if form == "binary":
+    if form == "custom-binary":
+        raw = example_binary(n, seed=2, schema=CUSTOM_SCHEMA, multi_hot=True)
+        fns = {"after": lambda: parse_body(raw, cfg, BINARY_MEDIA_TYPE, schema=CUSTOM_SCHEMA)}
+    elif form.startswith("custom-"):
+        doc = example_request(n, seed=2, form=form.removeprefix("custom-"),
+                              schema=CUSTOM_SCHEMA, multi_hot=True)
+        body = orjson.dumps(doc)
+        fns = {"before": lambda: _slow(body, cfg, CUSTOM_SCHEMA),
+               "after": lambda: parse_body(body, cfg, schema=CUSTOM_SCHEMA),
+               "loads": lambda: orjson.loads(body)}
+    elif form == "binary":
         raw = example_binary(n)
         fns = {"after": lambda: parse_body(raw, cfg, BINARY_MEDIA_TYPE)}
     else:
@@ -118,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     cfg = HandlerConfig()
-    forms = ("rows", "columnar", "rows-multihot", "columnar-multihot", "binary")
+    forms = ("rows", "columnar", "rows-multihot", "columnar-multihot", "binary",
+             "custom-rows", "custom-columnar", "custom-binary")
     rows = []
     print(f"{'form':<18} {'instances':>9} {'before_ms':>10} {'after_ms':>9} {'speedup':>8} "
           f"{'loads_ms':>9}")

@@ -267,8 +267,11 @@ class DLRMHandler(BaseHandler):
                 ctypes.append(ctype)
                 keys.append(key)
             with self._batch_guard():
+                # The stable model's request schema (None: the built-in one); a rollout's
+                # candidate is served with it (the sidecar refuses one that differs).
                 outcomes, info = handle_batch(bodies, ctypes, self._predict, self.cfg,
-                                              route_keys=keys, split=self._split())
+                                              route_keys=keys, split=self._split(),
+                                              schema=getattr(self.runtime, "schema", None))
         except Exception:  # a bug, not bad input: answer 500 JSON, keep the worker alive
             logger.exception("DLRM handler failed on a batch of %d requests", len(data))
             err = ServeError("internal error while predicting; see the TorchServe model log")

@@ -229,7 +229,8 @@ HTTP_BAD = [
         "instances[0].sparse: unknown features X1; every instance needs exactly the sparse "
         "features C1..C26 (an empty list [] for no ids)")),
     ("dense wrong length", orjson.dumps(_short), _err(
-        "instances[0].dense: has 12 values; it must have exactly 13 (I1..I13)")),
+        "instances[0].dense: has 12 values; it must have exactly 13 (the model's dense "
+        "features)")),
     ("dense string", _row_dense(3, "x"), _err(
         f'instances[0].dense[3]: "x" is a string, not a number; {DENSE_RULE}')),
     ("dense null", _row_dense(0, None), _err(f"instances[0].dense[0]: null is not a number; {DENSE_RULE}")),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import struct
 
 import numpy as np
@@ -32,7 +33,8 @@ from serve.errors import (
 )
 from serve.model.archive import build_mar, model_config
 from serve.ops.launcher import LaunchConfig, render_ts_config
-from serve.profiles import SPARSE_FEATURES
+from serve.profiles import SPARSE_FEATURES, get_profile
+from serve.schema import FeatureSpec, ModelSchema, TableSpec
 
 CFG = HandlerConfig(max_instances=4, max_ids_per_feature=3, max_body_bytes=100_000)
 
@@ -87,7 +89,8 @@ BAD = [
     ("unknown feature", _set_ids(0, "C27", [1]), InvalidInput,
      r"^instances\[0\].sparse: unknown features C27; every instance needs exactly"),
     ("dense too short", _mut(lambda d: d["instances"][1]["dense"].pop()), InvalidInput,
-     r"^instances\[1\].dense: has 12 values; it must have exactly 13 \(I1..I13\)$"),
+     (r"^instances\[1\].dense: has 12 values; it must have exactly 13 \(the model's dense "
+      r"features\)$")),
     ("dense string", _set_dense(1, 4, "abc"), InvalidInput,
      rf'^instances\[1\].dense\[4\]: "abc" is a string, not a number; {DENSE_RULE}$'),
     ("dense null", _set_dense(0, 0, None), InvalidInput,
@@ -148,7 +151,7 @@ BAD_COLUMNAR = [
     ("missing lengths", _col(lambda d: d["sparse"]["C3"].pop("lengths")),
      r"^sparse.C3: missing keys \['lengths'\]; expected exactly \['lengths', 'values'\]$"),
     ("dense row length", _col(lambda d: d["dense"][0].append(1)),
-     r"^dense\[0\]: has 14 values; it must have exactly 13 \(I1..I13\)$"),
+     r"^dense\[0\]: has 14 values; it must have exactly 13 \(the model's dense features\)$"),
     ("missing feature", _col(lambda d: d["sparse"].pop("C26")),
      r"^sparse: missing features C26; every instance needs exactly"),
     ("too many ids", _col(lambda d: d["sparse"]["C4"].update(values=[1, 2, 3, 4, 5],
@@ -485,7 +488,8 @@ BAD_BINARY = [
     ("version 0", _header("version", 0), InvalidInput,
      "binary body: version is 0; only version 1 is supported"),
     ("F = 25", _header("F", 25), InvalidInput, "binary body: F is 25; it must be 26 (C1..C26)"),
-    ("N = 14", _header("N", 14), InvalidInput, "binary body: N is 14; it must be 13 (I1..I13)"),
+    ("N = 14", _header("N", 14), InvalidInput,
+     "binary body: N is 14; it must be 13 (the model's dense features)"),
     ("B = 0", _header("B", 0), InvalidInput, "binary body: B is 0; send 1 to 4 instances"),
     ("B over max_instances", _bin(5), PayloadTooLarge,
      ("binary body: B=5 instances exceed the limit of 4 per request; split them over several "
@@ -887,3 +891,314 @@ def test_randomly_broken_bodies_get_the_validating_parse_s_result_or_error():
         assert got == _outcome(lambda b: protocol._parse_doc(orjson.loads(b), CFG), body), body
         accepted += isinstance(got[0], tuple)
     assert 150 < accepted < 450  # both outcomes well represented
+
+
+# ----------------------------------------------------------------------------- model schemas
+# The decoders check the served model's schema (serve.schema.ModelSchema), not Criteo's.
+# CUSTOM: N=3 dense; user_id and item_id one id each, history up to 20 ids; item_id and
+# history read one table.
+
+CUSTOM = ModelSchema(
+    dense=3,
+    tables=(TableSpec("t_user", rows=1000, dim=8), TableSpec("t_item", rows=5000, dim=8)),
+    features=(FeatureSpec("user_id", "t_user", 1), FeatureSpec("item_id", "t_item", 1),
+              FeatureSpec("history", "t_item", 20)))
+CUSTOM_NAMES = "user_id, item_id, history"
+WIDE_CFG = HandlerConfig(max_instances=512, max_ids_per_feature=64)  # the model's caps bind
+NARROW_CFG = HandlerConfig(max_instances=512, max_ids_per_feature=3)  # the handler's bind
+# 2 instances, written by hand; sparse keys deliberately not in the schema's order
+CUSTOM_ROWS = {"instances": [
+    {"dense": [1.5, 2, -3.25], "sparse": {"history": [1, 2, 3], "user_id": [7], "item_id": [42]}},
+    {"dense": [0, 0.25, 1e3], "sparse": {"item_id": [43], "history": [], "user_id": [INT64_MAX]}},
+]}
+CUSTOM_COLUMNAR = {"dense": [[1.5, 2, -3.25], [0, 0.25, 1e3]], "sparse": {
+    "history": {"values": [1, 2, 3], "lengths": [3, 0]},
+    "user_id": {"values": [7, INT64_MAX], "lengths": [1, 1]},
+    "item_id": {"values": [42, 43], "lengths": [1, 1]}}}
+CUSTOM_DENSE = np.array([[1.5, 2, -3.25], [0, 0.25, 1e3]], dtype=np.float32)
+CUSTOM_LENGTHS = np.array([[1, 1], [1, 1], [3, 0]], dtype=np.int32)
+CUSTOM_VALUES = np.array([7, INT64_MAX, 42, 43, 1, 2, 3], dtype=np.int64)
+
+
+def _check_custom(p) -> None:
+    assert p.dense.dtype == np.float32 and p.dense.shape == (2, 3)
+    assert p.lengths.dtype == np.int32 and p.lengths.shape == (3, 2)
+    assert p.values.dtype == np.int64 and p.values.shape == (7,)
+    np.testing.assert_array_equal(p.dense, CUSTOM_DENSE)
+    np.testing.assert_array_equal(p.lengths, CUSTOM_LENGTHS)
+    np.testing.assert_array_equal(p.values, CUSTOM_VALUES)  # feature-major, schema order
+
+
+@pytest.mark.parametrize("form", ["rows", "columnar", "binary"])
+def test_custom_schema_bodies_parse_feature_major_in_schema_order(form):
+    if form == "binary":
+        body = encode_binary(CUSTOM_DENSE, CUSTOM_LENGTHS, CUSTOM_VALUES, schema=CUSTOM)
+        assert len(body) == 20 + 4 * 2 * 3 + 4 * 3 * 2 + 8 * 7
+        p = parse_body(body, WIDE_CFG, BINARY_MEDIA_TYPE, schema=CUSTOM)
+    else:
+        doc = CUSTOM_ROWS if form == "rows" else CUSTOM_COLUMNAR
+        body = orjson.dumps(doc)
+        assert protocol._fast_parse(orjson.loads(body), WIDE_CFG,
+                                    protocol._spec_of(CUSTOM)) is not None
+        p = parse_body(body, WIDE_CFG, schema=CUSTOM)
+        _assert_identical(p, protocol._parse_doc(orjson.loads(body), WIDE_CFG,
+                                                 protocol._spec_of(CUSTOM)))
+    _check_custom(p)
+
+
+def _custom(f, form: str = "rows") -> bytes:
+    return _mut(f, CUSTOM_ROWS if form == "rows" else CUSTOM_COLUMNAR)
+
+
+def _custom_bin(dense=CUSTOM_DENSE, lengths=CUSTOM_LENGTHS, schema=CUSTOM) -> bytes:
+    lengths = np.asarray(lengths, dtype=np.int32)
+    rng = np.random.default_rng(5)
+    return encode_binary(dense, lengths, rng.integers(0, 100, size=int(lengths.sum())),
+                         schema=schema)
+
+
+def _csp(i: int, feat: str, v):
+    return lambda d: d["instances"][i]["sparse"].__setitem__(feat, v)
+
+
+_EXPECTED = rf"every instance needs exactly the sparse features {CUSTOM_NAMES} \(an empty list \[\] for no ids\)$"
+
+BAD_CUSTOM = [
+    ("rows: unknown feature", WIDE_CFG, _custom(_csp(1, "C1", [1])),
+     rf"^instances\[1\].sparse: unknown features C1; {_EXPECTED}"),
+    ("rows: missing feature", WIDE_CFG, _custom(lambda d: d["instances"][0]["sparse"].pop("item_id")),
+     rf"^instances\[0\].sparse: missing features item_id; {_EXPECTED}"),
+    ("rows: renamed feature", WIDE_CFG, _custom(lambda d: d["instances"][1]["sparse"].__setitem__(
+        "user", d["instances"][1]["sparse"].pop("user_id"))),
+     rf"^instances\[1\].sparse: missing features user_id; unknown features user; {_EXPECTED}"),
+    ("rows: sparse not an object", WIDE_CFG, _custom(lambda d: d["instances"][0].__setitem__(
+        "sparse", [])),
+     (r'^instances\[0\].sparse: is a JSON array; expected an object \{"user_id": \[ids\], '
+      r'..., "history": \[ids\]\}$')),
+    ("rows: 2 ids in a one-id feature", WIDE_CFG, _custom(_csp(1, "user_id", [1, 2])),
+     (r"^instances\[1\].sparse.user_id: has 2 ids; the model accepts at most 1 id in user_id "
+      r"\(its max_ids\); drop or hash the extra ids$")),
+    ("rows: 21 ids in history", WIDE_CFG, _custom(_csp(0, "history", list(range(21)))),
+     (r"^instances\[0\].sparse.history: has 21 ids; the model accepts at most 20 ids in "
+      r"history \(its max_ids\); drop or hash the extra ids$")),
+    ("rows: the handler's cap is tighter", NARROW_CFG, _custom(_csp(0, "history", [1, 2, 3, 4])),
+     (r"^instances\[0\].sparse.history: has 4 ids; at most 3 ids per feature are allowed; "
+      r"drop or hash the extra ids$")),
+    ("rows: the model's cap is tighter", NARROW_CFG, _custom(_csp(0, "item_id", [1, 2])),
+     r"^instances\[0\].sparse.item_id: has 2 ids; the model accepts at most 1 id in item_id "),
+    ("rows: 13 dense values", WIDE_CFG, _custom(lambda d: d["instances"][1].__setitem__(
+        "dense", [1.0] * 13)),
+     r"^instances\[1\].dense: has 13 values; it must have exactly 3 \(the model's dense features\)$"),
+    ("rows: dense not an array", WIDE_CFG, _custom(lambda d: d["instances"][0].__setitem__(
+        "dense", 1)),
+     (r"^instances\[0\].dense: is a JSON number; expected an array of 3 numbers \(the model's "
+      r"dense features\)$")),
+    ("columnar: unknown feature", WIDE_CFG, _custom(lambda d: d["sparse"].__setitem__(
+        "C1", {"values": [], "lengths": [0, 0]}), "columnar"),
+     rf"^sparse: unknown features C1; {_EXPECTED}"),
+    ("columnar: missing feature", WIDE_CFG, _custom(lambda d: d["sparse"].pop("history"),
+                                                    "columnar"),
+     rf"^sparse: missing features history; {_EXPECTED}"),
+    ("columnar: 2 ids in a one-id feature", WIDE_CFG, _custom(lambda d: d["sparse"].__setitem__(
+        "user_id", {"values": [1, 2, 3], "lengths": [1, 2]}), "columnar"),
+     (r"^sparse.user_id.lengths\[1\]: has 2 ids; the model accepts at most 1 id in user_id "
+      r"\(its max_ids\); drop or hash the extra ids$")),
+    ("columnar: 21 ids in history", WIDE_CFG, _custom(lambda d: d["sparse"].__setitem__(
+        "history", {"values": list(range(21)), "lengths": [0, 21]}), "columnar"),
+     (r"^sparse.history.lengths\[1\]: has 21 ids; the model accepts at most 20 ids in history "
+      r"\(its max_ids\); drop or hash the extra ids$")),
+    ("columnar: the handler's cap is tighter", NARROW_CFG, _custom(lambda d: d["sparse"].__setitem__(
+        "history", {"values": list(range(5)), "lengths": [1, 4]}), "columnar"),
+     r"^sparse.history.lengths\[1\]: has 4 ids; at most 3 ids per feature are allowed; "),
+    ("columnar: 4 dense values", WIDE_CFG, _custom(lambda d: d["dense"][1].append(1.0),
+                                                   "columnar"),
+     r"^dense\[1\]: has 4 values; it must have exactly 3 \(the model's dense features\)$"),
+    ("built-in rows body", WIDE_CFG, orjson.dumps(example_request(1, seed=1)),
+     (r"^instances\[0\].sparse: missing features user_id, item_id, history; unknown features "
+      rf"C1, C10, .*, C9; {_EXPECTED}")),
+    ("built-in columnar body", WIDE_CFG, orjson.dumps(example_request(2, seed=1, form="columnar")),
+     (r"^sparse: missing features user_id, item_id, history; unknown features C1, C10, .*, C9; "
+      rf"{_EXPECTED}")),
+]
+
+
+@pytest.mark.parametrize("name,cfg,body,match", BAD_CUSTOM, ids=[b[0] for b in BAD_CUSTOM])
+def test_custom_schema_errors_name_the_feature_and_the_rule(name, cfg, body, match):
+    spec = protocol._spec_of(CUSTOM)
+    assert protocol._fast_parse(orjson.loads(body), cfg, spec) is None
+    with pytest.raises(InvalidInput, match=match):
+        parse_body(body, cfg, schema=CUSTOM)
+    outs, _ = handle_batch([body], [JSON_MEDIA_TYPE], _no_forward, cfg, schema=CUSTOM)
+    assert outs[0].status == 400  # the handler's route: a 400 JSON body naming the same
+    got = orjson.loads(outs[0].body)
+    assert got["type"] == "InvalidInput" and re.search(match, got["message"])
+
+
+def _no_forward(m):
+    raise AssertionError("no forward for a refused body")
+
+
+BAD_CUSTOM_BINARY = [
+    ("built-in body", example_binary(2, seed=1),
+     f"binary body: F is 26; it must be 3 ({CUSTOM_NAMES})"),
+    ("N = 4", _custom_bin(np.zeros((2, 4)), schema=ModelSchema(4, CUSTOM.tables, CUSTOM.features)),
+     "binary body: N is 4; it must be 3 (the model's dense features)"),
+    ("2 ids in a one-id feature", _custom_bin(lengths=[[1, 2], [1, 1], [0, 0]]),
+     ("binary body: lengths[user_id][1] is 2; the model accepts at most 1 id in user_id (its "
+      "max_ids); drop or hash the extra ids")),
+    ("21 ids in history", _custom_bin(lengths=[[1, 1], [1, 1], [21, 0]]),
+     ("binary body: lengths[history][0] is 21; the model accepts at most 20 ids in history "
+      "(its max_ids); drop or hash the extra ids")),
+]
+
+
+@pytest.mark.parametrize("name,body,message", BAD_CUSTOM_BINARY,
+                         ids=[b[0] for b in BAD_CUSTOM_BINARY])
+def test_custom_schema_binary_errors(name, body, message):
+    with pytest.raises(InvalidInput) as e:
+        parse_body(body, WIDE_CFG, BINARY_MEDIA_TYPE, schema=CUSTOM)
+    assert e.value.message == message
+
+
+def test_custom_schema_binary_caps_under_a_tighter_handler_cap():
+    body = _custom_bin(lengths=[[1, 1], [1, 1], [2, 4]])
+    with pytest.raises(InvalidInput) as e:
+        parse_body(body, NARROW_CFG, BINARY_MEDIA_TYPE, schema=CUSTOM)
+    assert e.value.message == ("binary body: lengths[history][1] is 4; at most 3 ids per "
+                               "feature are allowed; drop or hash the extra ids")
+    ok = parse_body(_custom_bin(lengths=[[1, 1], [1, 1], [20, 3]]), WIDE_CFG, BINARY_MEDIA_TYPE,
+                    schema=CUSTOM)
+    assert ok.lengths.tolist() == [[1, 1], [1, 1], [20, 3]]
+
+
+@pytest.mark.parametrize("n", [1, 7, 100])  # 100: 300 cells, the numpy branches
+@pytest.mark.parametrize("multi_hot", [False, True], ids=["one-hot", "multi-hot"])
+@pytest.mark.parametrize("form", ["rows", "columnar"])
+def test_custom_schema_fast_path_equals_the_validating_parse(form, multi_hot, n):
+    spec = protocol._spec_of(CUSTOM)
+    for seed in range(8):
+        doc = example_request(n, seed=seed, form=form, schema=CUSTOM, multi_hot=multi_hot,
+                              max_id=INT64_MAX)
+        body = orjson.dumps(doc)
+        fast = protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec)
+        assert fast is not None, f"seed {seed}: the fast path refused a valid body"
+        slow = protocol._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        _assert_identical(fast, slow)
+        _assert_identical(parse_body(body, WIDE_CFG, schema=CUSTOM), slow)
+        assert slow.dense.shape == (n, 3) and slow.lengths.shape == (3, n)
+        if multi_hot:
+            assert slow.lengths[:2].max() <= 1 and slow.lengths[2].max() <= 20
+        binary = parse_body(example_binary(n, seed=seed, schema=CUSTOM, multi_hot=multi_hot,
+                                           max_id=INT64_MAX), WIDE_CFG, BINARY_MEDIA_TYPE,
+                            schema=CUSTOM)
+        _assert_same(binary, slow)
+
+
+def _custom_many(n: int, f) -> bytes:
+    """A valid n-instance one-hot custom body (history: 2 ids each), changed by ``f``."""
+    doc = example_request(n, seed=9, schema=CUSTOM)
+    for inst in doc["instances"]:
+        inst["sparse"]["history"] = [5, 6]
+    return _mut(f, doc)
+
+
+def _custom_many_columnar(n: int, f) -> bytes:
+    doc = example_request(n, seed=9, form="columnar", schema=CUSTOM)
+    doc["sparse"]["history"] = {"values": list(range(2 * n)), "lengths": [2] * n}
+    return _mut(f, doc)
+
+
+# caps between the smallest and the largest: the fast path's per-feature check, with
+# Python's reductions (few cells) and numpy's (many)
+def _custom_fast_bad(n: int) -> list[tuple[str, bytes]]:
+    item = {"values": list(range(n + 1)), "lengths": [1] * (n - 1) + [2]}
+    history = {"values": list(range(21 + 2 * (n - 1))), "lengths": [21] + [2] * (n - 1)}
+    return [
+        (f"rows, {n} instances: 2 ids in user_id", _custom_many(n, _csp(n - 1, "user_id", [1, 2]))),
+        (f"rows, {n} instances: 21 ids in history",
+         _custom_many(n, _csp(0, "history", list(range(21))))),
+        (f"columnar, {n} instances: 2 ids in item_id",
+         _custom_many_columnar(n, lambda d: d["sparse"].__setitem__("item_id", item))),
+        (f"columnar, {n} instances: 21 ids in history",
+         _custom_many_columnar(n, lambda d: d["sparse"].__setitem__("history", history))),
+    ]
+
+
+CUSTOM_FAST_BAD = _custom_fast_bad(1) + _custom_fast_bad(30)
+
+
+@pytest.mark.parametrize("name,body", CUSTOM_FAST_BAD, ids=[b[0] for b in CUSTOM_FAST_BAD])
+def test_custom_schema_fast_path_refuses_what_exceeds_a_feature_s_cap(name, body):
+    spec = protocol._spec_of(CUSTOM)
+    assert protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec) is None
+    with pytest.raises(InvalidInput, match=r"the model accepts at most (1 id|20 ids) in "):
+        parse_body(body, WIDE_CFG, schema=CUSTOM)
+
+
+def test_custom_schema_in_a_batch_one_forward_and_a_built_in_body_gets_400():
+    seen: list = []
+
+    def predict(m):
+        seen.append((m.dense.shape, m.lengths.shape, m.sizes))
+        return np.full(m.dense.shape[0], 0.25, dtype=np.float32)
+
+    bodies = [orjson.dumps(CUSTOM_ROWS), orjson.dumps(example_request(1, seed=2)),
+              example_binary(3, seed=4, schema=CUSTOM, multi_hot=True), example_binary(1)]
+    ctypes = [None, None, BINARY_MEDIA_TYPE, BINARY_MEDIA_TYPE]
+    outs, _ = handle_batch(bodies, ctypes, predict, WIDE_CFG, schema=CUSTOM)
+    assert [o.status for o in outs] == [200, 400, 200, 400]
+    assert seen == [((5, 3), (3, 5), [2, 3])]
+    assert orjson.loads(outs[0].body) == {"predictions": [0.25, 0.25]}
+    assert orjson.loads(outs[1].body)["message"].startswith(
+        "instances[0].sparse: missing features user_id, item_id, history; unknown features C1")
+    assert orjson.loads(outs[3].body)["message"] == (
+        f"binary body: F is 26; it must be 3 ({CUSTOM_NAMES})")
+
+
+def test_the_default_schema_is_the_built_in_model_s():
+    assert protocol.DEFAULT_SCHEMA == get_profile("small").schema()
+    body = orjson.dumps(example_request(2, seed=6, form="columnar"))
+    _assert_identical(parse_body(body, CFG, schema=protocol.DEFAULT_SCHEMA), parse_body(body, CFG))
+    # other tables (rows, dims, dtype), the same requests: one set of decoder helpers
+    tiny = get_profile("tiny").schema("int4")
+    assert tiny != protocol.DEFAULT_SCHEMA and not tiny.request_differences(protocol.DEFAULT_SCHEMA)
+    assert protocol._spec_of(None) is protocol._spec_of(tiny)
+    with pytest.raises(TypeError, match=r"^schema must be a serve.schema.ModelSchema or None"):
+        parse_body(body, CFG, schema={"dense": 13})  # type: ignore[arg-type]
+
+
+def test_feature_names_in_messages_are_listed_in_order():
+    assert protocol._names_text(SPARSE_FEATURES) == "C1..C26"
+    assert protocol._names_text(("f1", "f2", "f3")) == "f1..f3"
+    assert protocol._names_text(("f1", "f3", "f2")) == "f1, f3, f2"
+    assert protocol._names_text(("a1", "a2")) == "a1, a2"
+    assert protocol._names_text(("user_id", "item_id", "history")) == CUSTOM_NAMES
+
+
+ONE_FEATURE = ModelSchema(dense=0, tables=(TableSpec("t", rows=10, dim=4),),
+                          features=(FeatureSpec("q", "t", 4),))
+
+
+@pytest.mark.parametrize("multi_hot", [False, True], ids=["one-hot", "multi-hot"])
+@pytest.mark.parametrize("n", [1, 3, 80])
+def test_one_feature_and_no_dense_features(multi_hot, n):
+    """F = 1 (no tuple from a one-key itemgetter) and N = 0 (empty dense rows)."""
+    spec = protocol._spec_of(ONE_FEATURE)
+    for form in ("rows", "columnar"):
+        body = orjson.dumps(example_request(n, seed=n, form=form, schema=ONE_FEATURE,
+                                            multi_hot=multi_hot))
+        fast = protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec)
+        assert fast is not None
+        slow = protocol._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        _assert_identical(fast, slow)
+        assert slow.dense.shape == (n, 0) and slow.lengths.shape == (1, n)
+        binary = parse_body(example_binary(n, seed=n, schema=ONE_FEATURE, multi_hot=multi_hot),
+                            WIDE_CFG, BINARY_MEDIA_TYPE, schema=ONE_FEATURE)
+        _assert_same(binary, slow)
+    bad = orjson.dumps({"instances": [{"dense": [], "sparse": {"q": [1, 2, 3, 4, 5]}}]})
+    with pytest.raises(InvalidInput, match=r"^instances\[0\].sparse.q: has 5 ids; the model "
+                                           r"accepts at most 4 ids in q \(its max_ids\)"):
+        parse_body(bad, WIDE_CFG, schema=ONE_FEATURE)
+    with pytest.raises(InvalidInput, match=r"^instances\[0\].sparse: is a JSON array; expected "
+                                           r'an object \{"q": \[ids\]\}$'):
+        parse_body(b'{"instances": [{"dense": [], "sparse": []}]}', WIDE_CFG, schema=ONE_FEATURE)

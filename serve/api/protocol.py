@@ -3,11 +3,16 @@
 No TorchServe import: ``handlers/dlrm_handler.py`` adapts this to TorchServe, and the
 tests drive it directly.
 
-Shapes: B samples, F = 26 sparse features (C1..C26), N = 13 dense features (I1..I13),
-nnz = total ids of a batch.
+Requests are decoded against the served model's schema (:class:`serve.schema.ModelSchema`,
+passed as ``schema=`` to :func:`parse_body` and :func:`handle_batch`; default
+:data:`DEFAULT_SCHEMA`, the built-in DLRM: N = 13 dense features, F = 26 sparse features
+C1..C26, at most 64 ids each). Shapes: B samples, F sparse features (the schema's
+``feature_names``, in that order), N dense features (``schema.dense``), nnz = total ids
+of a batch. A feature may carry at most ``min(schema.max_ids[f], max_ids_per_feature)``
+ids per instance.
 
 Three request forms, all answered with ``{"predictions": [p_0, ..., p_{B-1}]}`` (JSON,
-click probabilities in (0, 1), in request order):
+click probabilities in (0, 1), in request order). For the built-in schema:
 
 * rows::
 
@@ -28,8 +33,8 @@ click probabilities in (0, 1), in request order):
       0               4         magic b"DLRM"
       4               4         uint32 version = 1
       8               4         uint32 B  (instances, 1..max_instances)
-      12              4         uint32 F  (must be 26)
-      16              4         uint32 N  (must be 13)
+      12              4         uint32 F  (must be the model's F: 26 built in)
+      16              4         uint32 N  (must be the model's N: 13 built in)
       20              4*B*N     dense   float32 (B, N) row-major
       20+4BN          4*F*B     lengths int32 (F, B) feature-major: ids of feature f, sample b
       20+4BN+4FB      8*nnz     values  int64 (nnz,) feature-major, nnz = sum(lengths)
@@ -39,11 +44,11 @@ click probabilities in (0, 1), in request order):
   bytearray TorchServe hands over is; copies otherwise) into the same
   :class:`ParsedRequest` the JSON forms give, so merging, the forward and the response
   are shared. Rules as for JSON: B >= 1 (more than ``max_instances`` -> 413), lengths in
-  [0, ``max_ids_per_feature``], ids >= 0, dense finite. ``values`` starts 8-byte aligned
-  only for odd B (20 + 156*B bytes in); for even B it is copied (a memcpy: 3 us for the
-  13k ids of 512 one-hot instances, whose whole parse takes ~35 us). Not worth it for a
-  few instances per request, where decoding is not the limit: use JSON there (readable,
-  curl-able).
+  [0, the feature's cap], ids >= 0, dense finite. ``values`` starts 8-byte aligned
+  only when 20 + 4*B*(N+F) is a multiple of 8 (built in: odd B); otherwise it is copied
+  (a memcpy: 3 us for the 13k ids of 512 one-hot instances, whose whole parse takes
+  ~35 us). Not worth it for a few instances per request, where decoding is not the
+  limit: use JSON there (readable, curl-able).
 
 Ids are JSON integers in [0, 2^63-1], parsed exactly (orjson keeps 64-bit integers;
 nothing goes through float) or int64 in the binary form. Dense values are finite numbers
@@ -68,6 +73,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -84,14 +90,16 @@ from serve.errors import (
     ServeError,
     UnsupportedMediaType,
 )
-from serve.profiles import NUM_DENSE, SPARSE_FEATURES
+from serve.profiles import get_profile
 from serve.routing import MODES, ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS
+from serve.schema import ModelSchema
 from serve.state import VERSION_RE
 
 __all__ = [
     "BINARY_MEDIA_TYPE",
     "BINARY_VERSION",
     "CACHE_ON_CPU_ENV",
+    "DEFAULT_SCHEMA",
     "DELTA_DIR_ENV",
     "INT64_MAX",
     "JSON_MEDIA_TYPE",
@@ -121,7 +129,6 @@ logger = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
 _F32_MAX = float(np.finfo(np.float32).max)
-_FEATURE_SET = frozenset(SPARSE_FEATURES)
 _INSTANCE_KEYS = frozenset(("dense", "sparse"))
 _COLUMN_KEYS = frozenset(("values", "lengths"))
 _ID_RULE = "ids must be JSON integers in [0, 2^63-1]"
@@ -142,6 +149,143 @@ _HEADER = np.dtype([("magic", "S4"), ("version", "<u4"), ("b", "<u4"), ("f", "<u
 _HEADER_BYTES = _HEADER.itemsize  # 20
 _BINARY_DENSE_RULE = "dense values must be finite"
 _LENGTH_RULE = "lengths must be integers >= 0"
+
+#: The built-in DLRM's request schema (N = 13, F = 26: C1..C26, at most 64 ids each): what
+#: the decoders check when no ``schema`` is given.
+DEFAULT_SCHEMA: ModelSchema = get_profile("small").schema()
+
+
+def _names_text(names: Sequence[str]) -> str:
+    """Feature names for messages, in order: ``C1..C26`` when they are a prefix numbered
+    1..F (F >= 3), else all of them comma-separated."""
+    m = re.fullmatch(r"(.*?)1", names[0]) if len(names) >= 3 else None
+    if m is not None and all(n == f"{m.group(1)}{i}" for i, n in enumerate(names, 1)):
+        return f"{names[0]}..{names[-1]}"
+    return ", ".join(names)
+
+
+class _Caps:
+    """The effective most ids per feature for one ``cfg.max_ids_per_feature``.
+
+    Attributes:
+        arr: int64 (F,) ``min(schema.max_ids[f], cfg_cap)``.
+        lo, hi: its min and max (``lo == hi``: one cap for every feature, a scalar check).
+        by_model: per feature, whether the schema's max_ids is the tighter bound (the
+            message then names the model's limit, not the handler's).
+    """
+
+    __slots__ = ("_cells", "arr", "by_model", "hi", "lo")
+
+    def __init__(self, max_ids: tuple[int, ...], cfg_cap: int) -> None:
+        self.arr = np.minimum(np.array(max_ids, dtype=np.int64), cfg_cap)
+        self.lo, self.hi = int(self.arr.min()), int(self.arr.max())
+        self.by_model = tuple(m < cfg_cap for m in max_ids)
+        self._cells: dict[int, tuple[int, ...]] = {}
+
+    def per_cell(self, n: int) -> tuple[int, ...]:
+        """The cap of each (feature, sample) cell of B = ``n`` samples, feature-major
+        (F*n,): for Python's reductions over small requests (memoized per n)."""
+        t = self._cells.get(n)
+        if t is None:
+            if len(self._cells) >= 64:
+                self._cells.clear()
+            t = self._cells[n] = tuple(c for c in self.arr.tolist() for _ in range(n))
+        return t
+
+    def exceeded(self, lengths: np.ndarray) -> np.ndarray | None:
+        """lengths (F, B) -> bool (F, B) where a cap is exceeded, or None: none is."""
+        if not lengths.size or int(lengths.max()) <= self.lo:
+            return None
+        over = lengths > self.arr[:, None]
+        return over if over.any() else None
+
+
+class _Spec:
+    """What the decoders need of one request schema, computed once (:func:`_spec_of`).
+
+    Only the request-facing part of a schema matters (N, the feature names in order,
+    max ids per feature; :meth:`ModelSchema.request_differences`): models that differ in
+    table rows, dims or dtypes share one ``_Spec``.
+
+    Attributes:
+        names: the F feature names, request order.
+        name_set: frozenset of ``names``.
+        features_of: a dict -> the tuple of its F values in request order (an
+            ``operator.itemgetter``; KeyError when one is missing).
+        nf, nd: F and N.
+        max_ids: the schema's most ids of each feature (F,).
+        names_text: the names as the messages show them (:func:`_names_text`).
+    """
+
+    __slots__ = ("_caps", "features_of", "max_ids", "name_set", "names", "names_text", "nd",
+                 "nf")
+
+    def __init__(self, dense: int, names: tuple[str, ...], max_ids: tuple[int, ...]) -> None:
+        self.names = names
+        self.name_set = frozenset(names)
+        self.nf, self.nd = len(names), dense
+        self.max_ids = max_ids
+        if self.nf == 1:  # itemgetter of one key returns the value, not a 1-tuple
+            only = self.names[0]
+            self.features_of: Callable[[Any], tuple] = lambda d: (d[only],)
+        else:
+            self.features_of = operator.itemgetter(*self.names)
+        self.names_text = _names_text(self.names)
+        self._caps: dict[int, _Caps] = {}
+
+    def caps(self, cfg_cap: int) -> _Caps:
+        """The effective caps under ``cfg.max_ids_per_feature == cfg_cap`` (memoized)."""
+        c = self._caps.get(cfg_cap)
+        if c is None:
+            if len(self._caps) >= 16:
+                self._caps.clear()
+            c = self._caps[cfg_cap] = _Caps(self.max_ids, cfg_cap)
+        return c
+
+    def sparse_example(self, cell: str) -> str:
+        """``{"C1": <cell>, ..., "C26": <cell>}`` for messages (all names when F <= 2)."""
+        if self.nf <= 2:
+            return "{" + ", ".join(f'"{n}": {cell}' for n in self.names) + "}"
+        return f'{{"{self.names[0]}": {cell}, ..., "{self.names[-1]}": {cell}}}'
+
+
+@lru_cache(maxsize=16)
+def _build_spec(dense: int, names: tuple[str, ...], max_ids: tuple[int, ...]) -> _Spec:
+    return _Spec(dense, names, max_ids)
+
+
+def _request_key(schema: ModelSchema) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
+    """What requests must match of ``schema``: (N, feature names, max ids per feature)."""
+    return schema.dense, schema.feature_names, schema.max_ids
+
+
+_DEFAULT_SPEC = _build_spec(*_request_key(DEFAULT_SCHEMA))
+# id(schema) -> (schema, spec): reading a ModelSchema's request key costs ~5 us (and
+# hashing it ~7 us), a good part of a small request's fast path; an identity hit ~0.1 us.
+_SPEC_BY_ID: dict[int, tuple[ModelSchema, _Spec]] = {}
+
+
+def _spec_of(schema: ModelSchema | None) -> _Spec:
+    """The decoders' helpers for ``schema`` (None: :data:`DEFAULT_SCHEMA`), built once per
+    request schema (``functools.lru_cache`` keyed by N, names and max ids) and found by
+    the schema object's identity afterwards.
+
+    Raises:
+        TypeError: ``schema`` is not a ModelSchema.
+    """
+    if schema is None:
+        return _DEFAULT_SPEC
+    hit = _SPEC_BY_ID.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    if not isinstance(schema, ModelSchema):
+        raise TypeError(f"schema must be a serve.schema.ModelSchema or None, got "
+                        f"{type(schema).__name__}")
+    spec = _build_spec(*_request_key(schema))
+    if len(_SPEC_BY_ID) >= 16:
+        _SPEC_BY_ID.clear()
+    _SPEC_BY_ID[id(schema)] = (schema, spec)
+    return spec
 
 
 def default_num_threads(workers: int, cores: int | None = None) -> int:
@@ -443,28 +587,41 @@ class _gc_paused:  # lower case: used like a function, ``with _gc_paused():``
 
 
 def parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
-               media_type: str = JSON_MEDIA_TYPE) -> ParsedRequest:
-    """Decode and validate one request body (any form).
+               media_type: str = JSON_MEDIA_TYPE, *,
+               schema: ModelSchema | None = None) -> ParsedRequest:
+    """Decode and validate one request body (any form) against the model's schema.
 
     Args:
         body: the raw body. JSON may also come as str; binary must be bytes-like.
         media_type: what :func:`check_content_type` returned for the request.
+        schema: the served model's schema: its F feature names (and order), N dense
+            features and max ids per feature; None: :data:`DEFAULT_SCHEMA`.
+    Returns:
+        ParsedRequest: dense float32 (B, N), lengths int32 (F, B), values int64 (nnz,)
+        feature-major in ``schema.feature_names`` order.
     Raises:
         PayloadTooLarge: body over ``cfg.max_body_bytes`` or more than ``cfg.max_instances``.
         InvalidInput: anything else wrong, with the field path in the message.
         ValueError: ``media_type`` is neither JSON_MEDIA_TYPE nor BINARY_MEDIA_TYPE.
+        TypeError: ``schema`` is not a ModelSchema.
     """
+    return _parse_any(body, cfg, media_type, _spec_of(schema))
+
+
+def _parse_any(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
+               media_type: str, spec: _Spec) -> ParsedRequest:
+    """:func:`parse_body` with the schema's helpers resolved."""
     if media_type == BINARY_MEDIA_TYPE:
         if isinstance(body, str):
             raise InvalidInput("binary body: arrived as text; send the raw bytes from "
                                "encode_binary")
         _check_size(memoryview(body).nbytes, cfg)
-        return _parse_binary(body, cfg)
+        return _parse_binary(body, cfg, spec)
     if media_type != JSON_MEDIA_TYPE:
         raise ValueError(f"media_type {media_type!r} must be {JSON_MEDIA_TYPE!r} or "
                          f"{BINARY_MEDIA_TYPE!r}")
     with _gc_paused():
-        return _parse_body(body, cfg)
+        return _parse_body(body, cfg, spec)
 
 
 def _check_size(size: int, cfg: HandlerConfig) -> None:
@@ -474,12 +631,13 @@ def _check_size(size: int, cfg: HandlerConfig) -> None:
             "split the instances over several requests")
 
 
-def _parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> ParsedRequest:
+def _parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
+                spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
     doc = _load_json(body, cfg)
     # The common valid body takes the fast path; anything it does not prove valid goes
     # through the validating parse, which raises the precise error (or accepts it).
-    parsed = _fast_parse(doc, cfg)
-    return parsed if parsed is not None else _parse_doc(doc, cfg)
+    parsed = _fast_parse(doc, cfg, spec)
+    return parsed if parsed is not None else _parse_doc(doc, cfg, spec)
 
 
 def _load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> Any:
@@ -496,9 +654,10 @@ def _load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -
                            "are not JSON numbers)") from None
 
 
-def _parse_doc(doc: Any, cfg: HandlerConfig) -> ParsedRequest:
-    """The validating parse of a decoded body: checks every rule in order and raises the
-    first violation with its field path. The reference for :func:`_fast_parse`."""
+def _parse_doc(doc: Any, cfg: HandlerConfig, spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
+    """The validating parse of a decoded body against ``spec``'s schema: checks every rule
+    in order and raises the first violation with its field path. The reference for
+    :func:`_fast_parse`."""
     if not isinstance(doc, dict):
         raise InvalidInput(
             f"body is a JSON {_json_type(doc)}; expected an object "
@@ -508,9 +667,9 @@ def _parse_doc(doc: Any, cfg: HandlerConfig) -> ParsedRequest:
         if keys != {"instances"}:
             raise InvalidInput(f"body: unknown keys {sorted(keys - {'instances'})} next to "
                                '"instances"; the row form has only "instances"')
-        return _parse_rows(doc["instances"], cfg)
+        return _parse_rows(doc["instances"], cfg, spec)
     if keys == {"dense", "sparse"}:
-        return _parse_columnar(doc["dense"], doc["sparse"], cfg)
+        return _parse_columnar(doc["dense"], doc["sparse"], cfg, spec)
     raise InvalidInput(
         f"body has keys {sorted(keys)}; expected {{\"instances\": [...]}} (rows) "
         'or {"dense": [...], "sparse": {...}} (columnar)')
@@ -555,20 +714,21 @@ def _check_count(n: int, what: str, cfg: HandlerConfig) -> None:
             "split them over several requests")
 
 
-def _dense_matrix(rows: Any, path: Callable[[int], str]) -> np.ndarray:
-    """list of B lists of N numbers -> float32 (B, N), or InvalidInput naming the cell."""
+def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
+    """list of B lists of N = ``nd`` numbers -> float32 (B, N), or InvalidInput naming the
+    cell."""
     types = set(map(type, rows))
     if types != {list}:
         for i, r in enumerate(rows):
             if not isinstance(r, list):
                 raise InvalidInput(f"{path(i)}: is a JSON {_json_type(r)}; expected an array "
-                                   f"of {NUM_DENSE} numbers (I1..I13)")
+                                   f"of {nd} numbers (the model's dense features)")
     lens = set(map(len, rows))
-    if lens != {NUM_DENSE}:
+    if lens != {nd}:
         for i, r in enumerate(rows):
-            if len(r) != NUM_DENSE:
+            if len(r) != nd:
                 raise InvalidInput(f"{path(i)}: has {len(r)} values; it must have exactly "
-                                   f"{NUM_DENSE} (I1..I13)")
+                                   f"{nd} (the model's dense features)")
     cell_types = set(map(type, chain.from_iterable(rows)))
     if not cell_types <= {int, float}:
         for i, r in enumerate(rows):
@@ -579,6 +739,7 @@ def _dense_matrix(rows: Any, path: Callable[[int], str]) -> np.ndarray:
         wide = np.array(rows, dtype=np.float64)
     except OverflowError:  # an integer beyond float64: cannot happen via orjson, kept safe
         wide = np.array([[float(v) for v in r] for r in rows], dtype=np.float64)
+    wide = wide.reshape(len(rows), nd)  # (B, 0) when the model has no dense features
     bad = ~(np.abs(wide) <= _F32_MAX)  # also catches NaN (comparison is False)
     if bad.any():
         i, j = map(int, np.argwhere(bad)[0])
@@ -623,15 +784,26 @@ def _id_problem(v: Any) -> str | None:
     return f"{_not_a(v, 'integer')}; {_ID_RULE}"
 
 
-def _lengths_cap(lengths: np.ndarray, cap: int, where: Callable[[int, int], str]) -> None:
-    """lengths (F, B): every entry <= cap, else InvalidInput at (f, b)."""
-    if lengths.size and int(lengths.max()) > cap:
-        f, b = map(int, np.argwhere(lengths > cap)[0])
-        raise InvalidInput(f"{where(f, b)}: has {int(lengths[f, b])} ids; at most {cap} ids "
-                           "per feature are allowed; drop or hash the extra ids")
+def _cap_rule(caps: _Caps, f: int, spec: _Spec) -> str:
+    """Why feature ``f`` may carry no more ids, as the tail of a message."""
+    cap = int(caps.arr[f])
+    if caps.by_model[f]:
+        return (f"the model accepts at most {cap} id{'s' if cap != 1 else ''} in "
+                f"{spec.names[f]} (its max_ids); drop or hash the extra ids")
+    return f"at most {cap} ids per feature are allowed; drop or hash the extra ids"
 
 
-def _parse_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest:
+def _lengths_cap(lengths: np.ndarray, caps: _Caps, spec: _Spec,
+                 where: Callable[[int, int], str]) -> None:
+    """lengths (F, B): every entry within its feature's cap, else InvalidInput at (f, b)."""
+    over = caps.exceeded(lengths)
+    if over is not None:
+        f, b = map(int, np.argwhere(over)[0])
+        raise InvalidInput(f"{where(f, b)}: has {int(lengths[f, b])} ids; "
+                           f"{_cap_rule(caps, f, spec)}")
+
+
+def _parse_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedRequest:
     if not isinstance(instances, list):
         raise InvalidInput(f"instances: is a JSON {_json_type(instances)}; expected an array "
                            "of objects {\"dense\": [...], \"sparse\": {...}}")
@@ -645,26 +817,30 @@ def _parse_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest:
     for i, inst in enumerate(instances):
         if inst.keys() != _INSTANCE_KEYS:
             _key_error(f"instances[{i}]", set(inst), _INSTANCE_KEYS)
-    dense = _dense_matrix([inst["dense"] for inst in instances], lambda i: f"instances[{i}].dense")
     sparse = [inst["sparse"] for inst in instances]
+    names = spec.names
+    # Feature names before the dense values: a body meant for another model is told which
+    # features this one takes, not only that its dense count is off.
     for i, sp in enumerate(sparse):
         if not isinstance(sp, dict):
             raise InvalidInput(f"instances[{i}].sparse: is a JSON {_json_type(sp)}; expected an "
-                               'object {"C1": [ids], ..., "C26": [ids]}')
-        if sp.keys() != _FEATURE_SET:
-            _feature_error(f"instances[{i}].sparse", set(sp))
+                               f"object {spec.sparse_example('[ids]')}")
+        if sp.keys() != spec.name_set:
+            _feature_error(f"instances[{i}].sparse", set(sp), spec)
+    dense = _dense_matrix([inst["dense"] for inst in instances],
+                          lambda i: f"instances[{i}].dense", spec.nd)
     # per_feature[f][b]: the id list of feature f for instance b (F x B)
-    per_feature = [[sp[f] for sp in sparse] for f in SPARSE_FEATURES]
+    per_feature = [[sp[f] for sp in sparse] for f in names]
     cells = list(chain.from_iterable(per_feature))
     if set(map(type, cells)) != {list}:
         for k, c in enumerate(cells):
             if not isinstance(c, list):
                 f, b = divmod(k, n)
-                raise InvalidInput(f"instances[{b}].sparse.{SPARSE_FEATURES[f]}: is a JSON "
+                raise InvalidInput(f"instances[{b}].sparse.{names[f]}: is a JSON "
                                    f"{_json_type(c)}; expected an array of ids, e.g. [42]")
-    lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells)).reshape(len(SPARSE_FEATURES), n)
-    _lengths_cap(lengths, cfg.max_ids_per_feature,
-                 lambda f, b: f"instances[{b}].sparse.{SPARSE_FEATURES[f]}")
+    lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells)).reshape(spec.nf, n)
+    _lengths_cap(lengths, spec.caps(cfg.max_ids_per_feature), spec,
+                 lambda f, b: f"instances[{b}].sparse.{names[f]}")
     flat = list(chain.from_iterable(cells))
 
     def where(k: int) -> str:
@@ -672,27 +848,30 @@ def _parse_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest:
         cell = int(np.searchsorted(ends, k, side="right"))
         f, b = divmod(cell, n)
         start = int(ends[cell - 1]) if cell else 0
-        return f"instances[{b}].sparse.{SPARSE_FEATURES[f]}[{k - start}]"
+        return f"instances[{b}].sparse.{names[f]}[{k - start}]"
 
     values = _ids_array(flat, where)
     return ParsedRequest(dense, lengths, values)
 
 
-def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedRequest:
+def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig,
+                    spec: _Spec) -> ParsedRequest:
     if not isinstance(dense_rows, list):
         raise InvalidInput(f"dense: is a JSON {_json_type(dense_rows)}; expected an array of "
-                           f"B arrays of {NUM_DENSE} numbers")
+                           f"B arrays of {spec.nd} numbers")
     n = len(dense_rows)
     _check_count(n, "dense", cfg)
-    dense = _dense_matrix(dense_rows, lambda i: f"dense[{i}]")
+    # Feature names before the dense values, as in the row form.
     if not isinstance(sparse, dict):
         raise InvalidInput(f"sparse: is a JSON {_json_type(sparse)}; expected an object "
-                           '{"C1": {"values": [...], "lengths": [...]}, ...}')
-    if sparse.keys() != _FEATURE_SET:
-        _feature_error("sparse", set(sparse))
-    lengths = np.empty((len(SPARSE_FEATURES), n), dtype=np.int32)
+                           f'{{"{spec.names[0]}": {{"values": [...], "lengths": [...]}}, ...}}')
+    if sparse.keys() != spec.name_set:
+        _feature_error("sparse", set(sparse), spec)
+    dense = _dense_matrix(dense_rows, lambda i: f"dense[{i}]", spec.nd)
+    caps = spec.caps(cfg.max_ids_per_feature)
+    lengths = np.empty((spec.nf, n), dtype=np.int32)
     chunks: list[np.ndarray] = []
-    for fi, f in enumerate(SPARSE_FEATURES):
+    for fi, f in enumerate(spec.names):
         col = sparse[f]
         p = f"sparse.{f}"
         if not isinstance(col, dict):
@@ -712,11 +891,11 @@ def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedR
                 if type(v) is not int or v < 0:
                     raise InvalidInput(f"{p}.lengths[{b}]: {_show(v)} is not a count; lengths "
                                        "must be integers >= 0")
-        if max(lens) > cfg.max_ids_per_feature:
-            b = next(b for b, v in enumerate(lens) if v > cfg.max_ids_per_feature)
-            raise InvalidInput(f"{p}.lengths[{b}]: has {lens[b]} ids; at most "
-                               f"{cfg.max_ids_per_feature} ids per feature are allowed; "
-                               "drop or hash the extra ids")
+        cap = int(caps.arr[fi])
+        if max(lens) > cap:
+            b = next(b for b, v in enumerate(lens) if v > cap)
+            raise InvalidInput(f"{p}.lengths[{b}]: has {lens[b]} ids; "
+                               f"{_cap_rule(caps, fi, spec)}")
         total = sum(lens)
         if total != len(vals):
             raise InvalidInput(f"{p}: lengths sum to {total} but values has {len(vals)} ids; "
@@ -741,30 +920,28 @@ def _key_error(path: str, got: set, want: frozenset) -> None:
     raise InvalidInput(f"{path}: {'; '.join(parts)}; expected exactly {sorted(want)}")
 
 
-def _feature_error(path: str, got: set) -> None:
-    order = {f: i for i, f in enumerate(SPARSE_FEATURES)}
-    missing = sorted(_FEATURE_SET - got, key=order.__getitem__)
-    unknown = sorted(map(str, got - _FEATURE_SET))
+def _feature_error(path: str, got: set, spec: _Spec) -> None:
+    """Name the missing and unknown features at ``path`` and list the model's, in order."""
+    missing = [f for f in spec.names if f not in got]
+    unknown = sorted(map(str, got - spec.name_set))
     parts = []
     if missing:
         parts.append(f"missing features {', '.join(missing)}")
     if unknown:
         parts.append(f"unknown features {', '.join(unknown)}")
     raise InvalidInput(f"{path}: {'; '.join(parts)}; every instance needs exactly the sparse "
-                       "features C1..C26 (an empty list [] for no ids)")
+                       f"features {spec.names_text} (an empty list [] for no ids)")
 
 
 # ----------------------------------------------------------------------------- fast path
 #
 # The validating parse above walks the decoded JSON many times (type sets, per-instance
-# key checks, 26 per-feature loops): ~4.7 ms of a 512-instance row body beside orjson's
+# key checks, F per-feature loops): ~4.7 ms of a 512-instance row body beside orjson's
 # ~3.2 ms, and ~45 us of a 1-instance one. For a valid body the functions below prove the
 # same rules in fewer passes and build bit-identical arrays. Whatever they cannot prove (a
 # wrong shape, type, key or limit) makes them return None, and the validating parse runs
 # from the start: errors and their wording come from one place only.
 
-_FEATURES_OF = operator.itemgetter(*SPARSE_FEATURES)  # dict -> tuple of its F values
-_NUM_SPARSE = len(SPARSE_FEATURES)
 # What a malformed value raises inside the fast path (a missing key, a number where a
 # list belongs, an id beyond int64): all mean "let the validating parse describe it".
 _NOT_FAST = (KeyError, TypeError, ValueError, OverflowError)
@@ -773,21 +950,23 @@ _NOT_FAST = (KeyError, TypeError, ValueError, OverflowError)
 _PY_REDUCE_MAX = 64
 
 
-def _fast_parse(doc: Any, cfg: HandlerConfig) -> ParsedRequest | None:
-    """A valid body (either JSON form) -> its ParsedRequest, or None: not proven valid."""
+def _fast_parse(doc: Any, cfg: HandlerConfig, spec: _Spec = _DEFAULT_SPEC
+                ) -> ParsedRequest | None:
+    """A valid body (either JSON form) for ``spec``'s schema -> its ParsedRequest, or None:
+    not proven valid."""
     if type(doc) is not dict:
         return None
     try:
         if len(doc) == 1:
-            return _fast_rows(doc["instances"], cfg)
+            return _fast_rows(doc["instances"], cfg, spec)
         if len(doc) == 2:
-            return _fast_columnar(doc["dense"], doc["sparse"], cfg)
+            return _fast_columnar(doc["dense"], doc["sparse"], cfg, spec)
     except _NOT_FAST:
         pass
     return None
 
 
-def _fast_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest | None:
+def _fast_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedRequest | None:
     """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`)."""
     if type(instances) is not list or not 0 < len(instances) <= cfg.max_instances:
         return None
@@ -795,36 +974,46 @@ def _fast_rows(instances: Any, cfg: HandlerConfig) -> ParsedRequest | None:
     # Two keys each, and both looked up: exactly {dense, sparse} (a non-object raises).
     if set(map(len, instances)) != {2}:
         return None
-    dense = _fast_dense([inst["dense"] for inst in instances], n)
+    dense = _fast_dense([inst["dense"] for inst in instances], n, spec.nd)
     sparse = [inst["sparse"] for inst in instances]
-    # F keys each, and all F looked up: exactly C1..C26.
-    if dense is None or set(map(len, sparse)) != {_NUM_SPARSE}:
+    nf = spec.nf
+    # F keys each, and all F looked up: exactly the schema's features.
+    if dense is None or set(map(len, sparse)) != {nf}:
         return None
     try:
         # One-hot (the usual DLRM request): every cell unpacks to exactly one item. A
         # non-list cell of one item yields a str (a character, an object key), which
-        # _fast_ids refuses. Sample-major: one C-level gather per instance.
-        flat = [x for cells in map(_FEATURES_OF, sparse) for [x] in cells]
+        # _fast_ids refuses. Sample-major: one C-level gather per instance. One id is
+        # within every cap (caps are >= 1).
+        flat = [x for cells in map(spec.features_of, sparse) for [x] in cells]
     except (TypeError, ValueError):  # some cell is not one item: the general case
-        return _fast_rows_multi_hot(dense, sparse, cfg)
+        return _fast_rows_multi_hot(dense, sparse, cfg, spec)
     values = _fast_ids(flat)
     if values is None:
         return None
     if n > 1:  # (B, F) sample-major -> (F, B) feature-major (a copy)
-        values = values.reshape(n, _NUM_SPARSE).T.reshape(-1)
-    return ParsedRequest(dense, np.ones((_NUM_SPARSE, n), dtype=np.int32), values)
+        values = values.reshape(n, nf).T.reshape(-1)
+    return ParsedRequest(dense, np.ones((nf, n), dtype=np.int32), values)
 
 
-def _fast_rows_multi_hot(dense: np.ndarray, sparse: list, cfg: HandlerConfig
+def _fast_rows_multi_hot(dense: np.ndarray, sparse: list, cfg: HandlerConfig, spec: _Spec
                          ) -> ParsedRequest | None:
     """The row form with any number of ids per cell (``sparse``: B objects of F keys)."""
     n = len(sparse)
-    cells = [sp[f] for f in SPARSE_FEATURES for sp in sparse]  # (F*B) feature-major
+    cells = [sp[f] for f in spec.names for sp in sparse]  # (F*B) feature-major
     if not _all_of_type(cells, list):
         return None
-    lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells))
-    if int(lengths.max()) > cfg.max_ids_per_feature:
-        return None
+    caps = spec.caps(cfg.max_ids_per_feature)
+    if len(cells) <= _PY_REDUCE_MAX:
+        lens = list(map(len, cells))
+        if not _within_caps_py(lens, max(lens), caps, n):
+            return None
+        lengths = np.array(lens, dtype=np.int32).reshape(spec.nf, n)
+    else:
+        lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells))
+        lengths = lengths.reshape(spec.nf, n)
+        if not _within_caps(lengths, int(lengths.max()), caps):
+            return None
     flat: list = []
     extend = flat.extend  # list.extend copies a list without an iterator: ~2x chain's speed
     for cell in cells:
@@ -832,18 +1021,40 @@ def _fast_rows_multi_hot(dense: np.ndarray, sparse: list, cfg: HandlerConfig
     values = _fast_ids(flat)
     if values is None:
         return None
-    return ParsedRequest(dense, lengths.reshape(_NUM_SPARSE, n), values)
+    return ParsedRequest(dense, lengths, values)
 
 
-def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedRequest | None:
+def _within_caps(lengths: np.ndarray, top: int, caps: _Caps) -> bool:
+    """Whether lengths (F, B), whose max is ``top``, keeps every feature's cap: a scalar
+    check unless ``top`` falls between the smallest and the largest cap."""
+    if top <= caps.lo:
+        return True
+    if top > caps.hi:
+        return False
+    return not bool((lengths > caps.arr[:, None]).any())
+
+
+def _within_caps_py(lens: list[int], top: int, caps: _Caps, n: int) -> bool:
+    """:func:`_within_caps` of a small request's lengths as a Python list (F*n,),
+    feature-major: Python's reductions beat numpy's fixed cost there."""
+    if top <= caps.lo:
+        return True
+    if top > caps.hi:
+        return False
+    return all(map(operator.le, lens, caps.per_cell(n)))
+
+
+def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: _Spec
+                   ) -> ParsedRequest | None:
     """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`)."""
     if type(dense_rows) is not list or not 0 < len(dense_rows) <= cfg.max_instances:
         return None
     n = len(dense_rows)
-    dense = _fast_dense(dense_rows, n)
-    if dense is None or type(sparse) is not dict or len(sparse) != _NUM_SPARSE:
+    nf = spec.nf
+    dense = _fast_dense(dense_rows, n, spec.nd)
+    if dense is None or type(sparse) is not dict or len(sparse) != nf:
         return None
-    cols = _FEATURES_OF(sparse)
+    cols = spec.features_of(sparse)
     if set(map(len, cols)) != {2}:  # exactly {values, lengths}: both looked up below
         return None
     lens = [col["lengths"] for col in cols]
@@ -855,16 +1066,15 @@ def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig) -> ParsedRe
     if not _all_of_type(lflat, int):
         return None
     if lflat.count(1) == len(lflat):  # one-hot (ints, so 1 exactly): nothing to convert
-        lengths = np.ones((_NUM_SPARSE, n), dtype=np.int32)
+        lengths = np.ones((nf, n), dtype=np.int32)
     else:
-        lengths = np.array(lflat, dtype=np.int32)  # OverflowError beyond int32
+        lengths = np.array(lflat, dtype=np.int32).reshape(nf, n)  # OverflowError beyond int32
+        caps = spec.caps(cfg.max_ids_per_feature)
         if len(lflat) <= _PY_REDUCE_MAX:
-            in_range = min(lflat) >= 0 and max(lflat) <= cfg.max_ids_per_feature
-        else:
-            in_range = lengths.min() >= 0 and lengths.max() <= cfg.max_ids_per_feature
-        if not in_range:
+            if min(lflat) < 0 or not _within_caps_py(lflat, max(lflat), caps, n):
+                return None
+        elif int(lengths.min()) < 0 or not _within_caps(lengths, int(lengths.max()), caps):
             return None
-        lengths = lengths.reshape(_NUM_SPARSE, n)
     if lengths.sum(axis=1).tolist() != list(map(len, vals)):
         return None
     values = _fast_ids(list(chain.from_iterable(vals)))
@@ -881,15 +1091,18 @@ def _all_of_type(items: list, *types: type) -> bool:
     return found.count(types[0]) == len(found) or set(found) <= set(types)
 
 
-def _fast_dense(rows: list, n: int) -> np.ndarray | None:
-    """B rows of N numbers -> float32 (B, N) as :func:`_dense_matrix` builds it, or None."""
-    if set(map(len, rows)) != {NUM_DENSE}:
+def _fast_dense(rows: list, n: int, nd: int) -> np.ndarray | None:
+    """B rows of N = ``nd`` numbers -> float32 (B, N) as :func:`_dense_matrix` builds it,
+    or None."""
+    if set(map(len, rows)) != {nd}:
         return None
     flat = list(chain.from_iterable(rows))
     # Exact types: numpy would take a bool as 0/1 and parse a numeric string. (A non-list
     # row of N items yields str items too: characters or object keys.)
     if not _all_of_type(flat, float, int):
         return None
+    if not flat:  # N = 0: every row is empty, and must be a list (not "" or {})
+        return np.zeros((n, 0), dtype=np.float32) if all(type(r) is list for r in rows) else None
     # |v| <= float32 max, as _dense_matrix checks it (NaN fails both ways).
     if len(flat) <= _PY_REDUCE_MAX:
         # Python compares an int with the bound exactly, numpy after rounding it to
@@ -897,13 +1110,13 @@ def _fast_dense(rows: list, n: int) -> np.ndarray | None:
         # converts to float32 through float64, as _dense_matrix does in two steps.
         if not (-_F32_MAX <= min(flat) and max(flat) <= _F32_MAX):
             return None
-        return np.array(flat, dtype=np.float32).reshape(n, NUM_DENSE)
+        return np.array(flat, dtype=np.float32).reshape(n, nd)
     # struct packs Python numbers 2-3x faster than np.array converts them (45 against
     # 130 us for 512 rows); both convert an int as float(int) does.
     wide = np.frombuffer(struct.pack(f"{len(flat)}d", *flat), dtype=np.float64)
     if not (-_F32_MAX <= wide.min() and wide.max() <= _F32_MAX):
         return None
-    return wide.astype(np.float32).reshape(n, NUM_DENSE)
+    return wide.astype(np.float32).reshape(n, nd)
 
 
 def _fast_ids(flat: list) -> np.ndarray | None:
@@ -934,8 +1147,10 @@ def _binary_array(buf: memoryview, dtype: str, count: int, offset: int) -> np.nd
     return native
 
 
-def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig) -> ParsedRequest:
-    """The binary columnar form (layout in the module docstring) -> ParsedRequest."""
+def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
+                  spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
+    """The binary columnar form (layout in the module docstring) -> ParsedRequest; F and
+    N must be ``spec``'s schema's."""
     buf = memoryview(body).cast("B")
     size = buf.nbytes
     if size < _HEADER_BYTES:
@@ -950,11 +1165,12 @@ def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig) -> P
     if version != BINARY_VERSION:
         raise InvalidInput(f"binary body: version is {version}; only version {BINARY_VERSION} "
                            "is supported")
-    if nf != len(SPARSE_FEATURES):
-        raise InvalidInput(f"binary body: F is {nf}; it must be {len(SPARSE_FEATURES)} "
-                           "(C1..C26)")
-    if nd != NUM_DENSE:
-        raise InvalidInput(f"binary body: N is {nd}; it must be {NUM_DENSE} (I1..I13)")
+    if nf != spec.nf:
+        raise InvalidInput(f"binary body: F is {nf}; it must be {spec.nf} "
+                           f"({spec.names_text})")
+    if nd != spec.nd:
+        raise InvalidInput(f"binary body: N is {nd}; it must be {spec.nd} (the model's dense "
+                           "features)")
     if b == 0:
         raise InvalidInput(f"binary body: B is 0; send 1 to {cfg.max_instances} instances")
     if b > cfg.max_instances:
@@ -969,14 +1185,14 @@ def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig) -> P
     lengths = _binary_array(buf, "<i4", nf * b, lengths_at).reshape(nf, b)
     if int(lengths.min()) < 0:
         f, s = map(int, np.argwhere(lengths < 0)[0])
-        raise InvalidInput(f"binary body: lengths[{SPARSE_FEATURES[f]}][{s}] is "
+        raise InvalidInput(f"binary body: lengths[{spec.names[f]}][{s}] is "
                            f"{int(lengths[f, s])}; {_LENGTH_RULE}")
-    cap = cfg.max_ids_per_feature
-    if int(lengths.max()) > cap:
-        f, s = map(int, np.argwhere(lengths > cap)[0])
-        raise InvalidInput(f"binary body: lengths[{SPARSE_FEATURES[f]}][{s}] is "
-                           f"{int(lengths[f, s])}; at most {cap} ids per feature are allowed; "
-                           "drop or hash the extra ids")
+    caps = spec.caps(cfg.max_ids_per_feature)
+    over = caps.exceeded(lengths) if int(lengths.max()) > caps.lo else None
+    if over is not None:
+        f, s = map(int, np.argwhere(over)[0])
+        raise InvalidInput(f"binary body: lengths[{spec.names[f]}][{s}] is "
+                           f"{int(lengths[f, s])}; {_cap_rule(caps, f, spec)}")
     nnz = int(lengths.sum(dtype=np.int64))
     want = values_at + 8 * nnz
     if size != want:
@@ -993,21 +1209,24 @@ def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig) -> P
         k = int(np.argmax(values < 0))
         ends = np.cumsum(lengths.reshape(-1), dtype=np.int64)
         f, s = divmod(int(np.searchsorted(ends, k, side="right")), b)
-        raise InvalidInput(f"binary body: values[{k}] ({SPARSE_FEATURES[f]}, sample {s}): "
+        raise InvalidInput(f"binary body: values[{k}] ({spec.names[f]}, sample {s}): "
                            f"{_id_problem(int(values[k]))}")
     return ParsedRequest(dense, lengths, values)
 
 
-def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> bytes:
+def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray, *,
+                  schema: ModelSchema | None = None) -> bytes:
     """One binary columnar body (``Content-Type: application/x-dlrm-columnar``).
 
     Args:
-        dense: (B, N=13) numbers, sent as float32 (float64 is rounded like the JSON path).
-        lengths: (F=26, B) integers: ids of feature f for sample b, feature-major.
-        values: (nnz,) integer ids in [0, 2^63-1], feature-major (C1's ids of samples
-            0..B-1, then C2's ...); nnz = lengths.sum().
+        dense: (B, N) numbers, sent as float32 (float64 is rounded like the JSON path).
+        lengths: (F, B) integers: ids of feature f for sample b, feature-major.
+        values: (nnz,) integer ids in [0, 2^63-1], feature-major (the first feature's ids
+            of samples 0..B-1, then the second's ...); nnz = lengths.sum().
+        schema: the model's schema, whose N and F the arrays must have (the features in
+            ``schema.feature_names`` order); None: :data:`DEFAULT_SCHEMA` (N=13, F=26).
     Returns:
-        ``20 + 4*B*13 + 4*26*B + 8*nnz`` bytes (layout in the module docstring).
+        ``20 + 4*B*N + 4*F*B + 8*nnz`` bytes (layout in the module docstring).
     Raises:
         ValueError: shapes or integer types off, a negative length, or values.size !=
             lengths.sum(). The server checks the rest (negative ids, non-finite dense,
@@ -1022,9 +1241,10 @@ def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) ->
     d = np.asarray(dense)
     ln = np.asarray(lengths)
     v = np.asarray(values)
-    nf = len(SPARSE_FEATURES)
-    if d.ndim != 2 or d.shape[1] != NUM_DENSE:
-        raise ValueError(f"dense has shape {d.shape}; it must be (B, {NUM_DENSE})")
+    spec = _spec_of(schema)
+    nf, nd = spec.nf, spec.nd
+    if d.ndim != 2 or d.shape[1] != nd:
+        raise ValueError(f"dense has shape {d.shape}; it must be (B, {nd})")
     b = d.shape[0]
     if ln.shape != (nf, b):
         raise ValueError(f"lengths has shape {ln.shape}; it must be ({nf}, B={b}), feature-major")
@@ -1040,7 +1260,7 @@ def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) ->
     nnz = int(ln.sum(dtype=np.int64)) if ln.size else 0
     if v.size != nnz:
         raise ValueError(f"values has {v.size} ids but lengths sum to {nnz}; they must be equal")
-    head = np.array([(_MAGIC, BINARY_VERSION, b, nf, NUM_DENSE)], dtype=_HEADER)
+    head = np.array([(_MAGIC, BINARY_VERSION, b, nf, nd)], dtype=_HEADER)
     return b"".join((head.tobytes(), d.astype("<f4").tobytes(), ln.astype("<i4").tobytes(),
                      v.astype("<i8").tobytes()))
 
@@ -1192,7 +1412,8 @@ def check_route_key(key: str | None) -> str | None:
     return key
 
 
-def _decode(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig) -> ParsedRequest:
+def _decode(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig,
+            spec: _Spec) -> ParsedRequest:
     """One request of a batch -> ParsedRequest (raises a ServeError for a bad one)."""
     check_route_key(key)
     media = check_content_type(ctype)
@@ -1209,7 +1430,7 @@ def _decode(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig) -
             body = orjson.dumps(body)
         except TypeError as e:
             raise InvalidInput(f"body could not be read as JSON ({e})") from None
-    return parse_body(body, cfg, media)
+    return _parse_any(body, cfg, media, spec)
 
 
 def _run_arm(arm: str, answered: bool, requests: Sequence[tuple[int, ParsedRequest]],
@@ -1273,7 +1494,8 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
                  predict: Callable[[MergedBatch], np.ndarray], cfg: HandlerConfig,
                  clock: Callable[[], float] = time.perf_counter, *,
                  route_keys: Sequence[str | None] | None = None,
-                 split: Split | None = None) -> tuple[list[Outcome], dict[str, Any]]:
+                 split: Split | None = None,
+                 schema: ModelSchema | None = None) -> tuple[list[Outcome], dict[str, Any]]:
     """Parse every request separately, run ONE forward per arm for the good ones, split back.
 
     Args:
@@ -1285,6 +1507,9 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
             :func:`check_route_key` whether or not a rollout runs. None: no keys at all.
         split: a rollout's split (:class:`Split`); None: every good request is answered
             by ``predict`` (one forward).
+        schema: the served model's schema every body is decoded against (a rollout's
+            candidate shares the stable model's request schema); None:
+            :data:`DEFAULT_SCHEMA`.
     Returns:
         (one Outcome per request in order, info). info holds, summed over the arms:
         ``decode_s`` (parsing all bodies), ``forward_s`` (all forwards, the shadow one
@@ -1305,12 +1530,13 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
                          f"{'no' if route_keys is None else len(route_keys)} route keys; give "
                          "one of each per request")
     keys: Sequence[str | None] = route_keys if route_keys is not None else [None] * n
+    spec = _spec_of(schema)
     t0 = clock()
     outcomes: list[Outcome | None] = [None] * n
     good: list[tuple[int, ParsedRequest]] = []
     for i, (body, ctype) in enumerate(zip(bodies, content_types)):
         try:
-            good.append((i, _decode(body, ctype, keys[i], cfg)))
+            good.append((i, _decode(body, ctype, keys[i], cfg, spec)))
         except ServeError as e:
             outcomes[i] = Outcome(e.status, encode_error(e))
     t1 = clock()
@@ -1346,39 +1572,74 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
     return [o for o in outcomes if o is not None], info
 
 
-def _example_arrays(n: int, seed: int, max_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """dense float64 (n, N) rounded to 4 decimals, ids int64 (F, n): one id per feature."""
+def _example_arrays(n: int, seed: int, max_id: int, spec: _Spec, multi_hot: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """dense float64 (n, N) rounded to 4 decimals, lengths int32 (F, n), ids int64 (nnz,)
+    feature-major.
+
+    One-hot: every length is 1 (the ids are drawn as (F, n) right after the dense values,
+    so a seed gives the same instances whatever ``multi_hot`` later adds). Multi-hot:
+    feature f has 0..``max_ids[f]`` ids per instance.
+    """
     rng = np.random.default_rng(seed)
-    dense = np.round(rng.random((n, NUM_DENSE)) * 4, 4)
-    ids = rng.integers(0, max_id, size=(len(SPARSE_FEATURES), n))
-    return dense, ids
+    dense = np.round(rng.random((n, spec.nd)) * 4, 4)
+    ids = rng.integers(0, max_id, size=(spec.nf, n))
+    if not multi_hot:
+        return dense, np.ones((spec.nf, n), dtype=np.int32), ids.reshape(-1)
+    top = np.array(spec.max_ids, dtype=np.int64)[:, None]
+    lengths = rng.integers(0, top + 1, size=(spec.nf, n)).astype(np.int32)
+    return dense, lengths, rng.integers(0, max_id, size=int(lengths.sum()))
 
 
-def example_request(n: int = 1, *, seed: int = 0, form: str = "rows",
-                    max_id: int = 2**31) -> dict[str, Any]:
-    """A valid request body (as a dict) of ``n`` random one-hot instances.
+def example_request(n: int = 1, *, seed: int = 0, form: str = "rows", max_id: int = 2**31,
+                    schema: ModelSchema | None = None, multi_hot: bool = False
+                    ) -> dict[str, Any]:
+    """A valid request body (as a dict) of ``n`` random instances for ``schema``.
 
     For smoke tests, the launcher's readiness probe and benchmarks; ``form`` is
     "rows" or "columnar". :func:`example_binary` encodes the same instances as binary.
+
+    Args:
+        schema: the model's schema (N dense values, the F features by name); None:
+            :data:`DEFAULT_SCHEMA`.
+        multi_hot: False: one id per feature and instance (ids in [0, max_id)); True:
+            0..``schema.max_ids[f]`` ids in feature f (valid when the handler's
+            ``max_ids_per_feature`` is no lower).
     """
-    dense_arr, ids_arr = _example_arrays(n, seed, max_id)
+    spec = _spec_of(schema)
+    dense_arr, lengths_arr, ids_arr = _example_arrays(n, seed, max_id, spec, multi_hot)
     dense, ids = dense_arr.tolist(), ids_arr.tolist()
+    names = spec.names
+    if form not in ("rows", "columnar"):
+        raise ValueError(f"form {form!r} must be 'rows' or 'columnar'")
+    if not multi_hot:
+        if form == "rows":
+            return {"instances": [
+                {"dense": dense[b], "sparse": {f: [ids[fi * n + b]] for fi, f in enumerate(names)}}
+                for b in range(n)]}
+        return {"dense": dense, "sparse": {f: {"values": ids[fi * n:(fi + 1) * n],
+                                               "lengths": [1] * n}
+                                           for fi, f in enumerate(names)}}
+    lengths = lengths_arr.tolist()
+    ends = np.cumsum(lengths_arr.reshape(-1)).tolist()
+    cell = [ids[e - ln:e] for e, ln in zip(ends, lengths_arr.reshape(-1).tolist())]  # F*n
     if form == "rows":
         return {"instances": [
-            {"dense": dense[b], "sparse": {f: [ids[fi][b]] for fi, f in enumerate(SPARSE_FEATURES)}}
+            {"dense": dense[b], "sparse": {f: cell[fi * n + b] for fi, f in enumerate(names)}}
             for b in range(n)]}
-    if form == "columnar":
-        return {"dense": dense, "sparse": {f: {"values": ids[fi], "lengths": [1] * n}
-                                           for fi, f in enumerate(SPARSE_FEATURES)}}
-    raise ValueError(f"form {form!r} must be 'rows' or 'columnar'")
+    return {"dense": dense, "sparse": {
+        f: {"values": [x for b in range(n) for x in cell[fi * n + b]], "lengths": lengths[fi]}
+        for fi, f in enumerate(names)}}
 
 
-def example_binary(n: int = 1, *, seed: int = 0, max_id: int = 2**31) -> bytes:
-    """The instances of ``example_request(n, seed=seed, max_id=max_id)`` as a binary body.
+def example_binary(n: int = 1, *, seed: int = 0, max_id: int = 2**31,
+                   schema: ModelSchema | None = None, multi_hot: bool = False) -> bytes:
+    """The instances of ``example_request(n, seed=seed, max_id=max_id, schema=schema,
+    multi_hot=multi_hot)`` as a binary body.
 
     Parses to exactly the same ParsedRequest as the JSON forms (send it with
     ``Content-Type: application/x-dlrm-columnar``).
     """
-    dense, ids = _example_arrays(n, seed, max_id)
-    return encode_binary(dense, np.ones((len(SPARSE_FEATURES), n), dtype=np.int32),
-                         ids.reshape(-1))
+    spec = _spec_of(schema)
+    dense, lengths, ids = _example_arrays(n, seed, max_id, spec, multi_hot)
+    return encode_binary(dense, lengths, ids, schema=schema)
