@@ -377,6 +377,92 @@ def test_runtime_matches_cpu(art, batches, cpu_ref, device, config):
     assert st.hits + st.misses == st.lookups > 0
 
 
+# -- an imported model's layout: tables of different dims and dtypes, a shared table ---
+
+MIXED_TABLES = (("t_user", 300, 32, "sum", "int8"), ("t_item", 500, 16, "sum", "fp16"),
+                ("t_tag", 40, 8, "mean", "int8"))
+MIXED_FEATURES = (("user_id", "t_user", 1), ("item_id", "t_item", 1),
+                  ("history", "t_item", 6), ("tags", "t_tag", 3))
+
+
+class _Head(torch.nn.Module):
+    """A plain MLP over [dense (B, 4), pooled (B, 32 + 16 + 16 + 8)] -> logits (B,)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat((dense, pooled), 1)).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def mixed_art() -> Artifact:
+    """Random tables in the layout above and a ``torch.export`` dense part, both made here
+    with stock PyTorch (the GPU machine has no TorchRec; an exported program is loaded by
+    the torch that made it)."""
+    import io
+
+    from serve.runtime.artifact import ExportedDense, QuantTable, quantize_rows_reference
+    from serve.schema import FeatureSpec, ModelSchema, TableSpec
+
+    schema = ModelSchema(4, tuple(TableSpec(*t) for t in MIXED_TABLES),
+                         tuple(FeatureSpec(*f) for f in MIXED_FEATURES))
+    g = torch.Generator().manual_seed(0)
+    tables = [QuantTable(t.name, t.rows, t.dim, t.dtype, quantize_rows_reference(
+        (torch.rand((t.rows, t.dim), generator=g) - 0.5) * 0.4, t.dtype)) for t in schema.tables]
+    torch.manual_seed(0)
+    head = _Head(4 + schema.pooled_dim).eval()
+    b = torch.export.Dim("B", min=1, max=1 << 16)
+    ep = torch.export.export(head, (torch.zeros(2, 4), torch.zeros(2, schema.pooled_dim)),
+                             dynamic_shapes=({0: b}, {0: b}), strict=False)
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    program = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return Artifact(schema, tables, ExportedDense(program))
+
+
+def _mixed_batch(b: int, seed: int) -> tuple[torch.Tensor, SparseBatch]:
+    """Lengths 0..max_ids per feature (1 for the one-hot ones), ids up to twice the rows
+    (wrapping), feature-major."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {t[0]: t[1] for t in MIXED_TABLES}
+    lengths = torch.stack([torch.randint(1 if m == 1 else 0, m + 1, (b,), generator=g,
+                                         dtype=torch.int32) for _, _, m in MIXED_FEATURES])
+    values = torch.cat([torch.randint(0, 2 * rows[t], (int(lengths[f].sum()),), generator=g)
+                        for f, (_, t, _) in enumerate(MIXED_FEATURES)])
+    return torch.randn(b, 4, generator=g), SparseBatch(values, lengths)
+
+
+MIXED_CASES = [pytest.param(c, d, marks=_MARKS[d], id=f"{c}-{d}") for c in RUNTIME_CONFIGS
+               if c != "lru 1 slot, host misses"
+               for d in ("cpu", "cuda", "cuda:1") if (c, d) != ("no cache", "cpu")]
+
+
+@pytest.mark.parametrize("config,device", MIXED_CASES)
+def test_mixed_dims_and_shared_table_match_cpu(mixed_art, device, config):
+    """Two rounds (cold, warm) of batches 1, 7 and 64: pooled embeddings (B, 72) and
+    probabilities against the CPU runtime without a cache; exact on CPU (a cache changes
+    nothing), within EMB_TOL / PROB_TOL on CUDA."""
+    ref = Runtime(mixed_art, RuntimeConfig(cache_load_factor=1.0))
+    rt = Runtime(mixed_art, RuntimeConfig(device=device, **RUNTIME_CONFIGS[config]))
+    assert len(rt._groups) == 3 and not rt._single
+    for _ in range(2):
+        for b, seed in ((1, 1), (7, 2), (64, 3)):
+            dense, sparse = _mixed_batch(b, seed)
+            with torch.inference_mode():
+                want_emb = ref._embed(sparse, sparse.lengths, b).clone()
+                emb = rt._embed(sparse, sparse.lengths, b).cpu()
+            assert emb.shape == (b, 72)
+            _assert_close_to_cpu(emb, want_emb, device, EMB_TOL)
+            _assert_close_to_cpu(rt.predict(dense, sparse), ref.predict(dense, sparse), device,
+                                 PROB_TOL)
+    st = rt.stats()
+    assert st.hits + st.misses == st.lookups > 0
+    rt.close()
+
+
 # -- CUDA graphs ------------------------------------------------------------------------
 
 GRAPH_CONFIGS: dict[str, dict[str, Any]] = {
