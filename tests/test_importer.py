@@ -239,3 +239,21 @@ def test_schema_mismatch_inside_an_artifact_is_an_error(ranker_ckpt: Path) -> No
     art, _ = _own_artifact(ranker_ckpt)
     with pytest.raises(ArtifactError, match=r"the schema has 3 tables, the artifact 2"):
         Artifact(art.schema, art.tables[:2], art.dense)
+
+
+def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
+                                                              ranker_ckpt: Path) -> None:
+    """``make up`` waits for a real predict: for an imported version the built-in request
+    is a 400, so the probe asks again in the schema of the version that answered."""
+    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.ops.launcher import LaunchConfig, _example_for
+    from serve.schema import schema_from_report
+
+    import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
+    cfg = LaunchConfig(model_store=tmp_path / "store")
+    body = _example_for(cfg, "own-a")
+    assert body is not None
+    schema = schema_from_report(ModelRepository([tmp_path / "store"]).report("own-a"))
+    parsed = parse_body(body, HandlerConfig(), schema=schema)
+    assert parsed.lengths.shape == (4, 1)
+    assert _example_for(cfg, "not-there") is None and _example_for(cfg, None) is None

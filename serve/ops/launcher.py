@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import DELTA_DIR_ENV
-from serve.errors import ConfigError, UpstreamUnavailable
+from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.net import wait_until
 from serve.predlog import LOG_DIR_ENV
 from serve.repository import ModelRepository
@@ -438,7 +438,13 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
                     f"process {name} exited with {p.returncode} before ready; see {where}")
 
     def answered() -> bool:
-        status, _, data = post_json(url, body, timeout=5)
+        status, headers, data = post_json(url, body, timeout=5)
+        if status == 400:
+            # The built-in DLRM's request does not fit an imported model: ask again with the
+            # schema of the version that answered (it names itself in every response).
+            own = _example_for(cfg, headers.get("x-dlrm-model-version"))
+            if own is not None:
+                status, _, data = post_json(url, own, timeout=5)
         if status != 200:
             raise OSError(f"HTTP {status}: {data[:200].decode(errors='replace')}")
         return True
@@ -449,6 +455,20 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
         hint = _registration_hint(cfg)
         raise UpstreamUnavailable(f"{e.message}. {hint}" if hint else e.message) from None
     return time.monotonic() - t0
+
+
+def _example_for(cfg: LaunchConfig, version: str | None) -> bytes | None:
+    """A one-instance JSON request for ``version``'s schema (None: unknown version)."""
+    from serve.api.protocol import example_request
+    from serve.schema import schema_from_report
+
+    if not version:
+        return None
+    try:
+        schema = schema_from_report(cfg.repository().report(version))
+    except (ServeError, OSError, ValueError):
+        return None
+    return json.dumps(example_request(1, seed=0, schema=schema)).encode()
 
 
 def _registration_hint(cfg: LaunchConfig) -> str:
