@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "Forbidden",
     "InvalidInput",
+    "ModelContractError",
     "PayloadTooLarge",
     "ServeError",
     "ShardingError",
@@ -82,6 +83,13 @@ class ConfigError(ServeError, ValueError):
 
 class UnknownProfileError(ConfigError):
     kind = "UnknownProfile"
+
+
+class ModelContractError(ConfigError):
+    """A user's model factory, or the model it returns, does not fit the model contract
+    (README, "Serve your own TorchRec model")."""
+
+    kind = "ModelContractError"
 
 
 class CheckpointError(ServeError):

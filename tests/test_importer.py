@@ -143,7 +143,7 @@ def test_a_forward_outside_the_contract_is_refused(tmp_path: Path) -> None:
 
 
 def test_bad_options_are_named(tmp_path: Path, ranker_ckpt: Path) -> None:
-    with pytest.raises(ConfigError, match=r"has no function 'nope'"):
+    with pytest.raises(ConfigError, match=r"defines no 'nope'"):
         import_model(_cfg(tmp_path, "nope", ranker_ckpt), say=lambda m: None)
     with pytest.raises(ConfigError, match=r"--table-dtype names tables \['t_nope'\]"):
         import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, table_dtypes={"t_nope": "fp16"}),

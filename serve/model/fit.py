@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.errors import ConfigError, ServeError
+from serve.errors import ConfigError, ModelContractError, ServeError
 
 __all__ = [
     "FIT_FILE",
@@ -116,12 +116,6 @@ _RULE_STREAM = 0x1AB31       # second word of the label rule's seed
 _ZIPF_ALPHA = 1.05
 _ZIPF_PERMUTE_MAX = 1 << 21  # Zipf ids: hot ranks spread over the table up to this many rows
 _ERROR_FILE = "error.txt"
-
-
-class ModelContractError(ConfigError):
-    """The factory or the model it returns does not fit the model contract."""
-
-    kind = "ModelContractError"
 
 
 # ----------------------------------------------------------------------------- config

@@ -34,7 +34,6 @@ complete archive, and its report last).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -116,29 +115,11 @@ class CheckResult:
 
 # ----------------------------------------------------------------------------- loading
 def load_factory(spec: str) -> tuple[Callable[[], nn.Module], Any]:
-    """``FILE.py:FUNCTION`` -> (the function, its module). ``ConfigError`` names what is off."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise ConfigError(f"--factory {spec!r} must be FILE.py:FUNCTION")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--factory {spec!r}: {file} does not exist")
-    mod_name = f"_dlrm_factory_{abs(hash(file.resolve()))}"
-    loader = importlib.util.spec_from_file_location(mod_name, file)
-    if loader is None or loader.loader is None:
-        raise ConfigError(f"--factory {spec!r}: {file} is not a Python file")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
-    try:
-        loader.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(f"--factory {spec!r}: importing {file} failed "
-                          f"({type(e).__name__}: {e})") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        have = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ConfigError(f"--factory {spec!r}: {file} has no function {name!r}; it has {have}")
-    return fn, module
+    """``FILE.py:FUNCTION`` -> (the function, its module), as :mod:`serve.model.fit` loads
+    it. ``ModelContractError`` (a ``ConfigError``) names what is off."""
+    from serve.model.fit import load_factory as _load
+
+    return _load(spec)
 
 
 def _strip(key: str) -> str:
