@@ -1,6 +1,7 @@
-"""Splitting a batch between a rollout's arms (serve.api.protocol.handle_batch with a Split),
-the handler's wiring of it (fake runtimes and context, no TorchServe) and the rollout
-section of HandlerConfig. Fast: fake predict callables, no model."""
+"""Splitting a batch between a rollout's arms (serve.api.batch.handle_batch with a Split),
+the worker's wiring of it (serve.worker.Worker on fake runtimes), the TorchServe adapter
+(handlers/dlrm_handler.py with a fake context) and the rollout section of HandlerConfig.
+Fast: fake predict callables, no model."""
 from __future__ import annotations
 
 import logging
@@ -12,18 +13,23 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serve.api.protocol import (
-    HandlerConfig,
-    MergedBatch,
-    RolloutWiring,
-    Split,
-    example_request,
-    handle_batch,
-    merge_requests,
-    parse_body,
-)
+from serve.api.batch import MergedBatch, Split, handle_batch, merge_requests
+from serve.api.config import HandlerConfig, RolloutWiring
+from serve.api.decode import parse_body
+from serve.api.json_body import example_request
+from serve.api.request import DEFAULT_SCHEMA
 from serve.errors import ConfigError, InvalidInput
-from serve.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS, takes_candidate, write_control
+from serve.metrics import HandlerMetrics
+from serve.profiles import SPARSE_FEATURES
+from serve.routing import (
+    ROUTE_KEY_HEADER,
+    ROUTE_KEY_MAX_CHARS,
+    ControlWatcher,
+    takes_candidate,
+    write_control,
+)
+from serve.runtime.engine import Runtime, RuntimeStats
+from serve.worker import Worker, WorkerRequest
 
 CFG = HandlerConfig(max_instances=16, max_ids_per_feature=4)
 JSON = "application/json"
@@ -76,10 +82,10 @@ def test_without_a_split_one_forward_answers_everything_as_stable():
     outs, info = handle_batch(bodies, [JSON] * 3, stable, CFG)
     assert [m.sizes for m in stable.calls] == [[2, 3, 1]]
     assert [o.status for o in outs] == [200] * 3 and [o.arm for o in outs] == ["stable"] * 3
-    assert set(info["arms"]) == {"stable"} and info["mode"] is None
-    assert info["shadow_diff"] is None
-    assert (info["instances"], info["requests"]) == (6, 3)
-    run = info["arms"]["stable"]
+    assert set(info.arms) == {"stable"} and info.mode is None
+    assert info.shadow_diff is None
+    assert (info.instances, info.requests) == (6, 3)
+    run = info.arms["stable"]
     assert (run.requests, run.instances, run.indices, run.answered) == (3, 6, [0, 1, 2], True)
     np.testing.assert_array_equal(run.scores, np.concatenate([stable(merge_requests(
         [parse_body(b, CFG)])) for b in bodies]))
@@ -106,12 +112,12 @@ def test_canary_runs_one_forward_per_arm_and_keeps_the_order():
         assert out.status == 200 and out.instances == sizes[i]
         offset = 0.5 if out.arm == "candidate" else 0.0
         np.testing.assert_array_equal(_preds(out), _score(_dense(bodies[i])) * 0.5 + offset)
-    assert (info["instances"], info["requests"], info["mode"]) == (12, 5, "canary")
-    s, c = info["arms"]["stable"], info["arms"]["candidate"]
+    assert (info.instances, info.requests, info.mode) == (12, 5, "canary")
+    s, c = info.arms["stable"], info.arms["candidate"]
     assert (s.requests, s.instances, c.requests, c.instances) == (3, 5, 2, 7)
     assert c.answered and not c.failed and c.scores.shape == (7,)
-    assert info["forward_s"] == pytest.approx(s.forward_s + c.forward_s)
-    assert info["shadow_diff"] is None
+    assert info.forward_s == pytest.approx(s.forward_s + c.forward_s)
+    assert info.shadow_diff is None
 
 
 def test_canary_with_every_request_on_one_arm_runs_only_that_arm():
@@ -120,11 +126,11 @@ def test_canary_with_every_request_on_one_arm_runs_only_that_arm():
     outs, info = handle_batch(bodies, [JSON] * 2, stable, CFG,
                               split=Split("canary", cand, lambda k: True))
     assert stable.calls == [] and [m.sizes for m in cand.calls] == [[1, 2]]
-    assert set(info["arms"]) == {"candidate"} and [o.arm for o in outs] == ["candidate"] * 2
+    assert set(info.arms) == {"candidate"} and [o.arm for o in outs] == ["candidate"] * 2
     outs, info = handle_batch(bodies, [JSON] * 2, stable, CFG,
                               split=Split("canary", cand, lambda k: False))
     assert len(cand.calls) == 1 and [m.sizes for m in stable.calls] == [[1, 2]]
-    assert set(info["arms"]) == {"stable"}
+    assert set(info.arms) == {"stable"}
 
 
 @pytest.mark.parametrize("failing", ["candidate", "stable"])
@@ -134,7 +140,7 @@ def test_a_raising_arm_fails_only_its_own_requests(failing, caplog):
     stable = FakeModel(0.0, error=boom if failing == "stable" else None)
     cand = FakeModel(0.5, error=boom if failing == "candidate" else None)
     _, choose = _chooser({"k1", "k3"})
-    with caplog.at_level(logging.ERROR, logger="serve.api.protocol"):
+    with caplog.at_level(logging.ERROR, logger="serve.api.batch"):
         outs, info = handle_batch(bodies, [JSON] * 4, stable, CFG,
                                   route_keys=["k0", "k1", "k2", "k3"],
                                   split=Split("canary", cand, choose))
@@ -148,8 +154,8 @@ def test_a_raising_arm_fails_only_its_own_requests(failing, caplog):
                            "the TorchServe model log"}
         else:
             assert out.status == 200
-    assert info["arms"][failing].failed and info["arms"][failing].scores is None
-    assert info["arms"][failing].error is boom
+    assert info.arms[failing].failed and info.arms[failing].scores is None
+    assert info.arms[failing].error is boom
     logged = [r for r in caplog.records if r.exc_info and r.exc_info[1] is boom]
     assert len(logged) == 1 and failing in logged[0].getMessage()
 
@@ -171,14 +177,14 @@ def test_a_wrong_number_of_scores_fails_that_arm_only():
     outs, info = handle_batch(bodies, [JSON] * 2, FakeModel(), CFG, route_keys=["s", "c"],
                               split=Split("canary", short, lambda k: k == "c"))
     assert [o.status for o in outs] == [200, 500]
-    assert "predict returned 1 scores for 2 samples" in str(info["arms"]["candidate"].error)
+    assert "predict returned 1 scores for 2 samples" in str(info.arms["candidate"].error)
 
 
 def test_without_a_split_a_raising_model_fails_the_good_requests_only():
     bodies = _bodies([1]) + [b"not json"]
     outs, info = handle_batch(bodies, [JSON] * 2, FakeModel(error=ValueError("x")), CFG)
     assert [o.status for o in outs] == [500, 400]
-    assert info["requests"] == 1 and info["arms"]["stable"].failed
+    assert info.requests == 1 and info.arms["stable"].failed
 
 
 def test_shadow_answers_everything_from_stable_and_scores_the_sample():
@@ -198,40 +204,40 @@ def test_shadow_answers_everything_from_stable_and_scores_the_sample():
     assert [m.sizes for m in cand.calls] == [[3, 4]]
     np.testing.assert_array_equal(cand.calls[0].dense,
                                   np.concatenate([_dense(bodies[i]) for i in (1, 3)]))
-    assert (info["instances"], info["requests"], info["mode"]) == (10, 4, "shadow")
-    assert (alone_info["instances"], alone_info["requests"]) == (10, 4)
-    c = info["arms"]["candidate"]
+    assert (info.instances, info.requests, info.mode) == (10, 4, "shadow")
+    assert (alone_info.instances, alone_info.requests) == (10, 4)
+    c = info.arms["candidate"]
     assert not c.answered and (c.requests, c.instances, c.indices) == (2, 7, [1, 3])
     want = np.concatenate([cand(merge_requests([parse_body(bodies[i], CFG)])) -
                            alone_stable(merge_requests([parse_body(bodies[i], CFG)]))
                            for i in (1, 3)])
-    np.testing.assert_allclose(info["shadow_diff"], want, rtol=0, atol=1e-7)
-    assert info["shadow_diff"].shape == (7,)
-    np.testing.assert_allclose(info["shadow_diff"], 0.25, atol=1e-6)
+    np.testing.assert_allclose(info.shadow_diff, want, rtol=0, atol=1e-7)
+    assert info.shadow_diff.shape == (7,)
+    np.testing.assert_allclose(info.shadow_diff, 0.25, atol=1e-6)
 
 
 def test_shadow_without_a_sample_never_calls_the_candidate():
     cand = FakeModel()
     outs, info = handle_batch(_bodies([1, 2]), [JSON] * 2, FakeModel(), CFG,
                               split=Split("shadow", cand, lambda k: False))
-    assert cand.calls == [] and set(info["arms"]) == {"stable"}
-    assert info["shadow_diff"] is None and [o.status for o in outs] == [200, 200]
+    assert cand.calls == [] and set(info.arms) == {"stable"}
+    assert info.shadow_diff is None and [o.status for o in outs] == [200, 200]
 
 
 def test_a_failing_shadow_candidate_affects_no_response(caplog):
     bodies = _bodies([2, 1])
     alone, _ = handle_batch(bodies, [JSON] * 2, FakeModel(), CFG)
     boom = MemoryError("candidate out of memory")
-    with caplog.at_level(logging.ERROR, logger="serve.api.protocol"):
+    with caplog.at_level(logging.ERROR, logger="serve.api.batch"):
         outs, info = handle_batch(bodies, [JSON] * 2, FakeModel(), CFG,
                                   split=Split("shadow", FakeModel(error=boom), lambda k: True))
     assert [o.body for o in outs] == [o.body for o in alone]
-    assert info["arms"]["candidate"].error is boom and info["shadow_diff"] is None
+    assert info.arms["candidate"].error is boom and info.shadow_diff is None
     assert any(r.exc_info and r.exc_info[1] is boom and "shadow" in r.getMessage()
                for r in caplog.records)
     # a shadow ServeError is logged too (it reaches no client)
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="serve.api.protocol"):
+    with caplog.at_level(logging.ERROR, logger="serve.api.batch"):
         handle_batch(bodies, [JSON] * 2, FakeModel(), CFG,
                      split=Split("shadow", FakeModel(error=InvalidInput("no")), lambda k: True))
     assert len(caplog.records) == 1
@@ -256,7 +262,7 @@ def test_route_keys_are_checked_and_a_bad_one_fails_alone():
         assert orjson.loads(outs[2].body)["message"] == (
             f"header {ROUTE_KEY_HEADER}: is empty; send 1 to 256 characters (e.g. a user or "
             "session id), or leave the header out")
-        assert info["requests"] == 2
+        assert info.requests == 2
         if split is not None:
             assert seen == ["ok", "y" * ROUTE_KEY_MAX_CHARS]  # refused requests are not routed
 
@@ -333,17 +339,20 @@ def test_build_time_model_config_carries_the_rollout():
     assert "rollout" not in model_config()["handler"]
 
 
-# ------------------------------------------------------------------ the handler's wiring
+# ------------------------------------------------------------------ the worker's wiring
 
-class FakeRuntime:
-    """What the handler uses of serve.runtime.engine.Runtime."""
+class FakeRuntime(Runtime):
+    """A Runtime without an artifact: predicts with a :class:`FakeModel`, counts every id
+    as a cache hit and adds stage seconds, as the worker reads them."""
 
     def __init__(self, offset: float, error: Exception | None = None) -> None:
+        # No super().__init__: there is no artifact to load; only what the worker reads.
         self.model = FakeModel(offset, error)
         self.stages = {"decode": 0.0, "embedding": 0.0, "dense": 0.0}
         self.hits = 0
         self.shared = None                  # no pod-wide shared tables
-        self.feature_names = [f"C{i}" for i in range(1, 27)]
+        self.schema = DEFAULT_SCHEMA
+        self.feature_names = list(SPARSE_FEATURES)
 
     def predict_arrays(self, dense, values, lengths):
         self.hits += int(values.size)
@@ -353,75 +362,38 @@ class FakeRuntime:
     def record_stage(self, name: str, seconds: float) -> None:
         self.stages[name] += seconds
 
-    def stats(self):
-        @dataclass
-        class S:
-            hits: int
-            misses: int = 0
-            evictions: int = 0
-            device_bytes: int = 100
-            host_bytes: int = 0
-            stage_seconds: dict = field(default_factory=dict)
-            wrapped: tuple = (0,) * 26
-        return S(self.hits, stage_seconds=dict(self.stages))
+    def stats(self) -> RuntimeStats:
+        return RuntimeStats(lookups=self.hits, hits=self.hits, misses=0, evictions=0,
+                            hit_ratio=1.0, device_bytes=100, host_bytes=0,
+                            stage_seconds=dict(self.stages), wrapped=(0,) * 26)
 
 
-class FakeContext:
-    def __init__(self, headers: list[dict]) -> None:
-        self.headers = headers
-        self.status: dict[int, int] = {}
-        self.out: dict[int, dict[str, str]] = {}
-
-    def get_all_request_header(self, idx: int) -> dict:
-        return self.headers[idx]
-
-    def set_response_status(self, code: int, phrase: str, idx: int) -> None:
-        self.status[idx] = code
-
-    def set_response_content_type(self, idx: int, value: str) -> None:
-        self.out.setdefault(idx, {})["content-type"] = value
-
-    def set_response_header(self, idx: int, key: str, value: str) -> None:
-        self.out.setdefault(idx, {})[key] = value
+def _worker(tmp_path, rollout: bool, candidate_error: Exception | None = None) -> Worker:
+    if not rollout:
+        return Worker(FakeRuntime(0.0), CFG, model_version="tiny-int8-s0",
+                      metrics=HandlerMetrics(CollectorRegistry()))
+    return Worker(FakeRuntime(0.0), CFG, model_version="tiny-int8-s0",
+                  candidate=FakeRuntime(0.5, candidate_error), candidate_version="tiny-int8-s7",
+                  watcher=ControlWatcher(tmp_path / "control.json"), rng=random.Random(0),
+                  metrics=HandlerMetrics(CollectorRegistry()))
 
 
-def _handler(tmp_path, rollout: bool):
-    from handlers.dlrm_handler import DLRMHandler
-    from serve.metrics import HandlerMetrics
-    from serve.routing import ControlWatcher
-
-    h = DLRMHandler()
-    h.cfg = CFG
-    h.model_version = "tiny-int8-s0"
-    h.runtime = FakeRuntime(0.0)
-    h.metrics = HandlerMetrics(CollectorRegistry())
-    if rollout:
-        h.candidate = FakeRuntime(0.5)
-        h.candidate_version = "tiny-int8-s7"
-        h.watcher = ControlWatcher(tmp_path / "control.json")
-        h._rng = random.Random(0)
-    h._last_stages = h._stage_seconds()
-    return h
+def _requests(n: int, keys: list[str | None]) -> list[WorkerRequest]:
+    return [WorkerRequest(b, JSON, k) for b, k in zip(_bodies([2] * n, seed=50), keys)]
 
 
-def _requests(n: int, keys: list[str | None]) -> tuple[list[dict], list[dict]]:
-    data = [{"body": b} for b in _bodies([2] * n, seed=50)]
-    headers = [{"content-type": JSON, **({"X-Dlrm-Route-Key": k} if k is not None else {})}
-               for k in keys]
-    return data, headers
-
-
-def test_handler_without_a_rollout_answers_as_stable_and_records_the_stable_arm(tmp_path):
-    h = _handler(tmp_path, rollout=False)
-    data, headers = _requests(3, ["a", None, "x" * 300])
-    ctx = FakeContext(headers)
-    bodies = h.handle(data, ctx)
-    assert [ctx.status[i] for i in range(3)] == [200, 200, 400]
-    assert ROUTE_KEY_HEADER in orjson.loads(bodies[2])["message"]
-    assert [ctx.out[i]["X-DLRM-Model-Version"] for i in range(3)] == ["tiny-int8-s0"] * 3
-    assert [ctx.out[i].get("X-DLRM-Arm") for i in range(3)] == ["stable", "stable", None]
-    assert ctx.out[0]["X-DLRM-Batch-Requests"] == "2" and ctx.out[2]["X-DLRM-Batch-Requests"] == "2"
-    get = h.metrics.registry.get_sample_value
+def test_worker_without_a_rollout_answers_as_stable_and_records_the_stable_arm(tmp_path):
+    w = _worker(tmp_path, rollout=False)
+    out = w.handle(_requests(3, ["a", None, "x" * 300]))
+    assert [r.status for r in out] == [200, 200, 400]
+    assert ROUTE_KEY_HEADER in orjson.loads(out[2].body)["message"]
+    assert [r.headers["X-DLRM-Model-Version"] for r in out] == ["tiny-int8-s0"] * 3
+    assert [r.headers.get("X-DLRM-Arm") for r in out] == ["stable", "stable", None]
+    assert out[0].headers["X-DLRM-Batch-Requests"] == "2"
+    assert out[2].headers["X-DLRM-Batch-Requests"] == "2"
+    assert {r.headers["X-DLRM-TorchServe-Batch"] for r in out} == {"3"}
+    assert [r.content_type for r in out] == ["application/json"] * 3
+    get = w.metrics.registry.get_sample_value
     labels = {"arm": "stable", "version": "tiny-int8-s0"}
     assert get("dlrm_arm_requests_total", labels) == 2
     assert get("dlrm_arm_errors_total", labels) == 0
@@ -430,43 +402,40 @@ def test_handler_without_a_rollout_answers_as_stable_and_records_the_stable_arm(
     assert get("dlrm_batch_requests_count") == 1
 
 
-def test_handler_canary_names_the_answering_version_and_arm(tmp_path):
-    h = _handler(tmp_path, rollout=True)
-    data, headers = _requests(4, ["a", "b", "c", "d"])
+def test_worker_canary_names_the_answering_version_and_arm(tmp_path):
+    w = _worker(tmp_path, rollout=True)
+    requests = _requests(4, ["a", "b", "c", "d"])
     # no control file yet: everything to stable
-    ctx = FakeContext(headers)
-    h.handle(data, ctx)
-    assert {ctx.out[i]["X-DLRM-Arm"] for i in range(4)} == {"stable"}
-    assert h.candidate.model.calls == []
+    out = w.handle(requests)
+    assert {r.headers["X-DLRM-Arm"] for r in out} == {"stable"}
+    assert w.candidate.model.calls == []
     write_control(tmp_path / "control.json", "canary", 1.0)
-    ctx = FakeContext(headers)
-    bodies = h.handle(data, ctx)
-    assert [ctx.out[i]["X-DLRM-Arm"] for i in range(4)] == ["candidate"] * 4
-    assert [ctx.out[i]["X-DLRM-Model-Version"] for i in range(4)] == ["tiny-int8-s7"] * 4
-    assert ctx.out[0]["X-DLRM-Batch-Requests"] == "4"
-    for b, d in zip(bodies, data):
-        np.testing.assert_allclose(orjson.loads(b)["predictions"],
-                                   _score(_dense(d["body"])) * 0.5 + 0.5, atol=1e-6)
-    get = h.metrics.registry.get_sample_value
+    out = w.handle(requests)
+    assert [r.headers["X-DLRM-Arm"] for r in out] == ["candidate"] * 4
+    assert [r.headers["X-DLRM-Model-Version"] for r in out] == ["tiny-int8-s7"] * 4
+    assert out[0].headers["X-DLRM-Batch-Requests"] == "4"
+    for r, req in zip(out, requests):
+        np.testing.assert_allclose(orjson.loads(r.body)["predictions"],
+                                   _score(_dense(req.body)) * 0.5 + 0.5, atol=1e-6)
+    get = w.metrics.registry.get_sample_value
     assert get("dlrm_arm_requests_total", {"arm": "candidate", "version": "tiny-int8-s7"}) == 4
     assert get("dlrm_arm_score_count", {"arm": "candidate", "version": "tiny-int8-s7"}) == 8
     assert get("dlrm_arm_requests_total", {"arm": "stable", "version": "tiny-int8-s0"}) == 4
     # the cache counters sum both runtimes
-    assert get("dlrm_cache_hits_total") == h.runtime.hits + h.candidate.hits
+    assert get("dlrm_cache_hits_total") == w.runtime.hits + w.candidate.hits
 
 
-def test_handler_shadow_records_candidate_scores_and_diffs(tmp_path):
-    h = _handler(tmp_path, rollout=True)
+def test_worker_shadow_records_candidate_scores_and_diffs(tmp_path):
+    w = _worker(tmp_path, rollout=True)
     write_control(tmp_path / "control.json", "shadow", 1.0)
-    data, headers = _requests(3, [None, "k", None])
-    ctx = FakeContext(headers)
-    bodies = h.handle(data, ctx)
-    assert [ctx.out[i]["X-DLRM-Arm"] for i in range(3)] == ["stable"] * 3
-    assert [ctx.out[i]["X-DLRM-Model-Version"] for i in range(3)] == ["tiny-int8-s0"] * 3
-    for b, d in zip(bodies, data):
-        np.testing.assert_allclose(orjson.loads(b)["predictions"], _score(_dense(d["body"])) * 0.5,
-                                   atol=1e-6)
-    get = h.metrics.registry.get_sample_value
+    requests = _requests(3, [None, "k", None])
+    out = w.handle(requests)
+    assert [r.headers["X-DLRM-Arm"] for r in out] == ["stable"] * 3
+    assert [r.headers["X-DLRM-Model-Version"] for r in out] == ["tiny-int8-s0"] * 3
+    for r, req in zip(out, requests):
+        np.testing.assert_allclose(orjson.loads(r.body)["predictions"],
+                                   _score(_dense(req.body)) * 0.5, atol=1e-6)
+    get = w.metrics.registry.get_sample_value
     cand = {"arm": "candidate", "version": "tiny-int8-s7"}
     assert get("dlrm_arm_requests_total", cand) == 3
     assert get("dlrm_arm_score_count", cand) == 6
@@ -475,22 +444,91 @@ def test_handler_shadow_records_candidate_scores_and_diffs(tmp_path):
     assert get("dlrm_shadow_score_diff_bucket", {"version": "tiny-int8-s7", "le": "0.2"}) == 0
 
 
-def test_handler_counts_a_failing_candidate_as_its_errors(tmp_path):
-    h = _handler(tmp_path, rollout=True)
-    h.candidate = FakeRuntime(0.5, error=RuntimeError("broken candidate"))
+def test_worker_counts_a_failing_candidate_as_its_errors(tmp_path):
+    w = _worker(tmp_path, rollout=True, candidate_error=RuntimeError("broken candidate"))
     write_control(tmp_path / "control.json", "canary", 1.0)
-    data, headers = _requests(2, ["a", "b"])
-    ctx = FakeContext(headers)
-    h.handle(data, ctx)
-    assert [ctx.status[i] for i in range(2)] == [500, 500]
-    get = h.metrics.registry.get_sample_value
+    requests = _requests(2, ["a", "b"])
+    assert [r.status for r in w.handle(requests)] == [500, 500]
+    get = w.metrics.registry.get_sample_value
     cand = {"arm": "candidate", "version": "tiny-int8-s7"}
     assert get("dlrm_arm_errors_total", cand) == 2 and get("dlrm_arm_score_count", cand) is None
     write_control(tmp_path / "control.json", "shadow", 1.0)
-    ctx = FakeContext(headers)
-    h.handle(data, ctx)
-    assert [ctx.status[i] for i in range(2)] == [200, 200]
+    assert [r.status for r in w.handle(requests)] == [200, 200]
     assert get("dlrm_arm_errors_total", cand) == 4
+
+
+def test_worker_needs_every_part_of_a_rollout(tmp_path):
+    with pytest.raises(ValueError, match="a rollout needs candidate, candidate_version and "
+                                         "watcher together"):
+        Worker(FakeRuntime(0.0), CFG, model_version="v", candidate=FakeRuntime(0.5),
+               candidate_version="w")
+
+
+# ------------------------------------------------------------------ the TorchServe adapter
+
+class FakeContext:
+    """What the handler uses of TorchServe's ``ts.context.Context``."""
+
+    def __init__(self, headers: list[dict], request_ids: dict[int, str] | None = None) -> None:
+        self.headers = headers
+        self.request_ids = request_ids or {}
+        self.status: dict[int, tuple[int, str]] = {}
+        self.out: dict[int, dict[str, str]] = {}
+
+    def get_all_request_header(self, idx: int) -> dict:
+        return self.headers[idx]
+
+    def get_request_id(self, idx: int = 0) -> str | None:
+        return self.request_ids.get(idx)
+
+    def set_response_status(self, code: int, phrase: str, idx: int) -> None:
+        self.status[idx] = (code, phrase)
+
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        self.out.setdefault(idx, {})["content-type"] = value
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.out.setdefault(idx, {})[key] = value
+
+
+class SpyWorker(Worker):
+    """The real worker, recording the requests the handler hands over."""
+
+    def handle(self, requests):
+        self.seen = list(requests)
+        return super().handle(requests)
+
+
+def test_handler_translates_torchserves_batch_and_copies_the_responses_back():
+    from handlers.dlrm_handler import DLRMHandler
+
+    h = DLRMHandler()
+    h.worker = SpyWorker(FakeRuntime(0.0), CFG, model_version="tiny-int8-s0",
+                         metrics=HandlerMetrics(CollectorRegistry()))
+    body = _bodies([2], seed=60)[0]
+    data = [{"body": body}, {"data": body}, {"body": body}, {"field": b"x"}]
+    headers = [{"Content-Type": JSON, "X-DLRM-Route-Key": "u1"},
+               {"data": {"content-type": JSON}},     # only the parameter's type
+               {"content-type": "text/plain"},
+               {}]                                    # a form post, split into fields
+    ctx = FakeContext(headers, {0: "r0", 1: "r1", 2: "r2"})
+    bodies = h.handle(data, ctx)
+    seen = h.worker.seen
+    assert [(r.content_type, r.route_key, r.request_id) for r in seen] == [
+        (JSON, "u1", "r0"), (JSON, None, "r1"), ("text/plain", None, "r2"),
+        ("application/x-www-form-urlencoded", None, None)]
+    assert seen[0].body is body and seen[3].body == b""
+    assert ctx.status == {0: (200, "OK"), 1: (200, "OK"), 2: (415, "Unsupported Media Type"),
+                          3: (415, "Unsupported Media Type")}
+    assert ctx.out[0] == {"content-type": "application/json", "X-DLRM-TorchServe-Batch": "4",
+                          "X-DLRM-Model-Version": "tiny-int8-s0", "X-DLRM-Arm": "stable",
+                          "X-DLRM-Batch-Instances": "4", "X-DLRM-Batch-Requests": "2"}
+    assert ctx.out[2] == {"content-type": "application/json", "X-DLRM-TorchServe-Batch": "4",
+                          "X-DLRM-Model-Version": "tiny-int8-s0",
+                          "X-DLRM-Batch-Instances": "4", "X-DLRM-Batch-Requests": "2"}
+    np.testing.assert_allclose(orjson.loads(bodies[0])["predictions"],
+                               _score(_dense(body)) * 0.5, atol=1e-6)
+    assert orjson.loads(bodies[3])["code"] == 415
 
 
 def test_the_handler_module_defines_exactly_one_class():

@@ -405,11 +405,3 @@ def test_every_response_names_the_model_version_that_answered(torchserve, client
     bodies = [orjson.dumps(example_request(1, seed=i)) for i in range(5)] + [b"{}"]
     for r in _concurrent(torchserve.predict_url, bodies):
         assert r.headers["x-dlrm-model-version"] == want
-
-
-def test_model_version_comes_from_the_manifest():
-    from handlers.dlrm_handler import model_version
-
-    assert model_version({"model": {"modelVersion": "small-int8-s0_b8d5w2"}}) == "small-int8-s0"
-    assert model_version({"model": {"modelVersion": "1.0"}}) == "1.0"  # not derived: as is
-    assert model_version({"model": {}}) == "unknown" and model_version(None) == "unknown"

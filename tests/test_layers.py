@@ -1,4 +1,5 @@
-"""The layer rule: what runs in the pod never imports the offline build or TorchRec.
+"""The layer rules: what runs in the pod never imports the offline build or TorchRec, and
+nothing in ``serve/`` imports ``handlers/`` (the TorchServe adapter sits on top).
 
 Checked twice: statically (every import statement in the pod's packages, including the
 lazy ones inside functions) and dynamically (importing the pod's modules in a fresh
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-POD_PACKAGES = ("serve/runtime", "serve/api", "serve/sidecar", "handlers")
+POD_PACKAGES = ("serve/runtime", "serve/api", "serve/worker", "serve/sidecar", "handlers")
 FORBIDDEN = ("serve.model", "torchrec", "fbgemm_gpu")
 # Shared ground at the top of serve/ is imported by every layer, so it obeys the rule too.
 SHARED = ("serve/errors.py", "serve/profiles.py", "serve/metrics.py", "serve/constants.py",
@@ -57,6 +58,16 @@ def test_pod_code_never_imports_the_build_or_torchrec(path: Path) -> None:
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "serve").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_nothing_in_serve_imports_the_torchserve_adapter(path: Path) -> None:
+    """handlers/ translates TorchServe's calls into one call to serve.worker; nothing
+    calls back up into it."""
+    bad = [f"{path.relative_to(REPO)}:{line} imports {mod}" for line, mod in _imports(path)
+           if mod == "handlers" or mod.startswith("handlers.")]
+    assert not bad, "\n".join(bad)
+
+
 def test_import_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     """The checker itself: an import inside a function, and a relative one, are found."""
     pkg = REPO / "serve" / "runtime"
@@ -72,7 +83,7 @@ def test_import_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
 def test_importing_the_pod_modules_loads_no_build_code() -> None:
     code = (
         "import sys\n"
-        "import serve.runtime.engine, serve.runtime.cache, serve.api.protocol\n"
+        "import serve.runtime.engine, serve.runtime.cache, serve.api.protocol, serve.worker\n"
         "import serve.sidecar.app, serve.metrics, serve.routing, serve.cpu\n"
         f"bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
         f"for f in {FORBIDDEN!r}))\n"

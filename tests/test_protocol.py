@@ -1,4 +1,5 @@
-"""serve.api.protocol: parsing, validation wording, merging, and one-forward batches (no server)."""
+"""serve.api (request, json_body, binary, decode, batch; the protocol facade): parsing,
+validation wording, merging, and one-forward batches (no server)."""
 from __future__ import annotations
 
 import copy
@@ -9,20 +10,17 @@ import numpy as np
 import orjson
 import pytest
 
-from serve.api import protocol
-from serve.api.protocol import (
+from serve.api import json_body, protocol, request
+from serve.api.batch import handle_batch, merge_requests
+from serve.api.binary import encode_binary, example_binary
+from serve.api.config import HandlerConfig, default_num_threads
+from serve.api.decode import parse_body
+from serve.api.json_body import example_request
+from serve.api.request import (
     BINARY_MEDIA_TYPE,
     INT64_MAX,
     JSON_MEDIA_TYPE,
-    HandlerConfig,
     check_content_type,
-    default_num_threads,
-    encode_binary,
-    example_binary,
-    example_request,
-    handle_batch,
-    merge_requests,
-    parse_body,
 )
 from serve.errors import (
     ConfigError,
@@ -275,7 +273,7 @@ def test_one_forward_for_the_batch_and_bad_requests_fail_alone(tiny_runtime):
     calls, counting = _counting_predict(tiny_runtime)
     outs, info = handle_batch(bodies, ctypes, counting, CFG)
     assert calls == [[2, 3]]  # one forward: the two good requests
-    assert info["instances"] == 5 and info["requests"] == 2
+    assert info.instances == 5 and info.requests == 2
     assert [o.status for o in outs] == [200, 400, 200, 400, 415]
     assert orjson.loads(outs[1].body) == {
         "code": 400, "type": "InvalidInput",
@@ -575,7 +573,7 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
               BINARY_MEDIA_TYPE, "application/x-dlrm-columnar; charset=utf-8"]
     calls, counting = _counting_predict(tiny_runtime)
     outs, info = handle_batch(bodies, ctypes, counting, CFG)
-    assert calls == [[3, 2, 1]] and info["instances"] == 6 and info["requests"] == 3
+    assert calls == [[3, 2, 1]] and info.instances == 6 and info.requests == 3
     assert [o.status for o in outs] == [200, 200, 200, 400, 400, 415]
     assert orjson.loads(outs[3].body)["message"] == ("binary body: arrived as text; send the "
                                                      "raw bytes from encode_binary")
@@ -589,8 +587,8 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
 
 
 # ----------------------------------------------------------------------------- JSON fast path
-# parse_body tries a fast path first (protocol._fast_parse) and falls back to the
-# validating parse (protocol._parse_doc) for anything it cannot prove valid. The fast path
+# parse_body tries a fast path first (json_body._fast_parse) and falls back to the
+# validating parse (json_body._parse_doc) for anything it cannot prove valid. The fast path
 # must build bit-identical arrays for what it accepts and accept nothing the validating
 # parse refuses; the validating parse is called directly as the reference.
 
@@ -660,9 +658,9 @@ def test_fast_path_equals_the_validating_parse(form, one_hot, n):
     for seed in range(12 if n < 512 else 2):
         dense, lengths, ids = _random_request(n, seed * 1000 + n, one_hot=one_hot)
         body = encode(dense, lengths, ids)
-        fast = protocol._fast_parse(orjson.loads(body), BIG_CFG)
+        fast = json_body._fast_parse(orjson.loads(body), BIG_CFG)
         assert fast is not None, f"seed {seed}: the fast path refused a valid body"
-        slow = protocol._parse_doc(orjson.loads(body), BIG_CFG)
+        slow = json_body._parse_doc(orjson.loads(body), BIG_CFG)
         _assert_identical(fast, slow)
         _assert_identical(parse_body(body, BIG_CFG), slow)
         assert slow.lengths.tolist() == lengths.tolist()
@@ -674,9 +672,9 @@ def test_fast_path_takes_bodies_without_any_id(form):
     lengths = np.zeros((26, 3), dtype=np.int32)
     body = (_as_rows if form == "rows" else _as_columnar)([[1.5] * 13] * 3, lengths,
                                                           [[] for _ in range(26)])
-    fast = protocol._fast_parse(orjson.loads(body), CFG)
+    fast = json_body._fast_parse(orjson.loads(body), CFG)
     assert fast is not None and fast.values.shape == (0,)
-    _assert_identical(fast, protocol._parse_doc(orjson.loads(body), CFG))
+    _assert_identical(fast, json_body._parse_doc(orjson.loads(body), CFG))
 
 
 def _rows2(f) -> bytes:
@@ -835,9 +833,9 @@ FAST_BAD_BIG = [
                          ids=[b[0] for b in FAST_BAD + FAST_BAD_BIG])
 def test_fast_path_refuses_and_errors_are_the_validating_parse_s(name, body, cfg):
     doc = orjson.loads(body)
-    assert protocol._fast_parse(doc, cfg) is None
+    assert json_body._fast_parse(doc, cfg) is None
     with pytest.raises(ServeError) as want:
-        protocol._parse_doc(orjson.loads(body), cfg)
+        json_body._parse_doc(orjson.loads(body), cfg)
     with pytest.raises(ServeError) as got:
         parse_body(body, cfg)
     assert type(got.value) is type(want.value) and type(want.value) in (InvalidInput,
@@ -888,7 +886,7 @@ def test_randomly_broken_bodies_get_the_validating_parse_s_result_or_error():
                 c.append(1)
         body = orjson.dumps(doc)
         got = _outcome(lambda b: parse_body(b, CFG), body)
-        assert got == _outcome(lambda b: protocol._parse_doc(orjson.loads(b), CFG), body), body
+        assert got == _outcome(lambda b: json_body._parse_doc(orjson.loads(b), CFG), body), body
         accepted += isinstance(got[0], tuple)
     assert 150 < accepted < 450  # both outcomes well represented
 
@@ -938,11 +936,11 @@ def test_custom_schema_bodies_parse_feature_major_in_schema_order(form):
     else:
         doc = CUSTOM_ROWS if form == "rows" else CUSTOM_COLUMNAR
         body = orjson.dumps(doc)
-        assert protocol._fast_parse(orjson.loads(body), WIDE_CFG,
-                                    protocol._spec_of(CUSTOM)) is not None
+        assert json_body._fast_parse(orjson.loads(body), WIDE_CFG,
+                                    request._spec_of(CUSTOM)) is not None
         p = parse_body(body, WIDE_CFG, schema=CUSTOM)
-        _assert_identical(p, protocol._parse_doc(orjson.loads(body), WIDE_CFG,
-                                                 protocol._spec_of(CUSTOM)))
+        _assert_identical(p, json_body._parse_doc(orjson.loads(body), WIDE_CFG,
+                                                 request._spec_of(CUSTOM)))
     _check_custom(p)
 
 
@@ -1024,8 +1022,8 @@ BAD_CUSTOM = [
 
 @pytest.mark.parametrize("name,cfg,body,match", BAD_CUSTOM, ids=[b[0] for b in BAD_CUSTOM])
 def test_custom_schema_errors_name_the_feature_and_the_rule(name, cfg, body, match):
-    spec = protocol._spec_of(CUSTOM)
-    assert protocol._fast_parse(orjson.loads(body), cfg, spec) is None
+    spec = request._spec_of(CUSTOM)
+    assert json_body._fast_parse(orjson.loads(body), cfg, spec) is None
     with pytest.raises(InvalidInput, match=match):
         parse_body(body, cfg, schema=CUSTOM)
     outs, _ = handle_batch([body], [JSON_MEDIA_TYPE], _no_forward, cfg, schema=CUSTOM)
@@ -1075,14 +1073,14 @@ def test_custom_schema_binary_caps_under_a_tighter_handler_cap():
 @pytest.mark.parametrize("multi_hot", [False, True], ids=["one-hot", "multi-hot"])
 @pytest.mark.parametrize("form", ["rows", "columnar"])
 def test_custom_schema_fast_path_equals_the_validating_parse(form, multi_hot, n):
-    spec = protocol._spec_of(CUSTOM)
+    spec = request._spec_of(CUSTOM)
     for seed in range(8):
         doc = example_request(n, seed=seed, form=form, schema=CUSTOM, multi_hot=multi_hot,
                               max_id=INT64_MAX)
         body = orjson.dumps(doc)
-        fast = protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec)
+        fast = json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec)
         assert fast is not None, f"seed {seed}: the fast path refused a valid body"
-        slow = protocol._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        slow = json_body._parse_doc(orjson.loads(body), WIDE_CFG, spec)
         _assert_identical(fast, slow)
         _assert_identical(parse_body(body, WIDE_CFG, schema=CUSTOM), slow)
         assert slow.dense.shape == (n, 3) and slow.lengths.shape == (3, n)
@@ -1129,8 +1127,8 @@ CUSTOM_FAST_BAD = _custom_fast_bad(1) + _custom_fast_bad(30)
 
 @pytest.mark.parametrize("name,body", CUSTOM_FAST_BAD, ids=[b[0] for b in CUSTOM_FAST_BAD])
 def test_custom_schema_fast_path_refuses_what_exceeds_a_feature_s_cap(name, body):
-    spec = protocol._spec_of(CUSTOM)
-    assert protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec) is None
+    spec = request._spec_of(CUSTOM)
+    assert json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec) is None
     with pytest.raises(InvalidInput, match=r"the model accepts at most (1 id|20 ids) in "):
         parse_body(body, WIDE_CFG, schema=CUSTOM)
 
@@ -1156,23 +1154,23 @@ def test_custom_schema_in_a_batch_one_forward_and_a_built_in_body_gets_400():
 
 
 def test_the_default_schema_is_the_built_in_model_s():
-    assert protocol.DEFAULT_SCHEMA == get_profile("small").schema()
+    assert request.DEFAULT_SCHEMA == get_profile("small").schema()
     body = orjson.dumps(example_request(2, seed=6, form="columnar"))
-    _assert_identical(parse_body(body, CFG, schema=protocol.DEFAULT_SCHEMA), parse_body(body, CFG))
+    _assert_identical(parse_body(body, CFG, schema=request.DEFAULT_SCHEMA), parse_body(body, CFG))
     # other tables (rows, dims, dtype), the same requests: one set of decoder helpers
     tiny = get_profile("tiny").schema("int4")
-    assert tiny != protocol.DEFAULT_SCHEMA and not tiny.request_differences(protocol.DEFAULT_SCHEMA)
-    assert protocol._spec_of(None) is protocol._spec_of(tiny)
+    assert tiny != request.DEFAULT_SCHEMA and not tiny.request_differences(request.DEFAULT_SCHEMA)
+    assert request._spec_of(None) is request._spec_of(tiny)
     with pytest.raises(TypeError, match=r"^schema must be a serve.schema.ModelSchema or None"):
         parse_body(body, CFG, schema={"dense": 13})  # type: ignore[arg-type]
 
 
 def test_feature_names_in_messages_are_listed_in_order():
-    assert protocol._names_text(SPARSE_FEATURES) == "C1..C26"
-    assert protocol._names_text(("f1", "f2", "f3")) == "f1..f3"
-    assert protocol._names_text(("f1", "f3", "f2")) == "f1, f3, f2"
-    assert protocol._names_text(("a1", "a2")) == "a1, a2"
-    assert protocol._names_text(("user_id", "item_id", "history")) == CUSTOM_NAMES
+    assert request._names_text(SPARSE_FEATURES) == "C1..C26"
+    assert request._names_text(("f1", "f2", "f3")) == "f1..f3"
+    assert request._names_text(("f1", "f3", "f2")) == "f1, f3, f2"
+    assert request._names_text(("a1", "a2")) == "a1, a2"
+    assert request._names_text(("user_id", "item_id", "history")) == CUSTOM_NAMES
 
 
 ONE_FEATURE = ModelSchema(dense=0, tables=(TableSpec("t", rows=10, dim=4),),
@@ -1183,13 +1181,13 @@ ONE_FEATURE = ModelSchema(dense=0, tables=(TableSpec("t", rows=10, dim=4),),
 @pytest.mark.parametrize("n", [1, 3, 80])
 def test_one_feature_and_no_dense_features(multi_hot, n):
     """F = 1 (no tuple from a one-key itemgetter) and N = 0 (empty dense rows)."""
-    spec = protocol._spec_of(ONE_FEATURE)
+    spec = request._spec_of(ONE_FEATURE)
     for form in ("rows", "columnar"):
         body = orjson.dumps(example_request(n, seed=n, form=form, schema=ONE_FEATURE,
                                             multi_hot=multi_hot))
-        fast = protocol._fast_parse(orjson.loads(body), WIDE_CFG, spec)
+        fast = json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec)
         assert fast is not None
-        slow = protocol._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        slow = json_body._parse_doc(orjson.loads(body), WIDE_CFG, spec)
         _assert_identical(fast, slow)
         assert slow.dense.shape == (n, 0) and slow.lengths.shape == (1, n)
         binary = parse_body(example_binary(n, seed=n, schema=ONE_FEATURE, multi_hot=multi_hot),
@@ -1202,3 +1200,25 @@ def test_one_feature_and_no_dense_features(multi_hot, n):
     with pytest.raises(InvalidInput, match=r"^instances\[0\].sparse: is a JSON array; expected "
                                            r'an object \{"q": \[ids\]\}$'):
         parse_body(b'{"instances": [{"dense": [], "sparse": []}]}', WIDE_CFG, schema=ONE_FEATURE)
+
+
+PROTOCOL_NAMES = [
+    "BINARY_MEDIA_TYPE", "BINARY_VERSION", "CACHE_ON_CPU_ENV", "DEFAULT_SCHEMA", "DELTA_DIR_ENV",
+    "INT64_MAX", "JSON_MEDIA_TYPE", "ArmRun", "DeltaWiring", "HandlerConfig", "MergedBatch",
+    "Outcome", "ParsedRequest", "RolloutWiring", "Split", "cache_on_cpu_from_env",
+    "check_content_type", "check_route_key", "default_num_threads", "encode_binary",
+    "encode_error", "encode_predictions", "example_binary", "example_request", "handle_batch",
+    "merge_requests", "parse_body"]
+
+
+def test_the_protocol_facade_keeps_its_names_as_the_modules_objects():
+    """``serve.api.protocol`` re-exports what it always exported; each name is the very
+    object of the module that holds it (one definition, no copies)."""
+    from serve.api import batch, binary, config, decode
+
+    assert protocol.__all__ == PROTOCOL_NAMES
+    modules = (config, request, json_body, binary, decode, batch)
+    for name in PROTOCOL_NAMES:
+        holders = [m for m in modules if name in m.__all__]
+        assert holders, f"{name} is in no module's __all__"
+        assert all(getattr(protocol, name) is getattr(m, name) for m in holders), name

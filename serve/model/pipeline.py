@@ -108,7 +108,7 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
     "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py",
                  "quality.py", "model/merge.py", "model/importer.py", "schema.py"),
-    "archive": ("model/archive.py", "model/pipeline.py", "api/protocol.py",
+    "archive": ("model/archive.py", "model/pipeline.py", "api/config.py",
                 "../handlers/dlrm_handler.py"),
 }
 

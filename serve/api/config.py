@@ -1,0 +1,253 @@
+"""The worker's configuration: the ``handler:`` section of a .mar's model-config.yaml
+(:class:`HandlerConfig`, with a rollout's :class:`RolloutWiring`) and what TorchServe's
+environment says (:class:`DeltaWiring`, :func:`cache_on_cpu_from_env`).
+
+Loaded once, where a worker starts (:meth:`serve.worker.Worker.load`); the build
+(``serve.model.archive``) validates the same section with the same classes. Light: no
+torch, no TorchServe.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from serve.constants import CACHE_POLICIES
+from serve.cpu import available_cpus, threads_per_worker
+from serve.errors import ConfigError
+from serve.state import VERSION_RE
+
+__all__ = [
+    "CACHE_ON_CPU_ENV",
+    "DELTA_DIR_ENV",
+    "DELTA_POLL_ENV",
+    "SHARED_TABLES_ENV",
+    "DeltaWiring",
+    "HandlerConfig",
+    "RolloutWiring",
+    "cache_on_cpu_from_env",
+    "default_num_threads",
+]
+
+
+def default_num_threads(workers: int, cores: int | None = None) -> int:
+    """torch intra-op threads per worker from the CPU budget: cores / workers, at least 1.
+
+    ``cores`` defaults to the CPUs the process can really use,
+    :func:`serve.cpu.available_cpus`: min(CPU affinity, ceil(cgroup CPU quota)), so a pod
+    with a 4-CPU limit on a 64-core node counts 4, not 64. More threads than that
+    oversubscribe the CPUs (STACK.md measured up to 10x loss). This is the budget alone:
+    the handler's full rule (``handler.num_threads``, then ``OMP_NUM_THREADS``, then this)
+    is :func:`serve.cpu.choose_threads`.
+    """
+    return threads_per_worker(max(1, workers), cores if cores is not None else available_cpus())
+
+
+@dataclass(frozen=True)
+class RolloutWiring:
+    """The ``handler.rollout`` section: a rollout's candidate packed beside the stable model.
+
+    The sidecar writes it into the archives it derives for a rollout
+    (``serve.sidecar.mar``); the worker (:class:`serve.worker.Worker`) then loads both
+    versions and splits each batch as the control file says (:mod:`serve.routing`).
+
+    Attributes:
+        candidate_version: the candidate's model version (``serve.state.VERSION_RE``),
+            named in the ``X-DLRM-Model-Version`` header and the ``version`` label of the
+            per-arm metrics.
+        candidate_artifact: the candidate's artifact file, relative to the model dir
+            (e.g. ``candidate/artifact.pt``); loaded with the same runtime settings as
+            the stable artifact.
+        control_file: absolute path of the JSON control file (``{"mode", "weight"}``)
+            the sidecar rewrites while the workers run.
+    """
+
+    candidate_version: str
+    candidate_artifact: str
+    control_file: str
+
+    def __post_init__(self) -> None:
+        v = self.candidate_version
+        if not isinstance(v, str) or not re.match(VERSION_RE, v):
+            raise ConfigError(f"handler.rollout.candidate_version={v!r} must be a model version "
+                              f"matching {VERSION_RE} (letters, digits, '.', '-'; as in "
+                              "model_store/)")
+        a = self.candidate_artifact
+        if (not isinstance(a, str) or not a or a.startswith("/") or "\\" in a
+                or any(part in ("", ".", "..") for part in a.split("/"))):
+            raise ConfigError(f"handler.rollout.candidate_artifact={a!r} must be a normalized "
+                              "path relative to the model dir, without '.', '..' or empty "
+                              "parts (e.g. 'candidate/artifact.pt')")
+        c = self.control_file
+        if not isinstance(c, str) or not os.path.isabs(c):
+            raise ConfigError(f"handler.rollout.control_file={c!r} must be an absolute path "
+                              "(the sidecar and the workers must name the same file)")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RolloutWiring:
+        """Build from a mapping; unknown or missing keys are an error naming the known ones."""
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError(f"handler.rollout must be a mapping with keys "
+                              f"{sorted(f.name for f in fields(cls))} or null; got "
+                              f"{type(d).__name__} {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - known), sorted(known - set(d))
+        if unknown:
+            raise ConfigError(f"handler.rollout: unknown keys {unknown}; known keys: "
+                              f"{sorted(known)}")
+        if missing:
+            raise ConfigError(f"handler.rollout: missing keys {missing}; all of "
+                              f"{sorted(known)} are required")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """The ``handler:`` section of the .mar's model-config.yaml.
+
+    Attributes:
+        cache_load_factor: fraction of all table rows kept on the device (runtime cache);
+            None with ``cache_bytes`` set instead; 1.0 keeps every row.
+        cache_bytes: device cache size in bytes (alternative to the load factor).
+        cache_policy: "lru" | "lfu".
+        num_threads: torch intra-op threads per worker; None = cores / workers.
+        max_forward_instances: most samples per forward; a larger TorchServe batch is
+            split into chunks (RuntimeConfig.max_forward_instances); None = no cap.
+        max_instances: most instances (samples) per HTTP request; more -> 413.
+        max_ids_per_feature: most ids in one feature of one instance; more -> 400.
+        max_body_bytes: largest body the handler decodes; larger -> 413. Keep it below
+            TorchServe's ``max_request_size`` so ours is the limit users meet.
+        debug_delay_ms: FOR TESTS ONLY: milliseconds the handler sleeps per forward (per
+            TorchServe batch), so a test can make a tiny model slow enough that the queue
+            holds seconds of work (e.g. to prove a version switch drains it). 0..10000;
+            leave it 0 in any archive that serves traffic.
+        rollout: a rollout's candidate loaded beside the stable model
+            (:class:`RolloutWiring`); None (the default) serves the stable model alone.
+    """
+
+    cache_load_factor: float | None = 0.2
+    cache_bytes: int | None = None
+    cache_policy: str = "lru"
+    num_threads: int | None = None
+    max_forward_instances: int | None = 8192
+    max_instances: int = 4096
+    max_ids_per_feature: int = 64
+    max_body_bytes: int = 16 * 1024 * 1024
+    debug_delay_ms: int = 0
+    rollout: RolloutWiring | None = None
+
+    def __post_init__(self) -> None:
+        lf = self.cache_load_factor
+        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, (int, float))
+                               or not 0.0 < lf <= 1.0):
+            raise ConfigError(f"handler.cache_load_factor={lf!r} must be in (0, 1] or null")
+        for name in ("cache_bytes", "num_threads", "max_forward_instances"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1 or null")
+        if lf is None and self.cache_bytes is None:
+            raise ConfigError("handler: set cache_load_factor or cache_bytes")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(f"handler.cache_policy={self.cache_policy!r} must be 'lru' or 'lfu'")
+        for name in ("max_instances", "max_ids_per_feature", "max_body_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1")
+        d = self.debug_delay_ms
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 10_000:
+            raise ConfigError(f"handler.debug_delay_ms={d!r} must be an integer in 0..10000 "
+                              "(ms slept per batch; for tests only)")
+        if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
+            raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
+                              "None; build the config with HandlerConfig.from_dict to read a "
+                              "mapping")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> HandlerConfig:
+        """Build from a mapping; unknown keys are an error naming the known ones."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"handler: unknown keys {unknown}; known keys: {sorted(known)}")
+        if d.get("rollout") is not None:
+            d["rollout"] = RolloutWiring.from_dict(d["rollout"])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (nested mappings); ``rollout`` is left out when None, so archives
+        without a rollout keep the config they had before rollouts existed."""
+        out = asdict(self)
+        if out["rollout"] is None:
+            del out["rollout"]
+        return out
+
+
+#: Environment variable of TorchServe (and so of its workers): "1" runs the embedding cache
+#: on CPU too. On CPU the cache only costs time (device memory *is* host memory), so it is
+#: off by default; the Prometheus pipeline test turns it on to check the hit-ratio series.
+CACHE_ON_CPU_ENV = "DLRM_CACHE_ON_CPU"
+
+
+def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
+    """Whether ``DLRM_CACHE_ON_CPU`` asks for the cache on CPU ("1"/"0", unset = off).
+
+    Raises:
+        ConfigError: any other value (names it and the two accepted ones).
+    """
+    v = environ.get(CACHE_ON_CPU_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ConfigError(f"{CACHE_ON_CPU_ENV}={v!r} must be 1 (cache on CPU too) or 0 "
+                          "(the default: no cache on CPU)")
+    return v == "1"
+
+
+DELTA_DIR_ENV = "DLRM_DELTA_DIR"
+SHARED_TABLES_ENV = "DLRM_SHARED_TABLES"
+DELTA_POLL_ENV = "DLRM_DELTA_POLL_MS"
+
+
+@dataclass(frozen=True)
+class DeltaWiring:
+    """How a worker follows embedding deltas, from TorchServe's environment.
+
+    ``DLRM_DELTA_DIR``: the pod's delta store (serve.deltas), shared with the sidecar;
+    unset = no deltas, each worker keeps its own copy of the tables.
+    ``DLRM_SHARED_TABLES``: "1" (default) = on CPU without a cache, the workers share one
+    copy of the tables in ``<dir>/<version>/tables.bin`` (serve.runtime.shared); "0" = a
+    private copy each (what the memory benchmark compares with).
+    ``DLRM_DELTA_POLL_MS``: how often a worker looks for new deltas (default 100 ms).
+    """
+
+    directory: Path
+    shared_tables: bool = True
+    poll_s: float = 0.1
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> DeltaWiring | None:
+        """None when ``DLRM_DELTA_DIR`` is unset or empty.
+
+        Raises:
+            ConfigError: a value out of its rule (named with the rule).
+        """
+        d = environ.get(DELTA_DIR_ENV, "").strip()
+        if not d:
+            return None
+        shared = environ.get(SHARED_TABLES_ENV, "1").strip()
+        if shared not in ("0", "1"):
+            raise ConfigError(f"{SHARED_TABLES_ENV}={shared!r} must be 1 (workers share one "
+                              "copy of the tables, the default) or 0 (a copy each)")
+        poll = environ.get(DELTA_POLL_ENV, "100").strip()
+        try:
+            poll_ms = int(poll)
+        except ValueError:
+            poll_ms = -1
+        if not 10 <= poll_ms <= 60_000:
+            raise ConfigError(f"{DELTA_POLL_ENV}={poll!r} must be an integer number of "
+                              "milliseconds in 10..60000 (default 100)")
+        return cls(Path(d), shared == "1", poll_ms / 1000.0)
