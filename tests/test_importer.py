@@ -257,3 +257,60 @@ def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
     parsed = parse_body(body, HandlerConfig(), schema=schema)
     assert parsed.lengths.shape == (4, 1)
     assert _example_for(cfg, "not-there") is None and _example_for(cfg, None) is None
+
+
+def test_the_stored_program_loads_where_torchrec_and_fbgemm_do_not(tmp_path: Path) -> None:
+    """examples/own_ranker regroups its pooled embeddings with KeyedTensor.regroup, whose
+    fast path is an FBGEMM operator: the export takes TorchRec's plain path instead, and
+    the artifact runs in a process that refuses to import torchrec and fbgemm_gpu (the
+    pod), with the same probabilities."""
+    import subprocess
+    import sys
+    import zipfile
+
+    factory = f"{Path(__file__).parents[1] / 'examples' / 'own_ranker' / 'model.py'}:make_model"
+    fn, _ = load_factory(factory)
+    ckpt = tmp_path / "ranker.pt"
+    torch.save(fn().state_dict(), ckpt)
+    out = import_model(ImportConfig(factory=factory, checkpoint=ckpt, version="ranker-x",
+                                    model_store=tmp_path / "store"), say=lambda m: None)
+    with zipfile.ZipFile(out["archive"]) as z:
+        (tmp_path / "a.pt").write_bytes(z.read("artifact.pt"))
+    art = load_artifact(tmp_path / "a.pt")
+    dense, values, lengths = generated_batch(art.schema, 16, seed=9)
+    torch.save({"dense": dense, "values": values, "lengths": lengths}, tmp_path / "in.pt")
+    want = Runtime(art, RuntimeConfig()).predict(dense, SparseBatch(values, lengths))
+    code = (
+        "import importlib.abc, sys, torch\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('torchrec', 'fbgemm_gpu'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch\n"
+        f"b = torch.load({str(tmp_path / 'in.pt')!r})\n"
+        f"rt = Runtime.from_artifact({str(tmp_path / 'a.pt')!r}, RuntimeConfig())\n"
+        "p = rt.predict(b['dense'], SparseBatch(b['values'], b['lengths']))\n"
+        f"torch.save(p, {str(tmp_path / 'out.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), want)
+
+
+def test_operators_stock_pytorch_lacks_are_named() -> None:
+    from serve.model.export import foreign_ops
+
+    lib = torch.library.Library("dlrmtest", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+    lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.dlrmtest.twice(x).relu()
+
+    ep = torch.export.export(M(), (torch.zeros(2, 3),), strict=False)
+    assert foreign_ops(ep) == ["dlrmtest.twice.default"]
+    plain = torch.export.export(torch.nn.Linear(3, 1), (torch.zeros(2, 3),), strict=False)
+    assert foreign_ops(plain) == []

@@ -19,9 +19,10 @@ Shapes: B batch, N dense features, F sparse features, D_f the dim of feature f's
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ from serve.runtime.artifact import (
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
 
 __all__ = ["TORCH_DTYPES", "artifact_from_float_dlrm", "artifact_from_quantized_dlrm",
-           "collections", "dlrm_dense", "export_dense", "is_torchrec_dlrm", "model_schema",
+           "collections", "dlrm_dense", "export_dense", "foreign_ops", "is_torchrec_dlrm",
+           "model_schema",
            "pooled_reference", "quantize_for_serving", "tables_from_quantized"]
 
 #: Our table dtypes as ``quantize_inference_model`` takes them (per table).
@@ -188,12 +190,50 @@ class _AfterPooling(nn.Module):
         return self.model(dense, None).reshape(-1)
 
 
+#: Operator namespaces a stock PyTorch runs (the pod has no FBGEMM, no TorchRec).
+STOCK_OP_NAMESPACES = frozenset(("aten", "prims"))
+
+
+@contextlib.contextmanager
+def _plain_regroup() -> Iterator[None]:
+    """While tracing: ``KeyedTensor.regroup``'s fast path (an FBGEMM operator the pod
+    cannot load) replaced by TorchRec's own plain-torch path (split + cat, same values)."""
+    import torchrec.sparse.jagged_tensor as jt
+
+    fast = jt._fbgemm_permute_pooled_embs
+    jt._fbgemm_permute_pooled_embs = jt._regroup_keyed_tensors
+    try:
+        yield
+    finally:
+        jt._fbgemm_permute_pooled_embs = fast
+
+
+def foreign_ops(program: torch.export.ExportedProgram) -> list[str]:
+    """Operators of ``program`` that stock PyTorch does not provide (e.g. ``fbgemm.*``),
+    by name, sorted: the pod could not load the program."""
+    out = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            if t.namespace not in STOCK_OP_NAMESPACES:
+                out.add(str(t))
+        elif isinstance(t, torch._ops.HigherOrderOperator):
+            out.add(t.name())
+        elif getattr(t, "__module__", None) not in ("_operator", "operator", "builtins"):
+            out.add(getattr(t, "__qualname__", repr(t)))
+    return sorted(out)
+
+
 def export_dense(model: nn.Module, schema: ModelSchema) -> ExportedDense:
     """The model after pooling as serialized ``torch.export`` bytes, batch dim symbolic.
 
     Raises:
         ConfigError: the model cannot be traced this way, typically because its forward
-            reads the KeyedJaggedTensor outside its collections (it receives None here).
+            reads the KeyedJaggedTensor outside its collections (it receives None here);
+            or the traced program calls operators stock PyTorch lacks (the pod has no
+            FBGEMM or TorchRec).
     """
     after = _AfterPooling(copy.deepcopy(model)).eval()
     if after.width != schema.pooled_dim:
@@ -202,7 +242,7 @@ def export_dense(model: nn.Module, schema: ModelSchema) -> ExportedDense:
     batch = torch.export.Dim("B", min=1, max=MAX_EXPORT_BATCH)
     example = (torch.zeros(2, schema.dense), torch.zeros(2, schema.pooled_dim))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _plain_regroup():
             program = torch.export.export(after, example, dynamic_shapes=({0: batch}, {0: batch}),
                                           strict=False)
     except Exception as e:
@@ -212,6 +252,13 @@ def export_dense(model: nn.Module, schema: ModelSchema) -> ExportedDense:
             "forward(dense (B, N) float32, sparse KeyedJaggedTensor) uses the "
             "KeyedJaggedTensor only through its EmbeddingBagCollection modules, and "
             "returns logits (B,) or (B, 1)") from e
+    foreign = foreign_ops(program)
+    if foreign:
+        raise ConfigError(
+            f"the model's layers after pooling call {foreign}, which stock PyTorch does not "
+            "provide; the pod runs them without FBGEMM or TorchRec. Use plain torch "
+            "operations after the EmbeddingBagCollections (KeyedTensor.regroup, to_dict() "
+            "and values() are fine)")
     buf = io.BytesIO()
     torch.export.save(program, buf)
     return ExportedDense(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
