@@ -27,6 +27,7 @@ from serve.model.importer import (
 from serve.repository import ModelRepository
 from serve.runtime.artifact import FORMAT_VERSION, load_artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+from serve.schema import schema_from_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "own_models.py"
 
@@ -247,7 +248,6 @@ def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
     is a 400, so the probe asks again in the schema of the version that answered."""
     from serve.api.protocol import HandlerConfig, parse_body
     from serve.ops.launcher import LaunchConfig, _example_for
-    from serve.schema import schema_from_report
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store")
@@ -314,3 +314,20 @@ def test_operators_stock_pytorch_lacks_are_named() -> None:
     assert foreign_ops(ep) == ["dlrmtest.twice.default"]
     plain = torch.export.export(torch.nn.Linear(3, 1), (torch.zeros(2, 3),), strict=False)
     assert foreign_ops(plain) == []
+
+
+def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
+                                                             ranker_ckpt: Path) -> None:
+    import types
+
+    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.ops.launcher import LaunchConfig, Service, _banner, ensure_state
+
+    import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
+    cfg = LaunchConfig(model_store=tmp_path / "store", state_file=tmp_path / "state.yaml")
+    state, _ = ensure_state(cfg.path(cfg.state_file), cfg.repository())
+    proc = types.SimpleNamespace(pid=1)
+    text = _banner(Service(cfg, proc, sidecar=proc, ready_s=1.0, state=state))  # type: ignore[arg-type]
+    body = text.split(" -d '", 1)[1].split("'\n", 1)[0]
+    schema = schema_from_report(ModelRepository([tmp_path / "store"]).report("own-a"))
+    assert parse_body(body.encode(), HandlerConfig(), schema=schema).dense.shape == (1, 8)

@@ -51,6 +51,7 @@ from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.net import wait_until
 from serve.predlog import LOG_DIR_ENV
 from serve.repository import ModelRepository
+from serve.schema import ModelSchema
 from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
 
 __all__ = [
@@ -459,14 +460,10 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
 
 def _example_for(cfg: LaunchConfig, version: str | None) -> bytes | None:
     """A one-instance JSON request for ``version``'s schema (None: unknown version)."""
-    from serve.api.protocol import example_request
-    from serve.schema import schema_from_report
+    from serve.api.protocol import DEFAULT_SCHEMA, example_request
 
-    if not version:
-        return None
-    try:
-        schema = schema_from_report(cfg.repository().report(version))
-    except (ServeError, OSError, ValueError):
+    schema = _schema_of(cfg, version)
+    if schema is DEFAULT_SCHEMA:
         return None
     return json.dumps(example_request(1, seed=0, schema=schema)).encode()
 
@@ -696,10 +693,25 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
     return svc
 
 
+def _schema_of(cfg: LaunchConfig, version: str | None) -> ModelSchema:
+    """``version``'s request schema from its build report (the built-in one if unknown)."""
+    from serve.api.protocol import DEFAULT_SCHEMA
+    from serve.schema import schema_from_report
+
+    if version:
+        try:
+            return schema_from_report(cfg.repository().report(version))
+        except (ServeError, OSError, ValueError):
+            pass
+    return DEFAULT_SCHEMA
+
+
 def _banner(svc: Service) -> str:
     cfg = svc.config
+    schema = _schema_of(cfg, svc.state.model.version if svc.state is not None else None)
     body = json.dumps({"instances": [{
-        "dense": [0.5] * 13, "sparse": {f"C{i}": [i * 1000 + 7] for i in range(1, 27)}}]})
+        "dense": [0.5] * schema.dense,
+        "sparse": {f: [i * 1000 + 7] for i, f in enumerate(schema.feature_names, 1)}}]})
     if svc.state is not None and cfg.startup_archive is None:
         serving = f"{describe_state(svc.state)} (declared in {_show(cfg.path(cfg.state_file))})"
     else:
