@@ -36,7 +36,8 @@ import yaml
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
 
-__all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "build_mar", "model_config"]
+__all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "add_version", "build_mar",
+           "model_config"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,28 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
         final = export_dir / file_name
         os.replace(built, final)  # atomic: a running TorchServe never sees half a file
     return final
+
+
+def add_version(repo: Any, artifact: Path, version: str, report: dict[str, Any],
+                workdir: Path, *, batch_size: int, max_batch_delay_ms: int, workers: int,
+                handler_config: dict | None = None) -> Path:
+    """The one way into the model repository (``make model`` and the importer): pack
+    ``artifact`` into ``<model>-<version>.mar`` in ``workdir``, then add it with its
+    report to ``repo`` (a :class:`serve.repository.ModelRepository`: archive first,
+    report last, read-only). The working copy is removed (an archive can be GBs).
+
+    Raises:
+        ConfigError: the version exists (versions are immutable) or a setting is off.
+        ArtifactError: the archiver failed.
+    """
+    mar = build_mar(artifact, workdir, model_name=repo.model_name, version=version,
+                    file_name=repo.archive_name(version), batch_size=batch_size,
+                    max_batch_delay_ms=max_batch_delay_ms, min_workers=workers,
+                    max_workers=workers, handler_config=handler_config or None)
+    try:
+        return Path(repo.add(version, mar, report))
+    finally:
+        mar.unlink(missing_ok=True)
 
 
 def _archiver() -> str:

@@ -280,7 +280,7 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         CheckpointError: the checkpoint does not fit the model.
         ArtifactError: the check failed (our runtime differs from TorchRec's forward).
     """
-    from serve.model.archive import build_mar
+    from serve.model.archive import add_version
     from serve.model.export import (
         collections,
         dlrm_dense,
@@ -354,14 +354,11 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
     with tempfile.TemporaryDirectory(prefix=".import-", dir=cfg.model_store) as tmp:
         path = Path(tmp) / "artifact.pt"
         save_artifact(art, path)
-        mar = build_mar(path, Path(tmp), model_name=cfg.model_name, version=cfg.version,
-                        file_name=f"{cfg.model_name}-{cfg.version}.mar",
-                        batch_size=cfg.mar_batch_size,
-                        max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                        min_workers=cfg.mar_workers, max_workers=cfg.mar_workers)
         seconds["archive"] = round(time.perf_counter() - t, 3)
-        report = _report(cfg, model, art, check, kind, seconds)
-        stored = repo.add(cfg.version, mar, report)
+        stored = add_version(repo, path, cfg.version, _report(cfg, model, art, check, kind, seconds),
+                             Path(tmp), batch_size=cfg.mar_batch_size,
+                             max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
+                             workers=cfg.mar_workers)
     say(f"[store] added version {cfg.version}: {stored}")
     return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
             "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),

@@ -515,21 +515,16 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     qres = r.step("quantize", [cfg.artifact], do_quantize)
 
     def do_archive() -> dict:
-        from serve.model.archive import build_mar
+        from serve.model.archive import add_version
 
         # Built in the work directory, then stored: the repository only ever sees a
         # complete archive, and its report is written last (serve.repository).
-        mar = build_mar(cfg.artifact, cfg.workdir, model_name=cfg.model_name, version=version,
-                        file_name=cfg.mar.name, batch_size=cfg.mar_batch_size,
-                        max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                        min_workers=cfg.mar_workers, max_workers=cfg.mar_workers,
-                        handler_config=cfg.handler_config or None)
         report = _report(cfg, tres, mres, qres, r.records, dcfg.seed, build_fp,
                          repo.archive_name(version))
-        try:
-            stored = repo.add(version, mar, report)
-        finally:
-            mar.unlink(missing_ok=True)  # the repository holds the copy (.mar can be GBs)
+        stored = add_version(repo, cfg.artifact, version, report, cfg.workdir,
+                             batch_size=cfg.mar_batch_size,
+                             max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
+                             workers=cfg.mar_workers, handler_config=cfg.handler_config)
         say(f"[archive] added version {version}: {stored}")
         return {"version": version, "archive": os.fspath(stored),
                 "mar_bytes": stored.stat().st_size}
