@@ -162,3 +162,9 @@ example-dlrmv2: venv  ## examples/dlrm_v2 (MLPerf DLRM-v2, rows capped at DLRMV2
 example-ranker: venv  ## examples/own_ranker (hand-written TorchRec ranker: mixed dims, shared table, mean pooling): fit on 2 ranks, import as own-ranker-int8
 	$(PY) -m serve.model.fit --factory examples/own_ranker/model.py:make_model --out build/examples/own_ranker/ckpt --world-size 2 --steps $(EXAMPLE_STEPS)
 	$(PY) -m serve.model.importer --factory examples/own_ranker/model.py:make_model --checkpoint build/examples/own_ranker/ckpt --version own-ranker-int8
+
+# Own models end to end through the real service (serve/ops/import_check.py).
+IMPORT_CHECK_ARGS ?=
+.PHONY: import-check
+import-check: venv java  ## own models end to end: fit (2 gloo ranks) -> import -> real TorchServe + sidecar on loopback: GET /state schema, HTTP == TorchRec quantized forward (<= 1e-6), 400s naming the feature, 0 5xx, a version switch under load with 0 failed -> bench/results/import_check.json [IMPORT_CHECK_ARGS="--examples own_ranker --keep"]
+	$(PY) -m serve.ops.import_check $(IMPORT_CHECK_ARGS)

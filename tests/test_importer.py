@@ -331,3 +331,16 @@ def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
     body = text.split(" -d '", 1)[1].split("'\n", 1)[0]
     schema = schema_from_report(ModelRepository([tmp_path / "store"]).report("own-a"))
     assert parse_body(body.encode(), HandlerConfig(), schema=schema).dense.shape == (1, 8)
+
+
+def test_the_archive_admits_the_models_largest_max_ids(tmp_path: Path, ranker_ckpt: Path) -> None:
+    """The handler's own cap (64 by default) must not refuse what the model accepts."""
+    import zipfile
+
+    import yaml
+
+    out = import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, max_ids={"history": 100}),
+                       say=lambda m: None)
+    with zipfile.ZipFile(out["archive"]) as z:
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    assert cfg["handler"]["max_ids_per_feature"] == 100

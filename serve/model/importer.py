@@ -358,7 +358,11 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         stored = add_version(repo, path, cfg.version, _report(cfg, model, art, check, kind, seconds),
                              Path(tmp), batch_size=cfg.mar_batch_size,
                              max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                             workers=cfg.mar_workers)
+                             workers=cfg.mar_workers,
+                             # The handler's own cap on ids per feature must not undercut
+                             # the model's (DLRM-v2 takes 100 ids in one feature).
+                             handler_config={"max_ids_per_feature":
+                                             max(DEFAULT_MAX_IDS, *schema.max_ids)})
     say(f"[store] added version {cfg.version}: {stored}")
     return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
             "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
