@@ -123,14 +123,16 @@ class Delta:
 class TableLayout:
     """What a delta must fit: per table (schema order), the name a delta gives it (its
     first feature: our built-in DLRM's one feature per table) and its rows; the one dtype,
-    dim and row bytes of every table ("mixed", 0, 0 when the tables differ: such models
-    take no deltas yet)."""
+    dim and row bytes of every table ("mixed", 0, 0 when the tables differ); ``formats``:
+    each table's (dtype, dim, row bytes). A delta carries tables of one row format, so a
+    model of mixed formats takes one delta per format."""
 
     feature_names: tuple[str, ...]
     table_rows: tuple[int, ...]
     dtype: str
     dim: int
     row_bytes: int
+    formats: tuple[tuple[str, int, int], ...] = ()
 
 
 def layout_for_schema(schema: ModelSchema) -> TableLayout:
@@ -145,7 +147,8 @@ def layout_for_schema(schema: ModelSchema) -> TableLayout:
     dtype, dim = formats.pop() if len(formats) == 1 else ("mixed", 0)
     return TableLayout(tuple(first[t.name] for t in schema.tables),
                        tuple(t.rows for t in schema.tables), dtype, dim,
-                       row_bytes(dtype, dim) if dim else 0)
+                       row_bytes(dtype, dim) if dim else 0,
+                       tuple((t.dtype, t.dim, row_bytes(t.dtype, t.dim)) for t in schema.tables))
 
 
 def layout_for_report(report: dict[str, Any]) -> TableLayout:
@@ -278,18 +281,16 @@ def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
 
 
 def check_layout(delta: Delta, layout: TableLayout) -> None:
-    """The delta fits the model: same dtype/dim/row bytes, known features at their table
-    index, each table at most once, ids sorted, unique and inside the table.
+    """The delta fits the model: same dtype/dim/row bytes (as each of its tables, when the
+    model's tables mix row formats), known features at their table index, each table at
+    most once, ids sorted, unique and inside the table.
 
     Raises:
         InvalidDelta: naming the field and the rule.
     """
-    if layout.dtype == "mixed":
-        raise InvalidDelta("header.dtype", "this model's tables mix dtypes or dims; a delta "
-                                           "carries one row format, so deltas are not "
-                                           "supported for it yet: ship a new version")
+    mixed = layout.dtype == "mixed"
     for key in ("dtype", "dim", "row_bytes"):
-        if getattr(delta, key) != getattr(layout, key):
+        if not mixed and getattr(delta, key) != getattr(layout, key):
             raise InvalidDelta(f"header.{key}", f"{getattr(delta, key)!r} does not match the "
                                                 f"model's {getattr(layout, key)!r}")
     seen: set[int] = set()
@@ -299,6 +300,14 @@ def check_layout(delta: Delta, layout: TableLayout) -> None:
                 or layout.feature_names[t.table] != t.feature:
             raise InvalidDelta(f"{where}.feature", f"{t.feature!r} at table {t.table} is not "
                                                    "one of the model's features at that index")
+        fmt = (delta.dtype, delta.dim, delta.row_bytes)
+        if mixed and layout.formats[t.table] != fmt:
+            want = layout.formats[t.table]
+            raise InvalidDelta("header.dtype", f"{fmt[0]!r}, dim {fmt[1]}, {fmt[2]}-byte rows "
+                                               f"do not match table {t.table} ({t.feature}): "
+                                               f"{want[0]!r}, dim {want[1]}, {want[2]}-byte "
+                                               "rows; this model's tables mix row formats and "
+                                               "a delta carries one: send one delta per format")
         if t.table in seen:
             raise InvalidDelta(f"{where}.table", f"table {t.table} appears twice")
         seen.add(t.table)

@@ -1,6 +1,7 @@
 """Deltas and shared tables for an imported model's layout: a table read by two features
 (its rows are written once and both features see them), mean pooling, and tables of
-different dims (shared host tables work; deltas are refused: they carry one row format).
+different dims and dtypes (shared host tables; a delta carries tables of one row format, so
+such a model takes one delta per format).
 
 Exactness is ``torch.equal`` against a runtime built from an artifact that holds the new
 rows (a delta is a byte copy of rows, so the arithmetic is the same).
@@ -99,12 +100,45 @@ def test_a_delta_names_the_shared_table_by_its_first_feature(tmp_path: Path) -> 
     assert f.catch_up() == 0 and f.applied == 0   # logged, not applied; serving goes on
 
 
-def test_mixed_row_formats_refuse_deltas_with_a_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", [
+    {"cache_load_factor": 1.0},
+    {"cache_load_factor": 0.2, "cache_on_cpu": True, "cache_policy": "lru"},
+    {"cache_load_factor": 0.2, "cache_on_cpu": True, "cache_policy": "lfu"},
+], ids=["no-cache", "lru-0.2", "lfu-0.2"])
+def test_mixed_dims_a_delta_on_the_shared_table_equals_a_rebuild(tmp_path: Path,
+                                                                 config: dict) -> None:
+    """Tables of dims 32 (fp16) / 16 / 8: a delta of t_item's format (int8, dim 16) is
+    written once into the widest-row storage and equals a rebuild, bit for bit."""
     art = random_artifact(MIXED, SHARED_FEATURES, seed=2)
+    d = _item_delta(art, 8)
+    rt = Runtime(art, RuntimeConfig(**config))
+    for s in range(3):
+        dense, values, lengths = generated_batch(art.schema, 64, seed=s)
+        rt.predict(dense, SparseBatch(values, lengths))
+    f = DeltaFollower(_store(tmp_path, d), VERSION, rt, threading.Lock())
+    assert f.catch_up() == 1
+    ref = Runtime(with_delta_rows(art, d), RuntimeConfig(cache_load_factor=1.0))
+    stale = Runtime(art, RuntimeConfig(cache_load_factor=1.0))
+    changed = False
+    for s in range(20, 24):
+        dense, values, lengths = generated_batch(art.schema, 96, seed=s)
+        got = rt.predict(dense, SparseBatch(values, lengths))
+        assert torch.equal(got, ref.predict(dense, SparseBatch(values, lengths))), s
+        changed |= not torch.equal(got, stale.predict(dense, SparseBatch(values, lengths)))
+    assert changed, "the delta changed nothing: the test could not fail"
+
+
+def test_mixed_dims_a_delta_of_another_format_is_refused_by_name(tmp_path: Path) -> None:
+    art = random_artifact(MIXED, SHARED_FEATURES, seed=2)
+    d = _item_delta(art, 8)
+    wrong = Delta(d.base_version, 1, d.created_at, "fp16", 32, row_bytes("fp16", 32),
+                  (DeltaTable("item_id", 1, d.tables[0].ids,
+                              np.zeros((d.tables[0].ids.size, 64), dtype=np.uint8)),))
     rt = Runtime(art, RuntimeConfig())
-    f = DeltaFollower(_store(tmp_path, _item_delta(art, 7)), VERSION, rt, threading.Lock())
-    with pytest.raises(InvalidDelta, match=r"tables mix dtypes or dims; a delta carries one "
-                                           r"row format"):
+    f = DeltaFollower(_store(tmp_path, wrong), VERSION, rt, threading.Lock())
+    with pytest.raises(InvalidDelta, match=r"'fp16', dim 32, 64-byte rows do not match table 1 "
+                                           r"\(item_id\): 'int8', dim 16, 20-byte rows; .* "
+                                           r"send one delta per format"):
         f.load(1)
     assert f.catch_up() == 0
 
