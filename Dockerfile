@@ -31,7 +31,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     LOG_LOCATION=/opt/dlrm/logs \
     METRICS_LOCATION=/opt/dlrm/logs
 # No OMP_NUM_THREADS: each worker sizes its torch threads from the container's CPU quota
-# (serve/cpu.py); the variable would override that for every model.
+# (serve/common/cpu.py); the variable would override that for every model.
 
 # Java 17 runs TorchServe's frontend; tini (PID 1, -g) forwards SIGTERM to the whole
 # process group, so both TorchServe's Python launcher and its JVM see it.

@@ -46,8 +46,8 @@ import httpx
 import numpy as np
 import orjson
 
+from serve.common.net import free_ports
 from serve.errors import CapacityError
-from serve.net import free_ports
 from serve.ops.knee import find_knee
 
 REPO = Path(__file__).resolve().parent.parent
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store
-    from serve.repository import ModelRepository
+    from serve.store.repository import ModelRepository
 
     repo = ModelRepository([store], args.model_name)
     version = args.version or repo.latest()

@@ -33,7 +33,7 @@ import httpx
 import psutil
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
-from serve.net import free_ports
+from serve.common.net import free_ports
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state
 

@@ -54,7 +54,7 @@ def _workers_rss_mib() -> float:
     """RSS of every TorchServe worker on this machine (MiB), steady state."""
     import psutil
 
-    from serve.sidecar.memory import worker_rss
+    from serve.sidecar.adapters.memory import worker_rss
 
     total = sum(worker_rss(p) or 0 for p in psutil.pids())
     return round(total / (1 << 20), 1)

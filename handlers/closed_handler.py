@@ -1,6 +1,6 @@
 """TorchServe handler of the *closed* version: answers every request 503, at once.
 
-While a pod shuts down, the sidecar (``POST /drain``, :mod:`serve.sidecar.drain`)
+While a pod shuts down, the sidecar (``POST /drain``, :mod:`serve.sidecar.control.drain`)
 registers this archive and makes it the model's default version: requests that arrive
 from then on get a clean JSON 503 ("this replica is shutting down; retry"), while the
 requests already queued for the serving version are still answered by it. No model, no

@@ -13,7 +13,7 @@
 What a batch does (one forward per arm, rollouts, the prediction log, deltas, metrics)
 is the worker's: see :mod:`serve.worker.worker`. This file imports only ``serve.*`` (and
 TorchServe): the build packs it into each archive (``serve.model.archive``) and the
-sidecar into the archives it derives (``serve.sidecar.mar``).
+sidecar into the archives it derives (``serve.sidecar.adapters.archives``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any
 from ts.torch_handler.base_handler import BaseHandler
 
 from serve.api.config import HandlerConfig
-from serve.routing import ROUTE_KEY_HEADER
+from serve.store.routing import ROUTE_KEY_HEADER
 from serve.worker import Worker, WorkerRequest, model_version, worker_device
 
 __all__ = ["DLRMHandler"]

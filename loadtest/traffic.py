@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from serve.common.zipf import id_permutation, zeta_cdf, zipf_ranks
 from serve.errors import ConfigError
 from serve.profiles import NUM_DENSE, Profile
-from serve.zipf import id_permutation, zeta_cdf, zipf_ranks
 
 __all__ = [
     "BODY_FORMATS",

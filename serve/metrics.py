@@ -174,7 +174,7 @@ UPSTREAM_UP = "dlrm_upstream_up"
 SWITCH_PHASE = "dlrm_switch_phase"
 STATE_CONVERGED = "dlrm_state_converged"
 RECONCILE_TOTAL = "dlrm_reconcile_total"
-# Rollouts (serve/sidecar/rollout.py): per-arm series written by the workers, labels
+# Rollouts (serve/sidecar/control/rollout.py): per-arm series written by the workers, labels
 # arm (ARMS) and version (a model version: at most two per pod at a time, so bounded).
 ARM_REQUESTS_TOTAL = "dlrm_arm_requests_total"
 ARM_ERRORS_TOTAL = "dlrm_arm_errors_total"
@@ -186,7 +186,7 @@ TUNER_PHASE = "dlrm_tuner_phase"
 TUNER_BATCH_SIZE = "dlrm_tuner_batch_size"
 TUNER_MAX_BATCH_DELAY_SECONDS = "dlrm_tuner_max_batch_delay_seconds"
 TUNER_DECISIONS_TOTAL = "dlrm_tuner_decisions_total"
-#: The batching tuner's phases (serve.sidecar.tuner) and the reasons of its decisions.
+#: The batching tuner's phases (serve.sidecar.control.tuner) and the reasons of its decisions.
 TUNER_PHASES = ("off", "paused", "observing", "switching", "trying", "settled")
 TUNER_REASONS = ("seed", "trial", "best", "failed")
 ROLLOUT_PHASE = "dlrm_rollout_phase"
@@ -194,7 +194,7 @@ ROLLOUT_WEIGHT = "dlrm_rollout_weight"
 ROLLOUT_GUARD_VALUE = "dlrm_rollout_guard_value"
 ROLLOUT_GUARD_THRESHOLD = "dlrm_rollout_guard_threshold"
 # Predicted CTR against the version's build-time baseline, and online calibration from
-# click feedback (sidecar, serve.sidecar.feedback). Gauges labelled {version} (baseline) or
+# click feedback (sidecar, serve.sidecar.services.feedback). Gauges labelled {version} (baseline) or
 # {version, arm} (online): the versions a pod serves, at most two at a time.
 BASELINE_PREDICTED_CTR = "dlrm_baseline_predicted_ctr"
 BASELINE_OBSERVED_CTR = "dlrm_baseline_observed_ctr"
@@ -208,7 +208,7 @@ ONLINE_CALIBRATION_RATIO = "dlrm_online_calibration_ratio"
 ONLINE_AUC = "dlrm_online_auc"
 PREDICTION_LOG_BYTES = "dlrm_prediction_log_bytes"
 PREDICTION_LOG_RECORDS_TOTAL = "dlrm_prediction_log_records_total"
-# GPU resource signals through NVML (sidecar, serve.sidecar.gpu), labelled {device} only
+# GPU resource signals through NVML (sidecar, serve.sidecar.adapters.gpu), labelled {device} only
 # (the CUDA device index); absent on machines without an NVIDIA GPU.
 GPU_UTILIZATION_RATIO = "dlrm_gpu_utilization_ratio"
 GPU_MEMORY_USED_BYTES = "dlrm_gpu_memory_used_bytes"
@@ -220,7 +220,7 @@ EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS = "dlrm_embedding_delta_created_timest
 # the model's 26 sparse feature names (bounded), never an id.
 EMBEDDING_IDS_WRAPPED_TOTAL = "dlrm_embedding_ids_wrapped_total"
 # ... and the rest of the delta pipeline's state per served {version} (sidecar,
-# serve.sidecar.deltas): the last sequence stored, the one every live worker has applied,
+# serve.sidecar.services.embedding_deltas): the last sequence stored, the one every live worker has applied,
 # the rows those deltas wrote and the slowest worker's last apply time.
 EMBEDDING_DELTA_SEQUENCE = "dlrm_embedding_delta_sequence"
 EMBEDDING_DELTA_APPLIED_SEQUENCE = "dlrm_embedding_delta_applied_sequence"
@@ -229,7 +229,7 @@ EMBEDDING_DELTA_APPLY_SECONDS = "dlrm_embedding_delta_apply_seconds"
 
 #: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
 ARMS: tuple[str, ...] = ("stable", "candidate")
-#: Phases of a rollout (``serve.sidecar.rollout``); ``none`` when no rollout was declared.
+#: Phases of a rollout (``serve.sidecar.control.rollout``); ``none`` when no rollout was declared.
 ROLLOUT_PHASES: tuple[str, ...] = ("none", "baking", "promoted", "rolled_back")
 #: Guards of a rollout, by name (bounded label of the guard gauges).
 ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
@@ -240,14 +240,14 @@ ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
 #: request had fewer instances than the index.
 FEEDBACK_RESULTS: tuple[str, ...] = ("joined", "unknown", "expired", "duplicate", "bad_index")
 
-#: Phases of the sidecar's version switch (``serve.sidecar.switch.SwitchPhase``), in order;
+#: Phases of the sidecar's version switch (``serve.sidecar.control.switch.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
 SWITCH_PHASES: tuple[str, ...] = (
     "idle", "copying", "registering", "waiting_ready", "setting_default", "draining",
     "unregistering", "rolling_back", "failed",
 )
 
-#: Outcomes of one reconcile pass of the sidecar (``serve.sidecar.reconciler``), a fixed set:
+#: Outcomes of one reconcile pass of the sidecar (``serve.sidecar.control.reconciler``), a fixed set:
 #: ``converged`` nothing to do; ``applied`` a switch or clean-up step succeeded; ``waiting``
 #: not converged and nothing to do yet (workers loading, retry back-off, no desired state);
 #: ``failed`` a step failed (rolled back); ``refused`` a switch would not fit the memory
@@ -372,7 +372,7 @@ class HandlerMetrics:
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._dropped_stages: set[str] = set()
-        # Rollouts (serve.routing): one series per (arm, version); without a rollout the
+        # Rollouts (serve.store.routing): one series per (arm, version); without a rollout the
         # handler records everything as arm="stable" of its version.
         arm_labels = ["arm", "version"]
         self._arm_requests = Counter(
@@ -473,7 +473,7 @@ class HandlerMetrics:
             counter.inc(delta)
 
     def observe_logged(self, requests: int) -> None:
-        """``requests`` more requests written to the prediction log (serve.predlog)."""
+        """``requests`` more requests written to the prediction log (serve.store.predlog)."""
         if requests < 0:
             raise ValueError(f"requests={requests} must be >= 0")
         self._logged.inc(requests)
@@ -690,7 +690,7 @@ def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metr
 
 @dataclass(frozen=True)
 class EmbeddingDeltaGauges:
-    """One served version's embedding-delta state at a scrape (``serve.sidecar.deltas``).
+    """One served version's embedding-delta state at a scrape (``serve.sidecar.services.embedding_deltas``).
 
     ``None`` leaves that version's series out of the family: no live worker reports
     (``applied_sequence``, ``rows_updated``, ``apply_seconds``) or no delta applied by

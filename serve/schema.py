@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.errors import ConfigError
-from serve.rowformat import DTYPES
+from serve.store.rowformat import DTYPES
 
 __all__ = ["DEFAULT_MAX_IDS", "POOLINGS", "FeatureSpec", "ModelSchema", "TableSpec", "criteo_schema",
            "schema_from_report"]
@@ -55,7 +55,7 @@ def _name(v: Any, what: str) -> str:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: rows x dim, stored as ``dtype`` (serve.rowformat), pooled by
+    """One embedding table: rows x dim, stored as ``dtype`` (serve.store.rowformat), pooled by
     ``pooling`` ("sum" or "mean")."""
 
     name: str

@@ -114,7 +114,7 @@ class Batching(_Strict):
 
 class Guards(_Strict):
     """When a rollout's candidate is rolled back (any limit exceeded, strictly), and how
-    much traffic it needs before each guard judges. See ``serve.sidecar.guards``."""
+    much traffic it needs before each guard judges. See ``serve.sidecar.control.guards``."""
 
     max_error_ratio: float = Field(default=0.01, ge=0, le=1,
                                    description="Candidate errors / candidate requests.")

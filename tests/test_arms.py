@@ -21,14 +21,14 @@ from serve.api.request import DEFAULT_SCHEMA
 from serve.errors import ConfigError, InvalidInput
 from serve.metrics import HandlerMetrics
 from serve.profiles import SPARSE_FEATURES
-from serve.routing import (
+from serve.runtime.engine import Runtime, RuntimeStats
+from serve.store.routing import (
     ROUTE_KEY_HEADER,
     ROUTE_KEY_MAX_CHARS,
     ControlWatcher,
     takes_candidate,
     write_control,
 )
-from serve.runtime.engine import Runtime, RuntimeStats
 from serve.worker import Worker, WorkerRequest
 
 CFG = HandlerConfig(max_instances=16, max_ids_per_feature=4)

@@ -1,4 +1,4 @@
-"""serve.cpu: the pod's CPU budget from fake cgroup files, and the worker-thread rule."""
+"""serve.common.cpu: the pod's CPU budget from fake cgroup files, and the worker-thread rule."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from serve.api.protocol import default_num_threads
-from serve.cpu import (
+from serve.common.cpu import (
     ThreadChoice,
     available_cpus,
     choose_threads,
@@ -73,13 +73,13 @@ def test_missing_files_mean_no_quota(tmp_path: Path):
                                   "-5 100000", "1 2 3"])
 def test_malformed_v2_is_ignored_and_logged(tmp_path: Path, text: str,
                                             caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.WARNING, logger="serve.cpu"):
+    with caplog.at_level(logging.WARNING, logger="serve.common.cpu"):
         assert cpu_quota(v2(tmp_path, text)) is None
     assert "ignoring the CPU quota" in caplog.text
 
 
 def test_malformed_v1_is_ignored_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.WARNING, logger="serve.cpu"):
+    with caplog.at_level(logging.WARNING, logger="serve.common.cpu"):
         assert cpu_quota(v1(tmp_path, "lots")) is None
         assert cpu_quota(v1(tmp_path, "100000", "0")) is None
     assert caplog.text.count("ignoring the CPU quota") == 2

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from serve.common.quality import roc_auc
+from serve.common.zipf import zeta_cdf, zipf_ranks
 from serve.errors import ConfigError
-from serve.model.auc import roc_auc
 from serve.model.data import (
     ClickLogDataset,
     DataConfig,
@@ -19,7 +20,6 @@ from serve.model.data import (
     load_split,
 )
 from serve.profiles import get_profile
-from serve.zipf import zeta_cdf, zipf_ranks
 
 TINY = get_profile("tiny")
 

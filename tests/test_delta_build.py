@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from serve.deltas import decode_delta
 from serve.errors import ConfigError
 from serve.model.data import DataConfig, _Planted, day_data_dir, ensure_day_data, generate
 from serve.model.delta import DONE_FILE, DeltaConfig, build_delta, next_sequence
@@ -21,6 +20,7 @@ from serve.model.train import (
 )
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
+from serve.store.delta_files import decode_delta
 from tests.fixtures.deltas import with_delta_rows
 
 TINY = get_profile("tiny")

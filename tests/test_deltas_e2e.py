@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
-from serve.deltas import DELTA_MEDIA_TYPE, Delta, DeltaTable, encode_delta
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.repository import ModelRepository
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.state import parse_state, write_state
+from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, DeltaTable, encode_delta
+from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.torchserve import service_config, tiny_random_artifact
 from tests.promtext import samples
@@ -197,16 +197,16 @@ def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
 
 def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
         served: Served, capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m serve.evaluate`` on a live endpoint: the last stdout line is JSON with
+    """``python -m serve.ops.evaluate`` on a live endpoint: the last stdout line is JSON with
     auc and rows, and the AUC is that of the served model's scores on those rows (the
     same as an in-process runtime serving what the service serves now)."""
     import json
 
-    from serve import evaluate
+    from serve.common.quality import roc_auc
     from serve.model.data import ensure_day_data, load_split
+    from serve.ops import evaluate
     from serve.ops.heldout import binary_bodies
     from serve.profiles import get_profile
-    from serve.quality import roc_auc
 
     rows = 3000
     data_dir = ensure_day_data(get_profile("tiny"), 1)

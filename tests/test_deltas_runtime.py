@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from bench.gpu_check import build_random_artifact
-from serve.deltas import Delta, DeltaStore, DeltaTable, encode_delta
 from serve.errors import DeltaConflict, InvalidDelta
 from serve.runtime.artifact import Artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
+from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
 from tests.fixtures.deltas import with_delta_rows
 
 F = 26

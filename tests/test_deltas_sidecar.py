@@ -1,4 +1,4 @@
-"""The sidecar's embedding-delta API (serve.sidecar.routes_deltas, serve.sidecar.deltas):
+"""The sidecar's embedding-delta API (serve.sidecar.http.routes_deltas, serve.sidecar.services.embedding_deltas):
 the real app under uvicorn on 127.0.0.1 with a fake TorchServe management API, a model
 repository of ``tiny`` int8 versions, and worker statuses written by the test exactly as
 the workers write them (``DeltaStore.write_worker_status``)."""
@@ -19,15 +19,15 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
-import serve.deltas
-from serve.deltas import Delta, DeltaStore, DeltaTable, WorkerStatus, encode_delta
-from serve.net import free_port, wait_until
+import serve.store.delta_files
+from serve.common.net import free_port, wait_until
 from serve.profiles import get_profile
-from serve.repository import ModelRepository
-from serve.rowformat import row_bytes
-from serve.sidecar.app import SidecarConfig, create_app
-from serve.sidecar.deltas import DeltaService
+from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.services.embedding_deltas import DeltaService
 from serve.state import Batching, DesiredState, ModelRef, write_state
+from serve.store.delta_files import Delta, DeltaStore, DeltaTable, WorkerStatus, encode_delta
+from serve.store.repository import ModelRepository
+from serve.store.rowformat import row_bytes
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, toy_mar
 from tests.promtext import samples
 
@@ -152,7 +152,7 @@ def post(c: httpx.Client, body: bytes, wait_s: float | None = 0, **headers: str
          ) -> httpx.Response:
     params = {} if wait_s is None else {"wait_s": wait_s}
     return c.post("/embeddings/deltas", content=body, params=params,
-                  headers={**AUTH, "Content-Type": serve.deltas.DELTA_MEDIA_TYPE, **headers})
+                  headers={**AUTH, "Content-Type": serve.store.delta_files.DELTA_MEDIA_TYPE, **headers})
 
 
 def refused(pod: Pod, c: httpx.Client, body: bytes, status: int, field: str | None,
@@ -217,12 +217,12 @@ def test_every_refusal_names_the_fault_and_changes_nothing(pod: Pod) -> None:
 def test_a_body_over_the_limit_is_413_and_stored_nowhere(pod: Pod,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     body = make_delta(1)
-    monkeypatch.setattr(serve.deltas, "MAX_DELTA_BYTES", len(body) - 1)
+    monkeypatch.setattr(serve.store.delta_files, "MAX_DELTA_BYTES", len(body) - 1)
     with pod.client() as c:
         got = refused(pod, c, body, 413, None, f"{len(body)} bytes is over the "
                       f"{len(body) - 1}-byte limit")
         assert got["type"] == "PayloadTooLarge"
-        monkeypatch.setattr(serve.deltas, "MAX_DELTA_BYTES", len(body))
+        monkeypatch.setattr(serve.store.delta_files, "MAX_DELTA_BYTES", len(body))
         assert post(c, body).status_code == 202
 
 
@@ -344,7 +344,7 @@ def test_without_delta_dir_post_is_409_and_state_has_no_embeddings(tmp_path: Pat
 
 def test_cli_delta_dir_and_its_env_default(monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
-    from serve.sidecar.app import _parser
+    from serve.sidecar.http.app import _parser
 
     monkeypatch.delenv("DLRM_DELTA_DIR", raising=False)
     assert _parser().parse_args([]).delta_dir is None

@@ -103,7 +103,7 @@ def test_python_matches_the_venv():
 
 
 def test_thread_count_is_left_to_the_cpu_quota():
-    """OMP_NUM_THREADS in the image would override serve/cpu.py's quota rule for every
+    """OMP_NUM_THREADS in the image would override serve/common/cpu.py's quota rule for every
     model (tests/test_k8s.py checks the manifests the same way)."""
     envs = " ".join(arg for op, arg in instructions() if op == "ENV")
     assert "OMP_NUM_THREADS" not in envs
@@ -220,9 +220,9 @@ def test_baked_versions_are_the_sidecars_first_repository():
 def test_dockerignore_bakes_versions_but_not_the_sidecars_derived_archives():
     """model_store/ locally is also TorchServe's store, where the sidecar writes archives
     per serving version: those (and half-written files) stay out of the image."""
-    from serve.repository import ModelRepository
-    from serve.sidecar.mar import mar_path
+    from serve.sidecar.adapters.archives import mar_path
     from serve.state import serving_version
+    from serve.store.repository import ModelRepository
 
     patterns = dockerignore_patterns()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.sidecar.app import SidecarConfig, create_app
+from serve.sidecar.http.app import SidecarConfig, create_app
 from tests.fixtures.sidecar import dead_port, start_sidecar
 
 REPO = Path(__file__).resolve().parents[1]

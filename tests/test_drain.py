@@ -1,4 +1,4 @@
-"""The shutdown drain (serve.sidecar.drain, POST /drain) against a fake of TorchServe's
+"""The shutdown drain (serve.sidecar.control.drain, POST /drain) against a fake of TorchServe's
 management API: closed version registered and made default, the serving version drained
 until its queue stays empty, reconciler paused, readiness 503. The real thing under load
 is `make faults` (case sigterm)."""
@@ -13,10 +13,10 @@ import httpx
 import pytest
 import yaml
 
+from serve.sidecar.adapters.torchserve import TorchServeClient
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.drain import CLOSED_VERSION, Drainer, closed_archive
-from serve.sidecar.switch import VersionSwitch
-from serve.sidecar.torchserve import TorchServeClient
+from serve.sidecar.control.drain import CLOSED_VERSION, Drainer, closed_archive
+from serve.sidecar.control.switch import VersionSwitch
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe
 
 

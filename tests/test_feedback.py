@@ -1,5 +1,5 @@
-"""The prediction log (serve.predlog), quality summaries (serve.quality) and the feedback
-join (serve.sidecar.feedback), in process: exact counts, exact online statistics, bounds."""
+"""The prediction log (serve.store.predlog), quality summaries (serve.common.quality) and the feedback
+join (serve.sidecar.services.feedback), in process: exact counts, exact online statistics, bounds."""
 from __future__ import annotations
 
 import math
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from serve.common.quality import calibration_ratio, roc_auc, summarize
 from serve.errors import ConfigError
 from serve.metrics import SCORE_BUCKETS
-from serve.predlog import (
+from serve.sidecar.services.feedback import CalibrationWindow, FeedbackConfig, FeedbackService
+from serve.store.predlog import (
     Prediction,
     PredictionLogConfig,
     PredictionLogWriter,
@@ -22,8 +24,6 @@ from serve.predlog import (
     sampled,
     scan,
 )
-from serve.quality import calibration_ratio, roc_auc, summarize
-from serve.sidecar.feedback import CalibrationWindow, FeedbackConfig, FeedbackService
 from tests.promtext import samples
 
 
@@ -40,7 +40,7 @@ def _pred(rid: str, n: int, seed: int, version: str = "v1", arm: str = "stable")
     return Prediction(rid, version, arm, 1_700_000_000.0, rng.random(n, dtype=np.float32))
 
 
-# ------------------------------------------------------------------ serve.quality
+# ------------------------------------------------------------------ serve.common.quality
 
 
 def test_summarize_matches_hand_computed_values_and_prometheus_bins() -> None:
@@ -67,7 +67,7 @@ def test_summarize_matches_hand_computed_values_and_prometheus_bins() -> None:
         summarize(np.zeros(2), np.zeros(3))
 
 
-# ------------------------------------------------------------------ serve.predlog
+# ------------------------------------------------------------------ serve.store.predlog
 
 
 def test_writer_then_scan_reads_back_every_record_exactly(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ import pytest
 
 from serve.api.protocol import example_request
 from serve.ops import feedback_check
-from serve.repository import ModelRepository
 from serve.state import parse_state, write_state
+from serve.store.repository import ModelRepository
 from tests.fixtures.torchserve import service_config
 from tests.promtext import samples
 

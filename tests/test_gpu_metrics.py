@@ -1,4 +1,4 @@
-"""serve.sidecar.gpu: GPU utilization and memory through NVML, with a fake pynvml (exact
+"""serve.sidecar.adapters.gpu: GPU utilization and memory through NVML, with a fake pynvml (exact
 values), with the real one on this machine (disabled without a GPU, exported with one),
 failing reads, the sidecar's registry, and the real sidecar process under uvicorn."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from serve.metrics import GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES, GPU_UTILIZATION_RATIO
+from serve.sidecar.adapters.gpu import ERROR_LOG_INTERVAL_S, GpuCollector
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.gpu import ERROR_LOG_INTERVAL_S, GpuCollector
-from serve.sidecar.state import SidecarState
+from serve.sidecar.root import Sidecar
 from tests.fixtures.sidecar import dead_port, start_sidecar
 from tests.promtext import samples
 
@@ -112,7 +112,7 @@ def _real_gpu_count() -> int:
 
 def test_real_pynvml_disabled_without_a_gpu_exported_with_one(caplog):
     gpus = _real_gpu_count()
-    with caplog.at_level(logging.INFO, logger="serve.sidecar.gpu"):
+    with caplog.at_level(logging.INFO, logger="serve.sidecar.adapters.gpu"):
         collector = GpuCollector()  # the default: the real pynvml; must not raise
     try:
         got = exposition(collector)
@@ -144,7 +144,7 @@ def test_nvml_init_failure_disables_without_raising(monkeypatch, caplog):
         raise nvml.NVMLError(nvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(nvml, "nvmlInit", no_driver)
-    with caplog.at_level(logging.INFO, logger="serve.sidecar.gpu"):
+    with caplog.at_level(logging.INFO, logger="serve.sidecar.adapters.gpu"):
         collector = GpuCollector(nvml)
     assert not collector.enabled
     assert collector.reason == "nvmlInit failed: NVMLError: NVML Shared Library Not Found"
@@ -158,7 +158,7 @@ def test_nvml_init_failure_disables_without_raising(monkeypatch, caplog):
 
 def test_zero_devices_disables_and_shuts_nvml_down(monkeypatch, caplog):
     nvml = fake_nvml(monkeypatch, 0)
-    with caplog.at_level(logging.INFO, logger="serve.sidecar.gpu"):
+    with caplog.at_level(logging.INFO, logger="serve.sidecar.adapters.gpu"):
         collector = GpuCollector(nvml)
     assert not collector.enabled and collector.reason == "NVML found 0 devices"
     assert [r.getMessage() for r in caplog.records] == [
@@ -172,8 +172,8 @@ def test_missing_package_disables(monkeypatch, caplog):
     def no_package() -> ModuleType:
         raise ImportError("No module named 'pynvml'")
 
-    monkeypatch.setattr("serve.sidecar.gpu.load_pynvml", no_package)
-    with caplog.at_level(logging.INFO, logger="serve.sidecar.gpu"):
+    monkeypatch.setattr("serve.sidecar.adapters.gpu.load_pynvml", no_package)
+    with caplog.at_level(logging.INFO, logger="serve.sidecar.adapters.gpu"):
         collector = GpuCollector()
     assert not collector.enabled
     assert [r.getMessage() for r in caplog.records] == [
@@ -204,7 +204,7 @@ def test_a_failing_device_read_drops_that_value_only_and_logs_once_a_minute(
     collector = GpuCollector(nvml, clock=clock)
     want = {**expected(0), **expected(1)}
     del want[(GPU_UTILIZATION_RATIO, (("device", "0"),))]
-    with caplog.at_level(logging.WARNING, logger="serve.sidecar.gpu"):
+    with caplog.at_level(logging.WARNING, logger="serve.sidecar.adapters.gpu"):
         assert gpu_samples(exposition(collector)) == want
         assert gpu_samples(exposition(collector)) == want  # no raise, same answer
         clock.now += ERROR_LOG_INTERVAL_S - 1
@@ -244,12 +244,12 @@ def test_a_lost_device_handle_and_an_unexpected_error_never_break_the_scrape(mon
 
 def test_sidecar_state_registers_the_gpu_collector(monkeypatch, tmp_path):
     registry = CollectorRegistry()
-    state = SidecarState.create(SidecarConfig(model_store=tmp_path), registry=registry,
+    state = Sidecar.create(SidecarConfig(model_store=tmp_path), registry=registry,
                                 nvml=fake_nvml(monkeypatch, 2))
     assert state.gpu is not None and state.gpu.enabled
     got = samples(generate_latest(state.registry).decode())
     assert gpu_samples(got) == {**expected(0), **expected(1)}  # once each, not twice
-    other = SidecarState.create(SidecarConfig(model_store=tmp_path),
+    other = Sidecar.create(SidecarConfig(model_store=tmp_path),
                                 nvml=fake_nvml(monkeypatch, 1))
     assert other.gpu is not state.gpu
     assert gpu_samples(samples(generate_latest(other.registry).decode())) == expected(0)
@@ -260,7 +260,7 @@ def test_sidecar_state_registers_the_gpu_collector(monkeypatch, tmp_path):
 def test_sidecar_state_without_a_gpu_exports_no_gpu_series(tmp_path):
     if _real_gpu_count():
         pytest.skip("this machine has an NVIDIA GPU; the real-pynvml test covers it")
-    state = SidecarState.create(SidecarConfig(model_store=tmp_path))
+    state = Sidecar.create(SidecarConfig(model_store=tmp_path))
     assert state.gpu is not None and not state.gpu.enabled
     assert b"dlrm_gpu_" not in generate_latest(state.registry)
 

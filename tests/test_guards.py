@@ -1,4 +1,4 @@
-"""serve.sidecar.guards: snapshots of the per-arm series (parsed from real prometheus_client
+"""serve.sidecar.control.guards: snapshots of the per-arm series (parsed from real prometheus_client
 families), windows between snapshots, the statistics (PSI, histogram_quantile) and the
 three rollout guards."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ from serve.metrics import (
     SHADOW_SCORE_DIFF,
     HandlerAggregateCollector,
 )
-from serve.sidecar.guards import (
+from serve.sidecar.control.guards import (
     GUARD_STATUSES,
     PSI_EPS,
     ArmCounts,

@@ -184,7 +184,7 @@ def kubectl_apply_dry_run(folder: Path, tmp_path: Path) -> list[str]:
     port), a placeholder token (else kubectl prompts for a user name), no stdin, and a
     throwaway cache dir.
     """
-    from serve.net import free_port
+    from serve.common.net import free_port
 
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text("")
@@ -400,7 +400,7 @@ def test_resources_requests_equal_limits_and_gpu_only_in_limits(docs):
 
 def test_worker_threads_follow_the_cpu_limit(docs, cpu_docs):
     """The workers size their torch threads from the container's CPU quota / workers
-    (serve/cpu.py). OMP_NUM_THREADS would override that for every model, so the manifest
+    (serve/common/cpu.py). OMP_NUM_THREADS would override that for every model, so the manifest
     leaves it unset; limits.cpu is whole CPUs (a fractional quota is rounded up)."""
     for variant in (docs, cpu_docs):
         ts = container(variant, "torchserve")
@@ -499,7 +499,7 @@ def test_pod_log_config_is_the_repo_file_and_torchserve_reads_it(docs):
 
 
 def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
-    from serve.sidecar import app as sidecar
+    from serve.sidecar.http import app as sidecar
 
     for var in ("DLRM_SIDECAR_PORT", "TS_INFERENCE_URL", "TS_MANAGEMENT_URL", "TS_METRICS_URL"):
         monkeypatch.delenv(var, raising=False)
@@ -715,7 +715,7 @@ def test_torchserve_starts_empty(docs):
 def test_sidecar_accepts_the_deployments_args(docs):
     """Every flag the Deployment passes is one the real sidecar parses, with the values
     the Deployment means (catches a renamed or missing flag before a pod crash-loops)."""
-    from serve.sidecar.app import _parser
+    from serve.sidecar.http.app import _parser
     from serve.state import DEFAULT_STATE_FILE
 
     args = container(docs, "sidecar")["args"]
@@ -725,7 +725,7 @@ def test_sidecar_accepts_the_deployments_args(docs):
     except SystemExit:
         pytest.fail(f"python -m serve.sidecar rejects the Deployment's args {args[3:]} "
                     "(see the argparse error above): a flag k8s/deployment.yaml passes does "
-                    "not exist in serve/sidecar/app.py")
+                    "not exist in serve/sidecar/http/app.py")
     assert str(ns.state_file) == DEFAULT_STATE_FILE
     assert [str(r) for r in ns.repository] == _sidecar_repositories(docs)
 
@@ -733,7 +733,7 @@ def test_sidecar_accepts_the_deployments_args(docs):
 def test_rollout_deadline_covers_the_first_registration(docs):
     """A new pod is Ready only once the sidecar registered the declared version: the
     rollout's deadline must outlast the sidecar's own registration timeout."""
-    from serve.sidecar.app import _parser
+    from serve.sidecar.http.app import _parser
 
     deadline = one(docs, "Deployment")["spec"]["progressDeadlineSeconds"]
     assert deadline > _parser().get_default("register_timeout")

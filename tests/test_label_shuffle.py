@@ -37,7 +37,7 @@ from serve.model.train import (
 from serve.model.train import _parser as train_parser
 from serve.model.train import config_from_args as train_config_from_args
 from serve.profiles import get_profile
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 from tests.fixtures.pipeline import REPO, run_in_group
 
 TINY = get_profile("tiny")

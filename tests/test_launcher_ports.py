@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from serve.common.net import free_ports
 from serve.errors import ConfigError
-from serve.net import free_ports
 from serve.ops import launcher
 from serve.ops.launcher import LaunchConfig, check_ports, planned_ports, start
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from serve.common.net import free_port, free_ports
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.net import free_port, free_ports
 from serve.ops.launcher import (
     REPO,
     LaunchConfig,
@@ -27,8 +27,8 @@ from serve.ops.launcher import (
     torchserve_command,
     wait_ready,
 )
-from serve.repository import ModelRepository
 from serve.state import LOCAL_STATE_FILE, load_state, parse_state, write_state
+from serve.store.repository import ModelRepository
 
 
 def _add(store: Path, version: str, created: str, **report: object) -> None:

@@ -26,8 +26,8 @@ import pytest
 
 from loadtest import plan, stats, traffic
 from loadtest import run as lrun
+from serve.common.net import free_port
 from serve.errors import ConfigError
-from serve.net import free_port
 from serve.profiles import get_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_bad_instances_spec_is_named(spec, frac, match):
 
 def test_ids_follow_the_training_data_law_and_mapping():
     """Same ranks and the same rank->id permutation as serve.model.data's generator."""
-    from serve import zipf
+    from serve.common import zipf
     from serve.model import data as sdata
 
     p = get_profile("tiny")
@@ -110,7 +110,7 @@ def test_zipf_rank_frequencies_match_the_zeta_law():
 
 
 def test_large_tables_use_the_training_data_continuous_law():
-    from serve import zipf
+    from serve.common import zipf
 
     p = get_profile("criteo-kaggle")
     sampler = traffic.IdSampler(p, alpha=1.05, permuted=False)

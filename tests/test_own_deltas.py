@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from serve.deltas import Delta, DeltaStore, DeltaTable, encode_delta
 from serve.errors import InvalidDelta
 from serve.model.importer import generated_batch
 from serve.runtime.artifact import quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
+from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
 from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.own_models import random_artifact
 

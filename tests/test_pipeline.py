@@ -24,7 +24,7 @@ from serve.model.pipeline import (
     step_fingerprints,
 )
 from serve.profiles import get_profile
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 from tests.fixtures.pipeline import run_in_group
 
 TINY = get_profile("tiny")

@@ -29,14 +29,14 @@ import pytest
 import yaml
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, CACHE_ON_CPU_ENV, HandlerConfig, example_request
-from serve.net import free_ports
+from serve.common.net import free_ports
 from serve.ops import monitoring
 from serve.ops.feedback_check import label_triples, post_labels
 from serve.ops.heldout import binary_bodies, score_split
 from serve.ops.promcheck import run_load_and_check, simulate_hit_ratio
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer
-from serve.repository import ModelRepository
 from serve.state import parse_state, write_state
+from serve.store.repository import ModelRepository
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -143,8 +143,8 @@ def _post_identity_delta(sidecar_url: str, token: str, artifact_path: Path, vers
     """POST delta #1 of ``version``: row 0 of table 0 with the bytes it already has."""
     import numpy as np
 
-    from serve.deltas import Delta, DeltaTable, encode_delta
     from serve.runtime.artifact import load_artifact
+    from serve.store.delta_files import Delta, DeltaTable, encode_delta
 
     art = load_artifact(artifact_path)
     t = art.tables[0]

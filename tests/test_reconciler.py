@@ -1,4 +1,4 @@
-"""serve.sidecar.reconciler and GET/PUT /state: the desired-state file reconciled into
+"""serve.sidecar.control.reconciler and GET/PUT /state: the desired-state file reconciled into
 TorchServe, pass by pass, against a fake of TorchServe's management API.
 
 Each pass is driven by hand (``tick``) with a fake clock, a temp state file and a temp
@@ -23,17 +23,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import RECONCILE_RESULTS, SidecarMetrics
 from serve.profiles import get_profile
-from serve.repository import ModelRepository
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
-from serve.sidecar import reconciler as reconciler_module
-from serve.sidecar.app import DEFAULT_STATE_FILE, SidecarConfig, create_app
+from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.adapters.model_schemas import SchemaCache, check_rollout_schema
+from serve.sidecar.adapters.torchserve import Observed, TorchServeClient
 from serve.sidecar.config import STATE_FILE_ENV
-from serve.sidecar.memory import CgroupMemory, MemoryProbe
-from serve.sidecar.model_schema import SchemaCache, check_rollout_schema
-from serve.sidecar.reconciler import Reconciler, assess
-from serve.sidecar.switch import VersionSwitch
-from serve.sidecar.torchserve import Observed, TorchServeClient
+from serve.sidecar.control import reconciler as reconciler_module
+from serve.sidecar.control.reconciler import Reconciler, assess
+from serve.sidecar.control.switch import VersionSwitch
+from serve.sidecar.http.app import DEFAULT_STATE_FILE, SidecarConfig, create_app
 from serve.state import ALLOWED_FIELDS, Batching, DesiredState, ModelRef, write_state
+from serve.store.repository import ModelRepository
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, dead_port, toy_mar
 from tests.promtext import samples
 
@@ -107,7 +107,7 @@ def files(folder: Path) -> list[str]:
 
 
 def test_assess_decides_the_next_step():
-    from serve.sidecar.torchserve import Registered
+    from serve.sidecar.adapters.torchserve import Registered
 
     def reg(version: str, ready: int = 1) -> Registered:
         return Registered(version=version, batch_size=8, max_batch_delay_ms=50, url="x.mar",
@@ -677,14 +677,14 @@ def test_put_state_needs_the_token(tmp_path, repo, state_file):
 
 def test_the_documented_default_state_file():
     assert DEFAULT_STATE_FILE == "/etc/dlrm/state/state.yaml"
-    from serve.sidecar.app import _parser
+    from serve.sidecar.http.app import _parser
 
     assert _parser().parse_args(["--state-file", DEFAULT_STATE_FILE]).state_file == \
         DEFAULT_STATE_FILE
 
 
 def test_cli_flags_and_env(monkeypatch, tmp_path):
-    from serve.sidecar.app import _parser
+    from serve.sidecar.http.app import _parser
 
     monkeypatch.delenv(STATE_FILE_ENV, raising=False)
     args = _parser().parse_args([])
@@ -742,7 +742,7 @@ def test_put_state_with_a_new_batching_pins_it_and_the_tuner_can_resume(tmp_path
 def test_stop_task_ends_a_task_that_swallowed_its_first_cancel():
     """A cancel lost inside a task must not hang the sidecar's shutdown (it once hung a
     test's app lifespan): stop_task cancels again until the task has ended."""
-    from serve.sidecar.state import stop_task
+    from serve.sidecar.root import stop_task
 
     swallowed = []
 

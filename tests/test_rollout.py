@@ -25,9 +25,9 @@ from serve.metrics import (
     SCORE_BUCKETS,
     SidecarMetrics,
 )
-from serve.routing import read_control
-from serve.sidecar.rollout import RolloutController, RolloutPhase, limits_of, rollout_key
+from serve.sidecar.control.rollout import RolloutController, RolloutPhase, limits_of, rollout_key
 from serve.state import DesiredState, parse_state
+from serve.store.routing import read_control
 
 STABLE, CANDIDATE = "small-int8-s0", "small-int8-s7"
 SERVING = f"{STABLE}_b2d2w2_c{CANDIDATE}"
@@ -281,13 +281,13 @@ def test_reconciler_loads_both_settles_the_outcome_and_unloads(tmp_path):
     import yaml
 
     from serve.constants import CANDIDATE_ARTIFACT
-    from serve.repository import ModelRepository
+    from serve.sidecar.adapters.archives import control_path
+    from serve.sidecar.adapters.torchserve import TorchServeClient
     from serve.sidecar.config import SidecarConfig
-    from serve.sidecar.mar import control_path
-    from serve.sidecar.reconciler import Reconciler
-    from serve.sidecar.switch import VersionSwitch
-    from serve.sidecar.torchserve import TorchServeClient
+    from serve.sidecar.control.reconciler import Reconciler
+    from serve.sidecar.control.switch import VersionSwitch
     from serve.state import load_state, write_state
+    from serve.store.repository import ModelRepository
     from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions
 
     repo = ModelRepository([add_versions(tmp_path / "repo", [STABLE, CANDIDATE])])
@@ -338,7 +338,7 @@ def test_reconciler_loads_both_settles_the_outcome_and_unloads(tmp_path):
 
 def test_spec_defaults_are_the_guard_defaults():
     """One set of defaults: the desired state's guards and GuardLimits agree."""
-    from serve.sidecar.guards import GuardLimits
+    from serve.sidecar.control.guards import GuardLimits
     from serve.state import Guards
 
     assert limits_of(desired().rollout.model_copy(update={"guards": Guards()})) == GuardLimits()

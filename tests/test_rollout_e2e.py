@@ -28,9 +28,9 @@ import torch
 from serve.api.protocol import example_request
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.repository import ModelRepository
-from serve.routing import ARM_HEADER, ROUTE_KEY_HEADER
 from serve.state import parse_state, write_state
+from serve.store.repository import ModelRepository
+from serve.store.routing import ARM_HEADER, ROUTE_KEY_HEADER
 from tests.fixtures.torchserve import service_config
 from tests.promtext import samples
 

@@ -1,5 +1,5 @@
 """A real TorchServe serving a rollout: the stable tiny model (seed 0) and a candidate
-(seed 7) in ONE registration, split by the control file (serve.routing), per arm metrics
+(seed 7) in ONE registration, split by the control file (serve.store.routing), per arm metrics
 in the multiprocess dir. Slow (two trained tiny builds) and integration (a real server)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from serve.api.protocol import HandlerConfig, example_request, parse_body
 from serve.constants import CANDIDATE_ARTIFACT
-from serve.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS, key_point, write_control
+from serve.store.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS, key_point, write_control
 from tests.fixtures.torchserve import HANDLER_CONFIG, start_torchserve
 
 pytestmark = pytest.mark.integration

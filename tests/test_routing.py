@@ -1,4 +1,4 @@
-"""serve.routing: sticky hash routing, the control file and its watcher (fast, no torch)."""
+"""serve.store.routing: sticky hash routing, the control file and its watcher (fast, no torch)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from serve.errors import ConfigError
-from serve.routing import (
+from serve.store.routing import (
     MODES,
     ROUTE_KEY_MAX_CHARS,
     SAFE_CONTROL,
@@ -124,7 +124,7 @@ def test_read_control_refuses_bad_files(tmp_path, text, match):
 
 def _age(path: Path, seconds: float = 5.0) -> None:
     """Move the file's mtime into the past, as if written a while ago (the watcher
-    re-reads files modified just before its last read; see serve.routing._RACY_NS)."""
+    re-reads files modified just before its last read; see serve.store.routing._RACY_NS)."""
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)))
 
@@ -132,7 +132,7 @@ def _age(path: Path, seconds: float = 5.0) -> None:
 def test_watcher_missing_file_is_weight_zero_then_picks_up_the_file(tmp_path, caplog):
     path = tmp_path / "control.json"
     w = ControlWatcher(path)
-    with caplog.at_level(logging.WARNING, logger="serve.routing"):
+    with caplog.at_level(logging.WARNING, logger="serve.store.routing"):
         assert w.current() == SAFE_CONTROL == Control("canary", 0.0)
         assert w.current() == SAFE_CONTROL
     assert w.reads == 0
@@ -148,7 +148,7 @@ def test_watcher_bad_json_is_weight_zero_logged_once(tmp_path, caplog):
     path.write_text('{"mode": "canary", "weight": 0.5')
     _age(path)
     w = ControlWatcher(path)
-    with caplog.at_level(logging.WARNING, logger="serve.routing"):
+    with caplog.at_level(logging.WARNING, logger="serve.store.routing"):
         for _ in range(5):
             assert w.current() == SAFE_CONTROL
     assert w.reads == 1
@@ -180,7 +180,7 @@ def test_watcher_reads_only_when_the_file_changed(tmp_path):
 
 
 def test_routing_imports_no_torch():
-    code = "import sys, serve.routing; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, serve.store.routing; sys.exit(1 if 'torch' in sys.modules else 0)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

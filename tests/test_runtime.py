@@ -280,7 +280,7 @@ def test_trained_tiny_model(tiny_build):
     int8-vs-fp32 gap in predictions and AUC is small."""
     import numpy as np
 
-    from serve.model.auc import roc_auc
+    from serve.common.quality import roc_auc
     from serve.model.data import load_split
 
     split = load_split(tiny_build.workdir / "data", "eval")

@@ -23,7 +23,7 @@ from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_reques
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 from tests.fixtures.torchserve import service_config, tiny_random_artifact
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""serve.sidecar.app: the app (in process and under uvicorn), the .mar rewrite, tokens, and
+"""serve.sidecar.http.app: the app (in process and under uvicorn), the .mar rewrite, tokens, and
 against a real TorchServe: metrics that move exactly, and a live PUT /batching under
 continuous load with zero failed predictions."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from serve.api.protocol import example_request
+from serve.common.net import wait_until
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.net import wait_until
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.sidecar.app import (
+from serve.sidecar.http.app import (
     SidecarConfig,
     create_app,
     ensure_dev_token,
@@ -312,7 +312,7 @@ def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
     """The session's sidecar took TorchServe from the archive it started with to the
     declared repository version; predictions name the version that computed them; a
     version change declared with PUT /state is served without a failed request."""
-    from serve.repository import ModelRepository
+    from serve.store.repository import ModelRepository
 
     state = wait_converged(sidecar.url)
     print("\nGET /state:", json.dumps(state, indent=2))

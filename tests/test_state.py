@@ -1,4 +1,4 @@
-"""The desired-state schema (serve.state) and the model repository (serve.repository)."""
+"""The desired-state schema (serve.state) and the model repository (serve.store.repository)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from serve.errors import ConfigError
-from serve.repository import ModelRepository
 from serve.state import (
     DesiredState,
     dump_state,
@@ -19,6 +18,7 @@ from serve.state import (
     serving_version,
     write_state,
 )
+from serve.store.repository import ModelRepository
 
 GOOD = {"model": {"version": "small-int8-s0"},
         "batching": {"batch_size": 2, "max_batch_delay_ms": 2}, "workers": 2, "rollout": None}

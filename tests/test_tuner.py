@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve.errors import ConfigError
 from serve.metrics import REQUEST_DURATION_BUCKETS, HandlerMetrics, SidecarMetrics
-from serve.sidecar.tuner import (
+from serve.sidecar.control.tuner import (
     BatchTuner,
     Counters,
     Setting,

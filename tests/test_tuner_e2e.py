@@ -19,7 +19,7 @@ import pytest
 
 from serve.api.protocol import example_request
 from serve.ops.loadgen import BackgroundLoad
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 from tests.fixtures.torchserve import service_config
 from tests.test_serving_state import Served, _add_version
 

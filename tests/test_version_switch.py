@@ -1,4 +1,4 @@
-"""serve.sidecar.switch: each step of the version switch on its own, the drain, the
+"""serve.sidecar.control.switch: each step of the version switch on its own, the drain, the
 rollbacks, the memory guard and whole switches, against a fake of TorchServe's
 management API.
 
@@ -25,13 +25,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from serve.errors import ConfigError, InsufficientMemory, UpstreamUnavailable
 from serve.metrics import SWITCH_PHASES, SidecarMetrics
-from serve.repository import ModelRepository
-from serve.sidecar.app import SidecarConfig, create_app
-from serve.sidecar.memory import CgroupMemory, MemoryProbe
-from serve.sidecar.schemas import BatchingState
-from serve.sidecar.switch import SwitchPhase, SwitchPlan, VersionSwitch
-from serve.sidecar.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.control.switch import SwitchPhase, SwitchPlan, VersionSwitch
+from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.http.schemas import BatchingState
 from serve.state import Batching, DesiredState, ModelRef, write_state
+from serve.store.repository import ModelRepository
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, toy_mar
 from tests.promtext import samples
 

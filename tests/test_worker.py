@@ -18,13 +18,13 @@ from serve.api.decode import parse_body
 from serve.api.json_body import example_request
 from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
 from serve.constants import ARTIFACT_NAME
-from serve.deltas import Delta, DeltaStore, DeltaTable, encode_delta
 from serve.errors import ConfigError
 from serve.metrics import HandlerMetrics
-from serve.predlog import iter_log
-from serve.routing import key_point, write_control
 from serve.runtime.artifact import load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
+from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
+from serve.store.predlog import iter_log
+from serve.store.routing import key_point, write_control
 from serve.worker import Worker, WorkerRequest, model_version, worker_device
 from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.torchserve import tiny_random_artifact

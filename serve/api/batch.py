@@ -5,7 +5,7 @@
 answers them from one forward, in request order, with ``{"predictions": [p_0, ...,
 p_{B-1}]}`` (JSON, click probabilities in (0, 1)).
 
-Rollouts (:mod:`serve.routing`): a request may send ``X-DLRM-Route-Key`` (1 to 256
+Rollouts (:mod:`serve.store.routing`): a request may send ``X-DLRM-Route-Key`` (1 to 256
 characters, else 400), which keeps it on one arm of a canary or shadow rollout.
 :func:`handle_batch` takes the routing as data (:class:`Split`: a mode, the candidate's
 predict, a per-request decision) and runs ONE merged forward per arm; the worker
@@ -26,8 +26,8 @@ from serve.api.config import HandlerConfig
 from serve.api.decode import _decode
 from serve.api.request import ParsedRequest, _spec_of
 from serve.errors import ServeError
-from serve.routing import MODES
 from serve.schema import ModelSchema
+from serve.store.routing import MODES
 
 __all__ = [
     "ArmRun",
@@ -117,7 +117,7 @@ class Split:
         candidate: the candidate's forward: MergedBatch -> float32 (B,) probabilities.
         choose: route key (None when the request sent none) -> whether the request takes
             the candidate. Called once per request that parsed, in request order (the
-            worker binds :func:`serve.routing.takes_candidate` to the control's weight
+            worker binds :func:`serve.store.routing.takes_candidate` to the control's weight
             and the worker's rng).
     """
 

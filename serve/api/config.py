@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from serve.common.cpu import available_cpus, threads_per_worker
 from serve.constants import CACHE_POLICIES
-from serve.cpu import available_cpus, threads_per_worker
 from serve.errors import ConfigError
 from serve.state import VERSION_RE
 
@@ -37,11 +37,11 @@ def default_num_threads(workers: int, cores: int | None = None) -> int:
     """torch intra-op threads per worker from the CPU budget: cores / workers, at least 1.
 
     ``cores`` defaults to the CPUs the process can really use,
-    :func:`serve.cpu.available_cpus`: min(CPU affinity, ceil(cgroup CPU quota)), so a pod
+    :func:`serve.common.cpu.available_cpus`: min(CPU affinity, ceil(cgroup CPU quota)), so a pod
     with a 4-CPU limit on a 64-core node counts 4, not 64. More threads than that
     oversubscribe the CPUs (STACK.md measured up to 10x loss). This is the budget alone:
     the handler's full rule (``handler.num_threads``, then ``OMP_NUM_THREADS``, then this)
-    is :func:`serve.cpu.choose_threads`.
+    is :func:`serve.common.cpu.choose_threads`.
     """
     return threads_per_worker(max(1, workers), cores if cores is not None else available_cpus())
 
@@ -51,8 +51,8 @@ class RolloutWiring:
     """The ``handler.rollout`` section: a rollout's candidate packed beside the stable model.
 
     The sidecar writes it into the archives it derives for a rollout
-    (``serve.sidecar.mar``); the worker (:class:`serve.worker.Worker`) then loads both
-    versions and splits each batch as the control file says (:mod:`serve.routing`).
+    (``serve.sidecar.adapters.archives``); the worker (:class:`serve.worker.Worker`) then loads both
+    versions and splits each batch as the control file says (:mod:`serve.store.routing`).
 
     Attributes:
         candidate_version: the candidate's model version (``serve.state.VERSION_RE``),
@@ -216,7 +216,7 @@ DELTA_POLL_ENV = "DLRM_DELTA_POLL_MS"
 class DeltaWiring:
     """How a worker follows embedding deltas, from TorchServe's environment.
 
-    ``DLRM_DELTA_DIR``: the pod's delta store (serve.deltas), shared with the sidecar;
+    ``DLRM_DELTA_DIR``: the pod's delta store (serve.store.delta_files), shared with the sidecar;
     unset = no deltas, each worker keeps its own copy of the tables.
     ``DLRM_SHARED_TABLES``: "1" (default) = on CPU without a cache, the workers share one
     copy of the tables in ``<dir>/<version>/tables.bin`` (serve.runtime.shared); "0" = a

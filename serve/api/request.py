@@ -33,8 +33,8 @@ import orjson
 from serve.api.config import HandlerConfig
 from serve.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from serve.profiles import get_profile
-from serve.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS
 from serve.schema import ModelSchema
+from serve.store.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS
 
 __all__ = [
     "BINARY_MEDIA_TYPE",

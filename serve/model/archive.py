@@ -17,7 +17,7 @@ Example::
               handler_config={"cache_load_factor": 0.2})   # -> build/small-s0/dlrm-small-int8-s0.mar
 
 The pipeline builds the archive in its work directory and then stores it as an immutable
-version with ``serve.repository.ModelRepository.add``; nothing here writes the repository.
+version with ``serve.store.repository.ModelRepository.add``; nothing here writes the repository.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def add_version(repo: Any, artifact: Path, version: str, report: dict[str, Any],
                 handler_config: dict | None = None) -> Path:
     """The one way into the model repository (``make model`` and the importer): pack
     ``artifact`` into ``<model>-<version>.mar`` in ``workdir``, then add it with its
-    report to ``repo`` (a :class:`serve.repository.ModelRepository`: archive first,
+    report to ``repo`` (a :class:`serve.store.repository.ModelRepository`: archive first,
     report last, read-only). The working copy is removed (an archive can be GBs).
 
     Raises:

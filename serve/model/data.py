@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve.common.zipf import id_permutation, zeta_cdf, zipf_ranks
 from serve.errors import ConfigError, ServeError
 from serve.profiles import DENSE_FEATURES, NUM_DENSE, PROFILES, Profile, get_profile
-from serve.zipf import id_permutation, zeta_cdf, zipf_ranks
 
 __all__ = [
     "FORMAT_VERSION",

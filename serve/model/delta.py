@@ -1,6 +1,6 @@
 """Build an embedding delta: continue a version's training on one more day of click logs.
 
-A delta (:mod:`serve.deltas`) carries the embedding rows that embedding-only continued
+A delta (:mod:`serve.store.delta_files`) carries the embedding rows that embedding-only continued
 training changed, quantized exactly as a full build would store them, for ONE base
 version. Deltas of a version form a chain, one folder per sequence number::
 
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError
 from serve.profiles import Profile, get_profile
 
@@ -171,7 +171,7 @@ def artifact_auc(artifact: str | os.PathLike, data_dir: str | os.PathLike,
                  limit: int | None = None) -> tuple[float, int]:
     """AUC of an artifact served by the runtime (CPU) on a data directory's eval split;
     returns (auc, rows)."""
-    from serve.model.auc import roc_auc
+    from serve.common.quality import roc_auc
     from serve.runtime.engine import Runtime, RuntimeConfig
 
     rt = Runtime.from_artifact(artifact, RuntimeConfig(device="cpu"))
@@ -232,14 +232,14 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
             settings (e.g. ``nproc`` other than the checkpoint's world size).
         ServeError: the update changed dense layers or rows the training did not touch.
     """
-    from serve.deltas import Delta, DeltaTable, encode_delta
     from serve.model.data import ensure_day_data
     from serve.model.merge import merge_checkpoint
     from serve.model.quantize import quantize
     from serve.model.train import PLAN_FILE, TrainConfig, load_changed_rows, train
-    from serve.repository import ModelRepository
-    from serve.rowformat import row_bytes
     from serve.runtime.artifact import load_artifact
+    from serve.store.delta_files import Delta, DeltaTable, encode_delta
+    from serve.store.repository import ModelRepository
+    from serve.store.rowformat import row_bytes
 
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}

@@ -344,7 +344,7 @@ class SyntheticData:
         rows = self.specs[j].rows
         if self.ids == "uniform":
             return rng.integers(0, rows, n, dtype=np.int64)
-        from serve.zipf import id_permutation, zeta_cdf, zipf_ranks
+        from serve.common.zipf import id_permutation, zeta_cdf, zipf_ranks
 
         if j not in self._zipf:
             perm = id_permutation(self.seed, j, rows) if rows <= _ZIPF_PERMUTE_MAX else None
@@ -491,7 +491,7 @@ def _rank_main(rank: int, world_size: int, cfg: FitConfig, tmp_dir: str, port: i
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from serve.clilog import setup_cli_logging
+    from serve.common.clilog import setup_cli_logging
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -615,7 +615,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     (and ``cfg.state_dict``); return the summary (the CLI's last JSON line)."""
     import torch.multiprocessing as mp
 
-    from serve.net import free_port
+    from serve.common.net import free_port
 
     torch.manual_seed(cfg.seed)
     model, module = build_model(cfg.factory)
@@ -740,7 +740,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.clilog import setup_cli_logging
+    from serve.common.clilog import setup_cli_logging
 
     args = _parser().parse_args(argv)
     setup_cli_logging()

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
 from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema
 
@@ -83,7 +83,7 @@ class ImportConfig:
     mar_workers: int = 2
 
     def __post_init__(self) -> None:
-        from serve.rowformat import DTYPES
+        from serve.store.rowformat import DTYPES
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
@@ -290,8 +290,8 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         quantize_for_serving,
         tables_from_quantized,
     )
-    from serve.repository import ModelRepository
     from serve.runtime.artifact import Artifact, DLRMDense, ExportedDense, save_artifact
+    from serve.store.repository import ModelRepository
 
     repo = ModelRepository([cfg.model_store], cfg.model_name)
     if repo.exists(cfg.version):

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
 from serve.errors import CheckpointError, ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
 

@@ -1,7 +1,7 @@
 """The whole model build, idempotent: data -> train -> merge -> quantize -> archive.
 
 Every build adds one **immutable version** to the model repository
-(:class:`serve.repository.ModelRepository`, ``--model-store``, default ``model_store/``):
+(:class:`serve.store.repository.ModelRepository`, ``--model-store``, default ``model_store/``):
 ``dlrm-<version>.mar`` and its build report ``dlrm-<version>.json``, both read-only. The
 version name defaults to ``<profile>-<dtype>-s<seed>`` (``small-int8-s0``); ``--version``
 names it. ``--seed`` picks the training seed (initial weights); the data keeps the
@@ -45,7 +45,7 @@ The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, t
 archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
 table bytes, parameters, wall time per step, git commit, and the ``baseline``: the served
 (int8) model on the held-out rows (observed and predicted CTR, calibration ratio, AUC, score
-bins; :func:`serve.quality.summarize`), which the pod's online metrics are compared with.
+bins; :func:`serve.common.quality.summarize`), which the pod's online metrics are compared with.
 
 Example::
 
@@ -71,11 +71,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
-from serve.repository import ModelRepository
 from serve.state import VERSION_RE
+from serve.store.repository import ModelRepository
 
 __all__ = [
     "REPORT_KEYS",
@@ -106,8 +106,8 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "data": ("model/data.py", "profiles.py"),
     "train": ("model/train.py", "model/dlrm.py", "model/data.py", "profiles.py"),
     "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
-    "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py", "model/auc.py",
-                 "quality.py", "model/merge.py", "model/importer.py", "schema.py"),
+    "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py",
+                 "common/quality.py", "model/merge.py", "model/importer.py", "schema.py"),
     "archive": ("model/archive.py", "model/pipeline.py", "api/config.py",
                 "../handlers/dlrm_handler.py"),
 }
@@ -403,7 +403,7 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "auc_fp32": qres["auc_fp32"], "auc_quantized": qres["auc_quantized"],
         "quantized_dtype": qres["quantized_dtype"], "eval_rows": qres["eval_rows"],
         # The served (int8) model on the held-out rows: what the pod's predicted-CTR and
-        # calibration metrics are compared with (dlrm_baseline_*; serve.quality).
+        # calibration metrics are compared with (dlrm_baseline_*; serve.common.quality).
         "baseline": qres.get("baseline"),
         # The request schema and tables (serve.schema), and the import check's result.
         "schema": qres.get("schema"),
@@ -518,7 +518,7 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
         from serve.model.archive import add_version
 
         # Built in the work directory, then stored: the repository only ever sees a
-        # complete archive, and its report is written last (serve.repository).
+        # complete archive, and its report is written last (serve.store.repository).
         report = _report(cfg, tres, mres, qres, r.records, dcfg.seed, build_fp,
                          repo.archive_name(version))
         stored = add_version(repo, cfg.artifact, version, report, cfg.workdir,

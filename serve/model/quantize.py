@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
+from serve.common.quality import roc_auc, summarize
 from serve.errors import ArtifactError, ConfigError, QualityError, ServeError
-from serve.model.auc import roc_auc
 from serve.profiles import PROFILES, Profile, get_profile
-from serve.quality import summarize
 
 __all__ = [
     "FLOAT_ARTIFACT_MAX_BYTES",
@@ -70,7 +69,7 @@ class QuantizeResult:
     table_bytes_quantized_fbgemm: int
     num_parameters: int
     seconds: float
-    # The int8 (served) model on the held-out rows: serve.quality.ScoreSummary.to_dict()
+    # The int8 (served) model on the held-out rows: serve.common.quality.ScoreSummary.to_dict()
     # (rows, observed/predicted CTR, calibration ratio, AUC, score bins): the version's
     # baseline that the pod's online metrics are compared with.
     baseline: dict | None = None

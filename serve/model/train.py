@@ -61,10 +61,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.clilog import setup_cli_logging
+from serve.common.clilog import setup_cli_logging
+from serve.common.net import free_port
 from serve.errors import CheckpointError, ConfigError, ServeError, ShardingError
 from serve.model.data import ClickLogDataset
-from serve.net import free_port
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
 __all__ = [

@@ -6,7 +6,7 @@
    answers ``/ping``; stopped again afterwards when this started it);
 2. runs the step load test (``python -m loadtest.run --shape step``): closed-loop users
    double per step, each step measured after it settled;
-   The batching tuner (``serve.sidecar.tuner``) is paused for the run (``PUT /tuner
+   The batching tuner (``serve.sidecar.control.tuner``) is paused for the run (``PUT /tuner
    {"enabled": false}``, turned back on afterwards): the declared batching serves, so the
    knee is one configuration's, not the sum of the tuner's searches across 54-second
    steps (each search switches the serving version three times). The ranking traffic's

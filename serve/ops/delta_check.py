@@ -8,7 +8,7 @@ which runs both)::
 
 Steps:
 
-1. ``python -m serve.evaluate``'s measurement of day ``--day``'s held-out rows on the
+1. ``python -m serve.ops.evaluate``'s measurement of day ``--day``'s held-out rows on the
    inference API: the AUC before;
 2. ``--clients`` closed-loop clients send ``--instances``-instance requests the whole
    time while the delta goes to ``POST /embeddings/deltas`` (bearer token); the POST
@@ -32,11 +32,11 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
-from serve.deltas import DELTA_MEDIA_TYPE, decode_delta
 from serve.errors import ServeError
-from serve.evaluate import predict_url
+from serve.ops.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
 from serve.profiles import PROFILES, get_profile
+from serve.store.delta_files import DELTA_MEDIA_TYPE, decode_delta
 
 __all__ = ["main"]
 
@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _auc(url: str, day: int, profile: str) -> dict[str, Any]:
-    from serve.evaluate import evaluate
     from serve.model.data import ensure_day_data
+    from serve.ops.evaluate import evaluate
 
     data = ensure_day_data(get_profile(profile), day)
     return evaluate(url, data, progress=False)

@@ -2,7 +2,7 @@
 
     python -m serve.ops.drain [--sidecar-url URL] [--settle-s 5] [--timeout-s 120]
 
-Asks the sidecar (``POST /drain``, :mod:`serve.sidecar.drain`) to refuse new requests
+Asks the sidecar (``POST /drain``, :mod:`serve.sidecar.control.drain`) to refuse new requests
 with a clean 503 and to wait until every accepted request is answered; returns when it
 has. It is the torchserve container's ``preStop`` hook in Kubernetes: the kubelet sends
 SIGTERM only after it returns, so TorchServe (which does not drain on SIGTERM itself)

@@ -57,12 +57,12 @@ import httpx
 import psutil
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.common.net import free_ports, wait_until
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.net import free_ports, wait_until
 from serve.ops.loadgen import Answer, BackgroundLoad, PacedLoad
 from serve.ops.state_client import StateClient
-from serve.repository import ModelRepository
 from serve.state import parse_state, write_state
+from serve.store.repository import ModelRepository
 
 __all__ = ["CASES", "classify_signal", "main", "rss_growth"]
 

@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from serve.common.quality import summarize
 from serve.errors import ServeError
 from serve.ops.heldout import ScoredRequest, data_dir_of, score_split
-from serve.quality import summarize
-from serve.repository import ModelRepository
+from serve.store.repository import ModelRepository
 
 __all__ = ["CheckRow", "compare", "label_triples", "main", "post_labels"]
 

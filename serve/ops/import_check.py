@@ -604,7 +604,7 @@ class Service:
                 "workers": self.workers, "rollout": None}
 
     def _config(self) -> Any:
-        from serve.net import free_ports
+        from serve.common.net import free_ports
         from serve.ops.launcher import LaunchConfig
 
         run = self.root / f"service-{self.starts}"
@@ -1093,7 +1093,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.clilog import setup_cli_logging
+    from serve.common.clilog import setup_cli_logging
 
     args = _parser().parse_args(argv)
     setup_cli_logging()

@@ -47,12 +47,12 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import DELTA_DIR_ENV
+from serve.common.net import wait_until
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
-from serve.net import wait_until
-from serve.predlog import LOG_DIR_ENV
-from serve.repository import ModelRepository
 from serve.schema import ModelSchema
 from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
+from serve.store.predlog import LOG_DIR_ENV
+from serve.store.repository import ModelRepository
 
 __all__ = [
     "LaunchConfig",
@@ -161,12 +161,12 @@ class LaunchConfig:
 
     @property
     def prediction_log_dir(self) -> Path:
-        """The workers' prediction log (serve.predlog), joined by POST /feedback."""
+        """The workers' prediction log (serve.store.predlog), joined by POST /feedback."""
         return self.path(self.run_dir) / "predictions"
 
     @property
     def delta_dir(self) -> Path:
-        """The pod's embedding-delta store (serve.deltas): the sidecar adds posted deltas,
+        """The pod's embedding-delta store (serve.store.delta_files): the sidecar adds posted deltas,
         the workers follow them and share their tables there. Kept across restarts (a
         restarted service serves the deltas it had); ``make clean`` removes it."""
         return self.path(self.run_dir) / "deltas"
@@ -391,7 +391,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     """Start ``python -m serve.sidecar`` (own process group) unless ``cfg.sidecar`` is off."""
     if not cfg.sidecar:
         return None
-    from serve.sidecar.app import ensure_dev_token
+    from serve.sidecar.http.app import ensure_dev_token
 
     ensure_dev_token(str(cfg.token_file))
     log_dir = cfg.path(cfg.log_dir)

@@ -47,9 +47,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+from serve.common.net import free_port
 from serve.errors import ServeError
 from serve.metrics import CACHE_HITS_TOTAL, CACHE_MISSES_TOTAL, REQUEST_DURATION_BUCKETS
-from serve.net import free_port
 from serve.ops.loadgen import Answer, BackgroundLoad
 from serve.ops.monitoring import P50_RECORD, P99_RECORD, QPS_RECORD
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer

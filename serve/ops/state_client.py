@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
+from serve.common.net import wait_until
 from serve.errors import UpstreamUnavailable
-from serve.net import wait_until
 
 __all__ = ["TOKEN_ENV", "StateClient", "sidecar_token"]
 

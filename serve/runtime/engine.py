@@ -48,7 +48,6 @@ import torch.nn.functional as F
 
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
-from serve.rowformat import row_bytes
 from serve.runtime.artifact import Artifact, DLRMDense, dequantize_rows, load_artifact
 from serve.runtime.cache import (
     MISS_PATHS,
@@ -62,6 +61,7 @@ from serve.runtime.cache import (
 from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, convert_precision
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
+from serve.store.rowformat import row_bytes
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
            "RuntimeStats", "SparseBatch"]

@@ -1,6 +1,6 @@
 """A worker follows its version's embedding deltas: in order, once, between two batches.
 
-The sidecar validates a posted delta and adds it to the pod's :class:`serve.deltas.DeltaStore`
+The sidecar validates a posted delta and adds it to the pod's :class:`serve.store.delta_files.DeltaStore`
 (``<delta_dir>/<version>/<seq>.delta``). Every worker runs one :class:`DeltaFollower` per
 version it serves (stable, and a rollout's candidate). Its steps, each a method:
 
@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from serve.deltas import (
+from serve.errors import DeltaConflict, ServeError
+from serve.store.delta_files import (
     Delta,
     DeltaStore,
     TableLayout,
@@ -42,7 +43,6 @@ from serve.deltas import (
     check_layout,
     layout_for_schema,
 )
-from serve.errors import DeltaConflict, ServeError
 
 __all__ = ["DeltaFollower", "runtime_layout"]
 

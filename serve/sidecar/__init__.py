@@ -1,22 +1,26 @@
-"""The FastAPI sidecar (runs in the pod next to TorchServe): metrics, config, live changes.
+"""The FastAPI sidecar (runs in the pod next to TorchServe): metrics, declared state, live
+changes. Run it with ``python -m serve.sidecar --help``.
 
-Run it with ``python -m serve.sidecar --help``. The parts, from the edge inwards:
+Layers, from the edge inwards (imports only point down the list):
 
-* :mod:`~serve.sidecar.app`: ``create_app`` (wires the routers, handlers and
-  middleware) and the ``main`` entry point.
-* :mod:`~serve.sidecar.routes_health`, :mod:`~serve.sidecar.routes_metrics`,
-  :mod:`~serve.sidecar.routes_state`, :mod:`~serve.sidecar.routes_batching`: the
-  endpoints, thin; :mod:`~serve.sidecar.auth`: the writes' bearer token.
-* :mod:`~serve.sidecar.error_handlers`, :mod:`~serve.sidecar.middleware`: the one error
-  mapping and the request counts.
-* :mod:`~serve.sidecar.state`: what the routes share, injected as a dependency.
-* :mod:`~serve.sidecar.reconciler`: the one writer of TorchServe's registrations; moves
-  TorchServe toward the desired-state file (``--state-file``), pass by pass.
-* :mod:`~serve.sidecar.switch`: the version switch it runs, step by step;
-  :mod:`~serve.sidecar.memory`: the memory guard and the peak of a switch.
-* :mod:`~serve.sidecar.torchserve`, :mod:`~serve.sidecar.mar`,
-  :mod:`~serve.sidecar.tokens`, :mod:`~serve.sidecar.schemas`,
-  :mod:`~serve.sidecar.config`: TorchServe's API, archives, tokens, bodies, settings.
+* ``http/``: :mod:`~serve.sidecar.http.app` (``create_app`` and ``main``), the
+  ``routes_*`` modules (thin: parse, call, answer), :mod:`~serve.sidecar.http.auth` (the
+  write token), :mod:`~serve.sidecar.http.errors` (the one error mapping),
+  :mod:`~serve.sidecar.http.middleware`, :mod:`~serve.sidecar.http.docs`,
+  :mod:`~serve.sidecar.http.schemas` (bodies).
+* ``services/``: :mod:`~serve.sidecar.services.embedding_deltas`,
+  :mod:`~serve.sidecar.services.feedback`.
+* ``control/``: :mod:`~serve.sidecar.control.reconciler` (the one writer of TorchServe's
+  registrations), :mod:`~serve.sidecar.control.switch`,
+  :mod:`~serve.sidecar.control.rollout`, :mod:`~serve.sidecar.control.guards`,
+  :mod:`~serve.sidecar.control.tuner`, :mod:`~serve.sidecar.control.drain`.
+* ``adapters/``: :mod:`~serve.sidecar.adapters.torchserve`,
+  :mod:`~serve.sidecar.adapters.archives`, :mod:`~serve.sidecar.adapters.memory`,
+  :mod:`~serve.sidecar.adapters.gpu`, :mod:`~serve.sidecar.adapters.tokens`,
+  :mod:`~serve.sidecar.adapters.model_schemas`.
+
+:mod:`~serve.sidecar.root` is the composition root: it builds the parts from
+:mod:`~serve.sidecar.config` and hands them to the routes as one dependency.
 """
 
 __all__: list[str] = []

@@ -1,5 +1,5 @@
 """``python -m serve.sidecar``: run the sidecar under uvicorn."""
-from serve.sidecar.app import main
+from serve.sidecar.http.app import main
 
 __all__: list[str] = []
 

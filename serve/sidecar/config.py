@@ -1,7 +1,7 @@
 """The sidecar's settings: where TorchServe is, how long each call to it may take, and
 where the desired serving state and the model versions are.
 
-Loaded once, at the entry point (``serve.sidecar.app.main``); everything else receives a
+Loaded once, at the entry point (``serve.sidecar.http.app.main``); everything else receives a
 :class:`SidecarConfig`.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.errors import ConfigError
-from serve.sidecar.feedback import FeedbackConfig
-from serve.sidecar.tuner import TunerConfig
+from serve.sidecar.control.tuner import TunerConfig
+from serve.sidecar.services.feedback import FeedbackConfig
 from serve.state import (  # the limits are the desired state's: defined once there
     BATCH_SIZE_MAX,
     DEFAULT_STATE_FILE,
@@ -52,7 +52,7 @@ DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: Environment variable turning the batching tuner off (``0``, ``false``, ``off``) or on.
 AUTOTUNE_ENV = "DLRM_AUTOTUNE"
 #: Environment variable naming the pod's embedding-delta folder (``--delta-dir``), shared
-#: with the TorchServe workers (:class:`serve.deltas.DeltaStore`); unset, deltas are off.
+#: with the TorchServe workers (:class:`serve.store.delta_files.DeltaStore`); unset, deltas are off.
 DELTA_DIR_ENV = "DLRM_DELTA_DIR"
 
 
@@ -80,7 +80,7 @@ class SidecarConfig:
         state_file: the desired-state YAML (:mod:`serve.state`) the reconciler moves
             TorchServe toward; None turns the reconciler off (PUT /state and PUT
             /batching then answer 409).
-        repositories: model repository folders (:class:`serve.repository.ModelRepository`);
+        repositories: model repository folders (:class:`serve.store.repository.ModelRepository`);
             empty: ``model_store`` alone.
         reconcile_interval_s: between two reconcile passes (a PUT wakes it at once). The
             file is re-read by path each pass, so a ConfigMap update (kubelet swaps a
@@ -94,14 +94,14 @@ class SidecarConfig:
             need exceeds this fraction of the limit (the rest absorbs the estimate's error
             and the page cache; an OOM kill would fail every request in flight).
         feedback: the prediction log folder the workers write and the bounds of the
-            click-feedback join (:class:`~serve.sidecar.feedback.FeedbackConfig`).
-        delta_dir: the pod's embedding-delta store (:class:`serve.deltas.DeltaStore`), a
+            click-feedback join (:class:`~serve.sidecar.services.feedback.FeedbackConfig`).
+        delta_dir: the pod's embedding-delta store (:class:`serve.store.delta_files.DeltaStore`), a
             folder the TorchServe workers read too; POST /embeddings/deltas adds to it.
             None turns deltas off (POST /embeddings/deltas answers 409).
         delta_sync_s: every this many seconds, take the deltas published on the model
             volume (``<repository>/deltas/<version>/``) for the served versions
-            (:meth:`serve.sidecar.deltas.DeltaService.sync`); 0 = never.
-        tuner: the batching tuner (:class:`~serve.sidecar.tuner.TunerConfig`; on by
+            (:meth:`serve.sidecar.services.embedding_deltas.DeltaService.sync`); 0 = never.
+        tuner: the batching tuner (:class:`~serve.sidecar.control.tuner.TunerConfig`; on by
             default, acting only with a desired-state file).
     """
 

@@ -62,7 +62,7 @@ class WorkerResponse:
         status: the HTTP status (200, or the 4xx/5xx of a refused or failed request).
         body: ``{"predictions": [...]}`` or ``{"code", "type", "message"}``, JSON bytes.
         headers: header name -> value, in the order they are set (the ``X-DLRM-*``
-            headers above and :data:`serve.routing.ARM_HEADER`).
+            headers above and :data:`serve.store.routing.ARM_HEADER`).
         content_type: always ``application/json``.
     """
 

@@ -22,11 +22,11 @@ and the batch lock they apply deltas under; the prediction log; and the handler 
   Bodies: JSON (``application/json`` or no Content-Type) or binary columnar
   (``application/x-dlrm-columnar``); anything else gets 415. Responses are always JSON.
 
-Rollouts (canary / shadow, :mod:`serve.routing`): ``handle`` reads the control once per
+Rollouts (canary / shadow, :mod:`serve.store.routing`): ``handle`` reads the control once per
 batch (a batch sees one value) and splits the batch:
 
 * ``canary``: each request that parsed takes the candidate when
-  :func:`serve.routing.takes_candidate` says so (by its ``X-DLRM-Route-Key`` hash, else
+  :func:`serve.store.routing.takes_candidate` says so (by its ``X-DLRM-Route-Key`` hash, else
   at random), ONE merged forward per non-empty arm, responses in request order. A
   forward that raises fails only its own arm's requests (500 JSON, logged).
 * ``shadow``: the stable model answers every request (one forward, exactly as without a
@@ -40,14 +40,14 @@ in ``X-DLRM-Model-Version``, the version that answered; refused requests (bad bo
 Content-Type or route key) name the stable version and no arm. Without a rollout
 everything is the stable arm (still recorded in the per-arm metrics). Route keys are
 checked whether or not a rollout runs: empty or over
-:data:`serve.routing.ROUTE_KEY_MAX_CHARS` characters is a 400.
+:data:`serve.store.routing.ROUTE_KEY_MAX_CHARS` characters is a 400.
 
-Prediction log (:mod:`serve.predlog`): with ``DLRM_PREDICTION_LOG_DIR`` in the
+Prediction log (:mod:`serve.store.predlog`): with ``DLRM_PREDICTION_LOG_DIR`` in the
 environment, every scored request (sampled by a hash of its id) is appended there after
 the batch, keyed by its request id, with its version, arm and scores; the sidecar joins
 ``POST /feedback`` labels with it. Writing it never fails a prediction; nor do metrics.
 
-Deltas (:mod:`serve.deltas`): with ``DLRM_DELTA_DIR`` in the environment, one
+Deltas (:mod:`serve.store.delta_files`): with ``DLRM_DELTA_DIR`` in the environment, one
 :class:`~serve.runtime.follower.DeltaFollower` per served version applies the store's
 deltas before the first batch and later ones between batches (under the batch lock, and
 the write side of the pod's shared tables).
@@ -73,17 +73,17 @@ import torch
 
 from serve.api.batch import BatchInfo, MergedBatch, Outcome, Split, encode_error, handle_batch
 from serve.api.config import DeltaWiring, HandlerConfig, cache_on_cpu_from_env
+from serve.common.cpu import choose_threads
 from serve.constants import ARTIFACT_NAME
-from serve.cpu import choose_threads
-from serve.deltas import DeltaStore
 from serve.errors import ServeError
 from serve.metrics import HandlerMetrics, clean_dead_worker_files
-from serve.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
-from serve.routing import ARM_HEADER, ControlWatcher, takes_candidate
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
 from serve.state import parse_serving_version
+from serve.store.delta_files import DeltaStore
+from serve.store.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
+from serve.store.routing import ARM_HEADER, ControlWatcher, takes_candidate
 from serve.worker.messages import (
     BATCH_INSTANCES_HEADER,
     BATCH_REQUESTS_HEADER,
@@ -173,7 +173,7 @@ class Worker:
             device: where the runtimes run (:func:`worker_device`).
             workers: the model's workers in this pod: torch threads = CPU budget /
                 workers unless ``cfg.num_threads`` or ``OMP_NUM_THREADS`` says otherwise
-                (:func:`serve.cpu.choose_threads`). Sets the process's torch threads.
+                (:func:`serve.common.cpu.choose_threads`). Sets the process's torch threads.
             environ: the environment to read (``DLRM_CACHE_ON_CPU``, ``DLRM_DELTA_*``,
                 ``DLRM_PREDICTION_LOG_*``, ``PROMETHEUS_MULTIPROC_DIR``,
                 ``OMP_NUM_THREADS``); default ``os.environ``.
@@ -189,7 +189,7 @@ class Worker:
         """
         env = os.environ if environ is None else environ
         # handler.num_threads, else OMP_NUM_THREADS, else the pod's CPU budget (cgroup
-        # quota, not the node's cores) / workers: serve.cpu.choose_threads.
+        # quota, not the node's cores) / workers: serve.common.cpu.choose_threads.
         choice = choose_threads(workers, cfg.num_threads, environ=env)
         threads = choice.threads
         logger.log(logging.WARNING if choice.oversubscribed else logging.INFO,
@@ -230,7 +230,7 @@ class Worker:
                         "weight=%.4g)", model_version, rollout.candidate_version,
                         rollout.candidate_artifact, rollout.control_file, control.mode,
                         control.weight)
-        # The prediction log (serve.predlog) that POST /feedback joins labels with; its
+        # The prediction log (serve.store.predlog) that POST /feedback joins labels with; its
         # folder comes from TorchServe's environment (the launcher / the Deployment).
         predlog = None
         log_cfg = PredictionLogConfig.from_env(env)

@@ -1,0 +1,168 @@
+"""Model archives the sidecar derives for serving: named by serving version, rewritten.
+
+TorchServe fixes ``batch_size``/``max_batch_delay`` at registration and the
+``model-config.yaml`` inside a ``.mar`` wins over the registration parameters, so each
+(model version, batching, workers) is served from its own archive: a copy of the model
+version's repository archive with ``modelVersion`` set to the serving version
+(:func:`serve.state.serving_version`, ``<version>_b<batch>d<delay>w<workers>``) and the
+settings written into its model config. It lives in TorchServe's model store as
+``<model>-<serving version>.mar`` (TorchServe registers local archives only from there)
+and is deleted when its version is unregistered; repository archives are never touched.
+
+A serving version that holds a rollout's candidate (``..._c<candidate>``) gets the
+candidate's artifact packed beside the stable one (``candidate/artifact.pt``) and a
+``handler.rollout`` section naming it and the *control file*
+(``<store>/<model>-<serving version>.control.json``, :func:`control_path`): the JSON
+mode and weight the sidecar's rollout controller rewrites while the workers run
+(:mod:`serve.store.routing`). The model store is shared by TorchServe and the sidecar (an
+``emptyDir`` mounted at the same path in both containers), so the path is the same on
+both sides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve.constants import ARTIFACT_NAME, CANDIDATE_ARTIFACT
+from serve.errors import ConfigError, UpstreamUnavailable
+from serve.state import parse_serving_version
+
+__all__ = ["POD_HANDLER", "CandidateArchive", "control_path",
+           "is_sidecar_archive", "mar_path", "rewrite_mar"]
+
+
+# The handler this pod ships (the image holds handlers/ beside serve/). Derived archives
+# carry it instead of the copy packed at build time: the handler imports serve.* from the
+# pod, so an older handler beside newer serve code (or the reverse) must never run; and a
+# version built before rollouts existed can still be a rollout's stable arm.
+POD_HANDLER = Path(__file__).resolve().parents[3] / "handlers" / "dlrm_handler.py"
+
+
+@dataclass(frozen=True)
+class CandidateArchive:
+    """A rollout's candidate to pack beside the stable model: its version, its repository
+    archive, and the control file the workers read its weight from."""
+
+    version: str
+    src: Path
+    control_file: Path
+
+
+def mar_path(model_store: Path, model_name: str, serving_version: str) -> Path:
+    """Where the sidecar writes the archive of a serving version:
+    ``<store>/<model>-<version>_b..d..w...mar``."""
+    return model_store / f"{model_name}-{serving_version}.mar"
+
+
+def control_path(model_store: Path, model_name: str, serving_version: str) -> Path:
+    """The rollout control file of a serving version that holds a candidate."""
+    return model_store / f"{model_name}-{serving_version}.control.json"
+
+
+def is_sidecar_archive(path: Path, model_store: Path, model_name: str) -> bool:
+    """Whether ``path`` is an archive the sidecar derived (only those may be deleted):
+    in the model store, named ``<model>-<serving version>.mar``. A repository archive,
+    ``<model>-<version>.mar``, never is: a model version has no ``_``."""
+    m = re.fullmatch(rf"{re.escape(model_name)}-(.+)\.mar", path.name)
+    return (Path(path).parent == Path(model_store) and m is not None
+            and parse_serving_version(m.group(1)) is not None)
+
+
+def _rewrite_model_config(text: str, settings: dict[str, int],
+                          rollout: dict[str, str] | None = None) -> str:
+    import yaml  # TorchServe depends on pyyaml; import lazily to keep imports light
+
+    config = yaml.safe_load(text) or {}
+    if not isinstance(config, dict):
+        raise ConfigError("the .mar's model config is not a YAML mapping")
+    config.update(settings)
+    if rollout is not None:
+        handler: Any = config.setdefault("handler", {})
+        if not isinstance(handler, dict):
+            raise ConfigError("the .mar's model config has a handler section that is not a "
+                              "mapping")
+        handler["rollout"] = rollout
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _missing(src: Path) -> UpstreamUnavailable:
+    return UpstreamUnavailable(
+        f"the model archive {src} does not exist; check --repository (where the model "
+        f"versions are) and --model-store (TorchServe's)")
+
+
+def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
+                max_batch_delay_ms: int, workers: int,
+                candidate: CandidateArchive | None = None,
+                handler_file: Path | None = POD_HANDLER) -> Path:
+    """Copy the model archive ``src`` to ``dst`` with ``modelVersion = version`` in
+    ``MAR-INF/MANIFEST.json`` and the batching settings in its model config (the file
+    the manifest's ``configFile`` names), which TorchServe prefers over registration
+    parameters. With ``candidate``, its archive's artifact is added as
+    :data:`CANDIDATE_ARTIFACT` and the model config's ``handler.rollout`` names it and
+    the control file. The manifest's handler entry is replaced by ``handler_file`` when
+    that exists (None or missing: kept). Other entries are copied unchanged; ``dst`` is
+    written atomically."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise _missing(src)
+    if candidate is not None and not Path(candidate.src).is_file():
+        raise _missing(Path(candidate.src))
+    rollout = None if candidate is None else {
+        "candidate_version": candidate.version, "candidate_artifact": CANDIDATE_ARTIFACT,
+        "control_file": str(Path(candidate.control_file).resolve())}
+    tmp = dst.with_name(dst.name + ".tmp")
+    try:
+        with zipfile.ZipFile(src) as zin:
+            try:
+                manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
+            except KeyError:
+                raise UpstreamUnavailable(
+                    f"{src} has no MAR-INF/MANIFEST.json; not a .mar") from None
+            manifest.setdefault("model", {})["modelVersion"] = version
+            config_name = manifest["model"].get("configFile")
+            handler_name = str(manifest["model"].get("handler") or "").split(":")[0]
+            handler_text = (Path(handler_file).read_bytes()
+                            if handler_file is not None and Path(handler_file).is_file()
+                            else None)
+            settings = {"batchSize": batch_size, "maxBatchDelay": max_batch_delay_ms,
+                        "minWorkers": workers, "maxWorkers": workers}
+            with zipfile.ZipFile(tmp, "w") as zout:
+                for info in zin.infolist():
+                    if info.filename == "MAR-INF/MANIFEST.json":
+                        zout.writestr(info, json.dumps(manifest, indent=2))
+                    elif config_name and info.filename == config_name:
+                        text = zin.read(info).decode()
+                        zout.writestr(info, _rewrite_model_config(text, settings, rollout))
+                    elif handler_text is not None and info.filename == handler_name:
+                        zout.writestr(info, handler_text)
+                    elif info.filename != CANDIDATE_ARTIFACT:
+                        with zin.open(info) as fin, zout.open(info, "w") as fout:
+                            shutil.copyfileobj(fin, fout, 1 << 20)
+                if candidate is not None:
+                    _add_candidate(zout, Path(candidate.src))
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed copy leaves no half-written file behind
+    return dst
+
+
+def _add_candidate(zout: zipfile.ZipFile, src: Path) -> None:
+    """Copy ``src``'s artifact into ``zout`` as :data:`CANDIDATE_ARTIFACT`."""
+    with zipfile.ZipFile(src) as cin:
+        try:
+            info = cin.getinfo(ARTIFACT_NAME)
+        except KeyError:
+            raise UpstreamUnavailable(
+                f"the candidate's archive {src} has no {ARTIFACT_NAME}; is it a model "
+                f"version built by `make model`?") from None
+        out = zipfile.ZipInfo(CANDIDATE_ARTIFACT, date_time=info.date_time)
+        out.compress_type = info.compress_type
+        with cin.open(info) as fin, zout.open(out, "w") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)

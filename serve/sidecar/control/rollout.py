@@ -1,0 +1,391 @@
+"""The rollout controller: a candidate version beside the stable one, baked under guards,
+then promoted or rolled back by itself.
+
+A rollout is declared in the desired state (``rollout:``, :class:`serve.state.Rollout`).
+Its life, one :class:`RolloutRun` per declared (stable version, rollout spec):
+
+``baking``
+    The reconciler serves a registration holding both versions
+    (``<stable>_b..d..w.._c<candidate>``). Until it serves, the weight is 0. Once it
+    does (:meth:`RolloutController.on_serving`), the controller writes the first weight
+    into the registration's control file (the workers read it per batch,
+    :mod:`serve.store.routing`) and the bake clock starts. Every ``guards.interval_s``
+    (:meth:`RolloutController.tick`) it reads the workers' per-arm metrics, takes the
+    window since the current weight began, and evaluates the guards
+    (:mod:`serve.sidecar.control.guards`): error ratio, p99 latency ratio, score PSI.
+``rolled_back``
+    Any guard breached (or ``POST /state/rollout/rollback``): the weight goes to 0 at
+    once (control file), and the effective desired state drops the candidate, so the
+    reconciler switches to the stable version alone (zero-failure switch) and unloads it.
+``promoted``
+    Every weight survived ``bake_s`` with every guard judged ``ok`` (a guard still short
+    of data extends the bake: nothing is promoted blind), or ``POST
+    /state/rollout/promote``: the effective desired state serves the candidate alone,
+    through the same zero-failure switch.
+
+Where the desired-state file is writable, the reconciler also writes the outcome into it
+(promoted: ``model.version = candidate``; both: ``rollout: null``), so a restart keeps
+it. Where it is read-only (a ConfigMap) the outcome is kept in memory for as long as that
+rollout stays declared; update the ConfigMap to make it durable (README, "Rollouts").
+
+The state is data: :meth:`RolloutController.status` is ``rollout`` in GET /state, and
+``dlrm_rollout_phase``, ``dlrm_rollout_weight`` and ``dlrm_rollout_guard_value``/
+``_threshold`` mirror it.
+
+Example::
+
+    ctl = RolloutController(read_families=collector.collect, control_file=lambda v: path)
+    effective = ctl.effective(desired)       # what the reconciler converges to
+    ctl.on_serving(desired, effective.serving_version(), now)
+    transition = ctl.tick(now)               # "stepped", "promoted", "rolled_back" or None
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+
+from prometheus_client.metrics_core import Metric
+
+from serve.errors import Conflict
+from serve.metrics import SidecarMetrics
+from serve.sidecar.control.guards import (
+    GuardLimits,
+    GuardResult,
+    Snapshot,
+    breaches,
+    evaluate,
+    snapshot,
+)
+from serve.sidecar.control.views import GuardStatus, RolloutStatus
+from serve.state import DesiredState, ModelRef, Rollout
+from serve.store.routing import write_control
+
+__all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of", "rollout_key"]
+
+_log = logging.getLogger(__name__)
+
+
+class RolloutPhase(StrEnum):
+    """The values are ``serve.metrics.ROLLOUT_PHASES`` (but ``none``)."""
+
+    BAKING = "baking"
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
+
+
+def rollout_key(stable: str, spec: Rollout) -> str:
+    """Identifies one declared rollout: the stable version and the whole spec."""
+    text = json.dumps([stable, spec.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def limits_of(spec: Rollout) -> GuardLimits:
+    """The guard limits of a rollout spec."""
+    g = spec.guards
+    return GuardLimits(max_error_ratio=g.max_error_ratio, max_p99_ratio=g.max_p99_ratio,
+                       max_score_psi=g.max_score_psi, min_requests=g.min_requests,
+                       min_instances=g.min_instances)
+
+
+def _iso(wall: float | None) -> str | None:
+    return None if wall is None else datetime.fromtimestamp(wall, UTC).isoformat(
+        timespec="seconds")
+
+
+@dataclass
+class RolloutRun:
+    """One declared rollout and how far it got (monotonic seconds unless ``*_wall``)."""
+
+    key: str
+    stable: str
+    spec: Rollout
+    started_wall: float
+    phase: RolloutPhase = RolloutPhase.BAKING
+    step: int = 0
+    serving_version: str | None = None  # the two-arm registration, once it serves
+    step_started: float | None = None
+    base: Snapshot | None = None        # at the current weight's start
+    first_base: Snapshot | None = None  # at the first weight's start
+    last_eval: float | None = None
+    evaluations: int = 0
+    guards: list[GuardResult] = field(default_factory=list)
+    reason: str | None = None
+    finished_wall: float | None = None
+    settled: bool = False  # the outcome was written into the desired-state file
+
+    @property
+    def weight(self) -> float:
+        """The candidate's share now: 0 until it serves and after a rollback."""
+        if self.phase is RolloutPhase.ROLLED_BACK or self.serving_version is None:
+            return 0.0
+        return self.spec.weights()[self.step]
+
+
+class RolloutController:
+    """Runs the declared rollout (see the module docstring).
+
+    Args:
+        read_families: the workers' metric families now (the sidecar's
+            ``HandlerAggregateCollector.collect``).
+        control_file: the control file of a serving version.
+        metrics: where the phase, weight and guard values are mirrored; None: nowhere.
+        clock: monotonic seconds (bake and guard periods).
+        wall_clock: Unix seconds (the times GET /state shows).
+    """
+
+    def __init__(self, *, read_families: Callable[[], Iterable[Metric]],
+                 control_file: Callable[[str], Path],
+                 metrics: SidecarMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.read_families = read_families
+        self.control_file = control_file
+        self.metrics = metrics
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.run: RolloutRun | None = None
+        self._mirror()
+
+    # ------------------------------------------------------------------ the declared state
+
+    def declare(self, desired: DesiredState | None) -> RolloutRun | None:
+        """Start a run for a newly declared rollout (a spec or stable version not seen
+        before); keep the current one otherwise. Returns the current run."""
+        if desired is None or desired.rollout is None:
+            return self.run
+        key = rollout_key(desired.model.version, desired.rollout)
+        if self.run is None or self.run.key != key:
+            self.run = RolloutRun(key=key, stable=desired.model.version, spec=desired.rollout,
+                                  started_wall=self.wall_clock())
+            _log.info("rollout of %s beside %s (%s, weights %s, bake %.0f s) begins",
+                      desired.rollout.candidate, desired.model.version, desired.rollout.mode,
+                      desired.rollout.weights(), desired.rollout.bake_s)
+            self._mirror()
+        return self.run
+
+    def _run_for(self, desired: DesiredState) -> RolloutRun | None:
+        run = self.run
+        if run is None or desired.rollout is None:
+            return None
+        return run if run.key == rollout_key(desired.model.version, desired.rollout) else None
+
+    def effective(self, desired: DesiredState | None) -> DesiredState | None:
+        """What the reconciler converges to: ``desired``, with its rollout's outcome
+        applied (rolled back: the stable version alone; promoted: the candidate alone)."""
+        if desired is None or desired.rollout is None:
+            return desired
+        run = self._run_for(desired)
+        if run is None or run.phase is RolloutPhase.BAKING:
+            return desired
+        if run.phase is RolloutPhase.ROLLED_BACK:
+            return desired.model_copy(update={"rollout": None})
+        return desired.model_copy(update={"rollout": None,
+                                          "model": ModelRef(version=run.spec.candidate)})
+
+    def settled_state(self, desired: DesiredState) -> DesiredState | None:
+        """The desired state to write once the declared rollout has an outcome (None when
+        it has none yet, or it was written already)."""
+        run = self._run_for(desired)
+        if run is None or run.phase is RolloutPhase.BAKING or run.settled:
+            return None
+        return self.effective(desired)
+
+    # ------------------------------------------------------------------ the steps
+
+    def on_serving(self, desired: DesiredState | None, serving_version: str | None) -> bool:
+        """Called after each reconcile pass that found the effective target serving
+        (converged). The first time for a baking run: the first weight goes into the
+        control file and the bake clock starts. True when it started now."""
+        if desired is None or serving_version is None:
+            return False
+        run = self._run_for(desired)
+        if run is None or run.phase is not RolloutPhase.BAKING:
+            return False
+        if run.serving_version == serving_version or serving_version != desired.serving_version():
+            return False  # started already; or not the two-arm registration of this rollout
+        run.serving_version = serving_version
+        self._start_step(run, run.step)
+        return True
+
+    def _start_step(self, run: RolloutRun, step: int) -> None:
+        run.step = step
+        weight = run.spec.weights()[step]
+        self._write_weight(run, weight)
+        run.step_started = self.clock()
+        run.base = self._snapshot(run)
+        if step == 0 or run.first_base is None:
+            run.first_base = run.base
+        run.last_eval = run.step_started
+        run.guards = []
+        run.reason = None
+        _log.info("rollout of %s: weight %.4g (step %d of %d) for %.0f s", run.spec.candidate,
+                  weight, step + 1, len(run.spec.weights()), run.spec.bake_s)
+        self._mirror()
+
+    def _write_weight(self, run: RolloutRun, weight: float) -> None:
+        if run.serving_version is None:
+            return
+        write_control(self.control_file(run.serving_version), run.spec.mode, weight,
+                      candidate=run.spec.candidate, stable=run.stable, step=run.step)
+
+    def _snapshot(self, run: RolloutRun) -> Snapshot:
+        return snapshot(self.read_families(), stable_version=run.stable,
+                        candidate_version=run.spec.candidate)
+
+    def due(self) -> bool:
+        """A baking, serving run whose guard period has passed."""
+        run = self.run
+        return (run is not None and run.phase is RolloutPhase.BAKING
+                and run.serving_version is not None and run.last_eval is not None
+                and self.clock() - run.last_eval >= run.spec.guards.interval_s)
+
+    def evaluate(self) -> list[GuardResult]:
+        """Evaluate the guards over the window since the current weight began; a guard
+        short of data there is judged over the whole rollout instead (at weight 1.0 the
+        stable arm gets no traffic, so its p99 and scores come from the earlier weights)."""
+        run = self.run
+        if run is None or run.base is None:
+            return []
+        now = self._snapshot(run)
+        limits = limits_of(run.spec)
+        results = evaluate(now.minus(run.base), limits)
+        if run.first_base is not None and run.first_base is not run.base and any(
+                g.status == "insufficient_data" for g in results):
+            whole = {g.name: g for g in evaluate(now.minus(run.first_base), limits)}
+            results = [g if g.status != "insufficient_data" or
+                       whole[g.name].status == "insufficient_data"
+                       else replace(whole[g.name], detail=whole[g.name].detail
+                                    + " (over the whole rollout: too little at this weight)")
+                       for g in results]
+        run.guards = results
+        run.last_eval = self.clock()
+        run.evaluations += 1
+        self._mirror()
+        return run.guards
+
+    def advance(self) -> str | None:
+        """After an evaluation: roll back on a breach; at the end of a bake with every
+        guard ok, the next weight or promotion. Returns the transition (``stepped``,
+        ``promoted``, ``rolled_back``) or None."""
+        run = self.run
+        if run is None or run.phase is not RolloutPhase.BAKING or run.step_started is None:
+            return None
+        bad = breaches(run.guards)
+        if bad:
+            self.rollback("guard " + "; guard ".join(f"{g.name} breached: {g.detail}"
+                                                     for g in bad))
+            return "rolled_back"
+        elapsed = self.clock() - run.step_started
+        if elapsed < run.spec.bake_s:
+            run.reason = None
+            return None
+        waiting = [g for g in run.guards if g.status != "ok"]
+        if waiting:
+            run.reason = ("bake time is over but not every guard could judge yet; "
+                          "baking on: " + "; ".join(f"{g.name}: {g.detail}" for g in waiting))
+            return None
+        if run.step + 1 < len(run.spec.weights()):
+            self._start_step(run, run.step + 1)
+            return "stepped"
+        self.promote(f"every guard held through {len(run.spec.weights())} weight(s) of "
+                     f"{run.spec.bake_s:g} s each")
+        return "promoted"
+
+    def tick(self) -> str | None:
+        """One guard period: evaluate and advance when due (the reconciler calls it every
+        pass). Returns the transition, if any."""
+        if not self.due():
+            return None
+        self.evaluate()
+        return self.advance()
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _baking(self, action: str) -> RolloutRun:
+        run = self.run
+        if run is None or run.phase is not RolloutPhase.BAKING:
+            state = "no rollout was declared" if run is None else f"the rollout of " \
+                f"{run.spec.candidate} is {run.phase.value} already"
+            raise Conflict(f"cannot {action}: {state}; declare one with PUT /state "
+                           "(rollout: {candidate, mode, weight, bake_s})")
+        return run
+
+    def rollback(self, reason: str) -> RolloutRun:
+        """Weight 0 now; the candidate is unloaded by the next reconcile pass.
+
+        Raises:
+            Conflict: no rollout is baking.
+        """
+        run = self._baking("roll back")
+        if run.serving_version is not None:
+            self._write_weight(run, 0.0)
+        run.phase, run.reason = RolloutPhase.ROLLED_BACK, reason
+        run.finished_wall = self.wall_clock()
+        _log.warning("rollout of %s rolled back: %s", run.spec.candidate, reason)
+        self._mirror()
+        return run
+
+    def promote(self, reason: str) -> RolloutRun:
+        """The candidate becomes the stable version (the next reconcile pass switches).
+
+        Raises:
+            Conflict: no rollout is baking.
+        """
+        run = self._baking("promote")
+        run.phase, run.reason = RolloutPhase.PROMOTED, reason
+        run.finished_wall = self.wall_clock()
+        _log.info("rollout of %s promoted: %s", run.spec.candidate, reason)
+        self._mirror()
+        return run
+
+    def mark_settled(self) -> None:
+        """The outcome is written into the desired-state file."""
+        if self.run is not None:
+            self.run.settled = True
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> RolloutStatus | None:
+        """``rollout`` of GET /state: the current or last rollout; None if there was none."""
+        run = self.run
+        if run is None:
+            return None
+        now = self.clock()
+        elapsed = None if run.step_started is None else round(now - run.step_started, 3)
+        ago = None if run.last_eval is None or not run.evaluations else round(
+            now - run.last_eval, 3)
+        reason = run.reason
+        if run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
+            reason = "loading the candidate beside the stable version (weight 0 until it serves)"
+        return RolloutStatus(
+            phase=run.phase.value, stable=run.stable, candidate=run.spec.candidate,
+            mode=run.spec.mode, weight=run.weight, weights=run.spec.weights(), step=run.step,
+            bake_s=run.spec.bake_s, bake_elapsed_s=elapsed,
+            serving=run.serving_version is not None and run.phase is RolloutPhase.BAKING,
+            serving_version=run.serving_version,
+            guards=[GuardStatus(**g.to_json()) for g in run.guards],
+            guard_interval_s=run.spec.guards.interval_s, evaluations=run.evaluations,
+            last_evaluated_s_ago=ago, reason=reason, started_at=_iso(run.started_wall),
+            finished_at=_iso(run.finished_wall), spec=run.spec)
+
+    def _mirror(self) -> None:
+        if self.metrics is None:
+            return
+        run = self.run
+        if run is None:
+            self.metrics.set_rollout("none", 0.0, [])
+            return
+        limits = limits_of(run.spec)
+        thresholds = {"error_ratio": limits.max_error_ratio, "p99_ratio": limits.max_p99_ratio,
+                      "score_psi": limits.max_score_psi}
+        values = {g.name: g.value for g in run.guards}
+        self.metrics.set_rollout(run.phase.value, run.weight,
+                                 [(name, values.get(name), thresholds[name])
+                                  for name in thresholds])

@@ -1,0 +1,228 @@
+"""The status views the controllers answer ``GET /state`` with (read models).
+
+Pydantic models, so the HTTP edge returns them as they are and ``/openapi.json``
+publishes them; the controllers build them from a snapshot of their state and change
+nothing while doing so.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from serve.state import DesiredState, Rollout
+
+
+class TunerStatus(BaseModel):
+    """GET /tuner (and ``tuner`` in GET /state): the batching tuner's state and decisions."""
+
+    enabled: bool
+    phase: str = Field(description="off, paused, observing, switching, trying or settled "
+                                   "(see dlrm_tuner_phase).")
+    reason: str = Field(description="Why it is in this phase / did what it did last.")
+    setting: dict[str, int] | None = Field(
+        description="The batching the tuner asks for; null: the declared batching serves.")
+    serving: dict[str, int] | None = Field(description="What TorchServe serves now.")
+    pending: dict[str, int] | None = Field(description="Chosen, being switched to.")
+    p99_goal_ms: float
+    traffic: dict[str, Any] | None = Field(description="The last measurement window.")
+    searched_for: dict[str, Any] | None = Field(
+        description="The window the current search (or the serving setting's) began on.")
+    trials: list[dict[str, Any]] = Field(description="The current search's measured settings.")
+    queue: list[dict[str, int]] = Field(description="Settings the search will still try.")
+    decisions: list[dict[str, Any]] = Field(
+        description="The last settings it applied: at_s (sidecar monotonic s), from, to, "
+                    "reason (seed, trial, best, failed), detail.")
+    config: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- /state
+
+
+class SparseFeatureSchema(BaseModel):
+    """One sparse feature of a request, with the table it reads (``ModelSchema.describe``)."""
+
+    name: str = Field(description="The feature's name (its key in a request).")
+    table: str = Field(description="The embedding table it reads (several features may "
+                                   "read one table).")
+    rows: int = Field(description="Rows of that table: ids are 0..rows-1.")
+    dim: int = Field(description="Width of that table's embeddings.")
+    pooling: str = Field(description="How the table pools a feature's ids: sum or mean.")
+    max_ids: int = Field(description="Most ids one instance may carry in the feature "
+                                     "(1: one-hot).")
+
+
+class RequestSchema(BaseModel):
+    """What a request to a model version carries (:meth:`serve.schema.ModelSchema.describe`)."""
+
+    dense: int = Field(description="Dense features per instance.")
+    sparse: list[SparseFeatureSchema] = Field(
+        description="The sparse features, in request order.")
+
+
+class ObservedModel(BaseModel):
+    """The model version TorchServe serves, and its request schema."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    version: str = Field(description="The repository version TorchServe's default version "
+                                     "serves (its serving-version name without the suffix).")
+    # ``schema`` would shadow BaseModel.schema: the attribute is schema_, the key "schema".
+    schema_: RequestSchema | None = Field(
+        default=None, alias="schema",
+        description="The request schema of that version, from its build report: dense "
+                    "count and the sparse features in request order (name, table, rows, "
+                    "dim, pooling, max_ids). Null when the repository has no report for "
+                    "the version, or none from which a schema can be derived.")
+
+
+class ObservedBatching(BaseModel):
+    batch_size: int
+    max_batch_delay_ms: int
+
+
+class ObservedState(BaseModel):
+    """What TorchServe serves, with the desired state's keys (null when nothing serves)."""
+
+    model: ObservedModel | None
+    batching: ObservedBatching | None
+    workers: int = Field(description="Workers of the default version (any status).")
+    candidate: str | None = Field(
+        default=None, description="A rollout's candidate loaded beside the model version "
+                                  "(the serving version's _c<candidate> suffix).")
+    serving_version: str | None = Field(
+        description="TorchServe's name of the default version: "
+                    "<version>_b<batch>d<delay>w<workers>[_c<candidate>].")
+    ready_workers: int
+    pending_requests: int | None = Field(
+        default=None, description="Requests queued for the default version (TorchServe's jobQueueStatus).")
+    registered_versions: list[str] = Field(
+        description="Every registered version of the model, in TorchServe's order.")
+
+
+class SwitchRecord(BaseModel):
+    """The last version switch: where from and to, how long, and the memory it took."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_version: str | None = Field(alias="from")
+    to: str
+    ok: bool
+    seconds: float = Field(description="From the plan to the old version unregistered.")
+    error: str | None = None
+    peak_memory_bytes: int | None = Field(
+        None, description="Highest memory seen during the switch: the cgroup's usage when "
+                          "readable, else the RSS sum of every registered version's workers.")
+    peak_workers_rss_bytes: int | None = Field(
+        None, description="Highest RSS sum of the workers of every registered version.")
+    memory_limit_bytes: int | None = Field(None, description="The limit checked against; "
+                                                             "null: no limit.")
+    memory_check: dict[str, Any] | None = Field(
+        None, description="The numbers of the check made before loading the new version.")
+
+
+class GuardStatus(BaseModel):
+    """One guard of a rollout at its last evaluation."""
+
+    name: str = Field(description="error_ratio, p99_ratio or score_psi.")
+    value: float | None = Field(description="Its value over the window; null: not enough data.")
+    threshold: float = Field(description="Breached when value > threshold.")
+    status: str = Field(description="ok, breached or insufficient_data.")
+    detail: str
+
+
+class RolloutStatus(BaseModel):
+    """The current (or last) rollout: phase, weight, guards, and why it ended."""
+
+    phase: str = Field(description="baking, promoted or rolled_back.")
+    stable: str
+    candidate: str
+    mode: str
+    weight: float = Field(description="The candidate's share now (0 until it serves, and "
+                                      "after a rollback).")
+    weights: list[float] = Field(description="The weights walked: [weight, *steps].")
+    step: int = Field(description="Index of the current weight in weights.")
+    bake_s: float
+    bake_elapsed_s: float | None = Field(description="Seconds at the current weight.")
+    serving: bool = Field(description="Both versions are loaded and the candidate takes "
+                                      "its share.")
+    serving_version: str | None
+    guards: list[GuardStatus] = Field(description="At the last evaluation.")
+    guard_interval_s: float
+    evaluations: int
+    last_evaluated_s_ago: float | None
+    reason: str | None = Field(description="Why it was promoted or rolled back, or what "
+                                           "the bake waits for.")
+    started_at: str | None
+    finished_at: str | None
+    spec: Rollout
+
+
+class WorkerDeltaStatus(BaseModel):
+    """What one live worker has applied for one version (``serve.store.delta_files.WorkerStatus``)."""
+
+    pid: int
+    version: str
+    sequence: int = Field(description="Last delta sequence applied (0: none yet).")
+    rows: int = Field(description="Rows written by the deltas applied so far.")
+    apply_seconds: float = Field(description="Seconds the last apply took (the wait for "
+                                             "the batch in progress excluded).")
+    applied_at: float = Field(description="Unix seconds of the last apply.")
+    created_at: float = Field(description="When the last applied delta was built (unix "
+                                          "seconds; 0: none).")
+
+
+class EmbeddingsStatus(BaseModel):
+    """One served version's embedding deltas: stored, and applied by its live workers.
+
+    The applied-side values are null while no live worker serving the version reports.
+    """
+
+    last_sequence: int = Field(description="Last delta sequence stored (0: none).")
+    applied_sequence: int | None = Field(
+        description="Last sequence every live worker serving the version has applied "
+                    "(their minimum).")
+    rows_updated: int | None = Field(
+        description="Rows written by the deltas applied (the slowest worker's count).")
+    apply_seconds_max: float | None = Field(
+        description="The slowest worker's last apply, in seconds.")
+    newest_delta_created_at: float | None = Field(
+        description="When the newest delta applied by every live worker was built (unix "
+                    "seconds); null before the first.")
+    newest_delta_age_s: float | None = Field(
+        description="Seconds since then: how stale the embeddings are.")
+    workers: list[WorkerDeltaStatus]
+
+
+class StateStatus(BaseModel):
+    """GET /state: the declared state, what serves, and whether they agree (and why not)."""
+
+    desired: DesiredState | None = Field(
+        description="The desired state (the file; its last valid content if it is invalid now).")
+    observed: ObservedState
+    converged: bool
+    reason: str | None = Field(description="Why it has not converged; null when it has.")
+    phase: str = Field(description="The version switch's phase (see dlrm_switch_phase).")
+    last_error: str | None
+    last_switch: SwitchRecord | None
+    target_serving_version: str | None
+    available_versions: list[str] = Field(
+        description="The model repository's versions, oldest first.")
+    state_file: str | None
+    state_file_writable: bool = Field(
+        description="False where the file is read-only (a ConfigMap): PUT /state answers 409.")
+    rollout: RolloutStatus | None = Field(
+        default=None, description="The current or last rollout; null if none was declared.")
+    tuner: TunerStatus | None = Field(
+        default=None, description="The batching tuner (null without a desired-state file).")
+    embeddings: dict[str, EmbeddingsStatus] | None = Field(
+        default=None, description="Embedding deltas per served version (stored, and "
+                                  "applied by the live workers); absent when the sidecar "
+                                  "runs without --delta-dir.")
+
+    @model_serializer(mode="wrap")
+    def _omit_embeddings_when_off(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("embeddings") is None:
+            data.pop("embeddings", None)
+        return data

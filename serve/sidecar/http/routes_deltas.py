@@ -1,0 +1,115 @@
+"""``POST /embeddings/deltas`` (bearer token): add an embedding delta and wait until the
+workers apply it; ``GET /embeddings/deltas``: per served version, the deltas stored and
+what each live worker has applied.
+
+The body of the POST is the delta file as written by ``make delta`` (any Content-Type;
+:data:`serve.store.delta_files.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
+are in :mod:`serve.sidecar.services.embedding_deltas`: 413 too large, 400 damaged or not fitting the
+version's tables (``field`` names the part), 409 for a version not served here or a
+sequence that is not the next one; nothing is stored on any of them. A stored delta
+answers 200 once every live worker serving its version reports it applied, or 202 when
+``wait_s`` passes first (it stays stored; the workers still apply it, in order).
+
+A sidecar started without ``--delta-dir`` answers the POST with 409 saying how to turn
+deltas on, and the GET with ``enabled: false``.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+from serve.errors import Conflict
+from serve.sidecar.config import DELTA_DIR_ENV
+from serve.sidecar.http.auth import require_token
+from serve.sidecar.http.schemas import DeltaAnswer, DeltasStatus, DeltaWorker, EmbeddingsStatus
+from serve.sidecar.root import Sidecar, SidecarDep
+from serve.sidecar.services.embedding_deltas import WAIT_DEFAULT_S, WAIT_MAX_S, DeltaService
+from serve.store.delta_files import DELTA_MEDIA_TYPE
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_DISABLED = (f"embedding deltas are off: this sidecar was started without --delta-dir (or "
+             f"{DELTA_DIR_ENV}); restart it with the folder the TorchServe workers follow "
+             f"(in Kubernetes a volume shared by both containers)")
+
+
+def _service(state: Sidecar) -> DeltaService:
+    if state.deltas is None:
+        raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
+    return state.deltas
+
+
+async def _read_body(request: Request, service: DeltaService) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over the limit (from
+    Content-Length, else while it streams in)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit():
+        service.check_size(int(length))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        service.check_size(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post(
+    "/embeddings/deltas", response_model=DeltaAnswer, dependencies=[Depends(require_token)],
+    summary="Add an embedding delta to a served version and wait until the workers apply it",
+    openapi_extra={"requestBody": {"required": True, "content": {
+        DELTA_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
+    responses={202: {"model": DeltaAnswer,
+                     "description": "stored; not every live worker applied it within "
+                                    "wait_s (they still will)"},
+               400: {"description": "the delta is damaged or does not fit the version's "
+                                    "tables (field names the part)"},
+               401: {}, 403: {},
+               409: {"description": "its version is not served here, its sequence is not "
+                                    "the next one, or deltas are off"},
+               413: {"description": "over serve.store.delta_files.MAX_DELTA_BYTES"}})
+async def post_delta(
+        request: Request, state: SidecarDep,
+        wait_s: Annotated[float, Query(
+            ge=0, le=WAIT_MAX_S, description="Seconds to wait for the live workers to "
+                                             "apply it (0: do not wait).")] = WAIT_DEFAULT_S,
+) -> JSONResponse:
+    service = _service(state)
+    blob = await _read_body(request, service)
+    accepted = await asyncio.to_thread(service.add, blob)
+    result = await service.wait_applied(accepted.version, accepted.sequence, wait_s)
+    n = len(result.workers)
+    if result.applied:
+        message = (f"stored and applied by all {n} live worker(s) serving "
+                   f"{accepted.version}")
+    else:
+        done = sum(1 for w in result.workers if w.sequence >= accepted.sequence)
+        message = (f"stored; {done} of {n} live worker(s) serving {accepted.version} "
+                   f"applied it within {wait_s:g} s. They apply it between batches, in "
+                   f"order: poll GET /embeddings/deltas")
+    answer = DeltaAnswer(
+        version=accepted.version, sequence=accepted.sequence, rows=accepted.rows,
+        bytes=accepted.bytes, applied=result.applied,
+        workers=[DeltaWorker(pid=w.pid, sequence=w.sequence, apply_seconds=w.apply_seconds)
+                 for w in result.workers],
+        waited_s=round(result.waited_s, 3), message=message)
+    return JSONResponse(answer.model_dump(mode="json"),
+                        status_code=200 if result.applied else 202)
+
+
+@router.get("/embeddings/deltas", response_model=DeltasStatus,
+            summary="Per served version: the embedding deltas stored and what each live "
+                    "worker applied")
+async def get_deltas(state: SidecarDep) -> DeltasStatus:
+    service = state.deltas
+    if service is None:
+        return DeltasStatus(enabled=False, delta_dir=None, versions={}, message=_DISABLED)
+    summaries = await service.summaries()
+    return DeltasStatus(
+        enabled=True, delta_dir=str(service.store.root),
+        versions={v: EmbeddingsStatus.model_validate(s.to_json())
+                  for v, s in summaries.items()})

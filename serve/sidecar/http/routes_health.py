@@ -1,0 +1,70 @@
+"""``GET /healthz`` (the sidecar is alive), ``GET /readyz`` (the model can answer) and
+``POST /drain`` (shutdown: refuse new requests, answer the accepted ones).
+
+Kubernetes probes: liveness must not depend on TorchServe (a slow model load would get
+the sidecar restarted for nothing); readiness says whether the pod can serve, and turns
+503 for good once a drain began (:mod:`serve.sidecar.control.drain`).
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from serve.errors import UpstreamUnavailable
+from serve.sidecar.adapters.torchserve import ready_workers
+from serve.sidecar.http.auth import require_token
+from serve.sidecar.root import SidecarDep
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/healthz", summary="The sidecar process is alive")
+async def healthz() -> dict[str, str]:
+    return {"status": "alive"}
+
+
+@router.get("/readyz", summary="TorchServe's model has a READY worker and /ping answers",
+            responses={503: {"description": "not ready, with the reason"}})
+async def readyz(state: SidecarDep) -> JSONResponse:
+    model = state.config.model_name
+    if state.draining:
+        err = UpstreamUnavailable(f"the pod is shutting down (drain: "
+                                  f"{state.drainer.report.phase}); it takes no new requests")
+        return JSONResponse(err.to_json(), status_code=503)
+    try:
+        desc = await state.torchserve.describe()
+    except UpstreamUnavailable as e:
+        state.metrics.set_up("management", False)
+        return JSONResponse(e.to_json(), status_code=503)
+    state.metrics.set_up("management", True)
+    ready = ready_workers(desc)
+    if ready == 0:
+        statuses = sorted({str(w.get("status")) for w in desc.get("workers") or []})
+        err = UpstreamUnavailable(
+            f"model {model!r} version {desc.get('modelVersion')} has no READY "
+            f"worker (statuses: {', '.join(statuses) or 'no workers'}); wait for it to load")
+        return JSONResponse(err.to_json(), status_code=503)
+    try:  # READY workers are no use if the inference API does not answer
+        await state.torchserve.ping()
+    except UpstreamUnavailable as e:
+        return JSONResponse(e.to_json(), status_code=503)
+    if state.deltas is not None:  # a new pod serves only once it has its version's deltas
+        behind = await state.deltas.not_caught_up(
+            need_sync=state.config.delta_sync_s > 0 and bool(state.config.repository_roots))
+        if behind is not None:
+            return JSONResponse(UpstreamUnavailable(behind).to_json(), status_code=503)
+    return JSONResponse({"status": "ready", "model": model,
+                         "model_version": str(desc.get("modelVersion")),
+                         "ready_workers": ready})
+
+
+@router.post("/drain", dependencies=[Depends(require_token)],
+             summary="Shutdown: refuse new requests (503), answer the accepted ones",
+             responses={401: {}, 403: {}, 503: {"description": "the drain failed"}})
+async def drain(state: SidecarDep) -> JSONResponse:
+    """Pause the reconciler, make the closed version default, drain the others; answers
+    when every accepted request is answered (then stop TorchServe). Idempotent."""
+    report = await state.drainer.drain()
+    return JSONResponse(report.to_json(), status_code=200 if report.drained else 503)

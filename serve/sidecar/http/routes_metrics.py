@@ -1,0 +1,62 @@
+"""``GET /metrics``: one Prometheus exposition for the whole pod.
+
+The workers' handler metrics (multiprocess directory), the sidecar's own metrics,
+``dlrm_workers`` from the management API and TorchServe's own metrics scraped from its
+metrics port, re-exposed under ``ts_``. If TorchServe is down the rest is still served
+and ``dlrm_upstream_up`` says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from serve.metrics import torchserve_families, workers_family
+from serve.sidecar.root import SidecarDep
+
+__all__ = ["router"]
+
+_log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+class _Families:
+    """A collector yielding fixed families (built per scrape)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
+
+
+@router.get("/metrics", summary="Prometheus exposition", response_class=Response)
+async def metrics(state: SidecarDep) -> Response:
+    ts = state.torchserve
+    text_res, all_res = await asyncio.gather(
+        ts.metrics_text(), ts.describe_all(), return_exceptions=True)
+    extra = CollectorRegistry()
+    state.metrics.set_up("management", not isinstance(all_res, BaseException))
+    if not isinstance(all_res, BaseException):
+        workers = [w for d in all_res for w in d.get("workers") or []]
+        if state.handler_metrics is not None:
+            state.handler_metrics.reap(int(w["pid"]) for w in workers if w.get("pid"))
+        extra.register(_Families([workers_family(str(w.get("status")) for w in workers)]))
+    ts_ok = False
+    if not isinstance(text_res, BaseException):
+        try:
+            extra.register(_Families(torchserve_families(text_res)))
+            ts_ok = True
+        except ValueError as e:
+            _log.warning("TorchServe metrics are not Prometheus text: %s", e)
+    state.metrics.set_up("metrics", ts_ok)
+    registry = state.registry
+    body = await asyncio.to_thread(
+        lambda: generate_latest(registry) + generate_latest(extra))
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

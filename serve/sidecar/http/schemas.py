@@ -1,0 +1,221 @@
+"""The bodies of ``/batching`` and ``/state``: what a client sends and what the sidecar
+answers.
+
+Pydantic models, so FastAPI validates them and publishes them in ``/openapi.json``. The
+body of PUT /state is :class:`serve.state.DesiredState`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    model_validator,
+)
+
+from serve.sidecar.adapters.torchserve import BatchingState
+from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
+from serve.sidecar.control.views import (
+    EmbeddingsStatus,
+    GuardStatus,
+    ObservedBatching,
+    ObservedModel,
+    ObservedState,
+    RequestSchema,
+    RolloutStatus,
+    SparseFeatureSchema,
+    StateStatus,
+    SwitchRecord,
+    TunerStatus,
+    WorkerDeltaStatus,
+)
+from serve.state import DesiredState
+
+__all__ = [
+    "FEEDBACK_MAX_LABELS",
+    "BatchingState",
+    "BatchingStatus",
+    "BatchingUpdate",
+    "BatchingUpdateResult",
+    "DeltaAnswer",
+    "DeltaWorker",
+    "DeltasStatus",
+    "EmbeddingsStatus",
+    "FeedbackAnswer",
+    "FeedbackBody",
+    "FeedbackLabel",
+    "GuardStatus",
+    "ObservedBatching",
+    "ObservedModel",
+    "ObservedState",
+    "RequestSchema",
+    "RolloutStatus",
+    "SparseFeatureSchema",
+    "StateAccepted",
+    "StateStatus",
+    "SwitchRecord",
+    "TunerStatus",
+    "TunerUpdate",
+    "WorkerDeltaStatus",
+]
+
+
+class BatchingUpdate(BaseModel):
+    """Body of PUT /batching; omitted fields keep their current value.
+
+    Types are strict (``"8"``, ``8.0`` and ``true`` are refused) and unknown fields are
+    refused, so that a typo cannot silently change nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    batch_size: int | None = Field(
+        None, ge=1, le=BATCH_SIZE_MAX,
+        description="Most requests TorchServe merges into one handler call.")
+    max_batch_delay_ms: int | None = Field(
+        None, ge=0, le=MAX_BATCH_DELAY_MS_MAX,
+        description="Longest wait (ms) for a batch to fill before it is sent as is.")
+    workers: int | None = Field(
+        None, ge=1, le=WORKERS_MAX, description="Worker processes of the new version.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> BatchingUpdate:
+        if self.batch_size is None and self.max_batch_delay_ms is None and self.workers is None:
+            raise ValueError("give at least one of batch_size, max_batch_delay_ms, workers")
+        return self
+
+
+class BatchingStatus(BatchingState):
+    """GET /batching: the settings, plus the version switch's status when there is one.
+
+    Both extra fields are left out of the body while the switch is idle and has no error,
+    so the usual answer is exactly a :class:`BatchingState`.
+    """
+
+    switch_phase: str | None = Field(
+        None, description="Phase of the running (or last failed) version switch: copying, "
+                          "registering, waiting_ready, setting_default, draining, "
+                          "unregistering, rolling_back or failed; absent when idle.")
+    switch_error: str | None = Field(
+        None, description="Why the last switch failed or left the old version registered.")
+
+
+class BatchingUpdateResult(BatchingState):
+    """PUT /batching: the settings now, the ones before, and what the switch did."""
+
+    changed: bool
+    previous: BatchingState
+    seconds: float
+    removed_version: str | None = None
+    tuner_turned_off: bool = Field(
+        False, description="True when this PUT turned the batching tuner off: a setting "
+                           "given by hand is pinned (PUT /tuner {\"enabled\": true} resumes).")
+
+
+# --------------------------------------------------------------------------- /tuner
+
+
+class TunerUpdate(BaseModel):
+    """Body of PUT /tuner; omitted fields keep their value. Strict types, no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = Field(None, description="Tune (true) or serve the declared "
+                                                   "batching (false).")
+    p99_goal_ms: float | None = Field(None, gt=0, le=60_000,
+                                      description="The p99 latency goal settings are judged on.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> TunerUpdate:
+        if self.enabled is None and self.p99_goal_ms is None:
+            raise ValueError("give at least one of enabled, p99_goal_ms")
+        return self
+
+
+class StateAccepted(BaseModel):
+    """PUT /state (202): the new desired state is written; the reconciler applies it."""
+
+    desired: DesiredState
+    converged: bool
+    target_serving_version: str
+    state_file: str
+    message: str
+
+
+# --------------------------------------------------------------------------- /feedback
+
+#: Labels one POST /feedback may carry (a body of 100,000 is ~7 MB of JSON).
+FEEDBACK_MAX_LABELS = 100_000
+#: TorchServe's request ids are UUIDs (36 characters); room for other id schemes.
+REQUEST_ID_MAX_CHARS = 128
+
+
+class FeedbackLabel(BaseModel):
+    """One click label for an earlier prediction. Strict: ``"1"``, ``1.0`` and ``true``
+    are refused, as are unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    request_id: str = Field(min_length=1, max_length=REQUEST_ID_MAX_CHARS,
+                            description="The x-request-id header of the prediction's response.")
+    index: int = Field(ge=0, description="Position of the instance in that request (0-based).")
+    label: int = Field(ge=0, le=1, description="1 = clicked, 0 = not clicked.")
+
+
+class FeedbackBody(BaseModel):
+    """Body of POST /feedback."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    labels: list[FeedbackLabel] = Field(min_length=1, max_length=FEEDBACK_MAX_LABELS)
+
+
+class FeedbackAnswer(BaseModel):
+    """What became of the labels of one POST /feedback (see serve.sidecar.services.feedback)."""
+
+    received: int
+    joined: int
+    unknown: int
+    expired: int
+    duplicate: int
+    bad_index: int
+    joined_by_arm: list[dict[str, Any]] = Field(
+        description="Labels added to each (version, arm) window by this body.")
+
+
+# --------------------------------------------------------------------------- /embeddings
+
+
+class DeltaWorker(BaseModel):
+    """One live worker in the answer to POST /embeddings/deltas."""
+
+    pid: int
+    sequence: int = Field(description="Last delta sequence it has applied.")
+    apply_seconds: float = Field(description="Seconds its last apply took.")
+
+
+class DeltaAnswer(BaseModel):
+    """POST /embeddings/deltas: the delta is stored (200: every live worker serving the
+    version applied it; 202: not within ``wait_s``, they still will)."""
+
+    version: str = Field(description="The delta's base version.")
+    sequence: int
+    rows: int = Field(description="Rows the delta changes, over all tables.")
+    bytes: int = Field(description="Size of the delta file.")
+    applied: bool = Field(description="Every live worker serving the version (at least "
+                                      "one) reports this sequence or a later one.")
+    workers: list[DeltaWorker] = Field(description="The live workers serving the version "
+                                                   "when the wait ended.")
+    waited_s: float
+    message: str
+
+
+class DeltasStatus(BaseModel):
+    """GET /embeddings/deltas: per served version, the deltas stored and applied."""
+
+    enabled: bool = Field(description="False when the sidecar runs without --delta-dir.")
+    delta_dir: str | None
+    versions: dict[str, EmbeddingsStatus]
+    message: str | None = Field(default=None, description="How to enable deltas, when off.")

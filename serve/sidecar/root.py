@@ -1,0 +1,361 @@
+"""What the sidecar's routes share: one :class:`Sidecar`, injected as a dependency.
+
+``create_app`` builds it and puts it on ``app.state.sidecar``; the app's lifespan
+connects it to TorchServe (:meth:`Sidecar.connect`). Routes declare a parameter
+``state: SidecarDep`` and FastAPI passes it; nothing is captured in closures, so a test can
+build a state with a fake client and a fresh registry, or read it after requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Annotated, Any
+
+import httpx
+from fastapi import Depends, Request
+from prometheus_client import CollectorRegistry
+
+from serve.errors import Conflict
+from serve.metrics import HandlerAggregateCollector, SidecarMetrics, torchserve_families
+from serve.sidecar.adapters.archives import control_path
+from serve.sidecar.adapters.gpu import GpuCollector
+from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.adapters.model_schemas import SchemaCache
+from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.control.drain import Drainer
+from serve.sidecar.control.reconciler import Reconciler
+from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.switch import SwitchPhase, VersionSwitch
+from serve.sidecar.control.tuner import BatchTuner, Setting, counters_from
+from serve.sidecar.services.embedding_deltas import DeltaService
+from serve.sidecar.services.feedback import FeedbackService
+from serve.store.delta_files import DeltaStore
+from serve.store.repository import ModelRepository
+
+_log = logging.getLogger(__name__)
+
+__all__ = ["Sidecar", "SidecarDep", "get_sidecar"]
+
+
+async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling again every ``retry_s``.
+
+    A single cancel can be lost inside a task (Python 3.11's ``wait_for`` returning a
+    result that raced the cancel; a ``finally`` that awaits a cancelled child and
+    suppresses its CancelledError), and then a plain ``cancel(); await task`` waits
+    forever (a test's app lifespan once hung with an idle event loop; which task held it
+    was not found). What the task raised on its way out, other than the cancellation,
+    is logged."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry_s)
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
+
+
+@dataclass
+class Sidecar:
+    """The sidecar's shared state.
+
+    Args:
+        config: see :class:`~serve.sidecar.config.SidecarConfig`.
+        registry: what GET /metrics exposes; ``metrics`` (and ``handler_metrics``) are
+            registered in it by :meth:`create`.
+        metrics: the sidecar's own metrics.
+        handler_metrics: the workers' metrics from the multiprocess dir, if configured.
+        clock: monotonic seconds, for durations and deadlines.
+        update_lock: held while a PUT /batching runs (a second one gets 409).
+        running: switches in progress (kept referenced until they end).
+        repository: the model versions (``config.repository_roots``).
+        schemas: the versions' request schemas, read once from their build reports
+            (GET /state's ``observed.model.schema``, the rollout's schema check).
+        feedback: the click-feedback join (POST /feedback), registered in ``registry``.
+        gpu: the GPUs' utilization and memory through NVML, registered in ``registry`` by
+            :meth:`create` (disabled, exporting nothing, without an NVIDIA GPU/driver).
+        wall_clock: unix seconds (the age of the newest embedding delta applied).
+        deltas: the embedding-delta service (POST /embeddings/deltas), registered in
+            ``registry``; None without ``config.delta_dir``.
+        tuner: the batching tuner (:mod:`serve.sidecar.control.tuner`); it acts only with a
+            desired-state file (through the reconciler).
+    """
+
+    config: SidecarConfig
+    registry: CollectorRegistry
+    metrics: SidecarMetrics
+    handler_metrics: HandlerAggregateCollector | None = None
+    clock: Callable[[], float] = time.monotonic
+    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    running: set[asyncio.Task[Any]] = field(default_factory=set)
+    repository: ModelRepository | None = None
+    schemas: SchemaCache | None = None
+    feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
+        SidecarConfig().feedback))
+    gpu: GpuCollector | None = None
+    wall_clock: Callable[[], float] = time.time
+    deltas: DeltaService | None = None
+    tuner: BatchTuner | None = None
+    _tune_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _torchserve: TorchServeClient | None = field(default=None, repr=False)
+    _switch: VersionSwitch | None = field(default=None, repr=False)
+    _reconciler: Reconciler | None = field(default=None, repr=False)
+    _reconcile_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _delta_sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _drainer: Drainer | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
+               clock: Callable[[], float] = time.monotonic,
+               nvml: ModuleType | None = None,
+               wall_clock: Callable[[], float] = time.time) -> Sidecar:
+        """A state with fresh metrics registered in ``registry`` (default: a new one,
+        never the global registry, so apps don't collide). ``nvml``: the NVML bindings
+        for the GPU metrics (default: the real pynvml; tests pass a fake module).
+        ``wall_clock``: unix seconds (default ``time.time``)."""
+        registry = registry if registry is not None else CollectorRegistry()
+        metrics = SidecarMetrics()
+        registry.register(metrics)
+        handler_metrics = None
+        if config.multiproc_dir is not None:
+            handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
+            registry.register(handler_metrics)
+        repository = ModelRepository(config.repository_roots, config.model_name)
+        state = cls(config=config, registry=registry, metrics=metrics,
+                    handler_metrics=handler_metrics, clock=clock, repository=repository,
+                    schemas=SchemaCache(repository.report), wall_clock=wall_clock)
+        state.feedback = FeedbackService(
+            config.feedback, versions=state.served_versions,
+            baseline_of=lambda v: repository.report(v).get("baseline"))
+        registry.register(state.feedback)
+        state.tuner = BatchTuner(config.tuner, clock=clock,
+                                 on_decision=lambda d: metrics.observe_tuner_decision(d.reason))
+        metrics.set_tuner(state.tuner.phase, None)
+        state.gpu = GpuCollector(nvml)  # one per state: its own registry
+        registry.register(state.gpu)
+        if config.delta_dir is not None:
+            state.deltas = DeltaService(DeltaStore(config.delta_dir),
+                                        versions=state.served_versions,
+                                        report_of=repository.report, clock=clock,
+                                        wall_clock=wall_clock)
+            registry.register(state.deltas)
+        return state
+
+    def served_versions(self) -> list[str]:
+        """The repository versions the desired state serves now: the stable one and a
+        rollout's candidate (empty without a desired-state file)."""
+        desired = self._reconciler.effective() if self._reconciler is not None else None
+        if desired is None:
+            return []
+        out = [desired.model.version]
+        if desired.rollout is not None:
+            out.append(desired.rollout.candidate)
+        return out
+
+    def connect(self, client: httpx.AsyncClient) -> None:
+        """Talk to TorchServe through ``client`` (called by the app's lifespan)."""
+        config = self.config
+        self._torchserve = TorchServeClient(config, client)
+        memory = MemoryProbe(CgroupMemory(config.cgroup_root), config.memory_limit_bytes)
+        self._switch = VersionSwitch(
+            self._torchserve, config, clock=self.clock,
+            on_phase=self.metrics.set_switch_phase, memory=memory,
+            forget_workers=self.handler_metrics.forget if self.handler_metrics else None)
+        self.metrics.set_switch_phase(self._switch.phase.value)
+        if config.state_file is not None:
+            collector = self.handler_metrics
+            self._reconciler = Reconciler(
+                self._torchserve, config, switch=self._switch, metrics=self.metrics,
+                repository=self.repository or ModelRepository(config.repository_roots,
+                                                              config.model_name),
+                rollouts=RolloutController(
+                    read_families=collector.collect if collector is not None else list,
+                    control_file=lambda version: control_path(
+                        config.model_store, config.model_name, version),
+                    metrics=self.metrics, clock=self.clock),
+                schemas=self.schemas, clock=self.clock)
+        self._drainer = Drainer(self._torchserve, config, switch=self._switch,
+                                reconciler=self._reconciler, clock=self.clock)
+        if self.deltas is not None:
+            self.deltas.set_live_pids(self._worker_pids)
+
+    async def _worker_pids(self) -> Iterable[int]:
+        """The pids of every TorchServe worker of the model now (all versions)."""
+        return list((await observe(self.torchserve)).pids())
+
+    def start(self) -> None:
+        """Start the reconciler's loop (the app's lifespan; no-op without a state file),
+        and the model volume's delta pickup (with a delta folder and ``delta_sync_s``)."""
+        if self._reconciler is not None and self._reconcile_task is None:
+            self._reconcile_task = asyncio.create_task(self._reconciler.run())
+        if self.deltas is not None and self.config.delta_sync_s > 0 \
+                and self._delta_sync_task is None:
+            self._delta_sync_task = asyncio.create_task(self._sync_deltas())
+        if self._reconciler is not None and self.tuner is not None and self._tune_task is None:
+            self._tune_task = asyncio.create_task(self._tune())
+
+    async def _tune(self) -> None:
+        """Every ``tuner.interval_s``: one tuner observation. Never dies: errors are
+        logged (a failed read judges nothing; the next one goes on)."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        while True:
+            await asyncio.sleep(tuner.config.interval_s)
+            try:
+                await self.tune_once()
+            except Exception:  # noqa: BLE001 - the tuner must not stop the sidecar
+                _log.exception("batching tuner step failed")
+
+    async def tune_once(self) -> Setting | None:
+        """One observation of the tuner: read the counters and what serves, step it, and
+        hand its setting to the reconciler (woken when it changed). Returns the setting
+        asked for now, or None."""
+        tuner, reconciler = self.tuner, self._reconciler
+        if tuner is None or reconciler is None:
+            return None
+        change = None
+        if tuner.enabled:
+            observed = await observe(self.torchserve)
+            serving = observed.serving
+            setting = (Setting(serving.batch_size, serving.max_batch_delay_ms)
+                       if serving is not None else None)
+            try:
+                families = torchserve_families(await self.torchserve.metrics_text())
+            except Exception as e:  # noqa: BLE001 - without them concurrency is unknown
+                _log.debug("TorchServe metrics unavailable to the tuner: %s", e)
+                families = []
+            handler = self.handler_metrics
+            workers_families = (await asyncio.to_thread(lambda: list(handler.collect()))
+                                if handler is not None else [])
+            counters = counters_from(workers_families, families, self.clock())
+            change = tuner.step(counters, setting,
+                                serving.workers if serving is not None else 0,
+                                self._tuner_blocked(reconciler, observed))
+        override = tuner.override if tuner.enabled else None
+        batching = override.batching() if override is not None else None
+        if batching != reconciler.batching_override:
+            reconciler.batching_override = batching
+            reconciler.wake()
+        self.metrics.set_tuner(tuner.phase, override)
+        return change
+
+    def _tuner_blocked(self, reconciler: Reconciler, observed: Observed) -> str | None:
+        """Why the tuner must not judge or act now (None: it may)."""
+        if reconciler.paused is not None:
+            return f"the reconciler is paused ({reconciler.paused})"
+        desired = reconciler.desired
+        if desired is None:
+            return "there is no valid desired state"
+        if desired.rollout is not None:
+            return f"a rollout of {desired.rollout.candidate} is declared; batching holds"
+        if self.switch.phase is not SwitchPhase.IDLE:
+            return f"a version switch is running ({self.switch.phase.value})"
+        last = reconciler.last_pass
+        if last is None or not last.converged:
+            return "the serving state has not converged yet"
+        if observed.serving is None:
+            return "nothing serves"
+        return None
+
+    def pin_batching(self, what: str) -> bool:
+        """A batching set by hand (``what``: the call and its value) is pinned: turn the
+        tuner off, which would move it again. Returns whether the tuner was on."""
+        if self.tuner is None or not self.tuner.enabled:
+            return False
+        self.set_tuner(False, f"turned off by {what}: the setting is pinned; PUT /tuner "
+                              '{"enabled": true} resumes tuning')
+        return True
+
+    def set_tuner(self, enabled: bool, why: str) -> None:
+        """Turn the tuner on or off (PUT /tuner; PUT /batching and PUT /state with a new
+        batching turn it off); the reconciler follows at its next pass."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        was = tuner.enabled
+        tuner.set_enabled(enabled, why)
+        if was != enabled:
+            _log.info("batching tuner %s: %s", "on" if enabled else "off", why)
+        if self._reconciler is not None and not enabled:
+            self._reconciler.batching_override = None
+        self.metrics.set_tuner(tuner.phase, None)
+
+    async def _sync_deltas(self) -> None:
+        """Every ``delta_sync_s``: deltas published on the model volume (the repository
+        folders), through the same checks as a POST. Never dies: errors are logged."""
+        roots = list(self.config.repository_roots)
+        while True:
+            try:
+                if self.deltas is not None:
+                    await asyncio.to_thread(self.deltas.sync, roots)
+            except Exception:  # noqa: BLE001 - a bad volume must not stop the sidecar
+                _log.exception("picking up embedding deltas from %s failed", roots)
+            await asyncio.sleep(self.config.delta_sync_s)
+
+    async def stop(self) -> None:
+        """Stop the reconciler's loop. A switch cut short is picked up by the next start:
+        each pass starts from what TorchServe describes."""
+        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task"):
+            task = getattr(self, name)
+            setattr(self, name, None)
+            if task is not None:
+                await stop_task(task)
+
+    @property
+    def torchserve(self) -> TorchServeClient:
+        """The TorchServe client; only while the app runs."""
+        if self._torchserve is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._torchserve
+
+    @property
+    def drainer(self) -> Drainer:
+        """The shutdown drain (POST /drain); only while the app runs."""
+        if self._drainer is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._drainer
+
+    @property
+    def draining(self) -> bool:
+        """A drain for shutdown has begun: the pod is not ready any more."""
+        return self._drainer is not None and self._drainer.draining
+
+    @property
+    def reconciler(self) -> Reconciler | None:
+        """The reconciler; None when the sidecar runs without a desired-state file."""
+        return self._reconciler
+
+    def require_reconciler(self, what: str) -> Reconciler:
+        """The reconciler, or 409 explaining that ``what`` needs a desired-state file."""
+        if self._reconciler is None:
+            raise Conflict(
+                f"{what} changes the desired state, but this sidecar was started without "
+                f"--state-file (or {STATE_FILE_ENV}): restart it with one (in Kubernetes "
+                f"the ConfigMap dlrm-serving-state mounted at {DEFAULT_STATE_FILE})")
+        return self._reconciler
+
+    @property
+    def switch(self) -> VersionSwitch:
+        """The version switch behind PUT /batching; only while the app runs."""
+        if self._switch is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._switch
+
+
+def get_sidecar(request: Request) -> Sidecar:
+    """FastAPI dependency: the app's :class:`Sidecar`."""
+    state = getattr(request.app.state, "sidecar", None)
+    if isinstance(state, Sidecar):
+        return state
+    raise RuntimeError("app.state.sidecar is not set; build the app with create_app")
+
+
+#: Route parameter type: ``async def route(state: SidecarDep)``.
+SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]
