@@ -508,13 +508,13 @@ def _fast_dense(rows: list, n: int, nd: int) -> np.ndarray | None:
         # Python compares an int with the bound exactly, numpy after rounding it to
         # float64: at worst a huge int falls back, never the other way round. numpy
         # converts to float32 through float64, as _dense_matrix does in two steps.
-        if not (-_F32_MAX <= min(flat) and max(flat) <= _F32_MAX):
+        if not (min(flat) >= -_F32_MAX and max(flat) <= _F32_MAX):
             return None
         return np.array(flat, dtype=np.float32).reshape(n, nd)
     # struct packs Python numbers 2-3x faster than np.array converts them (45 against
     # 130 us for 512 rows); both convert an int as float(int) does.
     wide = np.frombuffer(struct.pack(f"{len(flat)}d", *flat), dtype=np.float64)
-    if not (-_F32_MAX <= wide.min() and wide.max() <= _F32_MAX):
+    if not (wide.min() >= -_F32_MAX and wide.max() <= _F32_MAX):
         return None
     return wide.astype(np.float32).reshape(n, nd)
 
@@ -564,7 +564,8 @@ def example_request(n: int = 1, *, seed: int = 0, form: str = "rows", max_id: in
                                            for fi, f in enumerate(names)}}
     lengths = lengths_arr.tolist()
     ends = np.cumsum(lengths_arr.reshape(-1)).tolist()
-    cell = [ids[e - ln:e] for e, ln in zip(ends, lengths_arr.reshape(-1).tolist())]  # F*n
+    flat_lengths = lengths_arr.reshape(-1).tolist()
+    cell = [ids[e - ln:e] for e, ln in zip(ends, flat_lengths, strict=True)]  # F*n
     if form == "rows":
         return {"instances": [
             {"dense": dense[b], "sparse": {f: cell[fi * n + b] for fi, f in enumerate(names)}}

@@ -204,13 +204,13 @@ def diff_artifacts(old: Any, new: Any) -> list[tuple[int, str, np.ndarray, np.nd
                          "a delta needs the same model layout: build a new version instead")
     for name in ("dense_arch", "over_arch"):
         for i, ((wo, bo), (wn, bn)) in enumerate(zip(getattr(old.dense, name),
-                                                     getattr(new.dense, name))):
+                                                     getattr(new.dense, name), strict=True)):
             if not (torch.equal(wo, wn) and torch.equal(bo, bn)):
                 raise ServeError(f"{name} layer {i} changed in continued training; deltas carry "
                                  "embedding rows only: train with sparse_only (--sparse-only) "
                                  "or ship a new version")
     out = []
-    for ti, (to, tn) in enumerate(zip(old.tables, new.tables)):
+    for ti, (to, tn) in enumerate(zip(old.tables, new.tables, strict=True)):
         if to.data.shape != tn.data.shape:
             raise ServeError(f"table {tn.name} is {tuple(tn.data.shape)} in the new artifact, "
                              f"{tuple(to.data.shape)} in the previous one; build a new version")

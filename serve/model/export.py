@@ -123,7 +123,7 @@ def tables_from_quantized(qmodel: nn.Module, schema: ModelSchema) -> list[QuantT
     for _, qebc in collections(qmodel):
         for tbe in getattr(qebc, "_emb_modules", []):
             names = [spec[0] for spec in tbe.embedding_specs]
-            for name, (w, sb, *_) in zip(names, tbe.split_embedding_weights()):
+            for name, (w, sb, *_) in zip(names, tbe.split_embedding_weights(), strict=True):
                 weights[name] = (w, sb)
     out: list[QuantTable] = []
     for spec in schema.tables:

@@ -674,7 +674,7 @@ def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
                     "tooltip": {"mode": "multi", "sort": "desc"}},
         "targets": [{"refId": ref, "datasource": dict(_DATASOURCE), "editorMode": "code",
                      "expr": expr, "legendFormat": legend, "range": True}
-                    for ref, (expr, legend) in zip(refs, p.targets)],
+                    for ref, (expr, legend) in zip(refs, p.targets, strict=True)],
     }
 
 

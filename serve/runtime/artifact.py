@@ -178,7 +178,7 @@ class Artifact:
         if len(specs) != len(self.tables):
             raise ArtifactError(f"the schema has {len(specs)} tables, the artifact "
                                 f"{len(self.tables)}; they must match one to one")
-        for spec, t in zip(specs, self.tables):
+        for spec, t in zip(specs, self.tables, strict=True):
             if (spec.name, spec.rows, spec.dim, spec.dtype) != (t.name, t.rows, t.dim, t.dtype):
                 raise ArtifactError(
                     f"table {t.name} ({t.rows} x {t.dim} {t.dtype}) does not match the "
@@ -202,7 +202,8 @@ class Artifact:
         schema = ModelSchema(
             num_dense,
             tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype) for t in tables),
-            tuple(FeatureSpec(f, t.name, max_ids) for f, t in zip(feature_names, tables)))
+            tuple(FeatureSpec(f, t.name, max_ids)
+                  for f, t in zip(feature_names, tables, strict=True)))
         del dtype  # every table states its own
         return cls(schema, tables, DLRMDense(dense_arch, over_arch), dict(meta or {}))
 

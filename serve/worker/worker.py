@@ -195,10 +195,10 @@ class Worker:
         logger.log(logging.WARNING if choice.oversubscribed else logging.INFO,
                    "threads: %s", choice.describe())
         torch.set_num_threads(threads)
-        try:  # inter-op threads only matter for forks in the graph; one is enough
+        # Inter-op threads only matter for forks in the graph; one is enough. RuntimeError:
+        # already set, or parallel work has started: keep it.
+        with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set or parallel work has started: keep it
-            pass
         runtime_cfg = RuntimeConfig(
             device=str(device), cache_load_factor=cfg.cache_load_factor,
             cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
@@ -359,7 +359,7 @@ class Worker:
                 if run.scores is None:
                     continue
                 version, start = self._version_of(run.arm), 0
-                for idx, size in zip(run.indices, run.sizes):
+                for idx, size in zip(run.indices, run.sizes, strict=True):
                     rid = request_ids[idx]
                     if rid:
                         preds.append(Prediction(str(rid), version, run.arm, now,
