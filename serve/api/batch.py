@@ -254,7 +254,8 @@ def _shadow_diff(stable: ArmRun, candidate: ArmRun) -> np.ndarray | None:
         where[i] = (start, start + size)
         start += size
     base = np.concatenate([stable.scores[slice(*where[i])] for i in candidate.indices])
-    return candidate.scores - base
+    diff: np.ndarray = candidate.scores - base
+    return diff
 
 
 def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],

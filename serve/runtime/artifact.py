@@ -239,7 +239,7 @@ class Artifact:
         return next(f.name for f in self.schema.features if f.table == name)
 
 
-def save_artifact(art: Artifact, path: str | os.PathLike) -> None:
+def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
     """Write format ``FORMAT_VERSION`` atomically (tmp file + rename): a reader never sees
     half a file."""
     if isinstance(art.dense, DLRMDense):
@@ -282,7 +282,7 @@ def _from_v2(blob: dict[str, Any]) -> Artifact:
     return Artifact(schema, tables, dense, dict(blob["meta"]))
 
 
-def load_artifact(path: str | os.PathLike, mmap: bool = True) -> Artifact:
+def load_artifact(path: str | os.PathLike[str], mmap: bool = True) -> Artifact:
     """Read an artifact of format 1 or 2; ``mmap=True`` maps the tables instead of copying
     them in."""
     path = os.fspath(path)
