@@ -748,7 +748,7 @@ def test_rollout_deadline_covers_the_first_registration(docs):
 
 def _table_bytes(version: str) -> float:
     """Table bytes in memory per worker of a version named <profile>-<dtype>-s<seed>:
-    an int8 row is D bytes + fp16 scale and bias, padded to 16 bytes in memory (STACK.md:
+    an int8 row is D bytes + fp16 scale and bias, padded to 16 bytes in memory (docs/stack.md:
     80 B at D = 64; the build report's table_bytes_quantized counts the unpadded 68 B)."""
     from serve.profiles import PROFILES
 

@@ -55,7 +55,7 @@ in chunks, so its pinned memory stays fixed whatever a batch misses.
 
 Miss paths on CUDA: "host" (default) gathers on the host into a pinned buffer and copies
 once per chunk; "mapped" lets the GPU gather from the pinned table itself. Measured elsewhere on an
-H200 (shared/STACK.md) the two move rows at about the same rate (1-2.7e8 rows/s); "mapped"
+H200 (docs/stack.md) the two move rows at about the same rate (1-2.7e8 rows/s); "mapped"
 needs no host round trip of the miss ids, which is what makes the captured path possible.
 ``bench/gpu_check.py`` measures both again.
 
@@ -107,7 +107,7 @@ _FREQ_MAX = torch.iinfo(torch.int32).max
 LFU_DECAY_PER_ROW = 8
 #: Bytes of each of the two pinned staging buffers of the host miss path (CUDA). Misses
 #: beyond it go through in chunks; 4 MiB is 61k rows of 68 bytes, where the host gather
-#: already runs near its best rate (shared/STACK.md: 1.9e8 rows/s at 65k rows per call).
+#: already runs near its best rate (docs/stack.md: 1.9e8 rows/s at 65k rows per call).
 STAGING_BYTES = 4 << 20
 # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every device (a runtime
 # on cuda:1) and mapped into the device address space (the "mapped" miss path).
