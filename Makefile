@@ -79,10 +79,10 @@ down: venv  ## stop the background service
 	$(PY) -m serve.ops.launcher down
 
 test: venv java kubectl prometheus chromium  ## run the test suite (CPU; GPU tests skip without CUDA)
-	$(PY) -m pytest -q
+	DLRM_REQUIRE_TOOLS=1 $(PY) -m pytest -q
 
-test-fast: venv prometheus  ## unit tests only (no TorchServe, no slow)
-	$(PY) -m pytest -q -m "not slow and not integration"
+test-fast: venv  ## unit tests only (no TorchServe, no slow, no promtool/kubectl/chromium: installs nothing)
+	$(PY) -m pytest -q -m "not slow and not integration and not needs_promtool and not needs_kubectl and not needs_chromium"
 
 lint: venv  ## ruff + mypy
 	$(VENV)/bin/ruff check serve handlers tests bench loadtest

@@ -61,7 +61,7 @@ class ZipfIds:
     def sample(self, b: int) -> torch.Tensor:
         """int64 (F, B) ids, one per (feature, sample)."""
         return torch.stack([perm[torch.multinomial(p, b, replacement=True, generator=self.g)]
-                            for p, perm in zip(self.probs, self.perms)])
+                            for p, perm in zip(self.probs, self.perms, strict=True)])
 
     def ideal_hit_ratio(self, capacity: int) -> float:
         """Best static cache of ``capacity`` rows: the top rows of the id mixture."""

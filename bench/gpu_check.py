@@ -104,7 +104,7 @@ def build_random_artifact(profile_name: str, device: torch.device, seed: int = 0
     p = get_profile(profile_name)
     g = torch.Generator(device=device).manual_seed(seed)
     tables = []
-    for name, rows in zip(p.table_names, p.cardinalities):
+    for name, rows in zip(p.table_names, p.cardinalities, strict=True):
         parts = []
         for lo in range(0, rows, chunk_rows):
             n = min(chunk_rows, rows - lo)

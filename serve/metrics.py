@@ -47,6 +47,7 @@ Example (in a worker)::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -1010,6 +1011,51 @@ def _file_pid(name: str) -> int | None:
     return int(last) if last.isascii() and last.isdigit() and int(last) > 0 else None
 
 
+
+def _files_by_pid(files: list[Path]) -> dict[int, list[Path]]:
+    """The files named after a pid (:func:`_file_pid`), by pid, in ``files`` order."""
+    by_pid: dict[int, list[Path]] = {}
+    for f in files:
+        pid = _file_pid(f.name)
+        if pid is not None:
+            by_pid.setdefault(pid, []).append(f)
+    return by_pid
+
+
+def _remove_live_gauges(folder: Path, dead: tuple[int, ...],
+                        by_pid: dict[int, list[Path]]) -> list[str]:
+    """``mark_process_dead`` each dead pid; return the names of its live-gauge files."""
+    gauges: list[str] = []
+    for pid in dead:
+        gauges += [f.name for f in by_pid[pid] if f.name.startswith("gauge_live")]
+        with contextlib.suppress(FileNotFoundError):  # the sidecar's reap removed it meanwhile
+            mark_process_dead(pid, str(folder))
+    return gauges
+
+
+def _merge_files(folder: Path, typ: str, sources: list[Path]) -> None:
+    """Add the values of ``sources`` (files of type ``typ``) into ``<typ>_merged.db``
+    (created if missing) through a temporary file renamed over it, then remove them."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    target = folder / f"{typ}_merged.db"
+    totals: dict[str, float] = {}
+    for f in ([target] if target.exists() else []) + sources:
+        for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(f)):
+            totals[key] = totals.get(key, 0.0) + value
+    tmp = folder / f".{typ}_merged.tmp"  # not *.db: invisible to the collector
+    tmp.unlink(missing_ok=True)
+    out = MmapedDict(str(tmp))
+    try:
+        for key, value in totals.items():
+            out.write_value(key, value, 0.0)
+    finally:
+        out.close()
+    os.replace(tmp, target)
+    for f in sources:
+        f.unlink(missing_ok=True)
+
+
 def clean_dead_worker_files(path: str | os.PathLike[str], *,
                             is_alive: _IsAlive = _pid_alive,
                             own_pid: int | None = None) -> CleanupReport:
@@ -1062,8 +1108,6 @@ def clean_dead_worker_files(path: str | os.PathLike[str], *,
     """
     import fcntl
 
-    from prometheus_client.mmap_dict import MmapedDict
-
     folder = Path(path)
     if not folder.is_dir():
         return CleanupReport()
@@ -1071,41 +1115,15 @@ def clean_dead_worker_files(path: str | os.PathLike[str], *,
     with open(folder / _LOCK_NAME, "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
         files = sorted(folder.glob("*.db"))
-        by_pid: dict[int, list[Path]] = {}
-        for f in files:
-            pid = _file_pid(f.name)
-            if pid is not None:
-                by_pid.setdefault(pid, []).append(f)
+        by_pid = _files_by_pid(files)
         dead = tuple(sorted(pid for pid in by_pid if pid != me and not is_alive(pid)))
-        gauges: list[str] = []
-        for pid in dead:
-            gauges += [f.name for f in by_pid[pid] if f.name.startswith("gauge_live")]
-            try:
-                mark_process_dead(pid, str(folder))
-            except FileNotFoundError:  # the sidecar's reap removed it meanwhile
-                pass
+        gauges = _remove_live_gauges(folder, dead, by_pid)
         merged: list[str] = []
         for typ in _CUMULATIVE_TYPES:
             sources = [f for pid in dead for f in by_pid[pid] if f.name.startswith(typ + "_")]
-            if not sources:
-                continue
-            target = folder / f"{typ}_merged.db"
-            totals: dict[str, float] = {}
-            for f in ([target] if target.exists() else []) + sources:
-                for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(f)):
-                    totals[key] = totals.get(key, 0.0) + value
-            tmp = folder / f".{typ}_merged.tmp"  # not *.db: invisible to the collector
-            tmp.unlink(missing_ok=True)
-            out = MmapedDict(str(tmp))
-            try:
-                for key, value in totals.items():
-                    out.write_value(key, value, 0.0)
-            finally:
-                out.close()
-            os.replace(tmp, target)
-            for f in sources:
-                f.unlink(missing_ok=True)
-            merged += [f.name for f in sources]
+            if sources:
+                _merge_files(folder, typ, sources)
+                merged += [f.name for f in sources]
         after = len(list(folder.glob("*.db")))
     return CleanupReport(dead_pids=dead, gauges_removed=tuple(gauges), merged=tuple(merged),
                          files_before=len(files), files_after=after)

@@ -214,8 +214,8 @@ class ModelSchema:
                     out.append(f"sparse features only in the first: {sorted(a - b)}")
                 if b - a:
                     out.append(f"sparse features only in the second: {sorted(b - a)}")
-        mine = dict(zip(self.feature_names, self.max_ids))
-        for f, m in zip(other.feature_names, other.max_ids):
+        mine = dict(zip(self.feature_names, self.max_ids, strict=True))
+        for f, m in zip(other.feature_names, other.max_ids, strict=True):
             if f in mine and mine[f] != m:
                 out.append(f"max_ids of {f}: {mine[f]} vs {m}")
         return out
@@ -225,7 +225,7 @@ def criteo_schema(feature_names: Sequence[str], cardinalities: Sequence[int], di
                   dtype: str, num_dense: int, max_ids: int) -> ModelSchema:
     """One sum-pooled table ``t_<feature>`` per feature (our built-in DLRM's layout)."""
     tables = tuple(TableSpec(f"t_{f}", int(r), dim, "sum", dtype)
-                   for f, r in zip(feature_names, cardinalities))
+                   for f, r in zip(feature_names, cardinalities, strict=True))
     features = tuple(FeatureSpec(f, f"t_{f}", max_ids) for f in feature_names)
     return ModelSchema(num_dense, tables, features)
 

@@ -254,7 +254,8 @@ def load_state(path: str | os.PathLike[str]) -> DesiredState:
 
 def dump_state(state: DesiredState) -> str:
     """The YAML text of a state (keys in schema order)."""
-    return yaml.safe_dump(state.model_dump(mode="json"), sort_keys=False)
+    text: str = yaml.safe_dump(state.model_dump(mode="json"), sort_keys=False)
+    return text
 
 
 def write_state(path: str | os.PathLike[str], state: DesiredState) -> None:

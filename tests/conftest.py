@@ -12,7 +12,6 @@ pytest_plugins = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "integration: starts real servers (TorchServe, sidecar)")
     # The sidecars the tests start (subprocesses inherit this) run without the batching
     # tuner, which would otherwise retune under a test's load and change the serving
     # version behind its back; tests/test_tuner_e2e.py turns it on for itself.

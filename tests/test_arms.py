@@ -283,7 +283,7 @@ def test_keyed_requests_stick_to_their_arm_across_batches():
         outs, _ = handle_batch(bodies, [JSON] * len(keys), FakeModel(), CFG, route_keys=keys,
                                split=Split("canary", FakeModel(0.5),
                                            lambda k: takes_candidate(k, 0.3, rng)))
-        for k, o in zip(keys, outs):
+        for k, o in zip(keys, outs, strict=True):
             arms_seen.setdefault(k, set()).add(o.arm)
     assert all(len(v) == 1 for v in arms_seen.values())
     assert 0 < sum(v == {"candidate"} for v in arms_seen.values()) < len(keys)
@@ -379,7 +379,7 @@ def _worker(tmp_path, rollout: bool, candidate_error: Exception | None = None) -
 
 
 def _requests(n: int, keys: list[str | None]) -> list[WorkerRequest]:
-    return [WorkerRequest(b, JSON, k) for b, k in zip(_bodies([2] * n, seed=50), keys)]
+    return [WorkerRequest(b, JSON, k) for b, k in zip(_bodies([2] * n, seed=50), keys, strict=True)]
 
 
 def test_worker_without_a_rollout_answers_as_stable_and_records_the_stable_arm(tmp_path):
@@ -414,7 +414,7 @@ def test_worker_canary_names_the_answering_version_and_arm(tmp_path):
     assert [r.headers["X-DLRM-Arm"] for r in out] == ["candidate"] * 4
     assert [r.headers["X-DLRM-Model-Version"] for r in out] == ["tiny-int8-s7"] * 4
     assert out[0].headers["X-DLRM-Batch-Requests"] == "4"
-    for r, req in zip(out, requests):
+    for r, req in zip(out, requests, strict=True):
         np.testing.assert_allclose(orjson.loads(r.body)["predictions"],
                                    _score(_dense(req.body)) * 0.5 + 0.5, atol=1e-6)
     get = w.metrics.registry.get_sample_value
@@ -432,7 +432,7 @@ def test_worker_shadow_records_candidate_scores_and_diffs(tmp_path):
     out = w.handle(requests)
     assert [r.headers["X-DLRM-Arm"] for r in out] == ["stable"] * 3
     assert [r.headers["X-DLRM-Model-Version"] for r in out] == ["tiny-int8-s0"] * 3
-    for r, req in zip(out, requests):
+    for r, req in zip(out, requests, strict=True):
         np.testing.assert_allclose(orjson.loads(r.body)["predictions"],
                                    _score(_dense(req.body)) * 0.5, atol=1e-6)
     get = w.metrics.registry.get_sample_value

@@ -95,7 +95,9 @@ def test_format_quantity_is_a_plain_kubernetes_quantity(v, want):
 def test_update_hpa_target_changes_only_the_marked_line():
     text = (REPO / "k8s" / "hpa.yaml").read_text()
     new = update_hpa_target(text, 56.2)
-    changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines()) if a != b]
+    # Not strict: the assert below compares the line counts itself, with a clearer message.
+    changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines(), strict=False)
+               if a != b]
     assert len(changed) == 1 and len(text.splitlines()) == len(new.splitlines())
     assert changed[0][1].strip() == 'averageValue: "56.2"  # capacity.json target_qps'
     doc = yaml.safe_load(new)

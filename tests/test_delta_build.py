@@ -183,10 +183,11 @@ def _check_seq(prev_art: Path, res, tiny_build) -> None:
     assert delta.base_version == tiny_build.version and delta.sequence == res.done["sequence"]
     assert delta.rows == res.done["rows"] > 0
     assert res.path.stat().st_size == res.done["bytes"]
-    for got, want in zip(_apply(old, delta), new.tables):
+    for got, want in zip(_apply(old, delta), new.tables, strict=True):
         assert torch.equal(got, want.data), want.name
     for name in ("dense_arch", "over_arch"):
-        for (wo, bo), (wn, bn) in zip(getattr(old.dense, name), getattr(new.dense, name)):
+        for (wo, bo), (wn, bn) in zip(getattr(old.dense, name), getattr(new.dense, name),
+                                      strict=True):
             assert torch.equal(wo, wn) and torch.equal(bo, bn)
     touched = load_changed_rows(res.folder / "checkpoint")
     for t in delta.tables:

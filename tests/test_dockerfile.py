@@ -85,7 +85,7 @@ def test_it_installs_the_same_stack_as_setup_venv():
     # Everything setup_venv.sh pins on the command line is pinned here too.
     for name, version in pins_in((REPO / "scripts" / "setup_venv.sh").read_text()).items():
         assert f"{name}=={version}" in run, name
-    assert "--no-deps torchrec==" in run, "torchrec must go in with --no-deps (STACK.md)"
+    assert "--no-deps torchrec==" in run, "torchrec must go in with --no-deps (docs/stack.md)"
     assert "-r /tmp/requirements-image.txt -c constraints.txt" in run
     # The only requirements the image drops are the fbgemm build it replaces per variant.
     m = re.search(r"grep -v '([^']+)' requirements.txt > /tmp/requirements-image.txt", run)

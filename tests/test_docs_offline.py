@@ -8,7 +8,6 @@ assets), and a screenshot is written to ``tests/output/docs.png``.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from serve.sidecar.http.app import SidecarConfig, create_app
 from tests.fixtures.sidecar import dead_port, start_sidecar
+from tests.fixtures.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "tests" / "output"
@@ -85,11 +85,8 @@ def test_docs_page_and_assets_are_served_locally(tmp_path: Path) -> None:
 
 
 def _chromium() -> str:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("chromium is not installed: run scripts/ensure_chromium.sh "
-                    "(`make test` installs it)")
-    return exe
+    return require_tool("chromium", "it renders the sidecar's /docs headless",
+                        "bash scripts/ensure_chromium.sh")
 
 
 def _run_chromium(exe: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -107,6 +104,7 @@ def _run_chromium(exe: str, profile: Path, *args: str) -> subprocess.CompletedPr
                     f"{(e.stderr or b'')[-2000:]!r}")
 
 
+@pytest.mark.needs_chromium
 @pytest.mark.integration
 def test_real_sidecar_docs_render_in_headless_chromium(tmp_path: Path) -> None:
     exe = _chromium()

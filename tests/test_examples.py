@@ -53,8 +53,8 @@ def _forward_checked(model: torch.nn.Module, module, b: int = 8) -> torch.Tensor
     batch = data.batch(rank=0, step=0, b=b)
     assert batch.sparse.keys() == feature_order(model) == _ebc_features(model)
     lengths = batch.sparse.lengths().view(len(specs), b)
-    for s, ln in zip(specs, lengths):
-        assert 1 <= int(ln.min()) and int(ln.max()) <= s.max_ids, s
+    for s, ln in zip(specs, lengths, strict=True):
+        assert int(ln.min()) >= 1 and int(ln.max()) <= s.max_ids, s
     assert int(batch.sparse.values().min()) >= 0
     per_key = batch.sparse.to_dict()
     for s in specs:

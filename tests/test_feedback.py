@@ -54,7 +54,7 @@ def test_summarize_matches_hand_computed_values_and_prometheus_bins() -> None:
     assert s.auc == 1.0 and s.auc == roc_auc(labels, scores)
     # le is inclusive, as in a Prometheus histogram: 0.001 falls in the first bin.
     le = list(SCORE_BUCKETS)
-    counts = dict(zip(le, s.score_counts))
+    counts = dict(zip(le, s.score_counts, strict=True))
     assert counts[0.001] == 1 and sum(s.score_counts) == 5
     for v in scores:
         first = next(b for b in le if float(v) <= b)
@@ -79,7 +79,7 @@ def test_writer_then_scan_reads_back_every_record_exactly(tmp_path: Path) -> Non
     w.close()
     got = list(iter_log(tmp_path))
     assert [p.request_id for p in got] == [p.request_id for p in preds]
-    for a, b in zip(got, preds):
+    for a, b in zip(got, preds, strict=True):
         assert (a.version, a.arm) == (b.version, b.arm)
         assert np.array_equal(a.scores, b.scores)  # bit for bit: float32 stored as is
 

@@ -261,7 +261,7 @@ def test_runtime_pins_exactly_its_table(art, batches, cpu_ref, device):
     assert table.is_pinned() and rt.cache.pinned_bytes == art.table_bytes == rt.stats().host_bytes
     if before is not None:
         assert _host_allocator_bytes() == before
-    for bt, ref in zip(batches, cpu_ref):
+    for bt, ref in zip(batches, cpu_ref, strict=True):
         _assert_close_to_cpu(rt.predict(bt["dense"], _sparse(bt)), ref["p"], device, PROB_TOL)
     rt.close()
     assert not table.is_pinned() and rt.cache.pinned_bytes == 0
@@ -364,7 +364,7 @@ def test_runtime_matches_cpu(art, batches, cpu_ref, device, config):
     if rt.cache is not None and rt.device.type == "cuda":
         assert rt.cache.miss_path == RUNTIME_CONFIGS[config].get("cache_miss_path", "host")
     for _ in range(2):
-        for bt, ref in zip(batches, cpu_ref):
+        for bt, ref in zip(batches, cpu_ref, strict=True):
             sparse = _sparse(bt)
             with torch.inference_mode():
                 emb = rt._embed(sparse, sparse.lengths, bt["dense"].shape[0]).cpu()
@@ -564,7 +564,7 @@ def test_runtime_on_cuda1_leaves_cuda0_alone(art, batches, cpu_ref, device):
     for rt in (host, graphs):
         assert rt.device == torch.device("cuda", 1) and rt.cache is not None
         assert rt.cache.slots.device == rt.device and rt.cache.row_to_slot.device == rt.device
-        for bt, ref in zip(batches, cpu_ref):
+        for bt, ref in zip(batches, cpu_ref, strict=True):
             got = rt.predict(bt["dense"], _sparse(bt))
             _assert_close_to_cpu(got, ref["p"], device, PROB_TOL)
     assert sorted(graphs._graphs) == [1, 64]     # the one-hot fixture batches

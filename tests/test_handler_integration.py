@@ -128,7 +128,7 @@ def test_concurrent_requests_are_merged_into_one_forward(torchserve, runtime):
     seen = []
     for _attempt in range(5):  # merging depends on arrival; 50 ms delay makes it near-certain
         responses = _concurrent(torchserve.predict_url, [orjson.dumps(b) for b in bodies])
-        for resp, body in zip(responses, bodies):
+        for resp, body in zip(responses, bodies, strict=True):
             assert resp.status_code == 200, resp.text
             np.testing.assert_allclose(resp.json()["predictions"], _reference(runtime, body),
                                        rtol=0, atol=1e-6)
@@ -171,7 +171,7 @@ def test_one_bad_request_does_not_fail_its_batch(torchserve, runtime):
         bad_resp = responses[3]
         assert bad_resp.status_code == 400
         assert bad_resp.json() == bad_body
-        for resp, body in zip(responses[:3] + responses[4:], good):
+        for resp, body in zip(responses[:3] + responses[4:], good, strict=True):
             assert resp.status_code == 200, resp.text
             np.testing.assert_allclose(resp.json()["predictions"], _reference(runtime, body),
                                        rtol=0, atol=1e-6)

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.fixtures.tools import require_tool
+
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 VERSIONS = ("1.30.0", "1.33.0")
@@ -104,14 +106,9 @@ def repo_properties() -> dict[str, str]:
 
 
 def kubectl() -> str:
-    """kubectl's path; fails (never skips) when missing, saying how to get it."""
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.fail("kubectl is not installed; it is needed to build k8s/cpu and to check "
-                    "that `kubectl apply -f k8s/` decodes every file. Run "
-                    "`bash scripts/ensure_kubectl.sh` (the python machine image has it as "
-                    "/usr/bin/kubectl)")
-    return path
+    """kubectl's path; a test without it skips (fails under DLRM_REQUIRE_TOOLS=1)."""
+    return require_tool("kubectl", "it builds k8s/cpu and checks that `kubectl apply -f "
+                        "k8s/` decodes every file", "bash scripts/ensure_kubectl.sh")
 
 
 def kustomize_cpu() -> list[dict]:
@@ -146,6 +143,7 @@ def test_every_manifest_passes_strict_schema_validation(version):
             kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.needs_kubectl
 @pytest.mark.parametrize("version", VERSIONS)
 def test_cpu_overlay_passes_strict_schema_validation(cpu_docs, version):
     import kubernetes_validate
@@ -205,6 +203,7 @@ def _decode_errors(lines: list[str]) -> list[str]:
     return [ln for ln in lines if "unable to decode" in ln or "error parsing" in ln]
 
 
+@pytest.mark.needs_kubectl
 def test_kubectl_apply_decodes_every_file_in_k8s(tmp_path):
     """`kubectl apply -f k8s/` must not trip over a file that is not a Kubernetes object
     (as k8s/capacity.json once did: "Object 'Kind' is missing")."""
@@ -216,6 +215,7 @@ def test_kubectl_apply_decodes_every_file_in_k8s(tmp_path):
     assert recognized == {str(p) for p in base_files()}, "\n".join(lines)
 
 
+@pytest.mark.needs_kubectl
 def test_kubectl_apply_check_catches_a_file_without_kind(tmp_path):
     """Negative control: the same check fails on a JSON file that is not an object."""
     folder = tmp_path / "k8s"
@@ -257,6 +257,7 @@ def test_cpu_overlay_lists_every_manifest():
     assert sorted(kust["resources"]) == [f"../{p.name}" for p in base_files()]
 
 
+@pytest.mark.needs_kubectl
 def test_cpu_overlay_drops_the_gpu_and_uses_the_cpu_image(docs, cpu_docs):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in cpu_docs) == \
         sorted((d["kind"], d["metadata"]["name"]) for d in docs)
@@ -398,6 +399,7 @@ def test_resources_requests_equal_limits_and_gpu_only_in_limits(docs):
     assert "nvidia.com/gpu" not in container(docs, "sidecar")["resources"]["limits"]
 
 
+@pytest.mark.needs_kubectl
 def test_worker_threads_follow_the_cpu_limit(docs, cpu_docs):
     """The workers size their torch threads from the container's CPU quota / workers
     (serve/common/cpu.py). OMP_NUM_THREADS would override that for every model, so the manifest
@@ -746,7 +748,7 @@ def test_rollout_deadline_covers_the_first_registration(docs):
 
 def _table_bytes(version: str) -> float:
     """Table bytes in memory per worker of a version named <profile>-<dtype>-s<seed>:
-    an int8 row is D bytes + fp16 scale and bias, padded to 16 bytes in memory (STACK.md:
+    an int8 row is D bytes + fp16 scale and bias, padded to 16 bytes in memory (docs/stack.md:
     80 B at D = 64; the build report's table_bytes_quantized counts the unpadded 68 B)."""
     from serve.profiles import PROFILES
 
@@ -763,6 +765,7 @@ def _jvm_heap_bytes(docs: list[dict]) -> float:
     return int(m.group(1)) * 1024 ** {"k": 1, "m": 2, "g": 3}[m.group(2).lower()]
 
 
+@pytest.mark.needs_kubectl
 @pytest.mark.parametrize("variant", ["base", "cpu-overlay"])
 def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant):
     """headroom x limit >= JVM + 2 versions x workers x (runtime + tables), for the
@@ -784,6 +787,7 @@ def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant
         "containerName": "torchserve", "resource": "limits.memory", "divisor": "1"}
 
 
+@pytest.mark.needs_kubectl
 def test_cpu_overlay_keeps_the_serving_state_and_model_volume(docs, cpu_docs):
     """The overlay changes images, GPU bits and TorchServe's resources only."""
     for kind, name in (("ConfigMap", STATE_CONFIGMAP), ("PersistentVolumeClaim", MODELS_PVC)):
@@ -869,6 +873,7 @@ def test_probe_paths_exist_on_the_real_services(docs, torchserve, sidecar):
         assert httpx.get(f"{torchserve.inference_url}{path}", timeout=10).status_code == 200
 
 
+@pytest.mark.needs_kubectl
 def test_monitoring_kustomization_applies_the_operator_objects_only():
     """`kubectl apply -k k8s/monitoring/` (the documented command) builds exactly the
     ServiceMonitor, the PrometheusRule and the dashboard ConfigMap; the plain rule files,

@@ -141,7 +141,7 @@ def test_pool_bodies_parse_with_the_real_protocol_in_both_forms(multi_hot):
     rows = traffic.RequestPool(traffic.TrafficConfig(body_format="row", **cfg))
     cols = traffic.RequestPool(traffic.TrafficConfig(body_format="columnar", **cfg))
     hc = HandlerConfig()
-    for a, b in zip(rows.requests, cols.requests):
+    for a, b in zip(rows.requests, cols.requests, strict=True):
         assert a.instances == b.instances
         pa, pb = parse_body(a.body, hc), parse_body(b.body, hc)
         assert pa.batch_size == a.instances
@@ -222,7 +222,7 @@ def test_every_shape_tiles_the_run_and_scales_with_duration(name):
     _tiles(s60, 60.0)
     _tiles(s120, 120.0)
     assert [s.name for s in s60] == [s.name for s in s120]
-    for a, b in zip(s60, s120):
+    for a, b in zip(s60, s120, strict=True):
         assert b.end_s == pytest.approx(2 * a.end_s)
         assert b.settle_s == pytest.approx(2 * a.settle_s)
 

@@ -105,7 +105,7 @@ def test_existing_version_with_this_build_is_up_to_date_without_any_work(tmp_pat
     assert res.ran == [] and res.skipped == list(STEPS)
     assert res.version == "tiny-int8-s0" and res.archive == mar
     assert said[0].startswith("version tiny-int8-s0 is in ") and "nothing to build" in said[0]
-    assert all(f"[{s}] up to date" in line for s, line in zip(STEPS, said[1:]))
+    assert all(f"[{s}] up to date" in line for s, line in zip(STEPS, said[1:], strict=True))
     assert not w.exists()  # the repository answered: no work directory, no step ran
 
 
@@ -154,8 +154,8 @@ def test_report_has_every_key(tiny_build):
     assert 0 <= r["merged_max_abs_diff"] <= 1e-6
     p = TINY
     over_in = p.embedding_dim + (p.num_sparse + 1) * p.num_sparse // 2  # dense emb + pairwise dots
-    mlp = sum(i * o + o for i, o in zip((13, *p.dense_arch), p.dense_arch))
-    mlp += sum(i * o + o for i, o in zip((over_in, *p.over_arch), p.over_arch))
+    mlp = sum(i * o + o for i, o in zip((13, *p.dense_arch), p.dense_arch, strict=True))
+    mlp += sum(i * o + o for i, o in zip((over_in, *p.over_arch), p.over_arch, strict=True))
     assert r["num_parameters"] == p.total_rows * p.embedding_dim + mlp
     datetime.fromisoformat(r["created_at"])
     assert r["git_commit"] is None or len(r["git_commit"]) >= 40

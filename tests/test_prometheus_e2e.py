@@ -37,8 +37,10 @@ from serve.ops.promcheck import run_load_and_check, simulate_hit_ratio
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer
 from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository
+from tests.fixtures.tools import require_tool
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# needs_promtool: prometheus comes in the same Debian package as promtool.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.needs_promtool]
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_NVML = REPO / "tests" / "fixtures" / "fake_nvml"
@@ -67,6 +69,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
     from serve.ops.launcher import LaunchConfig, start
     from serve.ops.state_client import StateClient
 
+    require_tool("prometheus", "the pipeline test runs a real Prometheus",
+                 "bash scripts/ensure_prometheus.sh")
     root = tmp_path_factory.mktemp("prometheus")
     repo = ModelRepository([root / "model_store"])
     version = tiny_build.version

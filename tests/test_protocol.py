@@ -580,7 +580,7 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
     assert orjson.loads(outs[4].body)["message"].startswith("binary body: magic is b'{\"in';")
     refs = [parse_body(orjson.dumps(r), CFG) for r in (
         orjson.loads(_columnar_json(dense, lengths, values)), json_req, example_request(1, seed=3))]
-    for out, p in zip(outs[:3], refs):
+    for out, p in zip(outs[:3], refs, strict=True):
         alone = _predict_with(tiny_runtime)(merge_requests([p]))
         got = np.array(orjson.loads(out.body)["predictions"], dtype=np.float32)
         np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
@@ -1154,7 +1154,7 @@ def test_custom_schema_in_a_batch_one_forward_and_a_built_in_body_gets_400():
 
 
 def test_the_default_schema_is_the_built_in_model_s():
-    assert request.DEFAULT_SCHEMA == get_profile("small").schema()
+    assert get_profile("small").schema() == request.DEFAULT_SCHEMA
     body = orjson.dumps(example_request(2, seed=6, form="columnar"))
     _assert_identical(parse_body(body, CFG, schema=request.DEFAULT_SCHEMA), parse_body(body, CFG))
     # other tables (rows, dims, dtype), the same requests: one set of decoder helpers

@@ -36,7 +36,7 @@ def test_artifacts_hold_the_merged_weights(tiny_build):
     qart = load_artifact(tiny_build.artifact)
     assert fart.dtype == "fp32" and qart.dtype == "int8"
     assert qart.meta["profile"] == "tiny" and qart.meta["auc_int8"] == tiny_build.report["auc_quantized"]
-    for ft, qt in zip(fart.tables, qart.tables):
+    for ft, qt in zip(fart.tables, qart.tables, strict=True):
         w = ebc.embedding_bags[ft.name].weight.detach()
         assert torch.equal(dequantize_rows(ft.data, "fp32", ft.dim), w)  # fp32 artifact is exact
         back = dequantize_rows(qt.data, "int8", qt.dim)
@@ -45,7 +45,7 @@ def test_artifacts_hold_the_merged_weights(tiny_build):
         assert ((back - w).abs().max(1).values <= step * 0.5 + 2e-3).all(), ft.name
     # The MLPs are carried over in fp32, identical in both.
     for (wa, ba), (wb, bb) in zip(fart.dense.dense_arch + fart.dense.over_arch,
-                                      qart.dense.dense_arch + qart.dense.over_arch):
+                                      qart.dense.dense_arch + qart.dense.over_arch, strict=True):
         assert torch.equal(wa, wb) and torch.equal(ba, bb)
 
 

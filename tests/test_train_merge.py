@@ -38,7 +38,7 @@ def test_each_rank_wrote_its_own_shard(tiny_build):
 
 def test_plan_is_column_wise_for_large_tables_on_cpu(tiny_build):
     plan = json.loads((tiny_build.checkpoint / PLAN_FILE).read_text())
-    for t, rows in zip(TINY.table_names, TINY.cardinalities):
+    for t, rows in zip(TINY.table_names, TINY.cardinalities, strict=True):
         want = "column_wise" if rows > TINY.large_table_rows else "table_wise"
         assert plan["sharding_plan"][t] == want, t
         shards = plan["shards"][t]
@@ -164,7 +164,7 @@ def test_gpu_plan_is_row_wise_for_large_tables():
     """Planning needs no GPU: the plan a 4-GPU run of `small` would use."""
     small = get_profile("small")
     _, types, shards = plan_sharding(small, 4, "cuda")
-    for t, rows in zip(small.table_names, small.cardinalities):
+    for t, rows in zip(small.table_names, small.cardinalities, strict=True):
         if rows > small.large_table_rows:
             assert types[t] == "row_wise"
             assert sorted(r for r, _, _ in shards[t]) == [0, 1, 2, 3]

@@ -125,7 +125,7 @@ def test_a_rollout_control_file_splits_the_batch(model_dir, artifacts, tmp_path)
     w = _load(model_dir, cfg)
     keys = [f"user-{i}" for i in range(16)]
     bodies = [orjson.dumps(example_request(1, seed=i)) for i in range(16)]
-    requests = [WorkerRequest(b, JSON_MEDIA_TYPE, k) for b, k in zip(bodies, keys)]
+    requests = [WorkerRequest(b, JSON_MEDIA_TYPE, k) for b, k in zip(bodies, keys, strict=True)]
     stable = [_reference(artifacts[STABLE], b) for b in bodies]
     candidate = [_reference(artifacts[CANDIDATE], b) for b in bodies]
 
@@ -139,7 +139,7 @@ def test_a_rollout_control_file_splits_the_batch(model_dir, artifacts, tmp_path)
     assert 0 < sum(chosen) < len(keys)
     assert [r.headers["X-DLRM-Arm"] for r in out] == [
         "candidate" if c else "stable" for c in chosen]
-    for r, c, s, cand in zip(out, chosen, stable, candidate):
+    for r, c, s, cand in zip(out, chosen, stable, candidate, strict=True):
         assert r.status == 200
         assert r.headers["X-DLRM-Model-Version"] == (CANDIDATE if c else STABLE)
         assert r.headers["X-DLRM-Batch-Requests"] == str(sum(chosen) if c else 16 - sum(chosen))
@@ -148,7 +148,7 @@ def test_a_rollout_control_file_splits_the_batch(model_dir, artifacts, tmp_path)
     write_control(control, "shadow", 1.0)
     out = w.handle(requests)
     assert {r.headers["X-DLRM-Arm"] for r in out} == {"stable"}
-    for r, s in zip(out, stable):
+    for r, s in zip(out, stable, strict=True):
         np.testing.assert_allclose(_preds(r.body), s, rtol=0, atol=1e-6)
     get = w.metrics.registry.get_sample_value
     assert get("dlrm_arm_requests_total", {"arm": "candidate", "version": CANDIDATE}) == \

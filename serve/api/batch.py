@@ -230,7 +230,7 @@ def _answer(run: ArmRun, outcomes: list[Outcome | None]) -> None:
     (a ServeError as it is; anything else as a 500 naming the model log)."""
     if run.scores is not None:
         start = 0
-        for i, size in zip(run.indices, run.sizes):
+        for i, size in zip(run.indices, run.sizes, strict=True):
             outcomes[i] = Outcome(200, encode_predictions(run.scores[start:start + size]), size,
                                   run.arm)
             start += size
@@ -250,11 +250,12 @@ def _shadow_diff(stable: ArmRun, candidate: ArmRun) -> np.ndarray | None:
         return None
     where: dict[int, tuple[int, int]] = {}
     start = 0
-    for i, size in zip(stable.indices, stable.sizes):
+    for i, size in zip(stable.indices, stable.sizes, strict=True):
         where[i] = (start, start + size)
         start += size
     base = np.concatenate([stable.scores[slice(*where[i])] for i in candidate.indices])
-    return candidate.scores - base
+    diff: np.ndarray = candidate.scores - base
+    return diff
 
 
 def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
@@ -295,7 +296,7 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
     t0 = clock()
     outcomes: list[Outcome | None] = [None] * n
     good: list[tuple[int, ParsedRequest]] = []
-    for i, (body, ctype) in enumerate(zip(bodies, content_types)):
+    for i, (body, ctype) in enumerate(zip(bodies, content_types, strict=True)):
         try:
             good.append((i, _decode(body, ctype, keys[i], cfg, spec)))
         except ServeError as e:
@@ -307,9 +308,9 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
         stable, candidate = good, []
         if split is not None:
             chosen = [bool(split.choose(keys[i])) for i, _ in good]
-            candidate = [g for g, c in zip(good, chosen) if c]
+            candidate = [g for g, c in zip(good, chosen, strict=True) if c]
             if split.mode == "canary":
-                stable = [g for g, c in zip(good, chosen) if not c]
+                stable = [g for g, c in zip(good, chosen, strict=True) if not c]
         if stable:
             arms["stable"] = _run_arm("stable", True, stable, predict, clock)
         if candidate and split is not None:

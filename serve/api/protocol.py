@@ -40,21 +40,13 @@ from serve.api.config import (
     default_num_threads,
 )
 from serve.api.decode import parse_body
-
-# The underscored names are not API: bench/bench_decode.py times these decoding steps.
-from serve.api.json_body import (
-    _gc_paused,  # noqa: F401
-    _load_json,  # noqa: F401
-    _parse_doc,  # noqa: F401
-    example_request,
-)
+from serve.api.json_body import example_request
 from serve.api.request import (
     BINARY_MEDIA_TYPE,
     DEFAULT_SCHEMA,
     INT64_MAX,
     JSON_MEDIA_TYPE,
     ParsedRequest,
-    _spec_of,  # noqa: F401
     check_content_type,
     check_route_key,
 )

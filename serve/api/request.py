@@ -135,7 +135,7 @@ class _Spec:
         self.max_ids = max_ids
         if self.nf == 1:  # itemgetter of one key returns the value, not a 1-tuple
             only = self.names[0]
-            self.features_of: Callable[[Any], tuple] = lambda d: (d[only],)
+            self.features_of: Callable[[Any], tuple[Any, ...]] = lambda d: (d[only],)
         else:
             self.features_of = operator.itemgetter(*self.names)
         self.names_text = _names_text(self.names)

@@ -4,7 +4,7 @@ In a Kubernetes pod ``os.sched_getaffinity`` returns every core of the node unle
 static CPU manager pins the pod; what the pod may really use is its cgroup CPU quota
 (``resources.limits.cpu``). Sizing threads from the affinity alone oversubscribes: two
 workers on a 64-core node each started 32 threads inside a 4-CPU limit, and the kernel
-throttled them (STACK.md measured up to 10x slowdowns from oversubscription).
+throttled them (docs/stack.md: up to 10x slowdowns from oversubscription).
 
 * :func:`cpu_quota` reads the quota: cgroup v2 ``cpu.max`` (``"400000 100000"`` = 4.0
   CPUs, ``"max 100000"`` = no limit), else cgroup v1 ``cpu.cfs_quota_us`` /

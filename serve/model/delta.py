@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ import torch
 from serve.common.clilog import setup_cli_logging
 from serve.errors import ConfigError, ServeError
 from serve.profiles import Profile, get_profile
+
+if TYPE_CHECKING:  # imported where used: loading the build steps is slow
+    from serve.store.delta_files import Delta
 
 __all__ = [
     "DONE_FILE",
@@ -204,13 +207,13 @@ def diff_artifacts(old: Any, new: Any) -> list[tuple[int, str, np.ndarray, np.nd
                          "a delta needs the same model layout: build a new version instead")
     for name in ("dense_arch", "over_arch"):
         for i, ((wo, bo), (wn, bn)) in enumerate(zip(getattr(old.dense, name),
-                                                     getattr(new.dense, name))):
+                                                     getattr(new.dense, name), strict=True)):
             if not (torch.equal(wo, wn) and torch.equal(bo, bn)):
                 raise ServeError(f"{name} layer {i} changed in continued training; deltas carry "
                                  "embedding rows only: train with sparse_only (--sparse-only) "
                                  "or ship a new version")
     out = []
-    for ti, (to, tn) in enumerate(zip(old.tables, new.tables)):
+    for ti, (to, tn) in enumerate(zip(old.tables, new.tables, strict=True)):
         if to.data.shape != tn.data.shape:
             raise ServeError(f"table {tn.name} is {tuple(tn.data.shape)} in the new artifact, "
                              f"{tuple(to.data.shape)} in the previous one; build a new version")
@@ -224,8 +227,34 @@ def diff_artifacts(old: Any, new: Any) -> list[tuple[int, str, np.ndarray, np.nd
 
 # ----------------------------------------------------------------------------- the build
 
+@dataclass(frozen=True)
+class _DeltaPlan:
+    """Where delta ``seq`` of ``version`` builds from and into (:func:`_plan_delta`)."""
+
+    version: str
+    report: dict[str, Any]          # the version's build report
+    profile: Profile
+    dtype: str                      # the version's row format
+    seq: int
+    prev: Path                      # the previous step: the build dir or delta seq - 1
+    nproc: int                      # training ranks (the checkpoint's world size by default)
+    folder: Path                    # this delta's work folder
+
+    @property
+    def prev_ckpt(self) -> Path:
+        return self.prev / "checkpoint"
+
+    @property
+    def prev_art(self) -> Path:
+        return self.prev / "artifact.pt"
+
+
 def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBuild:
     """Build the next delta of the base version (module docstring); return it.
+
+    Steps: plan (which version, sequence and base; a fresh work folder), update the model
+    (train embeddings only on the day, merge, quantize), diff the artifacts into the delta
+    file, evaluate both artifacts and write ``done.json``.
 
     Raises:
         ConfigError: no version to build on, its build dir or checkpoint is gone, bad
@@ -233,16 +262,49 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         ServeError: the update changed dense layers or rows the training did not touch.
     """
     from serve.model.data import ensure_day_data
-    from serve.model.merge import merge_checkpoint
-    from serve.model.quantize import quantize
-    from serve.model.train import PLAN_FILE, TrainConfig, load_changed_rows, train
-    from serve.runtime.artifact import load_artifact
-    from serve.store.delta_files import Delta, DeltaTable, encode_delta
-    from serve.store.repository import ModelRepository
-    from serve.store.rowformat import row_bytes
 
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}
+    plan = _plan_delta(cfg, say)
+
+    t = time.perf_counter()
+    data = ensure_day_data(plan.profile, cfg.day, cfg.data_dir, say=say)
+    seconds["data"] = round(time.perf_counter() - t, 3)
+
+    tres, auc_quantized = _update_model(cfg, plan, data, seconds, say)
+    delta, path, nbytes, tables = _write_delta(cfg, plan, seconds, say)
+
+    t = time.perf_counter()
+    auc_before, rows = artifact_auc(plan.prev_art, data, cfg.eval_limit)
+    auc_after, _ = artifact_auc(plan.folder / "artifact.pt", data, cfg.eval_limit)
+    seconds["eval"] = round(time.perf_counter() - t, 3)
+    seconds["total"] = round(time.perf_counter() - t_all, 3)
+    done = {
+        "version": plan.version, "sequence": plan.seq, "day": cfg.day,
+        "profile": plan.profile.name, "dtype": plan.dtype, "rows": delta.rows,
+        "bytes": nbytes, "file": path.name, "base": os.fspath(plan.prev), "tables": tables,
+        "rows_touched": int(tres["changed_rows"]),
+        "auc_before": auc_before, "auc_after": auc_after, "eval_rows": rows,
+        "auc_after_quantize_step": auc_quantized, "train_steps": tres["steps"],
+        "train_rows": tres["rows"], "world_size": plan.nproc, "seconds": seconds,
+        "created_at": delta.created_at,
+    }
+    tmp = plan.folder / (DONE_FILE + ".tmp")
+    tmp.write_text(json.dumps(done, indent=2))
+    os.replace(tmp, plan.folder / DONE_FILE)
+    return DeltaBuild(path, plan.folder, done)
+
+
+def _plan_delta(cfg: DeltaConfig, say: Callable[[str], None]) -> _DeltaPlan:
+    """Resolve the version, the next sequence and its base (checked to exist); make the
+    delta's work folder afresh.
+
+    Raises:
+        ConfigError: no version to build on, or the base's checkpoint or artifact is gone.
+    """
+    from serve.model.train import PLAN_FILE
+    from serve.store.repository import ModelRepository
+
     version = _resolve_version(cfg)
     report = ModelRepository([cfg.model_store], cfg.model_name).report(version)
     profile: Profile = get_profile(str(report["profile"]))
@@ -267,17 +329,26 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
     folder.mkdir(parents=True)
     say(f"delta: version {version} ({profile.name}, {dtype}), sequence {seq}, day {cfg.day}, "
         f"from {prev}; into {folder}")
+    return _DeltaPlan(version, report, profile, dtype, seq, prev, nproc, folder)
 
-    t = time.perf_counter()
-    data = ensure_day_data(profile, cfg.day, cfg.data_dir, say=say)
-    seconds["data"] = round(time.perf_counter() - t, 3)
 
+def _update_model(cfg: DeltaConfig, plan: _DeltaPlan, data: Path, seconds: dict[str, float],
+                  say: Callable[[str], None]) -> tuple[dict[str, Any], float]:
+    """Train the embeddings on the day from the base checkpoint, merge, quantize into the
+    work folder; return the training summary and the quantized AUC. Adds each step's
+    seconds to ``seconds``."""
+    from serve.model.merge import merge_checkpoint
+    from serve.model.quantize import quantize
+    from serve.model.train import TrainConfig, train
+
+    profile, folder = plan.profile, plan.folder
     t = time.perf_counter()
-    say(f"[train] resuming {prev_ckpt} on day {cfg.day}, embeddings only, {nproc} ranks ...")
+    say(f"[train] resuming {plan.prev_ckpt} on day {cfg.day}, embeddings only, "
+        f"{plan.nproc} ranks ...")
     tres = train(TrainConfig(profile=profile, data_dir=data, out_dir=folder / "checkpoint",
-                             nproc=nproc, backend=cfg.backend, threads=cfg.threads,
-                             max_steps=cfg.max_steps, seed=report.get("seed"),
-                             resume_from=prev_ckpt, sparse_only=True))
+                             nproc=plan.nproc, backend=cfg.backend, threads=cfg.threads,
+                             max_steps=cfg.max_steps, seed=plan.report.get("seed"),
+                             resume_from=plan.prev_ckpt, sparse_only=True))
     seconds["train"] = round(time.perf_counter() - t, 3)
     say(f"[train] {tres['steps']} steps, {tres['rows']:,} rows, loss {tres['final_loss']:.4f}, "
         f"{tres['changed_rows']:,} rows touched, {seconds['train']:.1f}s")
@@ -288,54 +359,50 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
     say(f"[merge] merged_max_abs_diff {m.merged_max_abs_diff:.3g}, {seconds['merge']:.1f}s")
 
     t = time.perf_counter()
-    q = quantize(folder / "merged.pt", profile, data, dtype, folder / "artifact.pt",
+    q = quantize(folder / "merged.pt", profile, data, plan.dtype, folder / "artifact.pt",
                  eval_limit=cfg.eval_limit, check=False, progress=False, float_artifact=False)
     seconds["quantize"] = round(time.perf_counter() - t, 3)
-    say(f"[quantize] AUC fp32 {q.auc_fp32:.4f} {dtype} {q.auc_quantized:.4f}, "
+    say(f"[quantize] AUC fp32 {q.auc_fp32:.4f} {plan.dtype} {q.auc_quantized:.4f}, "
         f"{seconds['quantize']:.1f}s")
+    return tres, q.auc_quantized
+
+
+def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
+                 say: Callable[[str], None]) -> tuple[Delta, Path, int, dict[str, int]]:
+    """Diff the base and the new artifact, check every changed row was trained, write the
+    delta file (atomically); return the delta, its path, its size and rows per table.
+
+    Raises:
+        ServeError: dense layers changed, or rows changed that no training batch touched.
+    """
+    from serve.model.train import load_changed_rows
+    from serve.runtime.artifact import load_artifact
+    from serve.store.delta_files import Delta, DeltaTable, encode_delta
+    from serve.store.rowformat import row_bytes
 
     t = time.perf_counter()
-    old, new = load_artifact(prev_art), load_artifact(folder / "artifact.pt")
+    old, new = load_artifact(plan.prev_art), load_artifact(plan.folder / "artifact.pt")
     changed = diff_artifacts(old, new)
-    touched = load_changed_rows(folder / "checkpoint")
+    touched = load_changed_rows(plan.folder / "checkpoint")
     for _ti, feature, ids, _rows in changed:
         outside = np.setdiff1d(ids, touched.get(feature, np.zeros(0, np.int64)))
         if outside.size:
             raise ServeError(f"table {feature}: {outside.size} changed rows (e.g. id "
                              f"{int(outside[0])}) were not in any training batch "
                              "(changed_rows.npz); the artifacts are not one update apart")
-    rb = row_bytes(dtype, profile.embedding_dim)
-    delta = Delta(base_version=version, sequence=seq, created_at=time.time(), dtype=dtype,
-                  dim=profile.embedding_dim, row_bytes=rb,
+    dim = plan.profile.embedding_dim
+    delta = Delta(base_version=plan.version, sequence=plan.seq, created_at=time.time(),
+                  dtype=plan.dtype, dim=dim, row_bytes=row_bytes(plan.dtype, dim),
                   tables=tuple(DeltaTable(f, ti, ids, rows) for ti, f, ids, rows in changed))
     blob = encode_delta(delta)
-    path = folder / delta_file_name(version, seq, cfg.model_name)
+    path = plan.folder / delta_file_name(plan.version, plan.seq, cfg.model_name)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, path)
     seconds["diff"] = round(time.perf_counter() - t, 3)
     say(f"[diff] {delta.rows:,} rows changed in {len(changed)} tables, {len(blob):,} B, "
         f"{seconds['diff']:.1f}s")
-
-    t = time.perf_counter()
-    auc_before, rows = artifact_auc(prev_art, data, cfg.eval_limit)
-    auc_after, _ = artifact_auc(folder / "artifact.pt", data, cfg.eval_limit)
-    seconds["eval"] = round(time.perf_counter() - t, 3)
-    seconds["total"] = round(time.perf_counter() - t_all, 3)
-    done = {
-        "version": version, "sequence": seq, "day": cfg.day, "profile": profile.name,
-        "dtype": dtype, "rows": delta.rows, "bytes": len(blob), "file": path.name,
-        "base": os.fspath(prev), "tables": {f: int(ids.shape[0]) for _, f, ids, _ in changed},
-        "rows_touched": int(tres["changed_rows"]),
-        "auc_before": auc_before, "auc_after": auc_after, "eval_rows": rows,
-        "auc_after_quantize_step": q.auc_quantized, "train_steps": tres["steps"],
-        "train_rows": tres["rows"], "world_size": nproc, "seconds": seconds,
-        "created_at": delta.created_at,
-    }
-    tmp = folder / (DONE_FILE + ".tmp")
-    tmp.write_text(json.dumps(done, indent=2))
-    os.replace(tmp, folder / DONE_FILE)
-    return DeltaBuild(path, folder, done)
+    return delta, path, len(blob), {f: int(ids.shape[0]) for _, f, ids, _ in changed}
 
 
 # ----------------------------------------------------------------------------- CLI

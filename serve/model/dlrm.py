@@ -23,7 +23,8 @@ def table_configs(profile: Profile) -> list:
             name=t, embedding_dim=profile.embedding_dim, num_embeddings=rows,
             feature_names=[f], pooling=PoolingType.SUM,
         )
-        for t, f, rows in zip(profile.table_names, profile.feature_names, profile.cardinalities)
+        for t, f, rows in zip(profile.table_names, profile.feature_names,
+                              profile.cardinalities, strict=True)
     ]
 
 

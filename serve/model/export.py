@@ -30,7 +30,6 @@ from torch import nn
 
 from serve.errors import ArtifactError, ConfigError
 from serve.runtime.artifact import (
-    _SCALE_BIAS_BYTES,
     Artifact,
     DLRMDense,
     ExportedDense,
@@ -39,6 +38,7 @@ from serve.runtime.artifact import (
     row_bytes,
 )
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
+from serve.store.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 
 __all__ = ["TORCH_DTYPES", "artifact_from_float_dlrm", "artifact_from_quantized_dlrm",
            "collections", "dlrm_dense", "export_dense", "foreign_ops", "is_torchrec_dlrm",
@@ -123,7 +123,7 @@ def tables_from_quantized(qmodel: nn.Module, schema: ModelSchema) -> list[QuantT
     for _, qebc in collections(qmodel):
         for tbe in getattr(qebc, "_emb_modules", []):
             names = [spec[0] for spec in tbe.embedding_specs]
-            for name, (w, sb, *_) in zip(names, tbe.split_embedding_weights()):
+            for name, (w, sb, *_) in zip(names, tbe.split_embedding_weights(), strict=True):
                 weights[name] = (w, sb)
     out: list[QuantTable] = []
     for spec in schema.tables:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,6 +51,10 @@ from torch import nn
 from serve.common.clilog import setup_cli_logging
 from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema
+
+if TYPE_CHECKING:  # imported where used: the runtime and the store load late
+    from serve.runtime.artifact import Artifact
+    from serve.store.repository import ModelRepository
 
 __all__ = ["CheckResult", "ImportConfig", "check_artifact", "generated_batch", "import_model",
            "load_checkpoint", "load_factory", "main"]
@@ -274,23 +278,16 @@ def _report(cfg: ImportConfig, model: nn.Module, artifact: Any, check: CheckResu
 def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the import; returns ``{"version", "max_abs_diff", "report", "archive"}``.
 
+    Steps: load the factory's model and its checkpoint, quantize and export it into an
+    artifact, check the artifact against TorchRec's quantized forward, store the version.
+    Nothing is written unless the check passes.
+
     Raises:
         ConfigError: a bad option or factory, a model outside the contract, a version
             that exists already.
         CheckpointError: the checkpoint does not fit the model.
         ArtifactError: the check failed (our runtime differs from TorchRec's forward).
     """
-    from serve.model.archive import add_version
-    from serve.model.export import (
-        collections,
-        dlrm_dense,
-        export_dense,
-        is_torchrec_dlrm,
-        model_schema,
-        quantize_for_serving,
-        tables_from_quantized,
-    )
-    from serve.runtime.artifact import Artifact, DLRMDense, ExportedDense, save_artifact
     from serve.store.repository import ModelRepository
 
     repo = ModelRepository([cfg.model_store], cfg.model_name)
@@ -299,6 +296,34 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
                           "versions are immutable; pick another --version")
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
+    model, module, num_dense = _load_model(cfg, say)
+    seconds["load"] = round(time.perf_counter() - t0, 3)
+
+    t = time.perf_counter()
+    art, qmodel, kind = _to_artifact(cfg, model, module, num_dense, say)
+    seconds["quantize_export"] = round(time.perf_counter() - t, 3)
+
+    t = time.perf_counter()
+    check = _check(cfg, art, qmodel, say)
+    seconds["check"] = round(time.perf_counter() - t, 3)
+
+    stored = _store(cfg, repo, art, _Provenance(model, check, kind), seconds)
+    say(f"[store] added version {cfg.version}: {stored}")
+    return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
+            "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
+            "archive": os.fspath(stored)}
+
+
+def _load_model(cfg: ImportConfig, say: Callable[[str], None]
+                ) -> tuple[nn.Module, Any, int]:
+    """The factory's model with the checkpoint loaded (eval mode), the factory's module
+    and the number of dense features (``--num-dense`` or the module's ``NUM_DENSE``).
+
+    Raises:
+        ConfigError: the number of dense features is unknown, or the factory returned
+            something other than a module.
+        CheckpointError: the checkpoint does not fit the model.
+    """
     fn, module = load_factory(cfg.factory)
     num_dense = cfg.num_dense if cfg.num_dense is not None else getattr(module, "NUM_DENSE", None)
     if not isinstance(num_dense, int) or isinstance(num_dense, bool):
@@ -309,10 +334,25 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--factory {cfg.factory} returned {type(model).__name__}, not a "
                           "torch.nn.Module")
-    model = load_checkpoint(model, Path(cfg.checkpoint)).eval()
-    seconds["load"] = round(time.perf_counter() - t0, 3)
+    return load_checkpoint(model, Path(cfg.checkpoint)).eval(), module, num_dense
 
-    t = time.perf_counter()
+
+def _to_artifact(cfg: ImportConfig, model: nn.Module, module: Any, num_dense: int,
+                 say: Callable[[str], None]) -> tuple[Artifact, nn.Module, str]:
+    """The model's schema (checked against the contract), quantized tables and dense part
+    as an artifact; also the quantized model (the check's reference) and the dense part's
+    kind ("dlrm": TorchRec's DLRM layers, "export": a ``torch.export`` program)."""
+    from serve.model.export import (
+        collections,
+        dlrm_dense,
+        export_dense,
+        is_torchrec_dlrm,
+        model_schema,
+        quantize_for_serving,
+        tables_from_quantized,
+    )
+    from serve.runtime.artifact import Artifact, DLRMDense, ExportedDense
+
     # The module's MAX_IDS may serve several factories: only this model's features count.
     # --max-ids is checked strictly (a feature the model lacks is an error).
     ours = {f for _, ebc in collections(model) for c in ebc.embedding_bag_configs()
@@ -333,13 +373,19 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         dense, kind = export_dense(model, schema), "export"
     art = Artifact(schema, tables, dense, {"version": cfg.version, "origin": "import",
                                            "factory": cfg.factory})
-    seconds["quantize_export"] = round(time.perf_counter() - t, 3)
     say(f"[quantize] tables {art.dtype}, {art.table_bytes:,} bytes; dense part: {kind}")
+    return art, qmodel, kind
 
-    t = time.perf_counter()
+
+def _check(cfg: ImportConfig, art: Artifact, qmodel: nn.Module,
+           say: Callable[[str], None]) -> CheckResult:
+    """Compare the artifact's probabilities with TorchRec's quantized forward.
+
+    Raises:
+        ArtifactError: they differ by more than the tolerance.
+    """
     check = check_artifact(art, qmodel, batch=cfg.check_batch, seed=cfg.seed,
                            tolerance=cfg.tolerance)
-    seconds["check"] = round(time.perf_counter() - t, 3)
     say(f"[check] max |ours - TorchRec| = {check.max_abs_diff:.3g} over {check.batch} samples "
         f"({check.ids} ids); tolerance {check.tolerance:g}")
     if not check.passed:
@@ -348,6 +394,24 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
             f"{check.max_abs_diff:.3g} > {check.tolerance:g}; nothing was written. The model "
             "may do work outside its EmbeddingBagCollections that the export did not keep; "
             "see the contract in the README")
+    return check
+
+
+@dataclass(frozen=True)
+class _Provenance:
+    """What the version's report says of where the artifact came from."""
+
+    model: nn.Module            # the imported (float) model
+    check: CheckResult          # the check against TorchRec's quantized forward
+    kind: str                   # the dense part's kind
+
+
+def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Provenance,
+           seconds: dict[str, float]) -> Path:
+    """Save the artifact and add it to the model store as version ``cfg.version`` (with
+    its report and archive); return what the repository stored."""
+    from serve.model.archive import add_version
+    from serve.runtime.artifact import save_artifact
 
     t = time.perf_counter()
     cfg.model_store.mkdir(parents=True, exist_ok=True)
@@ -355,18 +419,17 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
         path = Path(tmp) / "artifact.pt"
         save_artifact(art, path)
         seconds["archive"] = round(time.perf_counter() - t, 3)
-        stored = add_version(repo, path, cfg.version, _report(cfg, model, art, check, kind, seconds),
-                             Path(tmp), batch_size=cfg.mar_batch_size,
-                             max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                             workers=cfg.mar_workers,
-                             # The handler's own cap on ids per feature must not undercut
-                             # the model's (DLRM-v2 takes 100 ids in one feature).
-                             handler_config={"max_ids_per_feature":
-                                             max(DEFAULT_MAX_IDS, *schema.max_ids)})
-    say(f"[store] added version {cfg.version}: {stored}")
-    return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
-            "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
-            "archive": os.fspath(stored)}
+        report = _report(cfg, prov.model, art, prov.check, prov.kind, seconds)
+        stored: Path = add_version(repo, path, cfg.version, report,
+                                   Path(tmp), batch_size=cfg.mar_batch_size,
+                                   max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
+                                   workers=cfg.mar_workers,
+                                   # The handler's own cap on ids per feature must not
+                                   # undercut the model's (DLRM-v2 takes 100 ids in one
+                                   # feature).
+                                   handler_config={"max_ids_per_feature":
+                                                   max(DEFAULT_MAX_IDS, *art.schema.max_ids)})
+    return stored
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -169,7 +169,7 @@ def _sharding_types(profile: Profile, compute_device: str) -> dict[str, str]:
     row-wise on CPU), the rest table-wise."""
     big = "row_wise" if compute_device == "cuda" else "column_wise"
     return {t: (big if rows > profile.large_table_rows else "table_wise")
-            for t, rows in zip(profile.table_names, profile.cardinalities)}
+            for t, rows in zip(profile.table_names, profile.cardinalities, strict=True)}
 
 
 def max_world_size(profile: Profile, compute_device: str = "cpu") -> int:
@@ -363,7 +363,7 @@ def _touched(batch: Any, masks: list[np.ndarray]) -> None:
     """Mark the ids of a batch's KJT (feature-major) in the per-feature masks (rows,) bool."""
     values = batch.sparse.values().numpy()
     pos = 0
-    for mask, n in zip(masks, batch.sparse.length_per_key()):
+    for mask, n in zip(masks, batch.sparse.length_per_key(), strict=True):
         mask[values[pos:pos + n]] = True
         pos += n
 

@@ -504,7 +504,7 @@ def _plot(results: Sequence[ScenarioResult], cfg: SimConfig, path: Path) -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.2 * len(results)))
-    for ax, r in zip(axes, results):
+    for ax, r in zip(axes, results, strict=True):
         scale = 3600.0 if r.t_s and r.t_s[-1] > 6 * 3600 else 60.0
         unit = "h" if scale == 3600.0 else "min"
         t = [x / scale for x in r.t_s]

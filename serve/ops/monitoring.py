@@ -351,167 +351,203 @@ def recording_rules(adapter_rules: Path | None = None) -> tuple[RecordingRule, .
 
 
 def alert_rules() -> tuple[AlertRule, ...]:
-    """The alert group."""
-    req, dur = REQUESTS_TOTAL, f"{REQUEST_DURATION_SECONDS}_bucket"
+    """The alert group: serving health (pages first), then the model's behaviour."""
+    return (_high_error_ratio(), _p99_over_slo(), _no_ready_workers(),
+            _cache_hit_ratio_falling(), _predicted_ctr_shift(), _calibration_off(),
+            _rollout_rolled_back(), _embedding_deltas_stale())
+
+
+def _hit_ratio(offset: str = "") -> str:
+    """The cache hit ratio per namespace over 30 minutes (``offset`` e.g. " offset 1h")."""
     hits, misses = CACHE_HITS_TOTAL, CACHE_MISSES_TOTAL
+    w = f"[30m]{offset}"
+    return (f"sum by (namespace) (rate({hits}{w}))\n  /\n"
+            f"  (sum by (namespace) (rate({hits}{w})) + "
+            f"sum by (namespace) (rate({misses}{w})))")
+
+
+def _high_error_ratio() -> AlertRule:
+    """A page: over ERROR_RATIO_MAX of the requests fail with a 5xx."""
+    req = REQUESTS_TOTAL
+    return AlertRule(
+        "DlrmHighErrorRatio",
+        _expr(f"""
+        sum by (namespace) (rate({req}{{code=~"5.."}}[5m]))
+        /
+        sum by (namespace) (rate({req}[5m]))
+        > {ERROR_RATIO_MAX}
+        """),
+        "5m", "page",
+        "{{ $value | humanizePercentage }} of DLRM prediction requests in "
+        "{{ $labels.namespace }} fail with a 5xx",
+        f"More than {ERROR_RATIO_MAX:.0%} of the prediction requests the handler "
+        "answered over the last 5 minutes were server errors (5xx), for 5 minutes: "
+        "those users got no scores. See which pods and codes (dashboard panel Errors, "
+        f"or sum by (pod, code) (rate({req}{{code=~\"5..\"}}[5m]))) and read the "
+        "torchserve container's logs there. After a version switch or rollout "
+        "(GET /state on a sidecar), go back to the previous model.version in the "
+        "serving state. TorchServe's own 503s (queue full) never reach the handler: "
+        f"see {TORCHSERVE_PREFIX}Requests5XX_total.")
+
+
+def _p99_over_slo() -> AlertRule:
+    """A page: the handler's p99 over the SLO, all pods together."""
+    dur = f"{REQUEST_DURATION_SECONDS}_bucket"
+    return AlertRule(
+        "DlrmP99OverSlo",
+        _expr(f"""
+        histogram_quantile(0.99, sum by (namespace, le) (rate({dur}[5m])))
+        > {P99_SLO_SECONDS}
+        """),
+        "10m", "page",
+        "DLRM p99 latency in {{ $labels.namespace }} is {{ $value | humanizeDuration }}, "
+        f"over the {P99_SLO_SECONDS * 1000:.0f}ms goal",
+        "The handler's p99 (decode to response, without TorchServe's queueing) over 5 "
+        f"minutes, all pods together, has been above {P99_SLO_SECONDS * 1000:.0f} ms for "
+        f"10 minutes. Compare {P99_RECORD} and {QPS_RECORD} per pod: all pods slow at a "
+        "QPS above the HPA target (k8s/hpa.yaml) means scaling is not keeping up "
+        "(maxReplicas reached, pods Pending, a slow model load); one pod slow means a "
+        "bad node or a noisy neighbour: delete that pod. A falling cache hit ratio or a "
+        "new version can also raise it.")
+
+
+def _no_ready_workers() -> AlertRule:
+    """A page: a pod without a READY worker (or without TorchServe's management API)."""
+    return AlertRule(
+        "DlrmNoReadyWorkers",
+        _expr(f"""
+        sum by (namespace, pod) ({WORKERS}{{status="READY"}}) == 0
+        or
+        max by (namespace, pod) ({UPSTREAM_UP}{{target="management"}}) == 0
+        """),
+        "15m", "page",
+        "Pod {{ $labels.namespace }}/{{ $labels.pod }} has no READY TorchServe worker",
+        f"For 15 minutes (longer than a model load may take) {WORKERS}{{status=\"READY\"}} "
+        f"was 0, or the sidecar could not reach TorchServe's management API "
+        f"({UPSTREAM_UP}{{target=\"management\"}} == 0, so {WORKERS} is absent). The pod "
+        "is not Ready, answers no predictions, and Kubernetes will not restart it "
+        "(TorchServe's /ping stays healthy without workers), while the HPA still counts "
+        "it. Read GET /state on its sidecar (the last reconcile error: a model that "
+        "fails to load, a switch refused for memory) and the torchserve container's "
+        "logs; fix the serving state, or delete the pod if TorchServe is wedged.")
+
+
+def _cache_hit_ratio_falling() -> AlertRule:
+    """A ticket: the cache hit ratio fell against an hour earlier."""
+    req = REQUESTS_TOTAL
+    return AlertRule(
+        "DlrmCacheHitRatioFalling",
+        f"(\n  {_hit_ratio()}\n)\n"
+        f"< {CACHE_HIT_DROP} *\n"
+        f"(\n  {_hit_ratio(' offset 1h')}\n)\n"
+        f"and on (namespace)\n"
+        f"sum by (namespace) (rate({req}[30m])) > 0",
+        "15m", "ticket",
+        "Embedding cache hit ratio in {{ $labels.namespace }} fell to "
+        "{{ $value | humanizePercentage }}",
+        "Over the last 30 minutes the device cache served less than "
+        f"{CACHE_HIT_DROP}x the share of embedding lookups it served an hour earlier, "
+        "with traffic flowing, for 15 minutes. More misses mean more host-to-device "
+        "copies and a higher p99. Usual causes: traffic moved to other items (a "
+        "campaign, a catalogue change), a new model version or cache policy, many pods "
+        f"restarted with cold caches. Check {CACHE_HIT_RECORD} per pod and the p99; if "
+        "latency suffers, give the version a larger cache (its build profile) or scale "
+        "out.")
+
+
+def _predicted_ctr_shift() -> AlertRule:
+    """A ticket: an arm's mean predicted CTR is off its version's baseline."""
+    return AlertRule(
+        "DlrmPredictedCtrShift",
+        _expr(f"""
+        abs(
+          {MEAN_SCORE_RECORD}
+          / on (namespace, version) group_left
+          max by (namespace, version) ({BASELINE_PREDICTED_CTR})
+          - 1
+        )
+        > {CTR_SHIFT_MAX}
+        """),
+        "15m", "ticket",
+        "Mean predicted CTR of {{ $labels.arm }} version {{ $labels.version }} is "
+        "{{ $value | humanizePercentage }} off its baseline",
+        "The mean predicted click probability of all this arm's predictions over 15 "
+        f"minutes ({ARM_SCORE} histogram, pooled over pods) has differed from the "
+        f"version's held-out baseline ({BASELINE_PREDICTED_CTR}, from its build report) "
+        f"by more than {CTR_SHIFT_MAX:.0%} for 15 minutes. Either the traffic drifted "
+        "(new items, a broken feature pipeline upstream: look at the request features) "
+        "or the model is wrong for it. Compare with the other arm and with the "
+        "calibration from click feedback; if it is a rollout's candidate, roll it back "
+        "(POST /state/rollout/rollback).")
+
+
+def _calibration_off() -> AlertRule:
+    """A ticket: predicted / observed CTR outside CALIBRATION_RANGE."""
     lo, hi = CALIBRATION_RANGE
+    return AlertRule(
+        "DlrmCalibrationOff",
+        _expr(f"""
+        (
+          {CALIBRATION_RECORD} < {lo}
+          or
+          {CALIBRATION_RECORD} > {hi}
+        )
+        and on (namespace, version, arm)
+        {LABELS_RECORD} >= {CALIBRATION_MIN_LABELS}
+        """),
+        "30m", "ticket",
+        "{{ $labels.arm }} version {{ $labels.version }} predicts "
+        "{{ $value | humanize }}x the observed CTR",
+        "Over the feedback window (pooled over pods, at least "
+        f"{CALIBRATION_MIN_LABELS} labelled predictions) the mean predicted CTR divided "
+        f"by the observed CTR has stayed outside [{lo}, {hi}] for 30 minutes: bids or "
+        "rankings that use the probability as a probability are off. Above 1 the model "
+        "over-predicts clicks. Check that feedback is complete (dlrm_feedback_labels_total "
+        "by result: many unknown or expired labels bias the join), compare with "
+        f"{BASELINE_CALIBRATION_RATIO} and the online AUC; a real shift needs a "
+        "retrained or recalibrated version.")
+
+
+def _rollout_rolled_back() -> AlertRule:
+    """A ticket: a rollout rolled back in the last hour."""
     if "rolled_back" not in ROLLOUT_PHASES:
         raise ValueError(f"rollout phase 'rolled_back' is not in {ROLLOUT_PHASES}; update "
                          "DlrmRolloutRolledBack")
+    return AlertRule(
+        "DlrmRolloutRolledBack",
+        _expr(f"""
+        count by (namespace) (
+          {ROLLOUT_PHASE}{{phase="rolled_back"}} == 1
+          and
+          changes({ROLLOUT_PHASE}{{phase="rolled_back"}}[1h]) > 0
+        )
+        """),
+        "0m", "ticket",
+        "{{ $value }} pod(s) in {{ $labels.namespace }} rolled back a rollout",
+        "A rollout's guards (error ratio, p99 ratio, score PSI) breached, or someone "
+        "called POST /state/rollout/rollback, in the last hour: the pods serve the "
+        "stable version alone again (the alert clears an hour after the rollback). GET "
+        "/state on a sidecar gives rollout.reason and each guard's value and threshold "
+        "(also dlrm_rollout_guard_value). Fix the candidate, then declare a new rollout; "
+        "with a read-only ConfigMap, also remove the rollout from the serving state so "
+        "a restart does not retry it.")
 
-    def hit_ratio(offset: str = "") -> str:
-        w = f"[30m]{offset}"
-        return (f"sum by (namespace) (rate({hits}{w}))\n  /\n"
-                f"  (sum by (namespace) (rate({hits}{w})) + "
-                f"sum by (namespace) (rate({misses}{w})))")
 
-    return (
-        AlertRule(
-            "DlrmHighErrorRatio",
-            _expr(f"""
-            sum by (namespace) (rate({req}{{code=~"5.."}}[5m]))
-            /
-            sum by (namespace) (rate({req}[5m]))
-            > {ERROR_RATIO_MAX}
-            """),
-            "5m", "page",
-            "{{ $value | humanizePercentage }} of DLRM prediction requests in "
-            "{{ $labels.namespace }} fail with a 5xx",
-            f"More than {ERROR_RATIO_MAX:.0%} of the prediction requests the handler "
-            "answered over the last 5 minutes were server errors (5xx), for 5 minutes: "
-            "those users got no scores. See which pods and codes (dashboard panel Errors, "
-            f"or sum by (pod, code) (rate({req}{{code=~\"5..\"}}[5m]))) and read the "
-            "torchserve container's logs there. After a version switch or rollout "
-            "(GET /state on a sidecar), go back to the previous model.version in the "
-            "serving state. TorchServe's own 503s (queue full) never reach the handler: "
-            f"see {TORCHSERVE_PREFIX}Requests5XX_total."),
-        AlertRule(
-            "DlrmP99OverSlo",
-            _expr(f"""
-            histogram_quantile(0.99, sum by (namespace, le) (rate({dur}[5m])))
-            > {P99_SLO_SECONDS}
-            """),
-            "10m", "page",
-            "DLRM p99 latency in {{ $labels.namespace }} is {{ $value | humanizeDuration }}, "
-            f"over the {P99_SLO_SECONDS * 1000:.0f}ms goal",
-            "The handler's p99 (decode to response, without TorchServe's queueing) over 5 "
-            f"minutes, all pods together, has been above {P99_SLO_SECONDS * 1000:.0f} ms for "
-            f"10 minutes. Compare {P99_RECORD} and {QPS_RECORD} per pod: all pods slow at a "
-            "QPS above the HPA target (k8s/hpa.yaml) means scaling is not keeping up "
-            "(maxReplicas reached, pods Pending, a slow model load); one pod slow means a "
-            "bad node or a noisy neighbour: delete that pod. A falling cache hit ratio or a "
-            "new version can also raise it."),
-        AlertRule(
-            "DlrmNoReadyWorkers",
-            _expr(f"""
-            sum by (namespace, pod) ({WORKERS}{{status="READY"}}) == 0
-            or
-            max by (namespace, pod) ({UPSTREAM_UP}{{target="management"}}) == 0
-            """),
-            "15m", "page",
-            "Pod {{ $labels.namespace }}/{{ $labels.pod }} has no READY TorchServe worker",
-            f"For 15 minutes (longer than a model load may take) {WORKERS}{{status=\"READY\"}} "
-            f"was 0, or the sidecar could not reach TorchServe's management API "
-            f"({UPSTREAM_UP}{{target=\"management\"}} == 0, so {WORKERS} is absent). The pod "
-            "is not Ready, answers no predictions, and Kubernetes will not restart it "
-            "(TorchServe's /ping stays healthy without workers), while the HPA still counts "
-            "it. Read GET /state on its sidecar (the last reconcile error: a model that "
-            "fails to load, a switch refused for memory) and the torchserve container's "
-            "logs; fix the serving state, or delete the pod if TorchServe is wedged."),
-        AlertRule(
-            "DlrmCacheHitRatioFalling",
-            f"(\n  {hit_ratio()}\n)\n"
-            f"< {CACHE_HIT_DROP} *\n"
-            f"(\n  {hit_ratio(' offset 1h')}\n)\n"
-            f"and on (namespace)\n"
-            f"sum by (namespace) (rate({req}[30m])) > 0",
-            "15m", "ticket",
-            "Embedding cache hit ratio in {{ $labels.namespace }} fell to "
-            "{{ $value | humanizePercentage }}",
-            "Over the last 30 minutes the device cache served less than "
-            f"{CACHE_HIT_DROP}x the share of embedding lookups it served an hour earlier, "
-            "with traffic flowing, for 15 minutes. More misses mean more host-to-device "
-            "copies and a higher p99. Usual causes: traffic moved to other items (a "
-            "campaign, a catalogue change), a new model version or cache policy, many pods "
-            f"restarted with cold caches. Check {CACHE_HIT_RECORD} per pod and the p99; if "
-            "latency suffers, give the version a larger cache (its build profile) or scale "
-            "out."),
-        AlertRule(
-            "DlrmPredictedCtrShift",
-            _expr(f"""
-            abs(
-              {MEAN_SCORE_RECORD}
-              / on (namespace, version) group_left
-              max by (namespace, version) ({BASELINE_PREDICTED_CTR})
-              - 1
-            )
-            > {CTR_SHIFT_MAX}
-            """),
-            "15m", "ticket",
-            "Mean predicted CTR of {{ $labels.arm }} version {{ $labels.version }} is "
-            "{{ $value | humanizePercentage }} off its baseline",
-            "The mean predicted click probability of all this arm's predictions over 15 "
-            f"minutes ({ARM_SCORE} histogram, pooled over pods) has differed from the "
-            f"version's held-out baseline ({BASELINE_PREDICTED_CTR}, from its build report) "
-            f"by more than {CTR_SHIFT_MAX:.0%} for 15 minutes. Either the traffic drifted "
-            "(new items, a broken feature pipeline upstream: look at the request features) "
-            "or the model is wrong for it. Compare with the other arm and with the "
-            "calibration from click feedback; if it is a rollout's candidate, roll it back "
-            "(POST /state/rollout/rollback)."),
-        AlertRule(
-            "DlrmCalibrationOff",
-            _expr(f"""
-            (
-              {CALIBRATION_RECORD} < {lo}
-              or
-              {CALIBRATION_RECORD} > {hi}
-            )
-            and on (namespace, version, arm)
-            {LABELS_RECORD} >= {CALIBRATION_MIN_LABELS}
-            """),
-            "30m", "ticket",
-            "{{ $labels.arm }} version {{ $labels.version }} predicts "
-            "{{ $value | humanize }}x the observed CTR",
-            "Over the feedback window (pooled over pods, at least "
-            f"{CALIBRATION_MIN_LABELS} labelled predictions) the mean predicted CTR divided "
-            f"by the observed CTR has stayed outside [{lo}, {hi}] for 30 minutes: bids or "
-            "rankings that use the probability as a probability are off. Above 1 the model "
-            "over-predicts clicks. Check that feedback is complete (dlrm_feedback_labels_total "
-            "by result: many unknown or expired labels bias the join), compare with "
-            f"{BASELINE_CALIBRATION_RATIO} and the online AUC; a real shift needs a "
-            "retrained or recalibrated version."),
-        AlertRule(
-            "DlrmRolloutRolledBack",
-            _expr(f"""
-            count by (namespace) (
-              {ROLLOUT_PHASE}{{phase="rolled_back"}} == 1
-              and
-              changes({ROLLOUT_PHASE}{{phase="rolled_back"}}[1h]) > 0
-            )
-            """),
-            "0m", "ticket",
-            "{{ $value }} pod(s) in {{ $labels.namespace }} rolled back a rollout",
-            "A rollout's guards (error ratio, p99 ratio, score PSI) breached, or someone "
-            "called POST /state/rollout/rollback, in the last hour: the pods serve the "
-            "stable version alone again (the alert clears an hour after the rollback). GET "
-            "/state on a sidecar gives rollout.reason and each guard's value and threshold "
-            "(also dlrm_rollout_guard_value). Fix the candidate, then declare a new rollout; "
-            "with a read-only ConfigMap, also remove the rollout from the serving state so "
-            "a restart does not retry it."),
-        AlertRule(
-            "DlrmEmbeddingDeltasStale",
-            _expr(f"""
-            time() - max by (namespace, pod, version) ({EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS})
-            > {EMBEDDING_STALE_SECONDS}
-            """),
-            "15m", "ticket",
-            "Embeddings of version {{ $labels.version }} in {{ $labels.namespace }}/"
-            "{{ $labels.pod }} are {{ $value | humanizeDuration }} old",
-            "The newest embedding delta applied to this version was built more than "
-            f"{EMBEDDING_STALE_SECONDS // 3600} hours ago: new items and changed users are "
-            "scored with old embeddings. Check the delta builder (did it run and publish?) "
-            "and the sidecar's log for deltas it refused to apply."),
-    )
+def _embedding_deltas_stale() -> AlertRule:
+    """A ticket: a version's newest applied embedding delta is old."""
+    return AlertRule(
+        "DlrmEmbeddingDeltasStale",
+        _expr(f"""
+        time() - max by (namespace, pod, version) ({EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS})
+        > {EMBEDDING_STALE_SECONDS}
+        """),
+        "15m", "ticket",
+        "Embeddings of version {{ $labels.version }} in {{ $labels.namespace }}/"
+        "{{ $labels.pod }} are {{ $value | humanizeDuration }} old",
+        "The newest embedding delta applied to this version was built more than "
+        f"{EMBEDDING_STALE_SECONDS // 3600} hours ago: new items and changed users are "
+        "scored with old embeddings. Check the delta builder (did it run and publish?) "
+        "and the sidecar's log for deltas it refused to apply.")
 
 
 def _group(name: str, rules: Sequence[RecordingRule] | Sequence[AlertRule]) -> dict[str, Any]:
@@ -545,10 +581,14 @@ def prometheus_rule(adapter_rules: Path | None = None) -> dict[str, Any]:
 
 def panels() -> tuple[Panel, ...]:
     """The dashboard's panels, in grid order (two per row)."""
+    return _traffic_panels() + _resource_panels() + _model_panels()
+
+
+def _traffic_panels() -> tuple[Panel, ...]:
+    """Traffic and latency: request and instance rates, latency, errors, batching."""
     req = REQUESTS_TOTAL
     bi, br = BATCH_INSTANCES, BATCH_REQUESTS
     dur = f"{REQUEST_DURATION_SECONDS}_bucket"
-    cpu = f"{TORCHSERVE_PREFIX}CPUUtilization"
     return (
         Panel("QPS", "reqps", (
             (f"sum({QPS_RECORD})", "all pods"),
@@ -581,6 +621,13 @@ def panels() -> tuple[Panel, ...]:
             (f"sum(rate({br}_sum[1m])) / sum(rate({br}_count[1m]))",
              "requests per forward (mean)")),
             "What TorchServe's batching forms: instances and requests per merged forward."),
+    )
+
+
+def _resource_panels() -> tuple[Panel, ...]:
+    """Resources: the cache, replicas, CPU and GPU."""
+    cpu = f"{TORCHSERVE_PREFIX}CPUUtilization"
+    return (
         Panel("Cache hit ratio", "percentunit", (
             (f"max by (pod) ({CACHE_HIT_RECORD})", "{{pod}}"),),
             f"{CACHE_HIT_RECORD}: embedding rows found in the device cache / rows looked "
@@ -603,6 +650,12 @@ def panels() -> tuple[Panel, ...]:
             (f"max by (pod, device) ({GPU_MEMORY_USED_BYTES} / {GPU_MEMORY_TOTAL_BYTES})",
              "{{pod}} gpu{{device}} memory")),
             "NVML utilisation and memory used / total per device (no data on CPU pods)."),
+    )
+
+
+def _model_panels() -> tuple[Panel, ...]:
+    """The model's behaviour: predicted CTR, calibration, AUC, feedback, deltas, rollout."""
+    return (
         Panel("Predicted CTR by arm", "percentunit", (
             (f"max by (version, arm) ({MEAN_SCORE_RECORD})", "{{arm}} {{version}} mean"),
             (f"max by (version) ({BASELINE_PREDICTED_CTR})", "{{version}} baseline")),
@@ -674,7 +727,7 @@ def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
                     "tooltip": {"mode": "multi", "sort": "desc"}},
         "targets": [{"refId": ref, "datasource": dict(_DATASOURCE), "editorMode": "code",
                      "expr": expr, "legendFormat": legend, "range": True}
-                    for ref, (expr, legend) in zip(refs, p.targets)],
+                    for ref, (expr, legend) in zip(refs, p.targets, strict=True)],
     }
 
 

@@ -178,7 +178,7 @@ class Artifact:
         if len(specs) != len(self.tables):
             raise ArtifactError(f"the schema has {len(specs)} tables, the artifact "
                                 f"{len(self.tables)}; they must match one to one")
-        for spec, t in zip(specs, self.tables):
+        for spec, t in zip(specs, self.tables, strict=True):
             if (spec.name, spec.rows, spec.dim, spec.dtype) != (t.name, t.rows, t.dim, t.dtype):
                 raise ArtifactError(
                     f"table {t.name} ({t.rows} x {t.dim} {t.dtype}) does not match the "
@@ -202,7 +202,8 @@ class Artifact:
         schema = ModelSchema(
             num_dense,
             tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype) for t in tables),
-            tuple(FeatureSpec(f, t.name, max_ids) for f, t in zip(feature_names, tables)))
+            tuple(FeatureSpec(f, t.name, max_ids)
+                  for f, t in zip(feature_names, tables, strict=True)))
         del dtype  # every table states its own
         return cls(schema, tables, DLRMDense(dense_arch, over_arch), dict(meta or {}))
 
@@ -238,7 +239,7 @@ class Artifact:
         return next(f.name for f in self.schema.features if f.table == name)
 
 
-def save_artifact(art: Artifact, path: str | os.PathLike) -> None:
+def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
     """Write format ``FORMAT_VERSION`` atomically (tmp file + rename): a reader never sees
     half a file."""
     if isinstance(art.dense, DLRMDense):
@@ -281,7 +282,7 @@ def _from_v2(blob: dict[str, Any]) -> Artifact:
     return Artifact(schema, tables, dense, dict(blob["meta"]))
 
 
-def load_artifact(path: str | os.PathLike, mmap: bool = True) -> Artifact:
+def load_artifact(path: str | os.PathLike[str], mmap: bool = True) -> Artifact:
     """Read an artifact of format 1 or 2; ``mmap=True`` maps the tables instead of copying
     them in."""
     path = os.fspath(path)

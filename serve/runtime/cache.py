@@ -55,7 +55,7 @@ in chunks, so its pinned memory stays fixed whatever a batch misses.
 
 Miss paths on CUDA: "host" (default) gathers on the host into a pinned buffer and copies
 once per chunk; "mapped" lets the GPU gather from the pinned table itself. Measured elsewhere on an
-H200 (shared/STACK.md) the two move rows at about the same rate (1-2.7e8 rows/s); "mapped"
+H200 (docs/stack.md) the two move rows at about the same rate (1-2.7e8 rows/s); "mapped"
 needs no host round trip of the miss ids, which is what makes the captured path possible.
 ``bench/gpu_check.py`` measures both again.
 
@@ -107,7 +107,7 @@ _FREQ_MAX = torch.iinfo(torch.int32).max
 LFU_DECAY_PER_ROW = 8
 #: Bytes of each of the two pinned staging buffers of the host miss path (CUDA). Misses
 #: beyond it go through in chunks; 4 MiB is 61k rows of 68 bytes, where the host gather
-#: already runs near its best rate (shared/STACK.md: 1.9e8 rows/s at 65k rows per call).
+#: already runs near its best rate (docs/stack.md: 1.9e8 rows/s at 65k rows per call).
 STAGING_BYTES = 4 << 20
 # cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every device (a runtime
 # on cuda:1) and mapped into the device address space (the "mapped" miss path).
@@ -167,9 +167,13 @@ class _DLManagedTensor(ctypes.Structure):
                 ("deleter", _DELETER)]
 
 
-@_DELETER
-def _no_delete(_: int) -> None:   # the pinned tensor owns the memory; nothing to free
+def _no_delete_py(_: int) -> None:   # the pinned tensor owns the memory; nothing to free
     return None
+
+
+# A C callback made from the function above (the CFUNCTYPE applied as a call rather than
+# as a decorator, which mypy would see as untyped).
+_no_delete = _DELETER(_no_delete_py)
 
 
 def _pin_index(device: torch.device) -> torch.device:
@@ -231,17 +235,22 @@ def page_exclusive_empty(rows: int, row_bytes: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=n).view(rows, row_bytes)
 
 
+def _cudart() -> Any:
+    """The CUDA runtime's bindings (torch ships ``cudart`` without annotations)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
 def _cuda_host_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS))
+    return int(_cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS))
 
 
 def _cuda_host_unregister(ptr: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    return int(_cudart().cudaHostUnregister(ptr))
 
 
 def _cuda_error_string(err: int) -> str:
     try:
-        return str(torch.cuda.cudart().cudaGetErrorString(err))
+        return str(_cudart().cudaGetErrorString(err))
     except Exception:  # noqa: BLE001 - only for a message
         return "unknown error"
 
@@ -435,7 +444,7 @@ class EmbeddingCache:
         self._staging_rows = staging_bytes // self.row_bytes
         host_table = host_table.cpu()
         self._host_key: int | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., EmbeddingCache] | None = None
         if self.device.type == "cuda":
             if not host_table.is_contiguous():
                 raise ConfigError("the host table must be contiguous to be page-locked in "
@@ -563,7 +572,7 @@ class EmbeddingCache:
             # Record on the stream the copy went to (the cache device's current stream):
             # with the cache on cuda:1 and cuda:0 current, an event on cuda:0 would not
             # wait for the copy, and a later gather could overwrite rows in flight.
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             done.record(stream)
             self._staging_events[k] = done
         return out

@@ -71,7 +71,8 @@ class DenseDLRM(nn.Module):
         combined = torch.cat((x.unsqueeze(1), sparse.to(x.dtype)), 1)  # (B, F+1, D)
         inter = torch.bmm(combined, combined.transpose(1, 2))          # (B, F+1, F+1)
         flat = inter.flatten(1).index_select(1, self.triu_flat)        # (B, F(F+1)/2)
-        return self.over_arch(torch.cat((x, flat), 1)).squeeze(1).float()
+        logits: torch.Tensor = self.over_arch(torch.cat((x, flat), 1))
+        return logits.squeeze(1).float()
 
 
 class ExportedDenseModule(nn.Module):
@@ -89,7 +90,8 @@ class ExportedDenseModule(nn.Module):
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         if pooled.dim() == 3:
             pooled = pooled.reshape(pooled.shape[0], -1)
-        return self.program(dense, pooled).reshape(-1).float()
+        out: torch.Tensor = self.program(dense, pooled)
+        return out.reshape(-1).float()
 
 
 def convert_precision(model: DenseDLRM, precision: str, device: torch.device) -> nn.Module:
@@ -104,5 +106,8 @@ def convert_precision(model: DenseDLRM, precision: str, device: torch.device) ->
                               "use 'fp32' or 'bf16' on CUDA")
         from torch.ao.quantization import quantize_dynamic
 
-        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        # torch ships quantize_dynamic without annotations.
+        quantized: nn.Module = quantize_dynamic(  # type: ignore[no-untyped-call]
+            model, {nn.Linear}, dtype=torch.qint8)
+        return quantized
     return model

@@ -68,6 +68,11 @@ __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig"
 
 log = logging.getLogger(__name__)
 
+#: A captured CUDA graph for one batch size and its buffers: the graph, its static
+#: inputs (ids, dense) and output on the device, and the pinned host copies of all three.
+_GraphEntry = tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor, torch.Tensor, torch.Tensor]
+
 #: Default cap on samples per forward (``RuntimeConfig.max_forward_instances``): 8192
 #: one-hot samples are 213k ids, so the per-forward buffers stay in the tens of MB.
 DEFAULT_MAX_FORWARD_INSTANCES = 8192
@@ -341,7 +346,7 @@ class Runtime:
             self.dense = ExportedDenseModule(artifact.dense.program, dev)
         if config.compile:
             self.dense = torch.compile(self.dense, dynamic=True)  # type: ignore[assignment]
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[int, _GraphEntry] = {}
         self._capture_stream: torch.cuda.Stream | None = None
         self._lookups = self._hits = 0
         self._stage = {s: 0.0 for s in STAGES}
@@ -412,7 +417,7 @@ class Runtime:
             self.cache.close()
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact | str | os.PathLike,
+    def from_artifact(cls, artifact: Artifact | str | os.PathLike[str],
                       config: RuntimeConfig = RuntimeConfig(),
                       shared: SharedTables | None = None) -> Runtime:
         """Load (path: memory-mapped read) and prepare an artifact for ``config.device``.
@@ -689,7 +694,7 @@ class Runtime:
         return torch.sigmoid(self.dense(dense.to(self._dense_dtype),
                                         emb.to(self._dense_dtype)).float())
 
-    def _capture(self, b: int) -> tuple:
+    def _capture(self, b: int) -> _GraphEntry:
         """Capture ``_graph_body`` for batch ``b`` on a side stream of this runtime's device.
 
         The stream is explicit: ``torch.cuda.graph``'s default capture stream is created
@@ -705,7 +710,7 @@ class Runtime:
         # Warm-up runs really look up (row 0 of each table): keep the counters exact.
         saved = self.cache._count.clone() if self.cache is not None else None
         if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(dev)
+            self._capture_stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
         stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):

@@ -29,12 +29,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from serve.errors import DeltaConflict, ServeError
+from serve.runtime.shared import SharedTables
+from serve.schema import ModelSchema
 from serve.store.delta_files import (
     Delta,
     DeltaStore,
@@ -44,12 +46,29 @@ from serve.store.delta_files import (
     layout_for_schema,
 )
 
-__all__ = ["DeltaFollower", "runtime_layout"]
+__all__ = ["DeltaFollower", "DeltaTarget", "runtime_layout"]
 
 log = logging.getLogger(__name__)
 
 
-def runtime_layout(runtime: Any) -> TableLayout:
+class DeltaTarget(Protocol):
+    """What a follower writes deltas into: :class:`serve.runtime.engine.Runtime` is one.
+
+    A protocol rather than the class itself, so this module needs only what it uses: the
+    model's schema (the layout a delta must fit), the pod-wide shared table when the rows
+    are served from one (its write lock and applied sequence), and the row writer.
+    """
+
+    @property
+    def schema(self) -> ModelSchema: ...
+
+    @property
+    def shared(self) -> SharedTables | None: ...
+
+    def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+
+def runtime_layout(runtime: DeltaTarget) -> TableLayout:
     """What a delta must fit, from a :class:`serve.runtime.engine.Runtime`'s schema."""
     return layout_for_schema(runtime.schema)
 
@@ -66,7 +85,7 @@ class DeltaFollower:
         clock: wall seconds (status timestamps); perf: seconds for durations.
     """
 
-    def __init__(self, store: DeltaStore, version: str, runtime: Any,
+    def __init__(self, store: DeltaStore, version: str, runtime: DeltaTarget,
                  batch_lock: threading.Lock, *, pid: int | None = None,
                  clock: Callable[[], float] = time.time,
                  perf: Callable[[], float] = time.perf_counter) -> None:
@@ -114,7 +133,7 @@ class DeltaFollower:
         prepared = [(t.table, torch.from_numpy(np.ascontiguousarray(t.ids, dtype=np.int64)),
                      torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
                     for t in delta.tables]
-        shared = getattr(self.runtime, "shared", None)
+        shared = self.runtime.shared
         with self.batch_lock, (shared.write() if shared is not None
                                else contextlib.nullcontext()):
             t0 = self.perf()

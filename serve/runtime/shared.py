@@ -47,7 +47,7 @@ class SharedTables:
             newer one (the store was emptied behind it) is written afresh by :meth:`open`.
     """
 
-    def __init__(self, path: str | os.PathLike, max_sequence: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_sequence: int = 0) -> None:
         self.path = Path(path)
         self.max_sequence = max_sequence
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -338,7 +338,7 @@ class WorkerStatus:
 class DeltaStore:
     """The pod's accepted deltas, one folder per version (module docstring)."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._lock = threading.Lock()
 

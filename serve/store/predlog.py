@@ -28,6 +28,7 @@ records with ONE ``write`` on an unbuffered file; a reader that meets a partial 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -250,18 +251,14 @@ class PredictionLogWriter:
                 break
             if p.name == current:
                 continue
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another worker pruned it
                 p.unlink()
-            except FileNotFoundError:
-                pass
             total -= s
 
     def close(self) -> None:
         if self._file is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._file.close()
-            except OSError:
-                pass
             self._file = None
 
 

@@ -112,6 +112,71 @@ class _CacheTotals:
     wrapped: tuple[int, ...]
 
 
+
+def _set_torch_threads(workers: int, cfg: HandlerConfig, env: Mapping[str, str]) -> int:
+    """Set this process's torch threads (and one inter-op thread); return the count.
+
+    ``handler.num_threads``, else ``OMP_NUM_THREADS``, else the pod's CPU budget (cgroup
+    quota, not the node's cores) / workers: :func:`serve.common.cpu.choose_threads`.
+    """
+    choice = choose_threads(workers, cfg.num_threads, environ=env)
+    threads = choice.threads
+    logger.log(logging.WARNING if choice.oversubscribed else logging.INFO,
+               "threads: %s", choice.describe())
+    torch.set_num_threads(threads)
+    # Inter-op threads only matter for forks in the graph; one is enough. RuntimeError:
+    # already set, or parallel work has started: keep it.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    return threads
+
+
+def _shared_tables(store: DeltaStore | None, deltas: DeltaWiring | None,
+                   version: str) -> SharedTables | None:
+    """The pod-wide shared table of ``version``'s rows, when deltas are wired with
+    shared tables; else None (each runtime keeps its own rows)."""
+    if store is None or deltas is None or not deltas.shared_tables:
+        return None
+    return SharedTables(store.folder(version) / "tables.bin", store.last_sequence(version))
+
+
+def _load_candidate(model_dir: str | os.PathLike[str], cfg: HandlerConfig,
+                    runtime_cfg: RuntimeConfig,
+                    shared_for: Callable[[str], SharedTables | None], model_version: str
+                    ) -> tuple[Runtime | None, ControlWatcher | None, random.Random | None]:
+    """A rollout's candidate runtime, the watcher of its control file and the random
+    source for requests without a route key; three Nones without a rollout."""
+    rollout = cfg.rollout
+    if rollout is None:
+        return None, None, None
+    candidate = Runtime.from_artifact(
+        os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg,
+        shared=shared_for(rollout.candidate_version))
+    watcher = ControlWatcher(rollout.control_file)
+    # Requests without a route key are routed at random: seeded per worker (its
+    # pid), so workers draw independently and one worker's draws are reproducible.
+    rng = random.Random(os.getpid())
+    control = watcher.current()
+    logger.info("rollout: stable=%s candidate=%s (%s) control=%s (now mode=%s "
+                "weight=%.4g)", model_version, rollout.candidate_version,
+                rollout.candidate_artifact, rollout.control_file, control.mode,
+                control.weight)
+    return candidate, watcher, rng
+
+
+def _open_prediction_log(env: Mapping[str, str]) -> PredictionLogWriter | None:
+    """The prediction log (serve.store.predlog) that POST /feedback joins labels with; its
+    folder comes from TorchServe's environment (the launcher / the Deployment)."""
+    log_cfg = PredictionLogConfig.from_env(env)
+    if log_cfg is None:
+        return None
+    predlog = PredictionLogWriter(log_cfg)
+    logger.info("prediction log: %s (sample %.3g, %d-byte files, %d bytes at most)",
+                log_cfg.directory, log_cfg.sample_rate, log_cfg.file_bytes,
+                log_cfg.max_bytes)
+    return predlog
+
+
 class Worker:
     """One worker's models, rollout split, delta followers, prediction log and metrics.
 
@@ -188,17 +253,7 @@ class Worker:
             ConfigError: a setting in ``cfg`` or ``environ`` breaks its rule.
         """
         env = os.environ if environ is None else environ
-        # handler.num_threads, else OMP_NUM_THREADS, else the pod's CPU budget (cgroup
-        # quota, not the node's cores) / workers: serve.common.cpu.choose_threads.
-        choice = choose_threads(workers, cfg.num_threads, environ=env)
-        threads = choice.threads
-        logger.log(logging.WARNING if choice.oversubscribed else logging.INFO,
-                   "threads: %s", choice.describe())
-        torch.set_num_threads(threads)
-        try:  # inter-op threads only matter for forks in the graph; one is enough
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set or parallel work has started: keep it
-            pass
+        threads = _set_torch_threads(workers, cfg, env)
         runtime_cfg = RuntimeConfig(
             device=str(device), cache_load_factor=cfg.cache_load_factor,
             cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
@@ -208,37 +263,14 @@ class Worker:
         store = DeltaStore(deltas.directory) if deltas is not None else None
 
         def shared_for(version: str) -> SharedTables | None:
-            if store is None or deltas is None or not deltas.shared_tables:
-                return None
-            return SharedTables(store.folder(version) / "tables.bin",
-                                store.last_sequence(version))
+            return _shared_tables(store, deltas, version)
 
         runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg,
                                         shared=shared_for(model_version))
-        candidate = watcher = rng = None
         rollout = cfg.rollout
-        if rollout is not None:
-            candidate = Runtime.from_artifact(
-                os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg,
-                shared=shared_for(rollout.candidate_version))
-            watcher = ControlWatcher(rollout.control_file)
-            # Requests without a route key are routed at random: seeded per worker (its
-            # pid), so workers draw independently and one worker's draws are reproducible.
-            rng = random.Random(os.getpid())
-            control = watcher.current()
-            logger.info("rollout: stable=%s candidate=%s (%s) control=%s (now mode=%s "
-                        "weight=%.4g)", model_version, rollout.candidate_version,
-                        rollout.candidate_artifact, rollout.control_file, control.mode,
-                        control.weight)
-        # The prediction log (serve.store.predlog) that POST /feedback joins labels with; its
-        # folder comes from TorchServe's environment (the launcher / the Deployment).
-        predlog = None
-        log_cfg = PredictionLogConfig.from_env(env)
-        if log_cfg is not None:
-            predlog = PredictionLogWriter(log_cfg)
-            logger.info("prediction log: %s (sample %.3g, %d-byte files, %d bytes at most)",
-                        log_cfg.directory, log_cfg.sample_rate, log_cfg.file_bytes,
-                        log_cfg.max_bytes)
+        candidate, watcher, rng = _load_candidate(model_dir, cfg, runtime_cfg, shared_for,
+                                                  model_version)
+        predlog = _open_prediction_log(env)
         if metrics is None:
             _clean_metric_files(env)
             metrics = HandlerMetrics()
@@ -359,7 +391,7 @@ class Worker:
                 if run.scores is None:
                     continue
                 version, start = self._version_of(run.arm), 0
-                for idx, size in zip(run.indices, run.sizes):
+                for idx, size in zip(run.indices, run.sizes, strict=True):
                     rid = request_ids[idx]
                     if rid:
                         preds.append(Prediction(str(rid), version, run.arm, now,
