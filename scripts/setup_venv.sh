@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 echo "==> installing torch 2.13.0 (CPU build) and fbgemm-gpu-cpu 1.8.0"
-# torch==2.13.0 exactly: a looser spec downloads a multi-GB CUDA build (STACK.md).
+# torch==2.13.0 exactly: a looser spec downloads a multi-GB CUDA build (docs/stack.md).
 $PIP install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0 -c constraints.txt
 echo "==> installing torchrec 1.8.0 without its declared deps (they name the CUDA fbgemm-gpu)"
 $PIP install -q --no-deps torchrec==1.8.0

@@ -39,7 +39,7 @@ def default_num_threads(workers: int, cores: int | None = None) -> int:
     ``cores`` defaults to the CPUs the process can really use,
     :func:`serve.common.cpu.available_cpus`: min(CPU affinity, ceil(cgroup CPU quota)), so a pod
     with a 4-CPU limit on a 64-core node counts 4, not 64. More threads than that
-    oversubscribe the CPUs (STACK.md measured up to 10x loss). This is the budget alone:
+    oversubscribe the CPUs (docs/stack.md measured up to 10x loss). This is the budget alone:
     the handler's full rule (``handler.num_threads``, then ``OMP_NUM_THREADS``, then this)
     is :func:`serve.common.cpu.choose_threads`.
     """
