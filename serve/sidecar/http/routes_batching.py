@@ -106,10 +106,9 @@ async def apply_batching(reconciler: Reconciler, ts: TorchServeClient, update: B
     """
     t0 = clock()
     before = batching_state(await ts.describe())
-    reconciler.read_desired()
-    base = reconciler.desired
+    base, why = reconciler.declared_now()
     if base is None:
-        raise Conflict(f"there is no valid desired state to edit ({reconciler.file_error}); "
+        raise Conflict(f"there is no valid desired state to edit ({why}); "
                        "declare one with PUT /state")
     new = edited(base, update)
     after_pass, digest = reconciler.write(new)

@@ -29,11 +29,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends
 from pydantic import ValidationError
 
-from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailable
+from serve.errors import ConfigError, InvalidInput, UpstreamUnavailable
 from serve.sidecar.adapters.model_schemas import check_rollout_schema
 from serve.sidecar.adapters.torchserve import Observed, observe
-from serve.sidecar.control.reconciler import Reconciler, observed_state
-from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.assessment import observed_state
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.routes_tuner import tuner_status
 from serve.sidecar.http.schemas import (
@@ -89,9 +88,9 @@ async def put_state(body: Annotated[Any, Body()], state: SidecarDep) -> StateAcc
     if declared is not None and desired.batching != declared.batching:
         state.pin_batching(f"PUT /state declaring batching {desired.batching.batch_size}/"
                            f"{desired.batching.max_batch_delay_ms} ms")
-    reconciler.write(desired)
     last = reconciler.last_pass
     converged = bool(last is not None and last.converged and reconciler.desired == desired)
+    reconciler.write(desired)
     return StateAccepted(
         desired=desired, converged=converged, target_serving_version=desired.serving_version(),
         state_file=str(reconciler.path),
@@ -125,42 +124,22 @@ def _validated(body: Any, state: Sidecar) -> DesiredState:
     return desired
 
 
-def _rollouts(state: Sidecar, what: str) -> tuple[Reconciler, RolloutController]:
-    reconciler = state.require_reconciler(what)
-    if reconciler.rollouts is None:
-        raise Conflict(f"{what}: this sidecar runs no rollout controller")
-    reconciler.effective()  # picks up a rollout declared since the last pass
-    return reconciler, reconciler.rollouts
-
-
 @router.post("/state/rollout/promote", response_model=RolloutStatus,
              dependencies=[Depends(require_token)],
              summary="Promote the baking rollout's candidate now",
              responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
-async def promote(state: SidecarDep) -> RolloutStatus:
-    reconciler, ctl = _rollouts(state, "POST /state/rollout/promote")
-    ctl.promote("promoted by hand (POST /state/rollout/promote)")
-    reconciler.settle_rollout()
-    reconciler.wake()
-    status = ctl.status()
-    if status is None:  # pragma: no cover - promote() raised without a run
-        raise Conflict("no rollout")
-    return status
+async def promote(sidecar: SidecarDep) -> RolloutStatus:
+    reconciler = sidecar.require_reconciler("POST /state/rollout/promote")
+    return reconciler.end_rollout(True, "promoted by hand (POST /state/rollout/promote)")
 
 
 @router.post("/state/rollout/rollback", response_model=RolloutStatus,
              dependencies=[Depends(require_token)],
              summary="Roll the baking rollout's candidate back now",
              responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
-async def rollback(state: SidecarDep) -> RolloutStatus:
-    reconciler, ctl = _rollouts(state, "POST /state/rollout/rollback")
-    ctl.rollback("rolled back by hand (POST /state/rollout/rollback)")
-    reconciler.settle_rollout()
-    reconciler.wake()
-    status = ctl.status()
-    if status is None:  # pragma: no cover
-        raise Conflict("no rollout")
-    return status
+async def rollback(sidecar: SidecarDep) -> RolloutStatus:
+    reconciler = sidecar.require_reconciler("POST /state/rollout/rollback")
+    return reconciler.end_rollout(False, "rolled back by hand (POST /state/rollout/rollback)")
 
 
 async def _status_without_file(state: Sidecar) -> StateStatus:
