@@ -61,6 +61,7 @@ from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Assessment, assess, observed_state
+from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
@@ -69,20 +70,21 @@ from serve.sidecar.control.views import RolloutStatus, StateStatus, SwitchRecord
 from serve.state import Batching, DesiredState, dump_state
 from serve.store.repository import ModelRepository
 
-__all__ = ["Assessment", "PassResult", "Reconciler", "SwitchFailed", "assess", "observed_state"]
+__all__ = ["Assessment", "PassResult", "ReconcileResult", "Reconciler", "SwitchFailed", "assess",
+           "observed_state"]
 
 _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """One reconcile pass: what it read (``desired_hash``), did (``result``, one of
-    ``serve.metrics.RECONCILE_RESULTS``) and found at its end."""
+    """One reconcile pass: what it read (``desired_hash``), did (``result``) and found at
+    its end."""
 
     seq: int
     desired_hash: str | None
     target: str | None
-    result: str
+    result: ReconcileResult
     converged: bool
     serving: bool
     reason: str | None
@@ -254,11 +256,12 @@ class Reconciler:
                 observed = await observe(self.ts)
         except UpstreamUnavailable as e:
             return self._finish(PassResult(
-                seq, read_hash, target, "unavailable", False, False,
+                seq, read_hash, target, ReconcileResult.UNAVAILABLE, False, False,
                 f"TorchServe did not answer: {e.message}"), e.message)
         a = assess(desired, observed)
-        if self.file_error is not None and result in ("converged", "waiting", "applied"):
-            result = "invalid"
+        if self.file_error is not None and result in (
+                ReconcileResult.CONVERGED, ReconcileResult.WAITING, ReconcileResult.APPLIED):
+            result = ReconcileResult.INVALID
         error = (switch_error.message if switch_error else cleanup_error) or self.file_error
         converged = a.converged and self.file_error is None
         if converged:
@@ -336,7 +339,7 @@ class Reconciler:
         return status
 
     async def _act(self, desired: DesiredState | None
-                   ) -> tuple[str, ServeError | None, str | None, Observed | None]:
+                   ) -> tuple[ReconcileResult, ServeError | None, str | None, Observed | None]:
         """(result, switch error, clean-up error, what TorchServe serves now or None when
         an action may have changed it) of this pass's actions toward ``desired`` (the
         effective desired state)."""
@@ -346,10 +349,11 @@ class Reconciler:
         runner = self.runner
         if a.action == "switch" and desired is not None:
             if runner.retry_wait() > 0:
-                return "waiting", None, None, observed
+                return ReconcileResult.WAITING, None, None, observed
             error = await runner.run(desired, observed)
             if error is not None:
-                result = "refused" if isinstance(error, InsufficientMemory) else "failed"
+                result = (ReconcileResult.REFUSED if isinstance(error, InsufficientMemory)
+                          else ReconcileResult.FAILED)
                 return result, error, None, None
             acted = True
             observed = await observe(self.ts)
@@ -358,13 +362,13 @@ class Reconciler:
             cleanup_error = await runner.cleanup(observed, a.target)
             runner.close_record(cleanup_error)
             if cleanup_error is not None:
-                return "failed", None, cleanup_error, None
+                return ReconcileResult.FAILED, None, cleanup_error, None
             acted = True
         if acted:
             runner.close_record(None)
             self.switch.idle()
-            return "applied", None, None, None
-        return ("converged" if a.converged else "waiting"), None, None, observed
+            return ReconcileResult.APPLIED, None, None, None
+        return (ReconcileResult.CONVERGED if a.converged else ReconcileResult.WAITING), None, None, observed
 
     def _finish(self, p: PassResult, error: str | None) -> PassResult:
         self.last_pass = p

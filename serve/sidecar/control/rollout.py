@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 
 from prometheus_client.metrics_core import Metric
@@ -63,6 +62,7 @@ from serve.sidecar.control.guards import (
     evaluate,
     snapshot,
 )
+from serve.sidecar.control.phases import RolloutPhase
 from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
@@ -70,14 +70,6 @@ from serve.store.routing import write_control
 __all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
-
-
-class RolloutPhase(StrEnum):
-    """The values are ``serve.metrics.ROLLOUT_PHASES`` (but ``none``)."""
-
-    BAKING = "baking"
-    PROMOTED = "promoted"
-    ROLLED_BACK = "rolled_back"
 
 
 def rollout_key(stable: str, spec: Rollout) -> str:
