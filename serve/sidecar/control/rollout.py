@@ -34,10 +34,12 @@ The state is data: :meth:`RolloutController.status` is ``rollout`` in GET /state
 
 Example::
 
-    ctl = RolloutController(read_families=collector.collect, control_file=lambda v: path)
-    effective = ctl.effective(desired)       # what the reconciler converges to
-    ctl.on_serving(desired, effective.serving_version(), now)
-    transition = ctl.tick(now)               # "stepped", "promoted", "rolled_back" or None
+    ctl = RolloutController(read_families=collector.collect,
+                            control_file=lambda version: store / f"dlrm-{version}.control.json")
+    ctl.declare(desired)                     # the reconciler's pass, after reading the file
+    effective = ctl.effective(desired)       # what the reconciler converges to (pure)
+    ctl.on_serving(desired, effective.serving_version())  # a pass found it serving
+    transition = ctl.tick()                  # "stepped", "promoted", "rolled_back" or None
 """
 from __future__ import annotations
 

@@ -60,7 +60,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from serve.errors import ServeError, UpstreamUnavailable
 from serve.sidecar.adapters.archives import (
@@ -137,7 +136,7 @@ class VersionSwitch:
 
     def __init__(self, torchserve: TorchServeClient, config: SidecarConfig, *,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
                  on_phase: Callable[[str], None] | None = None,
                  forget_workers: Callable[[list[int]], None] | None = None,
                  memory: MemoryProbe | None = None,
