@@ -33,9 +33,9 @@ router = APIRouter()
 
 @router.get("/batching", response_model=BatchingStatus, response_model_exclude_none=True,
             summary="Batching settings of the default model version")
-async def get_batching(state: SidecarDep) -> BatchingStatus:
-    current = batching_state(await state.torchserve.describe())
-    switch = state.switch
+async def get_batching(sidecar: SidecarDep) -> BatchingStatus:
+    current = batching_state(await sidecar.torchserve.describe())
+    switch = sidecar.switch
     phase = None if switch.phase is SwitchPhase.IDLE else switch.phase.value
     return BatchingStatus(**current.model_dump(), switch_phase=phase,
                           switch_error=switch.last_error)
@@ -49,36 +49,38 @@ async def get_batching(state: SidecarDep) -> BatchingStatus:
                                             "file is read-only, or there is none"},
                        503: {"description": "TorchServe could not apply it"},
                        507: {"description": "two versions would not fit in memory"}})
-async def put_batching(update: BatchingUpdate, state: SidecarDep) -> BatchingUpdateResult:
-    reconciler = state.require_reconciler("PUT /batching")
-    if state.update_lock.locked():
-        state.metrics.observe_update("conflict")
+async def put_batching(update: BatchingUpdate, sidecar: SidecarDep) -> BatchingUpdateResult:
+    reconciler = sidecar.require_reconciler("PUT /batching")
+    if sidecar.update_lock.locked():
+        sidecar.metrics.observe_update("conflict")
         raise Conflict("another PUT /batching is being applied; retry when it returns")
-    await state.update_lock.acquire()  # no await between the check and this: no race
+    await sidecar.update_lock.acquire()  # no await between the check and this: no race
     # A client that hangs up must not cancel the wait half-way (a lock held by nobody,
     # a failed change left declared): the task runs to its end regardless.
-    task = asyncio.create_task(_apply(state, reconciler, update))
-    state.running.add(task)
-    task.add_done_callback(state.running.discard)
+    task = asyncio.create_task(_apply(sidecar, reconciler, update))
+    sidecar.running.add(task)
+    task.add_done_callback(sidecar.running.discard)
     return await asyncio.shield(task)
 
 
-async def _apply(state: Sidecar, reconciler: Reconciler,
+async def _apply(sidecar: Sidecar, reconciler: Reconciler,
                  update: BatchingUpdate) -> BatchingUpdateResult:
     """Apply ``update`` (the caller holds the update lock; released here) and count it."""
     # A setting given by hand is pinned: the tuner would otherwise move it again.
-    pinned = state.pin_batching(f"PUT /batching {update.model_dump(exclude_none=True)}")
+    tuning = sidecar.tuning
+    pinned = (tuning.pin_batching(f"PUT /batching {update.model_dump(exclude_none=True)}")
+              if tuning is not None else False)
     try:
-        result = await apply_batching(reconciler, state.torchserve, update, state.clock)
+        result = await apply_batching(reconciler, sidecar.torchserve, update, sidecar.clock)
     except Conflict:
-        state.metrics.observe_update("conflict")
+        sidecar.metrics.observe_update("conflict")
         raise
     except Exception:
-        state.metrics.observe_update("failed")
+        sidecar.metrics.observe_update("failed")
         raise
     finally:
-        state.update_lock.release()
-    state.metrics.observe_update("applied" if result.changed else "unchanged", result.seconds)
+        sidecar.update_lock.release()
+    sidecar.metrics.observe_update("applied" if result.changed else "unchanged", result.seconds)
     return result.model_copy(update={"tuner_turned_off": pinned})
 
 

@@ -57,15 +57,15 @@ _SHAPE = ('a desired state is {"model": {"version": V}, "batching": {"batch_size
 
 @router.get("/state", response_model=StateStatus, response_model_by_alias=True,
             summary="Desired vs observed serving state, converged or why not")
-async def get_state(state: SidecarDep) -> StateStatus:
-    reconciler = state.reconciler
+async def get_state(sidecar: SidecarDep) -> StateStatus:
+    reconciler = sidecar.reconciler
     if reconciler is not None:
         status = await reconciler.status()
     else:
-        status = await _status_without_file(state)
-    status = status.model_copy(update={"tuner": tuner_status(state)})
-    if state.deltas is not None:
-        summaries = await state.deltas.summaries()
+        status = await _status_without_file(sidecar)
+    status = status.model_copy(update={"tuner": tuner_status(sidecar)})
+    if sidecar.deltas is not None:
+        summaries = await sidecar.deltas.summaries()
         status = status.model_copy(update={"embeddings": {
             v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()}})
     return status
@@ -81,13 +81,15 @@ async def get_state(state: SidecarDep) -> StateStatus:
                                             "ConfigMap), or the sidecar has none; or the "
                                             "rollout's candidate takes other requests "
                                             "(another request schema) than model.version"}})
-async def put_state(body: Annotated[Any, Body()], state: SidecarDep) -> StateAccepted:
-    reconciler = state.require_reconciler("PUT /state")
-    desired = _validated(body, state)
+async def put_state(body: Annotated[Any, Body()], sidecar: SidecarDep) -> StateAccepted:
+    reconciler = sidecar.require_reconciler("PUT /state")
+    desired = _validated(body, sidecar)
     declared = reconciler.desired
-    if declared is not None and desired.batching != declared.batching:
-        state.pin_batching(f"PUT /state declaring batching {desired.batching.batch_size}/"
-                           f"{desired.batching.max_batch_delay_ms} ms")
+    if declared is not None and desired.batching != declared.batching \
+            and sidecar.tuning is not None:
+        sidecar.tuning.pin_batching(f"PUT /state declaring batching "
+                                    f"{desired.batching.batch_size}/"
+                                    f"{desired.batching.max_batch_delay_ms} ms")
     last = reconciler.last_pass
     converged = bool(last is not None and last.converged and reconciler.desired == desired)
     reconciler.write(desired)
@@ -97,7 +99,7 @@ async def put_state(body: Annotated[Any, Body()], state: SidecarDep) -> StateAcc
         message="written; the reconciler applies it now: GET /state shows the progress")
 
 
-def _validated(body: Any, state: Sidecar) -> DesiredState:
+def _validated(body: Any, sidecar: Sidecar) -> DesiredState:
     """The body as a desired state whose versions are in the repository (else 400), and
     whose rollout's candidate takes the stable version's requests (else 409)."""
     if not isinstance(body, dict):
@@ -108,7 +110,7 @@ def _validated(body: Any, state: Sidecar) -> DesiredState:
     except ValidationError as e:
         raise InvalidInput(f"invalid PUT /state body: {describe_validation_error(e)}"
                            ) from None
-    repository = state.repository
+    repository = sidecar.repository
     versions = [("model.version", desired.model.version)]
     if desired.rollout is not None:
         versions.append(("rollout.candidate", desired.rollout.candidate))
@@ -118,9 +120,9 @@ def _validated(body: Any, state: Sidecar) -> DesiredState:
                 repository.archive(version)
             except ConfigError as e:
                 raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
-    if desired.rollout is not None and state.schemas is not None:
+    if desired.rollout is not None and sidecar.schemas is not None:
         # Both exist; the candidate must take the stable version's requests (409).
-        check_rollout_schema(state.schemas, desired.model.version, desired.rollout.candidate)
+        check_rollout_schema(sidecar.schemas, desired.model.version, desired.rollout.candidate)
     return desired
 
 
@@ -142,20 +144,20 @@ async def rollback(sidecar: SidecarDep) -> RolloutStatus:
     return reconciler.end_rollout(False, "rolled back by hand (POST /state/rollout/rollback)")
 
 
-async def _status_without_file(state: Sidecar) -> StateStatus:
+async def _status_without_file(sidecar: Sidecar) -> StateStatus:
     """GET /state of a sidecar started without --state-file: what serves, and why
     nothing is reconciled."""
     reason = ("this sidecar was started without --state-file: nothing declares what to "
               "serve, and nothing is reconciled")
     try:
-        schema_of = state.schemas.describe if state.schemas is not None else None
-        observed: ObservedState = observed_state(await observe(state.torchserve), schema_of)
+        schema_of = sidecar.schemas.describe if sidecar.schemas is not None else None
+        observed: ObservedState = observed_state(await observe(sidecar.torchserve), schema_of)
     except UpstreamUnavailable as e:
         observed = observed_state(Observed(default=None))
         reason = f"{reason}; TorchServe did not answer: {e.message}"
-    versions = state.repository.versions() if state.repository is not None else []
+    versions = sidecar.repository.versions() if sidecar.repository is not None else []
     return StateStatus(desired=None, observed=observed, converged=False, reason=reason,
-                       phase=state.switch.phase.value, last_error=state.switch.last_error,
+                       phase=sidecar.switch.phase.value, last_error=sidecar.switch.last_error,
                        last_switch=None, target_serving_version=None,
                        available_versions=versions, state_file=None,
                        state_file_writable=False)
