@@ -27,6 +27,7 @@ from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import TorchServeClient, observe
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.control.batching import BatchingUpdates
 from serve.sidecar.control.drain import Drainer
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
@@ -70,8 +71,6 @@ class Sidecar:
         metrics: the sidecar's own metrics.
         handler_metrics: the workers' metrics from the multiprocess dir, if configured.
         clock: monotonic seconds, for durations and deadlines.
-        update_lock: held while a PUT /batching runs (a second one gets 409).
-        running: switches in progress (kept referenced until they end).
         repository: the model versions (``config.repository_roots``).
         schemas: the versions' request schemas, read once from their build reports
             (GET /state's ``observed.model.schema``, the rollout's schema check).
@@ -90,8 +89,6 @@ class Sidecar:
     metrics: SidecarMetrics
     handler_metrics: HandlerAggregateCollector | None = None
     clock: Callable[[], float] = time.monotonic
-    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    running: set[asyncio.Task[Any]] = field(default_factory=set)
     repository: ModelRepository | None = None
     schemas: SchemaCache | None = None
     feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
@@ -108,6 +105,7 @@ class Sidecar:
     _delta_sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _drainer: Drainer | None = field(default=None, repr=False)
     _tuning: TuningLoop | None = field(default=None, repr=False)
+    _batching: BatchingUpdates | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -186,6 +184,10 @@ class Sidecar:
                 switch=self._switch, reconciler=self._reconciler,
                 worker_families=handler.collect if handler is not None else None,
                 clock=self.clock)
+        if self._reconciler is not None:
+            self._batching = BatchingUpdates(self._reconciler, torchserve=self._torchserve,
+                                             metrics=self.metrics, tuning=self._tuning,
+                                             clock=self.clock)
         self._drainer = Drainer(self._torchserve, config, switch=self._switch,
                                 reconciler=self._reconciler, clock=self.clock)
         if self.deltas is not None:
@@ -248,6 +250,15 @@ class Sidecar:
     def draining(self) -> bool:
         """A drain for shutdown has begun: the pod is not ready any more."""
         return self._drainer is not None and self._drainer.draining
+
+    def batching_updates(self, what: str) -> BatchingUpdates:
+        """PUT /batching's service, or 409 explaining that ``what`` needs a
+        desired-state file; only while the app runs."""
+        self.require_reconciler(what)
+        if self._batching is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._batching
 
     @property
     def tuning(self) -> TuningLoop | None:
