@@ -71,6 +71,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from serve.constants import STAGES
+from serve.sidecar.control.phases import ReconcileResult, RolloutPhase, SwitchPhase, TunerPhase
 
 __all__ = [
     "ARMS",
@@ -187,8 +188,9 @@ TUNER_PHASE = "dlrm_tuner_phase"
 TUNER_BATCH_SIZE = "dlrm_tuner_batch_size"
 TUNER_MAX_BATCH_DELAY_SECONDS = "dlrm_tuner_max_batch_delay_seconds"
 TUNER_DECISIONS_TOTAL = "dlrm_tuner_decisions_total"
-#: The batching tuner's phases (serve.sidecar.control.tuner) and the reasons of its decisions.
-TUNER_PHASES = ("off", "paused", "observing", "switching", "trying", "settled")
+#: The batching tuner's phases (serve.sidecar.control.phases.TunerPhase) and the reasons of
+#: its decisions.
+TUNER_PHASES: tuple[str, ...] = tuple(p.value for p in TunerPhase)
 TUNER_REASONS = ("seed", "trial", "best", "failed")
 ROLLOUT_PHASE = "dlrm_rollout_phase"
 ROLLOUT_WEIGHT = "dlrm_rollout_weight"
@@ -230,8 +232,9 @@ EMBEDDING_DELTA_APPLY_SECONDS = "dlrm_embedding_delta_apply_seconds"
 
 #: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
 ARMS: tuple[str, ...] = ("stable", "candidate")
-#: Phases of a rollout (``serve.sidecar.control.rollout``); ``none`` when no rollout was declared.
-ROLLOUT_PHASES: tuple[str, ...] = ("none", "baking", "promoted", "rolled_back")
+#: Phases of a rollout (``serve.sidecar.control.phases.RolloutPhase``); ``none`` when no
+#: rollout was declared.
+ROLLOUT_PHASES: tuple[str, ...] = ("none", *(p.value for p in RolloutPhase))
 #: Guards of a rollout, by name (bounded label of the guard gauges).
 ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
 #: What became of one feedback label (``dlrm_feedback_labels_total{result}``): ``joined``
@@ -241,12 +244,9 @@ ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
 #: request had fewer instances than the index.
 FEEDBACK_RESULTS: tuple[str, ...] = ("joined", "unknown", "expired", "duplicate", "bad_index")
 
-#: Phases of the sidecar's version switch (``serve.sidecar.control.switch.SwitchPhase``), in order;
+#: Phases of the sidecar's version switch (``serve.sidecar.control.phases.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
-SWITCH_PHASES: tuple[str, ...] = (
-    "idle", "copying", "registering", "waiting_ready", "setting_default", "draining",
-    "unregistering", "rolling_back", "failed",
-)
+SWITCH_PHASES: tuple[str, ...] = tuple(p.value for p in SwitchPhase)
 
 #: Outcomes of one reconcile pass of the sidecar (``serve.sidecar.control.reconciler``), a fixed set:
 #: ``converged`` nothing to do; ``applied`` a switch or clean-up step succeeded; ``waiting``
@@ -254,9 +254,7 @@ SWITCH_PHASES: tuple[str, ...] = (
 #: ``failed`` a step failed (rolled back); ``refused`` a switch would not fit the memory
 #: limit; ``invalid`` the desired-state file does not parse; ``unavailable`` TorchServe did
 #: not answer.
-RECONCILE_RESULTS: tuple[str, ...] = (
-    "converged", "applied", "waiting", "failed", "refused", "invalid", "unavailable",
-)
+RECONCILE_RESULTS: tuple[str, ...] = tuple(r.value for r in ReconcileResult)
 
 # Latency goal is tens of ms at p99 on CPU and ~1 ms on GPU: buckets from 0.5 ms to 1 s,
 # dense where the goals are so that a p99 interpolated from them is meaningful.

@@ -29,6 +29,7 @@ from serve.sidecar.adapters.model_schemas import SchemaCache, check_rollout_sche
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient
 from serve.sidecar.config import STATE_FILE_ENV
 from serve.sidecar.control import reconciler as reconciler_module
+from serve.sidecar.control import state_file as state_file_module
 from serve.sidecar.control.reconciler import Reconciler, assess
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.http.app import DEFAULT_STATE_FILE, SidecarConfig, create_app
@@ -419,7 +420,18 @@ def test_not_enough_memory_refuses_the_switch(tmp_path, repo, state_file):
 def test_status_shape(tmp_path, repo, state_file):
     ts = FakeTorchServe(tmp_path / "store")
     w = World(ts, repo, state_file)
+    # A read changes nothing: before the first pass nothing has read the file yet.
+    first = w.status()
+    assert (first["desired"], first["converged"], first["target_serving_version"]) == (
+        None, False, None)
+    assert first["reason"] == ("the reconciler has not read the desired-state file yet "
+                               "(its first pass is starting)")
+    ts.failures[("GET", "/models/dlrm/all")] = 500  # the first pass reads the file only
+    assert w.tick().result == "unavailable"
+    ts.failures.clear()
     before = w.status()
+    assert before["last_error"].startswith("TorchServe http://ts-management/models/dlrm/all")
+    before["last_error"] = None
     assert before == {
         "desired": {"model": {"version": "small-s0"},
                     "batching": {"batch_size": 8, "max_batch_delay_ms": 50},
@@ -608,7 +620,7 @@ def test_put_state_on_a_read_only_file_is_409(tmp_path, repo, state_file, monkey
             return False
         return real_access(path, mode)
 
-    monkeypatch.setattr(reconciler_module.os, "access", access)
+    monkeypatch.setattr(state_file_module.os, "access", access)
     before = state_file.read_text()
     put, state = requests(make_app(ts, repo, state_file),
                           ("PUT", "/state", {"model": {"version": "small-s1"}}),
@@ -631,7 +643,7 @@ def test_a_read_only_file_system_on_write_is_409(tmp_path, repo, state_file, mon
     def erofs(path: Any, state: Any) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(reconciler_module, "write_state", erofs)
+    monkeypatch.setattr(state_file_module, "write_state", erofs)
     [put] = requests(make_app(ts, repo, state_file),
                      ("PUT", "/state", {"model": {"version": "small-s1"}}))
     assert put.status_code == 409

@@ -2,7 +2,7 @@
 
 ``create_app`` builds it and puts it on ``app.state.sidecar``; the app's lifespan
 connects it to TorchServe (:meth:`Sidecar.connect`). Routes declare a parameter
-``state: SidecarDep`` and FastAPI passes it; nothing is captured in closures, so a test can
+``sidecar: SidecarDep`` and FastAPI passes it; nothing is captured in closures, so a test can
 build a state with a fake client and a fresh registry, or read it after requests.
 """
 from __future__ import annotations
@@ -20,18 +20,20 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from serve.errors import Conflict
-from serve.metrics import HandlerAggregateCollector, SidecarMetrics, torchserve_families
+from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.sidecar.adapters.archives import control_path
 from serve.sidecar.adapters.gpu import GpuCollector
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.model_schemas import SchemaCache
-from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.adapters.torchserve import TorchServeClient, observe
 from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.control.batching import BatchingUpdates
 from serve.sidecar.control.drain import Drainer
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
-from serve.sidecar.control.switch import SwitchPhase, VersionSwitch
-from serve.sidecar.control.tuner import BatchTuner, Setting, counters_from
+from serve.sidecar.control.switch import VersionSwitch
+from serve.sidecar.control.tuner import BatchTuner
+from serve.sidecar.control.tuning import TuningLoop
 from serve.sidecar.services.embedding_deltas import DeltaService
 from serve.sidecar.services.feedback import FeedbackService
 from serve.store.delta_files import DeltaStore
@@ -69,8 +71,6 @@ class Sidecar:
         metrics: the sidecar's own metrics.
         handler_metrics: the workers' metrics from the multiprocess dir, if configured.
         clock: monotonic seconds, for durations and deadlines.
-        update_lock: held while a PUT /batching runs (a second one gets 409).
-        running: switches in progress (kept referenced until they end).
         repository: the model versions (``config.repository_roots``).
         schemas: the versions' request schemas, read once from their build reports
             (GET /state's ``observed.model.schema``, the rollout's schema check).
@@ -89,8 +89,6 @@ class Sidecar:
     metrics: SidecarMetrics
     handler_metrics: HandlerAggregateCollector | None = None
     clock: Callable[[], float] = time.monotonic
-    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    running: set[asyncio.Task[Any]] = field(default_factory=set)
     repository: ModelRepository | None = None
     schemas: SchemaCache | None = None
     feedback: FeedbackService = field(default_factory=lambda: FeedbackService(
@@ -106,6 +104,8 @@ class Sidecar:
     _reconcile_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _delta_sync_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _drainer: Drainer | None = field(default=None, repr=False)
+    _tuning: TuningLoop | None = field(default=None, repr=False)
+    _batching: BatchingUpdates | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -177,6 +177,17 @@ class Sidecar:
                         config.model_store, config.model_name, version),
                     metrics=self.metrics, clock=self.clock),
                 schemas=self.schemas, clock=self.clock)
+        if self.tuner is not None:
+            handler = self.handler_metrics
+            self._tuning = TuningLoop(
+                self.tuner, metrics=self.metrics, torchserve=self._torchserve,
+                switch=self._switch, reconciler=self._reconciler,
+                worker_families=handler.collect if handler is not None else None,
+                clock=self.clock)
+        if self._reconciler is not None:
+            self._batching = BatchingUpdates(self._reconciler, torchserve=self._torchserve,
+                                             metrics=self.metrics, tuning=self._tuning,
+                                             clock=self.clock)
         self._drainer = Drainer(self._torchserve, config, switch=self._switch,
                                 reconciler=self._reconciler, clock=self.clock)
         if self.deltas is not None:
@@ -194,95 +205,9 @@ class Sidecar:
         if self.deltas is not None and self.config.delta_sync_s > 0 \
                 and self._delta_sync_task is None:
             self._delta_sync_task = asyncio.create_task(self._sync_deltas())
-        if self._reconciler is not None and self.tuner is not None and self._tune_task is None:
-            self._tune_task = asyncio.create_task(self._tune())
-
-    async def _tune(self) -> None:
-        """Every ``tuner.interval_s``: one tuner observation. Never dies: errors are
-        logged (a failed read judges nothing; the next one goes on)."""
-        tuner = self.tuner
-        if tuner is None:
-            return
-        while True:
-            await asyncio.sleep(tuner.config.interval_s)
-            try:
-                await self.tune_once()
-            except Exception:  # noqa: BLE001 - the tuner must not stop the sidecar
-                _log.exception("batching tuner step failed")
-
-    async def tune_once(self) -> Setting | None:
-        """One observation of the tuner: read the counters and what serves, step it, and
-        hand its setting to the reconciler (woken when it changed). Returns the setting
-        asked for now, or None."""
-        tuner, reconciler = self.tuner, self._reconciler
-        if tuner is None or reconciler is None:
-            return None
-        change = None
-        if tuner.enabled:
-            observed = await observe(self.torchserve)
-            serving = observed.serving
-            setting = (Setting(serving.batch_size, serving.max_batch_delay_ms)
-                       if serving is not None else None)
-            try:
-                families = torchserve_families(await self.torchserve.metrics_text())
-            except Exception as e:  # noqa: BLE001 - without them concurrency is unknown
-                _log.debug("TorchServe metrics unavailable to the tuner: %s", e)
-                families = []
-            handler = self.handler_metrics
-            workers_families = (await asyncio.to_thread(lambda: list(handler.collect()))
-                                if handler is not None else [])
-            counters = counters_from(workers_families, families, self.clock())
-            change = tuner.step(counters, setting,
-                                serving.workers if serving is not None else 0,
-                                self._tuner_blocked(reconciler, observed))
-        override = tuner.override if tuner.enabled else None
-        batching = override.batching() if override is not None else None
-        if batching != reconciler.batching_override:
-            reconciler.batching_override = batching
-            reconciler.wake()
-        self.metrics.set_tuner(tuner.phase, override)
-        return change
-
-    def _tuner_blocked(self, reconciler: Reconciler, observed: Observed) -> str | None:
-        """Why the tuner must not judge or act now (None: it may)."""
-        if reconciler.paused is not None:
-            return f"the reconciler is paused ({reconciler.paused})"
-        desired = reconciler.desired
-        if desired is None:
-            return "there is no valid desired state"
-        if desired.rollout is not None:
-            return f"a rollout of {desired.rollout.candidate} is declared; batching holds"
-        if self.switch.phase is not SwitchPhase.IDLE:
-            return f"a version switch is running ({self.switch.phase.value})"
-        last = reconciler.last_pass
-        if last is None or not last.converged:
-            return "the serving state has not converged yet"
-        if observed.serving is None:
-            return "nothing serves"
-        return None
-
-    def pin_batching(self, what: str) -> bool:
-        """A batching set by hand (``what``: the call and its value) is pinned: turn the
-        tuner off, which would move it again. Returns whether the tuner was on."""
-        if self.tuner is None or not self.tuner.enabled:
-            return False
-        self.set_tuner(False, f"turned off by {what}: the setting is pinned; PUT /tuner "
-                              '{"enabled": true} resumes tuning')
-        return True
-
-    def set_tuner(self, enabled: bool, why: str) -> None:
-        """Turn the tuner on or off (PUT /tuner; PUT /batching and PUT /state with a new
-        batching turn it off); the reconciler follows at its next pass."""
-        tuner = self.tuner
-        if tuner is None:
-            return
-        was = tuner.enabled
-        tuner.set_enabled(enabled, why)
-        if was != enabled:
-            _log.info("batching tuner %s: %s", "on" if enabled else "off", why)
-        if self._reconciler is not None and not enabled:
-            self._reconciler.batching_override = None
-        self.metrics.set_tuner(tuner.phase, None)
+        if self._reconciler is not None and self._tuning is not None \
+                and self._tune_task is None:
+            self._tune_task = asyncio.create_task(self._tuning.run())
 
     async def _sync_deltas(self) -> None:
         """Every ``delta_sync_s``: deltas published on the model volume (the repository
@@ -326,6 +251,21 @@ class Sidecar:
         """A drain for shutdown has begun: the pod is not ready any more."""
         return self._drainer is not None and self._drainer.draining
 
+    def batching_updates(self, what: str) -> BatchingUpdates:
+        """PUT /batching's service, or 409 explaining that ``what`` needs a
+        desired-state file; only while the app runs."""
+        self.require_reconciler(what)
+        if self._batching is None:
+            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                               "with its lifespan (uvicorn, TestClient as a context manager)")
+        return self._batching
+
+    @property
+    def tuning(self) -> TuningLoop | None:
+        """The batching tuner's loop (PUT /tuner, the pinning of a hand-set batching);
+        None without a tuner or before the app runs."""
+        return self._tuning
+
     @property
     def reconciler(self) -> Reconciler | None:
         """The reconciler; None when the sidecar runs without a desired-state file."""
@@ -357,5 +297,5 @@ def get_sidecar(request: Request) -> Sidecar:
     raise RuntimeError("app.state.sidecar is not set; build the app with create_app")
 
 
-#: Route parameter type: ``async def route(state: SidecarDep)``.
+#: Route parameter type: ``async def route(sidecar: SidecarDep)``.
 SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]

@@ -36,10 +36,12 @@ from serve.errors import ServeError, UpstreamUnavailable
 from serve.sidecar.adapters.archives import POD_HANDLER
 from serve.sidecar.adapters.torchserve import BatchingState, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
+from serve.sidecar.control.phases import DrainPhase
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.switch import SwitchPlan, VersionSwitch
 
-__all__ = ["CLOSED_HANDLER", "CLOSED_VERSION", "DrainReport", "Drainer", "closed_archive"]
+__all__ = ["CLOSED_HANDLER", "CLOSED_VERSION", "DrainPhase", "DrainReport", "Drainer",
+           "closed_archive"]
 
 _log = logging.getLogger(__name__)
 
@@ -73,13 +75,13 @@ class DrainReport:
     """What a drain did: ``drained`` once every accepted request was answered."""
 
     drained: bool = False
-    phase: str = "serving"  # serving, closing, draining, drained, failed
+    phase: DrainPhase = DrainPhase.SERVING
     seconds: float | None = None
     versions: list[str] = field(default_factory=list)
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"drained": self.drained, "phase": self.phase, "seconds": self.seconds,
+        return {"drained": self.drained, "phase": self.phase.value, "seconds": self.seconds,
                 "versions": self.versions, "error": self.error}
 
 
@@ -120,17 +122,17 @@ class Drainer:
         try:
             if self.reconciler is not None:
                 await self.reconciler.pause("the pod is draining for shutdown (POST /drain)")
-            report.phase = "closing"
+            report.phase = DrainPhase.CLOSING
             observed = await observe(self.ts)
             old = [r for r in observed.versions if r.version != CLOSED_VERSION]
             report.versions = [r.version for r in old]
             await self.close()
-            report.phase = "draining"
+            report.phase = DrainPhase.DRAINING
             for version in old:
                 await self.switch.drain(version)
-            report.drained, report.phase = True, "drained"
+            report.drained, report.phase = True, DrainPhase.DRAINED
         except Exception as e:  # noqa: BLE001 - reported; the caller stops TorchServe anyway
-            report.phase = "failed"
+            report.phase = DrainPhase.FAILED
             report.error = e.message if isinstance(e, ServeError) else repr(e)
             _log.error("drain failed: %s", report.error)
         report.seconds = round(self.clock() - t0, 3)

@@ -378,34 +378,37 @@ def snapshot(families: Iterable[Metric], *, stable_version: str,
                 name, suffix = hist_of[s.name]
                 _add(hists[(name, label)], suffix, labels.get("le"), s.value)
 
-    def arm_counts(arm: str) -> ArmCounts:
-        latency = hists[(ARM_REQUEST_DURATION_SECONDS, arm)]
-        score = hists[(ARM_SCORE, arm)]
-        where = f"{arm} (version {wanted[arm]!r})"
-        return ArmCounts(
-            requests=_as_count(f"{ARM_REQUESTS_TOTAL} of {where}",
-                               counters.get((ARM_REQUESTS_TOTAL, arm), 0.0)),
-            errors=_as_count(f"{ARM_ERRORS_TOTAL} of {where}",
-                             counters.get((ARM_ERRORS_TOTAL, arm), 0.0)),
-            latency_buckets=tuple(_as_count(f"{ARM_REQUEST_DURATION_SECONDS}_bucket of {where}",
-                                            v) for v in latency.buckets),
-            latency_sum=_finite(f"{ARM_REQUEST_DURATION_SECONDS}_sum of {where}", latency.sum),
-            score_buckets=tuple(_as_count(f"{ARM_SCORE}_bucket of {where}", v)
-                                for v in score.buckets),
-            score_count=_as_count(f"{ARM_SCORE}_count of {where}", score.count),
-            score_sum=_finite(f"{ARM_SCORE}_sum of {where}", score.sum),
-        )
-
     where = f"version {candidate_version!r}"
     return Snapshot(
-        stable=arm_counts("stable"),
-        candidate=arm_counts("candidate"),
+        stable=_arm_counts("stable", wanted["stable"], counters, hists),
+        candidate=_arm_counts("candidate", wanted["candidate"], counters, hists),
         diff_buckets=tuple(_as_count(f"{SHADOW_SCORE_DIFF}_bucket of {where}", v)
                            for v in diff.buckets),
         diff_count=_as_count(f"{SHADOW_SCORE_DIFF}_count of {where}", diff.count),
         diff_sum=_finite(f"{SHADOW_SCORE_DIFF}_sum of {where}", diff.sum),
         stable_version=stable_version,
         candidate_version=candidate_version,
+    )
+
+
+def _arm_counts(arm: str, version: str, counters: dict[tuple[str, str], float],
+                hists: dict[tuple[str, str], _Hist]) -> ArmCounts:
+    """One arm's counts out of what :func:`snapshot` summed (checked: finite, >= 0)."""
+    latency = hists[(ARM_REQUEST_DURATION_SECONDS, arm)]
+    score = hists[(ARM_SCORE, arm)]
+    where = f"{arm} (version {version!r})"
+    return ArmCounts(
+        requests=_as_count(f"{ARM_REQUESTS_TOTAL} of {where}",
+                           counters.get((ARM_REQUESTS_TOTAL, arm), 0.0)),
+        errors=_as_count(f"{ARM_ERRORS_TOTAL} of {where}",
+                         counters.get((ARM_ERRORS_TOTAL, arm), 0.0)),
+        latency_buckets=tuple(_as_count(f"{ARM_REQUEST_DURATION_SECONDS}_bucket of {where}",
+                                        v) for v in latency.buckets),
+        latency_sum=_finite(f"{ARM_REQUEST_DURATION_SECONDS}_sum of {where}", latency.sum),
+        score_buckets=tuple(_as_count(f"{ARM_SCORE}_bucket of {where}", v)
+                            for v in score.buckets),
+        score_count=_as_count(f"{ARM_SCORE}_count of {where}", score.count),
+        score_sum=_finite(f"{ARM_SCORE}_sum of {where}", score.sum),
     )
 
 

@@ -25,6 +25,17 @@ file (:meth:`Reconciler.write`) and wake it. A second write during a switch chan
 target; the running switch completes (and its clean-up, so at most two versions are
 ever loaded) and the next pass converges to the latest.
 
+Only the pass acts. It keeps what it read as a snapshot (:attr:`Reconciler.desired`,
+``file_error``; the rollout it declared; the back-off): every read (GET /state, the
+metric collectors, a delta's validation, the tuner's view) is a pure function of that
+snapshot plus what TorchServe answers now, and changes nothing. A read that acted (it
+used to re-read the file and declare the rollout) could replace the rollout's run on the
+event loop while the pass evaluated it on a thread.
+
+The parts: :mod:`~serve.sidecar.control.state_file` (the file),
+:mod:`~serve.sidecar.control.assessment` (desired vs observed, pure),
+:mod:`~serve.sidecar.control.switching` (the switch, clean-up and back-off).
+
 Status is data: :meth:`Reconciler.status` is GET /state; ``dlrm_state_converged``,
 ``dlrm_reconcile_total{result}`` and ``dlrm_switch_phase`` mirror it.
 
@@ -38,122 +49,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from serve.errors import ConfigError, Conflict, InsufficientMemory, ServeError, UpstreamUnavailable
 from serve.metrics import SidecarMetrics
-from serve.sidecar.adapters.archives import control_path, is_sidecar_archive
-from serve.sidecar.adapters.memory import MemoryCheck
 from serve.sidecar.adapters.model_schemas import SchemaCache
-from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient, observe
+from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
+from serve.sidecar.control.assessment import Assessment, assess, observed_state
+from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
-from serve.sidecar.control.views import (
-    ObservedBatching,
-    ObservedModel,
-    ObservedState,
-    StateStatus,
-    SwitchRecord,
-)
-from serve.state import (
-    Batching,
-    DesiredState,
-    dump_state,
-    parse_serving_version,
-    parse_state,
-    serving_candidate,
-    write_state,
-)
+from serve.sidecar.control.switching import SwitchRunner
+from serve.sidecar.control.views import RolloutStatus, StateStatus, SwitchRecord
+from serve.state import Batching, DesiredState, dump_state
 from serve.store.repository import ModelRepository
 
-__all__ = ["Assessment", "PassResult", "Reconciler", "SwitchFailed", "assess", "observed_state"]
+__all__ = ["Assessment", "PassResult", "ReconcileResult", "Reconciler", "SwitchFailed", "assess",
+           "observed_state"]
 
 _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Assessment:
-    """Desired vs observed: converged, or the next action and why not.
-
-    ``action``: ``none`` (converged), ``switch``, ``cleanup`` or ``wait``; ``serving``:
-    the target is the default version with all its workers READY.
-    """
-
-    converged: bool
-    action: str
-    reason: str | None
-    target: str | None
-    serving: bool = False
-
-
-def assess(desired: DesiredState | None, observed: Observed) -> Assessment:
-    """The next step from ``observed`` toward ``desired`` (no I/O)."""
-    if desired is None:
-        return Assessment(False, "wait", "there is no valid desired state", None)
-    target = desired.serving_version()
-    current = observed.get(target)
-    if observed.default == target and current is not None:
-        if current.ready < desired.workers:
-            return Assessment(False, "wait", f"{current.ready} of {desired.workers} workers of "
-                              f"{target} are READY; TorchServe is starting them", target)
-        others = [v for v in observed.names() if v != target]
-        if others:
-            return Assessment(False, "cleanup", f"{target} serves; {', '.join(others)} still "
-                              "registered (being drained and unregistered)", target, True)
-        return Assessment(True, "none", None, target, True)
-    if observed.default is None:
-        why = f"nothing is registered in TorchServe; {target} is to be registered"
-    else:
-        why = f"TorchServe serves {observed.default}; the desired state is {target}"
-    return Assessment(False, "switch", why, target)
-
-
-def observed_state(observed: Observed,
-                   schema_of: Callable[[str], dict[str, Any] | None] | None = None
-                   ) -> ObservedState:
-    """``observed`` in the desired state's shape (plus serving version, READY workers...).
-
-    ``schema_of``: the request schema (``ModelSchema.describe()``) of a repository
-    version, or None (:meth:`SchemaCache.describe`; it reads each report once); None: no
-    schema is shown.
-    """
-    serving = observed.serving
-    if serving is None:
-        return ObservedState(model=None, batching=None, workers=0, serving_version=None,
-                             ready_workers=0, registered_versions=observed.names())
-    parsed = parse_serving_version(serving.version)
-    version = parsed[0] if parsed else serving.version
-    schema = schema_of(version) if schema_of is not None else None
-    return ObservedState(
-        model=ObservedModel.model_validate({"version": version, "schema": schema}),
-        candidate=serving_candidate(serving.version),
-        batching=ObservedBatching(batch_size=serving.batch_size,
-                                  max_batch_delay_ms=serving.max_batch_delay_ms),
-        workers=serving.workers, serving_version=serving.version,
-        ready_workers=serving.ready, pending_requests=serving.pending,
-        registered_versions=observed.names())
-
-
-@dataclass(frozen=True)
 class PassResult:
-    """One reconcile pass: what it read (``desired_hash``), did (``result``, one of
-    ``serve.metrics.RECONCILE_RESULTS``) and found at its end."""
+    """One reconcile pass: what it read (``desired_hash``), did (``result``) and found at
+    its end."""
 
     seq: int
     desired_hash: str | None
     target: str | None
-    result: str
+    result: ReconcileResult
     converged: bool
     serving: bool
     reason: str | None
@@ -167,14 +98,6 @@ class SwitchFailed(Exception):
     def __init__(self, error: ServeError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _as_serve_error(e: BaseException) -> ServeError:
-    return e if isinstance(e, ServeError) else ServeError(repr(e))
 
 
 class Reconciler:
@@ -210,88 +133,80 @@ class Reconciler:
             raise ConfigError("the reconciler needs a desired-state file (--state-file)")
         self.ts = torchserve
         self.config = config
-        self.path: Path = config.state_file
+        self.file = DesiredStateFile(config.state_file)
         self.switch = switch
-        self.repository = repository
         self.schemas = schemas if schemas is not None else SchemaCache(repository.report)
         self.metrics = metrics
         self.rollouts = rollouts
         self.clock = clock
-        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
-        self.sample_interval_s = sample_interval_s
+        self.runner = SwitchRunner(torchserve, config, switch=switch, repository=repository,
+                                   clock=clock, retry_base_s=retry_base_s,
+                                   retry_max_s=retry_max_s,
+                                   sample_interval_s=sample_interval_s)
+        # The snapshot: written by the pass (tick) and the write path (write, revert),
+        # read by everyone else.
         self.desired: DesiredState | None = None
         self.file_error: str | None = None
         self.last_error: str | None = None
-        self.last_switch: SwitchRecord | None = None
         self.last_pass: PassResult | None = None
         self._hash: str | None = None
         self._seq = 0
-        self._failures = 0
-        self._retry_at = 0.0
-        self._failed_error: str | None = None
-        self._switch_t0: float | None = None
         self._wake = asyncio.Event()
         self._passed = asyncio.Event()
         self._pass_lock = asyncio.Lock()
         self.paused: str | None = None
-        # The batching tuner's choice (serve.sidecar.control.tuner); None: the declared batching.
+        # The batching tuner's choice (serve.sidecar.control.tuning); None: the declared
+        # batching. Set by the tuner's loop, which then wakes the reconciler.
         self.batching_override: Batching | None = None
+
+    @property
+    def repository(self) -> ModelRepository:
+        """Where the model versions' archives are (the switch plans from it)."""
+        return self.runner.repository
+
+    @repository.setter
+    def repository(self, repository: ModelRepository) -> None:
+        self.runner.repository = repository
+
+    @property
+    def path(self) -> Path:
+        """The desired-state file."""
+        return self.file.path
+
+    @property
+    def last_switch(self) -> SwitchRecord | None:
+        """The last switch: from, to, duration, peak memory, error."""
+        return self.runner.last_switch
 
     # ------------------------------------------------------------------ the desired state
 
-    def read_desired(self) -> str | None:
-        """Re-read the file by path; update ``desired`` (last valid) and ``file_error``.
+    def _read_desired(self) -> str | None:
+        """The pass's read of the file: update the snapshot (``desired``, the last valid
+        one; ``file_error``); a new desired state resets the back-off. Returns the hash of
+        the content read (None when it could not be read)."""
+        read = self.file.read()
+        if read.digest is not None and read.digest == self._hash:
+            return read.digest  # unchanged: keep what it said the last time
+        self._hash, self.file_error = read.digest, read.error
+        if read.state is not None:
+            if read.state != self.desired:
+                _log.info("desired state: %s", read.state.serving_version())
+                self.runner.reset_retry()
+            self.desired = read.state
+        return read.digest
 
-        Returns the hash of the content read (None when it could not be read).
-        """
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            self.file_error = (f"desired-state file {self.path} does not exist; PUT /state "
-                               "or write it (format: serve/state.py)")
-            self._hash = None
-            return None
-        except OSError as e:
-            self.file_error = f"desired-state file {self.path} could not be read: {e}"
-            self._hash = None
-            return None
-        digest = _digest(data)
-        if digest == self._hash:
-            return digest
-        self._hash = digest
-        try:
-            state = parse_state(yaml.safe_load(data), source=str(self.path))
-        except yaml.YAMLError as e:
-            self.file_error = f"desired-state file {self.path} is not valid YAML: {e}"
-            return digest
-        except ConfigError as e:
-            self.file_error = e.message
-            return digest
-        self.file_error = None
-        if state != self.desired:
-            _log.info("desired state: %s", state.serving_version())
-            self._reset_retry()
-        self.desired = state
-        return digest
+    def declared_now(self) -> tuple[DesiredState | None, str | None]:
+        """The desired state in the file now (its last valid one, the snapshot's, when it
+        does not parse) and why the file is not usable (None when it is); changes
+        nothing (PUT /batching edits this)."""
+        read = self.file.read()
+        if read.state is not None:
+            return read.state, None
+        return self.desired, read.error
 
     def writable_error(self) -> str | None:
-        """Why the file cannot be written (None when it can): a read-only file or folder,
-        as a ConfigMap mount is."""
-        if self.path.exists() and not os.access(self.path, os.W_OK):
-            return self._read_only(f"{self.path} is not writable")
-        folder = self.path.parent
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        if not os.access(folder, os.W_OK):
-            return self._read_only(f"its folder {folder} is not writable")
-        return None
-
-    def _read_only(self, detail: str) -> str:
-        return (f"the desired-state file {self.path} is read-only ({detail}). In Kubernetes "
-                f"it is the ConfigMap dlrm-serving-state mounted into the pod: change it "
-                f"there (`kubectl edit configmap dlrm-serving-state`, or edit the manifest "
-                f"and `kubectl apply -f` it); every pod applies it once kubelet updates the "
-                f"mount (up to a minute)")
+        """Why the file cannot be written (None when it can)."""
+        return self.file.writable_error()
 
     def write(self, desired: DesiredState) -> tuple[int, str]:
         """Write the file atomically and wake the reconciler. Returns the passes begun so
@@ -300,29 +215,26 @@ class Reconciler:
         Raises:
             Conflict: the file is read-only (the message says to edit the ConfigMap).
         """
-        why = self.writable_error()
-        if why is not None:
-            raise Conflict(why)
-        try:
-            write_state(self.path, desired)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise Conflict(self._read_only(str(e))) from None
-            raise
-        self._reset_retry()  # asked again: retry a failed target at once
+        written = self.file.write(desired)
+        self._declare(desired, written)
+        self.runner.reset_retry()  # asked again: retry a failed target at once
         self.wake()
-        return self._seq, _digest(dump_state(desired).encode())
+        return self._seq, written
+
+    def _declare(self, desired: DesiredState, written: str) -> None:
+        """The write path's update of the snapshot: what was written is what the next
+        pass reads (so GET /state does not show the old target as converged meanwhile).
+        The rollout is declared by that pass."""
+        if desired != self.desired:
+            _log.info("desired state: %s", desired.serving_version())
+        self.desired, self._hash, self.file_error = desired, written, None
 
     def revert(self, written: DesiredState, previous: DesiredState) -> bool:
         """Put ``previous`` back if the file still holds exactly ``written`` (nobody wrote
         since); True if it did."""
-        try:
-            if self.path.read_bytes() != dump_state(written).encode():
-                return False
-            write_state(self.path, previous)
-        except OSError as e:
-            _log.error("could not restore the desired state in %s: %s", self.path, e)
+        if not self.file.replace(written, previous):
             return False
+        self._declare(previous, digest(dump_state(previous).encode()))
         self.wake()
         return True
 
@@ -332,8 +244,10 @@ class Reconciler:
         """One pass: read, observe, decide, act; see the module docstring."""
         self._seq += 1
         seq = self._seq
-        digest = self.read_desired()
-        declared = self.desired  # GET /state may re-read the file while this pass awaits
+        read_hash = self._read_desired()
+        declared = self.desired
+        if self.rollouts is not None:
+            self.rollouts.declare(declared)  # the one place a rollout is declared
         desired = self.effective()
         target = desired.serving_version() if desired else None
         try:
@@ -342,26 +256,27 @@ class Reconciler:
                 observed = await observe(self.ts)
         except UpstreamUnavailable as e:
             return self._finish(PassResult(
-                seq, digest, target, "unavailable", False, False,
+                seq, read_hash, target, ReconcileResult.UNAVAILABLE, False, False,
                 f"TorchServe did not answer: {e.message}"), e.message)
         a = assess(desired, observed)
-        if self.file_error is not None and result in ("converged", "waiting", "applied"):
-            result = "invalid"
+        if self.file_error is not None and result in (
+                ReconcileResult.CONVERGED, ReconcileResult.WAITING, ReconcileResult.APPLIED):
+            result = ReconcileResult.INVALID
         error = (switch_error.message if switch_error else cleanup_error) or self.file_error
         converged = a.converged and self.file_error is None
         if converged:
             await self._rollout_step(declared, a.target)
         return self._finish(PassResult(
-            seq, digest, target, result, converged, a.serving,
+            seq, read_hash, target, result, converged, a.serving,
             self._reason(a), switch_error, cleanup_error), error)
 
     def effective(self) -> DesiredState | None:
         """What to converge to: the desired state with its rollout's outcome applied
         (:meth:`serve.sidecar.control.rollout.RolloutController.effective`), with the batching
-        tuner's setting (:attr:`batching_override`) in place of the declared batching."""
+        tuner's setting (:attr:`batching_override`) in place of the declared batching.
+        A pure function of the snapshot."""
         desired = self.desired
         if self.rollouts is not None:
-            self.rollouts.declare(desired)
             desired = self.rollouts.effective(desired)
         override = self.batching_override
         if desired is not None and override is not None:
@@ -396,125 +311,64 @@ class Reconciler:
         if settled is None:
             return
         ctl.mark_settled()
-        why = self.writable_error()
-        if why is not None:
-            _log.warning("rollout outcome not written (%s); update the desired state to %s "
-                         "to make it durable", why, settled.serving_version())
-            return
-        try:
-            write_state(self.path, settled)
-        except OSError as e:
-            _log.error("could not write the rollout's outcome into %s: %s", self.path, e)
-            return
+        if self.file.write_outcome(settled):
+            self.wake()
+
+    def end_rollout(self, promote: bool, reason: str) -> RolloutStatus:
+        """Promote or roll back the baking rollout by hand (POST
+        /state/rollout/promote|rollback): the outcome is written into the file where it
+        is writable and the reconciler is woken to serve it. Returns its status.
+
+        Raises:
+            Conflict: no rollout controller, or no rollout is baking.
+        """
+        ctl = self.rollouts
+        if ctl is None:
+            action = "promote" if promote else "rollback"
+            raise Conflict(f"POST /state/rollout/{action}: this sidecar runs no rollout "
+                           "controller")
+        if promote:
+            ctl.promote(reason)
+        else:
+            ctl.rollback(reason)
+        self.settle_rollout()
         self.wake()
+        status = ctl.status()
+        if status is None:  # pragma: no cover - promote()/rollback() raised without a run
+            raise Conflict("no rollout")
+        return status
 
     async def _act(self, desired: DesiredState | None
-                   ) -> tuple[str, ServeError | None, str | None, Observed | None]:
+                   ) -> tuple[ReconcileResult, ServeError | None, str | None, Observed | None]:
         """(result, switch error, clean-up error, what TorchServe serves now or None when
         an action may have changed it) of this pass's actions toward ``desired`` (the
         effective desired state)."""
         observed = await observe(self.ts)
         a = assess(desired, observed)
         acted = False
+        runner = self.runner
         if a.action == "switch" and desired is not None:
-            if self._retry_wait() > 0:
-                return "waiting", None, None, observed
-            error = await self._run_switch(desired, observed)
+            if runner.retry_wait() > 0:
+                return ReconcileResult.WAITING, None, None, observed
+            error = await runner.run(desired, observed)
             if error is not None:
-                result = "refused" if isinstance(error, InsufficientMemory) else "failed"
+                result = (ReconcileResult.REFUSED if isinstance(error, InsufficientMemory)
+                          else ReconcileResult.FAILED)
                 return result, error, None, None
             acted = True
             observed = await observe(self.ts)
             a = assess(desired, observed)
         if a.action == "cleanup" and a.target is not None:
-            cleanup_error = await self.cleanup(observed, a.target)
-            self._close_switch_record(cleanup_error)
+            cleanup_error = await runner.cleanup(observed, a.target)
+            runner.close_record(cleanup_error)
             if cleanup_error is not None:
-                return "failed", None, cleanup_error, None
+                return ReconcileResult.FAILED, None, cleanup_error, None
             acted = True
         if acted:
-            self._close_switch_record(None)
+            runner.close_record(None)
             self.switch.idle()
-            return "applied", None, None, None
-        return ("converged" if a.converged else "waiting"), None, None, observed
-
-    async def _run_switch(self, desired: DesiredState, observed: Observed) -> ServeError | None:
-        """Plan and run the switch to ``desired``; the error (recorded, retried later)."""
-        self._switch_t0 = t0 = self.clock()
-        if self.switch.tracker is not None:
-            self.switch.tracker.reset()
-        check: MemoryCheck | None = None
-        plan = None
-        try:
-            plan = self.switch.plan(observed, desired, self.repository)
-            if plan is None:
-                return None
-            sampler = asyncio.create_task(self._sample_while_switching())
-            try:
-                check = await self.switch.switch(plan, observed)
-            finally:
-                # gather, not suppress(CancelledError): a cancel of THIS task arriving
-                # here must propagate (suppressing it kept the reconciler looping).
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
-        except Exception as e:  # noqa: BLE001 - a bad archive fails this switch, not the loop
-            error = _as_serve_error(e)
-            if plan is None:  # plan() failed (e.g. no such version): the switch never began
-                self.switch.fail(e)
-            self._record_switch(observed, desired, t0, error, check)
-            self._schedule_retry(error)
-            return error
-        self._record_switch(observed, desired, t0, None, check)
-        self._failures = 0
-        return None
-
-    async def _sample_while_switching(self) -> None:
-        """Sample memory every ``sample_interval_s`` over every registered version's
-        workers (new ones appear while TorchServe loads them)."""
-        while True:
-            await asyncio.sleep(self.sample_interval_s)
-            try:
-                found = [Registered.from_description(d) for d in await self.ts.describe_all()]
-            except ServeError:
-                continue
-            for r in found:
-                self.switch.live_pids.update(r.pids)
-            self.switch.sample()
-
-    async def cleanup(self, observed: Observed, target: str) -> str | None:
-        """Drain and unregister every registered version but ``target``; delete derived
-        archives no registered version uses. The errors (None when all went)."""
-        errors: list[str] = []
-        still = {target}
-        for old in observed.versions:
-            if old.version == target:
-                continue
-            try:
-                await self.switch.retire(old)
-            except ServeError as e:
-                errors.append(e.message)
-                still.add(old.version)
-        self.sweep_archives([r for r in observed.versions if r.version in still])
-        return "; ".join(errors) or None
-
-    def sweep_archives(self, registered: list[Registered]) -> list[Path]:
-        """Delete the derived archives in the model store that no registered version
-        uses (left by a pass that stopped half-way); the paths deleted."""
-        store, model = self.config.model_store, self.config.model_name
-        keep = {Path(r.url).name for r in registered}
-        gone = []
-        for path in sorted(store.glob(f"{model}-*.mar")):
-            if path.name not in keep and is_sidecar_archive(path, store, model):
-                path.unlink(missing_ok=True)
-                gone.append(path)
-        live = {control_path(store, model, r.version).name for r in registered}
-        for path in sorted(store.glob(f"{model}-*.control.json")):
-            if path.name not in live:
-                path.unlink(missing_ok=True)
-                gone.append(path)
-        return gone
-
-    # ------------------------------------------------------------------ bookkeeping
+            return ReconcileResult.APPLIED, None, None, None
+        return (ReconcileResult.CONVERGED if a.converged else ReconcileResult.WAITING), None, None, observed
 
     def _finish(self, p: PassResult, error: str | None) -> PassResult:
         self.last_pass = p
@@ -537,50 +391,11 @@ class Reconciler:
             parts.append(f"the desired-state file is not usable ({self.file_error}); {keep}")
         if not a.converged and self.desired is not None and a.reason:
             parts.append(a.reason)
-        if a.action == "switch" and self._failures:
-            wait = self._retry_wait()
-            parts.append(f"the last switch failed ({self._failed_error}); "
+        if a.action == "switch" and self.runner.failures:
+            wait = self.runner.retry_wait()
+            parts.append(f"the last switch failed ({self.runner.failed_error}); "
                          + (f"retrying in {wait:.0f} s" if wait > 0 else "retrying now"))
         return "; ".join(parts) or None
-
-    def _record_switch(self, observed: Observed, desired: DesiredState, t0: float,
-                       error: ServeError | None, check: MemoryCheck | None) -> None:
-        tracker, memory = self.switch.tracker, self.switch.memory
-        self.last_switch = SwitchRecord.model_validate({
-            "from": observed.default, "to": desired.serving_version(), "ok": error is None,
-            "seconds": round(self.clock() - t0, 3), "error": error.message if error else None,
-            "peak_memory_bytes": tracker.peak_bytes if tracker else None,
-            "peak_workers_rss_bytes": tracker.peak_rss_bytes if tracker else None,
-            "memory_limit_bytes": memory.limit()[0] if memory else None,
-            "memory_check": check.to_json() if check else None})
-        if error is None:
-            _log.info("switch %s -> %s done in %.1f s", observed.default,
-                      desired.serving_version(), self.clock() - t0)
-
-    def _close_switch_record(self, cleanup_error: str | None) -> None:
-        """Extend the last switch's record over its clean-up (duration, peak)."""
-        record, t0 = self.last_switch, self._switch_t0
-        if record is None or t0 is None or not record.ok:
-            return
-        tracker = self.switch.tracker
-        self.last_switch = record.model_copy(update={
-            "seconds": round(self.clock() - t0, 3), "error": cleanup_error,
-            "peak_memory_bytes": tracker.peak_bytes if tracker else None,
-            "peak_workers_rss_bytes": tracker.peak_rss_bytes if tracker else None})
-        self._switch_t0 = None
-
-    def _schedule_retry(self, error: ServeError) -> None:
-        self._failures += 1
-        delay = min(self.retry_max_s, self.retry_base_s * 2 ** (self._failures - 1))
-        self._retry_at = self.clock() + delay
-        self._failed_error = error.message
-        _log.error("switch failed (retry in %.0f s): %s", delay, error.message)
-
-    def _reset_retry(self) -> None:
-        self._failures, self._retry_at = 0, 0.0
-
-    def _retry_wait(self) -> float:
-        return max(0.0, self._retry_at - self.clock()) if self._failures else 0.0
 
     # ------------------------------------------------------------------ running, waiting
 
@@ -623,7 +438,7 @@ class Reconciler:
         while True:
             p = self.last_pass
             if p is not None and p.seq > after:
-                if p.desired_hash != digest and self._file_digest() != digest:
+                if p.desired_hash != digest and self.file.digest() != digest:
                     raise Conflict(
                         f"the desired state in {self.path} was changed by another writer "
                         "while this change was being applied; GET /state shows the target now")
@@ -646,22 +461,12 @@ class Reconciler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(passed.wait(), remaining)
 
-    def _file_digest(self) -> str | None:
-        try:
-            return _digest(self.path.read_bytes())
-        except OSError:
-            return None
-
-    @property
-    def passes(self) -> int:
-        """Passes begun so far."""
-        return self._seq
-
     # ------------------------------------------------------------------ GET /state
 
     async def status(self) -> StateStatus:
-        """GET /state: the file and TorchServe read now, the switch's phase and history."""
-        self.read_desired()
+        """GET /state: the last pass's snapshot of the file, what TorchServe serves now,
+        the switch's phase and history. Changes nothing (asking TorchServe is an
+        observation)."""
         try:
             observed = await observe(self.ts)
             down = None
@@ -670,6 +475,9 @@ class Reconciler:
         a = assess(self.effective(), observed)
         versions = await asyncio.to_thread(self.repository.versions)
         reason = f"TorchServe did not answer: {down}" if down else self._reason(a)
+        if self._seq == 0 and reason is None:
+            reason = ("the reconciler has not read the desired-state file yet (its first "
+                      "pass is starting)")
         if self.paused is not None:
             reason = f"not reconciling: {self.paused}" + (f"; {reason}" if reason else "")
         return StateStatus(

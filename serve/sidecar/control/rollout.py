@@ -34,10 +34,12 @@ The state is data: :meth:`RolloutController.status` is ``rollout`` in GET /state
 
 Example::
 
-    ctl = RolloutController(read_families=collector.collect, control_file=lambda v: path)
-    effective = ctl.effective(desired)       # what the reconciler converges to
-    ctl.on_serving(desired, effective.serving_version(), now)
-    transition = ctl.tick(now)               # "stepped", "promoted", "rolled_back" or None
+    ctl = RolloutController(read_families=collector.collect,
+                            control_file=lambda version: store / f"dlrm-{version}.control.json")
+    ctl.declare(desired)                     # the reconciler's pass, after reading the file
+    effective = ctl.effective(desired)       # what the reconciler converges to (pure)
+    ctl.on_serving(desired, effective.serving_version())  # a pass found it serving
+    transition = ctl.tick()                  # "stepped", "promoted", "rolled_back" or None
 """
 from __future__ import annotations
 
@@ -48,7 +50,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 
 from prometheus_client.metrics_core import Metric
@@ -63,6 +64,7 @@ from serve.sidecar.control.guards import (
     evaluate,
     snapshot,
 )
+from serve.sidecar.control.phases import RolloutPhase
 from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
@@ -70,14 +72,6 @@ from serve.store.routing import write_control
 __all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
-
-
-class RolloutPhase(StrEnum):
-    """The values are ``serve.metrics.ROLLOUT_PHASES`` (but ``none``)."""
-
-    BAKING = "baking"
-    PROMOTED = "promoted"
-    ROLLED_BACK = "rolled_back"
 
 
 def rollout_key(stable: str, spec: Rollout) -> str:

@@ -59,9 +59,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 from serve.errors import ServeError, UpstreamUnavailable
 from serve.sidecar.adapters.archives import (
@@ -82,6 +80,7 @@ from serve.sidecar.adapters.torchserve import (
     ready_workers,
 )
 from serve.sidecar.config import SidecarConfig
+from serve.sidecar.control.phases import SwitchPhase
 from serve.state import DesiredState
 from serve.store.repository import ModelRepository
 from serve.store.routing import write_control
@@ -89,20 +88,6 @@ from serve.store.routing import write_control
 __all__ = ["SwitchPhase", "SwitchPlan", "VersionSwitch"]
 
 _log = logging.getLogger(__name__)
-
-
-class SwitchPhase(StrEnum):
-    """What the switch is doing; the values are ``serve.metrics.SWITCH_PHASES``."""
-
-    IDLE = "idle"
-    COPYING = "copying"
-    REGISTERING = "registering"
-    WAITING_READY = "waiting_ready"
-    SETTING_DEFAULT = "setting_default"
-    DRAINING = "draining"
-    UNREGISTERING = "unregistering"
-    ROLLING_BACK = "rolling_back"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -151,7 +136,7 @@ class VersionSwitch:
 
     def __init__(self, torchserve: TorchServeClient, config: SidecarConfig, *,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
                  on_phase: Callable[[str], None] | None = None,
                  forget_workers: Callable[[list[int]], None] | None = None,
                  memory: MemoryProbe | None = None,

@@ -66,10 +66,10 @@ from serve.metrics import (
     REQUEST_DURATION_BUCKETS,
     REQUEST_DURATION_SECONDS,
     REQUESTS_TOTAL,
-    TUNER_PHASES,
     TUNER_REASONS,
 )
 from serve.sidecar.control.guards import histogram_quantile
+from serve.sidecar.control.phases import TunerPhase
 from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
 
 __all__ = [
@@ -81,11 +81,12 @@ __all__ = [
     "Setting",
     "Traffic",
     "TunerConfig",
+    "TunerPhase",
     "counters_from",
     "seed_candidates",
 ]
 
-PHASES = TUNER_PHASES
+PHASES = tuple(p.value for p in TunerPhase)
 #: Why the tuner applied a setting (``dlrm_tuner_decisions_total{reason}``): ``seed`` the
 #: queueing model's first guess for a new traffic, ``trial`` a neighbour measured in the
 #: search, ``best`` the search's winner (back from the last trial), ``failed`` a switch
@@ -426,7 +427,7 @@ class BatchTuner:
         self.clock = clock
         self.on_decision = on_decision
         self.enabled = config.enabled
-        self.phase = "observing" if self.enabled else "off"
+        self.phase: TunerPhase = TunerPhase.OBSERVING if self.enabled else TunerPhase.OFF
         self.why: str = "" if self.enabled else "turned off by configuration"
         self.serving: Setting | None = None      # what TorchServe serves now
         self.pending: Setting | None = None      # chosen, not serving yet
@@ -445,7 +446,7 @@ class BatchTuner:
         self._measure_from = -math.inf
         self._deferred: tuple[Setting, str, str] | None = None  # held by the interval
         self._confirm: Traffic | None = None  # a new traffic seen once, to be confirmed
-        self._after_switch = "settled"
+        self._after_switch: TunerPhase = TunerPhase.SETTLED
 
     # ---- control ------------------------------------------------------------------
 
@@ -458,7 +459,7 @@ class BatchTuner:
         self._restart_search()
         self.pending = None
         self.override = None
-        self.phase = "observing" if enabled else "off"
+        self.phase = TunerPhase.OBSERVING if enabled else TunerPhase.OFF
 
     def _restart_search(self) -> None:
         self.trials, self.queue, self.shape, self.seed = [], [], None, None
@@ -475,7 +476,7 @@ class BatchTuner:
         now (a rollout, a switch, not converged; None: free). Returns a setting to apply
         now (the caller hands it to the reconciler), or None."""
         if not self.enabled:
-            self.phase = "off"
+            self.phase = TunerPhase.OFF
             return None
         now = counters.t
         if self.pending is not None:
@@ -485,9 +486,9 @@ class BatchTuner:
             return self._await_switch(serving if blocked is None else None, now)
         if blocked is not None or serving is None:
             self.why = blocked or "nothing serves"
-            if self.phase == "trying":  # a search cut short: start over afterwards
+            if self.phase is TunerPhase.TRYING:  # a search cut short: start over afterwards
                 self._restart_search()
-            self.phase = "paused"
+            self.phase = TunerPhase.PAUSED
             self._window = None
             return None
         if self._deferred is not None:
@@ -497,8 +498,8 @@ class BatchTuner:
             self.serving = serving
             self._restart_search()
             self._measure_from = now + self.config.settle_s
-        if self.phase == "paused":
-            self.phase = "settled" if self.shape is not None else "observing"
+        if self.phase is TunerPhase.PAUSED:
+            self.phase = TunerPhase.SETTLED if self.shape is not None else TunerPhase.OBSERVING
             self.why = "free again: measuring a window of traffic"
         traffic = self._measure(counters)
         if traffic is None:
@@ -508,7 +509,7 @@ class BatchTuner:
             self.why = (f"{traffic.requests} requests in {traffic.seconds:.0f} s: fewer than "
                         f"{self.config.min_requests}, nothing to judge")
             return None
-        if self.phase == "trying":
+        if self.phase is TunerPhase.TRYING:
             return self.judge_trial(traffic, workers, now)
         return self.consider(traffic, workers, now)
 
@@ -539,10 +540,10 @@ class BatchTuner:
             self._window = None
             self._measure_from = now + self.config.settle_s
             self.phase = self._after_switch
-            if self.phase == "settled":
+            if self.phase is TunerPhase.SETTLED:
                 self.settled_at = now
             return None
-        self.phase = "switching"
+        self.phase = TunerPhase.SWITCHING
         # The reconciler retries a failed switch with back-off; give up after the longest
         # plausible switch and go back to what serves.
         if now - self.pending_since > 300.0:
@@ -553,7 +554,7 @@ class BatchTuner:
             self.pending = None
             self.override = self.serving
             self._restart_search()
-            self.phase = "observing"
+            self.phase = TunerPhase.OBSERVING
         return None
 
     def consider(self, traffic: Traffic, workers: int, now: float) -> Setting | None:
@@ -571,7 +572,7 @@ class BatchTuner:
         # request (single items after ranking) is searched for at once.
         kind = self.shape is None or traffic.moved_from(self.shape, self.config.shape_change,
                                                         concurrency=False)
-        if (self.phase == "settled" and not kind
+        if (self.phase is TunerPhase.SETTLED and not kind
                 and now - self.settled_at < self.config.min_dwell_s):
             self.why = (f"traffic moved, but {serving} was chosen "
                         f"{now - self.settled_at:.0f} s ago (min dwell "
@@ -594,7 +595,7 @@ class BatchTuner:
         self.queue = [s for s in candidates if s != serving and s not in self.avoid]
         if not self.queue:
             return self._finish(now)
-        self.phase = "trying"
+        self.phase = TunerPhase.TRYING
         return self._try_next(now, "seed", self._describe(traffic, workers))
 
     def judge_trial(self, traffic: Traffic, workers: int, now: float) -> Setting | None:
@@ -607,7 +608,7 @@ class BatchTuner:
         # traffic itself changed under the search: then start over for the new one.
         if self.shape is not None and traffic.moved_from(self.shape, self.config.shape_change,
                                                          concurrency=False):
-            self.phase = "observing"
+            self.phase = TunerPhase.OBSERVING
             self.shape = None
             return self.consider(traffic, workers, now)
         self.trials.append(Trial(serving, traffic))
@@ -646,7 +647,7 @@ class BatchTuner:
         self.queue = []
         summary = "; ".join(f"{t.setting}: {self._score(t.traffic)}" for t in self.trials)
         if winner.setting == self.serving:
-            self.phase, self.settled_at = "settled", now
+            self.phase, self.settled_at = TunerPhase.SETTLED, now
             self.why = f"chose {winner.setting} (serving) of {summary}"
             return None
         return self._apply(now, winner.setting, "best", f"winner of {summary}")
@@ -666,9 +667,9 @@ class BatchTuner:
         self._deferred = None
         self._decide(now, self.serving, reason, detail, to=setting)
         self.pending, self.pending_since, self.override = setting, now, setting
-        self._after_switch = "settled" if reason == "best" else "trying"
+        self._after_switch = TunerPhase.SETTLED if reason == "best" else TunerPhase.TRYING
         self.last_switch_at = now
-        self.phase = "switching"
+        self.phase = TunerPhase.SWITCHING
         return setting
 
     def _decide(self, now: float, from_: Setting | None, reason: str, detail: str,
@@ -697,7 +698,7 @@ class BatchTuner:
         cfg = self.config
         return {
             "enabled": self.enabled,
-            "phase": self.phase,
+            "phase": self.phase.value,
             "reason": self.why,
             "setting": asdict(self.override) if self.override is not None else None,
             "serving": asdict(self.serving) if self.serving is not None else None,
@@ -716,4 +717,4 @@ class BatchTuner:
         self.config = replace(self.config, p99_goal_ms=p99_goal_ms)
         self._restart_search()
         if self.enabled and self.pending is None:
-            self.phase = "observing"
+            self.phase = TunerPhase.OBSERVING

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
+from serve.sidecar.adapters.torchserve import BatchingState
+from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
 from serve.state import DesiredState, Rollout
 
 
@@ -226,3 +235,40 @@ class StateStatus(BaseModel):
         if isinstance(data, dict) and data.get("embeddings") is None:
             data.pop("embeddings", None)
         return data
+
+
+class BatchingUpdate(BaseModel):
+    """Body of PUT /batching; omitted fields keep their current value.
+
+    Types are strict (``"8"``, ``8.0`` and ``true`` are refused) and unknown fields are
+    refused, so that a typo cannot silently change nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    batch_size: int | None = Field(
+        None, ge=1, le=BATCH_SIZE_MAX,
+        description="Most requests TorchServe merges into one handler call.")
+    max_batch_delay_ms: int | None = Field(
+        None, ge=0, le=MAX_BATCH_DELAY_MS_MAX,
+        description="Longest wait (ms) for a batch to fill before it is sent as is.")
+    workers: int | None = Field(
+        None, ge=1, le=WORKERS_MAX, description="Worker processes of the new version.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> BatchingUpdate:
+        if self.batch_size is None and self.max_batch_delay_ms is None and self.workers is None:
+            raise ValueError("give at least one of batch_size, max_batch_delay_ms, workers")
+        return self
+
+
+class BatchingUpdateResult(BatchingState):
+    """PUT /batching: the settings now, the ones before, and what the switch did."""
+
+    changed: bool
+    previous: BatchingState
+    seconds: float
+    removed_version: str | None = None
+    tuner_turned_off: bool = Field(
+        False, description="True when this PUT turned the batching tuner off: a setting "
+                           "given by hand is pinned (PUT /tuner {\"enabled\": true} resumes).")

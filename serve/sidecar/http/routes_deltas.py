@@ -38,10 +38,10 @@ _DISABLED = (f"embedding deltas are off: this sidecar was started without --delt
              f"(in Kubernetes a volume shared by both containers)")
 
 
-def _service(state: Sidecar) -> DeltaService:
-    if state.deltas is None:
+def _service(sidecar: Sidecar) -> DeltaService:
+    if sidecar.deltas is None:
         raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
-    return state.deltas
+    return sidecar.deltas
 
 
 async def _read_body(request: Request, service: DeltaService) -> bytes:
@@ -73,12 +73,12 @@ async def _read_body(request: Request, service: DeltaService) -> bytes:
                                     "the next one, or deltas are off"},
                413: {"description": "over serve.store.delta_files.MAX_DELTA_BYTES"}})
 async def post_delta(
-        request: Request, state: SidecarDep,
+        request: Request, sidecar: SidecarDep,
         wait_s: Annotated[float, Query(
             ge=0, le=WAIT_MAX_S, description="Seconds to wait for the live workers to "
                                              "apply it (0: do not wait).")] = WAIT_DEFAULT_S,
 ) -> JSONResponse:
-    service = _service(state)
+    service = _service(sidecar)
     blob = await _read_body(request, service)
     accepted = await asyncio.to_thread(service.add, blob)
     result = await service.wait_applied(accepted.version, accepted.sequence, wait_s)
@@ -104,8 +104,8 @@ async def post_delta(
 @router.get("/embeddings/deltas", response_model=DeltasStatus,
             summary="Per served version: the embedding deltas stored and what each live "
                     "worker applied")
-async def get_deltas(state: SidecarDep) -> DeltasStatus:
-    service = state.deltas
+async def get_deltas(sidecar: SidecarDep) -> DeltasStatus:
+    service = sidecar.deltas
     if service is None:
         return DeltasStatus(enabled=False, delta_dir=None, versions={}, message=_DISABLED)
     summaries = await service.summaries()

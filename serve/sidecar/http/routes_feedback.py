@@ -25,13 +25,13 @@ router = APIRouter()
 @router.post("/feedback", response_model=FeedbackAnswer, dependencies=[Depends(require_token)],
              summary="Click labels for earlier predictions (joined with the prediction log)",
              responses={400: {"description": "a label breaks the schema"}, 401: {}, 403: {}})
-async def post_feedback(body: FeedbackBody, state: SidecarDep) -> FeedbackAnswer:
+async def post_feedback(body: FeedbackBody, sidecar: SidecarDep) -> FeedbackAnswer:
     triples = [(x.request_id, x.index, x.label) for x in body.labels]
-    result = await asyncio.to_thread(state.feedback.post, triples)
+    result = await asyncio.to_thread(sidecar.feedback.post, triples)
     return FeedbackAnswer(**result.to_json())
 
 
 @router.get("/feedback", summary="Online CTR, calibration and AUC per version and arm, with "
                                  "each version's build-time baseline")
-async def get_feedback(state: SidecarDep) -> dict:
-    return await asyncio.to_thread(state.feedback.status)
+async def get_feedback(sidecar: SidecarDep) -> dict:
+    return await asyncio.to_thread(sidecar.feedback.status)

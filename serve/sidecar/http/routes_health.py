@@ -27,18 +27,18 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", summary="TorchServe's model has a READY worker and /ping answers",
             responses={503: {"description": "not ready, with the reason"}})
-async def readyz(state: SidecarDep) -> JSONResponse:
-    model = state.config.model_name
-    if state.draining:
+async def readyz(sidecar: SidecarDep) -> JSONResponse:
+    model = sidecar.config.model_name
+    if sidecar.draining:
         err = UpstreamUnavailable(f"the pod is shutting down (drain: "
-                                  f"{state.drainer.report.phase}); it takes no new requests")
+                                  f"{sidecar.drainer.report.phase}); it takes no new requests")
         return JSONResponse(err.to_json(), status_code=503)
     try:
-        desc = await state.torchserve.describe()
+        desc = await sidecar.torchserve.describe()
     except UpstreamUnavailable as e:
-        state.metrics.set_up("management", False)
+        sidecar.metrics.set_up("management", False)
         return JSONResponse(e.to_json(), status_code=503)
-    state.metrics.set_up("management", True)
+    sidecar.metrics.set_up("management", True)
     ready = ready_workers(desc)
     if ready == 0:
         statuses = sorted({str(w.get("status")) for w in desc.get("workers") or []})
@@ -47,12 +47,12 @@ async def readyz(state: SidecarDep) -> JSONResponse:
             f"worker (statuses: {', '.join(statuses) or 'no workers'}); wait for it to load")
         return JSONResponse(err.to_json(), status_code=503)
     try:  # READY workers are no use if the inference API does not answer
-        await state.torchserve.ping()
+        await sidecar.torchserve.ping()
     except UpstreamUnavailable as e:
         return JSONResponse(e.to_json(), status_code=503)
-    if state.deltas is not None:  # a new pod serves only once it has its version's deltas
-        behind = await state.deltas.not_caught_up(
-            need_sync=state.config.delta_sync_s > 0 and bool(state.config.repository_roots))
+    if sidecar.deltas is not None:  # a new pod serves only once it has its version's deltas
+        behind = await sidecar.deltas.not_caught_up(
+            need_sync=sidecar.config.delta_sync_s > 0 and bool(sidecar.config.repository_roots))
         if behind is not None:
             return JSONResponse(UpstreamUnavailable(behind).to_json(), status_code=503)
     return JSONResponse({"status": "ready", "model": model,
@@ -63,8 +63,8 @@ async def readyz(state: SidecarDep) -> JSONResponse:
 @router.post("/drain", dependencies=[Depends(require_token)],
              summary="Shutdown: refuse new requests (503), answer the accepted ones",
              responses={401: {}, 403: {}, 503: {"description": "the drain failed"}})
-async def drain(state: SidecarDep) -> JSONResponse:
+async def drain(sidecar: SidecarDep) -> JSONResponse:
     """Pause the reconciler, make the closed version default, drain the others; answers
     when every accepted request is answered (then stop TorchServe). Idempotent."""
-    report = await state.drainer.drain()
+    report = await sidecar.drainer.drain()
     return JSONResponse(report.to_json(), status_code=200 if report.drained else 503)

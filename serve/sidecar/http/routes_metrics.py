@@ -37,16 +37,16 @@ class _Families:
 
 
 @router.get("/metrics", summary="Prometheus exposition", response_class=Response)
-async def metrics(state: SidecarDep) -> Response:
-    ts = state.torchserve
+async def metrics(sidecar: SidecarDep) -> Response:
+    ts = sidecar.torchserve
     text_res, all_res = await asyncio.gather(
         ts.metrics_text(), ts.describe_all(), return_exceptions=True)
     extra = CollectorRegistry()
-    state.metrics.set_up("management", not isinstance(all_res, BaseException))
+    sidecar.metrics.set_up("management", not isinstance(all_res, BaseException))
     if not isinstance(all_res, BaseException):
         workers = [w for d in all_res for w in d.get("workers") or []]
-        if state.handler_metrics is not None:
-            state.handler_metrics.reap(int(w["pid"]) for w in workers if w.get("pid"))
+        if sidecar.handler_metrics is not None:
+            sidecar.handler_metrics.reap(int(w["pid"]) for w in workers if w.get("pid"))
         extra.register(_Families([workers_family(str(w.get("status")) for w in workers)]))
     ts_ok = False
     if not isinstance(text_res, BaseException):
@@ -55,8 +55,8 @@ async def metrics(state: SidecarDep) -> Response:
             ts_ok = True
         except ValueError as e:
             _log.warning("TorchServe metrics are not Prometheus text: %s", e)
-    state.metrics.set_up("metrics", ts_ok)
-    registry = state.registry
+    sidecar.metrics.set_up("metrics", ts_ok)
+    registry = sidecar.registry
     body = await asyncio.to_thread(
         lambda: generate_latest(registry) + generate_latest(extra))
     return Response(body, media_type=CONTENT_TYPE_LATEST)

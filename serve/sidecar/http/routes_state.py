@@ -29,11 +29,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends
 from pydantic import ValidationError
 
-from serve.errors import ConfigError, Conflict, InvalidInput, UpstreamUnavailable
+from serve.errors import ConfigError, InvalidInput, UpstreamUnavailable
 from serve.sidecar.adapters.model_schemas import check_rollout_schema
 from serve.sidecar.adapters.torchserve import Observed, observe
-from serve.sidecar.control.reconciler import Reconciler, observed_state
-from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.assessment import observed_state
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.routes_tuner import tuner_status
 from serve.sidecar.http.schemas import (
@@ -58,15 +57,15 @@ _SHAPE = ('a desired state is {"model": {"version": V}, "batching": {"batch_size
 
 @router.get("/state", response_model=StateStatus, response_model_by_alias=True,
             summary="Desired vs observed serving state, converged or why not")
-async def get_state(state: SidecarDep) -> StateStatus:
-    reconciler = state.reconciler
+async def get_state(sidecar: SidecarDep) -> StateStatus:
+    reconciler = sidecar.reconciler
     if reconciler is not None:
         status = await reconciler.status()
     else:
-        status = await _status_without_file(state)
-    status = status.model_copy(update={"tuner": tuner_status(state)})
-    if state.deltas is not None:
-        summaries = await state.deltas.summaries()
+        status = await _status_without_file(sidecar)
+    status = status.model_copy(update={"tuner": tuner_status(sidecar)})
+    if sidecar.deltas is not None:
+        summaries = await sidecar.deltas.summaries()
         status = status.model_copy(update={"embeddings": {
             v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()}})
     return status
@@ -82,23 +81,25 @@ async def get_state(state: SidecarDep) -> StateStatus:
                                             "ConfigMap), or the sidecar has none; or the "
                                             "rollout's candidate takes other requests "
                                             "(another request schema) than model.version"}})
-async def put_state(body: Annotated[Any, Body()], state: SidecarDep) -> StateAccepted:
-    reconciler = state.require_reconciler("PUT /state")
-    desired = _validated(body, state)
+async def put_state(body: Annotated[Any, Body()], sidecar: SidecarDep) -> StateAccepted:
+    reconciler = sidecar.require_reconciler("PUT /state")
+    desired = _validated(body, sidecar)
     declared = reconciler.desired
-    if declared is not None and desired.batching != declared.batching:
-        state.pin_batching(f"PUT /state declaring batching {desired.batching.batch_size}/"
-                           f"{desired.batching.max_batch_delay_ms} ms")
-    reconciler.write(desired)
+    if declared is not None and desired.batching != declared.batching \
+            and sidecar.tuning is not None:
+        sidecar.tuning.pin_batching(f"PUT /state declaring batching "
+                                    f"{desired.batching.batch_size}/"
+                                    f"{desired.batching.max_batch_delay_ms} ms")
     last = reconciler.last_pass
     converged = bool(last is not None and last.converged and reconciler.desired == desired)
+    reconciler.write(desired)
     return StateAccepted(
         desired=desired, converged=converged, target_serving_version=desired.serving_version(),
         state_file=str(reconciler.path),
         message="written; the reconciler applies it now: GET /state shows the progress")
 
 
-def _validated(body: Any, state: Sidecar) -> DesiredState:
+def _validated(body: Any, sidecar: Sidecar) -> DesiredState:
     """The body as a desired state whose versions are in the repository (else 400), and
     whose rollout's candidate takes the stable version's requests (else 409)."""
     if not isinstance(body, dict):
@@ -109,7 +110,7 @@ def _validated(body: Any, state: Sidecar) -> DesiredState:
     except ValidationError as e:
         raise InvalidInput(f"invalid PUT /state body: {describe_validation_error(e)}"
                            ) from None
-    repository = state.repository
+    repository = sidecar.repository
     versions = [("model.version", desired.model.version)]
     if desired.rollout is not None:
         versions.append(("rollout.candidate", desired.rollout.candidate))
@@ -119,64 +120,44 @@ def _validated(body: Any, state: Sidecar) -> DesiredState:
                 repository.archive(version)
             except ConfigError as e:
                 raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
-    if desired.rollout is not None and state.schemas is not None:
+    if desired.rollout is not None and sidecar.schemas is not None:
         # Both exist; the candidate must take the stable version's requests (409).
-        check_rollout_schema(state.schemas, desired.model.version, desired.rollout.candidate)
+        check_rollout_schema(sidecar.schemas, desired.model.version, desired.rollout.candidate)
     return desired
-
-
-def _rollouts(state: Sidecar, what: str) -> tuple[Reconciler, RolloutController]:
-    reconciler = state.require_reconciler(what)
-    if reconciler.rollouts is None:
-        raise Conflict(f"{what}: this sidecar runs no rollout controller")
-    reconciler.effective()  # picks up a rollout declared since the last pass
-    return reconciler, reconciler.rollouts
 
 
 @router.post("/state/rollout/promote", response_model=RolloutStatus,
              dependencies=[Depends(require_token)],
              summary="Promote the baking rollout's candidate now",
              responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
-async def promote(state: SidecarDep) -> RolloutStatus:
-    reconciler, ctl = _rollouts(state, "POST /state/rollout/promote")
-    ctl.promote("promoted by hand (POST /state/rollout/promote)")
-    reconciler.settle_rollout()
-    reconciler.wake()
-    status = ctl.status()
-    if status is None:  # pragma: no cover - promote() raised without a run
-        raise Conflict("no rollout")
-    return status
+async def promote(sidecar: SidecarDep) -> RolloutStatus:
+    reconciler = sidecar.require_reconciler("POST /state/rollout/promote")
+    return reconciler.end_rollout(True, "promoted by hand (POST /state/rollout/promote)")
 
 
 @router.post("/state/rollout/rollback", response_model=RolloutStatus,
              dependencies=[Depends(require_token)],
              summary="Roll the baking rollout's candidate back now",
              responses={401: {}, 403: {}, 409: {"description": "no rollout is baking"}})
-async def rollback(state: SidecarDep) -> RolloutStatus:
-    reconciler, ctl = _rollouts(state, "POST /state/rollout/rollback")
-    ctl.rollback("rolled back by hand (POST /state/rollout/rollback)")
-    reconciler.settle_rollout()
-    reconciler.wake()
-    status = ctl.status()
-    if status is None:  # pragma: no cover
-        raise Conflict("no rollout")
-    return status
+async def rollback(sidecar: SidecarDep) -> RolloutStatus:
+    reconciler = sidecar.require_reconciler("POST /state/rollout/rollback")
+    return reconciler.end_rollout(False, "rolled back by hand (POST /state/rollout/rollback)")
 
 
-async def _status_without_file(state: Sidecar) -> StateStatus:
+async def _status_without_file(sidecar: Sidecar) -> StateStatus:
     """GET /state of a sidecar started without --state-file: what serves, and why
     nothing is reconciled."""
     reason = ("this sidecar was started without --state-file: nothing declares what to "
               "serve, and nothing is reconciled")
     try:
-        schema_of = state.schemas.describe if state.schemas is not None else None
-        observed: ObservedState = observed_state(await observe(state.torchserve), schema_of)
+        schema_of = sidecar.schemas.describe if sidecar.schemas is not None else None
+        observed: ObservedState = observed_state(await observe(sidecar.torchserve), schema_of)
     except UpstreamUnavailable as e:
         observed = observed_state(Observed(default=None))
         reason = f"{reason}; TorchServe did not answer: {e.message}"
-    versions = state.repository.versions() if state.repository is not None else []
+    versions = sidecar.repository.versions() if sidecar.repository is not None else []
     return StateStatus(desired=None, observed=observed, converged=False, reason=reason,
-                       phase=state.switch.phase.value, last_error=state.switch.last_error,
+                       phase=sidecar.switch.phase.value, last_error=sidecar.switch.last_error,
                        last_switch=None, target_serving_version=None,
                        available_versions=versions, state_file=None,
                        state_file_writable=False)

@@ -23,15 +23,15 @@ __all__ = ["router", "tuner_status"]
 router = APIRouter()
 
 
-def tuner_status(state: Sidecar) -> TunerStatus | None:
+def tuner_status(sidecar: Sidecar) -> TunerStatus | None:
     """The tuner's status (None when the sidecar has none)."""
-    return TunerStatus.model_validate(state.tuner.status()) if state.tuner is not None else None
+    return TunerStatus.model_validate(sidecar.tuner.status()) if sidecar.tuner is not None else None
 
 
 @router.get("/tuner", response_model=TunerStatus, summary="The batching tuner: phase, "
             "traffic seen, trials and decisions")
-async def get_tuner(state: SidecarDep) -> TunerStatus:
-    status = tuner_status(state)
+async def get_tuner(sidecar: SidecarDep) -> TunerStatus:
+    status = tuner_status(sidecar)
     if status is None:
         raise Conflict("this sidecar has no batching tuner")
     return status
@@ -41,17 +41,17 @@ async def get_tuner(state: SidecarDep) -> TunerStatus:
             summary="Turn the batching tuner on or off, or change its p99 goal",
             responses={400: {"description": "invalid body"}, 401: {}, 403: {},
                        409: {"description": "the sidecar runs without a desired-state file"}})
-async def put_tuner(update: TunerUpdate, state: SidecarDep) -> TunerStatus:
-    state.require_reconciler("PUT /tuner")
-    tuner = state.tuner
+async def put_tuner(update: TunerUpdate, sidecar: SidecarDep) -> TunerStatus:
+    sidecar.require_reconciler("PUT /tuner")
+    tuner = sidecar.tuner
     if tuner is None:
         raise Conflict("this sidecar has no batching tuner")
     if update.p99_goal_ms is not None:
         tuner.with_goal(update.p99_goal_ms)
-    if update.enabled is not None:
-        state.set_tuner(update.enabled, "turned on by PUT /tuner" if update.enabled
-                        else "turned off by PUT /tuner: the declared batching serves")
-    status = tuner_status(state)
+    if update.enabled is not None and sidecar.tuning is not None:
+        sidecar.tuning.set_enabled(update.enabled, "turned on by PUT /tuner" if update.enabled
+                                 else "turned off by PUT /tuner: the declared batching serves")
+    status = tuner_status(sidecar)
     if status is None:  # unreachable: checked above
         raise Conflict("this sidecar has no batching tuner")
     return status
