@@ -459,7 +459,7 @@ class HandlerMetrics:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
         with self._lock:
-            for name, value in zip(features, wrapped):
+            for name, value in zip(features, wrapped, strict=True):
                 self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
 
     def _advance(self, counter: Counter, key: str, value: int) -> None:

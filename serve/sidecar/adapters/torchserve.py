@@ -165,7 +165,8 @@ class Registered:
     """One registered version of the model, as TorchServe describes it.
 
     ``memory`` is each worker's ``memoryUsage`` in bytes as TorchServe last measured it
-    (0: not yet); ``pending`` is the queue length (None: not reported).
+    (0: not yet), ``memory_by_pid`` the same for the workers that have a pid;
+    ``pending`` is the queue length (None: not reported).
     """
 
     version: str
@@ -176,6 +177,7 @@ class Registered:
     ready: int
     pending: int | None
     memory: tuple[int, ...] = ()
+    memory_by_pid: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_description(cls, desc: dict[str, Any]) -> Registered:
@@ -185,7 +187,11 @@ class Registered:
                    url=str(desc.get("modelUrl") or ""),
                    pids=tuple(int(w["pid"]) for w in workers if _positive(w.get("pid"))),
                    ready=ready_workers(desc), pending=pending_requests(desc),
-                   memory=tuple(int(w.get("memoryUsage") or 0) for w in workers))
+                   memory=tuple(int(w.get("memoryUsage") or 0) for w in workers),
+                   # Paired per worker: a worker without a pid yet has a memory entry but
+                   # no pid, so zipping ``pids`` with ``memory`` would shift the pairs.
+                   memory_by_pid=tuple((int(w["pid"]), int(w.get("memoryUsage") or 0))
+                                       for w in workers if _positive(w.get("pid"))))
 
     @property
     def workers(self) -> int:

@@ -172,7 +172,7 @@ class VersionSwitch:
     def watch(self, observed: Observed) -> None:
         """Sample memory from now on over the workers of every version in ``observed``."""
         self.live_pids = set(observed.pids())
-        self._reported = {p: m for r in observed.versions for p, m in zip(r.pids, r.memory)}
+        self._reported = {p: m for r in observed.versions for p, m in r.memory_by_pid}
         self.sample()
 
     def sample(self) -> None:
@@ -293,7 +293,7 @@ class VersionSwitch:
                 continue
             new = Registered.from_description(desc)
             self.live_pids.update(new.pids)
-            self._reported.update(zip(new.pids, new.memory))
+            self._reported.update(new.memory_by_pid)
             self.sample()
             if ready_workers(desc) >= want:
                 return

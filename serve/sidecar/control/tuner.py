@@ -315,7 +315,7 @@ class Traffic:
         dreq, dinst = b.requests - a.requests, b.instances - a.instances
         if dt <= 0 or dreq <= 0 or dinst < 0 or b.batches < a.batches:
             return None
-        cum = [y - x for x, y in zip(a.handler_buckets, b.handler_buckets)]
+        cum = [y - x for x, y in zip(a.handler_buckets, b.handler_buckets, strict=True)]
         if any(c < 0 for c in cum):
             return None
         q = histogram_quantile(0.99, REQUEST_DURATION_BUCKETS, cum)

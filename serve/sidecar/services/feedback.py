@@ -111,7 +111,7 @@ class FeedbackConfig:
 def label_keys(request_ids: Sequence[str], indices: Sequence[int]) -> np.ndarray:
     """uint64 (n,) keys of (request id, index) pairs, to find duplicates with numpy."""
     out = np.empty(len(request_ids), dtype=np.uint64)
-    for i, (rid, idx) in enumerate(zip(request_ids, indices)):
+    for i, (rid, idx) in enumerate(zip(request_ids, indices, strict=True)):
         out[i] = int.from_bytes(
             hashlib.blake2b(f"{rid}#{idx}".encode(), digest_size=8).digest(), "little")
     return out
