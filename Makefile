@@ -25,7 +25,7 @@ TAG ?= 0.1.0
 VARIANT ?= gpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring check promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         wrk bench-autotune \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
@@ -87,6 +87,13 @@ test-fast: venv  ## unit tests only (no TorchServe, no slow, no promtool/kubectl
 lint: venv  ## ruff + mypy
 	$(VENV)/bin/ruff check serve handlers tests bench loadtest
 	$(VENV)/bin/mypy serve handlers loadtest bench
+
+check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md), then fail if the tree changed: commit what they write
+	$(PY) -m serve.ops.monitoring --write
+	$(PY) -m serve.ops.configdoc --write
+	@git diff --exit-code -- . || { echo "make check: the generators changed tracked files (above): commit them" >&2; exit 1; }
+	@new=$$(git status --porcelain --untracked-files=all -- docs k8s/monitoring | grep '^??'); \
+	if [ -n "$$new" ]; then echo "make check: generated files not in git: $$new" >&2; exit 1; fi
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
 	$(PY) -m bench.bench_runtime

@@ -78,6 +78,7 @@ import httpx
 import orjson
 
 from serve.api.protocol import example_request
+from serve.constants import P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.capacity import machine_info
 
@@ -828,7 +829,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, (full, quick) in DURATIONS.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=None,
                         help=f"{helps[name]} (default {full:g}; --quick: {quick:g})")
-    ap.add_argument("--p99-goal-ms", type=float, default=60.0,
+    ap.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
                     help="a static setting must meet it to be the best")
     ap.add_argument("--poll-s", type=float, default=0.5, help="GET /tuner every this long")
     ap.add_argument("--wrk-threads", type=int, default=1,

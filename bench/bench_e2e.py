@@ -30,7 +30,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import httpx
 import numpy as np
 import orjson
 
+from serve import settings
 from serve.common.net import free_ports
 from serve.errors import CapacityError
 from serve.ops.knee import find_knee
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="short steps (1.5 s) and concurrency up to 8: a smoke run, not a measurement")
-    ap.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('TS_INFERENCE_PORT', '8080')}",
+    ap.add_argument("--url", default=f"http://127.0.0.1:{settings.TS_INFERENCE_PORT.get_port()}",
                     help="TorchServe inference URL (loopback only)")
     ap.add_argument("--model-name", default="dlrm")
     ap.add_argument("--model-store", default="model_store",

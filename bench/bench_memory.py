@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import psutil
 
+from serve import settings
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
 from serve.common.net import free_ports
 from serve.ops.state_client import StateClient
@@ -86,7 +87,7 @@ def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str
             grpc_inference_port=gi, grpc_management_port=gm,
             model_store=REPO / "model_store", state_file=root / "state.yaml",
             run_dir=root / "run", log_dir=root / "logs", sidecar=True, ready_timeout_s=300,
-            extra_env={"DLRM_SHARED_TABLES": "1" if shared else "0"})
+            extra_env={settings.DLRM_SHARED_TABLES.name: "1" if shared else "0"})
         t0 = time.monotonic()
         svc = start(cfg)
         try:

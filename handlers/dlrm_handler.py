@@ -23,6 +23,7 @@ from typing import Any
 from ts.torch_handler.base_handler import BaseHandler
 
 from serve.api.config import HandlerConfig
+from serve.settings import TS_DECODE_INPUT_REQUEST
 from serve.store.routing import ROUTE_KEY_HEADER
 from serve.worker import Worker, WorkerRequest, model_version, worker_device
 
@@ -42,7 +43,7 @@ class DLRMHandler(BaseHandler):
         # The worker reads this variable per request, so setting it here takes effect.
         # Binary columnar bodies (application/x-dlrm-columnar) arrive as a bytearray
         # either way (TorchServe decodes only JSON and text/*); numpy views it in place.
-        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        os.environ[TS_DECODE_INPUT_REQUEST.name] = "false"
         props = context.system_properties
         yaml_cfg = context.model_yaml_config or {}
         self.worker = Worker.load(

@@ -42,6 +42,8 @@ from typing import Any
 import httpx
 
 from loadtest import plan, stats, traffic
+from serve import settings
+from serve.constants import P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.profiles import PROFILES, get_profile
 
@@ -73,11 +75,10 @@ _PING_TIMEOUT_S = 3.0
 
 def default_host() -> str:
     """``$LOADTEST_HOST``, else TorchServe's loopback inference address."""
-    env = os.environ.get("LOADTEST_HOST")
+    env = settings.LOADTEST_HOST.get()
     if env:
         return env
-    port = os.environ.get("TS_INFERENCE_PORT") or "8080"
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{settings.TS_INFERENCE_PORT.get_port()}"
 
 
 def check_host(url: str, allow_remote: bool) -> tuple[str, bool]:
@@ -403,12 +404,13 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m loadtest.run", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default=os.environ.get("LOAD_SHAPE", "step"),
-                    choices=plan.SHAPES,
-                    help="load shape (env LOAD_SHAPE; default step): steady, step (find the "
-                         "knee), spike (burst and recovery), soak (drift over a long run)")
-    ap.add_argument("--duration", default=os.environ.get("LOAD_DURATION", "60s"),
-                    help="total run time, e.g. 40s, 5m, 1h; every stage scales with it")
+    ap.add_argument("--shape", default=settings.LOAD_SHAPE.get(), choices=plan.SHAPES,
+                    help=f"load shape (env {settings.LOAD_SHAPE}; default "
+                         f"{settings.LOAD_SHAPE.default}): steady, step (find the knee), spike "
+                         "(burst and recovery), soak (drift over a long run)")
+    ap.add_argument("--duration", default=settings.LOAD_DURATION.get(),
+                    help="total run time, e.g. 40s, 5m, 1h; every stage scales with it (env "
+                         f"{settings.LOAD_DURATION}; default {settings.LOAD_DURATION.default})")
     ap.add_argument("-H", "--host", default=None,
                     help=f"service root URL (default $LOADTEST_HOST or {default_host()})")
     ap.add_argument("--allow-remote", action="store_true",
@@ -419,9 +421,10 @@ def _parser() -> argparse.ArgumentParser:
                          "doubling up to N; spike: PEAK or BASE,PEAK). Default per shape: "
                          + ", ".join(f"{k} {','.join(map(str, v))}"
                                      for k, v in plan.DEFAULT_USERS.items()))
-    ap.add_argument("--p99-goal-ms", type=float, default=60.0,
-                    help="latency bound (MLPerf DLRM-v2 server: 60 ms). step: some step must "
-                         "meet it; other shapes: the SLO stages must")
+    ap.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
+                    help=f"latency bound (default {P99_SLO_MS:g}: the service's goal, MLPerf "
+                         "DLRM-v2's server bound). step: some step must meet it; other shapes: "
+                         "the SLO stages must")
     ap.add_argument("--max-fail-ratio", type=float, default=0.0,
                     help="failed/all requests allowed (0: any wrong answer fails the run)")
     ap.add_argument("--min-gain", type=float, default=0.05,
@@ -431,10 +434,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help="results directory (default loadtest/results/<UTC timestamp>)")
     ap.add_argument("--model", default="dlrm", help="model name in /predictions/<model>")
-    ap.add_argument("--profile", default=os.environ.get("PROFILE", "small"),
-                    choices=sorted(PROFILES),
-                    help="profile of the served model: table sizes for the id draws "
-                         "(env PROFILE; default small, as `make model`)")
+    ap.add_argument("--profile", default=settings.PROFILE.get(), choices=sorted(PROFILES),
+                    help="profile of the served model: table sizes for the id draws (env "
+                         f"{settings.PROFILE}; default {settings.PROFILE.default}, as "
+                         "`make model`)")
     ap.add_argument("--instances", default="100-700:270",
                     help="instances per ranking request: MIN-MAX[:MEAN] or N (default: "
                          "MLPerf DLRM-v2 server, 100-700 with mean 270)")

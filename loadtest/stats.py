@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.common.validate import positive_number
+from serve.constants import P99_SLO_MS
 from serve.errors import CapacityError, ConfigError
 from serve.ops import knee as _knee
 
@@ -196,7 +198,7 @@ class Thresholds:
     """Pass/fail limits of a run.
 
     Attributes:
-        p99_goal_ms: latency bound (MLPerf DLRM-v2 server: p99 <= 60 ms). For the step
+        p99_goal_ms: latency bound (default the service's goal, ``P99_SLO_MS``). For the step
             shape it is met when at least one step meets it (a knee exists): a ramp is
             meant to push past it. For the other shapes it applies to the merged
             latencies of the stages marked ``slo`` (after each stage settled).
@@ -206,13 +208,12 @@ class Thresholds:
             replace it (the knee rule, :mod:`serve.ops.knee`).
     """
 
-    p99_goal_ms: float = 60.0
+    p99_goal_ms: float = P99_SLO_MS
     max_fail_ratio: float = 0.0
     min_gain: float = 0.05
 
     def __post_init__(self) -> None:
-        if not (self.p99_goal_ms > 0 and math.isfinite(self.p99_goal_ms)):
-            raise ConfigError(f"--p99-goal-ms {self.p99_goal_ms} must be a finite number > 0")
+        positive_number("--p99-goal-ms", self.p99_goal_ms)
         if not (0.0 <= self.max_fail_ratio <= 1.0):
             raise ConfigError(f"--max-fail-ratio {self.max_fail_ratio} must be in [0, 1]")
         if not (0.0 <= self.min_gain < 1.0):

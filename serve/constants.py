@@ -1,14 +1,37 @@
-"""Names shared across layers, defined once: the runtime, the handler, the HTTP contract and
-the metrics all import them from here.
+"""Names and numbers shared across layers, defined once: the runtime, the handler, the HTTP
+contract, the metrics, the tools and the load test all import them from here.
 
 - ``STAGES``: the stages of one predict, timed per batch and exported as the ``stage``
   label of ``dlrm_stage_duration_seconds`` (decode = body parse in the handler,
   embedding = row lookup + pooling, dense = MLPs + interaction).
 - ``CACHE_POLICIES``: eviction policies of the embedding cache (``lru``, ``lfu``).
+- ``P99_SLO_MS``: the service's p99 latency goal (the tuner, ``make capacity``, the load
+  test and the alerts all judge against it).
+- ``GUARD_*``: the rollout guards' default limits (``serve.state.Guards``, the declared
+  state's schema, and ``serve.sidecar.control.guards.GuardLimits``, what judges).
+- ``DEFAULT_*_PORT``: where TorchServe and the sidecar listen unless told otherwise.
 """
 from __future__ import annotations
 
-__all__ = ["ARTIFACT_NAME", "CACHE_POLICIES", "CANDIDATE_ARTIFACT", "STAGES"]
+__all__ = [
+    "ARTIFACT_NAME",
+    "CACHE_POLICIES",
+    "CANDIDATE_ARTIFACT",
+    "DEFAULT_GRPC_INFERENCE_PORT",
+    "DEFAULT_GRPC_MANAGEMENT_PORT",
+    "DEFAULT_INFERENCE_PORT",
+    "DEFAULT_MANAGEMENT_PORT",
+    "DEFAULT_METRICS_PORT",
+    "DEFAULT_SIDECAR_PORT",
+    "GUARD_INTERVAL_S",
+    "GUARD_MAX_ERROR_RATIO",
+    "GUARD_MAX_P99_RATIO",
+    "GUARD_MAX_SCORE_PSI",
+    "GUARD_MIN_INSTANCES",
+    "GUARD_MIN_REQUESTS",
+    "P99_SLO_MS",
+    "STAGES",
+]
 
 STAGES: tuple[str, ...] = ("decode", "embedding", "dense")
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
@@ -17,3 +40,35 @@ CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
 #: unpacks it into; a rollout's candidate artifact sits beside it.
 ARTIFACT_NAME = "artifact.pt"
 CANDIDATE_ARTIFACT = "candidate/artifact.pt"
+
+#: The p99 latency goal of one request, in milliseconds: MLPerf DLRM-v2's server bound.
+#: The batching tuner's default goal, ``make capacity``'s and the load test's default
+#: ``--p99-goal-ms``, and the p99 alert's threshold (``serve.ops.monitoring``).
+P99_SLO_MS = 60.0
+
+# The rollout guards' default limits: a candidate is rolled back when a limit is exceeded
+# (strictly), judged only once the window holds enough traffic.
+#: Candidate errors / candidate requests.
+GUARD_MAX_ERROR_RATIO = 0.01
+#: Candidate p99 latency / stable p99 latency.
+GUARD_MAX_P99_RATIO = 2.0
+#: Population stability index of the candidate's scores against the stable's (rule of
+#: thumb: below 0.1 no shift, 0.1 to 0.25 moderate, above 0.25 major).
+GUARD_MAX_SCORE_PSI = 0.25
+#: Candidate requests before the error and p99 guards judge. Below 100 a p99 is the
+#: maximum of a handful of samples, and one error in 20 requests reads as a 5% ratio.
+GUARD_MIN_REQUESTS = 100
+#: Scored instances per arm before the PSI guard judges.
+GUARD_MIN_INSTANCES = 500
+#: Seconds between two evaluations of the guards.
+GUARD_INTERVAL_S = 5.0
+
+# Where the servers listen by default (loopback; the launcher, the sidecar's URLs, the
+# load test and the benchmarks all start from these).
+DEFAULT_INFERENCE_PORT = 8080
+DEFAULT_MANAGEMENT_PORT = 8081
+DEFAULT_METRICS_PORT = 8082
+DEFAULT_SIDECAR_PORT = 8090
+#: TorchServe 0.12 always starts its gRPC APIs (unused here); they must not collide.
+DEFAULT_GRPC_INFERENCE_PORT = 7070
+DEFAULT_GRPC_MANAGEMENT_PORT = 7071

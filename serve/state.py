@@ -50,6 +50,14 @@ from pydantic import (
     field_validator,
 )
 
+from serve.constants import (
+    GUARD_INTERVAL_S,
+    GUARD_MAX_ERROR_RATIO,
+    GUARD_MAX_P99_RATIO,
+    GUARD_MAX_SCORE_PSI,
+    GUARD_MIN_INSTANCES,
+    GUARD_MIN_REQUESTS,
+)
 from serve.errors import ConfigError, describe_field_errors
 
 __all__ = [
@@ -114,22 +122,22 @@ class Batching(_Strict):
 
 class Guards(_Strict):
     """When a rollout's candidate is rolled back (any limit exceeded, strictly), and how
-    much traffic it needs before each guard judges. See ``serve.sidecar.control.guards``."""
+    much traffic it needs before each guard judges. See ``serve.sidecar.control.guards``;
+    the defaults are ``serve.constants.GUARD_*`` (why each: there)."""
 
-    max_error_ratio: float = Field(default=0.01, ge=0, le=1,
+    max_error_ratio: float = Field(default=GUARD_MAX_ERROR_RATIO, ge=0, le=1,
                                    description="Candidate errors / candidate requests.")
-    max_p99_ratio: float = Field(default=2.0, gt=0, le=1000,
+    max_p99_ratio: float = Field(default=GUARD_MAX_P99_RATIO, gt=0, le=1000,
                                  description="Candidate p99 latency / stable p99 latency.")
-    max_score_psi: float = Field(default=0.25, ge=0, le=100,
+    max_score_psi: float = Field(default=GUARD_MAX_SCORE_PSI, ge=0, le=100,
                                  description="Population stability index of the candidate's "
                                              "predicted scores against the stable's.")
-    # 100: below it a p99 is the maximum of a handful of samples, and one error in 20
-    # requests reads as a 5% error ratio; both would judge noise.
-    min_requests: int = Field(default=100, ge=1, le=10_000_000,
+    min_requests: int = Field(default=GUARD_MIN_REQUESTS, ge=1, le=10_000_000,
                               description="Candidate requests before errors and p99 judge.")
-    min_instances: int = Field(default=500, ge=1, le=1_000_000_000,
+    min_instances: int = Field(default=GUARD_MIN_INSTANCES, ge=1, le=1_000_000_000,
                                description="Scored instances per arm before the PSI judges.")
-    interval_s: float = Field(default=5.0, gt=0, le=3600, description="Seconds between evaluations.")
+    interval_s: float = Field(default=GUARD_INTERVAL_S, gt=0, le=3600,
+                              description="Seconds between evaluations.")
 
 
 class Rollout(_Strict):

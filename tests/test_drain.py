@@ -81,14 +81,17 @@ def test_drain_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_tools_token_comes_from_the_env_then_the_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from serve.ops.state_client import TOKEN_ENV, sidecar_token
+    from serve.ops.state_client import sidecar_token
+    from serve.settings import DLRM_SIDECAR_TOKEN
+
+    token_env = DLRM_SIDECAR_TOKEN.name
 
     f = tmp_path / "sidecar-token"
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(token_env, raising=False)
     assert sidecar_token(f) is None and sidecar_token(None) is None  # no file, no env
     f.write_text("from-file\n")
     assert sidecar_token(f) == "from-file"
-    monkeypatch.setenv(TOKEN_ENV, "  from-env \n")
+    monkeypatch.setenv(token_env, "  from-env \n")
     assert sidecar_token(f) == "from-env"
-    monkeypatch.setenv(TOKEN_ENV, "   ")  # blank: the file
+    monkeypatch.setenv(token_env, "   ")  # blank: the file
     assert sidecar_token(str(f)) == "from-file"

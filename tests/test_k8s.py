@@ -772,7 +772,8 @@ def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant
     version and workers the serving state declares; and the sidecar is told TorchServe's
     limit (its own cgroup is another container's)."""
     from serve.ops.hpa_sim import parse_quantity
-    from serve.sidecar.config import MEMORY_LIMIT_ENV, SidecarConfig
+    from serve.settings import DLRM_MEMORY_LIMIT_BYTES
+    from serve.sidecar.config import SidecarConfig
 
     d = docs if variant == "base" else cpu_docs
     state = _state(docs)
@@ -783,7 +784,7 @@ def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant
     assert usable >= need, (f"{variant}: 0.9 x limit {limit / 1e9:.2f} GB = {usable / 1e9:.2f} "
                             f"GB < {need / 1e9:.2f} GB for two versions")
     env = {e["name"]: e for e in container(d, "sidecar")["env"]}
-    assert env[MEMORY_LIMIT_ENV]["valueFrom"]["resourceFieldRef"] == {
+    assert env[DLRM_MEMORY_LIMIT_BYTES.name]["valueFrom"]["resourceFieldRef"] == {
         "containerName": "torchserve", "resource": "limits.memory", "divisor": "1"}
 
 

@@ -28,7 +28,8 @@ import httpx
 import pytest
 import yaml
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, CACHE_ON_CPU_ENV, HandlerConfig, example_request
+from serve import settings
+from serve.api.protocol import BINARY_MEDIA_TYPE, HandlerConfig, example_request
 from serve.common.net import free_ports
 from serve.ops import monitoring
 from serve.ops.feedback_check import label_triples, post_labels
@@ -93,7 +94,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
         grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
         state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
         ready_timeout_s=180,
-        extra_env={"OMP_NUM_THREADS": "1", CACHE_ON_CPU_ENV: "1"},
+        extra_env={"OMP_NUM_THREADS": "1", settings.DLRM_CACHE_ON_CPU.name: "1"},
         sidecar_env={"PYTHONPATH": path, "DLRM_FAKE_NVML_DEVICES": "2"})
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()

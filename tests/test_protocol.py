@@ -293,7 +293,8 @@ def test_handler_config_validation():
         HandlerConfig.from_dict({"cache_size": 3})
     with pytest.raises(ConfigError, match=r"handler.max_instances=0 must be an integer >= 1"):
         HandlerConfig(max_instances=0)
-    with pytest.raises(ConfigError, match=r"handler.cache_load_factor=1.5 must be in \(0, 1\]"):
+    with pytest.raises(ConfigError,
+                       match=r"handler.cache_load_factor=1.5 must be a number in \(0, 1\] or null"):
         HandlerConfig(cache_load_factor=1.5)
     with pytest.raises(ConfigError, match=r"handler.cache_policy='fifo' must be 'lru' or 'lfu'"):
         HandlerConfig(cache_policy="fifo")
@@ -1203,9 +1204,8 @@ def test_one_feature_and_no_dense_features(multi_hot, n):
 
 
 PROTOCOL_NAMES = [
-    "BINARY_MEDIA_TYPE", "BINARY_VERSION", "CACHE_ON_CPU_ENV", "DEFAULT_SCHEMA", "DELTA_DIR_ENV",
-    "INT64_MAX", "JSON_MEDIA_TYPE", "ArmRun", "DeltaWiring", "HandlerConfig", "MergedBatch",
-    "Outcome", "ParsedRequest", "RolloutWiring", "Split", "cache_on_cpu_from_env",
+    "BINARY_MEDIA_TYPE", "BINARY_VERSION", "DEFAULT_SCHEMA", "INT64_MAX", "JSON_MEDIA_TYPE",
+    "ArmRun", "DeltaWiring", "HandlerConfig", "MergedBatch", "Outcome", "ParsedRequest", "RolloutWiring", "Split", "cache_on_cpu_from_env",
     "check_content_type", "check_route_key", "default_num_threads", "encode_binary",
     "encode_error", "encode_predictions", "example_binary", "example_request", "handle_batch",
     "merge_requests", "parse_body"]

@@ -20,14 +20,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
+from serve import settings
 from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import RECONCILE_RESULTS, SidecarMetrics
 from serve.profiles import get_profile
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
+from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.model_schemas import SchemaCache, check_rollout_schema
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient
-from serve.sidecar.config import STATE_FILE_ENV
 from serve.sidecar.control import reconciler as reconciler_module
 from serve.sidecar.control import state_file as state_file_module
 from serve.sidecar.control.reconciler import Reconciler, assess
@@ -662,7 +663,7 @@ def test_without_a_state_file_puts_are_409_and_get_explains(tmp_path, repo):
         assert r.json() == {
             "code": 409, "type": "Conflict",
             "message": f"{what} changes the desired state, but this sidecar was started "
-                       f"without --state-file (or {STATE_FILE_ENV}): restart it with one (in "
+                       f"without --state-file (or {DLRM_STATE_FILE}): restart it with one (in "
                        f"Kubernetes the ConfigMap dlrm-serving-state mounted at "
                        f"{DEFAULT_STATE_FILE})"}
     body = get.json()
@@ -698,11 +699,12 @@ def test_the_documented_default_state_file():
 def test_cli_flags_and_env(monkeypatch, tmp_path):
     from serve.sidecar.http.app import _parser
 
-    monkeypatch.delenv(STATE_FILE_ENV, raising=False)
+    monkeypatch.delenv(DLRM_STATE_FILE.name, raising=False)
+    monkeypatch.delenv(settings.DLRM_REPOSITORY.name, raising=False)
     args = _parser().parse_args([])
     assert (args.state_file, args.repository, args.reconcile_interval, args.drain_timeout,
-            args.cgroup_root) == (None, None, 1.0, 60.0, "/sys/fs/cgroup")
-    monkeypatch.setenv(STATE_FILE_ENV, "/x/state.yaml")
+            args.cgroup_root) == (None, (), 1.0, 60.0, "/sys/fs/cgroup")
+    monkeypatch.setenv(DLRM_STATE_FILE.name, "/x/state.yaml")
     assert _parser().parse_args([]).state_file == "/x/state.yaml"
     args = _parser().parse_args(["--repository", "a", "--repository", "b"])
     assert args.repository == ["a", "b"]

@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from serve.common.cpu import available_cpus, threads_per_worker
+from serve.common.validate import int_in_range, number_in_range, positive_int
 from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
+from serve.settings import (
+    DLRM_CACHE_ON_CPU,
+    DLRM_DELTA_DIR,
+    DLRM_DELTA_POLL_MS,
+    DLRM_SHARED_TABLES,
+)
 from serve.state import VERSION_RE
 
 __all__ = [
-    "CACHE_ON_CPU_ENV",
-    "DELTA_DIR_ENV",
-    "DELTA_POLL_ENV",
-    "SHARED_TABLES_ENV",
     "DeltaWiring",
     "HandlerConfig",
     "RolloutWiring",
@@ -143,25 +146,20 @@ class HandlerConfig:
 
     def __post_init__(self) -> None:
         lf = self.cache_load_factor
-        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, (int, float))
-                               or not 0.0 < lf <= 1.0):
-            raise ConfigError(f"handler.cache_load_factor={lf!r} must be in (0, 1] or null")
+        if lf is not None:
+            number_in_range("handler.cache_load_factor", lf, 0, 1, lo_open=True,
+                            then=" or null")
         for name in ("cache_bytes", "num_threads", "max_forward_instances"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1 or null")
+            if getattr(self, name) is not None:
+                positive_int(f"handler.{name}", getattr(self, name), then=" or null")
         if lf is None and self.cache_bytes is None:
             raise ConfigError("handler: set cache_load_factor or cache_bytes")
         if self.cache_policy not in CACHE_POLICIES:
             raise ConfigError(f"handler.cache_policy={self.cache_policy!r} must be 'lru' or 'lfu'")
         for name in ("max_instances", "max_ids_per_feature", "max_body_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"handler.{name}={v!r} must be an integer >= 1")
-        d = self.debug_delay_ms
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= 10_000:
-            raise ConfigError(f"handler.debug_delay_ms={d!r} must be an integer in 0..10000 "
-                              "(ms slept per batch; for tests only)")
+            positive_int(f"handler.{name}", getattr(self, name))
+        int_in_range("handler.debug_delay_ms", self.debug_delay_ms, 0, 10_000,
+                     then=" (ms slept per batch; for tests only)")
         if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
             raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
                               "None; build the config with HandlerConfig.from_dict to read a "
@@ -188,28 +186,20 @@ class HandlerConfig:
         return out
 
 
-#: Environment variable of TorchServe (and so of its workers): "1" runs the embedding cache
-#: on CPU too. On CPU the cache only costs time (device memory *is* host memory), so it is
-#: off by default; the Prometheus pipeline test turns it on to check the hit-ratio series.
-CACHE_ON_CPU_ENV = "DLRM_CACHE_ON_CPU"
-
-
 def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
-    """Whether ``DLRM_CACHE_ON_CPU`` asks for the cache on CPU ("1"/"0", unset = off).
+    """Whether ``DLRM_CACHE_ON_CPU`` (TorchServe's environment, so its workers') asks for
+    the cache on CPU ("1"/"0", unset = off). On CPU the cache only costs time (device
+    memory *is* host memory), so it is off by default; the Prometheus pipeline test turns
+    it on to check the hit-ratio series.
 
     Raises:
         ConfigError: any other value (names it and the two accepted ones).
     """
-    v = environ.get(CACHE_ON_CPU_ENV, "0").strip()
+    v = DLRM_CACHE_ON_CPU.get(environ)
     if v not in ("0", "1"):
-        raise ConfigError(f"{CACHE_ON_CPU_ENV}={v!r} must be 1 (cache on CPU too) or 0 "
+        raise ConfigError(f"{DLRM_CACHE_ON_CPU}={v!r} must be 1 (cache on CPU too) or 0 "
                           "(the default: no cache on CPU)")
     return v == "1"
-
-
-DELTA_DIR_ENV = "DLRM_DELTA_DIR"
-SHARED_TABLES_ENV = "DLRM_SHARED_TABLES"
-DELTA_POLL_ENV = "DLRM_DELTA_POLL_MS"
 
 
 @dataclass(frozen=True)
@@ -235,19 +225,19 @@ class DeltaWiring:
         Raises:
             ConfigError: a value out of its rule (named with the rule).
         """
-        d = environ.get(DELTA_DIR_ENV, "").strip()
+        d = DLRM_DELTA_DIR.get(environ)
         if not d:
             return None
-        shared = environ.get(SHARED_TABLES_ENV, "1").strip()
+        shared = DLRM_SHARED_TABLES.get(environ)
         if shared not in ("0", "1"):
-            raise ConfigError(f"{SHARED_TABLES_ENV}={shared!r} must be 1 (workers share one "
+            raise ConfigError(f"{DLRM_SHARED_TABLES}={shared!r} must be 1 (workers share one "
                               "copy of the tables, the default) or 0 (a copy each)")
-        poll = environ.get(DELTA_POLL_ENV, "100").strip()
+        poll = DLRM_DELTA_POLL_MS.get(environ) or ""
         try:
             poll_ms = int(poll)
         except ValueError:
             poll_ms = -1
         if not 10 <= poll_ms <= 60_000:
-            raise ConfigError(f"{DELTA_POLL_ENV}={poll!r} must be an integer number of "
-                              "milliseconds in 10..60000 (default 100)")
+            raise ConfigError(f"{DLRM_DELTA_POLL_MS}={poll!r} must be an integer number of "
+                              f"milliseconds in 10..60000 (default {DLRM_DELTA_POLL_MS.default})")
         return cls(Path(d), shared == "1", poll_ms / 1000.0)

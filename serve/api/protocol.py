@@ -4,7 +4,8 @@ Kept so that ``from serve.api.protocol import ...`` goes on working; new code im
 from the module that holds a name:
 
 * :mod:`serve.api.config`: :class:`HandlerConfig` (the archive's ``handler:`` section),
-  :class:`RolloutWiring`, :class:`DeltaWiring`, the environment switches.
+  :class:`RolloutWiring`, :class:`DeltaWiring`, the environment switches
+  (their variables are in :mod:`serve.settings`).
 * :mod:`serve.api.request`: the request schema side (:data:`DEFAULT_SCHEMA`,
   :class:`ParsedRequest`, the Content-Type and route-key checks).
 * :mod:`serve.api.json_body`: the rows and columnar JSON forms, :func:`example_request`.
@@ -31,8 +32,6 @@ from serve.api.batch import (
 )
 from serve.api.binary import BINARY_VERSION, encode_binary, example_binary
 from serve.api.config import (
-    CACHE_ON_CPU_ENV,
-    DELTA_DIR_ENV,
     DeltaWiring,
     HandlerConfig,
     RolloutWiring,
@@ -54,9 +53,7 @@ from serve.api.request import (
 __all__ = [
     "BINARY_MEDIA_TYPE",
     "BINARY_VERSION",
-    "CACHE_ON_CPU_ENV",
     "DEFAULT_SCHEMA",
-    "DELTA_DIR_ENV",
     "INT64_MAX",
     "JSON_MEDIA_TYPE",
     "ArmRun",

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.errors import ConfigError
+from serve.settings import OMP_NUM_THREADS
 
 __all__ = [
     "CGROUP_ROOT",
@@ -211,12 +212,12 @@ class ThreadChoice:
 
 def _omp_threads(environ: Mapping[str, str]) -> int | None:
     """``OMP_NUM_THREADS`` as a count; None when unset or empty."""
-    raw = environ.get("OMP_NUM_THREADS")
+    raw = environ.get(OMP_NUM_THREADS.name)
     if raw is None or not raw.strip():
         return None
     first = raw.split(",", 1)[0].strip()
     if not (first.isascii() and first.isdigit()) or int(first) < 1:
-        raise ConfigError(f"OMP_NUM_THREADS={raw!r} must be a positive integer (threads per "
+        raise ConfigError(f"{OMP_NUM_THREADS}={raw!r} must be a positive integer (threads per "
                           "worker); unset it to size threads from the CPU quota, or set "
                           "handler.num_threads in the model config")
     return int(first)

@@ -12,8 +12,9 @@
    steps (each search switches the serving version three times). The ranking traffic's
    own tuned figure is ``make bench-autotune``'s;
 3. finds the knee with the project's one knee rule (:mod:`serve.ops.knee`): walking up
-   the judged steps until the first whose p99 is over the goal (default 60 ms, the
-   MLPerf DLRM-v2 server bound) or whose failure ratio is over bounds, the step that
+   the judged steps until the first whose p99 is over the goal (default
+   ``serve.constants.P99_SLO_MS``, the MLPerf DLRM-v2 server bound) or whose failure
+   ratio is over bounds, the step that
    last raised the request rate by at least 5%;
 4. target = ``headroom`` (0.8) x knee: the HPA scales out at 80% of what one pod
    sustains, leaving room for the metric's delay and pod start-up (``make hpa-sim``);
@@ -46,6 +47,8 @@ from typing import Any
 
 import httpx
 
+from serve.common.validate import positive_number
+from serve.constants import DEFAULT_INFERENCE_PORT, DEFAULT_SIDECAR_PORT, P99_SLO_MS
 from serve.errors import CapacityError, ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.knee import Knee, find_knee
 from serve.ops.state_client import StateClient, sidecar_token
@@ -62,7 +65,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_HOST = "http://127.0.0.1:8080"
+DEFAULT_HOST = f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}"
+DEFAULT_SIDECAR = f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}"
 # Not in k8s/: `kubectl apply -f k8s/` reads every .json there and rejects this one (no
 # `kind`). The figures belong with the load test that measured them.
 DEFAULT_OUTPUT = Path("loadtest/capacity.json")
@@ -76,7 +80,8 @@ _HPA_LINE = re.compile(r'^(?P<indent>\s*)averageValue:\s*"?(?P<value>[0-9.]+[a-z
 class CapacityConfig:
     """Settings of one capacity measurement.
 
-    p99_goal_ms: latency bound a step must meet (MLPerf DLRM-v2 server: 60 ms).
+    p99_goal_ms: latency bound a step must meet (default the service's p99 goal,
+        ``serve.constants.P99_SLO_MS``).
     headroom: target = headroom x knee; (0, 1].
     max_fail_ratio: failed/all requests a step may have and still count.
     duration: the whole step run (loadtest's format: 90s, 5m); steps share it.
@@ -88,7 +93,7 @@ class CapacityConfig:
     """
 
     host: str = DEFAULT_HOST
-    p99_goal_ms: float = 60.0
+    p99_goal_ms: float = P99_SLO_MS
     headroom: float = 0.8
     max_fail_ratio: float = 0.001
     duration: str = "5m"
@@ -96,13 +101,12 @@ class CapacityConfig:
     instances: str = ""
     output: Path = DEFAULT_OUTPUT
     hpa: Path = DEFAULT_HPA
-    sidecar: str = "http://127.0.0.1:8090"
+    sidecar: str = DEFAULT_SIDECAR
     token_file: Path = Path(".run/sidecar-token")
     pause_settle_s: float = 15.0
 
     def __post_init__(self) -> None:
-        if not (self.p99_goal_ms > 0 and math.isfinite(self.p99_goal_ms)):
-            raise ConfigError(f"--p99-goal-ms {self.p99_goal_ms} must be a finite number > 0")
+        positive_number("--p99-goal-ms", self.p99_goal_ms)
         if not 0 < self.headroom <= 1:
             raise ConfigError(f"--headroom {self.headroom} must be in (0, 1]: the target is "
                               "that fraction of the knee")
@@ -264,8 +268,9 @@ def _parser() -> argparse.ArgumentParser:
                     "step load test, then write loadtest/capacity.json and the HPA's QPS "
                     "target (headroom x knee) into k8s/hpa.yaml.")
     p.add_argument("--host", default=DEFAULT_HOST, help="the instance's inference URL")
-    p.add_argument("--p99-goal-ms", type=float, default=60.0,
-                   help="latency goal a step must meet (MLPerf DLRM-v2 server: 60 ms)")
+    p.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
+                   help="latency goal a step must meet (default: the service's p99 goal, "
+                        "MLPerf DLRM-v2's server bound)")
     p.add_argument("--headroom", type=float, default=0.8,
                    help="target = headroom x knee: room for metric delay and pod start-up")
     p.add_argument("--max-fail-ratio", type=float, default=0.001,
@@ -274,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="whole step run (steps share it; longer = steadier figures)")
     p.add_argument("--users", default="", help="step levels, e.g. 1,2,4,8,16,32")
     p.add_argument("--instances", default="", help="instances per request (loadtest format)")
-    p.add_argument("--sidecar", default="http://127.0.0.1:8090",
+    p.add_argument("--sidecar", default=DEFAULT_SIDECAR,
                    help="the sidecar whose batching tuner is paused during the run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="capacity.json path")
     p.add_argument("--hpa", type=Path, default=DEFAULT_HPA, help="HPA manifest to update")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -25,6 +24,7 @@ import httpx
 
 from serve.errors import UpstreamUnavailable
 from serve.ops.state_client import sidecar_token
+from serve.settings import DLRM_SIDECAR_TOKEN, DLRM_SIDECAR_URL
 
 __all__ = ["main", "request_drain"]
 
@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.ops.drain",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sidecar-url", default=os.environ.get("DLRM_SIDECAR_URL",
-                                                            "http://127.0.0.1:8090"))
+    ap.add_argument("--sidecar-url", default=DLRM_SIDECAR_URL.get(),
+                    help=f"the sidecar to drain (default ${DLRM_SIDECAR_URL} or "
+                         f"{DLRM_SIDECAR_URL.default})")
     ap.add_argument("--token-file", default=".run/sidecar-token",
-                    help="used when DLRM_SIDECAR_TOKEN is not set")
+                    help=f"used when {DLRM_SIDECAR_TOKEN} is not set")
     ap.add_argument("--settle-s", type=float, default=5.0,
                     help="seconds to wait before closing (endpoint removal propagates)")
     ap.add_argument("--timeout-s", type=float, default=120.0,

@@ -63,6 +63,8 @@ from typing import Any
 
 import httpx
 
+from serve import settings
+from serve.common.validate import int_at_least
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 
 __all__ = [
@@ -184,9 +186,7 @@ class CheckConfig:
         if len(set(self.models)) != len(self.models):
             raise ConfigError(f"--examples {','.join(self.models)!r} names a model twice")
         for name, lo in (("steps", 1), ("batch", 2), ("clients", 1), ("workers", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"--{name} {v!r} must be an integer >= {lo}")
+            int_at_least(f"--{name}", getattr(self, name), lo)
         if not (isinstance(self.tolerance, float) and self.tolerance >= 0):
             raise ConfigError(f"--tolerance {self.tolerance!r} must be a float >= 0")
         for name in ("converge_timeout_s", "step_timeout_s"):
@@ -625,7 +625,7 @@ class Service:
             extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
             # The batching tuner would retune under the switch's load and change the
             # serving version behind the check's back.
-            sidecar_env={"DLRM_AUTOTUNE": "0"})
+            sidecar_env={settings.DLRM_AUTOTUNE.name: "0"})
 
     @property
     def running(self) -> bool:

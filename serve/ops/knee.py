@@ -23,7 +23,9 @@ Example::
 
     steps = [{"users": 1, "rps": 20.0, "p99_ms": 14.0, "fail_ratio": 0.0},
              {"users": 2, "rps": 38.0, "p99_ms": 71.0, "fail_ratio": 0.0}]
-    find_knee(steps, p99_goal_ms=60.0).users   # 1: the 2-user step misses the goal
+    find_knee(steps, p99_goal_ms=P99_SLO_MS).users   # 1: the 2-user step misses the goal
+
+(``serve.constants.P99_SLO_MS`` is the service's goal, the callers' default.)
 """
 from __future__ import annotations
 

@@ -28,11 +28,11 @@ The test fixture ``tests/fixtures/torchserve.py`` uses the same functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -40,18 +40,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from serve.api.protocol import DELTA_DIR_ENV
+from serve import settings
 from serve.common.net import wait_until
+from serve.common.validate import int_in_range
+from serve.constants import (
+    DEFAULT_GRPC_INFERENCE_PORT,
+    DEFAULT_GRPC_MANAGEMENT_PORT,
+    DEFAULT_INFERENCE_PORT,
+    DEFAULT_MANAGEMENT_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_PORT,
+)
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
+from serve.settings import EnvVar
 from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
-from serve.store.predlog import LOG_DIR_ENV
 from serve.store.repository import ModelRepository
 
 __all__ = [
@@ -93,12 +102,13 @@ class LaunchConfig:
     """Where and how to run the service; paths may be relative to ``REPO``."""
 
     host: str = "127.0.0.1"
-    inference_port: int = 8080
-    management_port: int = 8081
-    metrics_port: int = 8082
-    sidecar_port: int = 8090
-    grpc_inference_port: int = 7070   # TorchServe 0.12 always starts gRPC; can't be disabled
-    grpc_management_port: int = 7071
+    inference_port: int = DEFAULT_INFERENCE_PORT
+    management_port: int = DEFAULT_MANAGEMENT_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    sidecar_port: int = DEFAULT_SIDECAR_PORT
+    # TorchServe 0.12 always starts gRPC; can't be disabled
+    grpc_inference_port: int = DEFAULT_GRPC_INFERENCE_PORT
+    grpc_management_port: int = DEFAULT_GRPC_MANAGEMENT_PORT
     model_name: str = "dlrm"
     model_store: Path = Path("model_store")
     # The archive in model_store TorchServe loads at start (--models NAME=MAR), for tests
@@ -129,8 +139,7 @@ class LaunchConfig:
         ports = [self.inference_port, self.management_port, self.metrics_port, self.sidecar_port,
                  self.grpc_inference_port, self.grpc_management_port]
         for p in ports:
-            if not isinstance(p, int) or not 0 < p < 65536:
-                raise ConfigError(f"port {p!r} must be an integer in 1..65535")
+            int_in_range("port", p, 1, 65535)
         if len(set(ports)) != len(ports):
             raise ConfigError(f"ports {ports} must all differ")
         if self.ready_timeout_s <= 0:
@@ -355,9 +364,9 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     env.update({
         "TMPDIR": str(tmp), "TEMP": str(tmp),  # pid file + .mar unpack dir per instance
         "LOG_LOCATION": str(log_dir), "METRICS_LOCATION": str(log_dir),
-        "PROMETHEUS_MULTIPROC_DIR": str(cfg.multiproc_dir),
-        LOG_DIR_ENV: str(cfg.prediction_log_dir),
-        DELTA_DIR_ENV: str(cfg.delta_dir),
+        settings.PROMETHEUS_MULTIPROC_DIR.name: str(cfg.multiproc_dir),
+        settings.DLRM_PREDICTION_LOG_DIR.name: str(cfg.prediction_log_dir),
+        settings.DLRM_DELTA_DIR.name: str(cfg.delta_dir),
         "PYTHONUNBUFFERED": "1",
     })
     env.update(cfg.extra_env)
@@ -397,7 +406,8 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     log_dir = cfg.path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the sidecar reads the dir; it must not write there
+    # the sidecar reads the dir; it must not write there
+    env.pop(settings.PROMETHEUS_MULTIPROC_DIR.name, None)
     env.update(cfg.sidecar_env)
     with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,
@@ -495,15 +505,11 @@ def stop_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float 
         elif not _group_alive(pid):
             return
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL) if leads else os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     if proc is not None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _group_alive(pgid: int) -> bool:
@@ -551,22 +557,24 @@ class PortUse:
 
 
 # (setting, what listens there, flag, env): the order TorchServe and the sidecar bind them.
-_PORTS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("inference_port", "TorchServe inference API", "--inference-port", "TS_INFERENCE_PORT"),
-    ("management_port", "TorchServe management API", "--management-port", "TS_MANAGEMENT_PORT"),
-    ("metrics_port", "TorchServe metrics API", "--metrics-port", "TS_METRICS_PORT"),
+_PORTS: tuple[tuple[str, str, str | None, EnvVar], ...] = (
+    ("inference_port", "TorchServe inference API", "--inference-port",
+     settings.TS_INFERENCE_PORT),
+    ("management_port", "TorchServe management API", "--management-port",
+     settings.TS_MANAGEMENT_PORT),
+    ("metrics_port", "TorchServe metrics API", "--metrics-port", settings.TS_METRICS_PORT),
     ("grpc_inference_port", "TorchServe gRPC inference API (always started)", None,
-     "GRPC_INFERENCE_PORT"),
+     settings.GRPC_INFERENCE_PORT),
     ("grpc_management_port", "TorchServe gRPC management API (always started)", None,
-     "GRPC_MANAGEMENT_PORT"),
-    ("sidecar_port", "the sidecar (FastAPI)", "--sidecar-port", "SIDECAR_PORT"),
+     settings.GRPC_MANAGEMENT_PORT),
+    ("sidecar_port", "the sidecar (FastAPI)", "--sidecar-port", settings.SIDECAR_PORT),
 )
 
 
 def planned_ports(cfg: LaunchConfig) -> list[PortUse]:
     """Every port ``start`` will have bound on ``cfg.host``: TorchServe's five, and the
     sidecar's when ``cfg.sidecar`` is on."""
-    return [PortUse(getattr(cfg, setting), setting, what, flag, env)
+    return [PortUse(getattr(cfg, setting), setting, what, flag, env.name)
             for setting, what, flag, env in _PORTS
             if setting != "sidecar_port" or cfg.sidecar]
 
@@ -822,13 +830,15 @@ def _cmd_down(cfg: LaunchConfig) -> int:
     return 0
 
 
-def _env_port(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if not re.fullmatch(r"\d{1,5}", raw):
-        raise ConfigError(f"{name}={raw!r} must be a port number")
-    return int(raw)
+def _ports(args: argparse.Namespace) -> dict[str, Any]:
+    """Each port: its flag, else its variable (``TS_INFERENCE_PORT``...), else its default
+    (:mod:`serve.constants`, the variable's default in :mod:`serve.settings`)."""
+    ports: dict[str, Any] = {}  # setting -> port (Any: LaunchConfig's ** keywords)
+    for setting, _, flag, var in _PORTS:
+        port = (getattr(args, setting, None) if flag else None) or var.get_port()
+        if port is not None:
+            ports[setting] = port
+    return ports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -838,10 +848,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run: foreground; up: background, returns when ready; down: stop `up`")
     ap.add_argument("--host", default="127.0.0.1",
                     help="bind address of every server (loopback: nothing is exposed)")
-    ap.add_argument("--inference-port", type=int, default=None, help="default $TS_INFERENCE_PORT or 8080")
-    ap.add_argument("--management-port", type=int, default=None, help="default $TS_MANAGEMENT_PORT or 8081")
-    ap.add_argument("--metrics-port", type=int, default=None, help="default $TS_METRICS_PORT or 8082")
-    ap.add_argument("--sidecar-port", type=int, default=None, help="default $SIDECAR_PORT or 8090")
+    for _, what, flag, var in _PORTS:
+        if flag is not None:
+            ap.add_argument(flag, type=int, default=None,
+                            help=f"{what}'s port (default ${var} or {var.default})")
     ap.add_argument("--model-store", default="model_store",
                     help="TorchServe's model store, and the model repository unless --repository")
     ap.add_argument("--repository", action="append", default=None, metavar="DIR",
@@ -870,21 +880,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: the readiness poll would print a line per try.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = LaunchConfig(
-        host=args.host,
-        inference_port=args.inference_port or _env_port("TS_INFERENCE_PORT", 8080),
-        management_port=args.management_port or _env_port("TS_MANAGEMENT_PORT", 8081),
-        metrics_port=args.metrics_port or _env_port("TS_METRICS_PORT", 8082),
-        sidecar_port=args.sidecar_port or _env_port("SIDECAR_PORT", 8090),
-        grpc_inference_port=_env_port("GRPC_INFERENCE_PORT", 7070),
-        grpc_management_port=_env_port("GRPC_MANAGEMENT_PORT", 7071),
-        model_store=Path(args.model_store), mar_name=args.mar, ts_config=Path(args.ts_config),
-        log_config=Path(args.log_config), state_file=Path(args.state_file),
-        repositories=tuple(Path(d) for d in args.repository or ()),
-        sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
-        drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),
-        log_dir=Path(args.log_dir))
     try:
+        cfg = replace(LaunchConfig(
+            host=args.host,
+            model_store=Path(args.model_store), mar_name=args.mar,
+            ts_config=Path(args.ts_config), log_config=Path(args.log_config),
+            state_file=Path(args.state_file),
+            repositories=tuple(Path(d) for d in args.repository or ()),
+            sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
+            drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),
+            log_dir=Path(args.log_dir)), **_ports(args))
         return {"run": _cmd_run, "up": _cmd_up, "down": _cmd_down}[args.command](cfg)
     except (ConfigError, UpstreamUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)

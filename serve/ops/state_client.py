@@ -22,19 +22,17 @@ import httpx
 
 from serve.common.net import wait_until
 from serve.errors import UpstreamUnavailable
+from serve.settings import DLRM_SIDECAR_TOKEN
 
-__all__ = ["TOKEN_ENV", "StateClient", "sidecar_token"]
-
-#: The environment variable that holds the sidecar's bearer token (a Kubernetes Secret).
-TOKEN_ENV = "DLRM_SIDECAR_TOKEN"
+__all__ = ["StateClient", "sidecar_token"]
 
 
 def sidecar_token(token_file: str | os.PathLike[str] | None) -> str | None:
     """The sidecar's bearer token for a tool: ``DLRM_SIDECAR_TOKEN`` when set and not
     blank, else the contents of ``token_file`` when it exists (``make up`` writes
     ``.run/sidecar-token``), else None. Stripped."""
-    env = os.environ.get(TOKEN_ENV, "").strip()
-    if env:
+    env = DLRM_SIDECAR_TOKEN.get()
+    if env is not None:
         return env
     if token_file is not None and Path(token_file).is_file():
         return Path(token_file).read_text().strip()

@@ -2,7 +2,15 @@
 where the desired serving state and the model versions are.
 
 Loaded once, at the entry point (``serve.sidecar.http.app.main``); everything else receives a
-:class:`SidecarConfig`.
+:class:`SidecarConfig`. :class:`ServerOptions` holds what only the process needs (bind
+address, log level, where the write token is).
+
+The command line is generated from these dataclasses (and the :class:`FeedbackConfig` and
+:class:`TunerConfig` they hold): a field with ``metadata=flag(...)``
+(:mod:`serve.common.flags`) is a flag of ``python -m serve.sidecar``, with its help and the
+environment variable (:mod:`serve.settings`) that sets its default; the field's default
+is the flag's. Fields without it (``upstream_timeout_s``, ``switch_grace_s``...) are set
+only in code.
 """
 from __future__ import annotations
 
@@ -10,6 +18,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serve import settings
+from serve.common.flags import Option, flag, options
+from serve.common.validate import int_in_range, number_in_range, positive_int
+from serve.constants import (
+    DEFAULT_INFERENCE_PORT,
+    DEFAULT_MANAGEMENT_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_PORT,
+)
 from serve.errors import ConfigError
 from serve.sidecar.control.tuner import TunerConfig
 from serve.sidecar.services.feedback import FeedbackConfig
@@ -21,39 +38,53 @@ from serve.state import (  # the limits are the desired state's: defined once th
 )
 
 __all__ = [
-    "AUTOTUNE_ENV",
     "BATCH_SIZE_MAX",
     "DEFAULT_CGROUP_ROOT",
     "DEFAULT_STATE_FILE",
-    "DELTA_DIR_ENV",
+    "LOG_LEVELS",
     "MAX_BATCH_DELAY_MS_MAX",
-    "MEMORY_LIMIT_ENV",
-    "REPOSITORY_ENV",
-    "STATE_FILE_ENV",
-    "TOKEN_ENV",
     "WORKERS_MAX",
+    "ServerOptions",
     "SidecarConfig",
+    "cli_options",
 ]
 
-#: Environment variable holding the PUT /batching bearer token (wins over the token file).
-TOKEN_ENV = "DLRM_SIDECAR_TOKEN"
-#: Environment variable naming the desired-state file (``--state-file``). In Kubernetes the
-#: Deployment passes :data:`DEFAULT_STATE_FILE` (``/etc/dlrm/state/state.yaml``, the
-#: ConfigMap ``dlrm-serving-state`` mounted as a folder); unset, the reconciler is off.
-STATE_FILE_ENV = "DLRM_STATE_FILE"
-#: Environment variable with the model repository folders, ``:``-separated (``--repository``).
-REPOSITORY_ENV = "DLRM_REPOSITORY"
-#: Environment variable with TorchServe's memory limit in bytes (``--memory-limit-bytes``).
-#: In a pod where TorchServe runs in its own container, the sidecar's cgroup is not
-#: TorchServe's: pass the torchserve container's ``limits.memory`` (Downward API
-#: ``resourceFieldRef``) here.
-MEMORY_LIMIT_ENV = "DLRM_MEMORY_LIMIT_BYTES"
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
-#: Environment variable turning the batching tuner off (``0``, ``false``, ``off``) or on.
-AUTOTUNE_ENV = "DLRM_AUTOTUNE"
-#: Environment variable naming the pod's embedding-delta folder (``--delta-dir``), shared
-#: with the TorchServe workers (:class:`serve.store.delta_files.DeltaStore`); unset, deltas are off.
-DELTA_DIR_ENV = "DLRM_DELTA_DIR"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How ``python -m serve.sidecar`` runs: what the process needs, the app never sees.
+
+    Attributes:
+        host, port: where uvicorn listens.
+        token_file: the file holding the write token (when ``DLRM_SIDECAR_TOKEN`` is
+            unset); ``create_token`` writes a random one there first if it is absent.
+        log_level: the sidecar's log level (uvicorn's too).
+    """
+
+    host: str = field(default="127.0.0.1", metadata=flag(
+        "--host", env=settings.DLRM_SIDECAR_HOST,
+        help="bind address; 0.0.0.0 in a pod so Prometheus can scrape it"))
+    port: int = field(default=DEFAULT_SIDECAR_PORT, metadata=flag(
+        "--port", env=settings.DLRM_SIDECAR_PORT, help="port"))
+    token_file: Path = field(default=Path(".run/sidecar-token"), metadata=flag(
+        "--token-file", env=settings.DLRM_SIDECAR_TOKEN_FILE,
+        help=f"file holding the write token (the bearer token of every write); env "
+             f"{settings.DLRM_SIDECAR_TOKEN} (e.g. from a Kubernetes Secret) wins over it"))
+    create_token: bool = field(default=False, metadata=flag(
+        "--create-token", switch=True,
+        help="write a random development token to --token-file if it is absent"))
+    log_level: str = field(default="info", metadata=flag(
+        "--log-level", env=settings.DLRM_LOG_LEVEL, choices=LOG_LEVELS,
+        help="the sidecar's log level"))
+
+    def __post_init__(self) -> None:
+        int_in_range("port", self.port, 1, 65535)
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
+        object.__setattr__(self, "token_file", Path(self.token_file))
 
 
 @dataclass(frozen=True)
@@ -63,7 +94,8 @@ class SidecarConfig:
     Args:
         inference_url, management_url, metrics_url: TorchServe's APIs (loopback).
         model_name: the TorchServe model the sidecar manages.
-        token: bearer token for PUT /batching; None disables writes (403).
+        token: the write token, the bearer token every write (PUT /state, PUT
+            /batching, POST /feedback...) needs; None disables writes (403).
         multiproc_dir: the workers' PROMETHEUS_MULTIPROC_DIR; None: no handler metrics.
         model_store: TorchServe's ``--model-store``: new versions' ``.mar`` files go there,
             because TorchServe registers local archives only from its model store.
@@ -105,25 +137,66 @@ class SidecarConfig:
             default, acting only with a desired-state file).
     """
 
-    inference_url: str = "http://127.0.0.1:8080"
-    management_url: str = "http://127.0.0.1:8081"
-    metrics_url: str = "http://127.0.0.1:8082"
-    model_name: str = "dlrm"
-    token: str | None = field(default=None, repr=False)
-    multiproc_dir: Path | None = None
-    model_store: Path = Path("model_store")
+    inference_url: str = field(default=f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}",
+                               metadata=flag("--inference-url", env=settings.TS_INFERENCE_URL,
+                                             help="TorchServe inference API"))
+    management_url: str = field(
+        default=f"http://127.0.0.1:{DEFAULT_MANAGEMENT_PORT}",
+        metadata=flag("--management-url", env=settings.TS_MANAGEMENT_URL,
+                      help="TorchServe management API, loopback only"))
+    metrics_url: str = field(default=f"http://127.0.0.1:{DEFAULT_METRICS_PORT}",
+                             metadata=flag("--metrics-url", env=settings.TS_METRICS_URL,
+                                           help="TorchServe metrics API"))
+    model_name: str = field(default="dlrm", metadata=flag(
+        "--model-name", env=settings.DLRM_MODEL_NAME, help="TorchServe model to manage"))
+    token: str | None = field(default=None, repr=False, metadata=flag(
+        env=settings.DLRM_SIDECAR_TOKEN,
+        help="the write token; wins over --token-file. Unset and no token file: writes "
+             "are disabled (403)"))
+    multiproc_dir: Path | None = field(default=None, metadata=flag(
+        "--multiproc-dir", env=settings.PROMETHEUS_MULTIPROC_DIR,
+        cli_default=Path(".run/prometheus"),
+        help="the TorchServe workers' PROMETHEUS_MULTIPROC_DIR, where their metrics are"))
+    model_store: Path = field(default=Path("model_store"), metadata=flag(
+        "--model-store", env=settings.TS_MODEL_STORE,
+        help="TorchServe's --model-store; new versions' .mar files are written there"))
     upstream_timeout_s: float = 2.0
-    register_timeout_s: float = 600.0
+    register_timeout_s: float = field(default=600.0, metadata=flag(
+        "--register-timeout", help="seconds a new model version may take to get READY"))
     switch_grace_s: float = 1.0
-    drain_timeout_s: float = 60.0
-    state_file: Path | None = None
-    repositories: tuple[Path, ...] = ()
-    reconcile_interval_s: float = 1.0
-    cgroup_root: Path = DEFAULT_CGROUP_ROOT
-    memory_limit_bytes: int | None = None
+    drain_timeout_s: float = field(default=60.0, metadata=flag(
+        "--drain-timeout",
+        help="seconds an old version's queue may take to empty after a switch; past it "
+             "the old version stays registered and the next pass retries"))
+    state_file: Path | None = field(default=None, metadata=flag(
+        "--state-file", env=settings.DLRM_STATE_FILE,
+        help=f"the desired serving state (YAML, serve/state.py) the sidecar reconciles "
+             f"TorchServe toward; in Kubernetes {DEFAULT_STATE_FILE} (a ConfigMap mounted "
+             f"as a folder). Unset: no reconciler, PUT /state and PUT /batching answer 409"))
+    repositories: tuple[Path, ...] = field(default=(), metadata=flag(
+        "--repository", env=settings.DLRM_REPOSITORY,
+        help="a model repository folder (repeat for more; earlier wins; the variable: "
+             "':'-separated); unset: --model-store"))
+    reconcile_interval_s: float = field(default=1.0, metadata=flag(
+        "--reconcile-interval",
+        help="seconds between reconcile passes (a PUT wakes it at once): how soon a "
+             "ConfigMap edit or a dead worker is noticed"))
+    cgroup_root: Path = field(default=DEFAULT_CGROUP_ROOT, metadata=flag(
+        "--cgroup-root",
+        help="cgroup filesystem with memory.max/memory.current (v1: memory/...): the "
+             "memory limit a switch must fit in"))
+    memory_limit_bytes: int | None = field(default=None, metadata=flag(
+        "--memory-limit-bytes", env=settings.DLRM_MEMORY_LIMIT_BYTES,
+        help="TorchServe's memory limit when it runs in another container than the "
+             "sidecar (Downward API limits.memory of that container); unset: the "
+             "sidecar's cgroup limit"))
     memory_headroom: float = 0.9
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
-    delta_dir: Path | None = None
+    delta_dir: Path | None = field(default=None, metadata=flag(
+        "--delta-dir", env=settings.DLRM_DELTA_DIR,
+        help="the pod's embedding-delta folder, shared with the TorchServe workers (they "
+             "follow <dir>/<version>/); POST /embeddings/deltas stores deltas there. "
+             "Unset: deltas are off (POST answers 409)"))
     delta_sync_s: float = 5.0
     tuner: TunerConfig = field(default_factory=TunerConfig)
 
@@ -155,19 +228,24 @@ class SidecarConfig:
         if self.delta_dir is not None:
             if not str(self.delta_dir).strip():
                 raise ConfigError("delta_dir is empty; pass a folder (shared with the "
-                                  f"workers, {DELTA_DIR_ENV}) or None to turn deltas off")
+                                  f"workers, {settings.DLRM_DELTA_DIR}) or None to turn "
+                                  "deltas off")
             object.__setattr__(self, "delta_dir", Path(self.delta_dir))
         object.__setattr__(self, "repositories", tuple(Path(r) for r in self.repositories))
         object.__setattr__(self, "cgroup_root", Path(self.cgroup_root))
-        limit = self.memory_limit_bytes
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
-            raise ConfigError(f"memory_limit_bytes={limit!r} must be a positive integer "
-                              "(bytes) or None to read the cgroup's limit")
-        if not 0 < self.memory_headroom <= 1:
-            raise ConfigError(f"memory_headroom={self.memory_headroom} must be in (0, 1]")
+        if self.memory_limit_bytes is not None:
+            positive_int("memory_limit_bytes", self.memory_limit_bytes,
+                         then=" (bytes) or None to read the cgroup's limit")
+        number_in_range("memory_headroom", self.memory_headroom, 0, 1, lo_open=True)
 
     @property
     def repository_roots(self) -> tuple[Path, ...]:
         """The model repository folders: ``repositories``, else ``model_store``."""
         return self.repositories or (self.model_store,)
+
+
+def cli_options() -> list[Option]:
+    """The flags of ``python -m serve.sidecar``, in its ``--help`` order:
+    :class:`ServerOptions`, then :class:`SidecarConfig` with its feedback and tuner
+    configs, each from its fields' metadata (:mod:`serve.common.flags`)."""
+    return options(ServerOptions) + options(SidecarConfig)

@@ -21,12 +21,13 @@ from prometheus_client import CollectorRegistry
 
 from serve.errors import Conflict
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
+from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.archives import control_path
 from serve.sidecar.adapters.gpu import GpuCollector
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import TorchServeClient, observe
-from serve.sidecar.config import DEFAULT_STATE_FILE, STATE_FILE_ENV, SidecarConfig
+from serve.sidecar.config import DEFAULT_STATE_FILE, SidecarConfig
 from serve.sidecar.control.batching import BatchingUpdates
 from serve.sidecar.control.drain import Drainer
 from serve.sidecar.control.reconciler import Reconciler
@@ -276,7 +277,7 @@ class Sidecar:
         if self._reconciler is None:
             raise Conflict(
                 f"{what} changes the desired state, but this sidecar was started without "
-                f"--state-file (or {STATE_FILE_ENV}): restart it with one (in Kubernetes "
+                f"--state-file (or {DLRM_STATE_FILE}): restart it with one (in Kubernetes "
                 f"the ConfigMap dlrm-serving-state mounted at {DEFAULT_STATE_FILE})")
         return self._reconciler
 

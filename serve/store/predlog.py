@@ -5,7 +5,9 @@ Click feedback arrives minutes after a prediction (``POST /feedback`` on the sid
 keeps its answers for a while. TorchServe workers APPEND records here; the sidecar reads
 them. Both only need a shared folder (an ``emptyDir`` in the pod), never shared memory.
 
-Bounds (documented in the README), all settable through the environment of TorchServe:
+Bounds (documented in the README and docs/configuration.md), all settable through the
+environment of TorchServe (variables in :mod:`serve.settings`, defaults in the fields of
+:class:`PredictionLogConfig`):
 
 * ``DLRM_PREDICTION_LOG_DIR``: the folder; unset or empty = no log (feedback then joins
   nothing and counts every label ``unknown``).
@@ -36,17 +38,24 @@ import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 import orjson
 
+from serve.common.flags import flag
+from serve.common.validate import int_at_least, number_in_range
 from serve.errors import ConfigError
+from serve.settings import (
+    DLRM_PREDICTION_LOG_DIR,
+    DLRM_PREDICTION_LOG_FILE_BYTES,
+    DLRM_PREDICTION_LOG_MAX_BYTES,
+    DLRM_PREDICTION_LOG_SAMPLE,
+)
 
 __all__ = [
-    "LOG_DIR_ENV",
     "MAGIC",
     "SUFFIX",
     "LoggedRequest",
@@ -63,10 +72,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-LOG_DIR_ENV = "DLRM_PREDICTION_LOG_DIR"
-_SAMPLE_ENV = "DLRM_PREDICTION_LOG_SAMPLE"
-_FILE_BYTES_ENV = "DLRM_PREDICTION_LOG_FILE_BYTES"
-_MAX_BYTES_ENV = "DLRM_PREDICTION_LOG_MAX_BYTES"
 MAGIC = b"DPL1"
 SUFFIX = ".dpl"
 _HEAD = struct.Struct("<4sII")
@@ -86,24 +91,26 @@ class PredictionLogConfig:
         max_bytes: the folder's bound in bytes (>= 2 x file_bytes).
     """
 
-    directory: Path
-    sample_rate: float = 1.0
-    file_bytes: int = 8 * 1024 * 1024
-    max_bytes: int = 256 * 1024 * 1024
+    directory: Path = field(metadata=flag(env=DLRM_PREDICTION_LOG_DIR,
+                                          help="the folder; unset: no log"))
+    sample_rate: float = field(default=1.0, metadata=flag(
+        env=DLRM_PREDICTION_LOG_SAMPLE, help="share of requests logged, in [0, 1]"))
+    file_bytes: int = field(default=8 * 1024 * 1024, metadata=flag(
+        env=DLRM_PREDICTION_LOG_FILE_BYTES, help="a worker starts a new file past it"))
+    max_bytes: int = field(default=256 * 1024 * 1024, metadata=flag(
+        env=DLRM_PREDICTION_LOG_MAX_BYTES, help="the folder's bound"))
 
     def __post_init__(self) -> None:
-        r = self.sample_rate
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise ConfigError(f"{_SAMPLE_ENV}={r!r} must be a number in [0, 1] (the share of "
-                              "requests logged for feedback)")
-        for name, env in (("file_bytes", _FILE_BYTES_ENV), ("max_bytes", _MAX_BYTES_ENV)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 4096:
-                raise ConfigError(f"{env}={v!r} must be an integer >= 4096 (bytes)")
+        number_in_range(DLRM_PREDICTION_LOG_SAMPLE.name, self.sample_rate, 0, 1,
+                        then=" (the share of requests logged for feedback)")
+        for var, v in ((DLRM_PREDICTION_LOG_FILE_BYTES, self.file_bytes),
+                       (DLRM_PREDICTION_LOG_MAX_BYTES, self.max_bytes)):
+            int_at_least(var.name, v, 4096, then=" (bytes)")
         if self.max_bytes < 2 * self.file_bytes:
-            raise ConfigError(f"{_MAX_BYTES_ENV}={self.max_bytes} must be at least twice "
-                              f"{_FILE_BYTES_ENV}={self.file_bytes}: the folder keeps the "
-                              "file being written plus at least one full one")
+            raise ConfigError(f"{DLRM_PREDICTION_LOG_MAX_BYTES}={self.max_bytes} must be at "
+                              f"least twice {DLRM_PREDICTION_LOG_FILE_BYTES}={self.file_bytes}: "
+                              "the folder keeps the file being written plus at least one full "
+                              "one")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PredictionLogConfig | None:
@@ -112,20 +119,14 @@ class PredictionLogConfig:
         Raises:
             ConfigError: a value that is not a number or breaks a rule.
         """
-        env = os.environ if env is None else env
-        directory = env.get(LOG_DIR_ENV, "").strip()
-        if not directory:
+        directory = DLRM_PREDICTION_LOG_DIR.get(env)
+        if directory is None:
             return None
-        kwargs: dict[str, float | int] = {}
-        for name, key, kind in (("sample_rate", _SAMPLE_ENV, float),
-                                ("file_bytes", _FILE_BYTES_ENV, int),
-                                ("max_bytes", _MAX_BYTES_ENV, int)):
-            raw = env.get(key, "").strip()
-            if raw:
-                try:
-                    kwargs[name] = kind(raw)
-                except ValueError:
-                    raise ConfigError(f"{key}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
+        read: dict[str, float | int | None] = {
+            "sample_rate": DLRM_PREDICTION_LOG_SAMPLE.get_float(env),
+            "file_bytes": DLRM_PREDICTION_LOG_FILE_BYTES.get_int(env),
+            "max_bytes": DLRM_PREDICTION_LOG_MAX_BYTES.get_int(env)}
+        kwargs = {name: v for name, v in read.items() if v is not None}
         return cls(Path(directory), **kwargs)  # type: ignore[arg-type]
 
 

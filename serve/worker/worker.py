@@ -80,6 +80,7 @@ from serve.metrics import HandlerMetrics, clean_dead_worker_files
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
+from serve.settings import PROMETHEUS_MULTIPROC_DIR
 from serve.state import parse_serving_version
 from serve.store.delta_files import DeltaStore
 from serve.store.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
@@ -479,7 +480,7 @@ def _clean_metric_files(environ: Mapping[str, str]) -> None:
     """Before this worker's metrics start: fold the prometheus_client files of dead
     workers in PROMETHEUS_MULTIPROC_DIR (serve.metrics.clean_dead_worker_files), so they
     do not pile up in the pod's 64 MiB tmpfs. Never fails the worker: logged."""
-    mp_dir = environ.get("PROMETHEUS_MULTIPROC_DIR")
+    mp_dir = PROMETHEUS_MULTIPROC_DIR.get(environ)
     if not mp_dir:
         return
     try:

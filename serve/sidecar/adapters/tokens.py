@@ -1,4 +1,5 @@
-"""The PUT /batching bearer token on disk: a development token, and reading a mounted one.
+"""The write token on disk (the bearer token every write of the sidecar needs): a
+development token, and reading a mounted one.
 
 In Kubernetes the token comes from a Secret (env ``DLRM_SIDECAR_TOKEN`` or a mounted
 file); :func:`ensure_dev_token` is for local runs only.
@@ -10,7 +11,7 @@ import secrets
 from pathlib import Path
 
 from serve.errors import ConfigError
-from serve.sidecar.config import TOKEN_ENV
+from serve.settings import DLRM_SIDECAR_TOKEN
 
 __all__ = ["ensure_dev_token", "load_token"]
 
@@ -41,7 +42,7 @@ def load_token(path: str | os.PathLike[str]) -> str:
     except FileNotFoundError:
         raise ConfigError(
             f"token file {path} does not exist; create it (python -m serve.sidecar "
-            f"--create-token --token-file {path}) or set {TOKEN_ENV}") from None
+            f"--create-token --token-file {path}) or set {DLRM_SIDECAR_TOKEN}") from None
     if not token:
         raise ConfigError(f"token file {path} is empty; write a token into it")
     return token

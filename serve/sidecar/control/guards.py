@@ -48,6 +48,13 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from serve.constants import (
+    GUARD_MAX_ERROR_RATIO,
+    GUARD_MAX_P99_RATIO,
+    GUARD_MAX_SCORE_PSI,
+    GUARD_MIN_INSTANCES,
+    GUARD_MIN_REQUESTS,
+)
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
     ARM_REQUEST_DURATION_SECONDS,
@@ -559,11 +566,11 @@ class GuardLimits:
             1, ``max_p99_ratio`` not > 0, a minimum that is not an integer >= 1.
     """
 
-    max_error_ratio: float = 0.01
-    max_p99_ratio: float = 2.0
-    max_score_psi: float = 0.25
-    min_requests: int = 100
-    min_instances: int = 500
+    max_error_ratio: float = GUARD_MAX_ERROR_RATIO  # defaults: serve.constants, as the
+    max_p99_ratio: float = GUARD_MAX_P99_RATIO      # declared state's (serve.state.Guards)
+    max_score_psi: float = GUARD_MAX_SCORE_PSI
+    min_requests: int = GUARD_MIN_REQUESTS
+    min_instances: int = GUARD_MIN_INSTANCES
 
     def __post_init__(self) -> None:
         for name in ("max_error_ratio", "max_p99_ratio", "max_score_psi"):

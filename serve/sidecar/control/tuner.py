@@ -59,6 +59,9 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from serve import settings
+from serve.common.flags import flag
+from serve.constants import P99_SLO_MS
 from serve.errors import ConfigError
 from serve.metrics import (
     BATCH_REQUESTS,
@@ -121,7 +124,7 @@ class Setting:
 class TunerConfig:
     """How the tuner judges and how often it may act.
 
-    enabled: tune at all (``--no-autotune`` / ``DLRM_AUTOTUNE=0`` turn it off; then the
+    enabled: tune at all (``--autotune off`` / ``DLRM_AUTOTUNE=0`` turn it off; then the
         declared batching serves).
     p99_goal_ms: a setting whose estimated p99 exceeds it is not chosen (MLPerf DLRM-v2
         server bound, as ``make capacity``).
@@ -159,16 +162,30 @@ class TunerConfig:
     history: decisions kept for GET /state.
     """
 
-    enabled: bool = True
-    p99_goal_ms: float = 60.0
+    enabled: bool = field(default=True, metadata=flag(
+        "--autotune", env=settings.DLRM_AUTOTUNE,
+        help="the batching tuner: picks batch size and max delay from the traffic and applies "
+             "them like PUT /batching (needs --state-file); off: the declared batching serves. "
+             "PUT /tuner turns it on or off live"))
+    p99_goal_ms: float = field(default=P99_SLO_MS, metadata=flag(
+        "--p99-goal-ms", env=settings.DLRM_P99_GOAL_MS, help="the tuner's p99 latency goal in ms"))
     interval_s: float = 1.0
-    window_s: float = 10.0
+    window_s: float = field(default=10.0, metadata=flag(
+        "--tune-window-s", env=settings.DLRM_TUNE_WINDOW_S,
+        help="seconds of traffic the tuner measures a setting on, at most (a window closes "
+             "after 3 s once it holds 2,000 requests)"))
     quick_window_s: float = 3.0
     quick_requests: int = 2000
-    settle_s: float = 4.0
+    settle_s: float = field(default=4.0, metadata=flag(
+        "--tune-settle-s", env=settings.DLRM_TUNE_SETTLE_S,
+        help="seconds skipped after a switch before measuring"))
     min_requests: int = 200
-    min_dwell_s: float = 30.0
-    min_switch_interval_s: float = 10.0
+    min_dwell_s: float = field(default=30.0, metadata=flag(
+        "--tune-min-dwell-s", env=settings.DLRM_TUNE_MIN_DWELL_S,
+        help="seconds a setting the tuner chose is kept at least"))
+    min_switch_interval_s: float = field(default=10.0, metadata=flag(
+        "--tune-min-switch-interval-s", env=settings.DLRM_TUNE_MIN_SWITCH_INTERVAL_S,
+        help="seconds between two switches of the tuner, at least"))
     hysteresis: float = 0.05
     seed_margin: float = 0.15
     shape_change: float = 1.5

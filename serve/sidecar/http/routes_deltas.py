@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from serve.errors import Conflict
-from serve.sidecar.config import DELTA_DIR_ENV
+from serve.settings import DLRM_DELTA_DIR
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.schemas import DeltaAnswer, DeltasStatus, DeltaWorker, EmbeddingsStatus
 from serve.sidecar.root import Sidecar, SidecarDep
@@ -34,7 +34,7 @@ __all__ = ["router"]
 router = APIRouter()
 
 _DISABLED = (f"embedding deltas are off: this sidecar was started without --delta-dir (or "
-             f"{DELTA_DIR_ENV}); restart it with the folder the TorchServe workers follow "
+             f"{DLRM_DELTA_DIR}); restart it with the folder the TorchServe workers follow "
              f"(in Kubernetes a volume shared by both containers)")
 
 

@@ -39,7 +39,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,10 @@ import numpy as np
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serve import settings
+from serve.common.flags import flag
 from serve.common.quality import ScoreSummary, summarize
+from serve.common.validate import positive_int
 from serve.errors import ConfigError
 from serve.metrics import (
     BASELINE_AUC,
@@ -92,18 +95,23 @@ class FeedbackConfig:
         max_labels: labels one POST may carry.
     """
 
-    log_dir: Path | None = None
-    index_entries: int = 200_000
-    window_s: float = 3600.0
+    log_dir: Path | None = field(default=None, metadata=flag(
+        "--prediction-log-dir", env=settings.DLRM_PREDICTION_LOG_DIR,
+        help="the prediction log folder TorchServe's workers write; POST /feedback joins "
+             "labels with it. Unset: no join (every label counts as unknown)"))
+    index_entries: int = field(default=200_000, metadata=flag(
+        "--feedback-index-entries", env=settings.DLRM_FEEDBACK_INDEX_ENTRIES,
+        help="logged request ids the join remembers (~150 bytes each)"))
+    window_s: float = field(default=3600.0, metadata=flag(
+        "--feedback-window-s", env=settings.DLRM_FEEDBACK_WINDOW_S,
+        help="seconds a labelled prediction counts in the online CTR, calibration and AUC"))
     window_pairs: int = 500_000
     max_series: int = 8
     max_labels: int = 100_000
 
     def __post_init__(self) -> None:
         for name in ("index_entries", "window_pairs", "max_series", "max_labels"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"feedback {name}={v!r} must be an integer >= 1")
+            positive_int(f"feedback {name}", getattr(self, name))
         if not (isinstance(self.window_s, (int, float)) and self.window_s > 0):
             raise ConfigError(f"feedback window_s={self.window_s!r} must be > 0 (seconds)")
 

@@ -1,0 +1,382 @@
+"""Every environment variable the project reads, defined once: name, default, help, where.
+
+A module that reads (or sets) one of these imports its :class:`EnvVar` from here and
+never spells the name itself (``tests/test_settings.py`` scans for ``"DLRM_..."`` and
+``"TS_..."`` literals anywhere else). ``docs/configuration.md`` is generated from this
+registry and the config dataclasses' field metadata (``python -m serve.ops.configdoc``).
+
+Nothing here reads the environment at import time: a reader takes the mapping to read
+(``environ``, default ``os.environ``) when it is called::
+
+    from serve import settings
+
+    port = settings.TS_INFERENCE_PORT.get_port()
+    log_dir = settings.DLRM_PREDICTION_LOG_DIR.get(environ)   # None: unset or blank
+
+``default`` is the text a reader falls back on when the variable is unset or blank.
+None means the default lives elsewhere: for a variable that sets a sidecar flag, it is
+the config dataclass field's default (``serve.sidecar.config``: "the flag's default");
+for the others, the reader's caller (``get_int(default=...)``) or "unset".
+
+About ``TS_*`` names: TorchServe itself reads ``TS_<PROPERTY>`` variables as
+config.properties overrides only with ``enable_envvars_config=true``, which
+``config.properties`` leaves off; so ``TS_MODEL_STORE`` and the ``TS_*_URL``/``TS_*_PORT``
+variables below are this project's own settings. TorchServe's frontend does set
+``TS_DECODE_INPUT_REQUEST`` for every Python worker it starts (from ``decode_input_request``);
+the handler overrides it inside the worker.
+
+Light on purpose (the pod, the handler and every tool import it): stdlib and
+``serve.errors`` only.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from serve.constants import (
+    DEFAULT_GRPC_INFERENCE_PORT,
+    DEFAULT_GRPC_MANAGEMENT_PORT,
+    DEFAULT_INFERENCE_PORT,
+    DEFAULT_MANAGEMENT_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_PORT,
+)
+from serve.errors import ConfigError
+
+__all__ = [
+    "BENCH",
+    "DLRM_AUTOTUNE",
+    "DLRM_CACHE_ON_CPU",
+    "DLRM_DELTA_DIR",
+    "DLRM_DELTA_POLL_MS",
+    "DLRM_FEEDBACK_INDEX_ENTRIES",
+    "DLRM_FEEDBACK_WINDOW_S",
+    "DLRM_LOG_LEVEL",
+    "DLRM_MEMORY_LIMIT_BYTES",
+    "DLRM_MODEL_NAME",
+    "DLRM_P99_GOAL_MS",
+    "DLRM_PREDICTION_LOG_DIR",
+    "DLRM_PREDICTION_LOG_FILE_BYTES",
+    "DLRM_PREDICTION_LOG_MAX_BYTES",
+    "DLRM_PREDICTION_LOG_SAMPLE",
+    "DLRM_REPOSITORY",
+    "DLRM_REQUEST_LOG",
+    "DLRM_SHARED_TABLES",
+    # the variables, in REGISTRY order
+    "DLRM_SIDECAR_HOST",
+    "DLRM_SIDECAR_PORT",
+    "DLRM_SIDECAR_TOKEN",
+    "DLRM_SIDECAR_TOKEN_FILE",
+    "DLRM_SIDECAR_URL",
+    "DLRM_STATE_FILE",
+    "DLRM_TUNE_MIN_DWELL_S",
+    "DLRM_TUNE_MIN_SWITCH_INTERVAL_S",
+    "DLRM_TUNE_SETTLE_S",
+    "DLRM_TUNE_WINDOW_S",
+    "GRPC_INFERENCE_PORT",
+    "GRPC_MANAGEMENT_PORT",
+    "LAUNCHER",
+    "LOADTEST_HOST",
+    "LOAD_DURATION",
+    "LOAD_SHAPE",
+    "LOAD_TEST",
+    "OMP_NUM_THREADS",
+    "PROFILE",
+    "PROMETHEUS_MULTIPROC_DIR",
+    "REGISTRY",
+    "SIDECAR",
+    "SIDECAR_PORT",
+    "TOOLS",
+    "TORCHSERVE",
+    "TS_DECODE_INPUT_REQUEST",
+    "TS_INFERENCE_PORT",
+    "TS_INFERENCE_URL",
+    "TS_MANAGEMENT_PORT",
+    "TS_MANAGEMENT_URL",
+    "TS_METRICS_PORT",
+    "TS_METRICS_URL",
+    "TS_MODEL_STORE",
+    "WHERE",
+    "WORKER",
+    "EnvVar",
+    "by_name",
+]
+
+# Where a variable applies: who reads it.
+SIDECAR = "sidecar"
+WORKER = "worker"  # TorchServe's Python workers (the handler); set on TorchServe's process
+TORCHSERVE = "TorchServe"  # TorchServe's Java frontend
+LAUNCHER = "launcher"  # python -m serve.ops.launcher (make run / make up)
+TOOLS = "tools"  # serve.ops tools: drain (the preStop hook), capacity, state client
+LOAD_TEST = "load test"  # python -m loadtest.run (make loadtest)
+BENCH = "bench"  # bench/*.py
+WHERE: tuple[str, ...] = (SIDECAR, WORKER, TORCHSERVE, LAUNCHER, TOOLS, LOAD_TEST, BENCH)
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, where it applies, its default and what it does.
+
+    Attributes:
+        name: the variable (``DLRM_DELTA_DIR``).
+        help: what it does, one or two sentences (the docs' text).
+        where: who reads it (:data:`WHERE`).
+        default: the text used when it is unset or blank; None: see the module docstring.
+    """
+
+    name: str
+    help: str
+    where: tuple[str, ...]
+    default: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.where or any(w not in WHERE for w in self.where):
+            raise ValueError(f"{self.name}: where={self.where!r} must name some of {WHERE}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The value, stripped; None when unset or blank (no default applied)."""
+        value = (os.environ if environ is None else environ).get(self.name)
+        if value is None or not value.strip():
+            return None
+        return value.strip()
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The value (stripped), else :attr:`default` (None when that is None too)."""
+        value = self.raw(environ)
+        return self.default if value is None else value
+
+    def get_int(self, environ: Mapping[str, str] | None = None,
+                default: int | None = None) -> int | None:
+        """The value as an integer; ``default`` when unset. ConfigError when not one."""
+        text = self.get(environ)
+        if text is None:
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{self.name}={text!r} is not an integer; set a whole number "
+                              "or unset it") from None
+
+    def get_float(self, environ: Mapping[str, str] | None = None,
+                  default: float | None = None) -> float | None:
+        """The value as a number; ``default`` when unset. ConfigError when not one."""
+        text = self.get(environ)
+        if text is None:
+            return default
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{self.name}={text!r} is not a number; set one (e.g. 2.5) "
+                              "or unset it") from None
+
+    def get_bool(self, environ: Mapping[str, str] | None = None,
+                 default: bool | None = None) -> bool | None:
+        """``1/true/on/yes`` or ``0/false/off/no`` (any case); ``default`` when unset."""
+        text = self.get(environ)
+        if text is None:
+            return default
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{self.name}={text!r} must be one of {'/'.join(_TRUE)} (on) or "
+                          f"{'/'.join(_FALSE)} (off)")
+
+    def get_port(self, environ: Mapping[str, str] | None = None,
+                 default: int | None = None) -> int | None:
+        """A TCP port (1..65535); ``default`` when unset. ConfigError otherwise."""
+        text = self.get(environ)
+        if text is None:
+            return default
+        if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
+            raise ConfigError(f"{self.name}={text!r} must be a port number (1..65535)")
+        return int(text)
+
+    def get_list(self, environ: Mapping[str, str] | None = None,
+                 sep: str = ":") -> tuple[str, ...]:
+        """The ``sep``-separated items, empty ones dropped; () when unset."""
+        text = self.get(environ)
+        return tuple(p for p in (text or "").split(sep) if p.strip())
+
+
+def _var(name: str, help: str, *where: str, default: str | None = None) -> EnvVar:
+    return EnvVar(name, help, tuple(where), default)
+
+
+# --------------------------------------------------------------------------- sidecar
+# Each sets the default of one flag of python -m serve.sidecar (named in the flag's field
+# metadata: serve.sidecar.config and the configs it holds); the default and the full help
+# are the flag's.
+DLRM_SIDECAR_HOST = _var("DLRM_SIDECAR_HOST", "The bind address.", SIDECAR)
+DLRM_SIDECAR_PORT = _var("DLRM_SIDECAR_PORT", "The sidecar's port.", SIDECAR)
+TS_INFERENCE_URL = _var("TS_INFERENCE_URL", "TorchServe's inference API.", SIDECAR)
+TS_MANAGEMENT_URL = _var("TS_MANAGEMENT_URL", "TorchServe's management API.",
+                         SIDECAR)
+TS_METRICS_URL = _var("TS_METRICS_URL", "TorchServe's metrics API.", SIDECAR)
+DLRM_MODEL_NAME = _var("DLRM_MODEL_NAME", "The TorchServe model to manage.",
+                       SIDECAR)
+DLRM_SIDECAR_TOKEN = _var(
+    "DLRM_SIDECAR_TOKEN",
+    "The sidecar's write token: the bearer token every write (PUT /state, PUT /batching, "
+    "PUT /tuner, POST /feedback, POST /embeddings/deltas, POST /drain) needs. Wins over "
+    "the sidecar's --token-file; the tools (drain, capacity, the state client) send it "
+    "too. In Kubernetes it comes from the Secret dlrm-sidecar-token.", SIDECAR, TOOLS)
+DLRM_SIDECAR_TOKEN_FILE = _var("DLRM_SIDECAR_TOKEN_FILE",
+                               "The file holding the write token.", SIDECAR)
+PROMETHEUS_MULTIPROC_DIR = _var(
+    "PROMETHEUS_MULTIPROC_DIR",
+    "prometheus_client's multiprocess folder: the workers write their metrics there (the "
+    "launcher sets it on TorchServe and empties it at start; a starting worker removes "
+    "the files of dead ones). It also sets the default of the sidecar's --multiproc-dir, "
+    "which reads them; the launcher keeps it out of the sidecar's own environment.",
+    WORKER, SIDECAR, LAUNCHER)
+TS_MODEL_STORE = _var(
+    "TS_MODEL_STORE",
+    "TorchServe's model store, where the sidecar writes the archives it registers "
+    "(TorchServe itself does not read it: enable_envvars_config is off).", SIDECAR)
+DLRM_STATE_FILE = _var("DLRM_STATE_FILE",
+                       "The desired-state file; unset: no reconciler.", SIDECAR)
+DLRM_REPOSITORY = _var("DLRM_REPOSITORY",
+                       "Model repository folders, ':'-separated.", SIDECAR)
+DLRM_MEMORY_LIMIT_BYTES = _var(
+    "DLRM_MEMORY_LIMIT_BYTES",
+    "TorchServe's memory limit in bytes when it runs in another container than "
+    "the sidecar (Downward API resourceFieldRef limits.memory).", SIDECAR)
+DLRM_PREDICTION_LOG_DIR = _var(
+    "DLRM_PREDICTION_LOG_DIR",
+    "The prediction log folder: the workers append what they answered there (unset: no "
+    "log). It also sets the default of the sidecar's --prediction-log-dir, which joins "
+    "POST /feedback labels with it. The launcher sets it on TorchServe.",
+    WORKER, SIDECAR, LAUNCHER)
+DLRM_FEEDBACK_WINDOW_S = _var("DLRM_FEEDBACK_WINDOW_S",
+                              "Seconds a labelled prediction counts online.", SIDECAR)
+DLRM_FEEDBACK_INDEX_ENTRIES = _var("DLRM_FEEDBACK_INDEX_ENTRIES",
+                                   "Logged request ids the feedback join remembers.",
+                                   SIDECAR)
+DLRM_DELTA_DIR = _var(
+    "DLRM_DELTA_DIR",
+    "The pod's embedding-delta folder, shared by the workers (they follow "
+    "<dir>/<version>/; unset: no deltas) and the sidecar (it sets the default of "
+    "--delta-dir; POST /embeddings/deltas stores deltas there). The launcher sets it on "
+    "TorchServe.", WORKER, SIDECAR, LAUNCHER)
+DLRM_AUTOTUNE = _var("DLRM_AUTOTUNE",
+                     "The batching tuner: 1/true/on/yes on, 0/false/off/no off.",
+                     SIDECAR)
+DLRM_P99_GOAL_MS = _var("DLRM_P99_GOAL_MS", "The tuner's p99 latency goal, ms.",
+                        SIDECAR)
+DLRM_TUNE_WINDOW_S = _var("DLRM_TUNE_WINDOW_S",
+                          "The tuner's measurement window, s.", SIDECAR)
+DLRM_TUNE_SETTLE_S = _var("DLRM_TUNE_SETTLE_S",
+                          "Seconds the tuner skips after a switch.", SIDECAR)
+DLRM_TUNE_MIN_DWELL_S = _var("DLRM_TUNE_MIN_DWELL_S",
+                             "Seconds a chosen setting is kept at least.", SIDECAR)
+DLRM_TUNE_MIN_SWITCH_INTERVAL_S = _var(
+    "DLRM_TUNE_MIN_SWITCH_INTERVAL_S", "Seconds between two switches, at least.",
+    SIDECAR)
+DLRM_LOG_LEVEL = _var("DLRM_LOG_LEVEL", "The sidecar's log level.", SIDECAR)
+
+# --------------------------------------------------------------------------- workers
+# Read where a worker starts (serve.worker.Worker.load), from TorchServe's environment,
+# which every worker inherits: set them on TorchServe's process (its container).
+DLRM_CACHE_ON_CPU = _var(
+    "DLRM_CACHE_ON_CPU",
+    "1 runs the embedding cache on CPU too (on CPU it only costs time, so it is off by "
+    "default); 0 serves CPU models without a cache.", WORKER, default="0")
+DLRM_SHARED_TABLES = _var(
+    "DLRM_SHARED_TABLES",
+    "With DLRM_DELTA_DIR set, on CPU without a cache: 1 makes the workers share one copy "
+    "of the tables (<dir>/<version>/tables.bin); 0 gives each a private copy (what "
+    "bench/bench_memory.py compares with).", WORKER, BENCH, default="1")
+DLRM_DELTA_POLL_MS = _var(
+    "DLRM_DELTA_POLL_MS",
+    "How often a worker looks for new embedding deltas, ms (10..60000).", WORKER,
+    default="100")
+DLRM_PREDICTION_LOG_SAMPLE = _var(
+    "DLRM_PREDICTION_LOG_SAMPLE",
+    "Share of requests the prediction log keeps, in [0, 1], chosen by a hash of the "
+    "request id, so every worker and the sidecar agree.", WORKER)
+DLRM_PREDICTION_LOG_FILE_BYTES = _var(
+    "DLRM_PREDICTION_LOG_FILE_BYTES",
+    "A worker starts a new prediction log file past this many bytes (>= 4096).", WORKER)
+DLRM_PREDICTION_LOG_MAX_BYTES = _var(
+    "DLRM_PREDICTION_LOG_MAX_BYTES",
+    "The prediction log folder's bound in bytes, at least twice the file size; whenever a "
+    "worker starts a file, the oldest files go until the folder fits.", WORKER)
+OMP_NUM_THREADS = _var(
+    "OMP_NUM_THREADS",
+    "torch intra-op threads per worker when the archive's handler.num_threads is not set "
+    "(a comma list: its first entry); unset: the CPU quota split over the workers "
+    "(serve.common.cpu.choose_threads).", WORKER)
+TS_DECODE_INPUT_REQUEST = _var(
+    "TS_DECODE_INPUT_REQUEST",
+    "Set by TorchServe's frontend for every Python worker it starts (from "
+    "config.properties' decode_input_request, default true) and read by TorchServe's "
+    "worker code; the handler sets it to false inside its worker, so request bodies reach "
+    "it as raw bytes (parsed with orjson).", WORKER, default="true")
+DLRM_REQUEST_LOG = _var(
+    "DLRM_REQUEST_LOG",
+    "The level of TorchServe's per-request log lines (access log, batch aggregator, "
+    "worker threads), read by log4j2.xml when TorchServe starts: info brings them back.",
+    TORCHSERVE, default="warn")
+
+# --------------------------------------------------------------------------- launcher
+TS_INFERENCE_PORT = _var(
+    "TS_INFERENCE_PORT",
+    "TorchServe's inference port when the launcher's --inference-port is not given (make "
+    "up TS_INFERENCE_PORT=8180); the load test and bench/bench_e2e.py aim at it too.",
+    LAUNCHER, LOAD_TEST, BENCH, default=str(DEFAULT_INFERENCE_PORT))
+TS_MANAGEMENT_PORT = _var(
+    "TS_MANAGEMENT_PORT", "TorchServe's management port when --management-port is not given.",
+    LAUNCHER, default=str(DEFAULT_MANAGEMENT_PORT))
+TS_METRICS_PORT = _var(
+    "TS_METRICS_PORT", "TorchServe's metrics port when --metrics-port is not given.",
+    LAUNCHER, default=str(DEFAULT_METRICS_PORT))
+SIDECAR_PORT = _var(
+    "SIDECAR_PORT",
+    "The sidecar's port when the launcher's --sidecar-port is not given (the launcher "
+    "passes it to the sidecar as --port).", LAUNCHER, default=str(DEFAULT_SIDECAR_PORT))
+GRPC_INFERENCE_PORT = _var(
+    "GRPC_INFERENCE_PORT", "TorchServe's gRPC inference port (always started, unused).",
+    LAUNCHER, default=str(DEFAULT_GRPC_INFERENCE_PORT))
+GRPC_MANAGEMENT_PORT = _var(
+    "GRPC_MANAGEMENT_PORT", "TorchServe's gRPC management port (always started, unused).",
+    LAUNCHER, default=str(DEFAULT_GRPC_MANAGEMENT_PORT))
+
+# --------------------------------------------------------------------------- tools
+DLRM_SIDECAR_URL = _var(
+    "DLRM_SIDECAR_URL",
+    "The sidecar that python -m serve.ops.drain (the preStop hook) asks to drain.", TOOLS,
+    default=f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}")
+
+# --------------------------------------------------------------------------- load test
+LOADTEST_HOST = _var(
+    "LOADTEST_HOST",
+    "The service root the load test aims at when -H/--host is not given; unset: "
+    "TorchServe on loopback at TS_INFERENCE_PORT.", LOAD_TEST)
+LOAD_SHAPE = _var("LOAD_SHAPE", "The load test's --shape default (steady, step, spike, soak).",
+                  LOAD_TEST, default="step")
+LOAD_DURATION = _var("LOAD_DURATION", "The load test's --duration default (40s, 5m, 1h).",
+                     LOAD_TEST, default="60s")
+PROFILE = _var(
+    "PROFILE",
+    "The load test's --profile default: the served model's profile (table sizes of the "
+    "id draws), as make model's PROFILE=.", LOAD_TEST, default="small")
+
+#: Every variable, in the order defined above (the order the docs list them).
+REGISTRY: tuple[EnvVar, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, EnvVar))
+
+
+def by_name(name: str) -> EnvVar:
+    """The registry's entry for ``name`` (KeyError naming the known ones)."""
+    for var in REGISTRY:
+        if var.name == name:
+            return var
+    raise KeyError(f"{name} is not in serve.settings.REGISTRY "
+                   f"({', '.join(v.name for v in REGISTRY)})")
