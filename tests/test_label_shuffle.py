@@ -149,7 +149,7 @@ def test_train_dataset_shuffles_only_when_asked_and_never_touches_eval(data_dir,
 def test_train_config_takes_the_profile_seed_and_validates_the_flag(tmp_path):
     cfg = TrainConfig(profile=TINY, data_dir=tmp_path, out_dir=tmp_path / "c", label_shuffle=True)
     assert cfg.resolved_seed == TINY.seed
-    with pytest.raises(ConfigError, match=r"label_shuffle 'yes' must be True or False; pass "
+    with pytest.raises(ConfigError, match=r"label_shuffle='yes' must be true or false; pass "
                                           r"--label-shuffle"):
         TrainConfig(profile=TINY, data_dir=tmp_path, out_dir=tmp_path / "c",
                     label_shuffle="yes")  # type: ignore[arg-type]
@@ -180,7 +180,7 @@ def test_pipeline_config_names_the_shuffled_version(tmp_path):
     assert PipelineConfig(profile=TINY, workdir=tmp_path, seed=SEED).quality_check is True
     named = PipelineConfig(profile=TINY, workdir=tmp_path, label_shuffle=True, version="bad.1")
     assert named.version_name == "bad.1"
-    with pytest.raises(ConfigError, match=r"label_shuffle 1 must be True or False"):
+    with pytest.raises(ConfigError, match=r"label_shuffle=1 must be true or false"):
         PipelineConfig(profile=TINY, workdir=tmp_path, label_shuffle=1)  # type: ignore[arg-type]
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from serve.common.validate import int_at_least
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
 
@@ -60,8 +61,7 @@ def model_config(*, batch_size: int = 8, max_batch_delay_ms: int = 5,
     for name, value, lo in (("batch_size", batch_size, 1), ("max_batch_delay_ms", max_batch_delay_ms, 0),
                             ("min_workers", min_workers, 0), ("max_workers", max_workers, 1),
                             ("response_timeout_s", response_timeout_s, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise ConfigError(f"build_mar: {name}={value!r} must be an integer >= {lo}")
+        int_at_least(f"build_mar: {name}", value, lo)
     if min_workers > max_workers:
         raise ConfigError(f"build_mar: min_workers={min_workers} > max_workers={max_workers}; "
                           "make min_workers <= max_workers")

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve.common.validate import int_at_least
 from serve.common.zipf import id_permutation, zeta_cdf, zipf_ranks
 from serve.errors import ConfigError, ServeError
 from serve.profiles import DENSE_FEATURES, NUM_DENSE, PROFILES, Profile, get_profile
@@ -106,9 +107,8 @@ class DataConfig:
     day: int = 0          # 0: the original logs; d >= 1: d days of drift (module docstring)
 
     def __post_init__(self) -> None:
-        if isinstance(self.day, bool) or not isinstance(self.day, int) or self.day < 0:
-            raise ConfigError(f"--day {self.day!r} must be an integer >= 0 (0 = the original "
-                              "click logs, d >= 1 = d days of drift)")
+        int_at_least("--day", self.day, 0,
+                     then=" (0 = the original click logs, d >= 1 = d days of drift)")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ConfigError(f"--alpha {self.alpha} must be a finite number > 0 (Zipf exponent)")
         if self.train_samples < 1 or self.eval_samples < 1:

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from serve.common.clilog import setup_cli_logging
+from serve.common.validate import positive_int
 from serve.errors import ConfigError, ServeError
 from serve.profiles import Profile, get_profile
 
@@ -107,9 +108,8 @@ class DeltaConfig:
     eval_limit: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.day, bool) or not isinstance(self.day, int) or self.day < 1:
-            raise ConfigError(f"--day {self.day!r} must be an integer >= 1: a delta trains on a "
-                              "later day than the base model (day 0)")
+        positive_int("--day", self.day,
+                     then=": a delta trains on a later day than the base model (day 0)")
         if self.nproc is not None and self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1 (or omit it: the "
                               "checkpoint's world size)")

@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from serve.common.validate import positive_int
 from serve.errors import ConfigError, ModelContractError, ServeError
 
 __all__ = [
@@ -231,10 +232,8 @@ def resolve_num_dense(cfg_num_dense: int | None, module: ModuleType) -> int:
     if n is None:
         raise ModelContractError("the number of dense features is unknown: pass --num-dense N "
                                  "or define NUM_DENSE = N in the factory's module")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ModelContractError(f"NUM_DENSE = {n!r} in the factory's module must be an int "
-                                 ">= 1 (or pass --num-dense N)")
-    return n
+    return positive_int("NUM_DENSE", n, then=" in the factory's module (or pass --num-dense N)",
+                        error=ModelContractError)
 
 
 # ----------------------------------------------------------------------------- features
@@ -289,9 +288,7 @@ def feature_specs(model: torch.nn.Module, max_ids: dict[str, int] | None = None
                                  f"reads; the features are {list(specs)}")
     out = []
     for f, s in specs.items():
-        n = max_ids.get(f, 1)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ModelContractError(f"MAX_IDS[{f!r}] = {n!r} must be an int >= 1")
+        n = positive_int(f"MAX_IDS[{f!r}]", max_ids.get(f, 1), error=ModelContractError)
         out.append(dataclasses.replace(s, max_ids=n))
     return out
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from serve.common.clilog import setup_cli_logging
+from serve.common.validate import is_int, positive_int
 from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema
 
@@ -97,8 +98,7 @@ class ImportConfig:
                                   f"{', '.join(DTYPES)}")
         if not (isinstance(self.tolerance, float) and self.tolerance >= 0):
             raise ConfigError(f"--tolerance {self.tolerance!r} must be a float >= 0")
-        if isinstance(self.check_batch, bool) or self.check_batch < 1:
-            raise ConfigError(f"--check-batch {self.check_batch!r} must be >= 1")
+        positive_int("--check-batch", self.check_batch)
         if self.num_dense is not None and self.num_dense < 0:
             raise ConfigError(f"--num-dense {self.num_dense} must be >= 0")
 
@@ -326,7 +326,7 @@ def _load_model(cfg: ImportConfig, say: Callable[[str], None]
     """
     fn, module = load_factory(cfg.factory)
     num_dense = cfg.num_dense if cfg.num_dense is not None else getattr(module, "NUM_DENSE", None)
-    if not isinstance(num_dense, int) or isinstance(num_dense, bool):
+    if not is_int(num_dense):
         raise ConfigError("the number of dense features is unknown: pass --num-dense N, or "
                           "define NUM_DENSE = N in the factory's module")
     say(f"[load] {cfg.factory}() and {cfg.checkpoint}")

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.common.clilog import setup_cli_logging
+from serve.common.validate import boolean, int_at_least
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
 from serve.state import VERSION_RE
@@ -186,15 +187,11 @@ class PipelineConfig:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
-        if self.seed is not None and (isinstance(self.seed, bool) or self.seed < 0):
-            raise ConfigError(f"--seed {self.seed!r} must be an integer >= 0")
-        if not isinstance(self.label_shuffle, bool):
-            raise ConfigError(f"label_shuffle {self.label_shuffle!r} must be True or False; "
-                              "pass --label-shuffle to permute the training labels, or omit it")
-        if isinstance(self.data_day, bool) or not isinstance(self.data_day, int) \
-                or self.data_day < 0:
-            raise ConfigError(f"--data-day {self.data_day!r} must be an integer >= 0 "
-                              "(0 = the original click logs)")
+        if self.seed is not None:
+            int_at_least("--seed", self.seed, 0)
+        boolean("label_shuffle", self.label_shuffle,
+                then="; pass --label-shuffle to permute the training labels, or omit it")
+        int_at_least("--data-day", self.data_day, 0, then=" (0 = the original click logs)")
         if not re.match(VERSION_RE, self.version_name):
             raise ConfigError(
                 f"--version {self.version_name!r} is not a valid version name: use letters, "

@@ -63,6 +63,7 @@ import torch
 
 from serve.common.clilog import setup_cli_logging
 from serve.common.net import free_port
+from serve.common.validate import boolean
 from serve.errors import CheckpointError, ConfigError, ServeError, ShardingError
 from serve.model.data import ClickLogDataset
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
@@ -122,17 +123,15 @@ class TrainConfig:
     sparse_only: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sparse_only, bool):
-            raise ConfigError(f"sparse_only {self.sparse_only!r} must be True or False")
+        boolean("sparse_only", self.sparse_only)
         if self.sparse_only and self.resume_from is None:
             raise ConfigError("--sparse-only without --resume would train embeddings against "
                               "randomly initialised MLPs that never learn; pass --resume "
                               "CKPT_DIR (the checkpoint to continue from) or drop --sparse-only")
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"--seed {self.seed} must be >= 0")
-        if not isinstance(self.label_shuffle, bool):
-            raise ConfigError(f"label_shuffle {self.label_shuffle!r} must be True or False; "
-                              "pass --label-shuffle to permute the training labels, or omit it")
+        boolean("label_shuffle", self.label_shuffle,
+                then="; pass --label-shuffle to permute the training labels, or omit it")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc} must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
