@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from serve.common.validate import int_at_least
 from serve.errors import ConfigError
 from serve.store.rowformat import DTYPES
 
@@ -39,12 +40,6 @@ POOLINGS = ("sum", "mean")
 DEFAULT_MAX_IDS = 64
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
 _NAME_RULE = "names are 1-128 characters: a letter or '_', then letters, digits, '_', '.', '-'"
-
-
-def _int(v: Any, what: str, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(f"{what}={v!r} must be an integer >= {lo}")
-    return v
 
 
 def _name(v: Any, what: str) -> str:
@@ -66,8 +61,8 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         _name(self.name, "table name")
-        _int(self.rows, f"table {self.name}: rows", 1)
-        _int(self.dim, f"table {self.name}: dim", 1)
+        int_at_least(f"table {self.name}: rows", self.rows, 1)
+        int_at_least(f"table {self.name}: dim", self.dim, 1)
         if self.pooling not in POOLINGS:
             raise ConfigError(f"table {self.name}: pooling {self.pooling!r} is not one of "
                               f"{POOLINGS}")
@@ -92,7 +87,7 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         _name(self.name, "feature name")
-        _int(self.max_ids, f"feature {self.name}: max_ids", 1)
+        int_at_least(f"feature {self.name}: max_ids", self.max_ids, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "table": self.table, "max_ids": self.max_ids}
@@ -113,7 +108,7 @@ class ModelSchema:
     features: tuple[FeatureSpec, ...]
 
     def __post_init__(self) -> None:
-        _int(self.dense, "dense", 0)
+        int_at_least("dense", self.dense, 0)
         object.__setattr__(self, "tables", tuple(self.tables))
         object.__setattr__(self, "features", tuple(self.features))
         if not self.tables or not self.features:

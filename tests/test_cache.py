@@ -268,7 +268,7 @@ def test_lfu_decay_happens_on_schedule():
 def test_lfu_decay_default_and_validation():
     assert EmbeddingCache(_table(), 2, "lfu").lfu_decay_every == LFU_DECAY_PER_ROW * ROWS
     assert EmbeddingCache(_table(), 2, "lfu", lfu_decay_every=0).lfu_decay_every == 0
-    with pytest.raises(ConfigError, match=r"^lfu_decay_every -1 must be an integer >= 0"):
+    with pytest.raises(ConfigError, match=r"^lfu_decay_every=-1 must be an integer >= 0"):
         EmbeddingCache(_table(), 2, "lfu", lfu_decay_every=-1)
     with pytest.raises(ConfigError, match=r"^staging_bytes 3 is smaller than one row \(4 bytes\)"):
         EmbeddingCache(_table(), 2, "lru", staging_bytes=3)

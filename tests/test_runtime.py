@@ -179,7 +179,7 @@ def test_malformed_inputs(tiny_models):
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match=r"cache_load_factor 0 must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"cache_load_factor=0 must be a number in \(0, 1\]"):
         RuntimeConfig(cache_load_factor=0)
     with pytest.raises(ConfigError, match=r"cache_policy 'fifo' is not one of"):
         RuntimeConfig(cache_policy="fifo")
@@ -444,11 +444,11 @@ def test_forward_cap_default_matches_the_handler_config():
 
 
 def test_new_config_fields_are_validated():
-    with pytest.raises(ConfigError, match=r"^max_forward_instances 0 must be an integer >= 1 "):
+    with pytest.raises(ConfigError, match=r"^max_forward_instances=0 must be an integer >= 1 "):
         RuntimeConfig(max_forward_instances=0)
-    with pytest.raises(ConfigError, match=r"^max_forward_instances True must be an integer"):
+    with pytest.raises(ConfigError, match=r"^max_forward_instances=True must be an integer"):
         RuntimeConfig(max_forward_instances=True)
-    with pytest.raises(ConfigError, match=r"^lfu_decay_every -5 must be an integer >= 0"):
+    with pytest.raises(ConfigError, match=r"^lfu_decay_every=-5 must be an integer >= 0"):
         RuntimeConfig(lfu_decay_every=-5)
     assert RuntimeConfig(max_forward_instances=None, lfu_decay_every=0).lfu_decay_every == 0
 

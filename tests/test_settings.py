@@ -25,7 +25,7 @@ from serve.constants import (
     GUARD_MIN_REQUESTS,
     P99_SLO_MS,
 )
-from serve.errors import ConfigError
+from serve.errors import ConfigError, InvalidDelta
 from serve.ops import configdoc
 from serve.sidecar.config import ServerOptions, SidecarConfig, cli_options
 from serve.sidecar.http.app import _parser
@@ -297,6 +297,8 @@ def test_the_guard_defaults_are_defined_once():
     (lambda: validate.nonneg_number("s", float("inf")), "s=inf must be a finite number >= 0"),
     (lambda: validate.number_in_range("r", 0, 0, 1, lo_open=True, then=" or null"),
      "r=0 must be a number in (0, 1] or null"),
+    (lambda: validate.boolean("label_shuffle", 1, then="; pass --label-shuffle"),
+     "label_shuffle=1 must be true or false; pass --label-shuffle"),
 ])
 def test_validators_name_the_value_and_the_rule(call, message):
     with pytest.raises(ConfigError) as info:
@@ -311,3 +313,14 @@ def test_validators_return_what_passes_and_raise_what_they_are_told():
     with pytest.raises(ValueError, match="n=-1 must be an integer >= 0") as info:
         validate.int_at_least("n", -1, 0, error=ValueError)
     assert type(info.value) is ValueError
+    assert validate.boolean("b", False) is False
+    assert not validate.is_int(True) and validate.is_int(0) and not validate.is_number(True)
+
+
+def test_validators_take_an_error_factory():
+    # an error that also names a field (InvalidDelta: 400 with "field" in the body)
+    with pytest.raises(InvalidDelta) as info:
+        validate.int_at_least("sequence", 0, 1,
+                              error=lambda m: InvalidDelta("header.sequence", m))
+    assert info.value.field == "header.sequence" and info.value.status == 400
+    assert info.value.message == "header.sequence: sequence=0 must be an integer >= 1"

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from serve.common.validate import positive_int
 from serve.errors import ConfigError
 from serve.settings import OMP_NUM_THREADS
 
@@ -145,9 +146,8 @@ def available_cpus(cgroup_root: Path = CGROUP_ROOT, affinity: int | None = None)
 
 def _combine(affinity: int, quota: float | None) -> int:
     """min(affinity, ceil(quota)), at least 1."""
-    if isinstance(affinity, bool) or not isinstance(affinity, int) or affinity < 1:
-        raise ConfigError(f"affinity={affinity!r} must be an integer >= 1 (CPUs the process "
-                          "may run on) or None to read it from the OS")
+    positive_int("affinity", affinity,
+                 then=" (CPUs the process may run on) or None to read it from the OS")
     cpus = affinity if quota is None else min(affinity, math.ceil(quota))
     return max(1, cpus)
 
@@ -156,8 +156,7 @@ def threads_per_worker(workers: int, cpus: int) -> int:
     """``cpus // workers``, at least 1: the workers together never use more threads
     than CPUs (except when there are more workers than CPUs)."""
     for name, v in (("workers", workers), ("cpus", cpus)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}={v!r} must be an integer >= 1")
+        positive_int(name, v)
     return max(1, cpus // workers)
 
 
@@ -246,9 +245,8 @@ def choose_threads(workers: int, configured: int | None = None, *,
     cpus = _combine(aff, quota)
     budget = threads_per_worker(workers, cpus)
     if configured is not None:
-        if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
-            raise ConfigError(f"handler.num_threads={configured!r} must be an integer >= 1 "
-                              "or null (null: from the CPU budget)")
+        positive_int("handler.num_threads", configured,
+                     then=" or null (null: from the CPU budget)")
         threads, source = configured, "handler.num_threads"
     else:
         omp = _omp_threads(env)

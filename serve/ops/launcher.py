@@ -48,7 +48,7 @@ import httpx
 
 from serve import settings
 from serve.common.net import wait_until
-from serve.common.validate import int_in_range
+from serve.common.validate import int_in_range, is_int
 from serve.constants import (
     DEFAULT_GRPC_INFERENCE_PORT,
     DEFAULT_GRPC_MANAGEMENT_PORT,
@@ -261,7 +261,7 @@ def default_state(repo: ModelRepository) -> DesiredState:
 
     def pick(key: str, fallback: int) -> int:
         value = report.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else fallback
+        return value if is_int(value) else fallback
 
     return DesiredState(
         model=ModelRef(version=version),

@@ -79,6 +79,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.dlpack
 
+from serve.common.validate import int_at_least
 from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
 
@@ -138,11 +139,9 @@ def resolve_decay_every(decay_every: int | None, total_rows: int) -> int:
     ``LFU_DECAY_PER_ROW * total_rows``."""
     if decay_every is None:
         return LFU_DECAY_PER_ROW * total_rows
-    if isinstance(decay_every, bool) or not isinstance(decay_every, int) or decay_every < 0:
-        raise ConfigError(f"lfu_decay_every {decay_every!r} must be an integer >= 0 (ids "
-                          "between halvings of the LFU counts; 0 = never), or None for "
-                          f"the default {LFU_DECAY_PER_ROW} x the table's rows")
-    return decay_every
+    return int_at_least("lfu_decay_every", decay_every, 0,
+                        then=" (ids between halvings of the LFU counts; 0 = never), or None "
+                             f"for the default {LFU_DECAY_PER_ROW} x the table's rows")
 
 
 class _DLDevice(ctypes.Structure):

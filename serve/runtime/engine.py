@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from serve.common.validate import number_in_range, positive_int
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
 from serve.runtime.artifact import Artifact, DLRMDense, dequantize_rows, load_artifact
@@ -130,18 +131,16 @@ class RuntimeConfig:
                               "'cuda' or 'cuda:N'") from None
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"device {self.device!r}: only 'cpu' and 'cuda[:N]' are supported")
-        lf = self.cache_load_factor
-        if lf is not None and not (isinstance(lf, (int, float)) and 0 < lf <= 1):
-            raise ConfigError(f"cache_load_factor {lf!r} must be in (0, 1] (a fraction of "
-                              "all table rows); use 1.0 to keep every row on the device")
-        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int)
-                                             or self.cache_bytes <= 0):
-            raise ConfigError(f"cache_bytes {self.cache_bytes!r} must be a positive integer")
+        if self.cache_load_factor is not None:
+            number_in_range("cache_load_factor", self.cache_load_factor, 0, 1, lo_open=True,
+                            then=" (a fraction of all table rows); use 1.0 to keep every row "
+                                 "on the device")
+        if self.cache_bytes is not None:
+            positive_int("cache_bytes", self.cache_bytes)
         if self.cache_policy not in POLICIES:
             raise ConfigError(f"cache_policy {self.cache_policy!r} is not one of {POLICIES}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int)
-                                             or self.num_threads < 1):
-            raise ConfigError(f"num_threads {self.num_threads!r} must be an integer >= 1")
+        if self.num_threads is not None:
+            positive_int("num_threads", self.num_threads)
         if self.cache_miss_path not in MISS_PATHS:
             raise ConfigError(f"cache_miss_path {self.cache_miss_path!r} is not one of "
                               f"{MISS_PATHS}")
@@ -149,10 +148,9 @@ class RuntimeConfig:
             raise ConfigError(f"dense_precision {self.dense_precision!r} is not one of "
                               f"{PRECISIONS}")
         resolve_decay_every(self.lfu_decay_every, 1)    # raises ConfigError if malformed
-        cap = self.max_forward_instances
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ConfigError(f"max_forward_instances {cap!r} must be an integer >= 1 "
-                              "(samples per forward; larger batches are split), or None "
+        if self.max_forward_instances is not None:
+            positive_int("max_forward_instances", self.max_forward_instances,
+                         then=" (samples per forward; larger batches are split), or None "
                               "for no cap")
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import struct
@@ -53,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.common.validate import ErrorFactory, int_at_least, nonneg_number
 from serve.errors import DeltaConflict, InvalidDelta, ServeError
 from serve.schema import ModelSchema
 
@@ -196,11 +196,13 @@ def encode_delta(delta: Delta) -> bytes:
     return DELTA_MAGIC + struct.pack("<I", len(head)) + head + payload
 
 
+def _in_header(key: str) -> ErrorFactory:
+    """The error for a bad ``header.<key>``: an :class:`InvalidDelta` naming that field."""
+    return lambda message: InvalidDelta(f"header.{key}", message)
+
+
 def _int_field(header: dict[str, Any], key: str, lo: int) -> int:
-    v = header.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise InvalidDelta(f"header.{key}", f"{v!r} must be an integer >= {lo}")
-    return v
+    return int_at_least(key, header.get(key), lo, error=_in_header(key))
 
 
 def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
@@ -248,10 +250,8 @@ def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
     if not isinstance(base, str) or not _VERSION_RE.match(base):
         raise InvalidDelta("header.base_version", f"{base!r} is not a version name")
     seq = _int_field(header, "sequence", 1)
-    created = header.get("created_at")
-    if isinstance(created, bool) or not isinstance(created, int | float) \
-            or not math.isfinite(created) or created < 0:
-        raise InvalidDelta("header.created_at", f"{created!r} must be unix seconds >= 0")
+    created = nonneg_number("created_at", header.get("created_at"), then=" (unix seconds)",
+                            error=_in_header("created_at"))
     dtype = header.get("dtype")
     if not isinstance(dtype, str):
         raise InvalidDelta("header.dtype", f"{dtype!r} must be a string")
@@ -277,7 +277,7 @@ def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
         tables.append(DeltaTable(t["feature"], idx, ids, rows))
     if pos != len(payload):
         raise InvalidDelta("payload", f"{len(payload) - pos} bytes left after the last table")
-    return Delta(base, seq, float(created), dtype, dim, rb, tuple(tables))
+    return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
 
 
 def check_layout(delta: Delta, layout: TableLayout) -> None:

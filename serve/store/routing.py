@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import threading
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.common.validate import number_in_range
 from serve.errors import ConfigError
 
 __all__ = [
@@ -117,12 +117,8 @@ class Control:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"control: mode={self.mode!r} must be one of {list(MODES)}")
-        w = self.weight
-        if (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
-                or not 0.0 <= w <= 1.0):
-            raise ConfigError(f"control: weight={w!r} must be a number in [0, 1] (the "
-                              "candidate's share of requests)")
-        object.__setattr__(self, "weight", float(w))
+        object.__setattr__(self, "weight", number_in_range(
+            "control: weight", self.weight, 0, 1, then=" (the candidate's share of requests)"))
 
 
 #: What a worker does without a usable control file: everything to stable.

@@ -48,6 +48,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from serve.common.validate import int_at_least, nonneg_number, positive_int
 from serve.constants import (
     GUARD_MAX_ERROR_RATIO,
     GUARD_MAX_P99_RATIO,
@@ -102,14 +103,8 @@ def _check_counts(what: str, counts: Sequence[int], length: int) -> None:
     if len(counts) != length:
         raise ValueError(f"{what} has {len(counts)} buckets; expected {length} "
                          f"(the configured buckets plus +Inf)")
-    for c in counts:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise ValueError(f"{what} must hold integer counts >= 0, got {c!r}")
-
-
-def _check_count(what: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an integer count >= 0, got {value!r}")
+    for i, c in enumerate(counts):
+        int_at_least(f"{what}[{i}]", c, 0, then=" (a count)", error=ValueError)
 
 
 def _check_sum(what: str, value: float) -> None:
@@ -159,9 +154,9 @@ class ArmCounts:
     score_sum: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_count("requests", self.requests)
-        _check_count("errors", self.errors)
-        _check_count("score_count", self.score_count)
+        int_at_least("requests", self.requests, 0, then=" (a count)", error=ValueError)
+        int_at_least("errors", self.errors, 0, then=" (a count)", error=ValueError)
+        int_at_least("score_count", self.score_count, 0, then=" (a count)", error=ValueError)
         _check_counts("latency_buckets", self.latency_buckets, _LATENCY_LEN)
         _check_counts("score_buckets", self.score_buckets, _SCORE_LEN)
         _check_sum("latency_sum", self.latency_sum)
@@ -239,7 +234,7 @@ class Snapshot:
 
     def __post_init__(self) -> None:
         _check_counts("diff_buckets", self.diff_buckets, _DIFF_LEN)
-        _check_count("diff_count", self.diff_count)
+        int_at_least("diff_count", self.diff_count, 0, then=" (a count)", error=ValueError)
         _check_sum("diff_sum", self.diff_sum)
 
     @property
@@ -574,18 +569,13 @@ class GuardLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_error_ratio", "max_p99_ratio", "max_score_psi"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+            nonneg_number(name, getattr(self, name), error=ValueError)
         if self.max_error_ratio > 1:
             raise ValueError(f"max_error_ratio={self.max_error_ratio!r} is a ratio: 0..1")
         if self.max_p99_ratio <= 0:
             raise ValueError(f"max_p99_ratio={self.max_p99_ratio!r} must be > 0")
         for name in ("min_requests", "min_instances"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+            positive_int(name, getattr(self, name), error=ValueError)
 
 
 @dataclass(frozen=True)
