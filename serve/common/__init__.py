@@ -5,4 +5,5 @@
 * :mod:`~serve.common.cpu`: the process's CPU budget (cgroup quota) and thread counts.
 * :mod:`~serve.common.zipf`: Zipf-distributed ids (training data and load tests).
 * :mod:`~serve.common.quality`: ROC AUC and calibration (numpy only).
+* :mod:`~serve.common.validate`: the shared checks of settings and values (one message shape).
 """
