@@ -154,8 +154,8 @@ def test_report_has_every_key(tiny_build):
     assert 0 <= r["merged_max_abs_diff"] <= 1e-6
     p = TINY
     over_in = p.embedding_dim + (p.num_sparse + 1) * p.num_sparse // 2  # dense emb + pairwise dots
-    mlp = sum(i * o + o for i, o in zip((13, *p.dense_arch), p.dense_arch, strict=True))
-    mlp += sum(i * o + o for i, o in zip((over_in, *p.over_arch), p.over_arch, strict=True))
+    mlp = sum(i * o + o for i, o in zip((13, *p.dense_arch[:-1]), p.dense_arch, strict=True))
+    mlp += sum(i * o + o for i, o in zip((over_in, *p.over_arch[:-1]), p.over_arch, strict=True))
     assert r["num_parameters"] == p.total_rows * p.embedding_dim + mlp
     datetime.fromisoformat(r["created_at"])
     assert r["git_commit"] is None or len(r["git_commit"]) >= 40
