@@ -5,7 +5,9 @@
 
 It starts its own service (TorchServe + sidecar, `serve.ops.launcher`) on free loopback
 ports with the newest model version of ``model_store/`` that is not ``*-shuffled``, 2
-workers, batch 2 / 2 ms, and runs each case under 512-instance binary requests:
+workers, batch 2 / 2 ms with the batching tuner off (``PUT /tuner {"enabled": false}``:
+the cases measure the declared batching, and a tuner switch mid-case would replace the
+workers ``burst`` checks), and runs each case under 512-instance binary requests:
 
 ``kill9_worker``
     ``kill -9`` of one TorchServe worker under 8 closed-loop clients: failed requests
@@ -61,6 +63,7 @@ from serve.common.net import free_ports, wait_until
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.loadgen import Answer, BackgroundLoad, PacedLoad
 from serve.ops.state_client import StateClient
+from serve.settings import DLRM_AUTOTUNE
 from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository
 
@@ -209,6 +212,14 @@ def _state_file(root: Path, version: str) -> Path:
     return path
 
 
+def tuner_off(client: StateClient) -> None:
+    """Turn the batching tuner off, so the declared batching serves the whole run."""
+    r = client.put_tuner({"enabled": False})
+    if r.status_code != 200:
+        raise UpstreamUnavailable(f"PUT /tuner enabled=false answered {r.status_code}: "
+                                  f"{r.text[:200]}")
+
+
 @contextlib.contextmanager
 def harness(root: Path, store: Path) -> Iterator[Harness]:
     """A background service on free ports (job_queue_size ``QUEUE``), stopped at the end."""
@@ -225,6 +236,7 @@ def harness(root: Path, store: Path) -> Iterator[Harness]:
     try:
         client = StateClient(cfg.sidecar_url, cfg.token_file.read_text().strip(), timeout_s=30)
         client.wait_converged(timeout_s=180)
+        tuner_off(client)
         yield Harness(svc, client, example_binary(INSTANCES, seed=1))
     finally:
         svc.stop()
@@ -397,6 +409,7 @@ def case_sigterm(root: Path, store: Path, args: argparse.Namespace) -> dict[str,
     inf, mgmt, met, side, gi, gm = free_ports(6)
     run = root / "sigterm"
     env = dict(os.environ, GRPC_INFERENCE_PORT=str(gi), GRPC_MANAGEMENT_PORT=str(gm))
+    env[DLRM_AUTOTUNE.name] = "off"  # the declared batching, as in the harness
     cmd = [sys.executable, "-m", "serve.ops.launcher", "run", "--inference-port", str(inf),
            "--management-port", str(mgmt), "--metrics-port", str(met), "--sidecar-port",
            str(side), "--model-store", str(store), "--state-file",
@@ -465,6 +478,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
+    print(f"state: batching {BATCH}, {WORKERS} workers, tuner off, {INSTANCES} instances "
+          "per request")
     print("| case | ok | failed | recovery / exit s | figures |")
     print("|---|---|---:|---:|---|")
     skip = {"case", "ok", "failed", "recovery_s", "exit_s", "failures", "bad", "rss"}
@@ -506,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     _print(rows)
     doc = {"cases": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "instances": INSTANCES, "batching": BATCH, "workers": WORKERS}
+           "instances": INSTANCES, "batching": BATCH, "workers": WORKERS, "tuner": "off"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(f"-> {args.out}")

@@ -1,9 +1,15 @@
-"""What the sidecar's routes share: one :class:`Sidecar`, injected as a dependency.
+"""The sidecar's composition root: :class:`Sidecar` builds every part once and hands
+them to the routes as one dependency.
 
-``create_app`` builds it and puts it on ``app.state.sidecar``; the app's lifespan
-connects it to TorchServe (:meth:`Sidecar.connect`). Routes declare a parameter
-``sidecar: SidecarDep`` and FastAPI passes it; nothing is captured in closures, so a test can
-build a state with a fake client and a fresh registry, or read it after requests.
+:meth:`Sidecar.create` builds what needs no TorchServe (metrics, the repository and its
+schemas, the feedback and delta services, the GPU collector, the tuner);
+:meth:`Sidecar.connect` (the app's lifespan) builds what talks to TorchServe (the client,
+the version switch, the reconciler, the tuning loop, the PUT /batching updates, the
+drainer) and :meth:`Sidecar.start` starts their loops. The parts hold the behaviour; this
+module only wires them (which part gets which clock, registry, client and config) and
+owns their tasks. Routes declare ``sidecar: SidecarDep`` and FastAPI passes it; nothing
+is captured in closures, so a test can build one with a fake client and a fresh
+registry, or read it after requests.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
 
 @dataclass
 class Sidecar:
-    """The sidecar's shared state.
+    """The sidecar's parts, wired (see the module docstring).
 
     Args:
         config: see :class:`~serve.sidecar.config.SidecarConfig`.

@@ -1,8 +1,13 @@
-"""The bodies of ``/batching`` and ``/state``: what a client sends and what the sidecar
-answers.
+"""Every body of the sidecar's HTTP API, in one place: what a client sends to
+``/batching``, ``/tuner``, ``/state``, ``/feedback`` and ``/embeddings/deltas``, and what
+the sidecar answers.
 
 Pydantic models, so FastAPI validates them and publishes them in ``/openapi.json``. The
-body of PUT /state is :class:`serve.state.DesiredState`.
+bodies defined here are the edge's own (requests, acknowledgements); the status views
+the controllers build (``GET /state``, ``GET /batching``, ``PUT /batching``'s result) live
+in :mod:`serve.sidecar.control.views` and :mod:`serve.sidecar.adapters.torchserve` and
+are re-exported here, so a client reads every schema from this module. The body of
+PUT /state is :class:`serve.state.DesiredState`.
 """
 from __future__ import annotations
 
