@@ -78,7 +78,7 @@ import httpx
 import orjson
 
 from serve.api.protocol import example_request
-from serve.constants import P99_SLO_MS
+from serve.constants import DEFAULT_TOKEN_FILE, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.capacity import machine_info
 
@@ -797,7 +797,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
     ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
-    ap.add_argument("--token-file", default=".run/sidecar-token",
+    ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--traffics", default=",".join(TRAFFICS),
                     help="which to run, of single,ranking,mixed (mixed needs ranking's "

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.constants import DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
@@ -137,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
     ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
-    ap.add_argument("--token-file", default=".run/sidecar-token",
+    ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--candidate", default=None,
                     help="the good candidate (default: the newest other version that is not "

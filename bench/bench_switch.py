@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.constants import DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient
@@ -106,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
     ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
-    ap.add_argument("--token-file", default=".run/sidecar-token",
+    ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--to", default=None, help="version to switch to (default: newest other)")
     ap.add_argument("--batch-size", type=int, default=None,

@@ -72,3 +72,7 @@ DEFAULT_SIDECAR_PORT = 8090
 #: TorchServe 0.12 always starts its gRPC APIs (unused here); they must not collide.
 DEFAULT_GRPC_INFERENCE_PORT = 7070
 DEFAULT_GRPC_MANAGEMENT_PORT = 7071
+
+#: Where ``make up`` / ``make run`` write the sidecar's write token (relative to the repo),
+#: and where the sidecar and every tool read it by default.
+DEFAULT_TOKEN_FILE = ".run/sidecar-token"

@@ -48,7 +48,12 @@ from typing import Any
 import httpx
 
 from serve.common.validate import positive_number
-from serve.constants import DEFAULT_INFERENCE_PORT, DEFAULT_SIDECAR_PORT, P99_SLO_MS
+from serve.constants import (
+    DEFAULT_INFERENCE_PORT,
+    DEFAULT_SIDECAR_PORT,
+    DEFAULT_TOKEN_FILE,
+    P99_SLO_MS,
+)
 from serve.errors import CapacityError, ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.knee import Knee, find_knee
 from serve.ops.state_client import StateClient, sidecar_token
@@ -102,7 +107,7 @@ class CapacityConfig:
     output: Path = DEFAULT_OUTPUT
     hpa: Path = DEFAULT_HPA
     sidecar: str = DEFAULT_SIDECAR
-    token_file: Path = Path(".run/sidecar-token")
+    token_file: Path = Path(DEFAULT_TOKEN_FILE)
     pause_settle_s: float = 15.0
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from serve.constants import DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.state_client import sidecar_token
 from serve.settings import DLRM_SIDECAR_TOKEN, DLRM_SIDECAR_URL
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sidecar-url", default=DLRM_SIDECAR_URL.get(),
                     help=f"the sidecar to drain (default ${DLRM_SIDECAR_URL} or "
                          f"{DLRM_SIDECAR_URL.default})")
-    ap.add_argument("--token-file", default=".run/sidecar-token",
+    ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help=f"used when {DLRM_SIDECAR_TOKEN} is not set")
     ap.add_argument("--settle-s", type=float, default=5.0,
                     help="seconds to wait before closing (endpoint removal propagates)")

@@ -26,6 +26,7 @@ from serve.constants import (
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_SIDECAR_PORT,
+    DEFAULT_TOKEN_FILE,
 )
 from serve.errors import ConfigError
 from serve.sidecar.control.tuner import TunerConfig
@@ -69,7 +70,7 @@ class ServerOptions:
         help="bind address; 0.0.0.0 in a pod so Prometheus can scrape it"))
     port: int = field(default=DEFAULT_SIDECAR_PORT, metadata=flag(
         "--port", env=settings.DLRM_SIDECAR_PORT, help="port"))
-    token_file: Path = field(default=Path(".run/sidecar-token"), metadata=flag(
+    token_file: Path = field(default=Path(DEFAULT_TOKEN_FILE), metadata=flag(
         "--token-file", env=settings.DLRM_SIDECAR_TOKEN_FILE,
         help=f"file holding the write token (the bearer token of every write); env "
              f"{settings.DLRM_SIDECAR_TOKEN} (e.g. from a Kubernetes Secret) wins over it"))
