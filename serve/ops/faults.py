@@ -467,8 +467,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated subset of {', '.join(CASES)}")
-    ap.add_argument("--soak-s", type=float, default=float(os.environ.get("SOAK") or 600),
-                    help="soak seconds (default $SOAK or 600)")
+    ap.add_argument("--soak-s", type=float, default=600.0,
+                    help="soak seconds (make faults SOAK=N passes --soak-s N)")
     ap.add_argument("--clients", type=int, default=8, help="closed-loop clients per case")
     ap.add_argument("--grace-s", type=float, default=60.0,
                     help="the sigterm case's grace period (seconds to exit)")
