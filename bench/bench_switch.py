@@ -18,6 +18,11 @@ answers per ``X-DLRM-Model-Version``. It also checks that a fixed input's predic
 differ between the two versions. Results -> ``bench/results/switch.json``. Exit code 1 if
 any request failed or a change did not converge within ``--timeout``.
 
+The state it measures is declared beside the figures (printed and in the JSON): the
+version, batching and workers declared at the start, and the batching tuner, which it
+turns off for the run (a tuner switch in the middle of a change would be measured as part
+of it) and turns back on at the end if it was on.
+
 Needs two versions in the repository: ``make model`` and ``make model SEED=7``.
 """
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.common.net import wait_until
 from serve.constants import DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
@@ -57,6 +63,33 @@ class Service:
         """PUT /state and wait for converged on it; seconds taken (exits on a failure)."""
         try:
             return self.client.declare(desired, timeout_s=timeout_s)
+        except UpstreamUnavailable as e:
+            raise SystemExit(e.message) from None
+
+    def tuner_enabled(self) -> bool | None:
+        """Whether the batching tuner is on (None: the sidecar has no tuner)."""
+        try:
+            return bool(self.client.tuner()["enabled"])
+        except UpstreamUnavailable:
+            return None
+
+    def set_tuner(self, enabled: bool) -> None:
+        r = self.client.put_tuner({"enabled": enabled})
+        if r.status_code != 200:
+            raise SystemExit(f"PUT /tuner enabled={enabled} answered {r.status_code}: "
+                             f"{r.text[:200]}")
+
+    def wait_declared(self, desired: dict[str, Any], timeout_s: float) -> None:
+        """Wait until TorchServe serves ``desired``'s batching, converged."""
+        want = {k: desired["batching"][k] for k in ("batch_size", "max_batch_delay_ms")}
+
+        def serving() -> bool:
+            st = self.state()
+            return bool(st["converged"]) and (st["observed"].get("batching") or {}) == want
+
+        try:
+            wait_until(serving, timeout_s=timeout_s, interval_s=0.25,
+                       what=f"the declared batching {want}")
         except UpstreamUnavailable as e:
             raise SystemExit(e.message) from None
 
@@ -134,6 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     v1 = args.to or (others[-1] if others else None)
     if v1 is None:
         raise SystemExit(f"only {v0} in the repository; build another: make model SEED=7")
+    tuner_was = svc.tuner_enabled()
+    if tuner_was:
+        svc.set_tuner(False)
+        svc.wait_declared(start, args.timeout)  # a setting the tuner chose is switched back
+    try:
+        return _run(args, svc, start, v0, v1, tuner_was)
+    finally:
+        if tuner_was:
+            svc.set_tuner(True)
+
+
+def _run(args: argparse.Namespace, svc: Service, start: dict[str, Any], v0: str, v1: str,
+         tuner_was: bool | None) -> int:
+    declared = {"version": v0, "batching": start["batching"], "workers": start["workers"],
+                "tuner": "off for the run" + (" (was on; turned back on after)" if tuner_was
+                                              else " (was off)" if tuner_was is False
+                                              else " (no tuner)")}
+    print(f"state at the start: {json.dumps(declared)}; {args.clients} clients x "
+          f"{args.instances} instances (binary)", flush=True)
     bodies = [example_binary(args.instances, seed=s) for s in range(8)]
     p0, h0 = svc.probe()
     b0 = start["batching"]["batch_size"]
@@ -154,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = rows[1].get("probe", {})
     print(f"fixed input: {h0} vs {probe.get('version')}: max |Δp| = "
           f"{probe.get('max_abs_diff', float('nan')):.4g}")
-    doc = {"clients": args.clients, "instances": args.instances, "rows": rows,
+    doc = {"clients": args.clients, "instances": args.instances, "state": declared, "rows": rows,
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
