@@ -37,11 +37,10 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
-from serve.common.net import wait_until
 from serve.constants import DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
-from serve.ops.state_client import StateClient
+from serve.ops.state_client import StateClient, tuner_paused
 
 __all__ = ["main"]
 
@@ -63,33 +62,6 @@ class Service:
         """PUT /state and wait for converged on it; seconds taken (exits on a failure)."""
         try:
             return self.client.declare(desired, timeout_s=timeout_s)
-        except UpstreamUnavailable as e:
-            raise SystemExit(e.message) from None
-
-    def tuner_enabled(self) -> bool | None:
-        """Whether the batching tuner is on (None: the sidecar has no tuner)."""
-        try:
-            return bool(self.client.tuner()["enabled"])
-        except UpstreamUnavailable:
-            return None
-
-    def set_tuner(self, enabled: bool) -> None:
-        r = self.client.put_tuner({"enabled": enabled})
-        if r.status_code != 200:
-            raise SystemExit(f"PUT /tuner enabled={enabled} answered {r.status_code}: "
-                             f"{r.text[:200]}")
-
-    def wait_declared(self, desired: dict[str, Any], timeout_s: float) -> None:
-        """Wait until TorchServe serves ``desired``'s batching, converged."""
-        want = {k: desired["batching"][k] for k in ("batch_size", "max_batch_delay_ms")}
-
-        def serving() -> bool:
-            st = self.state()
-            return bool(st["converged"]) and (st["observed"].get("batching") or {}) == want
-
-        try:
-            wait_until(serving, timeout_s=timeout_s, interval_s=0.25,
-                       what=f"the declared batching {want}")
         except UpstreamUnavailable as e:
             raise SystemExit(e.message) from None
 
@@ -167,15 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     v1 = args.to or (others[-1] if others else None)
     if v1 is None:
         raise SystemExit(f"only {v0} in the repository; build another: make model SEED=7")
-    tuner_was = svc.tuner_enabled()
-    if tuner_was:
-        svc.set_tuner(False)
-        svc.wait_declared(start, args.timeout)  # a setting the tuner chose is switched back
+    client = svc.client
     try:
-        return _run(args, svc, start, v0, v1, tuner_was)
-    finally:
-        if tuner_was:
-            svc.set_tuner(True)
+        with tuner_paused(client, settle=lambda: client.wait_declared_batching(
+                args.timeout)) as tuner_was:
+            return _run(args, svc, start, v0, v1, tuner_was)
+    except UpstreamUnavailable as e:
+        raise SystemExit(e.message) from None
 
 
 def _run(args: argparse.Namespace, svc: Service, start: dict[str, Any], v0: str, v1: str,

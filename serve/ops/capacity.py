@@ -54,9 +54,9 @@ from serve.constants import (
     DEFAULT_TOKEN_FILE,
     P99_SLO_MS,
 )
-from serve.errors import CapacityError, ConfigError, ServeError, UpstreamUnavailable
+from serve.errors import CapacityError, ConfigError, ServeError
 from serve.ops.knee import Knee, find_knee
-from serve.ops.state_client import StateClient, sidecar_token
+from serve.ops.state_client import StateClient, sidecar_token, tuner_paused
 
 __all__ = [
     "CapacityConfig",
@@ -319,28 +319,13 @@ def _tuner_paused(cfg: CapacityConfig) -> Iterator[None]:
     """Turn the sidecar's batching tuner off for the block when it is on (and on again
     after); nothing when no sidecar or tuner answers at ``cfg.sidecar``."""
     client = StateClient(cfg.sidecar, sidecar_token(cfg.token_file))
-    try:
-        on = client.tuner().get("enabled") is True
-    except UpstreamUnavailable:
-        on = False
-    if not on:
+    # the reconciler switches back to the declared batching meanwhile
+    with tuner_paused(client, settle=lambda: time.sleep(cfg.pause_settle_s)) as was_on:
+        if was_on:
+            print("==> batching tuner paused for the measurement (the declared batching "
+                  "serves)", flush=True)
         yield
-        return
-
-    def put(enabled: bool) -> None:
-        r = client.put_tuner({"enabled": enabled})
-        if r.status_code != 200:
-            raise CapacityError(f"PUT {client.url}/tuner {{'enabled': {enabled}}} answered "
-                                f"{r.status_code}: {r.text[:300]}")
-
-    put(False)
-    print("==> batching tuner paused for the measurement (the declared batching serves)",
-          flush=True)
-    time.sleep(cfg.pause_settle_s)  # the reconciler switches back to the declared batching
-    try:
-        yield
-    finally:
-        put(True)
+    if was_on:
         print("==> batching tuner on again", flush=True)
 
 

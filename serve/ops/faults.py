@@ -212,14 +212,6 @@ def _state_file(root: Path, version: str) -> Path:
     return path
 
 
-def tuner_off(client: StateClient) -> None:
-    """Turn the batching tuner off, so the declared batching serves the whole run."""
-    r = client.put_tuner({"enabled": False})
-    if r.status_code != 200:
-        raise UpstreamUnavailable(f"PUT /tuner enabled=false answered {r.status_code}: "
-                                  f"{r.text[:200]}")
-
-
 @contextlib.contextmanager
 def harness(root: Path, store: Path) -> Iterator[Harness]:
     """A background service on free ports (job_queue_size ``QUEUE``), stopped at the end."""
@@ -236,7 +228,9 @@ def harness(root: Path, store: Path) -> Iterator[Harness]:
     try:
         client = StateClient(cfg.sidecar_url, cfg.token_file.read_text().strip(), timeout_s=30)
         client.wait_converged(timeout_s=180)
-        tuner_off(client)
+        # the declared batching for the whole run (the service stops with the tuner off)
+        client.set_tuner(False)
+        client.wait_declared_batching(timeout_s=180)
         yield Harness(svc, client, example_binary(INSTANCES, seed=1))
     finally:
         svc.stop()

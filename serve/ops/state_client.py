@@ -2,6 +2,8 @@
 
 ``GET /state``, ``PUT /state`` (bearer token) and waiting until ``converged``: the one copy
 used by ``bench/bench_switch.py``, the serving-state tests and the sidecar test fixtures.
+:func:`tuner_paused` is the one way a measurement turns the batching tuner off for its
+duration (``make capacity``, ``make faults``, ``make bench-switch``).
 
 Example::
 
@@ -12,9 +14,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from serve.common.net import wait_until
 from serve.errors import UpstreamUnavailable
 from serve.settings import DLRM_SIDECAR_TOKEN
 
-__all__ = ["StateClient", "sidecar_token"]
+__all__ = ["StateClient", "sidecar_token", "tuner_paused"]
 
 
 def sidecar_token(token_file: str | os.PathLike[str] | None) -> str | None:
@@ -75,6 +79,33 @@ class StateClient:
     def put_tuner(self, body: dict[str, Any]) -> httpx.Response:
         """``PUT /tuner`` as is (``{"enabled": ...}`` and/or ``{"p99_goal_ms": ...}``)."""
         return httpx.put(f"{self.url}/tuner", json=body, headers=self._auth(), timeout=30)
+
+    def tuner_on(self) -> bool | None:
+        """Whether the batching tuner is on; None when no tuner answers."""
+        try:
+            return self.tuner().get("enabled") is True
+        except UpstreamUnavailable:
+            return None
+
+    def set_tuner(self, enabled: bool) -> None:
+        """``PUT /tuner {"enabled": enabled}`` (UpstreamUnavailable unless it answers 200)."""
+        r = self.put_tuner({"enabled": enabled})
+        if r.status_code != 200:
+            raise UpstreamUnavailable(f"PUT {self.url}/tuner {{'enabled': {enabled}}} "
+                                      f"answered {r.status_code}: {r.text[:300]}")
+
+    def wait_declared_batching(self, timeout_s: float = 60.0) -> None:
+        """Wait until TorchServe serves the declared batching, converged (after the tuner
+        is turned off, the reconciler switches a setting it chose back)."""
+        def serving() -> bool:
+            st = self.state()
+            desired = st.get("desired") or {}
+            want = {k: (desired.get("batching") or {}).get(k)
+                    for k in ("batch_size", "max_batch_delay_ms")}
+            return bool(st.get("converged")) and (st["observed"].get("batching") or {}) == want
+
+        wait_until(serving, timeout_s=timeout_s, interval_s=0.25,
+                   what=f"{self.url}/state serving the declared batching")
 
     def rollout_action(self, action: str) -> httpx.Response:
         """``POST /state/rollout/{promote|rollback}`` as is."""
@@ -134,3 +165,21 @@ class StateClient:
             raise UpstreamUnavailable(f"PUT /state answered {r.status_code}: {r.text}")
         self.wait_converged(desired, timeout_s=max(0.0, timeout_s - (time.monotonic() - t0)))
         return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def tuner_paused(client: StateClient, settle: Callable[[], None]) -> Iterator[bool | None]:
+    """Turn the batching tuner off for the block when it is on, and on again after.
+
+    ``settle`` runs once it is off (waiting until the declared batching serves again).
+    Yields whether it was on (None: no tuner answers; then nothing is changed)."""
+    was_on = client.tuner_on()
+    if not was_on:
+        yield was_on
+        return
+    client.set_tuner(False)
+    try:
+        settle()
+        yield True
+    finally:
+        client.set_tuner(True)
