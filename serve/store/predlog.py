@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import orjson
@@ -62,9 +62,11 @@ __all__ = [
     "Prediction",
     "PredictionLogConfig",
     "PredictionLogWriter",
+    "RecordReader",
     "encode",
     "iter_log",
     "log_files",
+    "read_at",
     "read_prediction",
     "sampled",
     "scan",
@@ -78,6 +80,8 @@ _HEAD = struct.Struct("<4sII")
 _F32 = np.dtype("<f4")
 _MAX_META = 64 * 1024
 _MAX_SCORES = 1 << 24
+#: Bytes a :class:`RecordReader` reads at a time (more only for one record's meta).
+_READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,76 @@ def read_prediction(directory: Path, rec: LoggedRequest) -> Prediction | None:
         return None
     return Prediction(rec.request_id, rec.version, rec.arm, rec.t,
                       np.frombuffer(raw, dtype="<f4"))
+
+
+class RecordReader:
+    """The records of an open log file from byte ``start`` to ``size``, read in bounded
+    chunks: ``(offset, meta bytes)`` per complete record (meta None when ``meta=False``:
+    a walk over the headers only, never reading the scores).
+
+    After iteration, :attr:`end` is the offset after the last complete record (where the
+    next read resumes); a corrupt record sets it to ``size`` (the rest of the file is
+    skipped, logged once), as :func:`scan` does. Memory: one buffer of ``chunk`` bytes
+    (more only for a record whose meta alone is bigger), whatever the file's size.
+
+    Example::
+
+        with open(path, "rb") as f:
+            reader = RecordReader(f, 0, os.fstat(f.fileno()).st_size, name=path.name)
+            ids = [orjson.loads(meta)["id"] for _, meta in reader]
+    """
+
+    def __init__(self, f: BinaryIO, start: int, size: int, *, name: str = "",
+                 meta: bool = True, chunk: int = _READ_BYTES) -> None:
+        self._f, self._size, self._name, self._meta, self._chunk = f, size, name, meta, chunk
+        self.start = start
+        self.end = start
+
+    def _fill(self, pos: int, want: int) -> bytes:
+        self._f.seek(pos)
+        return self._f.read(min(max(self._chunk, want), self._size - pos))
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | None]]:
+        size, head = self._size, _HEAD.size
+        pos = self.end = self.start
+        buf, base = b"", pos  # buf holds the file's bytes from offset base on
+        while pos + head <= size:
+            i = pos - base
+            if i + head > len(buf):
+                buf, base, i = self._fill(pos, head), pos, 0
+            magic, meta_len, n = _HEAD.unpack_from(buf, i)
+            if magic != MAGIC or meta_len > _MAX_META or n > _MAX_SCORES:
+                _log.warning("prediction log %s: corrupt record at byte %d; skipping the "
+                             "rest of the file", self._name, pos)
+                self.end = size
+                return
+            rec_end = pos + head + meta_len + 4 * n
+            if rec_end > size:
+                return  # a record still being written: resume here next time
+            meta: bytes | None = None
+            if self._meta:
+                if i + head + meta_len > len(buf):
+                    buf, base, i = self._fill(pos, head + meta_len), pos, 0
+                meta = buf[i + head:i + head + meta_len]
+            yield pos, meta
+            pos = self.end = rec_end
+
+
+def read_at(f: BinaryIO, offset: int) -> tuple[dict[str, Any], np.ndarray] | None:
+    """The record at ``offset`` of an open log file: (meta, float32 scores (n,)); None when
+    it is not a whole, readable record (the file was replaced or truncated)."""
+    try:
+        f.seek(offset)
+        magic, meta_len, n = _HEAD.unpack(f.read(_HEAD.size))
+        if magic != MAGIC or meta_len > _MAX_META or n > _MAX_SCORES:
+            return None
+        meta = orjson.loads(f.read(meta_len))
+        raw = f.read(4 * n)
+    except (OSError, struct.error, orjson.JSONDecodeError):
+        return None
+    if not isinstance(meta, dict) or len(raw) != 4 * n:
+        return None
+    return meta, np.frombuffer(raw, dtype=_F32)
 
 
 def iter_log(directory: Path) -> Iterator[Prediction]:

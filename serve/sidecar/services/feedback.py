@@ -33,17 +33,21 @@ it ``unknown``); sum ``joined`` over pods. The README explains both.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import logging
 import math
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Self
 
 import numpy as np
+import orjson
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -66,7 +70,7 @@ from serve.metrics import (
     ONLINE_PREDICTED_CTR,
     PREDICTION_LOG_BYTES,
 )
-from serve.store.predlog import LoggedRequest, log_files, read_prediction, scan
+from serve.store.predlog import RecordReader, log_files, read_at
 
 __all__ = [
     "CalibrationWindow",
@@ -125,47 +129,185 @@ def label_keys(request_ids: Sequence[str], indices: Sequence[int]) -> np.ndarray
     return out
 
 
-class PredictionIndex:
-    """Request id -> where its records are in the prediction log, read incrementally.
+#: Bits of a packed location for the byte offset; the file's number is above them.
+_OFFSET_BITS = 40
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+#: Records parsed between two trims of the index (bounds what one refresh holds beyond it).
+_BATCH_RECORDS = 4096
+#: Records one request id keeps at most (one per scored arm: stable, shadow candidate).
+_MAX_RECORDS_PER_ID = 4
 
-    :meth:`refresh` scans what the workers appended since the last call (headers only;
-    scores are read at join time). The newest ``max_entries`` request ids are kept.
+
+def _writers_newest(files: Sequence[Path]) -> set[str]:
+    """Names of each writer's newest file (``<ms>-<pid>.dpl``): the only ones a worker may
+    still append to; every older file of the same pid is closed."""
+    newest: dict[str, str] = {}
+    for p in files:  # oldest first: the last one per pid wins
+        newest[p.stem.partition("-")[2]] = p.name
+    return set(newest.values())
+
+
+class PredictionIndex:
+    """Request id -> where its records are in the prediction log; bounded while it is built.
+
+    Each entry is the request id (str) -> ONE int, ``file number << 40 | byte offset`` (a
+    tuple of such ints for an id logged more than once: shadow mode's two arms). Version,
+    arm and scores are read from the record itself at join time. Measured: ~180 bytes per
+    entry with 36-character ids (tests/test_feedback_bounded.py), so the default 200,000
+    entries are ~36 MB.
+
+    :meth:`refresh` reads what the workers appended since the last call, planned NEWEST
+    first: it walks the record headers (never the scores) of the newest pending data back
+    until ``max_entries`` records are found and never reads anything older; then it reads
+    the request ids of those records oldest first, in batches of 4,096, trimming the
+    oldest entries before each batch, so never more than ``max_entries`` are alive. The
+    work of one refresh is therefore bounded by ``max_entries`` records (plus a header walk
+    of the files a worker may still append to), not by the log's size: a restart over a
+    full 256 MiB log reads the newest 200,000 records, not 2 million.
+
+    Not thread-safe: one caller at a time (FeedbackService holds its join lock).
     """
 
     def __init__(self, directory: Path, max_entries: int) -> None:
         self.directory = directory
         self.max_entries = max_entries
-        self._offsets: dict[str, int] = {}  # file name -> bytes scanned
-        self._entries: dict[str, list[LoggedRequest]] = {}  # insertion order = age
+        self.last_refresh_s = 0.0
+        self._offsets: dict[str, int] = {}  # file name -> bytes read (complete records)
+        self._numbers: dict[str, int] = {}  # live file name -> its number
+        self._names: dict[int, str] = {}  # number -> live file name
+        self._next_number = 0
+        self._entries: dict[str, int | tuple[int, ...]] = {}  # insertion order = age
+        self.size = 0  # len(_entries), readable without a lock
 
     def refresh(self) -> int:
-        """Scan new records; returns how many. Files deleted since are forgotten."""
+        """Index what was appended since the last call; returns the records read. Files
+        deleted since are forgotten (their entries then join as ``expired``)."""
+        t0 = time.perf_counter()
         files = log_files(self.directory)
-        live = {p.name for p in files}
-        for gone in [n for n in self._offsets if n not in live]:
-            del self._offsets[gone]
-        added = 0
-        for path in files:
-            recs, self._offsets[path.name] = scan(path, self._offsets.get(path.name, 0))
-            for rec in recs:
-                self._entries.setdefault(rec.request_id, []).append(rec)
-            added += len(recs)
-        excess = len(self._entries) - self.max_entries
-        if excess > 0:
-            for rid in list(self._entries)[:excess]:
-                del self._entries[rid]
+        self._forget_gone({p.name for p in files})
+        added = sum(self._read_ids(path, start, end) for path, start, end in self._plan(files))
+        self.last_refresh_s = time.perf_counter() - t0
         return added
 
-    def lookup(self, request_id: str) -> list[LoggedRequest] | None:
-        """The records of ``request_id`` (one per scored arm), None when unknown."""
-        return self._entries.get(request_id)
+    def _forget_gone(self, live: set[str]) -> None:
+        for gone in [n for n in self._offsets if n not in live]:
+            del self._offsets[gone]
+            number = self._numbers.pop(gone, None)
+            if number is not None:
+                del self._names[number]
 
-    def live(self, rec: LoggedRequest) -> bool:
-        """Whether the record's file still exists (as of the last refresh)."""
-        return rec.file in self._offsets
+    def _plan(self, files: Sequence[Path]) -> list[tuple[Path, int, int]]:
+        """(file, start, end) byte ranges to read, oldest first: the newest ``max_entries``
+        pending records. Older pending data is marked read without reading it."""
+        budget = self.max_entries
+        open_files = _writers_newest(files)
+        plan: list[tuple[Path, int, int]] = []
+        for path in reversed(files):
+            start = self._offsets.get(path.name, 0)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if size <= start:
+                continue
+            if budget <= 0 and path.name not in open_files:
+                self._offsets[path.name] = size  # closed, and older than what is kept
+                continue
+            offsets, end = _record_offsets(path, start, size)
+            if budget <= 0:
+                self._offsets[path.name] = end
+                continue
+            if len(offsets) > budget:
+                start = offsets[len(offsets) - budget]
+            budget -= min(budget, len(offsets))
+            plan.append((path, start, end))
+        plan.reverse()
+        return plan
+
+    def _number(self, name: str) -> int:
+        number = self._numbers.get(name)
+        if number is None:
+            number = self._numbers[name] = self._next_number
+            self._names[number] = name
+            self._next_number += 1
+        return number
+
+    def _read_ids(self, path: Path, start: int, end: int) -> int:
+        """Index the records of ``path`` in [start, end); returns how many were read."""
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            return 0
+        number = self._number(path.name) << _OFFSET_BITS
+        batch_max = max(1, min(_BATCH_RECORDS, self.max_entries))
+        read = 0
+        with f:
+            reader = RecordReader(f, start, end, name=path.name)
+            batch: list[tuple[bytes, int]] = []
+            for offset, meta in reader:
+                batch.append((meta or b"", number | offset))
+                if len(batch) >= batch_max:
+                    read += self._add(batch, path)
+                    batch = []
+            read += self._add(batch, path)
+        self._offsets[path.name] = reader.end
+        return read
+
+    def _add(self, batch: list[tuple[bytes, int]], path: Path) -> int:
+        """Parse a batch's request ids and add them, trimming the oldest entries first."""
+        found: list[tuple[str, int]] = []
+        for meta, loc in batch:
+            try:
+                found.append((str(orjson.loads(meta)["id"]), loc))
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                _log.warning("prediction log %s: unreadable record at byte %d; skipped",
+                             path, loc & _OFFSET_MASK)
+        self._trim(self.max_entries - len(found))
+        entries = self._entries
+        for rid, loc in found:
+            prev = entries.get(rid)
+            if prev is None:
+                entries[rid] = loc
+            elif isinstance(prev, tuple):
+                entries[rid] = (*prev[1 - _MAX_RECORDS_PER_ID:], loc)
+            else:
+                entries[rid] = (prev, loc)
+        self.size = len(entries)
+        return len(found)
+
+    def _trim(self, keep: int) -> None:
+        """Drop the oldest entries until at most ``keep`` are left."""
+        excess = len(self._entries) - max(0, keep)
+        if excess > 0:
+            for rid in list(itertools.islice(self._entries, excess)):
+                del self._entries[rid]
+            self.size = len(self._entries)
+
+    def lookup(self, request_id: str) -> list[tuple[str | None, int]]:
+        """Where the records of ``request_id`` are (one per scored arm): (file name, byte
+        offset), the name None when the file has been deleted since; [] when unknown."""
+        got = self._entries.get(request_id)
+        if got is None:
+            return []
+        locs = got if isinstance(got, tuple) else (got,)
+        return [(self._names.get(loc >> _OFFSET_BITS), loc & _OFFSET_MASK) for loc in locs]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self.size
+
+
+def _record_offsets(path: Path, start: int, size: int) -> tuple[array[int], int]:
+    """Offsets of the complete records of ``path`` in [start, size) (headers only), and
+    the offset after the last one."""
+    offsets: array[int] = array("Q")
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        return offsets, start
+    with f:
+        reader = RecordReader(f, start, size, name=path.name, meta=False)
+        offsets.extend(offset for offset, _ in reader)
+    return offsets, reader.end
 
 
 class _Ring:
@@ -284,6 +426,35 @@ class FeedbackResult:
                                   for (v, a), n in sorted(self.joined_by_series.items())]}
 
 
+class _OpenFiles:
+    """The log files one join reads, each opened once (a body of 100,000 labels reads
+    ~100,000 records from a few dozen files)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._files: dict[str, BinaryIO | None] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def read(self, name: str | None, offset: int) -> tuple[dict[str, Any], np.ndarray] | None:
+        """The record at ``offset`` of file ``name``; None when the file is gone."""
+        if name is None:
+            return None
+        if name not in self._files:
+            try:
+                self._files[name] = self._stack.enter_context(
+                    open(self._directory / name, "rb"))  # noqa: SIM115
+            except FileNotFoundError:
+                self._files[name] = None
+        f = self._files[name]
+        return read_at(f, offset) if f is not None else None
+
+
 def _finite(x: float | None) -> float:
     return math.nan if x is None else float(x)
 
@@ -298,6 +469,12 @@ class FeedbackService(Collector):
         baseline_of: a version's build-time baseline (its report's ``baseline``), None
             when the report has none (built before baselines existed) or is missing.
         clock: unix seconds.
+
+    Two locks, so that a scrape never waits on the log: the JOIN lock serializes
+    :meth:`post` (the index refresh and the file reads); the STATS lock guards only the
+    windows and the counts, held for one window update or one summary. :meth:`collect`
+    and :meth:`status` take the stats lock only, and read the index's size without a lock:
+    ``GET /metrics`` answers while a refresh reads a full log.
     """
 
     def __init__(self, config: FeedbackConfig, *,
@@ -307,52 +484,75 @@ class FeedbackService(Collector):
         self.config = config
         self._versions = versions
         self._baseline_of = baseline_of
-        self._lock = threading.Lock()
+        self._join_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._index = (PredictionIndex(config.log_dir, config.index_entries)
                        if config.log_dir is not None else None)
         self.window = CalibrationWindow(config.window_s, config.window_pairs,
                                         config.max_series, clock)
         self._counts = dict.fromkeys(FEEDBACK_RESULTS, 0)
 
+    def refresh_index(self) -> int:
+        """Index what the workers appended since the last call (records read); 0 without
+        a log. :meth:`post` calls it; a caller may also call it ahead (from a thread: it
+        reads files) so that the first POST after a restart finds the index built."""
+        if self._index is None:
+            return 0
+        with self._join_lock:
+            return self._index.refresh()
+
     def post(self, labels: Sequence[tuple[str, int, int]]) -> FeedbackResult:
         """Join ``labels`` = (request id, instance index, label 0/1) triples.
 
         Blocking (file reads, numpy): call it from a thread in async code.
         """
-        with self._lock:
-            return self._post(labels)
+        with self._join_lock:
+            if self._index is not None:
+                self._index.refresh()
+            outcome, joined = self._join(labels)
+            with self._stats_lock:
+                return self._record(labels, outcome, joined)
 
-    def _post(self, labels: Sequence[tuple[str, int, int]]) -> FeedbackResult:
-        results = dict.fromkeys(FEEDBACK_RESULTS, 0)
-        if self._index is not None:
-            self._index.refresh()
+    def _join(self, labels: Sequence[tuple[str, int, int]]
+              ) -> tuple[list[str], dict[tuple[str, str], tuple[list[int], list[float]]]]:
+        """Per label its outcome before the duplicate check, and per (version, arm) the
+        positions of the labels joined and their scores."""
         by_rid: dict[str, list[int]] = {}
         for i, (rid, _, _) in enumerate(labels):
             by_rid.setdefault(rid, []).append(i)
         outcome: list[str] = ["unknown"] * len(labels)
-        # Per series: (label positions, scores) joined, before the duplicate check.
         joined: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
-        for rid, positions in by_rid.items():
-            recs = self._index.lookup(rid) if self._index is not None else None
-            if not recs:
-                continue
-            for rec in recs:
-                pred = (read_prediction(self._index.directory, rec)  # type: ignore[union-attr]
-                        if self._index is not None and self._index.live(rec) else None)
-                for i in positions:
-                    idx = labels[i][1]
-                    if pred is None:
-                        if outcome[i] == "unknown":
-                            outcome[i] = "expired"
+        if self._index is None:
+            return outcome, joined
+        with _OpenFiles(self._index.directory) as files:
+            for rid, positions in by_rid.items():
+                for name, offset in self._index.lookup(rid):
+                    rec = files.read(name, offset)
+                    if rec is None or rec[0].get("id") != rid:
+                        for i in positions:
+                            if outcome[i] == "unknown":
+                                outcome[i] = "expired"
                         continue
-                    if idx >= pred.scores.shape[0]:
-                        if outcome[i] != "joined":
-                            outcome[i] = "bad_index"
-                        continue
-                    pos, scores = joined.setdefault((rec.version, rec.arm), ([], []))
-                    pos.append(i)
-                    scores.append(float(pred.scores[idx]))
-                    outcome[i] = "joined"
+                    meta, scores = rec
+                    series = (str(meta.get("v")), str(meta.get("a")))
+                    for i in positions:
+                        idx = labels[i][1]
+                        if idx >= scores.shape[0]:
+                            if outcome[i] != "joined":
+                                outcome[i] = "bad_index"
+                            continue
+                        pos, got = joined.setdefault(series, ([], []))
+                        pos.append(i)
+                        got.append(float(scores[idx]))
+                        outcome[i] = "joined"
+        return outcome, joined
+
+    def _record(self, labels: Sequence[tuple[str, int, int]], outcome: list[str],
+                joined: dict[tuple[str, str], tuple[list[int], list[float]]]
+                ) -> FeedbackResult:
+        """Add the joined labels to the windows (all but duplicates) and count outcomes;
+        under the stats lock."""
+        results = dict.fromkeys(FEEDBACK_RESULTS, 0)
         added: dict[tuple[str, str], int] = {}
         dup_any = np.zeros(len(labels), dtype=bool)
         new_any = np.zeros(len(labels), dtype=bool)
@@ -393,10 +593,10 @@ class FeedbackService(Collector):
     def status(self) -> dict[str, Any]:
         """GET /feedback: bounds, counts, and per (version, arm) the window with the
         version's baseline beside it."""
-        with self._lock:
+        with self._stats_lock:
             summaries = self.window.summaries()
             counts = dict(self._counts)
-            indexed = len(self._index) if self._index is not None else 0
+        indexed = self._index.size if self._index is not None else 0
         baselines = self._baselines(v for v, _ in summaries)
         c = self.config
         return {
@@ -425,7 +625,7 @@ class FeedbackService(Collector):
         return total
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
+        with self._stats_lock:
             summaries = self.window.summaries()
             counts = dict(self._counts)
         c = CounterMetricFamily(FEEDBACK_LABELS_TOTAL,
