@@ -51,6 +51,7 @@ __all__ = [
     "DLRM_DELTA_DIR",
     "DLRM_DELTA_POLL_MS",
     "DLRM_FEEDBACK_INDEX_ENTRIES",
+    "DLRM_FEEDBACK_MAX_BODY_BYTES",
     "DLRM_FEEDBACK_WINDOW_S",
     "DLRM_LOG_LEVEL",
     "DLRM_MEMORY_LIMIT_BYTES",
@@ -260,6 +261,10 @@ DLRM_FEEDBACK_WINDOW_S = _var("DLRM_FEEDBACK_WINDOW_S",
 DLRM_FEEDBACK_INDEX_ENTRIES = _var("DLRM_FEEDBACK_INDEX_ENTRIES",
                                    "Logged request ids the feedback join remembers.",
                                    SIDECAR)
+DLRM_FEEDBACK_MAX_BODY_BYTES = _var(
+    "DLRM_FEEDBACK_MAX_BODY_BYTES",
+    "Bytes one POST /feedback body may have (413 past it; never buffered beyond it).",
+    SIDECAR)
 DLRM_DELTA_DIR = _var(
     "DLRM_DELTA_DIR",
     "The pod's embedding-delta folder, shared by the workers (they follow "

@@ -16,12 +16,14 @@ import gc
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from serve.sidecar.config import SidecarConfig
@@ -222,3 +224,97 @@ def test_a_full_256mib_log_stays_under_120mb_and_metrics_answer_within_2s(
     assert log_256mib.bytes > 255 * MIB and len(log_files(log_256mib.directory)) == 32
     m = _check(log_256mib, tmp_path, FeedbackConfig().index_entries)
     assert m.peak_bytes < 120e6, m.peak_bytes
+
+
+# ------------------------------------------------------------------ POST /feedback's body
+
+TOKEN = "t" * 32
+
+
+def _app(tmp_path: Path, max_body_bytes: int) -> Any:
+    ts = FakeTorchServe(tmp_path / "store")
+    writer = PredictionLogWriter(PredictionLogConfig(tmp_path / "log"), pid=1)
+    writer.write([Prediction("r1", VERSION, ARM, T0, np.array([0.25, 0.5], np.float32))])
+    writer.close()
+    config = SidecarConfig(management_url="http://ts", metrics_url="http://ts", token=TOKEN,
+                           model_store=ts.store, cgroup_root=tmp_path / "no-cgroup",
+                           feedback=FeedbackConfig(log_dir=tmp_path / "log",
+                                                   max_body_bytes=max_body_bytes))
+    return create_app(config, http_client=httpx.AsyncClient(transport=ts.transport()))
+
+
+def _posts(app: Any, requests: list[dict[str, Any]]) -> list[httpx.Response]:
+    async def go() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://sc") as c:
+                return [await c.post("/feedback", headers={
+                    "Authorization": f"Bearer {TOKEN}", **r.pop("headers", {})}, **r)
+                    for r in requests]
+
+    return asyncio.run(go())
+
+
+def test_post_feedback_streams_the_body_and_keeps_its_answers(tmp_path: Path) -> None:
+    """The body is read in chunks (here 3 of them, no Content-Length), validated from the
+    bytes; the answers and the 400 wording are FastAPI's as before."""
+    label = {"request_id": "r1", "index": 1, "label": 1}
+    body = orjson.dumps({"labels": [label, {**label, "request_id": "zz"}]})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 20):
+            yield body[i:i + 20]
+
+    json_ct = {"Content-Type": "application/json"}
+    bad = [({"labels": [{**label, "label": 2}]}, "labels.0.label"),
+           ({"labels": [{**label, "index": -1}]}, "labels.0.index"),
+           ({"labels": [{**label, "label": True}]}, "labels.0.label"),
+           ({"labels": [{"index": 0, "label": 0}]}, "labels.0.request_id"),
+           ({"labels": [{**label, "x": 1}]}, "labels.0.x"),
+           ({"labels": []}, "labels"), ({"label": []}, "label"), ([1, 2], "body")]
+    got = _posts(_app(tmp_path, 1024), [
+        {"content": chunks(), "headers": json_ct},
+        {"content": b"{not json", "headers": json_ct},
+        {"content": b""},
+        {"content": body, "headers": {"Content-Type": "text/plain"}},
+        *({"json": b} for b, _ in bad)])
+    ok = got[0]
+    assert ok.status_code == 200, ok.text
+    assert ok.json() == {"received": 2, "joined": 1, "unknown": 1, "expired": 0,
+                         "duplicate": 0, "bad_index": 0,
+                         "joined_by_arm": [{"version": VERSION, "arm": ARM, "labels": 1}]}
+    assert got[1].status_code == 400
+    assert got[1].json()["message"] == (
+        "invalid POST /feedback body: body: the body is not valid JSON (Expecting property "
+        "name enclosed in double quotes at character 1)")
+    assert got[2].status_code == 400 and "body: Field required" in got[2].json()["message"]
+    assert got[3].status_code == 400 and "must be a JSON object sent with Content-Type: " \
+        "application/json" in got[3].json()["message"]
+    for r, (b, where) in zip(got[4:], bad, strict=True):
+        assert r.status_code == 400, (b, r.text)
+        assert r.json()["type"] == "InvalidInput" and where in r.json()["message"], r.text
+
+
+def test_post_feedback_refuses_a_body_over_the_limit_with_413(tmp_path: Path) -> None:
+    """From Content-Length before reading; without it, as soon as the bytes received pass
+    the limit (the rest is never read)."""
+    label = {"request_id": "r1", "index": 1, "label": 1}
+    body = orjson.dumps({"labels": [label] * 40})  # ~1.6 KB
+    pulled: list[int] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        for i in range(10_000):  # 640 KB if it were all read
+            pulled.append(i)
+            yield b" " * 64
+
+    got = _posts(_app(tmp_path, 1024), [
+        {"content": body, "headers": {"Content-Type": "application/json"}},
+        {"content": endless(), "headers": {"Content-Type": "application/json"}}])
+    want = (f"POST /feedback body of {len(body)} bytes is over the limit of 1024 bytes "
+            "(--feedback-max-body-bytes, DLRM_FEEDBACK_MAX_BODY_BYTES): split the labels "
+            "over several POSTs (at most 100000 labels each)")
+    assert got[0].status_code == 413 and got[0].json() == {
+        "code": 413, "type": "PayloadTooLarge", "message": want}
+    assert got[1].status_code == 413
+    assert "body of more than 1024 bytes is over the limit" in got[1].json()["message"]
+    assert len(pulled) < 100, len(pulled)

@@ -23,7 +23,8 @@ What happens to each label (``dlrm_feedback_labels_total{result}``):
 None of these is an error (feedback arrives late and from elsewhere); a body that breaks
 the schema is a 400 naming the field.
 
-Memory is bounded: the index remembers ``index_entries`` request ids (~150 bytes each),
+Memory is bounded: the index remembers ``index_entries`` request ids (~160 bytes each,
+measured; it never holds more, even while a restart reads a full log),
 each window holds at most ``window_pairs`` labelled predictions (21 bytes each in numpy
 arrays), for at most ``max_series`` (version, arm) pairs.
 
@@ -97,6 +98,8 @@ class FeedbackConfig:
         window_pairs: labelled predictions a window keeps at most (the newest).
         max_series: (version, arm) windows kept; the least recently labelled goes first.
         max_labels: labels one POST may carry.
+        max_body_bytes: bytes one POST /feedback body may have (413 past it). The body is
+            read in the chunks the server delivers and never held beyond this.
     """
 
     log_dir: Path | None = field(default=None, metadata=flag(
@@ -105,16 +108,23 @@ class FeedbackConfig:
              "labels with it. Unset: no join (every label counts as unknown)"))
     index_entries: int = field(default=200_000, metadata=flag(
         "--feedback-index-entries", env=settings.DLRM_FEEDBACK_INDEX_ENTRIES,
-        help="logged request ids the join remembers (~150 bytes each)"))
+        help="logged request ids the join remembers (~160 bytes each, measured: the "
+             "default 200000 is ~32 MB); a restart reads only the newest this many records"))
     window_s: float = field(default=3600.0, metadata=flag(
         "--feedback-window-s", env=settings.DLRM_FEEDBACK_WINDOW_S,
         help="seconds a labelled prediction counts in the online CTR, calibration and AUC"))
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag(
+        "--feedback-max-body-bytes", env=settings.DLRM_FEEDBACK_MAX_BODY_BYTES,
+        help="bytes one POST /feedback body may have: a longer one is refused with 413 as "
+             "soon as its Content-Length or the bytes received pass it, never buffered "
+             "(100,000 labels with UUID request ids are ~7 MB)"))
     window_pairs: int = 500_000
     max_series: int = 8
     max_labels: int = 100_000
 
     def __post_init__(self) -> None:
-        for name in ("index_entries", "window_pairs", "max_series", "max_labels"):
+        for name in ("index_entries", "window_pairs", "max_series", "max_labels",
+                     "max_body_bytes"):
             positive_int(f"feedback {name}", getattr(self, name))
         if not (isinstance(self.window_s, (int, float)) and self.window_s > 0):
             raise ConfigError(f"feedback window_s={self.window_s!r} must be > 0 (seconds)")
