@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata as metadata
 import json
 import re
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -174,23 +174,23 @@ def interpret(returncode: int, stdout: str, stderr: str) -> Verdict:
 def verdict_lines(verdict: Verdict, total: int, strict: bool) -> tuple[list[str], int]:
     """The lines to print and the exit code (module docstring)."""
     if verdict.vulnerable:
-        lines = [f"pip-audit: VULNERABLE: {len(verdict.vulnerable)} advisory(ies) in the "
-                 "serving packages:"]
+        lines = [(f"pip-audit: VULNERABLE: {len(verdict.vulnerable)} advisory(ies) in the "
+                  "serving packages:")]
         lines += [f"  {n}=={v}: {vid} (fixed in: {fix})" for n, v, vid, fix in verdict.vulnerable]
         lines.append(f"  upgrade the pin (constraints.txt, requirements-serve.txt), or accept "
                      f"it with a reason in {ACCEPTED_FILE}")
         return lines, 1
     if verdict.service_error is not None or verdict.skipped:
         why = verdict.service_error or verdict.skipped[0][1]
-        lines = [f"pip-audit: NOT AUDITED: {len(verdict.skipped) if verdict.skipped else total} "
-                 f"of {total} serving packages were not checked: the vulnerability service "
-                 f"could not be reached or did not know them ({why}). This is NOT a clean "
-                 "result."]
+        missed = len(verdict.skipped) if verdict.skipped else total
+        lines = [(f"pip-audit: NOT AUDITED: {missed} of {total} serving packages were not "
+                  "checked: the vulnerability service could not be reached or did not know "
+                  f"them ({why}). This is NOT a clean result.")]
         lines.append("  run `make lint AUDIT_STRICT=1` where the service is reachable; "
                      + ("--strict: failing." if strict else "without --strict: a warning."))
         return lines, 2 if strict else 0
-    return [f"pip-audit: clean: {len(verdict.audited)} serving packages checked, no "
-            "advisory outside the accepted ones"], 0
+    return [(f"pip-audit: clean: {len(verdict.audited)} serving packages checked, no "
+             "advisory outside the accepted ones")], 0
 
 
 def _run_pip_audit(exe: str, pins: dict[str, str], ignore: list[str],
