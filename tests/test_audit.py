@@ -130,9 +130,11 @@ def test_the_repo_accepted_file_parses_and_make_lint_runs_the_audit():
     assert "-m serve.ops.audit" in lint and "--strict" in lint
 
 
+@pytest.mark.slow
 def test_the_real_pip_audit_gives_an_honest_verdict(capsys):
     """Where pip-audit is installed (make venv): whatever the network allows, the verdict
-    is one of the three lines, and never "clean" while a package was skipped."""
+    is one of the three lines, and never "clean" while a package was skipped. Slow: it
+    asks the vulnerability service (a few seconds here; up to its timeout offline)."""
     exe = Path(sys.executable).with_name("pip-audit")
     if not exe.exists():
         pytest.skip(f"pip-audit is not installed beside {sys.executable}: `make venv` "
