@@ -1,18 +1,26 @@
 # syntax=docker/dockerfile:1
 # Image of the DLRM serving pod: TorchServe and the sidecar run from this one image.
 #
-#   make model image               # GPU variant: dlrm-serve:0.1.0
+#   make model image               # GPU variant: dlrm-serve:0.1.0 (+ dlrm-serve:0.1.0-g<commit>)
 #   make model image VARIANT=cpu   # CPU variant: dlrm-serve:0.1.0-cpu
 #
-# k8s/ references exactly these tags (tests/test_dockerfile.py checks it). The pinned
-# stack is the one scripts/setup_venv.sh installs: requirements.txt + constraints.txt,
-# with torch, fbgemm and torchrec (--no-deps) first. Nothing secret goes in: the sidecar
-# token comes from a Kubernetes Secret at run time and .dockerignore keeps .run/ out.
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+# k8s/ references exactly these tags (tests/test_dockerfile.py checks it). It installs the
+# serving packages only: requirements-serve.txt + constraints.txt, no TorchRec, FBGEMM,
+# test, load-test or lint tool (the pod imports none: tests/test_layers.py). Nothing
+# secret goes in: the sidecar's tokens come from a Kubernetes Secret at run time and
+# .dockerignore keeps .run/ out. SECURITY.md ("Supply chain") says how each pin is bumped.
+#
+# The base, pinned by digest: a tag can be re-pushed, a digest cannot. This is the
+# digest of python:3.11.7-slim-bookworm (CPython 3.11.7, the venv's) as Renovate pinned it
+# in github.com/nalabelle/build (images/digests.Dockerfile); two other public Dockerfiles
+# pin the same one. Not checked against the registry from here (no registry access): the
+# first build with a registry checks it (`docker buildx imagetools inspect <ref>`).
+# Override with --build-arg PYTHON_IMAGE=python:3.11.x-slim-bookworm@sha256:<digest>.
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
 FROM ${PYTHON_IMAGE}
 
-# gpu: PyPI's default torch build (CUDA) and the CUDA fbgemm-gpu;
-# cpu: the CPU-only torch wheel (~200 MB instead of several GB) and fbgemm-gpu-cpu.
+# gpu: PyPI's default torch build (CUDA); cpu: the CPU-only torch wheel (~200 MB instead
+# of several GB). No FBGEMM in either: the exported program runs on plain torch.
 ARG VARIANT=gpu
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
@@ -35,8 +43,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # Java 17 runs TorchServe's frontend; tini (PID 1, -g) forwards SIGTERM to the whole
 # process group, so both TorchServe's Python launcher and its JVM see it.
+# Pinned Debian bookworm versions (`apt-cache policy` on bookworm; the JRE from
+# bookworm-security). Debian keeps only the current version of a package: when a security
+# update replaces this JRE the build fails with "Version ... was not found": bump the ARG
+# to the new version (that is the point: a base update is a reviewed change).
+ARG JRE_VERSION=17.0.21.1+2-1~deb12u1
+ARG TINI_VERSION=0.19.0-1+b3
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends openjdk-17-jre-headless tini \
+    && apt-get install -y --no-install-recommends \
+       "openjdk-17-jre-headless=${JRE_VERSION}" "tini=${TINI_VERSION}" \
     && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 10001 dlrm \
@@ -44,26 +59,26 @@ RUN groupadd --system --gid 10001 dlrm \
        --shell /usr/sbin/nologin dlrm
 
 WORKDIR /opt/dlrm
-COPY requirements.txt constraints.txt ./
+COPY requirements-serve.txt constraints.txt ./
+# torch first, the variant's build; then the serving list (its torch==2.13.0 pin is
+# satisfied by either build, 2.13.0+cpu included).
 RUN set -eux; \
     python -m venv /opt/venv; \
     case "$VARIANT" in \
-      cpu) pip install torch==2.13.0 --index-url "$TORCH_CPU_INDEX"; \
-           pip install fbgemm-gpu-cpu==1.8.0 -c constraints.txt ;; \
-      gpu) pip install torch==2.13.0 fbgemm-gpu==1.8.0 -c constraints.txt ;; \
+      cpu) pip install torch==2.13.0 --index-url "$TORCH_CPU_INDEX" ;; \
+      gpu) pip install torch==2.13.0 -c constraints.txt ;; \
       *) echo "VARIANT must be gpu or cpu, got '$VARIANT'" >&2; exit 1 ;; \
     esac; \
-    pip install --no-deps torchrec==1.8.0; \
-    grep -v '^fbgemm-gpu' requirements.txt > /tmp/requirements-image.txt; \
-    pip install -r /tmp/requirements-image.txt -c constraints.txt; \
-    rm /tmp/requirements-image.txt
+    pip install -r requirements-serve.txt -c constraints.txt
 
 COPY pyproject.toml ./
 COPY serve/ serve/
 COPY handlers/ handlers/
 RUN set -eux; \
     pip install --no-deps --no-build-isolation .; \
-    if [ "$VARIANT" = cpu ]; then python -c "import torch, torchrec, fbgemm_gpu, serve"; fi
+    python -c "import torch, ts, serve.sidecar.http.app, handlers.dlrm_handler"; \
+    if python -c "import torchrec" 2>/dev/null || python -c "import fbgemm_gpu" 2>/dev/null; then \
+      echo "the serving image must not contain torchrec or fbgemm_gpu" >&2; exit 1; fi
 
 # Every model version `make model` built (model_store/dlrm-<V>.mar + dlrm-<V>.json; the
 # archives a local sidecar derived for other batching are left out by .dockerignore).
@@ -81,7 +96,7 @@ RUN mkdir -p /opt/dlrm/logs /opt/dlrm/model-store \
     && chown 10001:10001 /opt/dlrm/logs /opt/dlrm/model-store
 
 USER 10001:10001
-EXPOSE 8080 8082 8090
+EXPOSE 8080 8082 8090 8091
 ENTRYPOINT ["/usr/bin/tini", "-g", "--"]
 # TorchServe alone, with no model (no --models): the same command as the pod's torchserve
 # container. What it serves is the sidecar's job: it reads the desired serving state and

@@ -21,8 +21,13 @@ run up bench-e2e capacity faults: MODEL_IF_MISSING := 1
 SHAPE ?= step
 DURATION ?= 60s
 IMAGE ?= dlrm-serve
+# The image's version: k8s/ deploys $(IMAGE):$(TAG) (tests/test_dockerfile.py checks it).
+# Tags are immutable by convention: a version is built once, from a clean tree, and never
+# pushed again with other content (bump TAG instead); each build is also tagged
+# $(TAG)-g<commit> and labelled with the commit, so what runs is traceable.
 TAG ?= 0.1.0
 VARIANT ?= gpu
+GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java kubectl prometheus chromium monitoring check promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
@@ -32,7 +37,7 @@ export PYTHONUNBUFFERED := 1
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
 
-$(VENV)/.stamp: requirements.txt constraints.txt pyproject.toml scripts/setup_venv.sh
+$(VENV)/.stamp: requirements.txt requirements-dev.txt requirements-serve.txt constraints.txt pyproject.toml scripts/setup_venv.sh
 	PYTHON=$(PYTHON) bash scripts/setup_venv.sh
 	@touch $@
 
@@ -84,9 +89,10 @@ test: venv java kubectl prometheus chromium  ## run the test suite (CPU; GPU tes
 test-fast: venv  ## unit tests only (no TorchServe, no slow, no promtool/kubectl/chromium: installs nothing)
 	$(PY) -m pytest -q -m "not slow and not integration and not needs_promtool and not needs_kubectl and not needs_chromium"
 
-lint: venv  ## ruff + mypy
+lint: venv  ## ruff + mypy + pip-audit of the serving packages (AUDIT_STRICT=1: an unreachable vulnerability service fails too)
 	$(VENV)/bin/ruff check serve handlers tests bench loadtest
 	$(VENV)/bin/mypy serve handlers loadtest bench
+	$(PY) -m serve.ops.audit$(if $(filter 1 true yes,$(AUDIT_STRICT)), --strict)
 
 check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md), then fail if the tree changed: commit what they write
 	$(PY) -m serve.ops.monitoring --write
@@ -137,8 +143,10 @@ capacity: venv java model  ## measure one instance's knee and write loadtest/cap
 hpa-sim: venv  ## replay load curves through the HPA algorithm; prints and plots
 	$(PY) -m serve.ops.hpa_sim
 
-image:  ## build the container image (needs a Docker engine): VARIANT=gpu|cpu
-	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(if $(filter cpu,$(VARIANT)),-cpu,) .
+IMAGE_SUFFIX = $(if $(filter cpu,$(VARIANT)),-cpu,)
+image:  ## build the container image from a clean tree (needs a Docker engine): VARIANT=gpu|cpu; tags $(IMAGE):$(TAG)[-cpu] and $(IMAGE):$(TAG)-g<commit>[-cpu]
+	@git diff --quiet HEAD -- . ':!model_store' || { echo "make image: the tree has uncommitted changes; an image tag names one commit: commit first" >&2; exit 1; }
+	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(IMAGE_SUFFIX) -t $(IMAGE):$(TAG)-g$(GIT_SHA)$(IMAGE_SUFFIX) --label org.opencontainers.image.version=$(TAG) --label org.opencontainers.image.revision=$(GIT_SHA) .
 
 clean:  ## remove build outputs, run state and logs (keeps .venv and the model versions in model_store/)
 	rm -rf build .run logs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with the pinned stack. Idempotent: `make` only calls it when
-# requirements.txt, constraints.txt or pyproject.toml changed.
+# requirements*.txt, constraints.txt or pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +18,7 @@ $PIP install -q --no-deps torchrec==1.8.0
 echo "==> installing the pinned requirements"
 # pip then warns "torchrec 1.8.0 requires fbgemm-gpu, which is not installed": expected,
 # fbgemm-gpu-cpu provides the same modules for the CPU build of torch.
-$PIP install -q -r requirements.txt -c constraints.txt 2>&1 \
+$PIP install -q -r requirements-dev.txt -c constraints.txt 2>&1 \
   | { grep -v -E "dependency resolver does not|requires fbgemm-gpu, which is not installed" || true; }
 echo "==> installing this project (editable) so TorchServe workers can import serve/"
 $PIP install -q --no-deps --no-build-isolation -e .

@@ -1,5 +1,6 @@
-"""Lint the Dockerfile (no Docker engine here, so CI cannot build it): the same pinned
-stack as scripts/setup_venv.sh, a fixed non-root UID, no secrets, and image tags that
+"""Lint the Dockerfile (no Docker engine here, so CI cannot build it): a base pinned by
+digest, pinned apt packages, the serving requirements only (no TorchRec, FBGEMM, test or
+lint tool) at the project's pins, a fixed non-root UID, no secrets, and image tags that
 equal what `make image` builds and what k8s/ deploys; the image bakes the model
 versions and starts TorchServe empty, as the pod does."""
 from __future__ import annotations
@@ -19,6 +20,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 UID = 10001
+SERVE_REQS = REPO / "requirements-serve.txt"
+DEV_REQS = REPO / "requirements-dev.txt"
+CONSTRAINTS = REPO / "constraints.txt"
+# What the pod never runs: test, load-test, lint and audit tools, and the offline build.
+TOOLS = {"locust", "pytest", "mypy", "ruff", "matplotlib", "kubernetes-validate", "pip-audit"}
+OFFLINE_BUILD = {"torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "torch-model-archiver",
+                 "tensordict", "torchmetrics", "pyre-extensions"}
 _PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -58,10 +66,16 @@ def pins_in(text: str) -> dict[str, str]:
 
 
 def project_pins() -> dict[str, str]:
-    pins = pins_in((REPO / "constraints.txt").read_text())
-    pins.update(pins_in((REPO / "requirements.txt").read_text()))
-    pins.update(pins_in((REPO / "scripts" / "setup_venv.sh").read_text()))
+    pins = pins_in(CONSTRAINTS.read_text())
+    for path in (SERVE_REQS, DEV_REQS, REPO / "scripts" / "setup_venv.sh"):
+        pins.update(pins_in(path.read_text()))
     return pins
+
+
+def requirement_lines(path: Path) -> list[str]:
+    """The requirement lines of a requirements file (comments and blanks dropped)."""
+    lines = (ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines())
+    return [ln for ln in lines if ln]
 
 
 def run_text() -> str:
@@ -71,32 +85,127 @@ def run_text() -> str:
 def test_every_pinned_version_equals_the_projects():
     pins = project_pins()
     docker = pins_in(run_text())
-    assert {"torch", "fbgemm-gpu-cpu", "fbgemm-gpu", "torchrec"} <= set(docker)
+    assert set(docker) == {"torch"}, "the image pins torch per variant, the rest via the lists"
     for name, version in docker.items():
-        if name == "fbgemm-gpu":  # the CUDA build of the same fbgemm release as the CPU one
-            assert version == pins["fbgemm-gpu-cpu"], name
-            continue
-        assert name in pins, f"the Dockerfile pins {name}=={version}, the project does not"
         assert pins[name] == version, f"{name}: Dockerfile {version} != project {pins[name]}"
 
 
-def test_it_installs_the_same_stack_as_setup_venv():
+def test_it_installs_the_serving_requirements_only():
+    """requirements-serve.txt with constraints.txt, nothing else: no TorchRec, FBGEMM or
+    dev list (the pod imports neither: tests/test_layers.py), and the build checks it."""
     run = run_text()
-    # Everything setup_venv.sh pins on the command line is pinned here too.
-    for name, version in pins_in((REPO / "scripts" / "setup_venv.sh").read_text()).items():
-        assert f"{name}=={version}" in run, name
-    assert "--no-deps torchrec==" in run, "torchrec must go in with --no-deps (docs/stack.md)"
-    assert "-r /tmp/requirements-image.txt -c constraints.txt" in run
-    # The only requirements the image drops are the fbgemm build it replaces per variant.
-    m = re.search(r"grep -v '([^']+)' requirements.txt > /tmp/requirements-image.txt", run)
-    assert m, "the image installs requirements.txt (minus fbgemm) with constraints.txt"
-    dropped = [line for line in (REPO / "requirements.txt").read_text().splitlines()
-               if re.match(m.group(1), line)]
-    assert [_norm(line.split("==")[0]) for line in dropped] == ["fbgemm-gpu-cpu"]
-    assert "--no-deps" in run and "pip install --no-deps --no-build-isolation ." in run
+    assert "pip install -r requirements-serve.txt -c constraints.txt" in run
+    copies = [shlex.split(arg)[:-1] for op, arg in instructions() if op == "COPY"]
+    reqs = {src for c in copies for src in c if src.startswith("requirements")}
+    assert reqs == {"requirements-serve.txt"}
+    for name in OFFLINE_BUILD - {"torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"}:
+        assert name not in run, name
+    assert "install --no-deps torchrec" not in run and "fbgemm-gpu==" not in run
+    assert "must not contain torchrec or fbgemm_gpu" in run, "the build refuses them"
+    assert "pip install --no-deps --no-build-isolation ." in run
+
+
+def test_base_image_is_pinned_by_digest():
+    """FROM the ARG, whose default is name:tag@sha256:<64 hex> (a tag can be re-pushed)."""
+    froms = [arg for op, arg in instructions() if op == "FROM"]
+    assert froms == ["${PYTHON_IMAGE}"]
+    (arg,) = [a for op, a in instructions() if op == "ARG" and a.startswith("PYTHON_IMAGE=")]
+    ref = arg.split("=", 1)[1]
+    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", ref), ref
+    digest = ref.rsplit(":", 1)[1]
+    assert len(set(digest)) > 4, "a placeholder digest is not a pin"
+    assert "nalabelle/build" in (REPO / "Dockerfile").read_text(), "cite where it comes from"
+
+
+def test_apt_packages_are_pinned():
+    """Every apt package is name=version, the versions in ARGs (bumped on purpose)."""
+    args = dict(a.split("=", 1) for op, a in instructions() if op == "ARG" and "=" in a)
+    installs = [m.group(1) for m in re.finditer(r"apt-get install ([^&;]+)", run_text())]
+    assert installs
+    for cmd in installs:
+        pkgs = [t.strip('"') for t in shlex.split(cmd) if not t.startswith("-")]
+        assert pkgs
+        for pkg in pkgs:
+            name, sep, version = pkg.partition("=")
+            assert sep and version, f"apt package {name} is not pinned (name=version)"
+            var = re.fullmatch(r"\$\{(\w+)\}", version)
+            assert var and args.get(var.group(1)), f"{name}: pin it through a defaulted ARG"
+    assert re.search(r"~deb12u\d+$", args["JRE_VERSION"]), "a bookworm (Debian 12) build"
+
+
+def _names(path: Path) -> set[str]:
+    return {_norm(re.split(r"[=<>!~\[; ]", ln, maxsplit=1)[0]) for ln in requirement_lines(path)
+            if not ln.startswith("-")}
+
+
+def test_serving_requirements_name_no_test_or_lint_tool():
+    serve = _names(SERVE_REQS)
+    assert not serve & TOOLS, f"test/lint tools in requirements-serve.txt: {serve & TOOLS}"
+    assert not serve & OFFLINE_BUILD, f"the offline build in the image: {serve & OFFLINE_BUILD}"
+    assert {"torchserve", "fastapi", "uvicorn", "torch"} <= serve
+    assert _names(DEV_REQS) >= TOOLS, "the dev list installs every tool (make venv)"
+
+
+def test_requirement_lists_are_pinned_like_the_constraints():
+    """Every line of both lists is name==version (or an include), at constraints.txt's
+    version where it pins the same package; the dev list includes the serving one, and
+    requirements.txt, setup_venv.sh and the Makefile use them."""
+    constraints = pins_in(CONSTRAINTS.read_text())
+    for path in (SERVE_REQS, DEV_REQS):
+        for line in requirement_lines(path):
+            if line.startswith("-r "):
+                continue
+            (name, version), = _PIN.findall(line) or [(line, "")]
+            assert version and _PIN.fullmatch(line), f"{path.name}: {line!r} is not name==version"
+            if _norm(name) in constraints:
+                assert constraints[_norm(name)] == version, \
+                    f"{name}: {path.name} {version} != constraints.txt {constraints[_norm(name)]}"
+    assert "-r requirements-serve.txt" in requirement_lines(DEV_REQS)
+    assert "-r requirements-dev.txt" in requirement_lines(REPO / "requirements.txt")
+    assert "-r requirements-dev.txt -c constraints.txt" in \
+        (REPO / "scripts" / "setup_venv.sh").read_text()
+    stamp = next(ln for ln in (REPO / "Makefile").read_text().splitlines()
+                 if ln.startswith("$(VENV)/.stamp:"))
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-serve.txt",
+                 "constraints.txt"):
+        assert name in stamp.split(), f"make venv must rerun when {name} changes"
+
+
+def test_serving_closure_holds_no_tool():
+    """Offline: requirements-serve.txt and everything it requires (the installed
+    packages' metadata), each pinned: no tool, no TorchRec, no FBGEMM."""
+    from serve.ops.audit import serving_closure
+
+    closure = {_norm(n) for n in serving_closure(SERVE_REQS, CONSTRAINTS)}
+    assert not closure & (TOOLS | OFFLINE_BUILD), closure & (TOOLS | OFFLINE_BUILD)
+    assert {"torchserve", "fastapi", "starlette", "pydantic", "h11"} <= closure
+
+
+@pytest.mark.slow
+def test_an_environment_from_the_serving_requirements_has_no_tool(tmp_path):
+    """pip resolves requirements-serve.txt + constraints.txt for a fresh venv (--dry-run
+    --report: nothing installed; needs the package index): no tool, and the same packages
+    the offline closure walks (what make lint audits)."""
+    from serve.ops.audit import serving_closure
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+         "-r", str(SERVE_REQS), "-c", str(CONSTRAINTS)],
+        capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode != 0 and not report.exists():
+        pytest.fail(f"pip could not resolve the serving requirements: {out.stderr[-2000:]}")
+    names = {_norm(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+    assert not names & (TOOLS | OFFLINE_BUILD), names & (TOOLS | OFFLINE_BUILD)
+    assert names == {_norm(n) for n in serving_closure(SERVE_REQS, CONSTRAINTS)}
 
 
 def test_python_matches_the_venv():
+    """The base's CPython minor version is the venv's (the pins were resolved for it)."""
     args = {op: arg for op, arg in instructions() if op == "ARG" and arg.startswith("PYTHON_IMAGE")}
     m = re.search(r"python:(\d+)\.(\d+)", args["ARG"])
     assert m and (int(m[1]), int(m[2])) == sys.version_info[:2]
