@@ -41,7 +41,8 @@ SIDECAR_FLAGS = (
     "--model-name", "--token-file", "--create-token", "--multiproc-dir", "--model-store",
     "--state-file", "--repository", "--reconcile-interval", "--register-timeout",
     "--drain-timeout", "--cgroup-root", "--memory-limit-bytes", "--prediction-log-dir",
-    "--feedback-window-s", "--feedback-index-entries", "--delta-dir", "--autotune",
+    "--feedback-window-s", "--feedback-index-entries", "--delta-dir", "--max-delta-bytes",
+    "--drain-file", "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level")
 

@@ -396,7 +396,9 @@ class Incoming:
         self._file.write(chunk)
 
     def finish(self) -> None:
-        """Flush and fsync the file (its bytes are on the disk before any rename)."""
+        """Flush and fsync the file (its bytes are on the disk before any rename); once."""
+        if self._file.closed:
+            return
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -85,9 +85,13 @@ __all__ = [
     "LivePids",
     "VersionSummary",
     "WaitResult",
+    "model_versions",
 ]
 
 _log = logging.getLogger(__name__)
+
+# A TorchServe serving version: <version>_b<batch>d<delay>w<workers>[_c<candidate>].
+_SERVING = re.compile(r"^(?P<v>.+?)_b\d+d\d+w\d+(?:_c(?P<c>.+))?$")
 
 # A delta file on the model volume: anything ending in its 8-digit sequence + ".delta".
 _VOLUME_FILE = re.compile(r"(\d{8})\.delta$")
@@ -568,6 +572,16 @@ class DeltaService(Collector):
                 _log.warning("embedding delta metrics of %s skipped: %s", version, e)
         yield from embedding_delta_families(gauges)
         yield delta_files_skipped_family(self.skipped)
+
+
+def model_versions(serving_version: str) -> list[str]:
+    """The repository versions a TorchServe serving version loads (its model version and
+    a rollout's candidate): ``small-s0_b2d2w2_csmall-s7`` -> ``[small-s0, small-s7]``; a
+    foreign name is taken as a version itself."""
+    m = _SERVING.match(serving_version)
+    if m is None:
+        return [serving_version]
+    return [m.group("v")] + ([m.group("c")] if m.group("c") else [])
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
