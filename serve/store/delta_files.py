@@ -77,6 +77,8 @@ __all__ = [
     "encode_delta",
     "layout_for_report",
     "layout_for_schema",
+    "read_delta_file",
+    "scan_delta_file",
 ]
 
 DELTA_MAGIC = b"DLRMDELTA1\n"
@@ -86,12 +88,13 @@ FORMAT = 1
 #: (:class:`serve.sidecar.config.SidecarConfig`) and what :func:`decode_delta` accepts when
 #: given no limit. A day of small-profile training changed 630,523 of its 840,543 rows
 #: (47.9 MB: every row seen that day moves); a day at criteo-kaggle scale touches a smaller
-#: share of far larger tables (hundreds of MB). The sidecar never holds a delta in memory
-#: (it streams the body to a file and validates it through mmap: measured peak RSS 101 MiB
-#: for a 400 MB delta, tests/test_deltas_durability.py), but the delta folder in Kubernetes
-#: is a memory-backed emptyDir charged to the pod, so the limit also bounds what one POST
-#: adds to the pod's memory.
-MAX_DELTA_BYTES = 512 << 20
+#: share of far larger tables (hundreds of MB). The sidecar streams a delta to the delta
+#: folder and validates it in chunks (tests/test_deltas_memory.py, 512 MiB cgroup: a 400 MB
+#: delta on a disk-backed folder peaks at 167 MiB RSS). On a memory-backed folder (an
+#: emptyDir ``medium: Memory``) the file's pages are charged to the sidecar's cgroup: 300 MB
+#: peaked at 408 MiB of the cgroup and 400 MB got the sidecar OOM-killed. 256 MiB keeps one
+#: delta inside a 512 MiB sidecar on either folder.
+MAX_DELTA_BYTES = 256 << 20
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")
 _FILE_RE = re.compile(r"^(\d{8})\.delta$")
@@ -219,29 +222,19 @@ def _int_field(header: dict[str, Any], key: str, lo: int) -> int:
     return int_at_least(key, header.get(key), lo, error=_in_header(key))
 
 
-def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
-                 max_bytes: int | None = None) -> Delta:
-    """Parse and verify a delta file's bytes (format, sizes, checksum; not the model).
-    ``blob`` may be an mmap of the file (:func:`read_delta_file`): the rows stay views of
-    it, nothing is copied but the ids. ``max_bytes``: default :data:`MAX_DELTA_BYTES`.
-
-    Raises:
-        InvalidDelta: naming the field at fault and the rule it breaks.
-    """
-    view = memoryview(blob)
-    limit = MAX_DELTA_BYTES if max_bytes is None else max_bytes
-    if len(view) > limit:
-        raise InvalidDelta("body", f"{len(view)} bytes is over the {limit}-byte limit")
+def _read_header(view: memoryview, total: int) -> tuple[dict[str, Any], int]:
+    """The header of a delta of ``total`` bytes whose first bytes are ``view``, and the
+    offset of its payload."""
     if bytes(view[:len(DELTA_MAGIC)]) != DELTA_MAGIC:
         raise InvalidDelta("magic", f"the body must start with {DELTA_MAGIC!r} (a file "
                                     "written by `make delta`); got "
                                     f"{bytes(view[:len(DELTA_MAGIC)])!r}")
     off = len(DELTA_MAGIC)
-    if len(view) < off + 4:
+    if total < off + 4:
         raise InvalidDelta("header", "the body ends before the header length")
     (hlen,) = struct.unpack("<I", view[off:off + 4])
     off += 4
-    if hlen > _HEADER_MAX or len(view) < off + hlen:
+    if hlen > _HEADER_MAX or total < off + hlen:
         raise InvalidDelta("header", f"header length {hlen} exceeds the body or "
                                      f"{_HEADER_MAX} bytes")
     try:
@@ -250,20 +243,26 @@ def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
         raise InvalidDelta("header", f"is not valid UTF-8 JSON ({e})") from e
     if not isinstance(header, dict):
         raise InvalidDelta("header", "must be a JSON object")
-    off += hlen
     if header.get("format") != FORMAT:
         raise InvalidDelta("header.format", f"{header.get('format')!r} is not {FORMAT}, the "
                                             "only format this service reads")
-    payload = view[off:]
     want = _int_field(header, "payload_bytes", 0)
-    if len(payload) != want:
-        raise InvalidDelta("payload", f"{len(payload)} bytes after the header, the header "
-                                      f"says {want}: the file is truncated or padded")
+    if total - off - hlen != want:
+        raise InvalidDelta("payload", f"{total - off - hlen} bytes after the header, the "
+                                      f"header says {want}: the file is truncated or padded")
+    return header, off + hlen
+
+
+def _check_sha(header: dict[str, Any], got: str) -> None:
     sha = header.get("sha256")
-    if not isinstance(sha, str) or sha != _checksum(header, payload):
+    if not isinstance(sha, str) or sha != got:
         raise InvalidDelta("sha256", f"checksum {str(sha)[:16]!r}... does not match the "
                                      "header and rows: the delta was changed or damaged in "
                                      "transit; rebuild or resend it")
+
+
+def _fields(header: dict[str, Any]) -> tuple[str, int, float, str, int, int, list[Any]]:
+    """base version, sequence, created_at, dtype, dim, row bytes, the raw tables."""
     base = header.get("base_version")
     if not isinstance(base, str) or not _VERSION_RE.match(base):
         raise InvalidDelta("header.base_version", f"{base!r} is not a version name")
@@ -278,23 +277,88 @@ def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
     raw_tables = header.get("tables")
     if not isinstance(raw_tables, list):
         raise InvalidDelta("header.tables", "must be a list")
-    tables, pos = [], 0
+    return base, seq, float(created), dtype, dim, rb, raw_tables
+
+
+def _table_spans(raw_tables: list[Any], rb: int, payload: int
+                 ) -> list[tuple[str, int, int, int]]:
+    """(feature, table, rows, offset in the payload) of each table, checked to tile the
+    payload exactly."""
+    out, pos = [], 0
     for i, t in enumerate(raw_tables):
         if not isinstance(t, dict) or not isinstance(t.get("feature"), str):
             raise InvalidDelta(f"header.tables[{i}]", "must be an object with feature, "
                                                       "table, rows")
         n = _int_field(t, "rows", 0)
         idx = _int_field(t, "table", 0)
-        nb = n * (8 + rb)
-        if pos + nb > len(payload):
+        if pos + n * (8 + rb) > payload:
             raise InvalidDelta(f"header.tables[{i}].rows", f"{n} rows do not fit the payload")
+        out.append((t["feature"], idx, n, pos))
+        pos += n * (8 + rb)
+    if pos != payload:
+        raise InvalidDelta("payload", f"{payload - pos} bytes left after the last table")
+    return out
+
+
+def _over_limit(size: int, max_bytes: int | None) -> None:
+    limit = MAX_DELTA_BYTES if max_bytes is None else max_bytes
+    if size > limit:
+        raise InvalidDelta("body", f"{size} bytes is over the {limit}-byte limit")
+
+
+def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
+                 max_bytes: int | None = None) -> Delta:
+    """Parse and verify a delta file's bytes (format, sizes, checksum; not the model).
+    ``blob`` may be an mmap of the file (:func:`read_delta_file`): the rows stay views of
+    it, nothing is copied but the ids. ``max_bytes``: default :data:`MAX_DELTA_BYTES`.
+
+    Raises:
+        InvalidDelta: naming the field at fault and the rule it breaks.
+    """
+    view = memoryview(blob)
+    _over_limit(len(view), max_bytes)
+    header, off = _read_header(view, len(view))
+    payload = view[off:]
+    _check_sha(header, _checksum(header, payload))
+    base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
+    tables = []
+    for feature, idx, n, pos in _table_spans(raw_tables, rb, len(payload)):
         ids = np.frombuffer(payload, dtype="<i8", count=n, offset=pos).astype(np.int64)
         rows = np.frombuffer(payload, dtype=np.uint8, count=n * rb,
                              offset=pos + 8 * n).reshape(n, rb)
-        pos += nb
-        tables.append(DeltaTable(t["feature"], idx, ids, rows))
-    if pos != len(payload):
-        raise InvalidDelta("payload", f"{len(payload) - pos} bytes left after the last table")
+        tables.append(DeltaTable(feature, idx, ids, rows))
+    return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
+
+
+def scan_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> Delta:
+    """Every check of :func:`decode_delta` on a file, reading it in 1 MiB chunks and
+    loading only the ids: what the sidecar validates a large delta with, in far less
+    memory than the delta (no mapping either: mapped pages count in the RSS and in the
+    working set kubelet evicts on). The returned tables' ``rows`` are NOT the file's
+    (a zero-filled read-only view of the right shape): apply a delta from
+    :func:`read_delta_file`.
+
+    Raises:
+        InvalidDelta: as :func:`decode_delta`.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        _over_limit(total, max_bytes)
+        head = f.read(len(DELTA_MAGIC) + 4 + _HEADER_MAX)
+        header, off = _read_header(memoryview(head), total)
+        h = hashlib.sha256(_canonical({k: v for k, v in header.items() if k != "sha256"}))
+        f.seek(off)
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+        _check_sha(header, h.hexdigest())
+        base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
+        tables = []
+        for feature, idx, n, pos in _table_spans(raw_tables, rb, total - off):
+            f.seek(off + pos)
+            ids = np.frombuffer(f.read(8 * n), dtype="<i8").astype(np.int64)
+            rows = np.broadcast_to(np.zeros(rb, dtype=np.uint8), (n, rb))
+            tables.append(DeltaTable(feature, idx, ids, rows))
     return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
 
 
@@ -554,7 +618,7 @@ class DeltaStore:
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            read_delta_file(path, max_bytes)
+            scan_delta_file(path, max_bytes)
             why = None
         except InvalidDelta as e:
             why = e.message

@@ -6,8 +6,9 @@ changes, in this order, and any failure leaves the store as it was:
 1. the body size (413 over :attr:`DeltaService.max_bytes`, ``--max-delta-bytes``), while
    it streams into a file in the store's folder (hashed on the way; the body is never
    held in memory);
-2. the file itself, read through mmap (:func:`serve.store.delta_files.read_delta_file`:
-   magic, header, sizes, checksum; 400 naming the field);
+2. the file itself, read back in chunks with only its ids loaded
+   (:func:`serve.store.delta_files.scan_delta_file`: magic, header, sizes, checksum; 400
+   naming the field);
 3. its base version is one the pod serves now, the stable version or a rollout's
    candidate (409 naming both);
 4. it fits that version's tables (:func:`serve.store.delta_files.check_layout` against the build
@@ -73,7 +74,7 @@ from serve.store.delta_files import (
     check_layout,
     decode_delta,
     layout_for_report,
-    read_delta_file,
+    scan_delta_file,
 )
 
 __all__ = [
@@ -303,7 +304,7 @@ class DeltaService(Collector):
     async def receive(self, chunks: AsyncIterator[bytes]) -> Accepted:
         """Stream a delta body into the store: each chunk is written to a file in the
         store's folder and hashed on the way (never the whole body in memory), then the
-        file is validated through mmap (steps 2-4) and moved into place (step 5).
+        file is read back in chunks and validated (steps 2-4, only the ids in memory) and moved into place (step 5).
 
         Raises:
             the errors of :meth:`validate` and :meth:`DeltaStore.commit`; nothing stays
@@ -341,7 +342,7 @@ class DeltaService(Collector):
     def _accept(self, incoming: Incoming) -> Accepted:
         try:
             incoming.finish()
-            delta = read_delta_file(incoming.path, self.max_bytes)
+            delta = scan_delta_file(incoming.path, self.max_bytes)
             self.check_served(delta)
         except BaseException:
             incoming.discard()
