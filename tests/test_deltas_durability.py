@@ -18,7 +18,7 @@ import pytest
 from serve.common.durable import write_durably
 from serve.common.net import wait_until
 from serve.sidecar.control.state_file import DesiredStateFile
-from serve.state import Batching, DesiredState, ModelRef
+from serve.state import DesiredState, ModelRef
 from serve.store.delta_files import DeltaStore, decode_delta
 from tests.promtext import samples
 from tests.test_deltas_sidecar import AUTH, OTHER, SERVED, make_delta, post, start_pod, status
@@ -152,9 +152,12 @@ def test_four_switches_leave_only_the_served_versions_files(tmp_path: Path) -> N
                 assert post(c, make_delta(1, version=version)).status_code == 202
                 root = pod.delta_dir
                 assert root is not None
-                wait_until(lambda: sorted(p.name for p in root.iterdir()
-                                          if not p.name.startswith(".")) == [version],
-                           timeout_s=20, what=f"only {version} left", interval_s=0.05)
+
+                def only(root: Path = root, version: str = version) -> bool:
+                    return sorted(p.name for p in root.iterdir()
+                                  if not p.name.startswith(".")) == [version]
+
+                wait_until(only, timeout_s=20, what=f"only {version} left", interval_s=0.05)
                 assert sorted(p.name for p in folder.iterdir()) == [
                     "00000001.delta", "tables.bin", "workers"]
     finally:
