@@ -148,6 +148,7 @@ __all__ = [
     "SidecarMetrics",
     "cache_hit_ratio_family",
     "clean_dead_worker_files",
+    "delta_files_skipped_family",
     "embedding_delta_families",
     "torchserve_families",
     "workers_family",
@@ -739,6 +740,25 @@ def embedding_delta_families(gauges: Iterable[EmbeddingDeltaGauges]) -> list[Met
                 family.add_metric([g.version], float(value))
         out.append(family)
     return out
+
+
+# Embedding-delta files on the model volume the sidecar did not take, by {reason}
+# (too_large: over --max-delta-bytes, never read; invalid: failed a check; unreadable):
+# each file counted once, however many sync passes see it.
+DELTA_FILES_SKIPPED_TOTAL = "dlrm_delta_files_skipped_total"
+DELTA_SKIP_REASONS = ("too_large", "invalid", "unreadable")
+
+
+def delta_files_skipped_family(counts: Mapping[str, int]) -> Metric:
+    """``dlrm_delta_files_skipped_total{reason}``: every reason of
+    :data:`DELTA_SKIP_REASONS`, 0 when none (bounded labels; others are dropped)."""
+    family = CounterMetricFamily(
+        DELTA_FILES_SKIPPED_TOTAL,
+        "Embedding-delta files on the model volume not taken, by reason (each file once).",
+        labels=["reason"])
+    for reason in DELTA_SKIP_REASONS:
+        family.add_metric([reason], float(counts.get(reason, 0)))
+    return family
 
 
 class SidecarMetrics(Collector):

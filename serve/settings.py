@@ -50,10 +50,12 @@ __all__ = [
     "DLRM_CACHE_ON_CPU",
     "DLRM_DELTA_DIR",
     "DLRM_DELTA_POLL_MS",
+    "DLRM_DRAIN_FILE",
     "DLRM_FEEDBACK_INDEX_ENTRIES",
     "DLRM_FEEDBACK_MAX_BODY_BYTES",
     "DLRM_FEEDBACK_WINDOW_S",
     "DLRM_LOG_LEVEL",
+    "DLRM_MAX_DELTA_BYTES",
     "DLRM_MEMORY_LIMIT_BYTES",
     "DLRM_MODEL_NAME",
     "DLRM_P99_GOAL_MS",
@@ -271,6 +273,17 @@ DLRM_DELTA_DIR = _var(
     "<dir>/<version>/; unset: no deltas) and the sidecar (it sets the default of "
     "--delta-dir; POST /embeddings/deltas stores deltas there). The launcher sets it on "
     "TorchServe.", WORKER, SIDECAR, LAUNCHER)
+# Embedding deltas within the sidecar's memory, drains that survive a restart (one block).
+DLRM_MAX_DELTA_BYTES = _var(
+    "DLRM_MAX_DELTA_BYTES",
+    "The largest embedding delta the sidecar accepts, bytes (POST /embeddings/deltas: 413 "
+    "above it; a larger file on the model volume is skipped, never read). It sets the "
+    "default of --max-delta-bytes.", SIDECAR)
+DLRM_DRAIN_FILE = _var(
+    "DLRM_DRAIN_FILE",
+    "Where the sidecar records that the pod was drained (POST /drain), so a restarted "
+    "sidecar stays drained: a pod-local file (an emptyDir), never one shared by pods. "
+    "It sets the default of --drain-file (unset: <delta dir>/.drained.json).", SIDECAR)
 DLRM_AUTOTUNE = _var("DLRM_AUTOTUNE",
                      "The batching tuner: 1/true/on/yes on, 0/false/off/no off.",
                      SIDECAR)

@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,8 @@ class Pod:
         self.thread.join(timeout=15)
 
 
-def start_pod(tmp_path: Path, *, deltas: bool = True, workers: int = 2) -> Pod:
+def start_pod(tmp_path: Path, *, deltas: bool = True, workers: int = 2,
+              converge: bool = True, **config: Any) -> Pod:
     """The sidecar app under uvicorn, serving version ``tiny-a`` (``tiny-b`` is in the
     repository, not served) on a fake TorchServe with ``workers`` workers."""
     root = tmp_path / "repo"
@@ -119,7 +120,8 @@ def start_pod(tmp_path: Path, *, deltas: bool = True, workers: int = 2) -> Pod:
         management_url="http://ts.invalid:8081", metrics_url="http://ts.invalid:8082",
         inference_url="http://ts.invalid:8080", token=TOKEN, model_store=ts.store,
         switch_grace_s=0.0, state_file=state_file, repositories=(root,),
-        cgroup_root=tmp_path / "no-cgroup", reconcile_interval_s=0.05, delta_dir=delta_dir)
+        cgroup_root=tmp_path / "no-cgroup", reconcile_interval_s=0.05, delta_dir=delta_dir,
+        **config)
     app = create_app(config, http_client=httpx.AsyncClient(transport=ts.transport()),
                      wall_clock=lambda: NOW)
     port = free_port()
@@ -130,12 +132,13 @@ def start_pod(tmp_path: Path, *, deltas: bool = True, workers: int = 2) -> Pod:
     pod = Pod(f"http://127.0.0.1:{port}", delta_dir, ts, server, thread)
     try:
         wait_until(lambda: server.started, timeout_s=30, what="uvicorn", interval_s=0.02)
-        wait_until(lambda: httpx.get(f"{pod.url}/state", timeout=5).json()["converged"],
-                   timeout_s=30, what="GET /state converged", interval_s=0.05)
+        if converge:
+            wait_until(lambda: httpx.get(f"{pod.url}/state", timeout=5).json()["converged"],
+                       timeout_s=30, what="GET /state converged", interval_s=0.05)
     except BaseException:
         pod.stop()
         raise
-    assert len(pod.pids()) == workers
+    assert not converge or len(pod.pids()) == workers
     return pod
 
 
@@ -148,14 +151,14 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         p.stop()
 
 
-def post(c: httpx.Client, body: bytes, wait_s: float | None = 0, **headers: str
+def post(c: httpx.Client, body: bytes | Iterable[bytes], wait_s: float | None = 0, **headers: str
          ) -> httpx.Response:
     params = {} if wait_s is None else {"wait_s": wait_s}
     return c.post("/embeddings/deltas", content=body, params=params,
                   headers={**AUTH, "Content-Type": serve.store.delta_files.DELTA_MEDIA_TYPE, **headers})
 
 
-def refused(pod: Pod, c: httpx.Client, body: bytes, status: int, field: str | None,
+def refused(pod: Pod, c: httpx.Client, body: bytes | Iterable[bytes], status: int, field: str | None,
             message: str, **kw: Any) -> dict[str, Any]:
     """POST ``body``, expect ``status`` with ``field`` and ``message`` in the message;
     the store is unchanged and the sidecar still healthy."""
@@ -205,25 +208,40 @@ def test_every_refusal_names_the_fault_and_changes_nothing(pod: Pod) -> None:
         refused(pod, c, make_delta(1, version="nowhere-9"), 409, "header.base_version",
                 "is not served")
         refused(pod, c, good, 400, None, "wait_s", wait_s=301)
-        # a good one, then the same again and one that skips
+        # a good one, then other bytes under its sequence and one that skips (the same
+        # bytes again are stored once: tests/test_deltas_durability.py)
         r = post(c, good)
         assert r.status_code == 202, r.text
-        refused(pod, c, good, 409, "header.sequence", "1 was already applied: version "
+        refused(pod, c, make_delta(1, created_at=NOW - 1.0), 409, "header.sequence",
+                "1 was already applied with other bytes: version "
                 f"{SERVED} is at sequence 1, so the next delta must be 2")
         refused(pod, c, make_delta(3), 409, "header.sequence", "3 skips a delta")
         assert pod.store.sequences(SERVED) == [1]
 
 
-def test_a_body_over_the_limit_is_413_and_stored_nowhere(pod: Pod,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_body_over_the_limit_is_413_and_stored_nowhere(tmp_path: Path) -> None:
+    """Over --max-delta-bytes: 413 from Content-Length before a byte is read, and while
+    a body without a length streams in; at the limit: stored."""
     body = make_delta(1)
-    monkeypatch.setattr(serve.store.delta_files, "MAX_DELTA_BYTES", len(body) - 1)
-    with pod.client() as c:
-        got = refused(pod, c, body, 413, None, f"{len(body)} bytes is over the "
-                      f"{len(body) - 1}-byte limit")
-        assert got["type"] == "PayloadTooLarge"
-        monkeypatch.setattr(serve.store.delta_files, "MAX_DELTA_BYTES", len(body))
-        assert post(c, body).status_code == 202
+    pod = start_pod(tmp_path, max_delta_bytes=len(body) - 1)
+    try:
+        with pod.client() as c:
+            got = refused(pod, c, body, 413, None, f"{len(body)} bytes is over the "
+                          f"{len(body) - 1}-byte limit")
+            assert got["type"] == "PayloadTooLarge"
+            chunks = (body[i:i + 100] for i in range(0, len(body), 100))  # chunked: no length
+            got = refused(pod, c, chunks, 413, None, f"is over the {len(body) - 1}-byte limit")
+            assert not [p for p in pod.delta_dir.iterdir()  # type: ignore[union-attr]
+                        if p.name.startswith(".incoming")]
+            assert c.get("/embeddings/deltas").json()["max_bytes"] == len(body) - 1
+    finally:
+        pod.stop()
+    pod = start_pod(tmp_path / "at-limit", max_delta_bytes=len(body))
+    try:
+        with pod.client() as c:
+            assert post(c, body).status_code == 202
+    finally:
+        pod.stop()
 
 
 # ------------------------------------------------------------------ 200 / 202
@@ -311,7 +329,8 @@ def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
         assert st["embeddings"] == {SERVED: expected}
         got = c.get("/embeddings/deltas").json()
         assert got == {"enabled": True, "delta_dir": str(pod.delta_dir),
-                       "versions": {SERVED: expected}, "message": None}
+                       "versions": {SERVED: expected}, "message": None, "damaged": [],
+                       "max_bytes": serve.store.delta_files.MAX_DELTA_BYTES}
         r = c.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)

@@ -6,4 +6,5 @@
 * :mod:`~serve.common.zipf`: Zipf-distributed ids (training data and load tests).
 * :mod:`~serve.common.quality`: ROC AUC and calibration (numpy only).
 * :mod:`~serve.common.validate`: the shared checks of settings and values (one message shape).
+* :mod:`~serve.common.durable`: atomic writes that survive a crash (fsync of file and folder).
 """

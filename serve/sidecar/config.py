@@ -37,6 +37,7 @@ from serve.state import (  # the limits are the desired state's: defined once th
     MAX_BATCH_DELAY_MS_MAX,
     WORKERS_MAX,
 )
+from serve.store.delta_files import MAX_DELTA_BYTES
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -134,6 +135,13 @@ class SidecarConfig:
         delta_sync_s: every this many seconds, take the deltas published on the model
             volume (``<repository>/deltas/<version>/``) for the served versions
             (:meth:`serve.sidecar.services.embedding_deltas.DeltaService.sync`); 0 = never.
+            The same loop deletes the delta folders of versions no longer served
+            (:meth:`~serve.sidecar.services.embedding_deltas.DeltaService.clean`; every 5 s
+            when ``delta_sync_s`` is 0).
+        max_delta_bytes: the largest embedding delta accepted (POST and the volume);
+            ``DeltaService.max_bytes``, also what the request guard allows that route.
+        drain_file: where a drain is recorded so a restarted sidecar stays drained
+            (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`~serve.sidecar.control.tuner.TunerConfig`; on by
             default, acting only with a desired-state file).
     """
@@ -199,6 +207,17 @@ class SidecarConfig:
              "follow <dir>/<version>/); POST /embeddings/deltas stores deltas there. "
              "Unset: deltas are off (POST answers 409)"))
     delta_sync_s: float = 5.0
+    max_delta_bytes: int = field(default=MAX_DELTA_BYTES, metadata=flag(
+        "--max-delta-bytes", env=settings.DLRM_MAX_DELTA_BYTES,
+        help="the largest embedding delta accepted, bytes: a larger POST is refused with "
+             "413 before it is read, a larger file on the model volume is skipped. The "
+             "sidecar streams a delta to the delta folder (memory-backed in Kubernetes: "
+             "charged to the pod), so keep it under the memory the pod can spare"))
+    drain_file: Path | None = field(default=None, metadata=flag(
+        "--drain-file", env=settings.DLRM_DRAIN_FILE,
+        help="a pod-local file recording that POST /drain drained the pod, so a "
+             "restarted sidecar stays drained (never a file shared by pods). Unset: "
+             "<delta-dir>/.drained.json, or not recorded without a delta folder"))
     tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def __post_init__(self) -> None:
@@ -238,6 +257,18 @@ class SidecarConfig:
             positive_int("memory_limit_bytes", self.memory_limit_bytes,
                          then=" (bytes) or None to read the cgroup's limit")
         number_in_range("memory_headroom", self.memory_headroom, 0, 1, lo_open=True)
+        positive_int("max_delta_bytes", self.max_delta_bytes,
+                     then=" (bytes): the largest embedding delta accepted")
+        if self.drain_file is not None:
+            object.__setattr__(self, "drain_file", Path(self.drain_file))
+
+    @property
+    def drain_marker(self) -> Path | None:
+        """Where a drain is recorded: ``drain_file``, else ``<delta_dir>/.drained.json``
+        (pod-local), else None (not recorded)."""
+        if self.drain_file is not None:
+            return self.drain_file
+        return self.delta_dir / ".drained.json" if self.delta_dir is not None else None
 
     @property
     def repository_roots(self) -> tuple[Path, ...]:

@@ -25,12 +25,12 @@ import httpx
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
-from serve.errors import Conflict
+from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.archives import control_path
 from serve.sidecar.adapters.gpu import GpuCollector
-from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
+from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe, is_memory_backed
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import TorchServeClient, observe
 from serve.sidecar.config import DEFAULT_STATE_FILE, SidecarConfig
@@ -41,12 +41,14 @@ from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner
 from serve.sidecar.control.tuning import TuningLoop
-from serve.sidecar.services.embedding_deltas import DeltaService
+from serve.sidecar.services.embedding_deltas import DeltaService, model_versions
 from serve.sidecar.services.feedback import FeedbackService
 from serve.store.delta_files import DeltaStore
 from serve.store.repository import ModelRepository
 
 _log = logging.getLogger(__name__)
+#: Between two clean-ups of the delta folder when the volume sync is off (seconds).
+_CLEAN_INTERVAL_S = 5.0
 
 __all__ = ["Sidecar", "SidecarDep", "get_sidecar"]
 
@@ -147,7 +149,8 @@ class Sidecar:
             state.deltas = DeltaService(DeltaStore(config.delta_dir),
                                         versions=state.served_versions,
                                         report_of=repository.report, clock=clock,
-                                        wall_clock=wall_clock)
+                                        wall_clock=wall_clock,
+                                        max_bytes=config.max_delta_bytes)
             registry.register(state.deltas)
         return state
 
@@ -166,7 +169,8 @@ class Sidecar:
         """Talk to TorchServe through ``client`` (called by the app's lifespan)."""
         config = self.config
         self._torchserve = TorchServeClient(config, client)
-        memory = MemoryProbe(CgroupMemory(config.cgroup_root), config.memory_limit_bytes)
+        memory = MemoryProbe(CgroupMemory(config.cgroup_root), config.memory_limit_bytes,
+                             held=self._delta_held_bytes())
         self._switch = VersionSwitch(
             self._torchserve, config, clock=self.clock,
             on_phase=self.metrics.set_switch_phase, memory=memory,
@@ -196,9 +200,18 @@ class Sidecar:
                                              metrics=self.metrics, tuning=self._tuning,
                                              clock=self.clock)
         self._drainer = Drainer(self._torchserve, config, switch=self._switch,
-                                reconciler=self._reconciler, clock=self.clock)
+                                reconciler=self._reconciler, clock=self.clock,
+                                marker=config.drain_marker)
         if self.deltas is not None:
             self.deltas.set_live_pids(self._worker_pids)
+
+    def _delta_held_bytes(self) -> Callable[[], int] | None:
+        """What a memory-backed delta folder holds beyond the workers' RSS (for the
+        switch's memory check); None when the folder is on a disk (page cache)."""
+        deltas, folder = self.deltas, self.config.delta_dir
+        if deltas is None or folder is None or not is_memory_backed(folder):
+            return None
+        return lambda: deltas.held_bytes(self.served_versions())
 
     async def _worker_pids(self) -> Iterable[int]:
         """The pids of every TorchServe worker of the model now (all versions)."""
@@ -209,24 +222,43 @@ class Sidecar:
         and the model volume's delta pickup (with a delta folder and ``delta_sync_s``)."""
         if self._reconciler is not None and self._reconcile_task is None:
             self._reconcile_task = asyncio.create_task(self._reconciler.run())
-        if self.deltas is not None and self.config.delta_sync_s > 0 \
-                and self._delta_sync_task is None:
+        if self.deltas is not None and self._delta_sync_task is None:
             self._delta_sync_task = asyncio.create_task(self._sync_deltas())
         if self._reconciler is not None and self._tuning is not None \
                 and self._tune_task is None:
             self._tune_task = asyncio.create_task(self._tuning.run())
 
     async def _sync_deltas(self) -> None:
-        """Every ``delta_sync_s``: deltas published on the model volume (the repository
-        folders), through the same checks as a POST. Never dies: errors are logged."""
+        """Every ``delta_sync_s`` (5 s when 0): deltas published on the model volume (the
+        repository folders, only when ``delta_sync_s`` > 0), through the same checks as
+        a POST, then the clean-up of versions no longer served. Never dies: errors are
+        logged."""
         roots = list(self.config.repository_roots)
+        interval = self.config.delta_sync_s or _CLEAN_INTERVAL_S
         while True:
             try:
-                if self.deltas is not None:
+                if self.deltas is not None and self.config.delta_sync_s > 0:
                     await asyncio.to_thread(self.deltas.sync, roots)
+                await self.clean_deltas()
             except Exception:  # noqa: BLE001 - a bad volume must not stop the sidecar
-                _log.exception("picking up embedding deltas from %s failed", roots)
-            await asyncio.sleep(self.config.delta_sync_s)
+                _log.exception("picking up or cleaning embedding deltas (%s) failed", roots)
+            await asyncio.sleep(interval)
+
+    async def clean_deltas(self) -> list[str]:
+        """Delete the delta folders of versions neither served (desired state) nor
+        registered with TorchServe, once no live worker reports in them
+        (:meth:`DeltaService.clean`). Nothing is deleted while TorchServe does not answer
+        (who maps what is unknown then) or during a drain. Returns the versions removed."""
+        if self.deltas is None or self._torchserve is None or self.draining:
+            return []
+        try:
+            observed = await observe(self._torchserve)
+        except UpstreamUnavailable:
+            return []
+        keep = set(self.served_versions())
+        for registered in observed.versions:
+            keep.update(model_versions(registered.version))
+        return await asyncio.to_thread(self.deltas.clean, keep, list(observed.pids()))
 
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:

@@ -40,20 +40,24 @@ folder of their version and apply each delta once, in order, between two batches
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import mmap
 import os
 import re
+import shutil
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from serve.common.durable import fsync_dir, replace_durably
 from serve.common.validate import ErrorFactory, int_at_least, nonneg_number
-from serve.errors import DeltaConflict, InvalidDelta, ServeError
+from serve.errors import DeltaConflict, InvalidDelta, PayloadTooLarge, ServeError
 from serve.schema import ModelSchema
 
 __all__ = [
@@ -64,6 +68,8 @@ __all__ = [
     "Delta",
     "DeltaStore",
     "DeltaTable",
+    "Incoming",
+    "Stored",
     "TableLayout",
     "WorkerStatus",
     "check_layout",
@@ -71,18 +77,29 @@ __all__ = [
     "encode_delta",
     "layout_for_report",
     "layout_for_schema",
+    "read_delta_file",
+    "scan_delta_file",
 ]
 
 DELTA_MAGIC = b"DLRMDELTA1\n"
 DELTA_MEDIA_TYPE = "application/x-dlrm-delta"
 FORMAT = 1
-#: Largest delta body the sidecar reads (bytes). A day of small-profile training changed
-#: 630,523 of its 840,543 rows (47.9 MB: every row seen that day moves); a day at
-#: criteo-kaggle scale touches a smaller share of far larger tables (hundreds of MB).
-MAX_DELTA_BYTES = 1 << 30
+#: Default largest delta (bytes): the sidecar's ``--max-delta-bytes``
+#: (:class:`serve.sidecar.config.SidecarConfig`) and what :func:`decode_delta` accepts when
+#: given no limit. A day of small-profile training changed 630,523 of its 840,543 rows
+#: (47.9 MB: every row seen that day moves); a day at criteo-kaggle scale touches a smaller
+#: share of far larger tables (hundreds of MB). The sidecar streams a delta to the delta
+#: folder and validates it in chunks (tests/test_deltas_memory.py, 512 MiB cgroup: a 400 MB
+#: delta on a disk-backed folder peaks at 167 MiB RSS). On a memory-backed folder (an
+#: emptyDir ``medium: Memory``) the file's pages are charged to the sidecar's cgroup: 300 MB
+#: peaked at 408 MiB of the cgroup and 400 MB got the sidecar OOM-killed. 256 MiB keeps one
+#: delta inside a 512 MiB sidecar on either folder.
+MAX_DELTA_BYTES = 256 << 20
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")
 _FILE_RE = re.compile(r"^(\d{8})\.delta$")
+_INCOMING = ".incoming."
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -205,25 +222,19 @@ def _int_field(header: dict[str, Any], key: str, lo: int) -> int:
     return int_at_least(key, header.get(key), lo, error=_in_header(key))
 
 
-def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
-    """Parse and verify a delta file's bytes (format, sizes, checksum; not the model).
-
-    Raises:
-        InvalidDelta: naming the field at fault and the rule it breaks.
-    """
-    view = memoryview(blob)
-    if len(view) > MAX_DELTA_BYTES:
-        raise InvalidDelta("body", f"{len(view)} bytes is over the {MAX_DELTA_BYTES}-byte limit")
+def _read_header(view: memoryview, total: int) -> tuple[dict[str, Any], int]:
+    """The header of a delta of ``total`` bytes whose first bytes are ``view``, and the
+    offset of its payload."""
     if bytes(view[:len(DELTA_MAGIC)]) != DELTA_MAGIC:
         raise InvalidDelta("magic", f"the body must start with {DELTA_MAGIC!r} (a file "
                                     "written by `make delta`); got "
                                     f"{bytes(view[:len(DELTA_MAGIC)])!r}")
     off = len(DELTA_MAGIC)
-    if len(view) < off + 4:
+    if total < off + 4:
         raise InvalidDelta("header", "the body ends before the header length")
     (hlen,) = struct.unpack("<I", view[off:off + 4])
     off += 4
-    if hlen > _HEADER_MAX or len(view) < off + hlen:
+    if hlen > _HEADER_MAX or total < off + hlen:
         raise InvalidDelta("header", f"header length {hlen} exceeds the body or "
                                      f"{_HEADER_MAX} bytes")
     try:
@@ -232,20 +243,26 @@ def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
         raise InvalidDelta("header", f"is not valid UTF-8 JSON ({e})") from e
     if not isinstance(header, dict):
         raise InvalidDelta("header", "must be a JSON object")
-    off += hlen
     if header.get("format") != FORMAT:
         raise InvalidDelta("header.format", f"{header.get('format')!r} is not {FORMAT}, the "
                                             "only format this service reads")
-    payload = view[off:]
     want = _int_field(header, "payload_bytes", 0)
-    if len(payload) != want:
-        raise InvalidDelta("payload", f"{len(payload)} bytes after the header, the header "
-                                      f"says {want}: the file is truncated or padded")
+    if total - off - hlen != want:
+        raise InvalidDelta("payload", f"{total - off - hlen} bytes after the header, the "
+                                      f"header says {want}: the file is truncated or padded")
+    return header, off + hlen
+
+
+def _check_sha(header: dict[str, Any], got: str) -> None:
     sha = header.get("sha256")
-    if not isinstance(sha, str) or sha != _checksum(header, payload):
+    if not isinstance(sha, str) or sha != got:
         raise InvalidDelta("sha256", f"checksum {str(sha)[:16]!r}... does not match the "
                                      "header and rows: the delta was changed or damaged in "
                                      "transit; rebuild or resend it")
+
+
+def _fields(header: dict[str, Any]) -> tuple[str, int, float, str, int, int, list[Any]]:
+    """base version, sequence, created_at, dtype, dim, row bytes, the raw tables."""
     base = header.get("base_version")
     if not isinstance(base, str) or not _VERSION_RE.match(base):
         raise InvalidDelta("header.base_version", f"{base!r} is not a version name")
@@ -260,23 +277,88 @@ def decode_delta(blob: bytes | bytearray | memoryview) -> Delta:
     raw_tables = header.get("tables")
     if not isinstance(raw_tables, list):
         raise InvalidDelta("header.tables", "must be a list")
-    tables, pos = [], 0
+    return base, seq, float(created), dtype, dim, rb, raw_tables
+
+
+def _table_spans(raw_tables: list[Any], rb: int, payload: int
+                 ) -> list[tuple[str, int, int, int]]:
+    """(feature, table, rows, offset in the payload) of each table, checked to tile the
+    payload exactly."""
+    out, pos = [], 0
     for i, t in enumerate(raw_tables):
         if not isinstance(t, dict) or not isinstance(t.get("feature"), str):
             raise InvalidDelta(f"header.tables[{i}]", "must be an object with feature, "
                                                       "table, rows")
         n = _int_field(t, "rows", 0)
         idx = _int_field(t, "table", 0)
-        nb = n * (8 + rb)
-        if pos + nb > len(payload):
+        if pos + n * (8 + rb) > payload:
             raise InvalidDelta(f"header.tables[{i}].rows", f"{n} rows do not fit the payload")
+        out.append((t["feature"], idx, n, pos))
+        pos += n * (8 + rb)
+    if pos != payload:
+        raise InvalidDelta("payload", f"{payload - pos} bytes left after the last table")
+    return out
+
+
+def _over_limit(size: int, max_bytes: int | None) -> None:
+    limit = MAX_DELTA_BYTES if max_bytes is None else max_bytes
+    if size > limit:
+        raise InvalidDelta("body", f"{size} bytes is over the {limit}-byte limit")
+
+
+def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
+                 max_bytes: int | None = None) -> Delta:
+    """Parse and verify a delta file's bytes (format, sizes, checksum; not the model).
+    ``blob`` may be an mmap of the file (:func:`read_delta_file`): the rows stay views of
+    it, nothing is copied but the ids. ``max_bytes``: default :data:`MAX_DELTA_BYTES`.
+
+    Raises:
+        InvalidDelta: naming the field at fault and the rule it breaks.
+    """
+    view = memoryview(blob)
+    _over_limit(len(view), max_bytes)
+    header, off = _read_header(view, len(view))
+    payload = view[off:]
+    _check_sha(header, _checksum(header, payload))
+    base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
+    tables = []
+    for feature, idx, n, pos in _table_spans(raw_tables, rb, len(payload)):
         ids = np.frombuffer(payload, dtype="<i8", count=n, offset=pos).astype(np.int64)
         rows = np.frombuffer(payload, dtype=np.uint8, count=n * rb,
                              offset=pos + 8 * n).reshape(n, rb)
-        pos += nb
-        tables.append(DeltaTable(t["feature"], idx, ids, rows))
-    if pos != len(payload):
-        raise InvalidDelta("payload", f"{len(payload) - pos} bytes left after the last table")
+        tables.append(DeltaTable(feature, idx, ids, rows))
+    return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
+
+
+def scan_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> Delta:
+    """Every check of :func:`decode_delta` on a file, reading it in 1 MiB chunks and
+    loading only the ids: what the sidecar validates a large delta with, in far less
+    memory than the delta (no mapping either: mapped pages count in the RSS and in the
+    working set kubelet evicts on). The returned tables' ``rows`` are NOT the file's
+    (a zero-filled read-only view of the right shape): apply a delta from
+    :func:`read_delta_file`.
+
+    Raises:
+        InvalidDelta: as :func:`decode_delta`.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        _over_limit(total, max_bytes)
+        head = f.read(len(DELTA_MAGIC) + 4 + _HEADER_MAX)
+        header, off = _read_header(memoryview(head), total)
+        h = hashlib.sha256(_canonical({k: v for k, v in header.items() if k != "sha256"}))
+        f.seek(off)
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+        _check_sha(header, h.hexdigest())
+        base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
+        tables = []
+        for feature, idx, n, pos in _table_spans(raw_tables, rb, total - off):
+            f.seek(off + pos)
+            ids = np.frombuffer(f.read(8 * n), dtype="<i8").astype(np.int64)
+            rows = np.broadcast_to(np.zeros(rb, dtype=np.uint8), (n, rb))
+            tables.append(DeltaTable(feature, idx, ids, rows))
     return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
 
 
@@ -319,6 +401,93 @@ def check_layout(delta: Delta, layout: TableLayout) -> None:
             raise InvalidDelta(f"{where}.ids", "ids must be sorted ascending and unique")
 
 
+def read_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> Delta:
+    """:func:`decode_delta` of a file through a read-only mmap: its pages are the page
+    cache's (reclaimable, or the tmpfs's own), never a second copy in this process.
+
+    Raises:
+        InvalidDelta: as :func:`decode_delta` (an empty file: no magic).
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return decode_delta(b"", max_bytes)
+        limit = MAX_DELTA_BYTES if max_bytes is None else max_bytes
+        if size > limit:  # refused before mapping anything
+            raise InvalidDelta("body", f"{size} bytes is over the {limit}-byte limit")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    # The decoded rows are views of the map: it is unmapped once the Delta is dropped.
+    return decode_delta(mapped, max_bytes)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Incoming:
+    """A delta body being received into the store's folder (``.incoming.<pid>.<n>``):
+    written chunk by chunk and hashed on the way, refused (413) as soon as it passes
+    ``max_bytes``. :meth:`DeltaStore.commit` moves it into place; :meth:`discard` drops it.
+    Never holds more than one chunk in memory."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._sha = hashlib.sha256()
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by finish/discard
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Append ``chunk``.
+
+        Raises:
+            PayloadTooLarge: the body is now over ``max_bytes`` (nothing kept).
+        """
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            self.discard()
+            raise PayloadTooLarge(
+                f"body: {self.size} bytes (so far) is over the {self.max_bytes}-byte limit "
+                f"of one delta (--max-delta-bytes); split the rows into several deltas "
+                f"(consecutive sequence numbers)")
+        self._sha.update(chunk)
+        self._file.write(chunk)
+
+    def finish(self) -> None:
+        """Flush and fsync the file (its bytes are on the disk before any rename); once."""
+        if self._file.closed:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of every byte written (the content hash re-posts are matched by)."""
+        return self._sha.hexdigest()
+
+    def discard(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What :meth:`DeltaStore.commit` did: ``path`` the stored file; ``outcome``
+    ``"stored"`` (a new sequence), ``"unchanged"`` (the same bytes were stored already:
+    kept once) or ``"repaired"`` (the stored file was damaged; replaced)."""
+
+    path: Path
+    outcome: str
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     """What one worker has applied for one version (``workers/<pid>.json``)."""
@@ -341,6 +510,9 @@ class DeltaStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._lock = threading.Lock()
+        self._counter = itertools.count(1)
+        self._open: set[str] = set()           # incoming bodies being received now
+        self._damage: dict[Path, tuple[tuple[int, int, int], str | None]] = {}
 
     def folder(self, version: str) -> Path:
         if not _VERSION_RE.match(version):
@@ -362,30 +534,138 @@ class DeltaStore:
         seqs = self.sequences(version)
         return seqs[-1] if seqs else 0
 
-    def add(self, blob: bytes, delta: Delta) -> Path:
-        """Store an already validated delta as the next of its version.
+    def incoming(self, max_bytes: int) -> Incoming:
+        """A new :class:`Incoming` body in the store's folder (same filesystem as the
+        versions' folders, so the final rename is atomic)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"{_INCOMING}{os.getpid()}.{next(self._counter)}"
+        incoming = Incoming(self.root / name, max_bytes)
+        with self._lock:
+            self._open.add(name)
+        return incoming
+
+    def commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None = None) -> Stored:
+        """Move a received, validated delta into place as its version's file (fsync of
+        the file and the folder first, so a crash leaves the old or the new state).
+
+        The same bytes again (same sha256) are stored once (``unchanged``); other bytes for
+        a stored sequence replace it only when the stored file is damaged (``repaired``:
+        truncated, bad checksum).
 
         Raises:
-            DeltaConflict: its sequence is not ``last + 1`` (a repeat or a gap).
+            DeltaConflict: its sequence is not ``last + 1``, nor a stored one it repeats
+                or repairs (the incoming file is dropped).
         """
         with self._lock:
-            last = self.last_sequence(delta.base_version)
-            if delta.sequence != last + 1:
-                what = "was already applied" if delta.sequence <= last else "skips a delta"
+            self._open.discard(incoming.path.name)
+            try:
+                return self._commit(incoming, delta, max_bytes)
+            finally:
+                incoming.discard()  # gone after the rename; dropped on a refusal
+
+    def _commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None) -> Stored:
+        version, seq = delta.base_version, delta.sequence
+        last = self.last_sequence(version)
+        final = self.path(version, seq)
+        outcome = "stored"
+        if seq <= last and final.exists():
+            if file_sha256(final) == incoming.sha256:
+                return Stored(final, "unchanged")
+            if self.damage(final, max_bytes) is None:
                 raise DeltaConflict(
                     "header.sequence",
-                    f"{delta.sequence} {what}: version {delta.base_version} is at sequence "
-                    f"{last}, so the next delta must be {last + 1}; deltas apply in order, once")
-            folder = self.folder(delta.base_version)
-            folder.mkdir(parents=True, exist_ok=True)
-            final = self.path(delta.base_version, delta.sequence)
-            tmp = folder / f".{final.name}.{os.getpid()}.tmp"
-            tmp.write_bytes(blob)
-            os.replace(tmp, final)
-            return final
+                    f"{seq} was already applied with other bytes: version {version} is at "
+                    f"sequence {last}, so the next delta must be {last + 1}; deltas apply in "
+                    f"order, once")
+            outcome = "repaired"
+        elif seq != last + 1:
+            raise DeltaConflict(
+                "header.sequence",
+                f"{seq} skips a delta: version {version} is at sequence {last}, so the next "
+                f"delta must be {last + 1}; deltas apply in order, once")
+        folder = self.folder(version)
+        folder.mkdir(parents=True, exist_ok=True)
+        incoming.finish()
+        replace_durably(incoming.path, final)
+        fsync_dir(self.root)  # the version's folder itself, when it was just created
+        self._damage.pop(final, None)
+        return Stored(final, outcome)
+
+    def add(self, blob: bytes, delta: Delta) -> Path:
+        """Store an already validated delta held in memory (tests, tools); the sidecar
+        streams with :meth:`incoming` and :meth:`commit`.
+
+        Raises:
+            DeltaConflict: as :meth:`commit`.
+        """
+        incoming = self.incoming(max(len(blob), 1))
+        incoming.write(blob)
+        return self.commit(incoming, delta).path
 
     def read(self, version: str, sequence: int) -> Delta:
-        return decode_delta(self.path(version, sequence).read_bytes())
+        return read_delta_file(self.path(version, sequence))
+
+    def damage(self, path: Path, max_bytes: int | None = None) -> str | None:
+        """Why the stored delta ``path`` is damaged (truncated, bad checksum, unreadable),
+        or None when it reads back whole. Cached per (size, mtime, inode): the checksum of
+        a large delta is computed once, not at every GET."""
+        try:
+            st = path.stat()
+        except OSError as e:
+            return f"unreadable: {e}"
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        cached = self._damage.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            scan_delta_file(path, max_bytes)
+            why = None
+        except InvalidDelta as e:
+            why = e.message
+        except OSError as e:
+            why = f"unreadable: {e}"
+        self._damage[path] = (key, why)
+        return why
+
+    def damaged(self, version: str, max_bytes: int | None = None) -> list[tuple[str, str]]:
+        """(file name, reason) of each damaged stored delta of ``version``."""
+        out = []
+        for seq in self.sequences(version):
+            why = self.damage(self.path(version, seq), max_bytes)
+            if why is not None:
+                out.append((self.path(version, seq).name, why))
+        return out
+
+    def remove_version(self, version: str) -> int:
+        """Delete ``version``'s folder (its deltas, workers' statuses and shared table);
+        the bytes it held."""
+        folder = self.folder(version)
+        held = sum(_size(p) for p in _files(folder))
+        shutil.rmtree(folder, ignore_errors=True)
+        with self._lock:
+            self._damage = {p: v for p, v in self._damage.items() if folder not in p.parents}
+        if self.root.exists():
+            fsync_dir(self.root)
+        return held
+
+    def drop_stale_incoming(self) -> int:
+        """Delete bodies left half-received by a process that died (not the ones being
+        received now); how many."""
+        try:
+            names = [n for n in os.listdir(self.root) if n.startswith(_INCOMING)]
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            stale = [n for n in names if n not in self._open]
+        for name in stale:
+            (self.root / name).unlink(missing_ok=True)
+        return len(stale)
+
+    def held_bytes(self, skip_tables_of: Sequence[str] = ()) -> int:
+        """Bytes of every file in the store, less the shared tables (``tables.bin``) of
+        ``skip_tables_of`` (versions whose live workers map them: counted in their RSS)."""
+        skip = {self.root / v / "tables.bin" for v in skip_tables_of}
+        return sum(_size(p) for p in _files(self.root) if p not in skip)
 
     def write_worker_status(self, status: WorkerStatus) -> None:
         folder = self.folder(status.version) / "workers"
@@ -422,3 +702,22 @@ class DeltaStore:
                           if _VERSION_RE.match(n) and (self.root / n).is_dir())
         except FileNotFoundError:
             return []
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    """Every regular file under ``folder`` (none when it is missing)."""
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            p = Path(dirpath) / name
+            try:
+                if p.is_file():
+                    yield p
+            except OSError:
+                continue
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -19,6 +19,13 @@ Sources, each injectable so tests pass fake files and a fake ``rss``:
   kills anything (kubelet counts the same way); else the RSS sum of TorchServe's workers
   (the JVM frontend is not counted: its heap is bounded by ``-Xmx``; the headroom covers
   it).
+* the delta folder (``--delta-dir``), when it is memory-backed (tmpfs: a Kubernetes
+  emptyDir ``medium: Memory``, detected from ``/proc/self/mounts`` by
+  :func:`is_memory_backed`): its files are memory no process's RSS shows, the deltas
+  stored and the shared tables of versions no live worker maps. Added to the usage when
+  the usage is the workers' RSS (``held``); the cgroup's working set already includes
+  the tmpfs pages charged to it. On a disk-backed folder they are page cache, which the
+  kernel reclaims, and are not counted.
 * a worker's RSS: psutil, only for a process that is a TorchServe worker
   (``model_service_worker`` in its command line: in a pod without
   ``shareProcessNamespace`` the pid may name another process or none); else the
@@ -46,6 +53,7 @@ __all__ = [
     "MemoryProbe",
     "PeakTracker",
     "check_fits",
+    "is_memory_backed",
     "worker_rss",
 ]
 
@@ -124,6 +132,29 @@ def worker_rss(pid: int) -> int | None:
         return None
 
 
+_MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+
+
+def is_memory_backed(path: Path, mounts: Path = Path("/proc/self/mounts")) -> bool:
+    """Whether ``path`` lives on a memory filesystem (tmpfs, ramfs): the mount with the
+    longest mount point that holds it (False when the mount table cannot be read)."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return False
+    target = str(Path(path).resolve())
+    best, fstype = "", ""
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, parts[2]
+    return fstype in _MEMORY_FS
+
+
 class MemoryProbe:
     """Reads the limit, the usage and workers' RSS (see the module docstring).
 
@@ -131,13 +162,17 @@ class MemoryProbe:
         cgroup: the cgroup's files.
         limit_bytes: the limit when it is not the cgroup's (TorchServe's container limit).
         rss: bytes of one worker pid, or None when unknown (default: :func:`worker_rss`).
+        held: bytes held in memory that no RSS shows (a memory-backed delta folder);
+            added to an RSS-based usage (module docstring). None: nothing.
     """
 
     def __init__(self, cgroup: CgroupMemory, limit_bytes: int | None = None,
-                 rss: Callable[[int], int | None] = worker_rss) -> None:
+                 rss: Callable[[int], int | None] = worker_rss,
+                 held: Callable[[], int] | None = None) -> None:
         self.cgroup = cgroup
         self.limit_bytes = limit_bytes
         self.rss = rss
+        self.held = held
 
     def limit(self) -> tuple[int | None, str]:
         """(bytes or None for no limit, where it comes from)."""
@@ -164,7 +199,21 @@ class MemoryProbe:
             current = self.cgroup.current()
             if current is not None:
                 return current, "cgroup working set"
-        return sum(self.worker_bytes(pids, reported)), "RSS of TorchServe's workers"
+        rss = sum(self.worker_bytes(pids, reported))
+        held = self._held()
+        if held:
+            return rss + held, (f"RSS of TorchServe's workers + {held / _MIB:.0f} MiB in "
+                                f"the memory-backed delta folder")
+        return rss, "RSS of TorchServe's workers"
+
+    def _held(self) -> int:
+        if self.held is None:
+            return 0
+        try:
+            return int(self.held())
+        except OSError as e:  # a folder being cleaned: counted at the next check
+            _log.warning("delta folder size not read: %s", e)
+            return 0
 
 
 @dataclass(frozen=True)

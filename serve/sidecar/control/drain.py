@@ -17,6 +17,13 @@ then signal TorchServe. :meth:`Drainer.drain`, in steps:
 
 After that TorchServe can be stopped: nothing it accepted is lost. Idempotent: a second
 call waits for the first and returns the same report.
+
+A drain that began is recorded in a pod-local file (``marker``: ``--drain-file``, by
+default ``<delta dir>/.drained.json``, an emptyDir that outlives a container restart but
+not the pod), written durably before step 1. A sidecar restarted in a draining pod (its
+container killed by a probe, an OOM) reads it and stays drained: ``/readyz`` 503, the
+reconciler paused from the start (it would otherwise make the desired version default
+again and re-open serving), and ``POST /drain`` answers the recorded report.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from serve.common.durable import write_durably
 from serve.errors import ServeError, UpstreamUnavailable
 from serve.sidecar.adapters.archives import POD_HANDLER
 from serve.sidecar.adapters.torchserve import BatchingState, TorchServeClient, observe
@@ -84,6 +92,19 @@ class DrainReport:
         return {"drained": self.drained, "phase": self.phase.value, "seconds": self.seconds,
                 "versions": self.versions, "error": self.error}
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DrainReport:
+        """The report :meth:`to_json` wrote (a drain cut short by the restart reads as
+        ``failed``: what it reached is unknown)."""
+        phase = DrainPhase(raw.get("phase", DrainPhase.FAILED.value))
+        drained = bool(raw.get("drained"))
+        if not drained and phase is not DrainPhase.FAILED:
+            phase = DrainPhase.FAILED
+        return cls(drained=drained, phase=phase, seconds=raw.get("seconds"),
+                   versions=[str(v) for v in raw.get("versions") or []],
+                   error=raw.get("error") or (None if drained else
+                                              "the sidecar restarted during the drain"))
+
 
 class Drainer:
     """Drains the model for shutdown (see the module docstring).
@@ -94,24 +115,62 @@ class Drainer:
         switch: the version switch (its register / wait_ready / set_default / drain steps).
         reconciler: paused first; None when the sidecar runs without a state file.
         clock: monotonic seconds.
+        marker: the pod-local file a drain is recorded in (module docstring); None: not
+            recorded. When it exists the drainer starts drained and pauses ``reconciler``
+            at once (before its loop runs).
     """
 
     def __init__(self, torchserve: TorchServeClient, config: SidecarConfig, *,
                  switch: VersionSwitch, reconciler: Reconciler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 marker: Path | None = None) -> None:
         self.ts, self.config, self.switch = torchserve, config, switch
         self.reconciler = reconciler
         self.clock = clock
+        self.marker = marker
         self.report = DrainReport()
         self._task: asyncio.Task[DrainReport] | None = None
+        self.restored = self._restore()
+
+    def _restore(self) -> bool:
+        """Read the marker left by a drain before a restart; True when there was one."""
+        if self.marker is None:
+            return False
+        try:
+            raw = json.loads(self.marker.read_text())
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as e:  # damaged: a drain began, that much is known
+            _log.error("drain marker %s unreadable (%s): staying drained", self.marker, e)
+            raw = {}
+        self.report = DrainReport.from_json(raw if isinstance(raw, dict) else {})
+        if self.reconciler is not None:  # its loop has not started: no pass to wait for
+            self.reconciler.paused = ("the pod was drained for shutdown before the sidecar "
+                                      f"restarted ({self.marker})")
+        _log.warning("drain recorded in %s before this restart (%s): the pod stays drained",
+                     self.marker, self.report.phase.value)
+        return True
+
+    def _record(self) -> None:
+        """Write the report into the marker (durably: it must survive a crash)."""
+        if self.marker is None:
+            return
+        try:
+            write_durably(self.marker, json.dumps(self.report.to_json()).encode())
+        except OSError as e:
+            _log.error("drain not recorded in %s (%s): a restarted sidecar would re-open "
+                       "serving", self.marker, e)
 
     @property
     def draining(self) -> bool:
-        """A drain has begun (the pod must not be ready any more)."""
-        return self._task is not None
+        """A drain has begun, here or before a restart (the pod must not be ready)."""
+        return self._task is not None or self.restored
 
     async def drain(self) -> DrainReport:
-        """Close and drain; a second call waits for the first one's report."""
+        """Close and drain; a second call waits for the first one's report (after a
+        restart: the recorded one)."""
+        if self.restored and self._task is None:
+            return self.report
         if self._task is None:
             self._task = asyncio.create_task(self._drain())
         return await asyncio.shield(self._task)
@@ -119,6 +178,7 @@ class Drainer:
     async def _drain(self) -> DrainReport:
         t0 = self.clock()
         report = self.report
+        await asyncio.to_thread(self._record)
         try:
             if self.reconciler is not None:
                 await self.reconciler.pause("the pod is draining for shutdown (POST /drain)")
@@ -136,6 +196,7 @@ class Drainer:
             report.error = e.message if isinstance(e, ServeError) else repr(e)
             _log.error("drain failed: %s", report.error)
         report.seconds = round(self.clock() - t0, 3)
+        await asyncio.to_thread(self._record)
         self.switch.idle()
         _log.info("drain %s in %.1f s (versions %s)", report.phase, report.seconds,
                   report.versions)

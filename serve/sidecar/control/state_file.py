@@ -6,6 +6,10 @@ snapshot. The write paths (PUT /state, PUT /batching, a rollout's outcome) write
 :meth:`DesiredStateFile.write` and wake it. Every method here is a plain function of the
 file: nothing is cached, so two readers can never disagree about what they hold.
 
+Every write is atomic and durable (:func:`serve.common.durable.write_durably`: temporary
+file, fsync, rename, fsync of the folder): after a crash the file holds the old or the
+new state, never an empty or half-written one.
+
 The file is read by path every time (a ConfigMap update swaps a symlink: holding an
 inode would miss it). Where it is read-only (a ConfigMap mount), a write is refused with
 a :class:`~serve.errors.Conflict` saying to edit the ConfigMap instead.
@@ -21,12 +25,18 @@ from pathlib import Path
 
 import yaml
 
+from serve.common.durable import write_durably
 from serve.errors import ConfigError, Conflict
-from serve.state import DesiredState, dump_state, parse_state, write_state
+from serve.state import DesiredState, dump_state, parse_state
 
-__all__ = ["DesiredStateFile", "FileRead", "digest"]
+__all__ = ["DesiredStateFile", "FileRead", "digest", "write_state"]
 
 _log = logging.getLogger(__name__)
+
+
+def write_state(path: Path, desired: DesiredState) -> None:
+    """Write ``desired`` to ``path`` atomically and durably (module docstring)."""
+    write_durably(path, dump_state(desired).encode())
 
 
 def digest(data: bytes) -> str:

@@ -6,7 +6,10 @@ The body of the POST is the delta file as written by ``make delta`` (any Content
 :data:`serve.store.delta_files.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
 are in :mod:`serve.sidecar.services.embedding_deltas`: 413 too large, 400 damaged or not fitting the
 version's tables (``field`` names the part), 409 for a version not served here or a
-sequence that is not the next one; nothing is stored on any of them. A stored delta
+sequence that is not the next one; nothing is stored on any of them. The body streams
+into a file of the store (never held in memory). The same bytes posted again are stored
+once and answered like the first post; the right bytes posted for a stored sequence whose
+file is damaged (the GET names it under ``damaged``) replace it. A stored delta
 answers 200 once every live worker serving its version reports it applied, or 202 when
 ``wait_s`` passes first (it stays stored; the workers still apply it, in order).
 
@@ -15,7 +18,6 @@ deltas on, and the GET with ``enabled: false``.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -24,9 +26,20 @@ from fastapi.responses import JSONResponse
 from serve.errors import Conflict
 from serve.settings import DLRM_DELTA_DIR
 from serve.sidecar.http.auth import require_token
-from serve.sidecar.http.schemas import DeltaAnswer, DeltasStatus, DeltaWorker, EmbeddingsStatus
+from serve.sidecar.http.schemas import (
+    DamagedDelta,
+    DeltaAnswer,
+    DeltasStatus,
+    DeltaWorker,
+    EmbeddingsStatus,
+)
 from serve.sidecar.root import Sidecar, SidecarDep
-from serve.sidecar.services.embedding_deltas import WAIT_DEFAULT_S, WAIT_MAX_S, DeltaService
+from serve.sidecar.services.embedding_deltas import (
+    WAIT_DEFAULT_S,
+    WAIT_MAX_S,
+    Accepted,
+    DeltaService,
+)
 from serve.store.delta_files import DELTA_MEDIA_TYPE
 
 __all__ = ["router"]
@@ -38,24 +51,25 @@ _DISABLED = (f"embedding deltas are off: this sidecar was started without --delt
              f"(in Kubernetes a volume shared by both containers)")
 
 
+_OUTCOME = {"stored": "stored",
+            "unchanged": "already stored with the same bytes (kept once)",
+            "repaired": "stored in place of the damaged file of that sequence"}
+
+
 def _service(sidecar: Sidecar) -> DeltaService:
     if sidecar.deltas is None:
         raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
     return sidecar.deltas
 
 
-async def _read_body(request: Request, service: DeltaService) -> bytes:
-    """The body, refused with 413 as soon as it is known to be over the limit (from
-    Content-Length, else while it streams in)."""
+async def _receive(request: Request, service: DeltaService) -> Accepted:
+    """Stream the body into the store (:meth:`DeltaService.receive`), refused with 413 as
+    soon as it is known to be over the limit: from Content-Length before a byte is read,
+    else while it streams in. The body is never held in memory."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
         service.check_size(int(length))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        service.check_size(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await service.receive(request.stream())
 
 
 @router.post(
@@ -71,7 +85,7 @@ async def _read_body(request: Request, service: DeltaService) -> bytes:
                401: {}, 403: {},
                409: {"description": "its version is not served here, its sequence is not "
                                     "the next one, or deltas are off"},
-               413: {"description": "over serve.store.delta_files.MAX_DELTA_BYTES"}})
+               413: {"description": "over --max-delta-bytes (DeltaService.max_bytes)"}})
 async def post_delta(
         request: Request, sidecar: SidecarDep,
         wait_s: Annotated[float, Query(
@@ -79,16 +93,16 @@ async def post_delta(
                                              "apply it (0: do not wait).")] = WAIT_DEFAULT_S,
 ) -> JSONResponse:
     service = _service(sidecar)
-    blob = await _read_body(request, service)
-    accepted = await asyncio.to_thread(service.add, blob)
+    accepted = await _receive(request, service)
     result = await service.wait_applied(accepted.version, accepted.sequence, wait_s)
     n = len(result.workers)
+    stored = _OUTCOME[accepted.outcome]
     if result.applied:
-        message = (f"stored and applied by all {n} live worker(s) serving "
+        message = (f"{stored} and applied by all {n} live worker(s) serving "
                    f"{accepted.version}")
     else:
         done = sum(1 for w in result.workers if w.sequence >= accepted.sequence)
-        message = (f"stored; {done} of {n} live worker(s) serving {accepted.version} "
+        message = (f"{stored}; {done} of {n} live worker(s) serving {accepted.version} "
                    f"applied it within {wait_s:g} s. They apply it between batches, in "
                    f"order: poll GET /embeddings/deltas")
     answer = DeltaAnswer(
@@ -109,7 +123,11 @@ async def get_deltas(sidecar: SidecarDep) -> DeltasStatus:
     if service is None:
         return DeltasStatus(enabled=False, delta_dir=None, versions={}, message=_DISABLED)
     summaries = await service.summaries()
+    damaged = await service.damaged()
     return DeltasStatus(
         enabled=True, delta_dir=str(service.store.root),
         versions={v: EmbeddingsStatus.model_validate(s.to_json())
-                  for v, s in summaries.items()})
+                  for v, s in summaries.items()},
+        damaged=[DamagedDelta(version=v, file=name, reason=why)
+                 for v, files in damaged.items() for name, why in files],
+        max_bytes=service.max_bytes)

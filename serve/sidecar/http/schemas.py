@@ -45,6 +45,7 @@ __all__ = [
     "BatchingStatus",
     "BatchingUpdate",
     "BatchingUpdateResult",
+    "DamagedDelta",
     "DeltaAnswer",
     "DeltaWorker",
     "DeltasStatus",
@@ -181,10 +182,23 @@ class DeltaAnswer(BaseModel):
     message: str
 
 
+class DamagedDelta(BaseModel):
+    """A stored delta that does not read back whole (its workers stop before it)."""
+
+    version: str
+    file: str = Field(description="The file in <delta_dir>/<version>/.")
+    reason: str = Field(description="Why it is damaged; POST the right bytes to repair it.")
+
+
 class DeltasStatus(BaseModel):
     """GET /embeddings/deltas: per served version, the deltas stored and applied."""
 
     enabled: bool = Field(description="False when the sidecar runs without --delta-dir.")
     delta_dir: str | None
     versions: dict[str, EmbeddingsStatus]
+    damaged: list[DamagedDelta] = Field(
+        default_factory=list, description="Stored deltas of served versions that are "
+                                          "damaged (truncated, bad checksum): re-POST them.")
+    max_bytes: int | None = Field(default=None, description="The largest delta accepted "
+                                                            "(--max-delta-bytes).")
     message: str | None = Field(default=None, description="How to enable deltas, when off.")

@@ -3,15 +3,26 @@
 A posted delta (:mod:`serve.sidecar.http.routes_deltas`) is checked completely before the store
 changes, in this order, and any failure leaves the store as it was:
 
-1. the body size (413 over :data:`serve.store.delta_files.MAX_DELTA_BYTES`);
-2. the file itself (:func:`serve.store.delta_files.decode_delta`: magic, header, sizes, checksum;
-   400 naming the field);
+1. the body size (413 over :attr:`DeltaService.max_bytes`, ``--max-delta-bytes``), while
+   it streams into a file in the store's folder (hashed on the way; the body is never
+   held in memory);
+2. the file itself, read back in chunks with only its ids loaded
+   (:func:`serve.store.delta_files.scan_delta_file`: magic, header, sizes, checksum; 400
+   naming the field);
 3. its base version is one the pod serves now, the stable version or a rollout's
    candidate (409 naming both);
 4. it fits that version's tables (:func:`serve.store.delta_files.check_layout` against the build
    report's profile and dtype; 400 naming the field);
-5. its sequence is the version's next one (:meth:`serve.store.delta_files.DeltaStore.add`; 409 for a
-   repeat or a gap).
+5. its sequence is the version's next one (:meth:`serve.store.delta_files.DeltaStore.commit`;
+   409 for a gap or other bytes under a stored sequence). The same bytes again are
+   stored once (outcome ``unchanged``); other bytes for a stored sequence whose file is
+   damaged replace it (``repaired``: the workers, which retry a damaged delta every poll,
+   then apply it). The file is fsynced, renamed into place and its folder fsynced.
+
+A damaged stored delta (truncated on a crash, changed on the disk) is named by GET
+/embeddings/deltas (:meth:`DeltaService.damaged`) rather than blocking its version
+silently. :meth:`DeltaService.clean` deletes the folders of versions no longer served
+once no live worker maps them.
 
 Then the TorchServe workers apply it: each worker follows ``<delta_dir>/<version>/``,
 applies new deltas in order between two batches and writes
@@ -40,7 +51,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,15 +60,21 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from serve.errors import DeltaConflict, PayloadTooLarge, ServeError
-from serve.metrics import EmbeddingDeltaGauges, embedding_delta_families
+from serve.metrics import (
+    EmbeddingDeltaGauges,
+    delta_files_skipped_family,
+    embedding_delta_families,
+)
 from serve.store import delta_files as delta_format
 from serve.store.delta_files import (
     Delta,
     DeltaStore,
+    Incoming,
     WorkerStatus,
     check_layout,
     decode_delta,
     layout_for_report,
+    scan_delta_file,
 )
 
 __all__ = [
@@ -69,12 +86,19 @@ __all__ = [
     "LivePids",
     "VersionSummary",
     "WaitResult",
+    "model_versions",
 ]
 
 _log = logging.getLogger(__name__)
 
+# A TorchServe serving version: <version>_b<batch>d<delay>w<workers>[_c<candidate>].
+_SERVING = re.compile(r"^(?P<v>.+?)_b\d+d\d+w\d+(?:_c(?P<c>.+))?$")
+
 # A delta file on the model volume: anything ending in its 8-digit sequence + ".delta".
 _VOLUME_FILE = re.compile(r"(\d{8})\.delta$")
+
+#: Bytes gathered from the request stream before one write to the incoming file.
+_WRITE_CHUNK = 1 << 20
 
 #: How often a POST waiting for the workers re-reads their status files (seconds).
 POLL_INTERVAL_S = 0.05
@@ -91,13 +115,16 @@ LivePids = Callable[[], Awaitable[Iterable[int]]]
 
 @dataclass(frozen=True)
 class Accepted:
-    """A delta that passed every check and is stored."""
+    """A delta that passed every check and is stored: ``outcome`` ``stored`` (new),
+    ``unchanged`` (the same bytes were stored already) or ``repaired`` (it replaced a
+    damaged stored file)."""
 
     version: str
     sequence: int
     rows: int
     bytes: int
     created_at: float
+    outcome: str = "stored"
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,9 @@ class DeltaService(Collector):
         wall_clock: unix seconds, for the age of the newest applied delta.
         sleep: awaited between two polls (tests pass a fake clock's).
         pid_ttl_s: how long a read of the live pids is reused.
+        max_bytes: the largest delta (default
+            :data:`serve.store.delta_files.MAX_DELTA_BYTES`; the sidecar passes
+            ``--max-delta-bytes``).
     """
 
     def __init__(self, store: DeltaStore, *, versions: Callable[[], list[str]],
@@ -167,8 +197,12 @@ class DeltaService(Collector):
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 pid_ttl_s: float = 1.0) -> None:
+                 pid_ttl_s: float = 1.0, max_bytes: int | None = None) -> None:
         self.store = store
+        #: The largest delta accepted (bytes): POST bodies and volume files. The one limit
+        #: of a delta; the request guard reads it here too.
+        self.max_bytes = delta_format.MAX_DELTA_BYTES if max_bytes is None else max_bytes
+        self._skipped: dict[str, int] = {}
         self._versions = versions
         self._report_of = report_of
         self._live_pids = live_pids
@@ -181,7 +215,7 @@ class DeltaService(Collector):
         self._pids_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state_lock = threading.Lock()
-        self._sync_failed: set[Path] = set()
+        self._sync_failed: set[tuple[Path, int | None, str]] = set()
         self._synced = False      # a sync pass over the model volume has completed
         self._caught_up = False   # latched: the pod once had every stored delta applied
 
@@ -232,23 +266,20 @@ class DeltaService(Collector):
     # ------------------------------------------------------------------ accept
 
     def check_size(self, size: int) -> None:
-        """Raise :class:`~serve.errors.PayloadTooLarge` for a body over the limit."""
-        limit = delta_format.MAX_DELTA_BYTES
-        if size > limit:
+        """Raise :class:`~serve.errors.PayloadTooLarge` for a body over :attr:`max_bytes`."""
+        if size > self.max_bytes:
             raise PayloadTooLarge(
-                f"body: {size} bytes is over the {limit}-byte limit of one delta; split "
-                f"the rows into several deltas (consecutive sequence numbers)")
+                f"body: {size} bytes is over the {self.max_bytes}-byte limit of one delta "
+                f"(--max-delta-bytes); split the rows into several deltas (consecutive "
+                f"sequence numbers)")
 
-    def validate(self, blob: bytes) -> Delta:
-        """Every check of a posted delta (module docstring, steps 1-4); changes nothing.
+    def check_served(self, delta: Delta) -> None:
+        """Steps 3-4 of the module docstring: a served version, and its tables.
 
         Raises:
-            PayloadTooLarge: over :data:`serve.store.delta_files.MAX_DELTA_BYTES`.
-            InvalidDelta: the file is damaged or does not fit the version's tables (400).
             DeltaConflict: its base version is not served here (409).
+            InvalidDelta: it does not fit the version's tables (400).
         """
-        self.check_size(len(blob))
-        delta = decode_delta(blob)
         served = self._versions()
         if delta.base_version not in served:
             raise DeltaConflict(
@@ -257,22 +288,87 @@ class DeltaService(Collector):
                 f"{served or 'no version (no desired state)'}; build the delta against "
                 f"the stable version or the rollout's candidate (GET /state)")
         check_layout(delta, layout_for_report(self._report_of(delta.base_version)))
+
+    def validate(self, blob: bytes) -> Delta:
+        """Every check of a delta held in memory (module docstring, steps 1-4); changes
+        nothing. The POST and the volume sync stream to a file instead (:meth:`receive`).
+
+        Raises:
+            PayloadTooLarge, InvalidDelta, DeltaConflict: see :meth:`check_served`.
+        """
+        self.check_size(len(blob))
+        delta = decode_delta(blob, self.max_bytes)
+        self.check_served(delta)
         return delta
+
+    async def receive(self, chunks: AsyncIterator[bytes]) -> Accepted:
+        """Stream a delta body into the store: each chunk is written to a file in the
+        store's folder and hashed on the way (never the whole body in memory), then the
+        file is read back in chunks and validated (steps 2-4, only the ids in memory) and moved into place (step 5).
+
+        Raises:
+            the errors of :meth:`validate` and :meth:`DeltaStore.commit`; nothing stays
+            stored on any of them.
+        """
+        incoming = await asyncio.to_thread(self.store.incoming, self.max_bytes)
+        try:
+            pending, size = bytearray(), 0
+            async for chunk in chunks:
+                size += len(chunk)
+                self.check_size(size)
+                pending += chunk
+                if len(pending) >= _WRITE_CHUNK:
+                    await asyncio.to_thread(incoming.write, pending)
+                    pending = bytearray()
+            if pending:
+                await asyncio.to_thread(incoming.write, pending)
+        except BaseException:
+            await asyncio.to_thread(incoming.discard)
+            raise
+        return await asyncio.to_thread(self._accept, incoming)
+
+    def receive_file(self, path: Path) -> Accepted:
+        """:meth:`receive` for a file (the model volume): copied in 1 MiB chunks."""
+        incoming = self.store.incoming(self.max_bytes)
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(_WRITE_CHUNK):
+                    incoming.write(chunk)
+        except BaseException:
+            incoming.discard()
+            raise
+        return self._accept(incoming)
+
+    def _accept(self, incoming: Incoming) -> Accepted:
+        try:
+            incoming.finish()
+            delta = scan_delta_file(incoming.path, self.max_bytes)
+            self.check_served(delta)
+        except BaseException:
+            incoming.discard()
+            raise
+        stored = self.store.commit(incoming, delta, self.max_bytes)
+        _log.info("embedding delta %s #%d %s (%d rows, %d bytes)", delta.base_version,
+                  delta.sequence, stored.outcome, delta.rows, incoming.size)
+        return Accepted(delta.base_version, delta.sequence, delta.rows, incoming.size,
+                        delta.created_at, stored.outcome)
 
     def add(self, blob: bytes) -> Accepted:
         """Validate ``blob`` and store it as its version's next delta (blocking I/O: run
-        it in a thread).
+        it in a thread). The same as :meth:`receive`, for bytes in memory.
 
         Raises:
             the errors of :meth:`validate`; DeltaConflict for a repeated or skipped
             sequence (the store is unchanged on every error).
         """
-        delta = self.validate(blob)
-        self.store.add(blob, delta)
-        _log.info("embedding delta %s #%d stored (%d rows, %d bytes)", delta.base_version,
-                  delta.sequence, delta.rows, len(blob))
-        return Accepted(delta.base_version, delta.sequence, delta.rows, len(blob),
-                        delta.created_at)
+        self.validate(blob)
+        incoming = self.store.incoming(self.max_bytes)
+        try:
+            incoming.write(blob)
+        except BaseException:
+            incoming.discard()
+            raise
+        return self._accept(incoming)
 
     # ------------------------------------------------------------------ model volume
 
@@ -280,44 +376,106 @@ class DeltaService(Collector):
         """Pick up deltas published on the model volume: for each served version, the
         files ``<root>/deltas/<version>/*<seq:08d>.delta`` (what ``make delta`` writes,
         e.g. ``dlrm-small-int8-s0-00000001.delta``) whose sequence is above the store's,
-        in sequence order, through the same checks as a POST (:meth:`add`).
+        in sequence order, through the same checks as a POST (:meth:`receive_file`).
 
         This is how every pod of a Deployment gets the same deltas, including pods that
         start later (a new pod's store is empty: it replays the volume's deltas of its
-        version before its workers' first batch settles). A file that fails a check is
-        logged once and stops that version's sync there (later ones need it).
+        version before its workers' first batch settles). Each file's size is read
+        (``stat``) before any byte: one over :attr:`max_bytes` is skipped, never read.
+        A file skipped or failing a check is logged once, counted once in
+        ``dlrm_delta_files_skipped_total{reason}``, and stops that version's sync there
+        (later ones need it). A pass always completes (readiness waits for one pass,
+        never for a bad file).
         """
         out: list[Accepted] = []
-        for version in self._versions():
-            last = self.store.last_sequence(version)
-            found: dict[int, Path] = {}
-            for root in roots:
-                folder = Path(root) / "deltas" / version
-                try:
-                    names = sorted(os.listdir(folder))
-                except OSError:
-                    continue
-                for name in names:
-                    m = _VOLUME_FILE.search(name)
-                    if m and int(m.group(1)) > last:
-                        found.setdefault(int(m.group(1)), folder / name)
-            for seq in sorted(found):
-                if seq != last + 1:
-                    break  # a gap on the volume: wait for the missing file
-                path = found[seq]
-                try:
-                    accepted = self.add(path.read_bytes())
-                except (ServeError, OSError) as e:
-                    if path not in self._sync_failed:
-                        self._sync_failed.add(path)
-                        _log.error("embedding delta %s from the model volume not taken: %s",
-                                   path, getattr(e, "message", e))
-                    break
-                _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
-                out.append(accepted)
-                last = seq
-        self._synced = True
+        try:
+            for version in self._versions():
+                out += self._sync_version(version, roots)
+        finally:
+            self._synced = True
         return out
+
+    def _volume_files(self, version: str, roots: Iterable[Path], last: int) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        for root in roots:
+            folder = Path(root) / "deltas" / version
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for name in names:
+                m = _VOLUME_FILE.search(name)
+                if m and int(m.group(1)) > last:
+                    found.setdefault(int(m.group(1)), folder / name)
+        return found
+
+    def _sync_version(self, version: str, roots: Iterable[Path]) -> list[Accepted]:
+        out: list[Accepted] = []
+        last = self.store.last_sequence(version)
+        found = self._volume_files(version, roots, last)
+        for seq in sorted(found):
+            if seq != last + 1:
+                break  # a gap on the volume: wait for the missing one
+            path = found[seq]
+            try:
+                size = path.stat().st_size
+                if size > self.max_bytes:
+                    self._skip(path, size, "too_large",
+                               f"{size} bytes is over the {self.max_bytes}-byte limit of "
+                               f"one delta (--max-delta-bytes); not read. Split it into "
+                               f"smaller deltas or raise the limit (and the sidecar's memory)")
+                    break
+                accepted = self.receive_file(path)
+            except (ServeError, OSError) as e:
+                reason = "unreadable" if isinstance(e, OSError) else "invalid"
+                self._skip(path, None, reason, str(getattr(e, "message", e)))
+                break
+            _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
+            out.append(accepted)
+            last = seq
+        return out
+
+    def _skip(self, path: Path, size: int | None, reason: str, why: str) -> None:
+        """Log and count a volume file not taken, once per file (and size)."""
+        key = (path, size, reason)
+        with self._state_lock:
+            if key in self._sync_failed:
+                return
+            self._sync_failed.add(key)
+            self._skipped[reason] = self._skipped.get(reason, 0) + 1
+        _log.error("embedding delta %s from the model volume not taken (%s): %s", path,
+                   reason, why)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Volume files not taken so far, by reason (``too_large``, ``invalid``,
+        ``unreadable``)."""
+        with self._state_lock:
+            return dict(self._skipped)
+
+    # ------------------------------------------------------------------ clean-up
+
+    def clean(self, keep: Iterable[str], live_pids: Iterable[int]) -> list[str]:
+        """Delete the folder (deltas, statuses, ``tables.bin``) of every version in the
+        store that is not in ``keep`` (served or still registered) and that no live
+        worker reports in (a worker of it still maps its table); drop bodies left
+        half-received by a dead process. Returns the versions removed."""
+        keep, pids = set(keep), set(live_pids)
+        removed = []
+        for version in self.store.versions():
+            if version in keep or self.store.worker_statuses(version, sorted(pids)):
+                continue
+            held = self.store.remove_version(version)
+            removed.append(version)
+            _log.info("delta folder of version %s removed (%d bytes): it is no longer "
+                      "served and no live worker maps it", version, held)
+        self.store.drop_stale_incoming()
+        return removed
+
+    def held_bytes(self, live_versions: Iterable[str]) -> int:
+        """Bytes in the delta folder, less the shared tables of ``live_versions`` (counted
+        in their workers' RSS already)."""
+        return self.store.held_bytes(sorted(set(live_versions)))
 
     async def not_caught_up(self, need_sync: bool) -> str | None:
         """Why a starting pod is not ready yet as far as deltas go, or None.
@@ -390,6 +548,15 @@ class DeltaService(Collector):
         return await asyncio.to_thread(
             lambda: {v: self.summary(v, pids) for v in versions})
 
+    async def damaged(self) -> dict[str, list[tuple[str, str]]]:
+        """Per served version, each damaged stored delta (file name, reason): a truncated
+        or changed file the workers cannot apply (they stop there). Re-posting the right
+        bytes repairs it. Checksums are cached per file version (not re-read per GET)."""
+        versions = self._versions()
+        got = await asyncio.to_thread(
+            lambda: {v: self.store.damaged(v, self.max_bytes) for v in versions})
+        return {v: d for v, d in got.items() if d}
+
     def collect(self) -> Iterator[Metric]:
         """The delta gauges of every served version (module docstring)."""
         try:
@@ -405,6 +572,17 @@ class DeltaService(Collector):
             except (OSError, ValueError, ServeError) as e:
                 _log.warning("embedding delta metrics of %s skipped: %s", version, e)
         yield from embedding_delta_families(gauges)
+        yield delta_files_skipped_family(self.skipped)
+
+
+def model_versions(serving_version: str) -> list[str]:
+    """The repository versions a TorchServe serving version loads (its model version and
+    a rollout's candidate): ``small-s0_b2d2w2_csmall-s7`` -> ``[small-s0, small-s7]``; a
+    foreign name is taken as a version itself."""
+    m = _SERVING.match(serving_version)
+    if m is None:
+        return [serving_version]
+    return [m.group("v")] + ([m.group("c")] if m.group("c") else [])
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
