@@ -56,6 +56,7 @@ __all__ = [
     "DLRM_FEEDBACK_WINDOW_S",
     "DLRM_LOG_LEVEL",
     "DLRM_MAX_DELTA_BYTES",
+    "DLRM_MAX_DELTA_STORE_BYTES",
     "DLRM_MEMORY_LIMIT_BYTES",
     "DLRM_MODEL_NAME",
     "DLRM_P99_GOAL_MS",
@@ -279,6 +280,11 @@ DLRM_MAX_DELTA_BYTES = _var(
     "The largest embedding delta the sidecar accepts, bytes (POST /embeddings/deltas: 413 "
     "above it; a larger file on the model volume is skipped, never read). It sets the "
     "default of --max-delta-bytes.", SIDECAR)
+DLRM_MAX_DELTA_STORE_BYTES = _var(
+    "DLRM_MAX_DELTA_STORE_BYTES",
+    "The most bytes of embedding deltas the sidecar's delta store may hold, all versions "
+    "together (POST /embeddings/deltas: 507 past it). It sets the default of "
+    "--max-delta-store-bytes.", SIDECAR)
 DLRM_DRAIN_FILE = _var(
     "DLRM_DRAIN_FILE",
     "Where the sidecar records that the pod was drained (POST /drain), so a restarted "

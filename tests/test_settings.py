@@ -42,7 +42,8 @@ SIDECAR_FLAGS = (
     "--state-file", "--repository", "--reconcile-interval", "--register-timeout",
     "--drain-timeout", "--cgroup-root", "--memory-limit-bytes", "--prediction-log-dir",
     "--feedback-window-s", "--feedback-index-entries", "--feedback-max-body-bytes",
-    "--delta-dir", "--max-delta-bytes", "--drain-file", "--autotune",
+    "--delta-dir", "--max-delta-bytes", "--max-delta-store-bytes", "--drain-file",
+    "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level")
 

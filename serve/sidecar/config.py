@@ -37,7 +37,7 @@ from serve.state import (  # the limits are the desired state's: defined once th
     MAX_BATCH_DELAY_MS_MAX,
     WORKERS_MAX,
 )
-from serve.store.delta_files import MAX_DELTA_BYTES
+from serve.store.delta_files import MAX_DELTA_BYTES, MAX_DELTA_STORE_BYTES
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -140,6 +140,8 @@ class SidecarConfig:
             when ``delta_sync_s`` is 0).
         max_delta_bytes: the largest embedding delta accepted (POST and the volume);
             ``DeltaService.max_bytes``, also what the request guard allows that route.
+        max_delta_store_bytes: the most bytes of deltas the delta folder may hold
+            (``DeltaService.max_store_bytes``).
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`~serve.sidecar.control.tuner.TunerConfig`; on by
@@ -213,6 +215,13 @@ class SidecarConfig:
              "413 before it is read, a larger file on the model volume is skipped. The "
              "sidecar streams a delta to the delta folder (memory-backed in Kubernetes: "
              "charged to the pod), so keep it under the memory the pod can spare"))
+    max_delta_store_bytes: int = field(default=MAX_DELTA_STORE_BYTES, metadata=flag(
+        "--max-delta-store-bytes", env=settings.DLRM_MAX_DELTA_STORE_BYTES,
+        help="the most bytes of embedding deltas the delta folder may hold, every version "
+             "and the body being received together: a POST that would pass it gets 507. "
+             "A version's deltas stay until it stops being served; in Kubernetes the "
+             "folder is memory-backed and its deltas are charged to the sidecar's "
+             "container, so size the container from this bound (README, Memory)"))
     drain_file: Path | None = field(default=None, metadata=flag(
         "--drain-file", env=settings.DLRM_DRAIN_FILE,
         help="a pod-local file recording that POST /drain drained the pod, so a "
@@ -259,6 +268,12 @@ class SidecarConfig:
         number_in_range("memory_headroom", self.memory_headroom, 0, 1, lo_open=True)
         positive_int("max_delta_bytes", self.max_delta_bytes,
                      then=" (bytes): the largest embedding delta accepted")
+        if self.max_delta_store_bytes < self.max_delta_bytes:
+            raise ConfigError(
+                f"max_delta_store_bytes={self.max_delta_store_bytes} is below "
+                f"max_delta_bytes={self.max_delta_bytes}: the store could not hold one "
+                f"delta of the largest size; raise --max-delta-store-bytes or lower "
+                f"--max-delta-bytes")
         if self.drain_file is not None:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
 

@@ -150,7 +150,8 @@ class Sidecar:
                                         versions=state.served_versions,
                                         report_of=repository.report, clock=clock,
                                         wall_clock=wall_clock,
-                                        max_bytes=config.max_delta_bytes)
+                                        max_bytes=config.max_delta_bytes,
+                                        max_store_bytes=config.max_delta_store_bytes)
             registry.register(state.deltas)
         return state
 

@@ -65,6 +65,7 @@ __all__ = [
     "DELTA_MEDIA_TYPE",
     "FORMAT",
     "MAX_DELTA_BYTES",
+    "MAX_DELTA_STORE_BYTES",
     "Delta",
     "DeltaStore",
     "DeltaTable",
@@ -95,6 +96,11 @@ FORMAT = 1
 #: peaked at 408 MiB of the cgroup and 400 MB got the sidecar OOM-killed. 256 MiB keeps one
 #: delta inside a 512 MiB sidecar on either folder.
 MAX_DELTA_BYTES = 256 << 20
+#: The default bound on all the deltas the store holds (``--max-delta-store-bytes``): two
+#: of the largest. Stored deltas stay until their version stops being served, charged to
+#: the sidecar's container on a memory-backed folder, so its memory limit is sized from
+#: this bound (README, "Memory").
+MAX_DELTA_STORE_BYTES = 2 * MAX_DELTA_BYTES
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")
 _FILE_RE = re.compile(r"^(\d{8})\.delta$")
@@ -666,6 +672,13 @@ class DeltaStore:
         ``skip_tables_of`` (versions whose live workers map them: counted in their RSS)."""
         skip = {self.root / v / "tables.bin" for v in skip_tables_of}
         return sum(_size(p) for p in _files(self.root) if p not in skip)
+
+    def delta_bytes(self) -> int:
+        """Bytes of the stored deltas (every version's ``*.delta``) and of bodies being
+        received: what the sidecar itself has put in the store (the workers' shared
+        ``tables.bin`` and status files are theirs)."""
+        return sum(_size(p) for p in _files(self.root)
+                   if p.suffix == ".delta" or p.name.startswith(_INCOMING))
 
     def write_worker_status(self, status: WorkerStatus) -> None:
         folder = self.folder(status.version) / "workers"

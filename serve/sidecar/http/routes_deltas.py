@@ -18,6 +18,7 @@ deltas on, and the GET with ``enabled: false``.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -69,6 +70,7 @@ async def _receive(request: Request, service: DeltaService) -> Accepted:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
         service.check_size(int(length))
+        await asyncio.to_thread(service.check_room, int(length))
     return await service.receive(request.stream())
 
 

@@ -59,7 +59,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from serve.errors import DeltaConflict, PayloadTooLarge, ServeError
+from serve.errors import DeltaConflict, InsufficientMemory, PayloadTooLarge, ServeError
 from serve.metrics import (
     EmbeddingDeltaGauges,
     delta_files_skipped_family,
@@ -189,6 +189,11 @@ class DeltaService(Collector):
         max_bytes: the largest delta (default
             :data:`serve.store.delta_files.MAX_DELTA_BYTES`; the sidecar passes
             ``--max-delta-bytes``).
+        max_store_bytes: the most bytes of deltas the store may hold, all versions and
+            the body being received together (``--max-delta-store-bytes``); None: no
+            bound. In Kubernetes the store is memory-backed and its pages are charged to
+            the sidecar's container until their version stops being served, so this
+            bound, not one delta's size, is what keeps the sidecar inside its memory.
     """
 
     def __init__(self, store: DeltaStore, *, versions: Callable[[], list[str]],
@@ -197,8 +202,10 @@ class DeltaService(Collector):
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 pid_ttl_s: float = 1.0, max_bytes: int | None = None) -> None:
+                 pid_ttl_s: float = 1.0, max_bytes: int | None = None,
+                 max_store_bytes: int | None = None) -> None:
         self.store = store
+        self.max_store_bytes = max_store_bytes
         #: The largest delta accepted (bytes): POST bodies and volume files. The one limit
         #: of a delta; the request guard reads it here too.
         self.max_bytes = delta_format.MAX_DELTA_BYTES if max_bytes is None else max_bytes
@@ -273,6 +280,20 @@ class DeltaService(Collector):
                 f"(--max-delta-bytes); split the rows into several deltas (consecutive "
                 f"sequence numbers)")
 
+    def check_room(self, size: int, held: int | None = None) -> int:
+        """Raise :class:`~serve.errors.InsufficientMemory` (507) when ``size`` more bytes
+        would take the store's deltas past :attr:`max_store_bytes`; return the bytes held
+        now (``held``, when the caller has read them already)."""
+        held = self.store.delta_bytes() if held is None else held
+        if self.max_store_bytes is not None and held + size > self.max_store_bytes:
+            raise InsufficientMemory(
+                f"body: {size} bytes would take the pod's delta store from {held} bytes past "
+                f"its {self.max_store_bytes}-byte bound (--max-delta-store-bytes: the "
+                f"deltas stay in memory until their version stops being served); fold the "
+                f"deltas into a new version (make model / make import) and declare it, "
+                f"or raise the bound together with the sidecar's memory limit")
+        return held
+
     def check_served(self, delta: Delta) -> None:
         """Steps 3-4 of the module docstring: a served version, and its tables.
 
@@ -310,12 +331,14 @@ class DeltaService(Collector):
             the errors of :meth:`validate` and :meth:`DeltaStore.commit`; nothing stays
             stored on any of them.
         """
+        held = await asyncio.to_thread(self.check_room, 0)
         incoming = await asyncio.to_thread(self.store.incoming, self.max_bytes)
         try:
             pending, size = bytearray(), 0
             async for chunk in chunks:
                 size += len(chunk)
                 self.check_size(size)
+                self.check_room(size, held)
                 pending += chunk
                 if len(pending) >= _WRITE_CHUNK:
                     await asyncio.to_thread(incoming.write, pending)
@@ -329,6 +352,7 @@ class DeltaService(Collector):
 
     def receive_file(self, path: Path) -> Accepted:
         """:meth:`receive` for a file (the model volume): copied in 1 MiB chunks."""
+        self.check_room(path.stat().st_size)
         incoming = self.store.incoming(self.max_bytes)
         try:
             with open(path, "rb") as f:
@@ -362,6 +386,7 @@ class DeltaService(Collector):
             sequence (the store is unchanged on every error).
         """
         self.validate(blob)
+        self.check_room(len(blob))
         incoming = self.store.incoming(self.max_bytes)
         try:
             incoming.write(blob)
@@ -427,7 +452,8 @@ class DeltaService(Collector):
                     break
                 accepted = self.receive_file(path)
             except (ServeError, OSError) as e:
-                reason = "unreadable" if isinstance(e, OSError) else "invalid"
+                reason = ("unreadable" if isinstance(e, OSError) else
+                          "store_full" if isinstance(e, InsufficientMemory) else "invalid")
                 self._skip(path, None, reason, str(getattr(e, "message", e)))
                 break
             _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
@@ -449,7 +475,7 @@ class DeltaService(Collector):
     @property
     def skipped(self) -> dict[str, int]:
         """Volume files not taken so far, by reason (``too_large``, ``invalid``,
-        ``unreadable``)."""
+        ``unreadable``, ``store_full``: retried on every pass)."""
         with self._state_lock:
             return dict(self._skipped)
 
