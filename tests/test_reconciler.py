@@ -41,7 +41,7 @@ from tests.promtext import samples
 
 T = TypeVar("T")
 MGMT = "http://ts-management"
-TOKEN = "t0ken"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MiB = 1 << 20
 

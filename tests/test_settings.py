@@ -43,7 +43,9 @@ SIDECAR_FLAGS = (
     "--drain-timeout", "--cgroup-root", "--memory-limit-bytes", "--prediction-log-dir",
     "--feedback-window-s", "--feedback-index-entries", "--delta-dir", "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
-    "--tune-min-switch-interval-s", "--log-level")
+    "--tune-min-switch-interval-s", "--log-level",
+    # the edge (serve/sidecar/http/guard.py): the write port and the scoped tokens
+    "--write-port", "--delta-token-file", "--feedback-token-file")
 
 
 # --------------------------------------------------------------------------- the registry

@@ -38,7 +38,7 @@ from tests.promtext import samples
 
 RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
          "0..10000, workers: integer 1..64")
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 
 
 # ------------------------------------------------------------------ units
