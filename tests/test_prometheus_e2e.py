@@ -87,10 +87,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
     write_state(state_file, parse_state({"model": {"version": version},
                                          "batching": {"batch_size": 1, "max_batch_delay_ms": 0},
                                          "workers": 1}))
-    inf, mgmt, met, side, gi, gm, prom_port = free_ports(7)
+    inf, mgmt, met, side, side_w, gi, gm, prom_port = free_ports(8)
     path = os.pathsep.join(p for p in (str(FAKE_NVML), os.environ.get("PYTHONPATH")) if p)
     cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
         grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
         state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
         ready_timeout_s=180,
