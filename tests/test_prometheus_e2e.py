@@ -103,18 +103,18 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
                             data_dir=root / "prometheus")
     prom = PrometheusServer(pcfg)
     try:
-        StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=180)
+        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
         prom.start()
         # feedback first, so the online calibration series exist for the dashboard
         answers = score_split(predict_url, tiny_build.data_dir, rows=2048, batch=256, clients=1)
         from serve.model.data import load_split  # offline data format (test side only)
 
         labels = load_split(tiny_build.data_dir, "eval").labels
-        post_labels(cfg.sidecar_url, token, label_triples(answers, labels))
+        post_labels(cfg.sidecar_write_url, token, label_triples(answers, labels))
         # an embedding delta and an id beyond its table, so the freshness and wrapped-id
         # series exist (the dashboard shows them); the delta overwrites one row with its
         # own bytes, so the predictions (and the cache's hits) stay what they were
-        _post_identity_delta(cfg.sidecar_url, token, tiny_build.artifact, version)
+        _post_identity_delta(cfg.sidecar_write_url, token, tiny_build.artifact, version)
         r = httpx.post(predict_url, json=example_request(1, seed=1, max_id=2**40), timeout=30)
         assert r.status_code == 200, r.text
         # a few bad requests, so the errors-by-code series exist (the dashboard shows them)
