@@ -162,8 +162,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 def _too_large(what: str, size: int, limit: int, then: str, *, streamed: bool) -> PayloadTooLarge:
-    seen = f"the body passed {size} bytes" if streamed else f"Content-Length {size}"
-    return PayloadTooLarge(f"{what}: {seen} is over its {limit}-byte limit; {then}")
+    seen = "read so far, not all of it" if streamed else "its Content-Length"
+    return PayloadTooLarge(f"{what}: body: {size} bytes is over the {limit}-byte limit "
+                           f"({seen}); {then}")
 
 
 class EdgeGuard:
