@@ -248,7 +248,7 @@ def test_real_sidecar_with_torchserve_down(tmp_path):
                        model_store=tmp_path / "store", state_file=state_file,
                        repositories=[add_versions(tmp_path / "repo", ["toy"])])
     try:
-        with httpx.Client(base_url=sc.url, timeout=30) as c:
+        with httpx.Client(base_url=sc.write_url, timeout=30) as c:  # reads there too
             assert c.get("/healthz").json() == {"status": "alive"}
             r = c.get("/readyz")
             assert r.status_code == 503
