@@ -3,8 +3,8 @@
     make up && make bench-autotune        # ~15 minutes
     python -m bench.bench_autotune [--traffics single,ranking,mixed] [--quick] [--static-only]
 
-Against the service `make up` started (TorchServe on :8080, the sidecar on :8090; the
-sidecar's token in ``.run/sidecar-token``), with wrk (``make wrk``) posting row-form JSON
+Against the service `make up` started (TorchServe on :8080, the sidecar's writes on
+:8091; its token in ``.run/sidecar-token``), with wrk (``make wrk``) posting row-form JSON
 bodies through ``bench/wrk/post.lua``, it measures three traffics:
 
 * ``single``: 1-instance requests (``--single-bodies`` distinct, seeded) over
@@ -78,7 +78,7 @@ import httpx
 import orjson
 
 from serve.api.protocol import example_request
-from serve.constants import DEFAULT_TOKEN_FILE, P99_SLO_MS
+from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.capacity import machine_info
 
@@ -796,7 +796,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bench.bench_autotune", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
-    ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
+    ap.add_argument("--sidecar-url", default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}",
+                    help="the sidecar's write API (its --write-port)")
     ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--traffics", default=",".join(TRAFFICS),

@@ -375,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         port = urllib.parse.urlsplit(args.url).port or 8080
         print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
         # its own run/log dirs and free side ports, so it never collides with `make up`
-        mgmt, met, side, gi, gm = free_ports(5)
+        mgmt, met, side, side_w, gi, gm = free_ports(6)
         cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
-                           sidecar_port=side, grpc_inference_port=gi, grpc_management_port=gm,
+                           sidecar_port=side, sidecar_write_port=side_w,
+                           grpc_inference_port=gi, grpc_management_port=gm,
                            model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
                            log_dir=Path("logs/bench-e2e"))
         service = start(cfg)

@@ -81,9 +81,9 @@ def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str
         root = Path(tmp)
         write_state(root / "state.yaml", parse_state({"model": {"version": version},
                                                       "workers": workers}))
-        inf, mgmt, met, side, gi, gm = free_ports(6)
+        inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
         cfg = LaunchConfig(
-            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
             grpc_inference_port=gi, grpc_management_port=gm,
             model_store=REPO / "model_store", state_file=root / "state.yaml",
             run_dir=root / "run", log_dir=root / "logs", sidecar=True, ready_timeout_s=300,
@@ -92,7 +92,7 @@ def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str
         svc = start(cfg)
         try:
             token = cfg.token_file.read_text().strip()
-            StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=300)
+            StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=300)
             ready_s = time.monotonic() - t0
             url = f"{cfg.inference_url}/predictions/dlrm"
             with httpx.Client(timeout=60) as c:

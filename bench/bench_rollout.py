@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
-from serve.constants import DEFAULT_TOKEN_FILE
+from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bench.bench_rollout", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
-    ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
+    ap.add_argument("--sidecar-url", default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}",
+                    help="the sidecar's write API (its --write-port)")
     ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--candidate", default=None,

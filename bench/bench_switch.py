@@ -2,7 +2,7 @@
 
     make up && python -m bench.bench_switch [--to VERSION] [--clients 8] [--instances 512]
 
-Against the service `make up` started (sidecar on :8090, TorchServe on :8080), with
+Against the service `make up` started (sidecar writes on :8091, TorchServe on :8080), with
 ``--clients`` closed-loop clients posting ``--instances``-instance requests (binary form)
 the whole time, it runs three changes through ``PUT /state`` and waits for ``GET /state``
 to report ``converged`` on each:
@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
-from serve.constants import DEFAULT_TOKEN_FILE
+from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient, tuner_paused
@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bench.bench_switch", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inference-url", default="http://127.0.0.1:8080")
-    ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090")
+    ap.add_argument("--sidecar-url", default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}",
+                    help="the sidecar's write API (its --write-port)")
     ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help="the sidecar's bearer token (make up writes it)")
     ap.add_argument("--to", default=None, help="version to switch to (default: newest other)")

@@ -10,6 +10,7 @@ contract, the metrics, the tools and the load test all import them from here.
 - ``GUARD_*``: the rollout guards' default limits (``serve.state.Guards``, the declared
   state's schema, and ``serve.sidecar.control.guards.GuardLimits``, what judges).
 - ``DEFAULT_*_PORT``: where TorchServe and the sidecar listen unless told otherwise.
+- ``SIDECAR_TOKEN_*``: what the sidecar refuses as a token at start.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_MANAGEMENT_PORT",
     "DEFAULT_METRICS_PORT",
     "DEFAULT_SIDECAR_PORT",
+    "DEFAULT_SIDECAR_WRITE_PORT",
     "GUARD_INTERVAL_S",
     "GUARD_MAX_ERROR_RATIO",
     "GUARD_MAX_P99_RATIO",
@@ -30,6 +32,8 @@ __all__ = [
     "GUARD_MIN_INSTANCES",
     "GUARD_MIN_REQUESTS",
     "P99_SLO_MS",
+    "SIDECAR_TOKEN_MIN_BYTES",
+    "SIDECAR_TOKEN_PLACEHOLDER",
     "STAGES",
 ]
 
@@ -69,6 +73,10 @@ DEFAULT_INFERENCE_PORT = 8080
 DEFAULT_MANAGEMENT_PORT = 8081
 DEFAULT_METRICS_PORT = 8082
 DEFAULT_SIDECAR_PORT = 8090
+#: The sidecar's write API (every PUT/POST, and every read too): its own port, so that the
+#: public port (metrics, probes, reads; what Prometheus and the Service reach) takes no
+#: write at all, and a NetworkPolicy can open the write port to the operators only.
+DEFAULT_SIDECAR_WRITE_PORT = 8091
 #: TorchServe 0.12 always starts its gRPC APIs (unused here); they must not collide.
 DEFAULT_GRPC_INFERENCE_PORT = 7070
 DEFAULT_GRPC_MANAGEMENT_PORT = 7071
@@ -76,3 +84,11 @@ DEFAULT_GRPC_MANAGEMENT_PORT = 7071
 #: Where ``make up`` / ``make run`` write the sidecar's write token (relative to the repo),
 #: and where the sidecar and every tool read it by default.
 DEFAULT_TOKEN_FILE = ".run/sidecar-token"
+
+#: The shortest token the sidecar accepts, in bytes (UTF-8): 32 random bytes is what
+#: ``openssl rand -hex 32`` (64 characters) and the development token (43) both exceed;
+#: a shorter one is a password someone typed.
+SIDECAR_TOKEN_MIN_BYTES = 32
+#: The token of the Secret template (k8s/templates/sidecar-token-secret.yaml), refused at
+#: start: applying the template unedited must not leave a token everybody knows.
+SIDECAR_TOKEN_PLACEHOLDER = "REPLACE-ME-with-openssl-rand-hex-32"

@@ -41,6 +41,7 @@ from serve.constants import (
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_SIDECAR_PORT,
+    DEFAULT_SIDECAR_WRITE_PORT,
 )
 from serve.errors import ConfigError
 
@@ -67,12 +68,15 @@ __all__ = [
     "DLRM_REPOSITORY",
     "DLRM_REQUEST_LOG",
     "DLRM_SHARED_TABLES",
+    "DLRM_SIDECAR_DELTA_TOKEN_FILE",
+    "DLRM_SIDECAR_FEEDBACK_TOKEN_FILE",
     # the variables, in REGISTRY order
     "DLRM_SIDECAR_HOST",
     "DLRM_SIDECAR_PORT",
     "DLRM_SIDECAR_TOKEN",
     "DLRM_SIDECAR_TOKEN_FILE",
     "DLRM_SIDECAR_URL",
+    "DLRM_SIDECAR_WRITE_PORT",
     "DLRM_STATE_FILE",
     "DLRM_TUNE_MIN_DWELL_S",
     "DLRM_TUNE_MIN_SWITCH_INTERVAL_S",
@@ -91,6 +95,7 @@ __all__ = [
     "REGISTRY",
     "SIDECAR",
     "SIDECAR_PORT",
+    "SIDECAR_WRITE_PORT",
     "TOOLS",
     "TORCHSERVE",
     "TS_DECODE_INPUT_REQUEST",
@@ -234,6 +239,15 @@ DLRM_SIDECAR_TOKEN = _var(
     "too. In Kubernetes it comes from the Secret dlrm-sidecar-token.", SIDECAR, TOOLS)
 DLRM_SIDECAR_TOKEN_FILE = _var("DLRM_SIDECAR_TOKEN_FILE",
                                "The file holding the write token.", SIDECAR)
+# The edge: the write port and the scoped tokens (serve.sidecar.http.guard).
+DLRM_SIDECAR_WRITE_PORT = _var(
+    "DLRM_SIDECAR_WRITE_PORT", "The sidecar's write port (every write; reads too).", SIDECAR)
+DLRM_SIDECAR_DELTA_TOKEN_FILE = _var(
+    "DLRM_SIDECAR_DELTA_TOKEN_FILE",
+    "The file holding the delta publisher's token (POST /embeddings/deltas only).", SIDECAR)
+DLRM_SIDECAR_FEEDBACK_TOKEN_FILE = _var(
+    "DLRM_SIDECAR_FEEDBACK_TOKEN_FILE",
+    "The file holding the feedback producer's token (POST /feedback only).", SIDECAR)
 PROMETHEUS_MULTIPROC_DIR = _var(
     "PROMETHEUS_MULTIPROC_DIR",
     "prometheus_client's multiprocess folder: the workers write their metrics there (the "
@@ -366,6 +380,11 @@ SIDECAR_PORT = _var(
     "SIDECAR_PORT",
     "The sidecar's port when the launcher's --sidecar-port is not given (the launcher "
     "passes it to the sidecar as --port).", LAUNCHER, default=str(DEFAULT_SIDECAR_PORT))
+SIDECAR_WRITE_PORT = _var(
+    "SIDECAR_WRITE_PORT",
+    "The sidecar's write port when the launcher's --sidecar-write-port is not given (the "
+    "launcher passes it to the sidecar as --write-port).", LAUNCHER,
+    default=str(DEFAULT_SIDECAR_WRITE_PORT))
 GRPC_INFERENCE_PORT = _var(
     "GRPC_INFERENCE_PORT", "TorchServe's gRPC inference port (always started, unused).",
     LAUNCHER, default=str(DEFAULT_GRPC_INFERENCE_PORT))
@@ -376,8 +395,9 @@ GRPC_MANAGEMENT_PORT = _var(
 # --------------------------------------------------------------------------- tools
 DLRM_SIDECAR_URL = _var(
     "DLRM_SIDECAR_URL",
-    "The sidecar that python -m serve.ops.drain (the preStop hook) asks to drain.", TOOLS,
-    default=f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}")
+    "The sidecar's write API (its write port) that python -m serve.ops.drain (the preStop "
+    "hook) asks to drain.", TOOLS,
+    default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}")
 
 # --------------------------------------------------------------------------- load test
 LOADTEST_HOST = _var(

@@ -51,7 +51,7 @@ class Served:
 
     @property
     def sidecar_url(self) -> str:
-        return self.cfg.sidecar_url
+        return self.cfg.sidecar_write_url  # the write port serves the reads too
 
     def post_delta(self, body: bytes, wait_s: float = 30) -> httpx.Response:
         return httpx.post(f"{self.sidecar_url}/embeddings/deltas", content=body,
@@ -88,7 +88,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()
     try:
-        StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=180)
+        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
         yield Served(cfg, token, load_artifact(art_path, mmap=False))
     finally:
         svc.stop()

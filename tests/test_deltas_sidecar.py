@@ -31,7 +31,7 @@ from serve.store.rowformat import row_bytes
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, toy_mar
 from tests.promtext import samples
 
-TOKEN = "delta-t0ken"
+TOKEN = "delta-t0ken-for-tests-delta-t0ken-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SERVED, OTHER = "tiny-a", "tiny-b"
 TINY = get_profile("tiny")

@@ -33,7 +33,7 @@ def _app(tmp_path: Path):
     port = dead_port()  # no TorchServe: /docs must not depend on it
     dead = f"http://127.0.0.1:{port}"
     return create_app(SidecarConfig(management_url=dead, metrics_url=dead, inference_url=dead,
-                                    token="t0ken-for-tests", multiproc_dir=tmp_path))
+                                    token="t0ken-for-tests-t0ken-for-tests-0123", multiproc_dir=tmp_path))
 
 
 def test_docs_page_and_assets_are_served_locally(tmp_path: Path) -> None:

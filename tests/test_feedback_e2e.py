@@ -40,7 +40,7 @@ class Served:
 
     @property
     def sidecar_url(self) -> str:
-        return self.cfg.sidecar_url
+        return self.cfg.sidecar_write_url  # the write port serves the reads too
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         return samples(httpx.get(f"{self.sidecar_url}/metrics", timeout=10).text)
@@ -68,7 +68,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Ser
     svc = start(cfg)
     token = cfg.token_file.read_text().strip()
     try:
-        StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=180)
+        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
         yield Served(cfg, version, tiny_build.data_dir, root / "model_store", token,
                      dict(tiny_build.report))
     finally:

@@ -31,9 +31,9 @@ def held() -> Iterator[int]:
 
 def _cfg(tmp_path: Path, **kw: object) -> LaunchConfig:
     """Free ports (the OS picks them) and every path under ``tmp_path``."""
-    inf, mgmt, met, side, gi, gm = free_ports(6)
+    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
     base: dict = {"inference_port": inf, "management_port": mgmt, "metrics_port": met,
-                  "sidecar_port": side, "grpc_inference_port": gi, "grpc_management_port": gm,
+                  "sidecar_port": side, "sidecar_write_port": side_w, "grpc_inference_port": gi, "grpc_management_port": gm,
                   "model_store": tmp_path / "model_store", "run_dir": tmp_path / "run",
                   "log_dir": tmp_path / "logs", "state_file": tmp_path / "run" / "state.yaml"}
     return LaunchConfig(**{**base, **kw})
@@ -43,7 +43,8 @@ def test_planned_ports_name_every_port_and_how_to_move_it(tmp_path: Path):
     cfg = _cfg(tmp_path)
     uses = {u.setting: u for u in planned_ports(cfg)}
     assert set(uses) == {"inference_port", "management_port", "metrics_port",
-                         "grpc_inference_port", "grpc_management_port", "sidecar_port"}
+                         "grpc_inference_port", "grpc_management_port", "sidecar_port",
+                         "sidecar_write_port"}
     assert uses["inference_port"].port == cfg.inference_port
     assert uses["inference_port"].how_to_move() == (
         "--inference-port PORT or TS_INFERENCE_PORT=PORT (make up TS_INFERENCE_PORT=PORT)")

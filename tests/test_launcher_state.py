@@ -109,7 +109,7 @@ def test_empty_repository_says_run_make_model(tmp_path: Path):
 def _cfg(tmp_path: Path, **kw: object) -> LaunchConfig:
     # free ports: start() checks them first, and a `make up` on this host holds the defaults
     ports = ("inference_port", "management_port", "metrics_port", "sidecar_port",
-             "grpc_inference_port", "grpc_management_port")
+             "sidecar_write_port", "grpc_inference_port", "grpc_management_port")
     base: dict = {"model_store": tmp_path / "model_store", "run_dir": tmp_path / "run",
                   "log_dir": tmp_path / "logs", "state_file": tmp_path / "run" / "state.yaml",
                   **dict(zip(ports, free_ports(len(ports)), strict=True))}

@@ -87,10 +87,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
     write_state(state_file, parse_state({"model": {"version": version},
                                          "batching": {"batch_size": 1, "max_batch_delay_ms": 0},
                                          "workers": 1}))
-    inf, mgmt, met, side, gi, gm, prom_port = free_ports(7)
+    inf, mgmt, met, side, side_w, gi, gm, prom_port = free_ports(8)
     path = os.pathsep.join(p for p in (str(FAKE_NVML), os.environ.get("PYTHONPATH")) if p)
     cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
         grpc_inference_port=gi, grpc_management_port=gm, model_store=root / "model_store",
         state_file=state_file, run_dir=root / "run", log_dir=root / "logs", sidecar=True,
         ready_timeout_s=180,
@@ -103,18 +103,18 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[O
                             data_dir=root / "prometheus")
     prom = PrometheusServer(pcfg)
     try:
-        StateClient(cfg.sidecar_url, token, timeout_s=30).wait_converged(timeout_s=180)
+        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
         prom.start()
         # feedback first, so the online calibration series exist for the dashboard
         answers = score_split(predict_url, tiny_build.data_dir, rows=2048, batch=256, clients=1)
         from serve.model.data import load_split  # offline data format (test side only)
 
         labels = load_split(tiny_build.data_dir, "eval").labels
-        post_labels(cfg.sidecar_url, token, label_triples(answers, labels))
+        post_labels(cfg.sidecar_write_url, token, label_triples(answers, labels))
         # an embedding delta and an id beyond its table, so the freshness and wrapped-id
         # series exist (the dashboard shows them); the delta overwrites one row with its
         # own bytes, so the predictions (and the cache's hits) stay what they were
-        _post_identity_delta(cfg.sidecar_url, token, tiny_build.artifact, version)
+        _post_identity_delta(cfg.sidecar_write_url, token, tiny_build.artifact, version)
         r = httpx.post(predict_url, json=example_request(1, seed=1, max_id=2**40), timeout=30)
         assert r.status_code == 200, r.text
         # a few bad requests, so the errors-by-code series exist (the dashboard shows them)

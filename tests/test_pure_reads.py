@@ -29,7 +29,7 @@ from serve.store.repository import ModelRepository
 from tests.fixtures.sidecar import FakeTorchServe, add_versions
 
 MGMT = "http://ts-management"
-TOKEN = "t0ken"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

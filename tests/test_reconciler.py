@@ -41,7 +41,7 @@ from tests.promtext import samples
 
 T = TypeVar("T")
 MGMT = "http://ts-management"
-TOKEN = "t0ken"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MiB = 1 << 20
 
@@ -448,7 +448,7 @@ def test_status_shape(tmp_path, repo, state_file):
         "target_serving_version": "small-s0_b8d50w1",
         "available_versions": ["small-s0", "small-s1"],
         "state_file": str(state_file), "state_file_writable": True, "rollout": None,
-        "tuner": None}
+        "tuner": None, "sidecar": None}
     w.tick()
     after = w.status()
     assert after["converged"] is True and after["reason"] is None

@@ -105,7 +105,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build, tiny_build_seed
                                          "batching": BATCHING, "workers": 1}))
     cfg = service_config(root, ts_overrides={"job_queue_size": "200"})
     svc = start(cfg)
-    client = StateClient(cfg.sidecar_url, cfg.token_file.read_text().strip(),
+    client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
                          timeout_s=30)
     try:
         client.wait_converged(timeout_s=180)

@@ -69,8 +69,12 @@ class Served:
         return f"http://127.0.0.1:{self.cfg.sidecar_port}"
 
     @property
+    def sidecar_write_url(self) -> str:
+        return self.cfg.sidecar_write_url
+
+    @property
     def client(self) -> StateClient:
-        return StateClient(self.sidecar_url, self.token)
+        return StateClient(self.sidecar_write_url, self.token)
 
     def state(self) -> dict[str, Any]:
         return self.client.state()

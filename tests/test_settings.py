@@ -45,7 +45,9 @@ SIDECAR_FLAGS = (
     "--delta-dir", "--max-delta-bytes", "--max-delta-store-bytes", "--drain-file",
     "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
-    "--tune-min-switch-interval-s", "--log-level")
+    "--tune-min-switch-interval-s", "--log-level",
+    # the edge (serve/sidecar/http/guard.py): the write port and the scoped tokens
+    "--write-port", "--delta-token-file", "--feedback-token-file")
 
 
 # --------------------------------------------------------------------------- the registry

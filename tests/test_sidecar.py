@@ -38,7 +38,7 @@ from tests.promtext import samples
 
 RULES = ("Allowed fields: batch_size: integer 1..4096, max_batch_delay_ms: integer "
          "0..10000, workers: integer 1..64")
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 
 
 # ------------------------------------------------------------------ units
@@ -248,7 +248,7 @@ def test_real_sidecar_with_torchserve_down(tmp_path):
                        model_store=tmp_path / "store", state_file=state_file,
                        repositories=[add_versions(tmp_path / "repo", ["toy"])])
     try:
-        with httpx.Client(base_url=sc.url, timeout=30) as c:
+        with httpx.Client(base_url=sc.write_url, timeout=30) as c:  # reads there too
             assert c.get("/healthz").json() == {"status": "alive"}
             r = c.get("/readyz")
             assert r.status_code == 503
@@ -341,7 +341,7 @@ def test_state_file_is_served_by_a_real_torchserve(sidecar, torchserve):
     repo = ModelRepository(sidecar.repositories)
     if not repo.exists(other):
         repo.add(other, torchserve.mar, {"created_at": "2026-12-31T00:00:00Z"})
-    client = StateClient(sidecar.url, sidecar.token)
+    client = StateClient(sidecar.write_url, sidecar.token)
     load = BackgroundLoad(torchserve.predict_url,
                           [json.dumps(example_request(2, seed=i)).encode() for i in range(2)],
                           clients=2, timeout_s=60)
@@ -420,7 +420,7 @@ def _switch_phase(sidecar) -> str:
 
 
 def _put(sidecar, body: dict, timeout: float = 300) -> httpx.Response:
-    return httpx.put(f"{sidecar.url}/batching", json=body, timeout=timeout,
+    return httpx.put(f"{sidecar.write_url}/batching", json=body, timeout=timeout,
                      headers={"Authorization": f"Bearer {sidecar.token}"})
 
 

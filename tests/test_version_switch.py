@@ -37,7 +37,7 @@ from tests.promtext import samples
 
 T = TypeVar("T")
 MGMT = "http://ts-management"
-TOKEN = "t0ken"
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
 V = "small-s0"
 TARGET = "small-s0_b16d50w1"
 MiB = 1 << 20

@@ -50,7 +50,7 @@ import httpx
 from serve.common.validate import positive_number
 from serve.constants import (
     DEFAULT_INFERENCE_PORT,
-    DEFAULT_SIDECAR_PORT,
+    DEFAULT_SIDECAR_WRITE_PORT,
     DEFAULT_TOKEN_FILE,
     P99_SLO_MS,
 )
@@ -71,7 +71,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_HOST = f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}"
-DEFAULT_SIDECAR = f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}"
+#: The sidecar's write API (PUT /tuner pauses the tuner).
+DEFAULT_SIDECAR = f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}"
 # Not in k8s/: `kubectl apply -f k8s/` reads every .json there and rejects this one (no
 # `kind`). The figures belong with the load test that measured them.
 DEFAULT_OUTPUT = Path("loadtest/capacity.json")

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.constants import DEFAULT_SIDECAR_WRITE_PORT
 from serve.errors import ServeError
 from serve.ops.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
@@ -49,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--delta", required=True, help="the delta file (make delta prints its path)")
     ap.add_argument("--url", default="http://127.0.0.1:8080", help="inference endpoint")
-    ap.add_argument("--sidecar", default="http://127.0.0.1:8090", help="sidecar endpoint")
+    ap.add_argument("--sidecar", default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}",
+                    help="the sidecar's write API (--write-port)")
     ap.add_argument("--token-file", default=str(REPO / ".run" / "sidecar-token"),
                     help="the sidecar's bearer token (make up writes .run/sidecar-token)")
     ap.add_argument("--day", type=int, default=None,

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sidecar-url", default=DLRM_SIDECAR_URL.get(),
-                    help=f"the sidecar to drain (default ${DLRM_SIDECAR_URL} or "
+                    help=f"the sidecar's write API to drain (default ${DLRM_SIDECAR_URL} or "
                          f"{DLRM_SIDECAR_URL.default})")
     ap.add_argument("--token-file", default=DEFAULT_TOKEN_FILE,
                     help=f"used when {DLRM_SIDECAR_TOKEN} is not set")

@@ -217,16 +217,16 @@ def harness(root: Path, store: Path) -> Iterator[Harness]:
     """A background service on free ports (job_queue_size ``QUEUE``), stopped at the end."""
     from serve.ops.launcher import LaunchConfig, start
 
-    inf, mgmt, met, side, gi, gm = free_ports(6)
+    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
     cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
         grpc_inference_port=gi, grpc_management_port=gm, model_store=store,
         state_file=_state_file(root, stable_version(store)), run_dir=root / "run",
         log_dir=root / "logs", sidecar=True, ready_timeout_s=300,
         ts_overrides={"job_queue_size": str(QUEUE)})
     svc = start(cfg)
     try:
-        client = StateClient(cfg.sidecar_url, cfg.token_file.read_text().strip(), timeout_s=30)
+        client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(), timeout_s=30)
         client.wait_converged(timeout_s=180)
         # the declared batching for the whole run (the service stops with the tuner off)
         client.set_tuner(False)
@@ -400,13 +400,13 @@ def _soak_rate(h: Harness) -> float:
 def case_sigterm(root: Path, store: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Its own foreground service: SIGTERM goes to `launcher run` (the pod's TorchServe
     container gets it after the preStop drain; locally the launcher drains itself)."""
-    inf, mgmt, met, side, gi, gm = free_ports(6)
+    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
     run = root / "sigterm"
     env = dict(os.environ, GRPC_INFERENCE_PORT=str(gi), GRPC_MANAGEMENT_PORT=str(gm))
     env[DLRM_AUTOTUNE.name] = "off"  # the declared batching, as in the harness
     cmd = [sys.executable, "-m", "serve.ops.launcher", "run", "--inference-port", str(inf),
            "--management-port", str(mgmt), "--metrics-port", str(met), "--sidecar-port",
-           str(side), "--model-store", str(store), "--state-file",
+           str(side), "--sidecar-write-port", str(side_w), "--model-store", str(store), "--state-file",
            str(_state_file(root, stable_version(store))), "--run-dir", str(run / "run"),
            "--log-dir", str(run / "logs"), "--drain-timeout", str(args.grace_s - 5)]
     run.mkdir(parents=True, exist_ok=True)

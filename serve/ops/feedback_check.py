@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 from serve.common.quality import summarize
+from serve.constants import DEFAULT_SIDECAR_WRITE_PORT
 from serve.errors import ServeError
 from serve.ops.heldout import ScoredRequest, data_dir_of, score_split
 from serve.store.repository import ModelRepository
@@ -101,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                     "with the build-time baseline (|dAUC| <= 0.01, |dcalibration| <= 0.05).")
     p.add_argument("--url", default="http://127.0.0.1:8080/predictions/dlrm",
                    help="the inference endpoint")
-    p.add_argument("--sidecar", default="http://127.0.0.1:8090", help="the sidecar")
+    p.add_argument("--sidecar", default=f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}",
+                   help="the sidecar's write API (--write-port)")
     p.add_argument("--token-file", default=str(REPO / ".run" / "sidecar-token"),
                    help="the sidecar's bearer token (POST /feedback needs it)")
     p.add_argument("--repository", action="append", default=None,

@@ -616,9 +616,9 @@ class Service:
             if self._short is None:
                 self._short = Path(tempfile.mkdtemp(prefix="ic-run-"))
             run_dir = self._short / str(self.starts)
-        inf, mgmt, met, side, gi, gm = free_ports(6)
+        inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
         return LaunchConfig(
-            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
+            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
             grpc_inference_port=gi, grpc_management_port=gm, model_store=self.store,
             state_file=run / "state.yaml", run_dir=run_dir, log_dir=run / "logs",
             sidecar=True, ready_timeout_s=self.converge_timeout_s,
@@ -638,7 +638,7 @@ class Service:
     def client(self) -> Any:
         from serve.ops.state_client import StateClient
 
-        return StateClient(self.cfg.sidecar_url, self._token)
+        return StateClient(self.cfg.sidecar_write_url, self._token)
 
     def serve(self, version: str) -> float:
         """Serve ``version``; seconds until converged on it.

@@ -15,9 +15,9 @@ names. Tests and benchmarks load an archive of the model store at start instead
 fixtures build).
 
 "Ready" means a real predict was answered, not just ``/ping``. Ports come from flags, else the env
-(TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, and
-GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
-8080/8081/8082/8090 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
+(TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, SIDECAR_WRITE_PORT,
+and GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
+8080/8081/8082/8090/8091 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
 Before anything starts, each of these ports is test-bound (``check_ports``): a busy one
 fails at once, naming the port, its setting, its holder and the flag/variable that moves it.
 
@@ -56,6 +56,7 @@ from serve.constants import (
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_SIDECAR_PORT,
+    DEFAULT_SIDECAR_WRITE_PORT,
 )
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
@@ -106,6 +107,8 @@ class LaunchConfig:
     management_port: int = DEFAULT_MANAGEMENT_PORT
     metrics_port: int = DEFAULT_METRICS_PORT
     sidecar_port: int = DEFAULT_SIDECAR_PORT
+    # The sidecar's write API (every write; the public sidecar_port refuses them).
+    sidecar_write_port: int = DEFAULT_SIDECAR_WRITE_PORT
     # TorchServe 0.12 always starts gRPC; can't be disabled
     grpc_inference_port: int = DEFAULT_GRPC_INFERENCE_PORT
     grpc_management_port: int = DEFAULT_GRPC_MANAGEMENT_PORT
@@ -137,7 +140,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         ports = [self.inference_port, self.management_port, self.metrics_port, self.sidecar_port,
-                 self.grpc_inference_port, self.grpc_management_port]
+                 self.sidecar_write_port, self.grpc_inference_port, self.grpc_management_port]
         for p in ports:
             int_in_range("port", p, 1, 65535)
         if len(set(ports)) != len(ports):
@@ -162,7 +165,13 @@ class LaunchConfig:
 
     @property
     def sidecar_url(self) -> str:
+        """The sidecar's public port: metrics, probes and reads."""
         return f"http://{self.host}:{self.sidecar_port}"
+
+    @property
+    def sidecar_write_url(self) -> str:
+        """The sidecar's write port: every write (PUT /state, POST /drain...), reads too."""
+        return f"http://{self.host}:{self.sidecar_write_port}"
 
     @property
     def multiproc_dir(self) -> Path:
@@ -384,6 +393,7 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
     ``--repository`` (one per folder) where the versions are, ``--state-file`` what to serve.
     """
     cmd = [sys.executable, "-m", "serve.sidecar", "--host", cfg.host, "--port", str(cfg.sidecar_port),
+           "--write-port", str(cfg.sidecar_write_port),
            "--inference-url", cfg.inference_url, "--management-url", cfg.management_url,
            "--metrics-url", cfg.metrics_url, "--model-name", cfg.model_name,
            "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
@@ -568,7 +578,10 @@ _PORTS: tuple[tuple[str, str, str | None, EnvVar], ...] = (
     ("grpc_management_port", "TorchServe gRPC management API (always started)", None,
      settings.GRPC_MANAGEMENT_PORT),
     ("sidecar_port", "the sidecar (FastAPI)", "--sidecar-port", settings.SIDECAR_PORT),
+    ("sidecar_write_port", "the sidecar's write API", "--sidecar-write-port",
+     settings.SIDECAR_WRITE_PORT),
 )
+_SIDECAR_PORTS = ("sidecar_port", "sidecar_write_port")
 
 
 def planned_ports(cfg: LaunchConfig) -> list[PortUse]:
@@ -576,7 +589,7 @@ def planned_ports(cfg: LaunchConfig) -> list[PortUse]:
     sidecar's when ``cfg.sidecar`` is on."""
     return [PortUse(getattr(cfg, setting), setting, what, flag, env.name)
             for setting, what, flag, env in _PORTS
-            if setting != "sidecar_port" or cfg.sidecar]
+            if setting not in _SIDECAR_PORTS or cfg.sidecar]
 
 
 def port_holder(port: int) -> str | None:
@@ -731,7 +744,8 @@ def _banner(svc: Service) -> str:
         f"  management: {cfg.management_url}   metrics: {cfg.metrics_url}",
     ]
     if svc.sidecar is not None:
-        lines.append(f"  sidecar:    {cfg.sidecar_url}  (token in {cfg.token_file})")
+        lines.append(f"  sidecar:    {cfg.sidecar_url}  writes: {cfg.sidecar_write_url}  "
+                     f"(token in {cfg.token_file})")
     lines += [f"  logs:       {cfg.path(cfg.log_dir)}", "try:",
               (f"  curl -s -H 'Content-Type: application/json' "
                f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'")]
@@ -783,7 +797,7 @@ def _drain_then_stop(svc: Service) -> None:
               f"{cfg.drain_timeout_s:.0f} s; signal again to stop now) ...", flush=True)
         try:
             token = cfg.token_file.read_text().strip() if cfg.token_file.is_file() else None
-            report = request_drain(cfg.sidecar_url, token, cfg.drain_timeout_s)
+            report = request_drain(cfg.sidecar_write_url, token, cfg.drain_timeout_s)
             print(f"drained in {report.get('seconds')} s", flush=True)
         except UpstreamUnavailable as e:
             print(f"drain failed ({e.message}); stopping anyway", flush=True)
@@ -817,7 +831,7 @@ def _cmd_down(cfg: LaunchConfig) -> int:
         print("draining (accepted requests are answered, new ones get 503) ...", flush=True)
         try:
             token = cfg.token_file.read_text().strip() if cfg.token_file.is_file() else None
-            report = request_drain(cfg.sidecar_url, token, cfg.drain_timeout_s)
+            report = request_drain(cfg.sidecar_write_url, token, cfg.drain_timeout_s)
             print(f"drained in {report.get('seconds')} s", flush=True)
         except UpstreamUnavailable as e:
             print(f"drain failed ({e.message}); stopping anyway", flush=True)

@@ -1,13 +1,14 @@
 """A small client of the sidecar's state API, for tools and tests that change what serves.
 
-``GET /state``, ``PUT /state`` (bearer token) and waiting until ``converged``: the one copy
+``GET /state``, ``PUT /state`` (bearer token) and waiting until ``converged``, against
+the sidecar's write port (``--write-port``, 8091; the public port refuses writes): the one copy
 used by ``bench/bench_switch.py``, the serving-state tests and the sidecar test fixtures.
 :func:`tuner_paused` is the one way a measurement turns the batching tuner off for its
 duration (``make capacity``, ``make faults``, ``make bench-switch``).
 
 Example::
 
-    client = StateClient("http://127.0.0.1:8090", token=Path(".run/sidecar-token").read_text())
+    client = StateClient("http://127.0.0.1:8091", token=Path(".run/sidecar-token").read_text())
     seconds = client.declare({"model": {"version": "small-int8-s7"},
                               "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
                               "workers": 2, "rollout": None}, timeout_s=60)

@@ -26,7 +26,10 @@ from serve.constants import (
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_SIDECAR_PORT,
+    DEFAULT_SIDECAR_WRITE_PORT,
     DEFAULT_TOKEN_FILE,
+    SIDECAR_TOKEN_MIN_BYTES,
+    SIDECAR_TOKEN_PLACEHOLDER,
 )
 from serve.errors import ConfigError
 from serve.sidecar.control.tuner import TunerConfig
@@ -48,6 +51,7 @@ __all__ = [
     "WORKERS_MAX",
     "ServerOptions",
     "SidecarConfig",
+    "check_token",
     "cli_options",
 ]
 
@@ -60,9 +64,14 @@ class ServerOptions:
     """How ``python -m serve.sidecar`` runs: what the process needs, the app never sees.
 
     Attributes:
-        host, port: where uvicorn listens.
+        host, port: where uvicorn listens: the public port (metrics, probes, reads; a
+            write there answers 403 naming the write port).
+        write_port: the write port, on the same host, in the same process: every route
+            (writes and reads). Never equal to ``port``.
         token_file: the file holding the write token (when ``DLRM_SIDECAR_TOKEN`` is
             unset); ``create_token`` writes a random one there first if it is absent.
+        delta_token_file, feedback_token_file: the files holding the scoped tokens (the
+            delta publisher's, the feedback producer's); None: no such token.
         log_level: the sidecar's log level (uvicorn's too).
     """
 
@@ -70,7 +79,12 @@ class ServerOptions:
         "--host", env=settings.DLRM_SIDECAR_HOST,
         help="bind address; 0.0.0.0 in a pod so Prometheus can scrape it"))
     port: int = field(default=DEFAULT_SIDECAR_PORT, metadata=flag(
-        "--port", env=settings.DLRM_SIDECAR_PORT, help="port"))
+        "--port", env=settings.DLRM_SIDECAR_PORT,
+        help="the public port: metrics, probes and reads; writes are refused there"))
+    write_port: int = field(default=DEFAULT_SIDECAR_WRITE_PORT, metadata=flag(
+        "--write-port", env=settings.DLRM_SIDECAR_WRITE_PORT,
+        help="the write port (every write, reads too), so a NetworkPolicy can open writes "
+             "to the operators alone while Prometheus and the probes use --port"))
     token_file: Path = field(default=Path(DEFAULT_TOKEN_FILE), metadata=flag(
         "--token-file", env=settings.DLRM_SIDECAR_TOKEN_FILE,
         help=f"file holding the write token (the bearer token of every write); env "
@@ -78,15 +92,32 @@ class ServerOptions:
     create_token: bool = field(default=False, metadata=flag(
         "--create-token", switch=True,
         help="write a random development token to --token-file if it is absent"))
+    delta_token_file: Path | None = field(default=None, metadata=flag(
+        "--delta-token-file", env=settings.DLRM_SIDECAR_DELTA_TOKEN_FILE,
+        help="file holding the delta publisher's token: it may POST /embeddings/deltas "
+             "and nothing else (the offline pipeline holds it, not the operator's)"))
+    feedback_token_file: Path | None = field(default=None, metadata=flag(
+        "--feedback-token-file", env=settings.DLRM_SIDECAR_FEEDBACK_TOKEN_FILE,
+        help="file holding the feedback producer's token: it may POST /feedback and "
+             "nothing else (the click pipeline holds it, not the operator's)"))
     log_level: str = field(default="info", metadata=flag(
         "--log-level", env=settings.DLRM_LOG_LEVEL, choices=LOG_LEVELS,
         help="the sidecar's log level"))
 
     def __post_init__(self) -> None:
         int_in_range("port", self.port, 1, 65535)
+        int_in_range("write_port", self.write_port, 1, 65535)
+        if self.write_port == self.port:
+            raise ConfigError(
+                f"write_port={self.write_port} is the public port too; the write API needs "
+                f"a port of its own (default {DEFAULT_SIDECAR_WRITE_PORT}): pass another "
+                f"--write-port or --port")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
         object.__setattr__(self, "token_file", Path(self.token_file))
+        for name in ("delta_token_file", "feedback_token_file"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -96,8 +127,13 @@ class SidecarConfig:
     Args:
         inference_url, management_url, metrics_url: TorchServe's APIs (loopback).
         model_name: the TorchServe model the sidecar manages.
-        token: the write token, the bearer token every write (PUT /state, PUT
-            /batching, POST /feedback...) needs; None disables writes (403).
+        token: the operator's token, the bearer token of every write (PUT /state, PUT
+            /batching, POST /feedback...); None disables the writes only it may do (403).
+            At least :data:`~serve.constants.SIDECAR_TOKEN_MIN_BYTES` bytes, never the
+            Secret template's placeholder (:func:`check_token`).
+        delta_token: the delta publisher's token: POST /embeddings/deltas only; None: none.
+        feedback_token: the feedback producer's token: POST /feedback only; None: none.
+            The three tokens must differ (a token has one scope).
         multiproc_dir: the workers' PROMETHEUS_MULTIPROC_DIR; None: no handler metrics.
         model_store: TorchServe's ``--model-store``: new versions' ``.mar`` files go there,
             because TorchServe registers local archives only from its model store.
@@ -164,6 +200,8 @@ class SidecarConfig:
         env=settings.DLRM_SIDECAR_TOKEN,
         help="the write token; wins over --token-file. Unset and no token file: writes "
              "are disabled (403)"))
+    delta_token: str | None = field(default=None, repr=False)
+    feedback_token: str | None = field(default=None, repr=False)
     multiproc_dir: Path | None = field(default=None, metadata=flag(
         "--multiproc-dir", env=settings.PROMETHEUS_MULTIPROC_DIR,
         cli_default=Path(".run/prometheus"),
@@ -241,8 +279,7 @@ class SidecarConfig:
             object.__setattr__(self, name, value.rstrip("/"))
         if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$", self.model_name):
             raise ConfigError(f"model_name={self.model_name!r} must be letters, digits, _ or -")
-        if self.token is not None and not self.token.strip():
-            raise ConfigError("token is empty; pass a non-empty token or None to disable writes")
+        self._check_tokens()
         for name in ("upstream_timeout_s", "register_timeout_s", "drain_timeout_s",
                      "reconcile_interval_s"):
             if not getattr(self, name) > 0:
@@ -285,10 +322,48 @@ class SidecarConfig:
             return self.drain_file
         return self.delta_dir / ".drained.json" if self.delta_dir is not None else None
 
+    def _check_tokens(self) -> None:
+        tokens = {name: getattr(self, name) for name in ("token", "delta_token",
+                                                         "feedback_token")}
+        for name, token in tokens.items():
+            if token is not None:
+                check_token(name, token)
+        given = [name for name, token in tokens.items() if token is not None]
+        for i, a in enumerate(given):
+            for b in given[i + 1:]:
+                if tokens[a] == tokens[b]:
+                    raise ConfigError(
+                        f"{a} and {b} are the same token; each token has one scope (the "
+                        f"operator's, the delta publisher's, the feedback producer's): "
+                        f"give each its own (openssl rand -hex 32)")
+
     @property
     def repository_roots(self) -> tuple[Path, ...]:
         """The model repository folders: ``repositories``, else ``model_store``."""
         return self.repositories or (self.model_store,)
+
+
+def check_token(name: str, token: str) -> None:
+    """ConfigError for a token the sidecar must not accept: shorter than
+    :data:`~serve.constants.SIDECAR_TOKEN_MIN_BYTES` bytes, or the Secret template's
+    placeholder (:data:`~serve.constants.SIDECAR_TOKEN_PLACEHOLDER`). The message never
+    shows the token."""
+    if not isinstance(token, str) or not token.strip():
+        raise ConfigError(f"{name} is empty; pass a token of at least "
+                          f"{SIDECAR_TOKEN_MIN_BYTES} bytes (openssl rand -hex 32) or None "
+                          f"to disable the writes it allows")
+    if token.strip() == SIDECAR_TOKEN_PLACEHOLDER:
+        raise ConfigError(
+            f"{name} is the placeholder of k8s/templates/sidecar-token-secret.yaml "
+            f"({SIDECAR_TOKEN_PLACEHOLDER!r}), which everybody can read; create the Secret "
+            f"with a random token: kubectl create secret generic dlrm-sidecar-token "
+            f"--from-literal=token=\"$(openssl rand -hex 32)\"")
+    size = len(token.encode())
+    if size < SIDECAR_TOKEN_MIN_BYTES:
+        raise ConfigError(
+            f"{name} is {size} bytes long, under the {SIDECAR_TOKEN_MIN_BYTES}-byte minimum "
+            f"(a short token can be guessed); use a random one: openssl rand -hex 32, or "
+            f"python -m serve.sidecar --create-token for a development token")
 
 
 def cli_options() -> list[Option]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from serve.errors import ConfigError
 from serve.settings import DLRM_SIDECAR_TOKEN
 
-__all__ = ["ensure_dev_token", "load_token"]
+__all__ = ["ensure_dev_token", "load_optional_token", "load_token"]
 
 
 def ensure_dev_token(path: str | os.PathLike[str]) -> str:
@@ -46,3 +46,8 @@ def load_token(path: str | os.PathLike[str]) -> str:
     if not token:
         raise ConfigError(f"token file {path} is empty; write a token into it")
     return token
+
+
+def load_optional_token(path: str | os.PathLike[str] | None) -> str | None:
+    """The token in ``path`` (a scoped token's file); None when no file is given."""
+    return None if path is None else load_token(path)

@@ -203,6 +203,14 @@ class EmbeddingsStatus(BaseModel):
     workers: list[WorkerDeltaStatus]
 
 
+class SidecarEndpoints(BaseModel):
+    """``sidecar`` in GET /state: where this sidecar takes writes."""
+
+    write_port: int | None = Field(
+        description="The port of the write API (every PUT/POST; the public port refuses "
+                    "them); null when every port takes writes (one listener).")
+
+
 class StateStatus(BaseModel):
     """GET /state: the declared state, what serves, and whether they agree (and why not)."""
 
@@ -224,6 +232,8 @@ class StateStatus(BaseModel):
         default=None, description="The current or last rollout; null if none was declared.")
     tuner: TunerStatus | None = Field(
         default=None, description="The batching tuner (null without a desired-state file).")
+    sidecar: SidecarEndpoints | None = Field(
+        default=None, description="Where this sidecar takes writes.")
     embeddings: dict[str, EmbeddingsStatus] | None = Field(
         default=None, description="Embedding deltas per served version (stored, and "
                                   "applied by the live workers); absent when the sidecar "

@@ -23,12 +23,19 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.http.routes_health`), ``/docs``
   (OpenAPI).
 
+Two ports, one process: the public port (``--port``, 8090: metrics, probes, every read;
+a write there answers 403) and the write port (``--write-port``, 8091: every route).
+Every write passes the edge guard (:mod:`serve.sidecar.http.guard`) before a byte of its
+body is read: its token and the token's scope (operator, delta publisher, feedback
+producer: :mod:`serve.sidecar.http.auth`), and its body's size.
+
 The parts: :mod:`~serve.sidecar.config` (settings), :mod:`~serve.sidecar.root` (what
 routes share, injected), :mod:`~serve.sidecar.adapters.torchserve` (the calls to TorchServe),
 :mod:`~serve.sidecar.control.reconciler` (desired vs observed, the next step),
 :mod:`~serve.sidecar.control.switch` (the version switch), :mod:`~serve.sidecar.adapters.memory` (the
 memory guard and peak), :mod:`~serve.sidecar.adapters.archives` (derived archives),
 :mod:`~serve.sidecar.adapters.tokens`, :mod:`~serve.sidecar.http.auth`,
+:mod:`~serve.sidecar.http.guard` (the edge: tokens, scopes, body limits),
 :mod:`~serve.sidecar.http.errors` (the one error mapping) and
 :mod:`~serve.sidecar.http.middleware` (request counts). The names other code imports from
 here (``SidecarConfig``, ``ensure_dev_token``...) are re-exported.
@@ -52,7 +59,7 @@ from serve import settings
 from serve.common.flags import add_options, build
 from serve.errors import ConfigError
 from serve.sidecar.adapters.archives import rewrite_mar
-from serve.sidecar.adapters.tokens import ensure_dev_token, load_token
+from serve.sidecar.adapters.tokens import ensure_dev_token, load_optional_token, load_token
 from serve.sidecar.config import DEFAULT_STATE_FILE, ServerOptions, SidecarConfig, cli_options
 from serve.sidecar.http import (
     routes_batching,
@@ -65,6 +72,7 @@ from serve.sidecar.http import (
 )
 from serve.sidecar.http.docs import mount_docs
 from serve.sidecar.http.errors import register_exception_handlers
+from serve.sidecar.http.guard import EdgeGuard, check_write_routes
 from serve.sidecar.http.middleware import count_requests
 from serve.sidecar.http.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.root import Sidecar
@@ -90,8 +98,9 @@ _log = logging.getLogger(__name__)
 def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = None,
                http_client: httpx.AsyncClient | None = None,
                clock: Callable[[], float] = time.monotonic,
-               wall_clock: Callable[[], float] = time.time) -> FastAPI:
-    """The sidecar app.
+               wall_clock: Callable[[], float] = time.time,
+               write_port: int | None = None) -> FastAPI:
+    """The sidecar app, behind its edge guard (:class:`~serve.sidecar.http.guard.EdgeGuard`).
 
     Args:
         config: see :class:`SidecarConfig`.
@@ -100,9 +109,12 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
         http_client: client for TorchServe; default one made and closed with the app.
         clock: monotonic seconds, for durations and deadlines.
         wall_clock: unix seconds (the age of the newest embedding delta applied).
+        write_port: the local port writes are taken on (GET /state shows it); a write
+            on another port answers 403. None: writes on any port (one listener).
     """
     state = Sidecar.create(config, registry=registry, clock=clock,
-                                wall_clock=wall_clock)
+                           wall_clock=wall_clock)
+    state.write_port = write_port
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -130,10 +142,16 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     app.state.sidecar = state
     register_exception_handlers(app)
     app.middleware("http")(count_requests)
-    for router in (routes_health.router, routes_metrics.router, routes_batching.router,
-                   routes_state.router, routes_feedback.router, routes_deltas.router,
-                   routes_tuner.router):
+    routers = (routes_health.router, routes_metrics.router, routes_batching.router,
+               routes_state.router, routes_feedback.router, routes_deltas.router,
+               routes_tuner.router)
+    for router in routers:
         app.include_router(router)
+    # The routers' own routes (included without a prefix): what the app serves.
+    check_write_routes([*app.routes, *(r for router in routers for r in router.routes)])
+    # Added last, so outermost of the app's middleware: it answers before the request
+    # counter, the routing and any body parsing (it counts its own answers).
+    app.add_middleware(EdgeGuard, sidecar=state, write_port=write_port)
     return app
 
 
@@ -152,17 +170,33 @@ def _parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     return p
 
 
-def _token(opts: ServerOptions, environ: Mapping[str, str]) -> str:
-    """The write token: the variable, else the token file (created first with
-    ``--create-token``)."""
+def _tokens(opts: ServerOptions, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The tokens, as :class:`SidecarConfig` fields: the operator's (the variable, else
+    the token file, created first with ``--create-token``) and the scoped ones (their
+    files, when given). SidecarConfig checks each (length, placeholder)."""
     token = settings.DLRM_SIDECAR_TOKEN.get(environ)
-    if token is not None:
-        return token
-    if opts.create_token:
+    if token is None and opts.create_token:
         token = ensure_dev_token(opts.token_file)
         _log.info("the write token is in %s", opts.token_file.resolve())
-        return token
-    return load_token(opts.token_file)
+    elif token is None:
+        token = load_token(opts.token_file)
+    return {"token": token,
+            "delta_token": load_optional_token(opts.delta_token_file),
+            "feedback_token": load_optional_token(opts.feedback_token_file)}
+
+
+def _serve(app: FastAPI, opts: ServerOptions) -> None:
+    """Run ``app`` under one uvicorn server listening on both ports (one event loop,
+    one lifespan): the public port and the write port."""
+    import uvicorn
+
+    def config(port: int) -> uvicorn.Config:
+        return uvicorn.Config(app, host=opts.host, port=port, log_level=opts.log_level,
+                              access_log=False)
+
+    # uvicorn binds the sockets as it would its own (an address in use exits 1).
+    sockets = [config(opts.port).bind_socket(), config(opts.write_port).bind_socket()]
+    uvicorn.Server(config(opts.port)).run(sockets=sockets)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,16 +208,13 @@ def main(argv: list[str] | None = None) -> None:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # One line per TorchServe call (every scrape) drowns the log; keep its warnings.
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
-        config = build(SidecarConfig, args, {"token": _token(opts, os.environ)})
+        config = build(SidecarConfig, args, _tokens(opts, os.environ))
     except ConfigError as e:
         raise SystemExit(f"serve.sidecar: {e.message}") from None
-    import uvicorn
-
-    _log.info("sidecar on http://%s:%d for model %r (management %s); desired state: %s",
-              opts.host, opts.port, config.model_name, config.management_url,
-              config.state_file or "none (reconciler off)")
-    uvicorn.run(create_app(config), host=opts.host, port=opts.port,
-                log_level=opts.log_level, access_log=False)
+    _log.info("sidecar on http://%s:%d (writes on :%d) for model %r (management %s); "
+              "desired state: %s", opts.host, opts.port, opts.write_port, config.model_name,
+              config.management_url, config.state_file or "none (reconciler off)")
+    _serve(create_app(config, write_port=opts.write_port), opts)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.errors import InvalidInput, ServeError, Unauthorized, describe_field_errors
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
 
-__all__ = ["internal_error", "register_exception_handlers"]
+__all__ = ["error_response", "internal_error", "register_exception_handlers"]
 
 _RULES = (f"batch_size: integer 1..{BATCH_SIZE_MAX}, max_batch_delay_ms: integer "
           f"0..{MAX_BATCH_DELAY_MS_MAX}, workers: integer 1..{WORKERS_MAX}")
@@ -28,8 +28,7 @@ def register_exception_handlers(app: FastAPI) -> None:
     """Map every error to one JSON shape, ``{"code", "type", "message"}``, once."""
 
     async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
-        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+        return error_response(exc)
 
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = _validation_error(exc, f"{request.method} {request.url.path}")
@@ -45,6 +44,14 @@ def register_exception_handlers(app: FastAPI) -> None:
     # Exception (not 500): Starlette gives this one to ServerErrorMiddleware, the only
     # place that sees errors no other handler took. It logs nothing: the re-raise does.
     app.add_exception_handler(Exception, internal_error)
+
+
+def error_response(exc: ServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The answer to ``exc``: its status and ``to_json()``; 401 adds ``WWW-Authenticate:
+    Bearer``. The exception handlers and the edge guard both answer through it."""
+    extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else {}
+    return JSONResponse(exc.to_json(), status_code=exc.status,
+                        headers={**extra, **(headers or {})} or None)
 
 
 async def internal_error(request: Request, exc: Exception) -> JSONResponse:

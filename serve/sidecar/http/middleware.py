@@ -16,10 +16,14 @@ from starlette.types import Scope
 
 from serve.sidecar.root import get_sidecar
 
-__all__ = ["OTHER", "count_requests", "request_labels"]
+__all__ = ["ANSWERED", "OTHER", "count_requests", "request_labels"]
 
 #: The label of every path or method the app does not declare.
 OTHER = "other"
+#: The ASGI scope key the edge guard (:mod:`serve.sidecar.http.guard`) sets once it has
+#: answered a request itself: it counted that answer, so :func:`count_requests` does not
+#: count what the route made of it (a dropped 400 after a body cut short).
+ANSWERED = "dlrm.edge_answered"
 
 
 def request_labels(scope: Scope) -> tuple[str, str]:
@@ -50,7 +54,9 @@ async def count_requests(request: Request,
     try:
         response = await call_next(request)
     except Exception:
-        metrics.observe_request(*request_labels(request.scope), 500)
+        if not request.scope.get(ANSWERED):
+            metrics.observe_request(*request_labels(request.scope), 500)
         raise
-    metrics.observe_request(*request_labels(request.scope), response.status_code)
+    if not request.scope.get(ANSWERED):
+        metrics.observe_request(*request_labels(request.scope), response.status_code)
     return response

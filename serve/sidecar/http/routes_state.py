@@ -39,6 +39,7 @@ from serve.sidecar.http.schemas import (
     EmbeddingsStatus,
     ObservedState,
     RolloutStatus,
+    SidecarEndpoints,
     StateAccepted,
     StateStatus,
 )
@@ -63,7 +64,9 @@ async def get_state(sidecar: SidecarDep) -> StateStatus:
         status = await reconciler.status()
     else:
         status = await _status_without_file(sidecar)
-    status = status.model_copy(update={"tuner": tuner_status(sidecar)})
+    status = status.model_copy(update={
+        "tuner": tuner_status(sidecar),
+        "sidecar": SidecarEndpoints(write_port=sidecar.write_port)})
     if sidecar.deltas is not None:
         summaries = await sidecar.deltas.summaries()
         status = status.model_copy(update={"embeddings": {
