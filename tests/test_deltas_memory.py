@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.common.net import free_port, wait_until
+from serve.common.net import free_port, free_ports, wait_until
 from serve.state import Batching, DesiredState, ModelRef, write_state
 from serve.store.repository import ModelRepository
 from tests.fixtures.big_delta import (
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.integration
 
 LIMIT = 512 << 20
 VERSION = "ck-int8-s0"
-TOKEN = "memory-t0ken"
+TOKEN = "memory-token-0123456789abcdef0123456789"
 MIB = float(1 << 20)
 
 
@@ -71,8 +71,8 @@ def test_a_large_delta_fits_a_512_mib_sidecar(tmp_path: Path) -> None:
     body = tmp_path / "big.delta"
     size = write_big_delta(body, VERSION, size_mb * 1_000_000)
     args, delta_dir = _setup(tmp_path, delta_root)
-    port = free_port()
-    sidecar = start_sidecar_in(cgroup, args, port, tmp_path / "sidecar.log")
+    port, write_port = free_ports(2)
+    sidecar = start_sidecar_in(cgroup, args, port, tmp_path / "sidecar.log", write_port)
     try:
         wait_until(lambda: httpx.get(f"{sidecar.url}/healthz", timeout=2).status_code == 200,
                    timeout_s=60, what="the sidecar", interval_s=0.2)
@@ -82,7 +82,7 @@ def test_a_large_delta_fits_a_512_mib_sidecar(tmp_path: Path) -> None:
         idle_hwm = vm_hwm_bytes(sidecar.pid)
         t0 = time.monotonic()
         with open(body, "rb") as f:
-            r = httpx.post(f"{sidecar.url}/embeddings/deltas", params={"wait_s": 0},
+            r = httpx.post(f"{sidecar.write_url}/embeddings/deltas", params={"wait_s": 0},
                            content=iter(lambda: f.read(1 << 20), b""), timeout=300,
                            headers={"Authorization": f"Bearer {TOKEN}"})
         seconds = time.monotonic() - t0
@@ -103,6 +103,67 @@ def test_a_large_delta_fits_a_512_mib_sidecar(tmp_path: Path) -> None:
             "oom_kill": cg.get("oom_control.oom_kill", 0)}))
         assert cg.get("oom_control.oom_kill", 0) == 0
         assert hwm < LIMIT
+    finally:
+        sidecar.stop()
+        import shutil
+        shutil.rmtree(delta_dir, ignore_errors=True)
+        remove_cgroup(cgroup)
+
+
+def test_the_store_bound_keeps_a_memory_backed_sidecar_alive(tmp_path: Path) -> None:
+    """Deltas stay in the (memory-backed) folder until their version stops being served:
+    one delta fits, but a pile of them would not. With --max-delta-store-bytes at two
+    deltas, the third is refused with 507 before a byte of it is stored, and the
+    sidecar, in a cgroup sized for two, lives. The delta folder is /dev/shm (tmpfs:
+    charged to the sidecar like a memory-backed emptyDir) where it exists.
+
+    The suite posts 3 x 32 MB under 256 MiB; ``DLRM_DELTA_MEASURE_MB=256`` posts
+    3 x 256 MiB under 1 GiB (the shipped defaults and the sidecar container's limit)."""
+    size_mb = int(os.environ.get("DLRM_DELTA_MEASURE_MB", "32"))
+    limit = (1 << 30) if size_mb > 100 else (256 << 20)
+    shm = Path("/dev/shm")
+    delta_root = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    cgroup, why = make_memory_cgroup(f"store-bound-{os.getpid()}", limit)
+    if cgroup is None:
+        pytest.skip(f"needs a memory cgroup to measure in (root, cgroup v1): {why}")
+    bodies = []
+    for seq in (1, 2, 3):
+        bodies.append(tmp_path / f"{seq}.delta")
+        write_big_delta(bodies[-1], VERSION, size_mb * (1 << 20) - 4096, sequence=seq, seed=seq)
+    one = max(p.stat().st_size for p in bodies)
+    args, delta_dir = _setup(tmp_path, delta_root)
+    args += ["--max-delta-bytes", str(one), "--max-delta-store-bytes", str(2 * one)]
+    port, write_port = free_ports(2)
+    sidecar = start_sidecar_in(cgroup, args, port, tmp_path / "sidecar.log", write_port)
+    codes = []
+    try:
+        wait_until(lambda: httpx.get(f"{sidecar.url}/healthz", timeout=2).status_code == 200,
+                   timeout_s=60, what="the sidecar", interval_s=0.2)
+        wait_until(lambda: VERSION in json.dumps(httpx.get(f"{sidecar.url}/embeddings/deltas",
+                                                           timeout=5).json()),
+                   timeout_s=30, what="the served version", interval_s=0.1)
+        for body in bodies:
+            with open(body, "rb") as f:
+                r = httpx.post(f"{sidecar.write_url}/embeddings/deltas", params={"wait_s": 0},
+                               content=f.read(), timeout=300,
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+            codes.append(r.status_code)
+            if r.status_code == 507:
+                assert r.json()["type"] == "InsufficientMemory"
+                assert "--max-delta-store-bytes" in r.json()["message"]
+        assert sidecar.proc.poll() is None, "the sidecar was killed"
+        hwm, cg = vm_hwm_bytes(sidecar.pid), cgroup_stat(cgroup)
+        print(json.dumps({
+            "delta_bytes": one, "store_bound": 2 * one, "delta_dir": str(delta_root),
+            "codes": codes, "cgroup_limit_mib": limit / MIB,
+            "vm_hwm_mib": round(hwm / MIB, 1),
+            "cgroup_max_usage_mib": round(cg["memory.max_usage_in_bytes"] / MIB, 1),
+            "oom_kill": cg.get("oom_control.oom_kill", 0)}))
+        assert codes == [202, 202, 507]
+        assert sorted(p.name for p in (delta_dir / VERSION).glob("*.delta")) == [
+            "00000001.delta", "00000002.delta"]
+        assert not list(delta_dir.glob(".incoming.*"))
+        assert cg.get("oom_control.oom_kill", 0) == 0
     finally:
         sidecar.stop()
         import shutil

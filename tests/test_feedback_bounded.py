@@ -310,11 +310,12 @@ def test_post_feedback_refuses_a_body_over_the_limit_with_413(tmp_path: Path) ->
     got = _posts(_app(tmp_path, 1024), [
         {"content": body, "headers": {"Content-Type": "application/json"}},
         {"content": endless(), "headers": {"Content-Type": "application/json"}}])
-    want = (f"POST /feedback body of {len(body)} bytes is over the limit of 1024 bytes "
-            "(--feedback-max-body-bytes, DLRM_FEEDBACK_MAX_BODY_BYTES): split the labels "
-            "over several POSTs (at most 100000 labels each)")
+    # the sidecar's edge guard answers first, from the feedback service's own limit
+    want = (f"POST /feedback: body: {len(body)} bytes is over the 1024-byte limit (its "
+            "Content-Length); split the labels over several POSTs (at most 100000 labels "
+            "each), or raise --feedback-max-body-bytes")
     assert got[0].status_code == 413 and got[0].json() == {
         "code": 413, "type": "PayloadTooLarge", "message": want}
     assert got[1].status_code == 413
-    assert "body of more than 1024 bytes is over the limit" in got[1].json()["message"]
+    assert "bytes is over the 1024-byte limit (read so far" in got[1].json()["message"]
     assert len(pulled) < 100, len(pulled)

@@ -33,12 +33,11 @@ from serve.errors import ConfigError
 from serve.sidecar.config import ServerOptions, SidecarConfig
 from serve.sidecar.http.app import create_app, ensure_dev_token
 from serve.sidecar.http.guard import (
-    FEEDBACK_BODY_BYTES,
     SMALL_BODY_BYTES,
     WRITE_ROUTES,
     check_write_routes,
 )
-from serve.store import delta_files
+from serve.sidecar.services.feedback import FeedbackConfig
 from tests.fixtures.sidecar import dead_port, start_sidecar
 from tests.promtext import samples
 
@@ -51,10 +50,12 @@ WRITE_PORT = 18091
 
 
 def _app(tmp_path: Path, *, registry: CollectorRegistry | None = None,
-         write_port: int | None = None, **tokens: Any) -> Any:
+         write_port: int | None = None, **config: Any) -> Any:
+    """The sidecar app on a dead TorchServe; ``config``: tokens and other
+    :class:`SidecarConfig` fields."""
     dead = f"http://127.0.0.1:{dead_port()}"
     kw: dict[str, Any] = {"token": OPERATOR, "delta_token": DELTAS, "feedback_token": FEEDBACK}
-    kw.update(tokens)
+    kw.update(config)
     return create_app(SidecarConfig(management_url=dead, metrics_url=dead, inference_url=dead,
                                     multiproc_dir=tmp_path, delta_dir=tmp_path / "deltas",
                                     **kw), registry=registry, write_port=write_port)
@@ -175,7 +176,7 @@ def test_no_token_that_may_do_it_disables_the_write(tmp_path):
     ("PUT", "/state", SMALL_BODY_BYTES, OPERATOR),
     ("PUT", "/batching", SMALL_BODY_BYTES, OPERATOR),
     ("POST", "/drain", SMALL_BODY_BYTES, OPERATOR),
-    ("POST", "/feedback", FEEDBACK_BODY_BYTES, FEEDBACK),
+    ("POST", "/feedback", FeedbackConfig().max_body_bytes, FEEDBACK),
 ])
 def test_content_length_over_the_limit_is_413_naming_it(tmp_path, method, path, limit, token):
     c = _request(_app(tmp_path), method, path, token=token, length=limit + 1)
@@ -186,9 +187,8 @@ def test_content_length_over_the_limit_is_413_naming_it(tmp_path, method, path, 
                                         f"the {limit}-byte limit (its Content-Length); ")
 
 
-def test_the_delta_limit_is_the_delta_stores_own_read_per_request(tmp_path, monkeypatch):
-    app = _app(tmp_path)
-    monkeypatch.setattr(delta_files, "MAX_DELTA_BYTES", 1000)
+def test_the_delta_limit_is_the_delta_services_own(tmp_path):
+    app = _app(tmp_path, max_delta_bytes=1000)
     c = _request(app, "POST", "/embeddings/deltas", token=DELTAS, length=1001)
     assert (c.status, c.taken) == (413, 0)
     assert "over the 1000-byte limit (its Content-Length); split the rows into several " \
@@ -200,10 +200,9 @@ def test_the_delta_limit_is_the_delta_stores_own_read_per_request(tmp_path, monk
     ("POST", "/embeddings/deltas", DELTAS),       # a body the route streams itself
     ("GET", "/healthz", None),                    # a body nobody should send
 ])
-def test_a_chunked_body_is_cut_at_the_limit(tmp_path, method, path, token, monkeypatch):
-    monkeypatch.setattr(delta_files, "MAX_DELTA_BYTES", SMALL_BODY_BYTES)
+def test_a_chunked_body_is_cut_at_the_limit(tmp_path, method, path, token):
     registry = CollectorRegistry()
-    app = _app(tmp_path, registry=registry)
+    app = _app(tmp_path, registry=registry, max_delta_bytes=SMALL_BODY_BYTES)
     chunk = 16 * 1024
     c = _request(app, method, path, token=token, client=_Client(chunk=chunk))
     if path == "/healthz":  # the route never reads it: served, nothing taken

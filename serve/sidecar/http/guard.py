@@ -44,7 +44,6 @@ from serve.store import delta_files
 
 __all__ = [
     "ANSWERED",
-    "FEEDBACK_BODY_BYTES",
     "READ_METHODS",
     "SMALL_BODY_BYTES",
     "WRITE_ROUTES",
@@ -60,30 +59,28 @@ __all__ = [
 #: room for long version names and pretty-printed JSON, and bounds what a client can make
 #: the event loop parse.
 SMALL_BODY_BYTES = 64 * 1024
-#: Room per label in POST /feedback: one label, ``{"request_id": "<UUID, 36 characters>",
-#: "index": 123456, "label": 1}`` as pretty-printed JSON, is about 85 bytes.
-_FEEDBACK_LABEL_BYTES = 128
-#: POST /feedback's limit: room for the most labels one request may carry
-#: (:data:`~serve.sidecar.http.schemas.FEEDBACK_MAX_LABELS`, 100,000 -> 12.8 MB), each
-#: with a UUID request id (TorchServe's). Longer ids: send fewer labels per request.
-FEEDBACK_BODY_BYTES = FEEDBACK_MAX_LABELS * _FEEDBACK_LABEL_BYTES
 #: Methods that never write; the public port serves them.
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def delta_body_limit(sidecar: Sidecar) -> int:
-    """POST /embeddings/deltas' limit: the delta store's own
-    (:data:`serve.store.delta_files.MAX_DELTA_BYTES`), read at each request, never copied:
-    the one place that limit is looked up at the edge."""
-    return int(delta_files.MAX_DELTA_BYTES)
+    """POST /embeddings/deltas' limit: the delta service's own
+    (:attr:`~serve.sidecar.services.embedding_deltas.DeltaService.max_bytes`,
+    ``--max-delta-bytes``), read at each request, never copied; without a delta folder
+    (deltas off: the route answers 409) the format's default."""
+    deltas = sidecar.deltas
+    return deltas.max_bytes if deltas is not None else delta_files.MAX_DELTA_BYTES
 
 
 def _small(_: Sidecar) -> int:
     return SMALL_BODY_BYTES
 
 
-def _feedback(_: Sidecar) -> int:
-    return FEEDBACK_BODY_BYTES
+def _feedback(sidecar: Sidecar) -> int:
+    """POST /feedback's limit: the feedback service's own
+    (:attr:`~serve.sidecar.services.feedback.FeedbackConfig.max_body_bytes`,
+    ``--feedback-max-body-bytes``), which the route also enforces while it streams."""
+    return sidecar.feedback.config.max_body_bytes
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,8 @@ WRITE_ROUTES: tuple[WriteRoute, ...] = (
     WriteRoute("POST", "/state/rollout/promote", _OPERATOR, _small, "send no body"),
     WriteRoute("POST", "/state/rollout/rollback", _OPERATOR, _small, "send no body"),
     WriteRoute("POST", "/feedback", frozenset({auth.OPERATOR, auth.FEEDBACK}), _feedback,
-               f"send at most {FEEDBACK_MAX_LABELS} labels per request, fewer with request "
-               f"ids longer than a UUID"),
+               f"split the labels over several POSTs (at most {FEEDBACK_MAX_LABELS} "
+               f"labels each), or raise --feedback-max-body-bytes"),
     WriteRoute("POST", "/embeddings/deltas", frozenset({auth.OPERATOR, auth.DELTAS}),
                delta_body_limit, "split the rows into several deltas (consecutive "
                                  "sequence numbers)"),
