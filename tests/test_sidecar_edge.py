@@ -461,3 +461,20 @@ def test_the_real_sidecar_edge(edge_sidecar):
         assert r["status"] == 413 and r["json"]["type"] == "PayloadTooLarge", r
         assert f"over the {SMALL_BODY_BYTES}-byte limit" in r["json"]["message"]
         assert r["seconds"] < 1.0
+
+
+def test_an_absent_scoped_token_file_is_no_such_token(tmp_path, caplog):
+    """The scoped tokens are optional keys of the Secret: a projected volume leaves an
+    absent key's file out, so a missing file means no such token (logged), while an
+    empty or short one is refused."""
+    from serve.sidecar.adapters.tokens import load_optional_token
+
+    with caplog.at_level("WARNING"):
+        assert load_optional_token(tmp_path / "delta-token") is None
+    assert "does not exist: no such token" in caplog.text
+    assert load_optional_token(None) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_optional_token(tmp_path / "empty")
+    (tmp_path / "ok").write_text(DELTAS + "\n")
+    assert load_optional_token(tmp_path / "ok") == DELTAS

@@ -6,12 +6,15 @@ file); :func:`ensure_dev_token` is for local runs only.
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
 
 from serve.errors import ConfigError
 from serve.settings import DLRM_SIDECAR_TOKEN
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["ensure_dev_token", "load_optional_token", "load_token"]
 
@@ -49,5 +52,15 @@ def load_token(path: str | os.PathLike[str]) -> str:
 
 
 def load_optional_token(path: str | os.PathLike[str] | None) -> str | None:
-    """The token in ``path`` (a scoped token's file); None when no file is given."""
-    return None if path is None else load_token(path)
+    """The token in ``path`` (a scoped token's file); None when no file is given or the
+    file does not exist: in Kubernetes the scoped tokens are optional keys of the Secret,
+    and a projected volume leaves an absent key's file out (then only the operator's
+    token may do that write; logged once, at start)."""
+    if path is None:
+        return None
+    if not Path(path).exists():
+        _log.warning("scoped token file %s does not exist: no such token, so only the "
+                     "operator's token may do its writes (add the key to the Secret to "
+                     "give its producers their own)", path)
+        return None
+    return load_token(path)
