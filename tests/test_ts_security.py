@@ -87,6 +87,14 @@ def test_queue_of_full_bodies_fits_half_the_heap(where: str) -> None:
     assert int(p["max_response_size"]) <= body
 
 
+def test_archives_keep_the_configs_queue_size() -> None:
+    """A model-config.yaml ``jobQueueSize`` would replace job_queue_size for that model
+    (TorchServe 0.12 wlm/Model.java) and escape the heap arithmetic: ours sets none."""
+    from serve.model.archive import model_config
+
+    assert not {"jobQueueSize", "job_queue_size"} & set(model_config())
+
+
 def test_largest_legitimate_request_fits_the_limits() -> None:
     """4096 one-hot instances of the largest shipped schema (the default: 13 dense, 26
     features), in the largest form (JSON rows), pass both limits."""
