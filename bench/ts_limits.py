@@ -76,7 +76,7 @@ class LimitsRun:
         p99 = lat[int(0.99 * (len(lat) - 1))] if lat else None
         return {"ok": self.ok, "seconds": self.seconds, "big_clients": self.big_clients,
                 "body_bytes": self.body_bytes, "big_by_outcome": dict(self.big),
-                "big_bodies_sent_gib": round(self.big.total() * self.body_bytes / 2**30, 1),
+                "big_bodies_posted_gib": round(self.big.total() * self.body_bytes / 2**30, 1),
                 "valid_by_status": dict(self.valid),
                 "valid_ok_pct": round(100 * self.valid_ok_ratio, 2),
                 "valid_p99_s": round(p99, 3) if p99 is not None else None,
