@@ -110,6 +110,11 @@ bench-switch: venv  ## with `make up` running: live batch and version changes un
 bench-autotune: venv wrk  ## with `make up` running: the batching tuner vs a static sweep on single, ranking and mixed traffic (wrk; ~15 min) -> bench/results/autotune.json
 	$(PY) -m bench.bench_autotune
 
+ts-limits: venv java model  ## TorchServe's frontend limits: 64 clients posting 31 MiB bodies beside valid requests for 60 s (LIMITS_S=N) -> bench/results/ts_limits.json
+	$(PY) -m bench.ts_limits --seconds $(or $(LIMITS_S),60)
+
+.PHONY: ts-limits
+
 faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
 	$(PY) -m serve.ops.faults$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
 

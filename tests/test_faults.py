@@ -65,3 +65,43 @@ def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--cases", "nope"])
     with pytest.raises(SystemExit, match="must be >= 10"):
         main(["--cases", "soak", "--soak-s", "3"])
+
+
+def test_raw_burst_reads_every_answer_from_one_thread() -> None:
+    """raw_burst (the burst case's load) against a stdlib server that queues 3 and
+    answers the rest 503 at once: every request gets its status, with its latency."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from serve.ops.faults import raw_burst
+
+    admitted = []
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                ok = len(admitted) < 3 and len(body) == 100_000
+                if ok:
+                    admitted.append(1)
+            out = b'{"ok": true}' if ok else b'{"code": 503}'
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        results = raw_burst("127.0.0.1", server.server_address[1], "/p", b"x" * 100_000, 20,
+                            "application/octet-stream", timeout_s=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sorted(s for s, _ in results if isinstance(s, int)) == [200] * 3 + [503] * 17
+    assert all(0 < d < 30 for _, d in results)

@@ -523,9 +523,9 @@ def _port(url: str) -> int:
 
 def test_pod_config_is_the_repo_config_with_pinned_differences(docs):
     repo, pod = repo_properties(), pod_properties(docs)
-    pod_only = {"vmargs"}
-    differ = {"inference_address", "management_address", "metrics_address", "model_store"}
-    assert set(pod) - set(repo) == pod_only
+    differ = {"inference_address", "management_address", "metrics_address", "model_store",
+              "allowed_urls"}
+    assert set(pod) - set(repo) == set()
     assert set(repo) - set(pod) == set()
     for key in set(repo) - differ:
         assert pod[key] == repo[key], key
@@ -538,6 +538,9 @@ def test_pod_config_is_the_repo_config_with_pinned_differences(docs):
         assert pod.get(key) == "127.0.0.1", key  # unused gRPC APIs stay inside the pod
     assert pod["disable_token_authorization"] == "true"
     assert pod["enable_model_api"] == "true"
+    # Registering by URL: only archives of the pod's model store (no download, no other file).
+    assert pod["allowed_urls"] == \
+        "file://" + pod["model_store"] + r"/dlrm-[A-Za-z0-9][A-Za-z0-9._-]*\\.mar"
 
 
 def test_pod_log_config_is_the_repo_file_and_torchserve_reads_it(docs):

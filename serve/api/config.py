@@ -123,8 +123,9 @@ class HandlerConfig:
             split into chunks (RuntimeConfig.max_forward_instances); None = no cap.
         max_instances: most instances (samples) per HTTP request; more -> 413.
         max_ids_per_feature: most ids in one feature of one instance; more -> 400.
-        max_body_bytes: largest body the handler decodes; larger -> 413. Keep it below
-            TorchServe's ``max_request_size`` so ours is the limit users meet.
+        max_body_bytes: largest body the handler decodes; larger -> 413. 8 MiB, equal to
+            TorchServe's ``max_request_size`` (config.properties sizes its queue by it);
+            4096 one-hot instances of the largest shipped schema are 2.5 MiB as JSON rows.
         debug_delay_ms: FOR TESTS ONLY: milliseconds the handler sleeps per forward (per
             TorchServe batch), so a test can make a tiny model slow enough that the queue
             holds seconds of work (e.g. to prove a version switch drains it). 0..10000;
@@ -140,7 +141,7 @@ class HandlerConfig:
     max_forward_instances: int | None = 8192
     max_instances: int = 4096
     max_ids_per_feature: int = 64
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024
     debug_delay_ms: int = 0
     rollout: RolloutWiring | None = None
 

@@ -33,6 +33,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +69,7 @@ __all__ = [
     "LaunchConfig",
     "PortUse",
     "Service",
+    "allowed_urls",
     "check_ports",
     "default_state",
     "describe_state",
@@ -84,6 +86,7 @@ __all__ = [
     "stop_group",
     "torchserve_command",
     "wait_ready",
+    "without_blacklisted",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,11 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 _ADDRESS_KEYS = {"inference_address": "inference_port", "management_address": "management_port",
                  "metrics_address": "metrics_port"}
+# TorchServe's addresses that stay on loopback whatever --host says: registering an archive
+# is code execution, and TorchServe 0.12 can put no token on management alone.
+LOOPBACK = "127.0.0.1"
+_LOOPBACK_ONLY = frozenset({"management_address", "grpc_inference_address",
+                            "grpc_management_address"})
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
               "grpc_management_port": "grpc_management_port"}
 # Batching and workers declared when the latest version's report does not say (reports
@@ -157,7 +165,8 @@ class LaunchConfig:
 
     @property
     def management_url(self) -> str:
-        return f"http://{self.host}:{self.management_port}"
+        """Always loopback: TorchServe's management API never follows ``host``."""
+        return f"http://{LOOPBACK}:{self.management_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -225,25 +234,51 @@ class Service:
         _pidfile(self.config).unlink(missing_ok=True)
 
 
+def allowed_urls(store: Path, model_name: str) -> str:
+    """TorchServe's ``allowed_urls`` (a Java regex, matched against the whole URL): only
+    ``file://<store>/<model_name>-<version>.mar``, so no http(s) URL is ever fetched and
+    no file outside ``store`` is registered. Written as a .properties value (the
+    backslash doubled)."""
+    name = f"{re.escape(model_name)}-[A-Za-z0-9][A-Za-z0-9._-]*" + r"\.mar"
+    pattern = f"file://{re.escape(str(store))}/{name}"
+    return pattern.replace("\\", "\\\\")
+
+
 def render_ts_config(text: str, cfg: LaunchConfig) -> str:
     """config.properties with the addresses and model store of ``cfg`` substituted.
 
+    Only the inference and metrics addresses follow ``cfg.host``; management and both
+    gRPC APIs stay on 127.0.0.1 (``_LOOPBACK_ONLY``), even against ``cfg.ts_overrides``.
+    ``allowed_urls`` is rewritten to admit only archives of ``cfg.model_store``.
     ``load_models`` is dropped (config.properties no longer sets it): TorchServe loads
     what the command line names (``--models``, a startup archive), else nothing.
-    ``cfg.ts_overrides`` replace (or add) keys.
+    ``cfg.ts_overrides`` replace (or add) the other keys.
+
+    Raises:
+        ConfigError: ``cfg.ts_overrides`` moves a loopback-only address.
     """
+    moved = sorted(_LOOPBACK_ONLY & set(cfg.ts_overrides))
+    if moved:
+        raise ConfigError(f"ts_overrides {moved} would move TorchServe's management/gRPC "
+                          f"APIs; they stay on {LOOPBACK} (only inference and metrics follow "
+                          "--host): drop those keys")
     out = []
     pending = dict(cfg.ts_overrides)
+    store = cfg.path(cfg.model_store)
     for line in text.splitlines():
         key = line.split("=", 1)[0].strip()
         if key in pending and not line.lstrip().startswith("#"):
             line = f"{key}={pending.pop(key)}"
+        elif key == "management_address":
+            line = f"{key}=http://{LOOPBACK}:{cfg.management_port}"
         elif key in _ADDRESS_KEYS:
             line = f"{key}=http://{cfg.host}:{getattr(cfg, _ADDRESS_KEYS[key])}"
         elif key in _PORT_KEYS:
             line = f"{key}={getattr(cfg, _PORT_KEYS[key])}"
-        elif key in ("grpc_inference_address", "grpc_management_address"):
-            line = f"{key}={cfg.host}"
+        elif key in _LOOPBACK_ONLY:
+            line = f"{key}={LOOPBACK}"
+        elif key == "allowed_urls":
+            line = f"allowed_urls={allowed_urls(store, cfg.model_name)}"
         elif key == "model_store":
             line = f"model_store={cfg.path(cfg.model_store)}"
         elif key == "load_models":
@@ -315,6 +350,25 @@ def _show(p: Path) -> str:
         return str(p)
 
 
+def without_blacklisted(env: dict[str, str], ts_config: str) -> dict[str, str]:
+    """``env`` less the variables TorchServe's ``blacklist_env_vars`` (in ``ts_config``, a
+    regex matched against the whole name) keeps from its workers: TorchServe itself need
+    not hold them either (the sidecar's token stays in the sidecar). No such key: ``env``."""
+    pattern = ""
+    for line in ts_config.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "blacklist_env_vars" and not key.lstrip().startswith("#"):
+            pattern = value.strip()
+    if not pattern:
+        return env
+    try:
+        deny = re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"blacklist_env_vars={pattern!r} is not a valid regex ({e}); "
+                          "fix it in the TorchServe config") from None
+    return {k: v for k, v in env.items() if not deny.fullmatch(k)}
+
+
 def _empty_dir(d: Path) -> Path:
     if d.exists():
         shutil.rmtree(d)
@@ -368,8 +422,9 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     log_dir = cfg.path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     conf = ts_dir / "config.properties"
-    conf.write_text(render_ts_config(src.read_text(), cfg))
-    env = dict(os.environ)
+    rendered = render_ts_config(src.read_text(), cfg)
+    conf.write_text(rendered)
+    env = without_blacklisted(dict(os.environ), rendered)
     env.update({
         "TMPDIR": str(tmp), "TEMP": str(tmp),  # pid file + .mar unpack dir per instance
         "LOG_LOCATION": str(log_dir), "METRICS_LOCATION": str(log_dir),
