@@ -163,7 +163,24 @@ def run(inference_url: str, management_url: str, ts_pid: int, *, seconds: float,
     return out
 
 
+def served_state(management_url: str, model: str, conf: Path) -> dict[str, Any]:
+    """What the run measures: the served version's batching and workers (TorchServe's
+    describe) and the frontend limits of the rendered config."""
+    desc = httpx.get(f"{management_url}/models/{model}", timeout=10).json()[0]
+    props = dict(line.split("=", 1) for line in conf.read_text().splitlines()
+                 if "=" in line and not line.lstrip().startswith("#"))
+    return {"model_version": desc.get("modelVersion"), "batch_size": desc.get("batchSize"),
+            "max_batch_delay_ms": desc.get("maxBatchDelay"),
+            "workers": len(desc.get("workers", [])), "sidecar": False, "tuner": "off (no sidecar)",
+            **{k: props.get(k) for k in ("max_request_size", "job_queue_size", "vmargs")}}
+
+
 def print_table(doc: dict[str, Any]) -> None:
+    st = doc.get("state", {})
+    print(f"state: version {doc.get('version')}, batch {st.get('batch_size')} / "
+          f"{st.get('max_batch_delay_ms')} ms, {st.get('workers')} workers, {st.get('tuner')}; "
+          f"max_request_size {st.get('max_request_size')}, job_queue_size "
+          f"{st.get('job_queue_size')}, vmargs {st.get('vmargs')!r}")
     print("| ok | seconds | big clients | body MiB | big outcomes | valid | valid 200 % "
           "| valid p99 s | pids unchanged |")
     print("|---|---:|---:|---:|---|---|---:|---:|---|")
@@ -201,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                        run_dir=root / "run", log_dir=root / "logs", ready_timeout_s=300)
     svc = start(cfg)
     try:
+        state = served_state(cfg.management_url, cfg.model_name,
+                             cfg.path(cfg.run_dir) / "torchserve" / "config.properties")
         result = run(cfg.inference_url, cfg.management_url, svc.torchserve.pid,
                      seconds=args.seconds, big_clients=args.big_clients, body_mib=args.body_mib)
     finally:
         svc.stop()
-    doc = {**result.as_dict(), "version": version,
+    doc = {**result.as_dict(), "version": version, "state": state,
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "ts_config": "config.properties as shipped"}
     print_table(doc)
