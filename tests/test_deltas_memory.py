@@ -62,6 +62,15 @@ def _setup(tmp_path: Path, delta_root: Path) -> tuple[list[str], Path]:
     return args, delta_dir
 
 
+def _wait_serving(url: str) -> None:
+    """Until the sidecar at ``url`` answers and serves :data:`VERSION` (deltas accepted)."""
+    wait_until(lambda: httpx.get(f"{url}/healthz", timeout=2).status_code == 200,
+               timeout_s=60, what="the sidecar", interval_s=0.2)
+    wait_until(lambda: VERSION in json.dumps(httpx.get(f"{url}/embeddings/deltas",
+                                                       timeout=5).json()),
+               timeout_s=30, what="the served version", interval_s=0.1)
+
+
 def test_a_large_delta_fits_a_512_mib_sidecar(tmp_path: Path) -> None:
     size_mb = int(os.environ.get("DLRM_DELTA_MEASURE_MB", "48"))
     delta_root = Path(os.environ.get("DLRM_DELTA_MEASURE_DIR", str(tmp_path)))
@@ -74,11 +83,7 @@ def test_a_large_delta_fits_a_512_mib_sidecar(tmp_path: Path) -> None:
     port, write_port = free_ports(2)
     sidecar = start_sidecar_in(cgroup, args, port, tmp_path / "sidecar.log", write_port)
     try:
-        wait_until(lambda: httpx.get(f"{sidecar.url}/healthz", timeout=2).status_code == 200,
-                   timeout_s=60, what="the sidecar", interval_s=0.2)
-        wait_until(lambda: VERSION in json.dumps(httpx.get(f"{sidecar.url}/embeddings/deltas",
-                                                           timeout=5).json()),
-                   timeout_s=30, what="the served version", interval_s=0.1)
+        _wait_serving(sidecar.url)
         idle_hwm = vm_hwm_bytes(sidecar.pid)
         t0 = time.monotonic()
         with open(body, "rb") as f:
@@ -137,11 +142,7 @@ def test_the_store_bound_keeps_a_memory_backed_sidecar_alive(tmp_path: Path) -> 
     sidecar = start_sidecar_in(cgroup, args, port, tmp_path / "sidecar.log", write_port)
     codes = []
     try:
-        wait_until(lambda: httpx.get(f"{sidecar.url}/healthz", timeout=2).status_code == 200,
-                   timeout_s=60, what="the sidecar", interval_s=0.2)
-        wait_until(lambda: VERSION in json.dumps(httpx.get(f"{sidecar.url}/embeddings/deltas",
-                                                           timeout=5).json()),
-                   timeout_s=30, what="the served version", interval_s=0.1)
+        _wait_serving(sidecar.url)
         for body in bodies:
             with open(body, "rb") as f:
                 r = httpx.post(f"{sidecar.write_url}/embeddings/deltas", params={"wait_s": 0},
