@@ -5,6 +5,7 @@ the sidecar, CLIs) convert these once: ``err.status`` and ``err.to_json()``.
 """
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedMediaType",
     "UpstreamUnavailable",
     "describe_field_errors",
+    "shown",
 ]
 
 
@@ -183,6 +185,18 @@ class InsufficientMemory(ServeError):
 __all__ += ["InsufficientMemory"]
 
 
+_SHOWN = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 80, 80, 40
+_SHOWN.maxdict = _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 6
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` bounded in depth, items and length, for echoing input in a message:
+    a body or a ConfigMap can hold a huge or deeply nested value (YAML aliases nest
+    exponentially), and an error message must stay a line."""
+    return _SHOWN.repr(value)
+
+
 def describe_field_errors(errors: Iterable[Mapping[str, Any]], *, prefix: str = "",
                           unknown_field: str = "unknown field") -> list[str]:
     """One ``field: rule (got value)`` line per pydantic error (``ValidationError.errors()``).
@@ -200,6 +214,6 @@ def describe_field_errors(errors: Iterable[Mapping[str, Any]], *, prefix: str = 
             msg = unknown_field
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        got = "" if e.get("type") == "missing" else f" (got {e.get('input')!r})"
+        got = "" if e.get("type") == "missing" else f" (got {shown(e.get('input'))})"
         lines.append(f"{prefix}{loc}: {msg}{got}")
     return lines

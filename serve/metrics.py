@@ -678,7 +678,7 @@ def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metr
     out: list[Metric] = []
     for family in text_string_to_metric_families(text):
         name = family.name if family.name.startswith(prefix) else prefix + family.name
-        if not _VALID_NAME.match(name):
+        if not _VALID_NAME.fullmatch(name):
             continue
         renamed = Metric(name, family.documentation, family.type, family.unit)
         for s in family.samples:

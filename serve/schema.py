@@ -43,7 +43,7 @@ _NAME_RULE = "names are 1-128 characters: a letter or '_', then letters, digits,
 
 
 def _name(v: Any, what: str) -> str:
-    if not isinstance(v, str) or not _NAME.match(v):
+    if not isinstance(v, str) or not _NAME.fullmatch(v):
         raise ConfigError(f"{what}={v!r} is not a valid name; {_NAME_RULE}")
     return v
 

@@ -67,6 +67,7 @@ __all__ = [
     "LOCAL_STATE_FILE",
     "MAX_BATCH_DELAY_MS_MAX",
     "ROLLOUT_MODES",
+    "STATE_MAX_BYTES",
     "VERSION_RE",
     "WORKERS_MAX",
     "Batching",
@@ -79,6 +80,7 @@ __all__ = [
     "load_state",
     "parse_serving_version",
     "parse_state",
+    "read_state_yaml",
     "serving_candidate",
     "serving_version",
     "write_state",
@@ -206,7 +208,7 @@ def serving_version(version: str, batch_size: int, max_batch_delay_ms: int, work
     """``small-s0`` + (2, 2, 2) -> ``small-s0_b2d2w2``; with candidate ``small-s7``:
     ``small-s0_b2d2w2_csmall-s7``."""
     for v in (version, candidate):
-        if v is not None and not re.match(VERSION_RE, v):
+        if v is not None and not re.fullmatch(VERSION_RE, v):
             raise ConfigError(f"model version {v!r} must match {VERSION_RE}")
     name = f"{version}_b{batch_size}d{max_batch_delay_ms}w{workers}"
     return name if candidate is None else f"{name}_c{candidate}"
@@ -215,7 +217,7 @@ def serving_version(version: str, batch_size: int, max_batch_delay_ms: int, work
 def parse_serving_version(name: str) -> tuple[str, int, int, int] | None:
     """(version, batch_size, max_batch_delay_ms, workers), or None for a foreign name
     (the stable version for a registration that also holds a candidate)."""
-    m = _SERVING_RE.match(name)
+    m = _SERVING_RE.fullmatch(name)
     if m is None:
         return None
     return m["v"], int(m["b"]), int(m["d"]), int(m["w"])
@@ -223,7 +225,7 @@ def parse_serving_version(name: str) -> tuple[str, int, int, int] | None:
 
 def serving_candidate(name: str) -> str | None:
     """The rollout candidate a serving version holds (``..._c<candidate>``), else None."""
-    m = _SERVING_RE.match(name)
+    m = _SERVING_RE.fullmatch(name)
     return m["c"] if m is not None else None
 
 
@@ -245,19 +247,53 @@ def parse_state(data: Any, source: str = "desired state") -> DesiredState:
         raise ConfigError(f"{source}: {describe_validation_error(e)}") from None
 
 
+#: The largest desired-state file or body read (bytes). The largest legitimate one, a
+#: rollout of 20 steps with every guard set, is under 1 KiB; the rest is room for long
+#: version names and comments, and a bound on what a ConfigMap or a client makes us parse.
+STATE_MAX_BYTES = 64 * 1024
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors' aliases: a desired state needs none, and nested aliases
+    ("billion laughs") expand exponentially wherever the value is walked or echoed."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(
+                f"uses a YAML alias (*{str(event.anchor)[:40]}) at line "
+                f"{event.start_mark.line + 1}; write the values out: a desired state "
+                f"needs no anchors or aliases")
+        return super().compose_node(parent, index)
+
+
+def read_state_yaml(data: str | bytes, source: str = "desired state") -> Any:
+    """Parse a desired state's YAML (``data``, at most :data:`STATE_MAX_BYTES`), without
+    aliases; ``ConfigError`` naming ``source`` for a file too large, with an alias, or not
+    valid YAML."""
+    size = len(data.encode() if isinstance(data, str) else data)
+    if size > STATE_MAX_BYTES:
+        raise ConfigError(f"{source}: is {size} bytes; a desired state is at most "
+                          f"{STATE_MAX_BYTES} bytes (model, batching, workers, rollout); "
+                          f"remove what is not part of it")
+    try:
+        return yaml.load(data, Loader=_NoAliasLoader)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e.message}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from None
+
+
 def load_state(path: str | os.PathLike[str]) -> DesiredState:
     """Read and validate the desired-state YAML file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:  # one byte past the limit tells it is over
+            text = f.read(STATE_MAX_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"desired-state file {p} does not exist; create it with `make up` "
                           "or write one (see README, 'Serving state')") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"desired-state file {p} is not valid YAML: {e}") from None
-    return parse_state(data, source=str(p))
+    return parse_state(read_state_yaml(text, f"desired-state file {p}"), source=str(p))
 
 
 def dump_state(state: DesiredState) -> str:

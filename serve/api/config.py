@@ -74,7 +74,7 @@ class RolloutWiring:
 
     def __post_init__(self) -> None:
         v = self.candidate_version
-        if not isinstance(v, str) or not re.match(VERSION_RE, v):
+        if not isinstance(v, str) or not re.fullmatch(VERSION_RE, v):
             raise ConfigError(f"handler.rollout.candidate_version={v!r} must be a model version "
                               f"matching {VERSION_RE} (letters, digits, '.', '-'; as in "
                               "model_store/)")

@@ -100,7 +100,7 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
     artifact, export_dir = Path(artifact), Path(export_dir)
     if not artifact.is_file():
         raise ArtifactError(f"artifact {artifact} does not exist; build it with `make model`")
-    if not _NAME_RE.match(model_name):
+    if not _NAME_RE.fullmatch(model_name):
         raise ConfigError(f"build_mar: model_name {model_name!r} must match {_NAME_RE.pattern}")
     file_name = file_name or f"{model_name}.mar"
     if "/" in file_name or not file_name.endswith(".mar"):

@@ -147,7 +147,7 @@ def _resolve_version(cfg: DeltaConfig) -> str:
 def next_sequence(work_root: Path) -> int:
     """1 + the highest sequence folder of ``work_root`` holding a finished delta (done.json)."""
     done = [int(d.name) for d in work_root.glob("*")
-            if d.is_dir() and _SEQ_RE.match(d.name) and (d / DONE_FILE).is_file()]
+            if d.is_dir() and _SEQ_RE.fullmatch(d.name) and (d / DONE_FILE).is_file()]
     return max(done, default=0) + 1
 
 

@@ -192,7 +192,7 @@ class PipelineConfig:
         boolean("label_shuffle", self.label_shuffle,
                 then="; pass --label-shuffle to permute the training labels, or omit it")
         int_at_least("--data-day", self.data_day, 0, then=" (0 = the original click logs)")
-        if not re.match(VERSION_RE, self.version_name):
+        if not re.fullmatch(VERSION_RE, self.version_name):
             raise ConfigError(
                 f"--version {self.version_name!r} is not a valid version name: use letters, "
                 "digits, '.' and '-' (no '_', it separates a version from its batching suffix), "

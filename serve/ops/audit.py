@@ -122,7 +122,7 @@ def accepted_vulnerabilities(path: Path) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         vid, _, reason = line.partition(" ")
-        if not _ADVISORY.match(vid) or not reason.strip():
+        if not _ADVISORY.fullmatch(vid) or not reason.strip():
             raise ConfigError(f"{path.name}:{n}: {line!r} is not 'ADVISORY-ID reason': write "
                               "the id pip-audit prints (PYSEC-..., GHSA-..., CVE-...), a space "
                               "and why it is accepted")

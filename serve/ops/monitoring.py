@@ -182,7 +182,7 @@ class RecordingRule:
     expr: str
 
     def __post_init__(self) -> None:
-        if not _RECORD_NAME.match(self.record):
+        if not _RECORD_NAME.fullmatch(self.record):
             raise ValueError(f"recording rule name {self.record!r} must be "
                              "level:metric:operations (colons, [a-zA-Z0-9_])")
         if not self.expr.strip():
@@ -214,9 +214,9 @@ class AlertRule:
     description: str
 
     def __post_init__(self) -> None:
-        if not _ALERT_NAME.match(self.name):
+        if not _ALERT_NAME.fullmatch(self.name):
             raise ValueError(f"alert name {self.name!r} must be Dlrm<CamelCase>")
-        if not _DURATION.match(self.for_):
+        if not _DURATION.fullmatch(self.for_):
             raise ValueError(f"alert {self.name}: for={self.for_!r} is not a Prometheus "
                              "duration such as 5m")
         if self.severity not in ("page", "ticket"):

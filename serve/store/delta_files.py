@@ -270,7 +270,7 @@ def _check_sha(header: dict[str, Any], got: str) -> None:
 def _fields(header: dict[str, Any]) -> tuple[str, int, float, str, int, int, list[Any]]:
     """base version, sequence, created_at, dtype, dim, row bytes, the raw tables."""
     base = header.get("base_version")
-    if not isinstance(base, str) or not _VERSION_RE.match(base):
+    if not isinstance(base, str) or not _VERSION_RE.fullmatch(base):
         raise InvalidDelta("header.base_version", f"{base!r} is not a version name")
     seq = _int_field(header, "sequence", 1)
     created = nonneg_number("created_at", header.get("created_at"), then=" (unix seconds)",
@@ -521,7 +521,7 @@ class DeltaStore:
         self._damage: dict[Path, tuple[tuple[int, int, int], str | None]] = {}
 
     def folder(self, version: str) -> Path:
-        if not _VERSION_RE.match(version):
+        if not _VERSION_RE.fullmatch(version):
             raise InvalidDelta("base_version", f"{version!r} is not a version name")
         return self.root / version
 
@@ -534,7 +534,7 @@ class DeltaStore:
             names = os.listdir(self.folder(version))
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _FILE_RE.match(n)))
+        return sorted(int(m.group(1)) for n in names if (m := _FILE_RE.fullmatch(n)))
 
     def last_sequence(self, version: str) -> int:
         seqs = self.sequences(version)
@@ -712,7 +712,7 @@ class DeltaStore:
     def versions(self) -> list[str]:
         try:
             return sorted(n for n in os.listdir(self.root)
-                          if _VERSION_RE.match(n) and (self.root / n).is_dir())
+                          if _VERSION_RE.fullmatch(n) and (self.root / n).is_dir())
         except FileNotFoundError:
             return []
 

@@ -91,7 +91,7 @@ class ModelRepository:
                 continue
             for report in root.glob(f"{prefix}*{suffix}"):
                 version = report.name[len(prefix):-len(suffix)]
-                if version in seen or not _VERSION.match(version):
+                if version in seen or not _VERSION.fullmatch(version):
                     continue
                 if not (root / self.archive_name(version)).is_file():
                     continue
@@ -112,7 +112,7 @@ class ModelRepository:
         Raises ``ConfigError`` if the name is invalid or the version already exists:
         versions are immutable, so a rebuild must get a new name.
         """
-        if not _VERSION.match(version):
+        if not _VERSION.fullmatch(version):
             raise ConfigError(f"version {version!r} must match {VERSION_RE} "
                               "(letters, digits, '.', '-'; at most 64 characters)")
         if self.exists(version):

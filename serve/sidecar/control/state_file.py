@@ -23,11 +23,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from serve.common.durable import write_durably
 from serve.errors import ConfigError, Conflict
-from serve.state import DesiredState, dump_state, parse_state
+from serve.state import STATE_MAX_BYTES, DesiredState, dump_state, parse_state, read_state_yaml
 
 __all__ = ["DesiredStateFile", "FileRead", "digest", "write_state"]
 
@@ -63,7 +61,8 @@ class DesiredStateFile:
     def read(self) -> FileRead:
         """Read and parse the file now; changes nothing."""
         try:
-            data = self.path.read_bytes()
+            with open(self.path, "rb") as f:  # one byte past the limit tells it is over
+                data = f.read(STATE_MAX_BYTES + 1)
         except FileNotFoundError:
             return FileRead(None, None, f"desired-state file {self.path} does not exist; "
                             "PUT /state or write it (format: serve/state.py)")
@@ -72,11 +71,8 @@ class DesiredStateFile:
                             f"desired-state file {self.path} could not be read: {e}")
         hashed = digest(data)
         try:
-            return FileRead(hashed, parse_state(yaml.safe_load(data), source=str(self.path)),
-                            None)
-        except yaml.YAMLError as e:
-            return FileRead(hashed, None,
-                            f"desired-state file {self.path} is not valid YAML: {e}")
+            parsed = read_state_yaml(data, f"desired-state file {self.path}")
+            return FileRead(hashed, parse_state(parsed, source=str(self.path)), None)
         except ConfigError as e:
             return FileRead(hashed, None, e.message)
 

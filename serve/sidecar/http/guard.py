@@ -40,6 +40,7 @@ from serve.sidecar.http.errors import error_response
 from serve.sidecar.http.middleware import ANSWERED, OTHER
 from serve.sidecar.http.schemas import FEEDBACK_MAX_LABELS
 from serve.sidecar.root import Sidecar
+from serve.state import STATE_MAX_BYTES
 from serve.store import delta_files
 
 __all__ = [
@@ -54,11 +55,9 @@ __all__ = [
 ]
 
 #: The body limit of the small writes (PUT /state, /batching, /tuner, POST /drain...) and
-#: of any request not in :data:`WRITE_ROUTES`. The largest legitimate one, a desired
-#: state with a rollout of 20 steps and every guard set, is under 1 KiB; 64 KiB leaves
-#: room for long version names and pretty-printed JSON, and bounds what a client can make
-#: the event loop parse.
-SMALL_BODY_BYTES = 64 * 1024
+#: of any request not in :data:`WRITE_ROUTES`: the desired state's own bound
+#: (:data:`serve.state.STATE_MAX_BYTES`, what a state file may hold), the largest of them.
+SMALL_BODY_BYTES = STATE_MAX_BYTES
 #: Methods that never write; the public port serves them.
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

@@ -95,7 +95,7 @@ _log = logging.getLogger(__name__)
 _SERVING = re.compile(r"^(?P<v>.+?)_b\d+d\d+w\d+(?:_c(?P<c>.+))?$")
 
 # A delta file on the model volume: anything ending in its 8-digit sequence + ".delta".
-_VOLUME_FILE = re.compile(r"(\d{8})\.delta$")
+_VOLUME_FILE = re.compile(r"(\d{8})\.delta\Z")
 
 #: Bytes gathered from the request stream before one write to the incoming file.
 _WRITE_CHUNK = 1 << 20
@@ -605,7 +605,7 @@ def model_versions(serving_version: str) -> list[str]:
     """The repository versions a TorchServe serving version loads (its model version and
     a rollout's candidate): ``small-s0_b2d2w2_csmall-s7`` -> ``[small-s0, small-s7]``; a
     foreign name is taken as a version itself."""
-    m = _SERVING.match(serving_version)
+    m = _SERVING.fullmatch(serving_version)
     if m is None:
         return [serving_version]
     return [m.group("v")] + ([m.group("c")] if m.group("c") else [])
