@@ -209,3 +209,36 @@ def test_a_memory_backed_delta_folder_counts_in_the_switch_memory_check(tmp_path
                         rss=lambda pid: 100 << 20, held=lambda: 50 << 20)
     used, basis = probe.usage([1, 2])
     assert used == 250 << 20 and "50 MiB in the memory-backed delta folder" in basis
+
+
+def test_the_torchserve_prestop_waits_for_the_drain_without_a_token(tmp_path: Path) -> None:
+    """``python -m serve.ops.drain --wait`` (the torchserve container's preStop) reads
+    GET /drain, with no token, until the sidecar's own preStop (POST /drain, the operator
+    token) has drained the pod; before that it keeps waiting, and it gives up at its
+    timeout with the last answer."""
+    import threading
+
+    from serve.errors import UpstreamUnavailable
+    from serve.ops.drain import main as drain_main
+    from serve.ops.drain import wait_drained
+
+    pod = start_pod(tmp_path)
+    try:
+        with pod.client() as c:
+            r = c.get("/drain")  # a read: no token
+            assert r.status_code == 200 and r.json()["drained"] is False
+            assert r.json()["phase"] == "serving"
+        with pytest.raises(UpstreamUnavailable, match="did not report the pod drained"):
+            wait_drained(pod.url, 0.3, poll_s=0.05)
+        codes: list[int] = []
+        waiter = threading.Thread(target=lambda: codes.append(
+            drain_main(["--wait", "--sidecar-url", pod.url, "--timeout-s", "20"])))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive() and codes == []  # still waiting: nothing drained it
+        with pod.client() as c:
+            assert c.post("/drain", headers=AUTH).json()["drained"]
+        waiter.join(timeout=10)
+        assert codes == [0]
+    finally:
+        pod.stop()

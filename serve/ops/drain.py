@@ -1,6 +1,7 @@
 """Drain this pod (or `make run`'s service) before its TorchServe is stopped.
 
     python -m serve.ops.drain [--sidecar-url URL] [--settle-s 5] [--timeout-s 120]
+    python -m serve.ops.drain --wait [--sidecar-url URL] [--timeout-s 135]
 
 Asks the sidecar (``POST /drain``, :mod:`serve.sidecar.control.drain`) to refuse new requests
 with a clean 503 and to wait until every accepted request is answered; returns when it
@@ -11,6 +12,11 @@ reach the load balancers (requests still routed here meanwhile are answered norm
 
 The token: ``DLRM_SIDECAR_TOKEN``, else ``--token-file``. Exit code 0 when drained, 1
 when not (the preStop hook then only logs an event; the pod stops regardless).
+
+``--wait`` starts no drain and needs no token: it polls ``GET /drain`` (a read, on either
+of the sidecar's ports) until the sidecar reports the pod drained. It is the torchserve
+container's ``preStop`` in Kubernetes, while the sidecar container's own ``preStop`` drains
+with the operator token, so the container that runs model code holds no token at all.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -27,7 +34,7 @@ from serve.errors import UpstreamUnavailable
 from serve.ops.state_client import sidecar_token
 from serve.settings import DLRM_SIDECAR_TOKEN, DLRM_SIDECAR_URL
 
-__all__ = ["main", "request_drain"]
+__all__ = ["main", "request_drain", "wait_drained"]
 
 
 def request_drain(sidecar_url: str, token: str | None, timeout_s: float) -> dict[str, Any]:
@@ -51,6 +58,34 @@ def request_drain(sidecar_url: str, token: str | None, timeout_s: float) -> dict
     return body
 
 
+def wait_drained(sidecar_url: str, timeout_s: float, *, poll_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """Poll ``GET {sidecar_url}/drain`` until it reports ``drained``; the report.
+
+    A sidecar that does not answer yet (or any more) is polled again until ``timeout_s``.
+
+    Raises:
+        UpstreamUnavailable: not drained within ``timeout_s`` (with the last answer).
+    """
+    deadline = clock() + timeout_s
+    last = "no answer yet"
+    while True:
+        try:
+            r = httpx.get(f"{sidecar_url.rstrip('/')}/drain", timeout=min(5.0, timeout_s))
+            body: dict[str, Any] = r.json() if r.status_code == 200 else {}
+            if body.get("drained"):
+                return body
+            last = f"{r.status_code}: {json.dumps(body)[:300] if body else r.text[:200]}"
+        except (httpx.HTTPError, ValueError) as e:
+            last = repr(e)[:200]
+        if clock() >= deadline:
+            raise UpstreamUnavailable(f"the sidecar at {sidecar_url} did not report the pod "
+                                      f"drained within {timeout_s:.0f} s (GET /drain, last: "
+                                      f"{last})")
+        sleep(poll_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.ops.drain",
                                  description=__doc__,
@@ -64,11 +99,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait before closing (endpoint removal propagates)")
     ap.add_argument("--timeout-s", type=float, default=120.0,
                     help="longest wait for the accepted requests to be answered")
+    ap.add_argument("--wait", action="store_true",
+                    help="start no drain and send no token: wait until the sidecar reports "
+                         "the pod drained (GET /drain); the torchserve container's preStop")
     args = ap.parse_args(argv)
-    if args.settle_s > 0:
+    if args.settle_s > 0 and not args.wait:
         time.sleep(args.settle_s)
     try:
-        report = request_drain(args.sidecar_url, sidecar_token(args.token_file), args.timeout_s)
+        if args.wait:
+            report = wait_drained(args.sidecar_url, args.timeout_s)
+        else:
+            report = request_drain(args.sidecar_url, sidecar_token(args.token_file),
+                                   args.timeout_s)
     except UpstreamUnavailable as e:
         print(f"drain failed: {e.message}", file=sys.stderr, flush=True)
         return 1

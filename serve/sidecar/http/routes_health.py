@@ -60,6 +60,14 @@ async def readyz(sidecar: SidecarDep) -> JSONResponse:
                          "ready_workers": ready})
 
 
+@router.get("/drain", summary="The shutdown drain's state (a read: no token)")
+async def drain_state(sidecar: SidecarDep) -> JSONResponse:
+    """``drained``, ``phase``, ``seconds``, ``versions``, ``error`` of the drain (phase
+    ``serving`` before any). What the torchserve container's preStop waits on
+    (``python -m serve.ops.drain --wait``), so it needs no token."""
+    return JSONResponse(sidecar.drainer.report.to_json())
+
+
 @router.post("/drain", dependencies=[Depends(require_token)],
              summary="Shutdown: refuse new requests (503), answer the accepted ones",
              responses={401: {}, 403: {}, 503: {"description": "the drain failed"}})
