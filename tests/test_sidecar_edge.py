@@ -337,7 +337,11 @@ def _upload(port: int, method: str, path: str, *, headers: str = "", total: int 
         s.close()
     head_text, _, body = answer.partition(b"\r\n\r\n")
     lines = head_text.decode("latin-1").split("\r\n")
-    return {"status": int(lines[0].split()[1]), "json": json.loads(body),
+    # The server closes right after its answer while this client is still sending: the
+    # unread bytes in its receive buffer make the kernel reset the connection, and a
+    # reset can drop the answer's body before it is read (the status line arrived). So
+    # an empty body reads as None; the trickle (nothing left unread) always has it.
+    return {"status": int(lines[0].split()[1]), "json": json.loads(body) if body else None,
             "headers": {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])},
             "sent": sent, "seconds": t_answer}
 
@@ -415,10 +419,11 @@ def test_unauthenticated_600mb_uploads_are_answered_at_once(edge_sidecar):
     rss1 = proc.memory_info().rss
     for method, path, chunked, r in results:
         assert r["status"] == 401, r
-        assert r["json"]["type"] == "Unauthorized"
+        assert r["json"] is None or r["json"]["type"] == "Unauthorized", r
         assert r["headers"]["connection"] == "close"
         assert r["seconds"] < 1.0, (method, path, chunked, r["seconds"])
     assert trickle["status"] == 401 and trickle["seconds"] < 1.0 and trickle["sent"] == 0
+    assert trickle["json"]["type"] == "Unauthorized", trickle
     growth_mb = (rss1 - rss0) / 2**20
     assert growth_mb < 10, growth_mb
     assert probe.failures == [] and len(probe.latencies) >= 5
@@ -458,8 +463,10 @@ def test_the_real_sidecar_edge(edge_sidecar):
     for chunked in (False, True):
         r = _upload(port, "PUT", "/state", headers=f"Authorization: Bearer {sc.token}\r\n",
                     total=8 << 20, chunked=chunked, chunk=16 << 10)
-        assert r["status"] == 413 and r["json"]["type"] == "PayloadTooLarge", r
-        assert f"over the {SMALL_BODY_BYTES}-byte limit" in r["json"]["message"]
+        assert r["status"] == 413, r  # the body may be lost to the reset (see _upload)
+        if r["json"] is not None:
+            assert r["json"]["type"] == "PayloadTooLarge", r
+            assert f"over the {SMALL_BODY_BYTES}-byte limit" in r["json"]["message"]
         assert r["seconds"] < 1.0
 
 
