@@ -50,6 +50,7 @@ from pydantic import (
     field_validator,
 )
 
+from serve.common.durable import write_durably
 from serve.constants import (
     GUARD_INTERVAL_S,
     GUARD_MAX_ERROR_RATIO,
@@ -303,9 +304,6 @@ def dump_state(state: DesiredState) -> str:
 
 
 def write_state(path: str | os.PathLike[str], state: DesiredState) -> None:
-    """Write atomically (tmp file + rename), so a watcher never reads half a file."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(dump_state(state))
-    os.replace(tmp, p)
+    """Write atomically and durably (:func:`serve.common.durable.write_durably`): a watcher
+    never reads half a file, and a crash leaves the old or the new one."""
+    write_durably(path, dump_state(state).encode())

@@ -6,7 +6,7 @@ snapshot. The write paths (PUT /state, PUT /batching, a rollout's outcome) write
 :meth:`DesiredStateFile.write` and wake it. Every method here is a plain function of the
 file: nothing is cached, so two readers can never disagree about what they hold.
 
-Every write is atomic and durable (:func:`serve.common.durable.write_durably`: temporary
+Every write is atomic and durable (:func:`serve.state.write_state`: temporary
 file, fsync, rename, fsync of the folder): after a crash the file holds the old or the
 new state, never an empty or half-written one.
 
@@ -23,18 +23,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve.common.durable import write_durably
 from serve.errors import ConfigError, Conflict
-from serve.state import STATE_MAX_BYTES, DesiredState, dump_state, parse_state, read_state_yaml
+from serve.state import (
+    STATE_MAX_BYTES,
+    DesiredState,
+    dump_state,
+    parse_state,
+    read_state_yaml,
+    write_state,
+)
 
 __all__ = ["DesiredStateFile", "FileRead", "digest", "write_state"]
 
 _log = logging.getLogger(__name__)
-
-
-def write_state(path: Path, desired: DesiredState) -> None:
-    """Write ``desired`` to ``path`` atomically and durably (module docstring)."""
-    write_durably(path, dump_state(desired).encode())
 
 
 def digest(data: bytes) -> str:

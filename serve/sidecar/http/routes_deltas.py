@@ -64,12 +64,12 @@ def _service(sidecar: Sidecar) -> DeltaService:
 
 
 async def _receive(request: Request, service: DeltaService) -> Accepted:
-    """Stream the body into the store (:meth:`DeltaService.receive`), refused with 413 as
-    soon as it is known to be over the limit: from Content-Length before a byte is read,
-    else while it streams in. The body is never held in memory."""
+    """Stream the body into the store (:meth:`DeltaService.receive`); never held in memory.
+    The edge guard has refused a Content-Length over the delta limit (413) before this
+    runs; a declared length that the store's bound cannot hold is refused here (507)
+    before a byte is read, and the service checks both bounds again as the body streams."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
-        service.check_size(int(length))
         await asyncio.to_thread(service.check_room, int(length))
     return await service.receive(request.stream())
 

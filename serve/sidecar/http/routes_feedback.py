@@ -7,11 +7,11 @@ for an id this pod never logged, or whose log was rotated away, is counted, not 
 (feedback comes late, and from outside); a body that breaks the schema is a 400 naming
 the field and the rule.
 
-The body is read as it streams in, in the chunks the server delivers, and refused with
-413 as soon as its Content-Length or the bytes received pass
-``FeedbackConfig.max_body_bytes`` (``--feedback-max-body-bytes``): the sidecar never holds
-more of it than that. The labels are then validated straight from those bytes (pydantic's
-JSON parser, no intermediate Python objects), at most ``FEEDBACK_MAX_LABELS`` of them.
+The body's size is the edge guard's to bound (:mod:`serve.sidecar.http.guard`, outermost in
+the app): it answers 413 from the Content-Length, or as soon as the bytes received pass
+``FeedbackConfig.max_body_bytes`` (``--feedback-max-body-bytes``), so the route never holds
+more than that. The labels are then validated straight from those bytes (pydantic's JSON
+parser, no intermediate Python objects), at most ``FEEDBACK_MAX_LABELS`` of them.
 """
 from __future__ import annotations
 
@@ -24,36 +24,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from serve.errors import PayloadTooLarge
-from serve.settings import DLRM_FEEDBACK_MAX_BODY_BYTES
 from serve.sidecar.http.auth import require_token
-from serve.sidecar.http.schemas import FEEDBACK_MAX_LABELS, FeedbackAnswer, FeedbackBody
+from serve.sidecar.http.schemas import FeedbackAnswer, FeedbackBody
 from serve.sidecar.root import SidecarDep
 
-__all__ = ["read_body", "router"]
+__all__ = ["router"]
 
 router = APIRouter()
-
-
-def _too_large(size: str, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"POST /feedback body of {size} bytes is over the limit of {limit} bytes "
-        f"(--feedback-max-body-bytes, {DLRM_FEEDBACK_MAX_BODY_BYTES}): split the labels "
-        f"over several POSTs (at most {FEEDBACK_MAX_LABELS} labels each)")
-
-
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The body, refused with 413 as soon as it is known to be over ``limit`` bytes (from
-    Content-Length, else while it streams in): never more than ``limit`` bytes held."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _too_large(length, limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise _too_large(f"more than {limit}", limit)
-        body += chunk
-    return body
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -123,7 +100,7 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
              responses={400: {"description": "a label breaks the schema"}, 401: {}, 403: {},
                         413: {"description": "the body is over --feedback-max-body-bytes"}})
 async def post_feedback(request: Request, sidecar: SidecarDep) -> FeedbackAnswer:
-    raw = await read_body(request, sidecar.feedback.config.max_body_bytes)
+    raw = bytearray(await request.body())  # bounded by the edge guard
     body = _parse(raw, request.headers.get("content-type"))
     del raw
     triples = [(x.request_id, x.index, x.label) for x in body.labels]
