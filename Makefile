@@ -8,6 +8,8 @@ PROFILE ?= small
 # make model: training seed (default: the profile's) and version name (default
 # <profile>-<dtype>-s<seed>); each build adds an immutable version to model_store/.
 SEED ?=
+# The version `make model` builds and a new .run/state.yaml of `make up`/`make run` declares.
+MODEL_ARGS = --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)
 VERSION ?=
 # make delta: the day of click logs the embedding delta trains on (>= 1).
 DAY ?= 1
@@ -15,8 +17,9 @@ DAY ?= 1
 # *a* version: their `model` step builds only when model_store/ holds none. Without
 # this, any edit to the archive's sources would make their `make model` refuse to
 # rebuild the existing default version (versions are immutable).
-# run/up/bench/capacity serve a version that exists: build one only when there is none
-# (a new build is `make model`, which refuses to reuse a name for a different build).
+# run/up/bench/capacity serve a version that exists: build it only when that name is not
+# in model_store/ (a new build is `make model`, which refuses to reuse a name for a
+# different build).
 run up bench-e2e capacity faults: MODEL_IF_MISSING := 1
 SHAPE ?= step
 DURATION ?= 60s
@@ -62,7 +65,7 @@ monitoring: venv  ## regenerate k8s/monitoring/ (rules, PrometheusRule, dashboar
 	$(PY) -m serve.ops.monitoring --write
 
 model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-shuffled].mar [PROFILE=small SEED= VERSION= LABEL_SHUFFLE=1: train on permuted labels, AUC ~0.5]; skips what is up to date
-	$(PY) -m serve.model.pipeline --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MODEL_IF_MISSING), --if-missing)
+	$(PY) -m serve.model.pipeline $(MODEL_ARGS)$(if $(MODEL_IF_MISSING), --if-missing)
 
 delta: venv  ## build the next embedding delta of the serving version (or VERSION=) on day DAY=1's click logs: resumed embedding-only training, quantized like a full build; prints the .delta path last
 	$(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION))
@@ -74,11 +77,11 @@ delta-check: venv  ## with `make up` running: make delta DAY=1, then day-1 AUC b
 bench-memory: venv java model  ## pod RSS/PSS with 2 and 4 workers, tables per worker vs shared -> bench/results/memory.json
 	$(PY) -m bench.bench_memory
 
-run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops)
-	$(PY) -m serve.ops.launcher run
+run: venv java model  ## build the default model if needed and serve it in the foreground (Ctrl-C stops); a new .run/state.yaml declares what `make model` builds (same PROFILE/SEED/VERSION/LABEL_SHUFFLE)
+	$(PY) -m serve.ops.launcher run $(MODEL_ARGS)
 
-up: venv java model  ## start the service in the background
-	$(PY) -m serve.ops.launcher up
+up: venv java model  ## start the service in the background (a new .run/state.yaml declares what `make model` builds)
+	$(PY) -m serve.ops.launcher up $(MODEL_ARGS)
 
 down: venv  ## stop the background service
 	$(PY) -m serve.ops.launcher down

@@ -325,7 +325,7 @@ def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store", state_file=tmp_path / "state.yaml")
-    state, _ = ensure_state(cfg.path(cfg.state_file), cfg.repository())
+    state, _ = ensure_state(cfg.path(cfg.state_file), cfg.repository(), "own-a")
     proc = types.SimpleNamespace(pid=1)
     text = _banner(Service(cfg, proc, sidecar=proc, ready_s=1.0, state=state))  # type: ignore[arg-type]
     body = text.split(" -d '", 1)[1].split("'\n", 1)[0]

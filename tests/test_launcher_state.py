@@ -1,7 +1,7 @@
 """The launcher's desired state and command lines (fast: nothing is started).
 
-``make up`` / ``make run`` create ``.run/state.yaml`` from the repository's latest version
-when it is absent and leave it alone when present; TorchServe starts with no model and
+``make up`` / ``make run`` create ``.run/state.yaml`` declaring the version ``make model``
+builds (never simply the newest file) when it is absent and leave it alone when present; TorchServe starts with no model and
 the sidecar gets ``--state-file`` and ``--repository``.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from serve.ops.launcher import (
     wait_ready,
 )
 from serve.state import LOCAL_STATE_FILE, load_state, parse_state, write_state
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, default_version
 
 
 def _add(store: Path, version: str, created: str, **report: object) -> None:
@@ -49,9 +49,10 @@ def store(tmp_path: Path) -> Path:
     return s
 
 
-def test_absent_state_is_created_from_the_latest_versions_report(store: Path, tmp_path: Path):
+def test_absent_state_declares_the_given_version_with_its_reports_batching(store: Path,
+                                                                           tmp_path: Path):
     path = tmp_path / "run" / "state.yaml"
-    state, created = ensure_state(path, ModelRepository([store]))
+    state, created = ensure_state(path, ModelRepository([store]), "small-int8-s7")
     assert created
     assert state.model.version == "small-int8-s7"
     assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (8, 5, 1)
@@ -62,7 +63,7 @@ def test_absent_state_is_created_from_the_latest_versions_report(store: Path, tm
 def test_report_without_batching_falls_back_to_2_2_2(tmp_path: Path):
     s = tmp_path / "model_store"
     _add(s, "old-v1", "2026-12-01T09:00:00+00:00", mar_batch_size="8")  # wrong type: ignored
-    state = default_state(ModelRepository([s]))
+    state = default_state(ModelRepository([s]), "old-v1")
     assert state.model.version == "old-v1"
     assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (2, 2, 2)
 
@@ -73,7 +74,7 @@ def test_existing_state_is_left_alone(store: Path, tmp_path: Path):
                             "batching": {"batch_size": 4, "max_batch_delay_ms": 10}, "workers": 3})
     write_state(path, declared)
     text, mtime = path.read_bytes(), path.stat().st_mtime_ns
-    state, created = ensure_state(path, ModelRepository([store]))
+    state, created = ensure_state(path, ModelRepository([store]), "small-int8-s7")
     assert not created and state == declared
     assert path.read_bytes() == text and path.stat().st_mtime_ns == mtime
 
@@ -84,26 +85,69 @@ def test_existing_state_naming_a_missing_version_says_what_to_do(store: Path, tm
     with pytest.raises(ConfigError, match=r"declares model version 'gone-v9', which is not in the "
                                           r"repository \(.*\); available: small-int8-s0, "
                                           r"small-int8-s7\. Build it .* or delete the file"):
-        ensure_state(path, ModelRepository([store]))
+        ensure_state(path, ModelRepository([store]), "small-int8-s0")
 
 
 def test_invalid_existing_state_names_the_field(store: Path, tmp_path: Path):
     path = tmp_path / "state.yaml"
     path.write_text("model: {version: small-int8-s0}\nworkers: 0\n")
     with pytest.raises(ConfigError, match=r"workers: Input should be greater than or equal to 1"):
-        ensure_state(path, ModelRepository([store]))
+        ensure_state(path, ModelRepository([store]), "small-int8-s0")
 
 
 def test_empty_repository_says_run_make_model(tmp_path: Path):
     s = tmp_path / "model_store"
     s.mkdir()
     (s / "dlrm-half.mar").write_bytes(b"x")  # an archive without its report: not a version
-    with pytest.raises(ConfigError, match=r"^no model version in .*model_store/; run `make model`$"):
-        ensure_state(tmp_path / "state.yaml", ModelRepository([s]))
+    with pytest.raises(ConfigError, match=r"^model version 'small-int8-s0' is not in "
+                                          r".*model_store/ \(the repository is empty\); build "
+                                          r"it with `make model`"):
+        ensure_state(tmp_path / "state.yaml", ModelRepository([s]), "small-int8-s0")
     assert not (tmp_path / "state.yaml").exists()
     # inside the checkout the message names the folder as people type it
-    with pytest.raises(ConfigError, match=r"^no model version in build/no-such-store/; run `make model`$"):
-        default_state(ModelRepository([REPO / "build" / "no-such-store"]))
+    with pytest.raises(ConfigError, match=r"^model version 'x' is not in build/no-such-store/ "):
+        default_state(ModelRepository([REPO / "build" / "no-such-store"]), "x")
+
+
+def test_a_newer_shuffled_label_version_is_not_declared(store: Path, tmp_path: Path):
+    """`make model SEED=8 LABEL_SHUFFLE=1` after `make model`: the newest file is the
+    AUC-0.5 model; a fresh `make up` still declares what `make model` builds by default."""
+    _add(store, default_version("small", seed=8, label_shuffle=True),
+         "2026-12-01T11:00:00+00:00")
+    assert ModelRepository([store]).latest() == "small-int8-s8-shuffled"
+    cfg = LaunchConfig(model_store=store, state_file=tmp_path / "state.yaml")
+    assert cfg.initial_version == "small-int8-s0" == default_version("small")
+    state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository(),
+                                  cfg.initial_version)
+    assert created and state.model.version == "small-int8-s0"
+
+
+def test_a_missing_declared_version_lists_what_is_there(store: Path, tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"model version 'small-int8-s3' is not in .*"
+                                          r"available: small-int8-s0, small-int8-s7; serve one "
+                                          r"of them with `make up VERSION=<name>`"):
+        ensure_state(tmp_path / "state.yaml", ModelRepository([store]), "small-int8-s3")
+
+
+def test_launcher_flags_name_the_version_like_make_model():
+    from serve.ops import launcher
+    seen = {}
+
+    def grab(cfg: LaunchConfig) -> int:
+        seen["v"] = cfg.initial_version
+        return 0
+
+    for argv, want in ((["up"], "small-int8-s0"), (["up", "--seed", "7"], "small-int8-s7"),
+                       (["up", "--seed", "8", "--label-shuffle"], "small-int8-s8-shuffled"),
+                       (["up", "--profile", "tiny"], "tiny-int8-s0"),
+                       (["up", "--version", "mine-v2"], "mine-v2")):
+        orig = launcher._cmd_up
+        launcher._cmd_up = grab
+        try:
+            assert launcher.main(argv) == 0
+        finally:
+            launcher._cmd_up = orig
+        assert seen["v"] == want, argv
 
 
 def _cfg(tmp_path: Path, **kw: object) -> LaunchConfig:
@@ -168,7 +212,7 @@ def test_start_refuses_before_anything_starts(store: Path, tmp_path: Path):
     # an empty repository: the state cannot be defaulted
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ConfigError, match=r"no model version in .*empty/; run `make model`"):
+    with pytest.raises(ConfigError, match=r"not in .*empty/ \(the repository is empty\)"):
         start(_cfg(tmp_path, model_store=empty))
     assert not (tmp_path / "run" / "torchserve").exists() and not (tmp_path / "logs").exists()
 
@@ -201,7 +245,7 @@ def test_readiness_timeout_points_at_the_sidecar(tmp_path: Path):
 
 def test_banner_names_the_version_and_the_state_endpoint(store: Path, tmp_path: Path):
     cfg = _cfg(tmp_path, model_store=store)
-    state, _ = ensure_state(cfg.path(cfg.state_file), cfg.repository())
+    state, _ = ensure_state(cfg.path(cfg.state_file), cfg.repository(), "small-int8-s7")
     proc = types.SimpleNamespace(pid=1)
     text = _banner(Service(cfg, proc, sidecar=proc, ready_s=4.2, state=state))  # type: ignore[arg-type]
     assert "ready in 4.2 s" in text

@@ -128,13 +128,19 @@ def test_existing_version_from_another_build_is_refused_before_any_work(tmp_path
         run_pipeline(cfg, say=lambda _: None)
 
 
-def test_if_missing_builds_nothing_when_any_version_exists(tmp_path):
+def test_if_missing_builds_nothing_when_that_version_exists(tmp_path):
     store = tmp_path / "ms"
-    _fake_version(store, tmp_path, "other-v1", "0123456789abcdef")
+    _fake_version(store, tmp_path, "tiny-int8-s0", "0123456789abcdef")
     proc = _run("--profile", "tiny", "--workdir", str(tmp_path / "w"), "--model-store", str(store),
                 "--if-missing")
     assert proc.returncode == 0, proc.stderr
-    assert "holds 1 model version(s), latest other-v1; not building (--if-missing)" in proc.stdout
+    assert "holds version tiny-int8-s0; not building (--if-missing)" in proc.stdout
+    assert not (tmp_path / "w").exists()
+    # by name too: `make up VERSION=mine` serves an existing version without building
+    _fake_version(store, tmp_path, "mine", "0123456789abcdef")
+    proc = _run("--profile", "tiny", "--workdir", str(tmp_path / "w"), "--model-store", str(store),
+                "--version", "mine", "--if-missing")
+    assert proc.returncode == 0 and "holds version mine; not building" in proc.stdout, proc.stderr
     assert not (tmp_path / "w").exists()
 
 

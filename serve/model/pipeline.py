@@ -76,7 +76,13 @@ from serve.common.validate import boolean, int_at_least
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
 from serve.state import VERSION_RE
-from serve.store.repository import ModelRepository
+from serve.store.repository import (
+    DEFAULT_PROFILE,
+    SHUFFLED_SUFFIX,
+    ModelRepository,
+    day_suffix,
+    default_version,
+)
 
 __all__ = [
     "REPORT_KEYS",
@@ -114,29 +120,13 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
 }
 
 
-SHUFFLED_SUFFIX = "-shuffled"
-
-
-def _day_suffix(data_day: int) -> str:
-    return f"-day{data_day}" if data_day > 0 else ""
-
-
-def default_version(profile_name: str, dtype: str, seed: int, label_shuffle: bool = False,
-                    data_day: int = 0) -> str:
-    """The version a build gets without ``--version``: ``small-int8-s0``, or
-    ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``, ``small-int8-s0-day1``
-    for one on day 1's data."""
-    return (f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-            f"{_day_suffix(data_day)}")
-
-
 def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False,
                     data_day: int = 0) -> Path:
     """One build directory per (profile, seed, shuffle, day): ``build/small-s0``, or
     ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
     checkpoints), ``build/small-s0-day1`` on day 1's data."""
     return Path("build") / (f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-                            f"{_day_suffix(data_day)}")
+                            f"{day_suffix(data_day)}")
 
 
 @dataclass(frozen=True)
@@ -542,7 +532,8 @@ def _parser() -> argparse.ArgumentParser:
                     "model_store/dlrm-<version>.mar + dlrm-<version>.json (read-only: "
                     "versions are immutable). Steps whose inputs did not change are skipped "
                     "(--force redoes them).")
-    ap.add_argument("--profile", default="small", help=f"profile ({', '.join(PROFILES)}); default small")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help=f"profile ({', '.join(PROFILES)}); default {DEFAULT_PROFILE}")
     ap.add_argument("--seed", type=int, default=None,
                     help="training seed (initial weights; default: the profile's). The data keeps "
                          "the profile's seed, so seeds differ only in the trained weights")
@@ -570,8 +561,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-store", default="model_store",
                     help="the model repository the version is added to (default model_store)")
     ap.add_argument("--if-missing", action="store_true",
-                    help="do nothing when the repository already holds any version (what "
-                         "`make run`/`make up` need: they serve the declared version)")
+                    help="do nothing when the repository already holds this version, whatever "
+                         "build made it (what `make run`/`make up` need: they declare it)")
     ap.add_argument("--model-name", default="dlrm", help="TorchServe model name (default dlrm)")
     ap.add_argument("--nproc", type=int, default=2, help="training ranks (default 2)")
     ap.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -627,13 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         get_profile(args.profile)  # an unknown profile fails first, even with --if-missing
         store = Path(args.model_store)
-        if args.if_missing:
-            existing = ModelRepository([store], args.model_name).versions()
-            if existing:
-                print(f"{store} holds {len(existing)} model version(s), latest {existing[-1]}; "
-                      "not building (--if-missing)")
-                return 0
         cfg = config_from_args(args)
+        if args.if_missing and ModelRepository([store], args.model_name).exists(cfg.version_name):
+            print(f"{store} holds version {cfg.version_name}; not building (--if-missing)")
+            return 0
         res = run_pipeline(cfg, say=lambda s: print(s, flush=True))
     except ServeError as e:
         print(f"error: {e.message}", file=sys.stderr)

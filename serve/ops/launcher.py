@@ -6,7 +6,8 @@
 
 Builds nothing (``make run`` adds a model version to ``model_store/`` first if it holds
 none). What to serve is the **desired state**, ``.run/state.yaml`` (``serve.state``): when
-it is absent it is created from the repository's latest version and that version's
+it is absent it is created declaring the version ``make model`` builds with the same
+``--profile/--seed/--version`` (never simply the newest file) and that version's
 report (its ``.mar`` batching and workers); when it exists it is left alone, so
 ``make down && make up`` comes back to the same state. TorchServe starts with **no
 model**; the sidecar (``--state-file``, ``--repository``) registers the version the state
@@ -63,7 +64,7 @@ from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
 from serve.settings import EnvVar
 from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
-from serve.store.repository import ModelRepository
+from serve.store.repository import DEFAULT_PROFILE, ModelRepository, default_version
 
 __all__ = [
     "LaunchConfig",
@@ -101,7 +102,7 @@ _LOOPBACK_ONLY = frozenset({"management_address", "grpc_inference_address",
                             "grpc_management_address"})
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
               "grpc_management_port": "grpc_management_port"}
-# Batching and workers declared when the latest version's report does not say (reports
+# Batching and workers declared when the declared version's report does not say (reports
 # from before the report carried them): the .mar defaults of serve.model.pipeline.
 _FALLBACK_BATCH_SIZE, _FALLBACK_DELAY_MS, _FALLBACK_WORKERS = 2, 2, 2
 
@@ -127,8 +128,11 @@ class LaunchConfig:
     # registers the version the desired state names: make up / make run); without it,
     # "<model_name>.mar" (build_mar's default name, what the test fixtures build).
     mar_name: str | None = None
-    # The desired state the sidecar serves (created from the latest version if absent).
+    # The desired state the sidecar serves (created declaring initial_version if absent).
     state_file: Path = Path(LOCAL_STATE_FILE)
+    # The version a new state file declares: what `make model` builds with the same
+    # PROFILE/SEED/VERSION/LABEL_SHUFFLE (serve.store.repository.default_version).
+    initial_version: str = field(default_factory=lambda: default_version(DEFAULT_PROFILE))
     # Model repository folders the sidecar reads versions from (empty: model_store).
     repositories: tuple[Path, ...] = ()
     ts_config: Path = Path("config.properties")
@@ -288,19 +292,24 @@ def render_ts_config(text: str, cfg: LaunchConfig) -> str:
     return "\n".join(out) + "\n"
 
 
-def default_state(repo: ModelRepository) -> DesiredState:
-    """The state ``make up`` declares first: the latest version, with its ``.mar``'s batching.
+def default_state(repo: ModelRepository, version: str) -> DesiredState:
+    """The state ``make up`` declares first: ``version`` (the one ``make model`` builds with
+    the same arguments, :func:`serve.store.repository.default_version`; never simply the
+    newest file, which may be a shuffled-label experiment), with its ``.mar``'s batching.
 
     Batching and workers come from the version's report (``mar_batch_size``,
     ``mar_max_batch_delay_ms``, ``mar_workers``), else 2 / 2 ms / 2.
 
     Raises:
-        ConfigError: the repository holds no version.
+        ConfigError: ``version`` is not in the repository (the message lists what is).
     """
-    version = repo.latest()
-    if version is None:
+    if not repo.exists(version):
         where = ", ".join(f"{_show(r)}/" for r in repo.roots)
-        raise ConfigError(f"no model version in {where}; run `make model`")
+        have = repo.versions()
+        hint = (f"available: {', '.join(have)}; serve one of them with `make up VERSION=<name>`"
+                if have else "the repository is empty")
+        raise ConfigError(f"model version {version!r} is not in {where} ({hint}); "
+                          f"build it with `make model` (same PROFILE/SEED/VERSION)")
     report = repo.report(version)
 
     def pick(key: str, fallback: int) -> int:
@@ -314,8 +323,9 @@ def default_state(repo: ModelRepository) -> DesiredState:
         workers=pick("mar_workers", _FALLBACK_WORKERS))
 
 
-def ensure_state(path: Path, repo: ModelRepository) -> tuple[DesiredState, bool]:
-    """Read the desired-state file, creating it with :func:`default_state` if absent.
+def ensure_state(path: Path, repo: ModelRepository, version: str) -> tuple[DesiredState, bool]:
+    """Read the desired-state file, creating it with :func:`default_state` (declaring
+    ``version``) if absent.
 
     An existing file is never rewritten (``make down && make up`` serves the same state),
     but it is validated, and the version it names must be in the repository: the sidecar
@@ -328,9 +338,10 @@ def ensure_state(path: Path, repo: ModelRepository) -> tuple[DesiredState, bool]
                 f"{_show(path)} declares model version {state.model.version!r}, which is not in "
                 f"the repository ({', '.join(map(_show, repo.roots))}); available: "
                 f"{', '.join(repo.versions()) or 'none'}. Build it (`make model VERSION=...`), "
-                f"edit model.version in {_show(path)}, or delete the file to serve the latest")
+                f"edit model.version in {_show(path)}, or delete the file to declare "
+                f"{version!r}")
         return state, False
-    state = default_state(repo)
+    state = default_state(repo, version)
     write_state(path, state)
     return state, True
 
@@ -750,8 +761,10 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
     check_ports(cfg)
     state = None
     if cfg.sidecar:
-        state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository())
-        how = "created from the latest version" if created else "existing, left as is"
+        state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository(),
+                                      cfg.initial_version)
+        how = (f"created: {cfg.initial_version}, the version `make model` builds"
+               if created else "existing, left as is")
         say(f"desired state {_show(cfg.path(cfg.state_file))} ({how}): {describe_state(state)}")
     t0 = time.monotonic()
     ts = start_torchserve(cfg)
@@ -926,8 +939,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repository", action="append", default=None, metavar="DIR",
                     help="a model repository folder (repeatable; default: the model store)")
     ap.add_argument("--state-file", default=LOCAL_STATE_FILE,
-                    help="the desired serving state (created from the latest version if absent; "
+                    help="the desired serving state (created declaring the version `make model` "
+                         "builds with the same --profile/--seed/--version if absent; "
                          f"default {LOCAL_STATE_FILE})")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help="with --seed, --label-shuffle and --version: the version a new state "
+                         "file declares, named as `make model` names what it builds (default "
+                         f"{default_version(DEFAULT_PROFILE)})")
+    ap.add_argument("--seed", type=int, default=None, help="see --profile (default: the "
+                                                          "profile's seed)")
+    ap.add_argument("--label-shuffle", action="store_true", help="see --profile")
+    ap.add_argument("--version", default=None, help="see --profile: this version by name")
     ap.add_argument("--mar", default=None,
                     help="load this archive of the model store at start (tests, benchmarks; "
                          "with --no-sidecar, default <model-name>.mar). Without it, TorchServe "
@@ -955,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
             model_store=Path(args.model_store), mar_name=args.mar,
             ts_config=Path(args.ts_config), log_config=Path(args.log_config),
             state_file=Path(args.state_file),
+            initial_version=args.version or default_version(
+                args.profile, seed=args.seed, label_shuffle=args.label_shuffle),
             repositories=tuple(Path(d) for d in args.repository or ()),
             sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
             drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),

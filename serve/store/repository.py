@@ -28,11 +28,41 @@ from pathlib import Path
 from typing import Any
 
 from serve.errors import ConfigError
+from serve.profiles import get_profile
 from serve.state import VERSION_RE
 
-__all__ = ["ModelRepository"]
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "SHUFFLED_SUFFIX", "ModelRepository", "day_suffix", "default_version"]
 
 _VERSION = re.compile(VERSION_RE)
+
+#: The suffix of a version trained on permuted labels (``make model LABEL_SHUFFLE=1``).
+SHUFFLED_SUFFIX = "-shuffled"
+#: The profile ``make model`` builds without ``PROFILE=`` (and ``make up`` declares).
+DEFAULT_PROFILE = "small"
+#: The table dtype ``make model`` builds without ``--dtype``.
+DEFAULT_DTYPE = "int8"
+
+
+def day_suffix(data_day: int) -> str:
+    """``-day<N>`` for a build on day N's data (N > 0), else ``""``."""
+    return f"-day{data_day}" if data_day > 0 else ""
+
+
+def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | None = None,
+                    label_shuffle: bool = False, data_day: int = 0) -> str:
+    """The version a build gets without ``--version``: ``small-int8-s0``, or
+    ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``, ``small-int8-s0-day1``
+    for one on day 1's data. ``seed`` None: the profile's own (what ``make model`` trains
+    without ``SEED=``). It lives with the repository, not the build, so that ``make up``
+    names the version ``make model`` builds without importing the build.
+
+    Raises:
+        UnknownProfileError: ``seed`` is None and the profile does not exist.
+    """
+    if seed is None:
+        seed = get_profile(profile_name).seed
+    return (f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
+            f"{day_suffix(data_day)}")
 
 
 class ModelRepository:
