@@ -264,3 +264,28 @@ def test_shared_file_written_afresh_when_the_store_lost_its_deltas(base, tmp_pat
     plain = Runtime.from_artifact(base)
     dense, sparse = _batch(4, 32, multi_hot=False)
     assert torch.equal(fresh.predict(dense, sparse), plain.predict(dense, sparse))
+
+
+def test_shared_file_of_another_build_of_the_version_is_written_afresh(base, tmp_path):
+    """Same version name, other weights (`make clean-models` and a rebuild) while the delta
+    folder survives: the old build's rows, same size, must not be served under the new
+    dense layers (a silent wrong answer)."""
+    other = build_random_artifact("tiny", torch.device("cpu"), seed=4)  # same shapes
+    assert [t.data.shape for t in other.tables] == [t.data.shape for t in base.tables]
+    path = tmp_path / "v" / "tables.bin"
+    old = Runtime.from_artifact(other, RuntimeConfig(), shared=SharedTables(path))
+    size = path.stat().st_size
+    fresh = Runtime.from_artifact(base, RuntimeConfig(), shared=SharedTables(path))
+    plain = Runtime.from_artifact(base)
+    dense, sparse = _batch(5, 64, multi_hot=True)
+    assert path.stat().st_size == size
+    assert torch.equal(fresh.predict(dense, sparse), plain.predict(dense, sparse))
+    assert not torch.equal(old.predict(dense, sparse), plain.predict(dense, sparse))
+    # the same build again: the file (and what deltas wrote into it) is kept
+    written = path.read_bytes()
+    fresh.update_rows(0, torch.tensor([1]), torch.from_numpy(
+        np.full((1, base.tables[0].data.shape[1]), 7, dtype=np.uint8)))
+    before = path.read_bytes()
+    assert before != written  # the row went into the shared file
+    Runtime.from_artifact(base, RuntimeConfig(), shared=SharedTables(path))
+    assert path.read_bytes() == before

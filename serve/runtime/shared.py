@@ -19,11 +19,21 @@ through): a writer waits for at most the batches already running. Cost per batch
 ``tables.seq`` holds the sequence number of the newest delta written into the mapping,
 so the first worker to take the write side writes a delta and the others only record
 that they see it (each worker's view gets every delta exactly once).
+
+``tables.id`` names the build the file was written from (:func:`tables_identity`: a
+digest of the shapes and of up to 256 evenly spread rows of every table of the
+artifact). A version name can come back with other weights (``make clean-models`` and a
+rebuild, a store restored from elsewhere) while the delta folder survives: a file of
+the right size but another build's rows would serve those rows under the new dense
+layers, a silent wrong answer. So a file whose identity is missing or differs is
+written afresh (and its deltas re-applied by the followers, from sequence 0). Deltas
+change the file's rows, never the identity it was written for.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -33,7 +43,28 @@ import torch
 
 from serve.errors import ArtifactError
 
-__all__ = ["SharedTables"]
+__all__ = ["SharedTables", "tables_identity"]
+
+#: Rows per table that :func:`tables_identity` hashes (evenly spread, first and last).
+IDENTITY_ROWS = 256
+
+
+def tables_identity(tables: list[torch.Tensor]) -> str:
+    """A digest naming the build ``tables`` come from: the shape of each uint8
+    (rows_t, row_bytes) table and up to :data:`IDENTITY_ROWS` evenly spread rows of each
+    (the first and last included). Two trainings differ in every row, so a sample tells
+    builds apart; reading it costs microseconds where hashing every row of a 2 GB table
+    would cost seconds per worker."""
+    h = hashlib.sha256()
+    for t in tables:
+        rows = int(t.shape[0])
+        h.update(f"{rows}x{int(t.shape[1])};".encode())
+        if rows:
+            k = min(rows, IDENTITY_ROWS)
+            picks = sorted({round(i * (rows - 1) / max(k - 1, 1)) for i in range(k)})
+            h.update(t.index_select(0, torch.tensor(picks, dtype=torch.long))
+                     .contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +87,7 @@ class SharedTables:
         self._rw = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         self._turn = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT, 0o644)
         self._seq_path = Path(f"{base}.seq")
+        self._id_path = Path(f"{base}.id")
 
     def close(self) -> None:
         for fd in (self._rw, self._turn):
@@ -103,6 +135,18 @@ class SharedTables:
         tmp.write_text(str(int(seq)))
         os.replace(tmp, self._seq_path)
 
+    def _identity(self) -> str | None:
+        """The build identity the file was written for (None: unknown). Under a lock."""
+        try:
+            return self._id_path.read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def _set_identity(self, ident: str) -> None:
+        tmp = self._id_path.with_name(self._id_path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(ident)
+        os.replace(tmp, self._id_path)
+
     # -- the mapping -------------------------------------------------------------------
     def open(self, tables: list[torch.Tensor]) -> torch.Tensor:
         """The shared table, uint8 (R, row_bytes), mapped ``MAP_SHARED``.
@@ -121,12 +165,17 @@ class SharedTables:
         rb = widths.pop()
         rows = sum(int(t.shape[0]) for t in tables)
         nbytes = rows * rb
+        ident = tables_identity(tables)
         with self.write():
             size = self.path.stat().st_size if self.path.exists() else -1
             seq = self.sequence()
-            if size != nbytes or seq > self.max_sequence:
+            held = self._identity()
+            if size != nbytes or seq > self.max_sequence or held != ident:
                 why = ("missing" if size < 0 else f"{size} bytes, expected {nbytes}"
-                       if size != nbytes else f"at delta {seq}, the store holds {self.max_sequence}")
+                       if size != nbytes else f"at delta {seq}, the store holds {self.max_sequence}"
+                       if seq > self.max_sequence else
+                       f"written from another build of the version (identity {held}, this "
+                       f"artifact's {ident})")
                 log.info("shared tables %s: writing %d rows x %d bytes (%s)", self.path, rows,
                          rb, why)
                 tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
@@ -135,6 +184,7 @@ class SharedTables:
                     f.writelines(t.contiguous().numpy().data for t in tables)
                 os.replace(tmp, self.path)
                 self.set_sequence(0)
+                self._set_identity(ident)
             storage = torch.UntypedStorage.from_file(os.fspath(self.path), shared=True,
                                                      nbytes=nbytes)
         table = torch.empty(0, dtype=torch.uint8)
