@@ -124,6 +124,10 @@ faults: venv java model  ## fault suite against a real service under load (kill 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout
 
+psi-calibration: venv  ## score PSI of every small-int8-s* retrain and shuffled-label model against small-int8-s0, on loadtest and on example traffic, per guard window (needs make model SEED=1,2,3,7 and SEED=8 LABEL_SHUFFLE=1) -> bench/results/psi_calibration*.json
+	$(PY) -m bench.psi_calibration $(PSI_ARGS)
+	$(PY) -m bench.psi_calibration --traffic example $(PSI_ARGS)
+
 promcheck: venv prometheus  ## with `make up` running: a loopback Prometheus with our rules scrapes the sidecar under load; its QPS/p99 vs the load generator's -> bench/results/promcheck.json
 	$(PY) -m serve.ops.promcheck
 

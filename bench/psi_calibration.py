@@ -45,7 +45,35 @@ from serve.store.repository import SHUFFLED_SUFFIX, ModelRepository
 __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "results" / "psi_calibration.json"
+OUT = REPO / "bench" / "results" / "psi_calibration.json"  # --traffic example: *_example.json
+
+
+def _example_traffic(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """n instances of ``example_request`` (what the tests and ``bench_rollout`` send): ids
+    uniform over [0, 2^31), so mostly rows training rarely touched."""
+    import orjson
+
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
+    from serve.api.json_body import example_request
+
+    cfg = HandlerConfig()
+    dense, lengths, values = [], [], []
+    for k, start in enumerate(range(0, n, 4096)):
+        p = parse_body(orjson.dumps(example_request(min(4096, n - start), seed=seed * 1000 + k)),
+                       cfg)
+        dense.append(p.dense)
+        lengths.append(p.lengths)
+        values.append(p.values)
+    # values are feature-major per chunk: regroup them feature-major over all n
+    per_feature = [[] for _ in range(lengths[0].shape[0])]
+    for lo, va in zip(lengths, values, strict=True):
+        counts = lo.sum(axis=1)
+        for j, part in enumerate(np.split(va, np.cumsum(counts)[:-1])):
+            per_feature[j].append(part)
+    return (np.concatenate(dense).astype(np.float32),
+            np.concatenate([np.concatenate(f) for f in per_feature]).astype(np.int64),
+            np.concatenate(lengths, axis=1).astype(np.int32))
 
 
 def _traffic(profile_name: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -72,11 +100,15 @@ def _scores(mar: Path, data: tuple[np.ndarray, np.ndarray, np.ndarray], chunk: i
         z.extract("artifact.pt", tmp)
         rt = Runtime.from_artifact(str(Path(tmp) / "artifact.pt"), RuntimeConfig())
     n, out = dense.shape[0], []
+    starts = np.concatenate([[0], np.cumsum(lengths.sum(axis=1))])  # feature offsets
+    inner = np.concatenate([np.zeros((lengths.shape[0], 1), dtype=np.int64),
+                            np.cumsum(lengths, axis=1)], axis=1)   # (F, n+1) per feature
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        lo = lengths[:, start:stop]
-        vals = np.concatenate([values[j * n + start:j * n + stop] for j in range(lo.shape[0])])
-        out.append(rt.predict_arrays(dense[start:stop], vals, np.ascontiguousarray(lo)))
+        lo = np.ascontiguousarray(lengths[:, start:stop])
+        vals = np.concatenate([values[starts[j] + inner[j, start]:starts[j] + inner[j, stop]]
+                               for j in range(lo.shape[0])])
+        out.append(rt.predict_arrays(np.ascontiguousarray(dense[start:stop]), vals, lo))
     return np.concatenate(out)
 
 
@@ -90,7 +122,7 @@ def _bins(scores: np.ndarray) -> np.ndarray:
 def _window_psi(stable: np.ndarray, cand: np.ndarray, n: int, weight: float, draws: int,
                 rng: np.random.Generator) -> dict[str, float]:
     """PSI over ``draws`` guard windows: disjoint random instances, n for the candidate."""
-    m = int(round(n * (1 - weight) / weight))
+    m = round(n * (1 - weight) / weight)
     total = stable.shape[0]
     if n + m > total:
         raise SystemExit(f"--instances {total} is too few for a window of {n} + {m}")
@@ -111,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="versions compared with it (default: every other small-int8-s* of "
                          "the repository, shuffled ones included)")
     ap.add_argument("--model-store", default=str(REPO / "model_store"))
+    ap.add_argument("--traffic", choices=("loadtest", "example"), default="loadtest",
+                    help="loadtest: make loadtest's ranking traffic; example: example_request "
+                         "bodies (uniform ids; what the tests and bench_rollout send)")
     ap.add_argument("--instances", type=int, default=60_000,
                     help="loadtest-like instances scored by every version (default 60000)")
     ap.add_argument("--windows", type=int, nargs="*", default=[500, 2000, 12_000],
@@ -118,12 +153,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight", type=float, default=0.2, help="canary weight of the windows")
     ap.add_argument("--draws", type=int, default=50, help="windows drawn per size")
     ap.add_argument("--seed", type=int, default=0, help="traffic and draw seed")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help=f"default {OUT.relative_to(REPO)} (loadtest), "
+                                                 "psi_calibration_example.json (example)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.out is None:
+        args.out = str(OUT if args.traffic == "loadtest"
+                       else OUT.with_name("psi_calibration_example.json"))
     import torch
 
     torch.set_num_threads(1)
@@ -137,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         v for v in repo.versions() if v.startswith(prefix) and v != args.stable
         and "-day" not in v]
     profile = str(stable_report.get("profile", "small"))
-    data = _traffic(profile, args.instances, args.seed)
+    data = (_traffic(profile, args.instances, args.seed) if args.traffic == "loadtest"
+            else _example_traffic(args.instances, args.seed))
     t0 = time.monotonic()
     stable_scores = _scores(repo.archive(args.stable), data)
     rng = np.random.default_rng(args.seed)
@@ -159,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python -m bench.psi_calibration " + " ".join(argv or sys.argv[1:]),
-        "state": {"stable": args.stable, "instances": args.instances, "traffic": "loadtest "
-                  "(Zipf 1.05 ids through the training permutation, softplus-normal dense)",
+        "state": {"stable": args.stable, "instances": args.instances, "traffic": {
+                  "loadtest": "loadtest (Zipf 1.05 ids through the training permutation, "
+                              "softplus-normal dense)",
+                  "example": "example_request (ids uniform over [0, 2^31))"}[args.traffic],
                   "weight": args.weight, "draws": args.draws, "seed": args.seed,
                   "bins": "SCORE_BUCKETS + (1, inf)"},
         "stable_mean_score_loadtest": round(float(stable_scores.mean()), 4),
@@ -175,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print(result: dict[str, Any], windows: list[int]) -> None:
     st = result["state"]
     print(f"\nscore PSI against {st['stable']} (weight {st['weight']}, {st['draws']} draws per "
-          f"window, {st['instances']} loadtest instances)")
+          f"window, {st['instances']} instances of {st['traffic'].split(' ')[0]} traffic)")
     head = f"{'candidate':28s} {'kind':8s} {'AUC':>6s} {'held-out':>9s} {'loadtest':>9s}"
     for n in windows:
         head += f" {'n=' + str(n) + ' mean/max':>20s}"
