@@ -124,6 +124,9 @@ faults: venv java model  ## fault suite against a real service under load (kill 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout
 
+rollout-trials: venv java  ## do the default guards decide right? canaries (weight 0.2, bake 60 s) of a retrain (promoted), a shuffled-label model (rolled back) and a 1.5x slower candidate, under ranking load, on its own service (needs make model SEED=7 and SEED=8 LABEL_SHUFFLE=1; ~45 min at 20/20/2) -> bench/results/rollout_trials.json
+	$(PY) -m bench.rollout_trials --trials $(or $(TRIALS),20) --bad-trials $(or $(BAD_TRIALS),20) --slow-trials $(or $(SLOW_TRIALS),2)
+
 psi-calibration: venv  ## score PSI of every small-int8-s* retrain and shuffled-label model against small-int8-s0, on loadtest and on example traffic, per guard window (needs make model SEED=1,2,3,7 and SEED=8 LABEL_SHUFFLE=1) -> bench/results/psi_calibration*.json
 	$(PY) -m bench.psi_calibration $(PSI_ARGS)
 	$(PY) -m bench.psi_calibration --traffic example $(PSI_ARGS)

@@ -19,6 +19,7 @@ The file::
     #   weight: 0.1                     # share of requests (by X-DLRM-Route-Key hash, else random)
     #   steps: [0.5, 1.0]               # optional: later weights, one bake period each
     #   bake_s: 60                      # seconds each weight must survive the guards
+    #   attempt: 1                      # bump to try the candidate again after a decision
     #   guards: {max_error_ratio: 0.01, max_p99_ratio: 2.0, max_score_psi: 0.25,
     #            min_requests: 100, min_instances: 500, interval_s: 5}
 
@@ -161,6 +162,10 @@ class Rollout(_Strict):
     bake_s: float = Field(60.0, gt=0, le=BAKE_S_MAX,
                           description="Seconds each weight must survive the guards.")
     guards: Guards = Field(default_factory=lambda: Guards())
+    attempt: int = Field(1, ge=1, le=1_000_000,
+                         description="Bump to try a candidate again after its rollout was "
+                                     "decided: a decided rollout (the same stable version and "
+                                     "spec) is never baked again, not even by a restarted pod.")
 
     @field_validator("steps")
     @classmethod
