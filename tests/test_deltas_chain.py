@@ -307,3 +307,19 @@ def test_refusal_reasons_are_bounded() -> None:
         DELTA_REFUSAL_REASONS)
     assert "parent_mismatch" in DELTA_SKIP_REASONS
     assert encode_delta(decode_delta(make_delta(1))) == make_delta(1)
+
+
+def test_the_deployment_refuses_posts_so_deltas_go_on_the_volume() -> None:
+    """Kubernetes pods are a fleet: k8s/deployment.yaml runs the sidecar with
+    ``--deltas-post refuse`` and the volume sync on (the default 5 s)."""
+    import yaml
+
+    from serve.sidecar.http.app import _parser
+
+    path = Path(__file__).resolve().parents[1] / "k8s" / "deployment.yaml"
+    (deploy,) = [d for d in yaml.safe_load_all(path.read_text())
+                 if d and d.get("kind") == "Deployment"]
+    (sidecar,) = [c for c in deploy["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "sidecar"]
+    ns, _ = _parser().parse_known_args(sidecar["args"][3:])
+    assert ns.deltas_post == "refuse" and ns.delta_dir is not None
