@@ -323,3 +323,34 @@ def test_the_deployment_refuses_posts_so_deltas_go_on_the_volume() -> None:
                   if c["name"] == "sidecar"]
     ns, _ = _parser().parse_known_args(sidecar["args"][3:])
     assert ns.deltas_post == "refuse" and ns.delta_dir is not None
+
+
+# ------------------------------------------------------------------ make delta-check
+
+
+def test_delta_check_names_a_stray_parent_before_measuring_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from serve.ops.delta_check import check_parent, main
+
+    one, two = _chain(2)
+    status = {"versions": {SERVED: {"last_sequence": 1, "head_digest": digest(one)}}}
+    assert check_parent(decode_delta(two), status) is None
+    assert check_parent(decode_delta(make_delta(3, parent=OTHER_CHAIN)), status) is None  # gap
+    assert "rebuild it with `make delta`" in str(
+        check_parent(decode_delta(make_delta(2, parent=None)), status))
+    assert check_parent(decode_delta(two), {"versions": {}}) is None
+    pod = start_pod(tmp_path)
+    try:
+        with pod.client() as c:
+            assert post(c, one).status_code == 202
+        (tmp_path / "token").write_text(TOKEN)
+        (tmp_path / "stray.delta").write_bytes(make_delta(2, parent=OTHER_CHAIN))
+        code = main(["--delta", str(tmp_path / "stray.delta"), "--sidecar", pod.url,
+                     "--token-file", str(tmp_path / "token"), "--json",
+                     str(tmp_path / "out.json")])
+    finally:
+        pod.stop()
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out.json").exists()
+    assert f"builds on parent {OTHER_CHAIN}, but the pod holds {digest(one)} (sequence 1)" \
+        in err
