@@ -33,7 +33,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from serve.errors import Conflict, DeltaConflict
+from serve.errors import Conflict, DeltaConflict, ServeError
 from serve.settings import DLRM_DELTA_DIR
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.schemas import (
@@ -49,6 +49,7 @@ from serve.sidecar.services.embedding_deltas import (
     WAIT_MAX_S,
     Accepted,
     DeltaService,
+    refusal_reason,
 )
 from serve.store.delta_files import DELTA_MEDIA_TYPE
 
@@ -99,8 +100,12 @@ async def _receive(request: Request, service: DeltaService) -> Accepted:
     before a byte is read, and the service checks both bounds again as the body streams."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
-        await asyncio.to_thread(service.check_room, int(length))
-    return await service.receive(request.stream())
+        try:
+            await asyncio.to_thread(service.check_room, int(length))
+        except ServeError as e:
+            service.count_refusal(refusal_reason(e))
+            raise
+    return await service.receive(request.stream())  # counts its own refusals
 
 
 @router.post(

@@ -17,13 +17,14 @@ changes, in this order, and any failure leaves the store as it was:
    409 for a gap or other bytes under a stored sequence). The same bytes again are
    stored once (outcome ``unchanged``); other bytes for a stored sequence whose file is
    damaged replace it (``repaired``: the workers, which retry a damaged delta every poll,
-   then apply it). The file is fsynced, renamed into place and its folder fsynced;
-6. it builds on what this pod holds: its ``parent_digest`` is the digest of the version's
-   last stored delta, or for sequence 1 the version's identity
-   (:func:`serve.store.delta_files.version_digest` of its build report); otherwise 409
-   ``DeltaConflict`` with ``reason`` ``parent_mismatch`` and both digests
-   (``expected_parent_digest``: what this pod holds; ``parent_digest``: the delta's). A
-   delta 1 written before the field existed is taken; a later one without it is 400.
+   then apply it);
+6. it builds on what this pod holds (in the same step, under the store's lock): its
+   ``parent_digest`` is the digest of the version's last stored delta, or for sequence 1
+   the version's identity (:func:`serve.store.delta_files.version_digest` of its build
+   report); otherwise 409 ``DeltaConflict`` with ``reason`` ``parent_mismatch`` and both
+   digests (``expected_parent_digest``: what this pod holds; ``parent_digest``: the
+   delta's). A delta 1 written before the field existed is taken; a later one without it
+   is 400. Then the file is fsynced, renamed into place and its folder fsynced.
 
 Every refusal of a POST is counted by reason in ``dlrm_delta_posts_refused_total``
 (:data:`serve.metrics.DELTA_REFUSAL_REASONS`); a volume file not taken is counted in
