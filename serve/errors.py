@@ -140,17 +140,27 @@ class InvalidDelta(InvalidInput):
 
 
 class DeltaConflict(Conflict):
-    """A well-formed delta that does not apply here: another base version, or not the
-    next sequence number of its version (409). Nothing was changed."""
+    """A well-formed delta that does not apply here: another base version, not the
+    next sequence number of its version, or built on another delta than the one this pod
+    holds (409). Nothing was changed.
+
+    ``reason`` is a bounded label (``base_version``, ``sequence``, ``parent_mismatch``,
+    ``volume_only``; metrics count refusals by it); ``details`` are extra JSON fields
+    (e.g. both digests of a ``parent_mismatch``).
+    """
 
     kind = "DeltaConflict"
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, reason: str = "conflict",
+                 details: Mapping[str, Any] | None = None) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = reason
+        self.details = dict(details or {})
 
     def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "field": self.field}
+        return {**super().to_json(), "field": self.field, "reason": self.reason,
+                **self.details}
 
 
 __all__ += ["DeltaConflict", "InvalidDelta"]

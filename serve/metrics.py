@@ -743,10 +743,11 @@ def embedding_delta_families(gauges: Iterable[EmbeddingDeltaGauges]) -> list[Met
 
 
 # Embedding-delta files on the model volume the sidecar did not take, by {reason}
-# (too_large: over --max-delta-bytes, never read; invalid: failed a check; unreadable):
-# each file counted once, however many sync passes see it.
+# (too_large: over --max-delta-bytes, never read; invalid: failed a check; unreadable;
+# store_full: over --max-delta-store-bytes; parent_mismatch: built on another delta than
+# the one the pod holds): each file counted once, however many sync passes see it.
 DELTA_FILES_SKIPPED_TOTAL = "dlrm_delta_files_skipped_total"
-DELTA_SKIP_REASONS = ("too_large", "invalid", "unreadable")
+DELTA_SKIP_REASONS = ("too_large", "invalid", "unreadable", "store_full", "parent_mismatch")
 
 
 def delta_files_skipped_family(counts: Mapping[str, int]) -> Metric:
@@ -1145,3 +1146,28 @@ def clean_dead_worker_files(path: str | os.PathLike[str], *,
         after = len(list(folder.glob("*.db")))
     return CleanupReport(dead_pids=dead, gauges_removed=tuple(gauges), merged=tuple(merged),
                          files_before=len(files), files_after=after)
+
+
+# POST /embeddings/deltas refused by the delta service, by {reason}: base_version (not
+# served here), sequence (a gap or other bytes under a stored one), parent_mismatch (built
+# on another delta than the pod's head), volume_only (--deltas-post refuse: publish on the
+# model volume), invalid (400), too_large (413), store_full (507), other.
+DELTA_POSTS_REFUSED_TOTAL = "dlrm_delta_posts_refused_total"
+DELTA_REFUSAL_REASONS = ("base_version", "sequence", "parent_mismatch", "volume_only",
+                         "invalid", "too_large", "store_full", "other")
+
+
+def delta_posts_refused_family(counts: Mapping[str, int]) -> Metric:
+    """``dlrm_delta_posts_refused_total{reason}``: every reason of
+    :data:`DELTA_REFUSAL_REASONS`, 0 when none (others are counted as ``other``)."""
+    family = CounterMetricFamily(
+        DELTA_POSTS_REFUSED_TOTAL,
+        "POST /embeddings/deltas refused (nothing stored), by reason.", labels=["reason"])
+    known = {r: float(counts.get(r, 0)) for r in DELTA_REFUSAL_REASONS}
+    known["other"] += float(sum(n for r, n in counts.items() if r not in known))
+    for reason, value in known.items():
+        family.add_metric([reason], value)
+    return family
+
+
+__all__ += ["DELTA_POSTS_REFUSED_TOTAL", "DELTA_REFUSAL_REASONS", "delta_posts_refused_family"]

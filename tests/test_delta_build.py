@@ -20,7 +20,7 @@ from serve.model.train import (
 )
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
-from serve.store.delta_files import decode_delta
+from serve.store.delta_files import decode_delta, file_sha256, version_digest
 from tests.fixtures.deltas import with_delta_rows
 
 TINY = get_profile("tiny")
@@ -197,6 +197,8 @@ def _check_seq(prev_art: Path, res, tiny_build) -> None:
     assert (res.folder / "checkpoint" / CHANGED_ROWS_FILE).is_file()
     for key in ("auc_before", "auc_after", "seconds", "tables"):
         assert key in res.done
+    assert delta.parent_digest == res.done["parent_digest"]
+    assert res.done["digest"] == file_sha256(res.path)
 
 
 @pytest.mark.slow
@@ -214,8 +216,10 @@ def test_delta_chain_on_tiny(tiny_build, tmp_path):
     assert first.folder == tmp_path / "deltas" / "00000001"
     assert first.path.name == f"dlrm-{tiny_build.version}-00000001.delta"
     _check_seq(tiny_build.artifact, first, tiny_build)
+    assert first.done["parent_digest"] == version_digest(tiny_build.report)
     assert first.done["auc_after"] > first.done["auc_before"]
     second = build_delta(cfg(2), say=said.append)
     assert second.done["sequence"] == 2 and second.done["base"] == str(first.folder)
     _check_seq(first.folder / "artifact.pt", second, tiny_build)
+    assert second.done["parent_digest"] == first.done["digest"]  # one chain
     assert not (tiny_build.workdir / "deltas").exists()

@@ -27,7 +27,13 @@ from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.state import parse_state, write_state
-from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, DeltaTable, encode_delta
+from serve.store.delta_files import (
+    DELTA_MEDIA_TYPE,
+    Delta,
+    DeltaTable,
+    encode_delta,
+    version_digest,
+)
 from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.torchserve import service_config, tiny_random_artifact
@@ -36,6 +42,9 @@ from tests.promtext import samples
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 VERSION = "tiny-d"
+REPORT = {"version": VERSION, "profile": "tiny", "quantized_dtype": "int8",
+          "created_at": "2026-12-01T00:00:00+00:00", "mar_batch_size": 2,
+          "mar_max_batch_delay_ms": 2, "mar_workers": 2}
 F, N = 26, 13
 
 
@@ -78,9 +87,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                     handler_config={"num_threads": 1, "max_instances": 1024},
                     min_workers=2, max_workers=2, file_name=f"{VERSION}.mar")
     repo = ModelRepository([root / "model_store"])
-    repo.add(VERSION, mar, {"version": VERSION, "profile": "tiny", "quantized_dtype": "int8",
-                            "created_at": "2026-12-01T00:00:00+00:00", "mar_batch_size": 2,
-                            "mar_max_batch_delay_ms": 2, "mar_workers": 2})
+    repo.add(VERSION, mar, REPORT)
     write_state(root / "state.yaml", parse_state({
         "model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
         "workers": 2}))
@@ -94,8 +101,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         svc.stop()
 
 
-def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION) -> Delta:
-    """New rows for the hot ids (0..99) and random others of 6 tables."""
+def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION,
+           parent: str | None = None) -> Delta:
+    """New rows for the hot ids (0..99) and random others of 6 tables; ``parent``: its
+    ``parent_digest`` (delta 1: ``version_digest(REPORT)``)."""
     g = torch.Generator().manual_seed(seed)
     tables = []
     for t in (0, 2, 5, 11, 19, 25):
@@ -106,7 +115,7 @@ def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION) -> Delt
         tables.append(DeltaTable(art.table_feature(t), t, ids.numpy().astype(np.int64),
                                  quantize_rows_reference(w, art.dtype).numpy()))
     return Delta(base, sequence, time.time(), art.dtype, art.embedding_dim,
-                 row_bytes(art.dtype, art.embedding_dim), tuple(tables))
+                 row_bytes(art.dtype, art.embedding_dim), tuple(tables), parent)
 
 
 
@@ -129,7 +138,7 @@ def test_delta_under_load_is_exact_and_fails_nothing(served: Served) -> None:
     before = served.predict(fixed_body)
     stale = Runtime.from_artifact(served.artifact, RuntimeConfig()).predict_arrays(*fixed_arrays)
     assert np.array_equal(before, stale), "the service does not serve the artifact exactly"
-    d1 = _delta(served.artifact, 1, seed=11)
+    d1 = _delta(served.artifact, 1, seed=11, parent=version_digest(REPORT))
     with BackgroundLoad(served.predict_url, [b for b, _ in reqs], clients=8,
                         content_type=BINARY_MEDIA_TYPE) as load:
         load.wait_for(16)
@@ -171,6 +180,15 @@ def test_refused_deltas_change_nothing_and_the_service_keeps_serving(served: Ser
     damaged = bytearray(encode_delta(_delta(served.artifact, last + 1, 5)))
     damaged[-10] ^= 0x55
     bad_sum = served.post_delta(bytes(damaged))
+    head = httpx.get(f"{served.sidecar_url}/embeddings/deltas", timeout=10).json()[
+        "versions"][VERSION]["head_digest"]
+    other_chain = served.post_delta(encode_delta(_delta(served.artifact, last + 1, 6,
+                                                        parent="0" * 64)))
+    assert other_chain.status_code == 409, other_chain.text
+    got = other_chain.json()
+    assert (got["field"], got["reason"]) == ("header.parent_digest", "parent_mismatch")
+    assert (got["parent_digest"], got["expected_parent_digest"]) == ("0" * 64, head)
+    assert "0" * 64 in got["message"] and head in got["message"]
     assert wrong_base.status_code == 409 and "tiny-x" in wrong_base.json()["message"]
     assert repeated.status_code == 409 and repeated.json()["field"] == "header.sequence"
     assert bad_sum.status_code == 400 and bad_sum.json()["field"] == "sha256"

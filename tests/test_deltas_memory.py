@@ -21,6 +21,7 @@ import pytest
 
 from serve.common.net import free_port, free_ports, wait_until
 from serve.state import Batching, DesiredState, ModelRef, write_state
+from serve.store.delta_files import file_sha256, version_digest
 from serve.store.repository import ModelRepository
 from tests.fixtures.big_delta import (
     BIG_PROFILE,
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.integration
 
 LIMIT = 512 << 20
 VERSION = "ck-int8-s0"
+REPORT = {"created_at": "2026-01-01T00:00:00Z", "version": VERSION, "profile": BIG_PROFILE,
+          "quantized_dtype": "int8"}
 TOKEN = "memory-token-0123456789abcdef0123456789"
 MIB = float(1 << 20)
 
@@ -44,9 +47,8 @@ MIB = float(1 << 20)
 def _setup(tmp_path: Path, delta_root: Path) -> tuple[list[str], Path]:
     root = tmp_path / "repo"
     root.mkdir()
-    ModelRepository([root]).add(VERSION, toy_mar(tmp_path / "src.mar", version=VERSION), {
-        "created_at": "2026-01-01T00:00:00Z", "version": VERSION, "profile": BIG_PROFILE,
-        "quantized_dtype": "int8"})
+    ModelRepository([root]).add(VERSION, toy_mar(tmp_path / "src.mar", version=VERSION),
+                                REPORT)
     state = tmp_path / "state.yaml"
     write_state(state, DesiredState(model=ModelRef(version=VERSION),
                                     batching=Batching(batch_size=8, max_batch_delay_ms=5),
@@ -131,10 +133,12 @@ def test_the_store_bound_keeps_a_memory_backed_sidecar_alive(tmp_path: Path) -> 
     cgroup, why = make_memory_cgroup(f"store-bound-{os.getpid()}", limit)
     if cgroup is None:
         pytest.skip(f"needs a memory cgroup to measure in (root, cgroup v1): {why}")
-    bodies = []
-    for seq in (1, 2, 3):
+    bodies: list[Path] = []
+    for seq in (1, 2, 3):  # one chain: each names the file before it
+        parent = file_sha256(bodies[-1]) if bodies else version_digest(REPORT)
         bodies.append(tmp_path / f"{seq}.delta")
-        write_big_delta(bodies[-1], VERSION, size_mb * (1 << 20) - 4096, sequence=seq, seed=seq)
+        write_big_delta(bodies[-1], VERSION, size_mb * (1 << 20) - 4096, sequence=seq,
+                        seed=seq, parent=parent)
     one = max(p.stat().st_size for p in bodies)
     args, delta_dir = _setup(tmp_path, delta_root)
     args += ["--max-delta-bytes", str(one), "--max-delta-store-bytes", str(2 * one)]

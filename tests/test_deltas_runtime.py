@@ -23,7 +23,7 @@ from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
 from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
-from tests.fixtures.deltas import with_delta_rows
+from tests.fixtures.deltas import chained, with_delta_rows
 
 F = 26
 VERSION = "tiny-int8-s0"
@@ -64,8 +64,8 @@ def _delta(art: Artifact, seed: int, sequence: int = 1, tables: tuple[int, ...] 
 
 def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
-    for d in deltas:
-        store.add(encode_delta(d), d)
+    for blob, d in chained(deltas):
+        store.add(blob, d)
     return store
 
 
@@ -170,8 +170,8 @@ def test_batches_see_all_of_a_delta_or_none(base, tmp_path):
     t = threading.Thread(target=predict_loop)
     t.start()
     try:
-        for d in deltas:
-            store.add(encode_delta(d), d)
+        for blob, d in chained(deltas):
+            store.add(blob, d)
             f.catch_up()
             time.sleep(0.02)
     finally:

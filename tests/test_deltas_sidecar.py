@@ -25,9 +25,17 @@ from serve.profiles import get_profile
 from serve.sidecar.http.app import SidecarConfig, create_app
 from serve.sidecar.services.embedding_deltas import DeltaService
 from serve.state import Batching, DesiredState, ModelRef, write_state
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable, WorkerStatus, encode_delta
+from serve.store.delta_files import (
+    Delta,
+    DeltaStore,
+    DeltaTable,
+    WorkerStatus,
+    encode_delta,
+    version_digest,
+)
 from serve.store.repository import ModelRepository
 from serve.store.rowformat import row_bytes
+from tests.fixtures.deltas import digest
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, toy_mar
 from tests.promtext import samples
 
@@ -37,6 +45,16 @@ SERVED, OTHER = "tiny-a", "tiny-b"
 TINY = get_profile("tiny")
 RB = row_bytes("int8", TINY.embedding_dim)
 NOW = 1_800_000_000.0  # the sidecar's wall clock in these tests
+#: The build reports of the repository's versions (start_pod), which their delta 1 names.
+REPORTS = {v: {"created_at": f"2026-01-01T00:00:0{i}Z", "version": v, "profile": "tiny",
+               "quantized_dtype": "int8"} for i, v in enumerate((SERVED, OTHER))}
+#: ``make_delta``'s default parent: the version's identity for delta 1.
+BASE = "base"
+
+
+def base_digest(version: str = SERVED) -> str:
+    """The parent delta 1 of ``version`` names: its identity (``version_digest``)."""
+    return version_digest(REPORTS[version])
 
 
 # ------------------------------------------------------------------ deltas
@@ -44,8 +62,13 @@ NOW = 1_800_000_000.0  # the sidecar's wall clock in these tests
 
 def make_delta(sequence: int, version: str = SERVED, *, tables: tuple[tuple[int, list[int]], ...]
                = ((0, [1, 5, 9]), (3, [0, 2])), created_at: float = NOW - 60.0,
-               dim: int | None = None, feature_of: dict[int, str] | None = None) -> bytes:
-    """A delta file of ``version`` changing ``ids`` of each ``(table, ids)``."""
+               dim: int | None = None, feature_of: dict[int, str] | None = None,
+               parent: str | None = BASE) -> bytes:
+    """A delta file of ``version`` changing ``ids`` of each ``(table, ids)``. ``parent``:
+    its ``parent_digest`` (:data:`BASE`: the version's identity for delta 1, none for a
+    later one or a version outside the repository: pass the previous file's digest)."""
+    if parent == BASE:
+        parent = base_digest(version) if sequence == 1 and version in REPORTS else None
     dim = TINY.embedding_dim if dim is None else dim
     rb = row_bytes("int8", dim)
     rng = np.random.default_rng(sequence)
@@ -54,7 +77,8 @@ def make_delta(sequence: int, version: str = SERVED, *, tables: tuple[tuple[int,
         feature = (feature_of or {}).get(t, TINY.feature_names[t])
         out.append(DeltaTable(feature, t, np.asarray(ids, dtype=np.int64),
                               rng.integers(0, 256, (len(ids), rb), dtype=np.uint8)))
-    return encode_delta(Delta(version, sequence, created_at, "int8", dim, rb, tuple(out)))
+    return encode_delta(Delta(version, sequence, created_at, "int8", dim, rb, tuple(out),
+                              parent))
 
 
 def status(pid: int, sequence: int, *, version: str = SERVED, rows: int = 0,
@@ -106,23 +130,22 @@ def start_pod(tmp_path: Path, *, deltas: bool = True, workers: int = 2,
     root = tmp_path / "repo"
     repo = ModelRepository([root])
     root.mkdir(parents=True, exist_ok=True)
-    for i, version in enumerate((SERVED, OTHER)):
+    for version in (SERVED, OTHER):
         src = toy_mar(tmp_path / f"src-{version}.mar", version=version)
-        repo.add(version, src, {"created_at": f"2026-01-01T00:00:0{i}Z", "version": version,
-                                "profile": "tiny", "quantized_dtype": "int8"})
+        repo.add(version, src, REPORTS[version])
     state_file = tmp_path / "state" / "state.yaml"
     write_state(state_file, DesiredState(
         model=ModelRef(version=SERVED),
         batching=Batching(batch_size=8, max_batch_delay_ms=50), workers=workers))
     ts = FakeTorchServe(tmp_path / "store", initial=None)
     delta_dir = tmp_path / "deltas" if deltas else None
-    config = SidecarConfig(
+    cfg = SidecarConfig(
         management_url="http://ts.invalid:8081", metrics_url="http://ts.invalid:8082",
         inference_url="http://ts.invalid:8080", token=TOKEN, model_store=ts.store,
         switch_grace_s=0.0, state_file=state_file, repositories=(root,),
         cgroup_root=tmp_path / "no-cgroup", reconcile_interval_s=0.05, delta_dir=delta_dir,
         **config)
-    app = create_app(config, http_client=httpx.AsyncClient(transport=ts.transport()),
+    app = create_app(cfg, http_client=httpx.AsyncClient(transport=ts.transport()),
                      wall_clock=lambda: NOW)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
@@ -312,8 +335,10 @@ def test_no_worker_reporting_is_not_applied(pod: Pod) -> None:
 def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
     store, (a, b) = pod.store, pod.pids()
     with pod.client() as c:
-        assert post(c, make_delta(1, created_at=NOW - 600.0)).status_code == 202
-        assert post(c, make_delta(2, created_at=NOW - 30.0)).status_code == 202
+        first = make_delta(1, created_at=NOW - 600.0)
+        assert post(c, first).status_code == 202
+        second = make_delta(2, created_at=NOW - 30.0, parent=digest(first))
+        assert post(c, second).status_code == 202
         # a has applied both, b only the first; a dead pid claims more and is ignored
         store.write_worker_status(status(a, 2, rows=10, apply_seconds=0.02,
                                          created_at=NOW - 30.0))
@@ -322,7 +347,8 @@ def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
         store.write_worker_status(status(99999, 9, rows=99, apply_seconds=9.0,
                                          created_at=NOW))
         (store.folder(SERVED) / "workers" / "12345.json").write_text("{half a fi")
-        expected = {"last_sequence": 2, "applied_sequence": 1, "rows_updated": 5,
+        expected = {"last_sequence": 2, "head_digest": digest(second),
+                    "applied_sequence": 1, "rows_updated": 5,
                     "apply_seconds_max": 0.07, "newest_delta_created_at": NOW - 600.0,
                     "newest_delta_age_s": 600.0,
                     "workers": [status(p, s, rows=r, apply_seconds=x, created_at=t).to_json()
@@ -391,7 +417,7 @@ def _service(tmp_path: Path, pids: list[int], clock: FakeClock,
             on_sleep(clock.now)
 
     return DeltaService(DeltaStore(tmp_path), versions=lambda: [SERVED],
-                        report_of=lambda v: {"profile": "tiny", "quantized_dtype": "int8"},
+                        report_of=lambda v: REPORTS[v],
                         live_pids=live, clock=clock, wall_clock=lambda: NOW, sleep=sleep,
                         pid_ttl_s=0.0)
 
@@ -457,17 +483,18 @@ def test_sync_takes_the_volumes_deltas_in_order_through_the_same_checks(tmp_path
     svc = _service(tmp_path / "store", [], FakeClock())
     volume = tmp_path / "repo" / "deltas" / SERVED
     volume.mkdir(parents=True)
-    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(make_delta(1))
-    (volume / f"dlrm-{SERVED}-00000003.delta").write_bytes(make_delta(3))
+    one, two = make_delta(1), make_delta(2, parent=digest(make_delta(1)))
+    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
+    (volume / f"dlrm-{SERVED}-00000003.delta").write_bytes(make_delta(3, parent=digest(two)))
     (volume / "notes.txt").write_text("not a delta")
     got = svc.sync([tmp_path / "empty-root", tmp_path / "repo"])
     assert [a.sequence for a in got] == [1]          # 3 waits for 2
     assert svc.store.sequences(SERVED) == [1]
-    bad = bytearray(make_delta(2))
+    bad = bytearray(two)
     bad[-1] ^= 1
     (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(bytes(bad))
     assert svc.sync([tmp_path / "repo"]) == [] and svc.store.sequences(SERVED) == [1]
-    (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(make_delta(2))
+    (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(two)
     assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [2, 3]
     assert svc.sync([tmp_path / "repo"]) == []        # once
     assert svc.store.sequences(SERVED) == [1, 2, 3]
@@ -480,7 +507,8 @@ def test_a_new_pod_is_ready_only_once_its_workers_have_the_volumes_deltas(
     while a later delta is being applied (latched: no flapping out of the Service)."""
     volume = tmp_path / "repo" / "deltas" / SERVED
     volume.mkdir(parents=True)
-    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(make_delta(1))
+    one = make_delta(1)
+    (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
     pod = start_pod(tmp_path)
     try:
         with pod.client() as c:
@@ -491,7 +519,7 @@ def test_a_new_pod_is_ready_only_once_its_workers_have_the_volumes_deltas(
             for pid in pod.pids():
                 pod.store.write_worker_status(status(pid, 1))
             assert c.get("/readyz").status_code == 200
-            assert post(c, make_delta(2)).status_code == 202   # no worker applies it
+            assert post(c, make_delta(2, parent=digest(one))).status_code == 202  # not applied
             assert c.get("/readyz").status_code == 200
     finally:
         pod.stop()

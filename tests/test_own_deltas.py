@@ -21,8 +21,8 @@ from serve.runtime.artifact import quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
-from tests.fixtures.deltas import with_delta_rows
+from serve.store.delta_files import Delta, DeltaStore, DeltaTable
+from tests.fixtures.deltas import chained, with_delta_rows
 from tests.fixtures.own_models import random_artifact
 
 VERSION = "own-a"
@@ -51,8 +51,8 @@ def _item_delta(art, seed: int, name: str = "item_id", sequence: int = 1) -> Del
 
 def _store(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
-    for d in deltas:
-        store.add(encode_delta(d), d)
+    for blob, d in chained(deltas):
+        store.add(blob, d)
     return store
 
 

@@ -12,7 +12,11 @@ version. Deltas of a version form a chain, one folder per sequence number::
         done.json                        written last: the sequence is finished
 
 Sequence n continues from sequence n-1's checkpoint and artifact (n = 1: the version's
-own build, ``<build_dir>/checkpoint`` and ``<build_dir>/artifact.pt``). The steps:
+own build, ``<build_dir>/checkpoint`` and ``<build_dir>/artifact.pt``), and its file names
+what it builds on, ``parent_digest``: the sha256 of sequence n-1's delta file, or for
+n = 1 the version's identity (:func:`serve.store.delta_files.version_digest` of its build
+report), so a pod holding other deltas refuses it (409) instead of mixing two chains.
+done.json records both ``parent_digest`` and the file's own ``digest``. The steps:
 
 1. day D's click logs (:func:`serve.model.data.ensure_day_data`, the profile's seed);
 2. training resumed from the previous checkpoint with ``sparse_only`` (the MLPs stay
@@ -67,6 +71,7 @@ __all__ = [
     "diff_artifacts",
     "main",
     "next_sequence",
+    "parent_digest",
 ]
 
 DONE_FILE = "done.json"
@@ -239,6 +244,7 @@ class _DeltaPlan:
     prev: Path                      # the previous step: the build dir or delta seq - 1
     nproc: int                      # training ranks (the checkpoint's world size by default)
     folder: Path                    # this delta's work folder
+    parent_digest: str              # what the delta builds on (:func:`parent_digest`)
 
     @property
     def prev_ckpt(self) -> Path:
@@ -262,6 +268,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         ServeError: the update changed dense layers or rows the training did not touch.
     """
     from serve.model.data import ensure_day_data
+    from serve.store.delta_files import file_sha256
 
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -273,6 +280,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
 
     tres, auc_quantized = _update_model(cfg, plan, data, seconds, say)
     delta, path, nbytes, tables = _write_delta(cfg, plan, seconds, say)
+    digest = file_sha256(path)  # what delta seq + 1 names as its parent
 
     t = time.perf_counter()
     auc_before, rows = artifact_auc(plan.prev_art, data, cfg.eval_limit)
@@ -287,7 +295,8 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         "auc_before": auc_before, "auc_after": auc_after, "eval_rows": rows,
         "auc_after_quantize_step": auc_quantized, "train_steps": tres["steps"],
         "train_rows": tres["rows"], "world_size": plan.nproc, "seconds": seconds,
-        "created_at": delta.created_at,
+        "created_at": delta.created_at, "parent_digest": plan.parent_digest,
+        "digest": digest,
     }
     tmp = plan.folder / (DONE_FILE + ".tmp")
     tmp.write_text(json.dumps(done, indent=2))
@@ -321,6 +330,7 @@ def _plan_delta(cfg: DeltaConfig, say: Callable[[str], None]) -> _DeltaPlan:
                 f"the base of delta {seq} of version {version} is gone: {what} {p} does not "
                 f"exist (build dir {build_dir}); rebuild the version with `make model` "
                 "(same SEED/VERSION) or pass --build-dir where it lives")
+    parent = parent_digest(report, work_root, seq, cfg.model_name)
     plan = json.loads((prev_ckpt / PLAN_FILE).read_text())
     nproc = cfg.nproc if cfg.nproc is not None else int(plan["world_size"])
     folder = work_root / f"{seq:08d}"
@@ -329,7 +339,32 @@ def _plan_delta(cfg: DeltaConfig, say: Callable[[str], None]) -> _DeltaPlan:
     folder.mkdir(parents=True)
     say(f"delta: version {version} ({profile.name}, {dtype}), sequence {seq}, day {cfg.day}, "
         f"from {prev}; into {folder}")
-    return _DeltaPlan(version, report, profile, dtype, seq, prev, nproc, folder)
+    return _DeltaPlan(version, report, profile, dtype, seq, prev, nproc, folder, parent)
+
+
+def parent_digest(report: dict[str, Any], work_root: Path, seq: int,
+                  model_name: str = "dlrm") -> str:
+    """What delta ``seq`` of the version whose build report is ``report`` builds on: for
+    seq 1 the version's identity (:func:`serve.store.delta_files.version_digest`), else the
+    sha256 of delta ``seq - 1``'s file in ``work_root`` (the one its done.json names).
+
+    Raises:
+        ConfigError: delta ``seq - 1``'s file is gone.
+    """
+    from serve.store.delta_files import file_sha256, version_digest
+
+    if seq == 1:
+        return version_digest(report)
+    prev = work_root / f"{seq - 1:08d}"
+    done = json.loads((prev / DONE_FILE).read_text())
+    path = prev / str(done.get("file") or delta_file_name(str(report["version"]), seq - 1,
+                                                            model_name))
+    if not path.is_file():
+        raise ConfigError(f"delta {seq} builds on delta {seq - 1}, whose file {path} is gone "
+                          f"(its done.json is there): delta {seq} must name that file's "
+                          f"sha256 as its parent; restore the file, or remove {prev} and "
+                          f"build delta {seq - 1} again")
+    return file_sha256(path)
 
 
 def _update_model(cfg: DeltaConfig, plan: _DeltaPlan, data: Path, seconds: dict[str, float],
@@ -393,7 +428,8 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
     dim = plan.profile.embedding_dim
     delta = Delta(base_version=plan.version, sequence=plan.seq, created_at=time.time(),
                   dtype=plan.dtype, dim=dim, row_bytes=row_bytes(plan.dtype, dim),
-                  tables=tuple(DeltaTable(f, ti, ids, rows) for ti, f, ids, rows in changed))
+                  tables=tuple(DeltaTable(f, ti, ids, rows) for ti, f, ids, rows in changed),
+                  parent_digest=plan.parent_digest)
     blob = encode_delta(delta)
     path = plan.folder / delta_file_name(plan.version, plan.seq, cfg.model_name)
     tmp = path.with_name(path.name + ".tmp")

@@ -15,6 +15,11 @@ Steps:
    waits until every worker applied it; the load runs on for ``--after-s`` seconds;
 3. the AUC after, the same way.
 
+Before any of it, the delta's ``parent_digest`` is checked against the pod's
+``head_digest`` (``GET /embeddings/deltas``): a delta built on another chain than the one
+the pod holds (the pod would answer 409 ``parent_mismatch``) is a bad setup, exit 2,
+naming both digests.
+
 Pass: 0 failed requests, the POST answered 200 (applied by every worker), and the AUC
 rose by at least ``--min-gain`` (0.01). Prints a table and writes JSON
 (``bench/results/delta_check.json``): the AUCs, the delta's rows and bytes, the apply
@@ -37,9 +42,9 @@ from serve.errors import ServeError
 from serve.ops.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
 from serve.profiles import PROFILES, get_profile
-from serve.store.delta_files import DELTA_MEDIA_TYPE, decode_delta
+from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, decode_delta
 
-__all__ = ["main"]
+__all__ = ["check_parent", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "delta_check.json"
@@ -76,6 +81,28 @@ def _auc(url: str, day: int, profile: str) -> dict[str, Any]:
     return evaluate(url, data, progress=False)
 
 
+def check_parent(delta: Delta, status: dict[str, Any]) -> str | None:
+    """Why the pod whose ``GET /embeddings/deltas`` answer is ``status`` would refuse
+    ``delta`` for its parent, or None when it builds on the pod's head (or the pod does
+    not say: an older sidecar, deltas off; the POST then tells)."""
+    held = status.get("versions", {}).get(delta.base_version)
+    if not held or held.get("head_digest") is None:
+        return None
+    if delta.parent_digest is None:
+        if delta.sequence == 1:
+            return None
+        return (f"delta {delta.sequence} of {delta.base_version} names no parent_digest "
+                f"(built before deltas named their parent): rebuild it with `make delta`")
+    if delta.sequence != int(held.get("last_sequence", 0)) + 1:
+        return None  # a repeat or a gap: the POST answers it (200 unchanged, or 409)
+    if delta.parent_digest != held["head_digest"]:
+        return (f"delta {delta.sequence} of {delta.base_version} builds on parent "
+                f"{delta.parent_digest}, but the pod holds {held['head_digest']} (sequence "
+                f"{held.get('last_sequence')}): it belongs to another chain of deltas; "
+                f"build it from the deltas the pod holds")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -85,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         predict = predict_url(args.url, "dlrm")
     except (OSError, ServeError) as e:
         print(f"delta_check: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 2
+    try:
+        status = httpx.get(f"{args.sidecar}/embeddings/deltas", timeout=30, trust_env=False,
+                           headers={"Authorization": f"Bearer {token}"})
+        why = check_parent(delta, status.json()) if status.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"delta_check: GET {args.sidecar}/embeddings/deltas failed: {e}", file=sys.stderr)
+        return 2
+    if why is not None:
+        print(f"delta_check: {why}", file=sys.stderr)
         return 2
     day = args.day
     if day is None:
@@ -116,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     checks = {"post_applied": r.status_code == 200 and bool(answer.get("applied")),
               "no_failed_requests": load.failed == 0 and load.served > 0,
               "auc_gain": gain >= args.min_gain}
+    if r.status_code != 200 and answer.get("message"):
+        print(f"  POST answer: {answer['message']}", flush=True)
     res = {"version": delta.base_version, "sequence": delta.sequence, "day": day,
+           "parent_digest": delta.parent_digest,
            "delta_rows": delta.rows, "delta_bytes": len(blob), "auc_before": before["auc"],
            "auc_after": after["auc"], "auc_gain": round(gain, 6), "eval_rows": after["rows"],
            "post_status": r.status_code, "post_seconds": round(post_s, 3),

@@ -46,6 +46,7 @@ __all__ = [
     "BATCH_SIZE_MAX",
     "DEFAULT_CGROUP_ROOT",
     "DEFAULT_STATE_FILE",
+    "DELTAS_POST_MODES",
     "LOG_LEVELS",
     "MAX_BATCH_DELAY_MS_MAX",
     "WORKERS_MAX",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: ``--deltas-post``: ``store`` (POST adds to this pod's delta folder) or ``refuse`` (a
+#: pod of a fleet: deltas are published on the model volume, which every pod follows).
+DELTAS_POST_MODES = ("store", "refuse")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -182,6 +186,10 @@ class SidecarConfig:
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`~serve.sidecar.control.tuner.TunerConfig`; on by
             default, acting only with a desired-state file).
+        deltas_post: :data:`DELTAS_POST_MODES`: ``store`` (POST /embeddings/deltas adds to
+            this pod's delta folder) or ``refuse`` (a pod of a fleet: the POST answers 409
+            naming the model volume, ``<repository>/deltas/<version>/``, where deltas are
+            published once for every pod; :mod:`serve.sidecar.services.embedding_deltas`).
     """
 
     inference_url: str = field(default=f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}",
@@ -266,6 +274,12 @@ class SidecarConfig:
              "restarted sidecar stays drained (never a file shared by pods). Unset: "
              "<delta-dir>/.drained.json, or not recorded without a delta folder"))
     tuner: TunerConfig = field(default_factory=TunerConfig)
+    deltas_post: str = field(default="store", metadata=flag(
+        "--deltas-post", choices=DELTAS_POST_MODES,
+        help="what POST /embeddings/deltas does: store = add the delta to this pod's "
+             "delta folder (one pod: make up, tests); refuse = answer 409 naming the model "
+             "volume to publish on instead (a pod of a fleet, Kubernetes): a delta posted "
+             "to one pod would live in that pod only, and every pod follows the volume"))
 
     def __post_init__(self) -> None:
         if not (self.delta_sync_s >= 0 and self.delta_sync_s != float("inf")):
@@ -313,6 +327,14 @@ class SidecarConfig:
                 f"--max-delta-bytes")
         if self.drain_file is not None:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
+        if self.deltas_post not in DELTAS_POST_MODES:
+            raise ConfigError(f"deltas_post={self.deltas_post!r} must be one of "
+                              f"{', '.join(DELTAS_POST_MODES)}")
+        if self.deltas_post == "refuse" and self.delta_dir is not None \
+                and self.delta_sync_s == 0:
+            raise ConfigError("deltas_post='refuse' with delta_sync_s=0: this pod would take "
+                              "embedding deltas neither by POST nor from the model volume; "
+                              "set delta_sync_s > 0 or deltas_post='store'")
 
     @property
     def drain_marker(self) -> Path | None:

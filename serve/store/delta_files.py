@@ -20,11 +20,34 @@ File layout (little-endian)::
               "dtype": "int8", "dim": 16, "row_bytes": 20,
               "tables": [{"feature": "C1", "table": 0, "rows": 123}, ...],
               "payload_bytes": 4567,
+              "parent_digest": "<hex>",            # what it builds on (below)
               "sha256": "<hex>"}
 
 ``sha256`` covers the header without its ``sha256`` key (canonical JSON: sorted keys, no
 spaces) followed by the payload, so a changed base version or sequence is caught as
 surely as a flipped row byte.
+
+**One chain per version.** A delta names the delta it builds on: ``parent_digest`` is
+the sha256 (hex) of the previous sequence's file bytes, or for sequence 1 the version's
+identity, :func:`version_digest` (the sha256 of its build report, canonical JSON). A
+delta's own *digest* is the sha256 of its file bytes (:func:`file_sha256`; the store
+hashes a body while it streams in). :meth:`DeltaStore.commit` takes a delta only when
+its parent is the store's head of that version, the digest of its last stored delta (the
+version's identity when none): two pods that hold different deltas under one sequence
+number refuse each other's next delta (409 ``DeltaConflict``, ``reason``
+``parent_mismatch``, naming both digests) instead of drifting further apart.
+
+Why the build report for sequence 1: it is what the pod already reads to check a delta
+(its tables), a few KB, written once and read-only (versions are immutable), and it
+differs between two builds of one name (``created_at``, ``build_fingerprint``,
+``git_commit``...). The .mar or ``artifact.pt`` would identify the bytes served, but
+hashing 59 MB (GBs at scale) per check is what the store must not do, and
+``build_fingerprint`` alone is missing from imported versions (``make import``).
+
+Deltas written before ``parent_digest`` existed: sequence 1 is still taken (a first
+delta can only build on its version; what is lost is the check that it was built on this
+very build of it); a later sequence is refused (400 ``header.parent_digest``: rebuild
+it with ``make delta``, which writes the field).
 
 The delta store (``DeltaStore``, one folder per pod, shared by the sidecar and the
 TorchServe workers)::
@@ -76,10 +99,12 @@ __all__ = [
     "check_layout",
     "decode_delta",
     "encode_delta",
+    "file_sha256",
     "layout_for_report",
     "layout_for_schema",
     "read_delta_file",
     "scan_delta_file",
+    "version_digest",
 ]
 
 DELTA_MAGIC = b"DLRMDELTA1\n"
@@ -104,6 +129,7 @@ MAX_DELTA_STORE_BYTES = 2 * MAX_DELTA_BYTES
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")
 _FILE_RE = re.compile(r"^(\d{8})\.delta$")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _INCOMING = ".incoming."
 _CHUNK = 1 << 20
 
@@ -130,6 +156,10 @@ class Delta:
     dim: int
     row_bytes: int
     tables: tuple[DeltaTable, ...]
+    #: sha256 (hex) of what it builds on: the previous sequence's file, or for sequence 1
+    #: :func:`version_digest` of the base version; None in a file written before the
+    #: field existed (module docstring).
+    parent_digest: str | None = None
 
     @property
     def rows(self) -> int:
@@ -139,7 +169,8 @@ class Delta:
     def summary(self) -> dict[str, Any]:
         return {"base_version": self.base_version, "sequence": self.sequence,
                 "created_at": self.created_at, "rows": self.rows,
-                "tables": len(self.tables), "dtype": self.dtype}
+                "tables": len(self.tables), "dtype": self.dtype,
+                "parent_digest": self.parent_digest}
 
 
 @dataclass(frozen=True)
@@ -190,6 +221,15 @@ def layout_for_report(report: dict[str, Any]) -> TableLayout:
                                            f"build report ({e}); deltas need one") from e
 
 
+def version_digest(report: dict[str, Any]) -> str:
+    """The identity of a version that its delta 1 names as ``parent_digest``: the sha256
+    (hex) of its build report (``model_store/<model>-<version>.json``, the dict
+    :meth:`serve.store.repository.ModelRepository.report` returns) as canonical JSON
+    (sorted keys, no spaces), so the report file's whitespace does not matter. Why the
+    report and not the archive: module docstring."""
+    return hashlib.sha256(_canonical(report)).hexdigest()
+
+
 def _canonical(header: dict[str, Any]) -> bytes:
     return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
@@ -214,6 +254,8 @@ def encode_delta(delta: Delta) -> bytes:
         "format": FORMAT, "base_version": delta.base_version, "sequence": int(delta.sequence),
         "created_at": float(delta.created_at), "dtype": delta.dtype, "dim": int(delta.dim),
         "row_bytes": int(delta.row_bytes), "tables": tables, "payload_bytes": len(payload)}
+    if delta.parent_digest is not None:
+        header["parent_digest"] = delta.parent_digest
     header["sha256"] = _checksum(header, payload)
     head = _canonical(header)
     return DELTA_MAGIC + struct.pack("<I", len(head)) + head + payload
@@ -265,6 +307,16 @@ def _check_sha(header: dict[str, Any], got: str) -> None:
         raise InvalidDelta("sha256", f"checksum {str(sha)[:16]!r}... does not match the "
                                      "header and rows: the delta was changed or damaged in "
                                      "transit; rebuild or resend it")
+
+
+def _parent(header: dict[str, Any]) -> str | None:
+    """``parent_digest``: 64 lowercase hex digits, or None when the header has none."""
+    parent = header.get("parent_digest")
+    if parent is not None and not (isinstance(parent, str) and _DIGEST_RE.fullmatch(parent)):
+        raise InvalidDelta("header.parent_digest", f"{str(parent)[:80]!r} is not a sha256 "
+                                                   "(64 lowercase hex digits); rebuild the "
+                                                   "delta with `make delta`")
+    return parent
 
 
 def _fields(header: dict[str, Any]) -> tuple[str, int, float, str, int, int, list[Any]]:
@@ -333,7 +385,7 @@ def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
         rows = np.frombuffer(payload, dtype=np.uint8, count=n * rb,
                              offset=pos + 8 * n).reshape(n, rb)
         tables.append(DeltaTable(feature, idx, ids, rows))
-    return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
+    return Delta(base, seq, created, dtype, dim, rb, tuple(tables), _parent(header))
 
 
 def scan_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> Delta:
@@ -365,7 +417,7 @@ def scan_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) 
             ids = np.frombuffer(f.read(8 * n), dtype="<i8").astype(np.int64)
             rows = np.broadcast_to(np.zeros(rb, dtype=np.uint8), (n, rb))
             tables.append(DeltaTable(feature, idx, ids, rows))
-    return Delta(base, seq, created, dtype, dim, rb, tuple(tables))
+    return Delta(base, seq, created, dtype, dim, rb, tuple(tables), _parent(header))
 
 
 def check_layout(delta: Delta, layout: TableLayout) -> None:
@@ -519,6 +571,7 @@ class DeltaStore:
         self._counter = itertools.count(1)
         self._open: set[str] = set()           # incoming bodies being received now
         self._damage: dict[Path, tuple[tuple[int, int, int], str | None]] = {}
+        self._digests: dict[Path, tuple[tuple[int, int, int], str]] = {}
 
     def folder(self, version: str) -> Path:
         if not _VERSION_RE.fullmatch(version):
@@ -550,63 +603,135 @@ class DeltaStore:
             self._open.add(name)
         return incoming
 
-    def commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None = None) -> Stored:
+    def digest(self, version: str, sequence: int) -> str:
+        """The sha256 (hex) of stored delta ``sequence`` of ``version``: what delta
+        ``sequence + 1`` names as its parent. Cached per (size, mtime, inode): a delta the
+        store received is not read again (its hash was taken while it streamed in).
+
+        Raises:
+            OSError: the file cannot be read (e.g. not stored).
+        """
+        path = self.path(version, sequence)
+        st = path.stat()
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        cached = self._digests.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        got = file_sha256(path)
+        self._digests[path] = (key, got)
+        return got
+
+    def head_digest(self, version: str, base_digest: str | None) -> str | None:
+        """What the next delta of ``version`` must name as ``parent_digest``: the digest of
+        its last stored delta, or ``base_digest`` (:func:`version_digest`) when none."""
+        last = self.last_sequence(version)
+        return self.digest(version, last) if last else base_digest
+
+    def commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None = None, *,
+               base_digest: str | None = None) -> Stored:
         """Move a received, validated delta into place as its version's file (fsync of
         the file and the folder first, so a crash leaves the old or the new state).
 
         The same bytes again (same sha256) are stored once (``unchanged``); other bytes for
         a stored sequence replace it only when the stored file is damaged (``repaired``:
-        truncated, bad checksum).
+        truncated, bad checksum). A new (or repairing) delta must name the store's head as
+        its parent (module docstring): the digest of the previous sequence's file, or for
+        sequence 1 ``base_digest`` (:func:`version_digest` of the base version's report;
+        None: not checked, for callers without a report).
 
         Raises:
             DeltaConflict: its sequence is not ``last + 1``, nor a stored one it repeats
-                or repairs (the incoming file is dropped).
+                or repairs; or its ``parent_digest`` is not the head (``reason``
+                ``parent_mismatch``, both digests in ``details``). The incoming file is
+                dropped; the store is unchanged.
+            InvalidDelta: a sequence above 1 that names no parent (an old delta).
         """
         with self._lock:
             self._open.discard(incoming.path.name)
             try:
-                return self._commit(incoming, delta, max_bytes)
+                return self._commit(incoming, delta, max_bytes, base_digest)
             finally:
                 incoming.discard()  # gone after the rename; dropped on a refusal
 
-    def _commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None) -> Stored:
+    def _check_parent(self, delta: Delta, base_digest: str | None,
+                      max_bytes: int | None) -> None:
+        """``delta.parent_digest`` is what it must build on (:meth:`commit`)."""
+        version, seq, got = delta.base_version, delta.sequence, delta.parent_digest
+        if got is None:
+            if seq == 1:
+                return  # an old delta 1: it can only build on its version (module docstring)
+            raise InvalidDelta(
+                "header.parent_digest", f"missing: delta {seq} of version {version} does not "
+                "name the delta it builds on (written before deltas named their parent); "
+                "rebuild it with `make delta`, which writes parent_digest")
+        if seq == 1:
+            if base_digest is None or got == base_digest:
+                return
+            expected, held = base_digest, (f"this pod's build of version {version} (sha256 "
+                                           f"of its build report)")
+            todo = (f"the delta was built on another build of {version!r}: build it from "
+                    f"the version this pod serves (the same model_store report)")
+        else:
+            expected = self.digest(version, seq - 1)
+            if got == expected:
+                return
+            held = f"this pod's delta {seq - 1} of version {version}"
+            why = self.damage(self.path(version, seq - 1), max_bytes)
+            todo = (f"its stored file is damaged ({why}): re-post delta {seq - 1}'s bytes "
+                    f"first" if why is not None else
+                    "the delta belongs to another chain of deltas: build it on top of the "
+                    "deltas this pod holds (GET /embeddings/deltas, head_digest), or "
+                    "publish every delta of one chain on the model volume so that every "
+                    "pod holds the same ones")
+        raise DeltaConflict(
+            "header.parent_digest",
+            f"delta {seq} of version {version} builds on parent {got}, but {held} is "
+            f"{expected}; nothing was changed. {todo[0].upper()}{todo[1:]}",
+            reason="parent_mismatch",
+            details={"parent_digest": got, "expected_parent_digest": expected})
+
+    def _commit(self, incoming: Incoming, delta: Delta, max_bytes: int | None,
+                base_digest: str | None) -> Stored:
         version, seq = delta.base_version, delta.sequence
         last = self.last_sequence(version)
         final = self.path(version, seq)
         outcome = "stored"
         if seq <= last and final.exists():
-            if file_sha256(final) == incoming.sha256:
+            if self.digest(version, seq) == incoming.sha256:
                 return Stored(final, "unchanged")
             if self.damage(final, max_bytes) is None:
                 raise DeltaConflict(
                     "header.sequence",
                     f"{seq} was already applied with other bytes: version {version} is at "
                     f"sequence {last}, so the next delta must be {last + 1}; deltas apply in "
-                    f"order, once")
+                    f"order, once", reason="sequence")
             outcome = "repaired"
         elif seq != last + 1:
             raise DeltaConflict(
                 "header.sequence",
                 f"{seq} skips a delta: version {version} is at sequence {last}, so the next "
-                f"delta must be {last + 1}; deltas apply in order, once")
+                f"delta must be {last + 1}; deltas apply in order, once", reason="sequence")
+        self._check_parent(delta, base_digest, max_bytes)
         folder = self.folder(version)
         folder.mkdir(parents=True, exist_ok=True)
         incoming.finish()
         replace_durably(incoming.path, final)
         fsync_dir(self.root)  # the version's folder itself, when it was just created
         self._damage.pop(final, None)
+        st = final.stat()  # the hash taken while the body streamed in: not read again
+        self._digests[final] = ((st.st_size, st.st_mtime_ns, st.st_ino), incoming.sha256)
         return Stored(final, outcome)
 
-    def add(self, blob: bytes, delta: Delta) -> Path:
+    def add(self, blob: bytes, delta: Delta, *, base_digest: str | None = None) -> Path:
         """Store an already validated delta held in memory (tests, tools); the sidecar
         streams with :meth:`incoming` and :meth:`commit`.
 
         Raises:
-            DeltaConflict: as :meth:`commit`.
+            DeltaConflict, InvalidDelta: as :meth:`commit`.
         """
         incoming = self.incoming(max(len(blob), 1))
         incoming.write(blob)
-        return self.commit(incoming, delta).path
+        return self.commit(incoming, delta, base_digest=base_digest).path
 
     def read(self, version: str, sequence: int) -> Delta:
         return read_delta_file(self.path(version, sequence))
@@ -650,6 +775,8 @@ class DeltaStore:
         shutil.rmtree(folder, ignore_errors=True)
         with self._lock:
             self._damage = {p: v for p, v in self._damage.items() if folder not in p.parents}
+            self._digests = {p: v for p, v in self._digests.items()
+                             if folder not in p.parents}
         if self.root.exists():
             fsync_dir(self.root)
         return held

@@ -188,6 +188,10 @@ class EmbeddingsStatus(BaseModel):
     """
 
     last_sequence: int = Field(description="Last delta sequence stored (0: none).")
+    head_digest: str | None = Field(
+        default=None, description="The parent the next delta must name (parent_digest): "
+                                  "the sha256 of the last stored delta, or of the version's "
+                                  "build report while none is stored.")
     applied_sequence: int | None = Field(
         description="Last sequence every live worker serving the version has applied "
                     "(their minimum).")

@@ -15,6 +15,15 @@ answers 200 once every live worker serving its version reports it applied, or 20
 
 A sidecar started without ``--delta-dir`` answers the POST with 409 saying how to turn
 deltas on, and the GET with ``enabled: false``.
+
+Each delta names its parent (``parent_digest``): a delta built on another delta than the
+one this pod holds is refused with 409 (``reason`` ``parent_mismatch``, both digests in
+the body); the GET shows per version ``head_digest``, the parent the next delta must name.
+
+A sidecar started with ``--deltas-post refuse`` (a pod of a fleet: Kubernetes) answers
+the POST with 409 (``reason`` ``volume_only``) naming where to publish instead, the model
+volume every pod follows (``publish_to``), and reads no byte of the body: a delta posted
+to one pod would live in that pod only.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from serve.errors import Conflict
+from serve.errors import Conflict, DeltaConflict, ServeError
 from serve.settings import DLRM_DELTA_DIR
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.schemas import (
@@ -40,6 +49,7 @@ from serve.sidecar.services.embedding_deltas import (
     WAIT_MAX_S,
     Accepted,
     DeltaService,
+    refusal_reason,
 )
 from serve.store.delta_files import DELTA_MEDIA_TYPE
 
@@ -60,7 +70,27 @@ _OUTCOME = {"stored": "stored",
 def _service(sidecar: Sidecar) -> DeltaService:
     if sidecar.deltas is None:
         raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
+    if sidecar.config.deltas_post == "refuse":
+        sidecar.deltas.count_refusal("volume_only")
+        raise _volume_only(sidecar)
     return sidecar.deltas
+
+
+def _volume_only(sidecar: Sidecar) -> DeltaConflict:
+    """The answer of ``--deltas-post refuse``: where to publish the delta instead."""
+    config = sidecar.config
+    where = [f"{root}/deltas/<version>/{config.model_name}-<version>-NNNNNNNN.delta"
+             for root in config.repository_roots]
+    return DeltaConflict(
+        "deltas_post",
+        f"this pod takes no POSTed delta (--deltas-post refuse): it is one pod of a fleet, "
+        f"and a delta posted here would live in this pod only. Publish the file `make "
+        f"delta` wrote on the model volume instead, as {' or '.join(where)} (in Kubernetes "
+        f"copy it to /models/deltas/<version>/ with the upload pod, k8s/models-pvc.yaml): "
+        f"every pod's sidecar takes it from there within {config.delta_sync_s:g} s, in "
+        f"sequence order and through the same checks; GET /embeddings/deltas shows each "
+        f"pod's last_sequence and head_digest",
+        reason="volume_only", details={"publish_to": where})
 
 
 async def _receive(request: Request, service: DeltaService) -> Accepted:
@@ -70,8 +100,12 @@ async def _receive(request: Request, service: DeltaService) -> Accepted:
     before a byte is read, and the service checks both bounds again as the body streams."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
-        await asyncio.to_thread(service.check_room, int(length))
-    return await service.receive(request.stream())
+        try:
+            await asyncio.to_thread(service.check_room, int(length))
+        except ServeError as e:
+            service.count_refusal(refusal_reason(e))
+            raise
+    return await service.receive(request.stream())  # counts its own refusals
 
 
 @router.post(
@@ -86,7 +120,10 @@ async def _receive(request: Request, service: DeltaService) -> Accepted:
                                     "tables (field names the part)"},
                401: {}, 403: {},
                409: {"description": "its version is not served here, its sequence is not "
-                                    "the next one, or deltas are off"},
+                                    "the next one, it builds on another delta than this "
+                                    "pod's head (parent_mismatch), deltas are off, or this "
+                                    "pod takes deltas from the model volume only "
+                                    "(--deltas-post refuse)"},
                413: {"description": "over --max-delta-bytes (DeltaService.max_bytes)"}})
 async def post_delta(
         request: Request, sidecar: SidecarDep,

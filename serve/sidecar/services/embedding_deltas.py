@@ -17,7 +17,27 @@ changes, in this order, and any failure leaves the store as it was:
    409 for a gap or other bytes under a stored sequence). The same bytes again are
    stored once (outcome ``unchanged``); other bytes for a stored sequence whose file is
    damaged replace it (``repaired``: the workers, which retry a damaged delta every poll,
-   then apply it). The file is fsynced, renamed into place and its folder fsynced.
+   then apply it);
+6. it builds on what this pod holds (in the same step, under the store's lock): its
+   ``parent_digest`` is the digest of the version's last stored delta, or for sequence 1
+   the version's identity (:func:`serve.store.delta_files.version_digest` of its build
+   report); otherwise 409 ``DeltaConflict`` with ``reason`` ``parent_mismatch`` and both
+   digests (``expected_parent_digest``: what this pod holds; ``parent_digest``: the
+   delta's). A delta 1 written before the field existed is taken; a later one without it
+   is 400. Then the file is fsynced, renamed into place and its folder fsynced.
+
+Every refusal of a POST is counted by reason in ``dlrm_delta_posts_refused_total``
+(:data:`serve.metrics.DELTA_REFUSAL_REASONS`); a volume file not taken is counted in
+``dlrm_delta_files_skipped_total`` (``parent_mismatch`` among its reasons).
+
+**One chain per fleet.** In Kubernetes every pod's store is its own (an ``emptyDir``), so
+a delta POSTed to one pod (the Service picks it) would live in that pod only, and the
+next one built on it would be refused by every other pod. There the sidecar runs with
+``--deltas-post refuse`` (:class:`serve.sidecar.config.SidecarConfig` ``deltas_post``):
+the POST answers 409 naming where to publish instead, the model volume
+(``<repository>/deltas/<version>/<model>-<version>-NNNNNNNN.delta``), which every pod's
+:meth:`DeltaService.sync` follows. ``store`` (the default) keeps the POST for one pod
+(``make up``, tests, a hotfix by port-forward).
 
 A damaged stored delta (truncated on a crash, changed on the disk) is named by GET
 /embeddings/deltas (:meth:`DeltaService.damaged`) rather than blocking its version
@@ -59,10 +79,17 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from serve.errors import DeltaConflict, InsufficientMemory, PayloadTooLarge, ServeError
+from serve.errors import (
+    DeltaConflict,
+    InsufficientMemory,
+    InvalidDelta,
+    PayloadTooLarge,
+    ServeError,
+)
 from serve.metrics import (
     EmbeddingDeltaGauges,
     delta_files_skipped_family,
+    delta_posts_refused_family,
     embedding_delta_families,
 )
 from serve.store import delta_files as delta_format
@@ -75,6 +102,7 @@ from serve.store.delta_files import (
     decode_delta,
     layout_for_report,
     scan_delta_file,
+    version_digest,
 )
 
 __all__ = [
@@ -87,6 +115,7 @@ __all__ = [
     "VersionSummary",
     "WaitResult",
     "model_versions",
+    "refusal_reason",
 ]
 
 _log = logging.getLogger(__name__)
@@ -146,6 +175,11 @@ class VersionSummary:
     ``newest_delta_created_at``) or the maximum over workers (``apply_seconds_max``); all
     are None when no live worker reports. ``newest_delta_created_at`` is also None while
     that worker has applied no delta (sequence 0).
+
+    ``head_digest`` is what the version's next delta must name as its ``parent_digest``:
+    the sha256 of its last stored delta, or the version's identity
+    (:func:`serve.store.delta_files.version_digest`) while none is stored; None when not
+    computed (a metric scrape) or the report cannot be read.
     """
 
     version: str
@@ -156,9 +190,10 @@ class VersionSummary:
     newest_delta_created_at: float | None
     newest_delta_age_s: float | None
     workers: tuple[WorkerStatus, ...]
+    head_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"last_sequence": self.last_sequence,
+        return {"last_sequence": self.last_sequence, "head_digest": self.head_digest,
                 "applied_sequence": self.applied_sequence,
                 "rows_updated": self.rows_updated,
                 "apply_seconds_max": self.apply_seconds_max,
@@ -210,6 +245,7 @@ class DeltaService(Collector):
         #: of a delta; the request guard reads it here too.
         self.max_bytes = delta_format.MAX_DELTA_BYTES if max_bytes is None else max_bytes
         self._skipped: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
         self._versions = versions
         self._report_of = report_of
         self._live_pids = live_pids
@@ -307,8 +343,25 @@ class DeltaService(Collector):
                 "header.base_version",
                 f"{delta.base_version!r} is not served by this pod, which serves "
                 f"{served or 'no version (no desired state)'}; build the delta against "
-                f"the stable version or the rollout's candidate (GET /state)")
+                f"the stable version or the rollout's candidate (GET /state)",
+                reason="base_version")
         check_layout(delta, layout_for_report(self._report_of(delta.base_version)))
+
+    def base_digest(self, version: str) -> str:
+        """The identity of ``version`` that its delta 1 names as ``parent_digest``
+        (:func:`serve.store.delta_files.version_digest` of its build report)."""
+        return version_digest(self._report_of(version))
+
+    def head_digest(self, version: str) -> str | None:
+        """What the next delta of ``version`` must name as its parent (blocking reads):
+        the digest of its last stored delta, else :meth:`base_digest`; None when the
+        report cannot be read."""
+        try:
+            last = self.store.last_sequence(version)
+            return self.store.digest(version, last) if last else self.base_digest(version)
+        except (OSError, ValueError, ServeError) as e:
+            _log.warning("the head digest of %s's deltas cannot be read: %s", version, e)
+            return None
 
     def validate(self, blob: bytes) -> Delta:
         """Every check of a delta held in memory (module docstring, steps 1-4); changes
@@ -329,8 +382,15 @@ class DeltaService(Collector):
 
         Raises:
             the errors of :meth:`validate` and :meth:`DeltaStore.commit`; nothing stays
-            stored on any of them.
+            stored on any of them (each counted in :attr:`refused`).
         """
+        try:
+            return await self._receive(chunks)
+        except ServeError as e:
+            self.count_refusal(refusal_reason(e))
+            raise
+
+    async def _receive(self, chunks: AsyncIterator[bytes]) -> Accepted:
         held = await asyncio.to_thread(self.check_room, 0)
         incoming = await asyncio.to_thread(self.store.incoming, self.max_bytes)
         try:
@@ -368,10 +428,11 @@ class DeltaService(Collector):
             incoming.finish()
             delta = scan_delta_file(incoming.path, self.max_bytes)
             self.check_served(delta)
+            base = self.base_digest(delta.base_version)
         except BaseException:
             incoming.discard()
             raise
-        stored = self.store.commit(incoming, delta, self.max_bytes)
+        stored = self.store.commit(incoming, delta, self.max_bytes, base_digest=base)
         _log.info("embedding delta %s #%d %s (%d rows, %d bytes)", delta.base_version,
                   delta.sequence, stored.outcome, delta.rows, incoming.size)
         return Accepted(delta.base_version, delta.sequence, delta.rows, incoming.size,
@@ -383,8 +444,16 @@ class DeltaService(Collector):
 
         Raises:
             the errors of :meth:`validate`; DeltaConflict for a repeated or skipped
-            sequence (the store is unchanged on every error).
+            sequence or another parent (the store is unchanged on every error; each
+            counted in :attr:`refused`).
         """
+        try:
+            return self._add(blob)
+        except ServeError as e:
+            self.count_refusal(refusal_reason(e))
+            raise
+
+    def _add(self, blob: bytes) -> Accepted:
         self.validate(blob)
         self.check_room(len(blob))
         incoming = self.store.incoming(self.max_bytes)
@@ -453,7 +522,9 @@ class DeltaService(Collector):
                 accepted = self.receive_file(path)
             except (ServeError, OSError) as e:
                 reason = ("unreadable" if isinstance(e, OSError) else
-                          "store_full" if isinstance(e, InsufficientMemory) else "invalid")
+                          "store_full" if isinstance(e, InsufficientMemory) else
+                          "parent_mismatch" if isinstance(e, DeltaConflict)
+                          and e.reason == "parent_mismatch" else "invalid")
                 self._skip(path, None, reason, str(getattr(e, "message", e)))
                 break
             _log.info("embedding delta %s #%d picked up from %s", version, seq, path)
@@ -475,9 +546,20 @@ class DeltaService(Collector):
     @property
     def skipped(self) -> dict[str, int]:
         """Volume files not taken so far, by reason (``too_large``, ``invalid``,
-        ``unreadable``, ``store_full``: retried on every pass)."""
+        ``unreadable``, ``store_full``, ``parent_mismatch``: retried on every pass)."""
         with self._state_lock:
             return dict(self._skipped)
+
+    def count_refusal(self, reason: str) -> None:
+        """Count one refused POST (``reason``: :func:`refusal_reason`)."""
+        with self._state_lock:
+            self._refused[reason] = self._refused.get(reason, 0) + 1
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """POSTed deltas refused so far, by reason (:func:`refusal_reason`)."""
+        with self._state_lock:
+            return dict(self._refused)
 
     # ------------------------------------------------------------------ clean-up
 
@@ -550,12 +632,15 @@ class DeltaService(Collector):
 
     # ------------------------------------------------------------------ report
 
-    def summary(self, version: str, pids: Iterable[int]) -> VersionSummary:
-        """``version``'s stored and applied deltas (blocking file reads)."""
+    def summary(self, version: str, pids: Iterable[int], *, digest: bool = True
+                ) -> VersionSummary:
+        """``version``'s stored and applied deltas (blocking file reads); ``digest``:
+        with its ``head_digest`` (a scrape leaves it out)."""
         workers = tuple(self.store.worker_statuses(version, sorted(set(pids))))
         last = self.store.last_sequence(version)
+        head = self.head_digest(version) if digest else None
         if not workers:
-            return VersionSummary(version, last, None, None, None, None, None, ())
+            return VersionSummary(version, last, None, None, None, None, None, (), head)
         slowest = min(workers, key=lambda w: (w.sequence, w.rows))
         created = slowest.created_at if slowest.sequence > 0 and slowest.created_at > 0 \
             else None
@@ -564,7 +649,8 @@ class DeltaService(Collector):
             version=version, last_sequence=last, applied_sequence=slowest.sequence,
             rows_updated=slowest.rows,
             apply_seconds_max=max(float(w.apply_seconds) for w in workers),
-            newest_delta_created_at=created, newest_delta_age_s=age, workers=workers)
+            newest_delta_created_at=created, newest_delta_age_s=age, workers=workers,
+            head_digest=head)
 
     async def summaries(self) -> dict[str, VersionSummary]:
         """Each served version's :class:`VersionSummary` (GET /state, GET
@@ -594,11 +680,28 @@ class DeltaService(Collector):
         gauges = []
         for version in versions:
             try:
-                gauges.append(self.summary(version, pids).gauges())
+                gauges.append(self.summary(version, pids, digest=False).gauges())
             except (OSError, ValueError, ServeError) as e:
                 _log.warning("embedding delta metrics of %s skipped: %s", version, e)
         yield from embedding_delta_families(gauges)
         yield delta_files_skipped_family(self.skipped)
+        yield delta_posts_refused_family(self.refused)
+
+
+def refusal_reason(error: ServeError) -> str:
+    """The bounded reason label of a refused delta (:data:`serve.metrics.DELTA_REFUSAL_REASONS`):
+    a :class:`~serve.errors.DeltaConflict`'s own ``reason`` (``base_version``,
+    ``sequence``, ``parent_mismatch``, ``volume_only``), ``invalid`` (400), ``too_large``
+    (413), ``store_full`` (507), else ``other``."""
+    if isinstance(error, DeltaConflict):
+        return error.reason
+    if isinstance(error, InvalidDelta):
+        return "invalid"
+    if isinstance(error, PayloadTooLarge):
+        return "too_large"
+    if isinstance(error, InsufficientMemory):
+        return "store_full"
+    return "other"
 
 
 def model_versions(serving_version: str) -> list[str]:
