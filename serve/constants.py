@@ -32,6 +32,11 @@ __all__ = [
     "GUARD_MIN_INSTANCES",
     "GUARD_MIN_REQUESTS",
     "P99_SLO_MS",
+    "QUALITY_MAX_CALIBRATION_GAP",
+    "QUALITY_MAX_NE_INCREASE",
+    "QUALITY_MIN_LABELS",
+    "QUALITY_MIN_LABELS_TO_JUDGE",
+    "QUALITY_Z",
     "SIDECAR_TOKEN_MIN_BYTES",
     "SIDECAR_TOKEN_PLACEHOLDER",
     "STAGES",
@@ -92,3 +97,20 @@ SIDECAR_TOKEN_MIN_BYTES = 32
 #: The token of the Secret template (k8s/templates/sidecar-token-secret.yaml), refused at
 #: start: applying the template unedited must not leave a token everybody knows.
 SIDECAR_TOKEN_PLACEHOLDER = "REPLACE-ME-with-openssl-rand-hex-32"
+
+# The click-quality gates of a rollout (serve.sidecar.control.quality_gates): judged on
+# click labels joined by POST /feedback, each breached only when the lower end of its
+# one-sided 99% confidence interval is above the limit. The limits come from
+# bench/quality_calibration.py (results in bench/results/quality_calibration.json).
+#: One-sided 99% normal quantile: a candidate as good as the stable breaches a gate with
+#: probability <= 1% per evaluation even at a limit of 0.
+QUALITY_Z = 2.326
+#: Candidate NE - stable NE (both over H of the pooled CTR), dimensionless.
+QUALITY_MAX_NE_INCREASE = 0.02
+#: |ln(candidate calibration ratio)| - |ln(stable calibration ratio)|, in log-ratio units
+#: (0.1: about 10% further from calibrated than the stable).
+QUALITY_MAX_CALIBRATION_GAP = 0.1
+#: Labels per arm a rollout waits for before it may promote (0: the gates do not block).
+QUALITY_MIN_LABELS = 0
+#: Labels per arm before the gates judge when they do not block (min_labels = 0).
+QUALITY_MIN_LABELS_TO_JUDGE = 1000
