@@ -97,7 +97,7 @@ def score(artifact: Path, data_dir: Path, rows: int | None, batch: int = 2048) -
             lengths = lens.T.copy()
             values = np.concatenate([ids[bi, fi, :lens[bi, fi]] for fi in range(f)
                                      for bi in range(b)])
-        out[start:stop] = rt.predict_arrays(np.ascontiguousarray(data.dense[start:stop]),
+        out[start:stop] = rt.predict_arrays(np.array(data.dense[start:stop], dtype=np.float32),
                                             values.astype(np.int64), lengths)
     return np.asarray(data.labels[:n], dtype=np.uint8), out
 
