@@ -42,7 +42,15 @@ labels never come is promoted on its other guards (:attr:`GuardResult.blocking` 
 
 When NOT to use: a CTR of 0 or 1 in the labels (no entropy, no calibration): the gates
 stay ``insufficient_data``. The confidence bounds assume independent rows; labels of
-the same user or session are correlated, so keep ``min_labels`` in the thousands.
+the same user or session are correlated, so keep ``min_labels`` in the thousands. In
+shadow mode both arms score the same requests: the arms are positively correlated and
+the bounds, computed as for independent arms, are conservative.
+
+What the window holds: labels JOINED since the base snapshot. The candidate's are all of
+predictions made during the rollout (its version serves nothing else); the stable arm's
+series (``arm="stable"``) is the same before and during a rollout, so a late label for a
+prediction made just before the rollout began counts for it: the same model, on a
+population a little older.
 
 Example::
 

@@ -448,6 +448,9 @@ class QualityTotals:
     nats^2). Monotonic (counters) while a series is kept; at most ``max_series`` are kept,
     the least recently added-to goes first (a reader sees its counters reset).
 
+    Labels are added once: a duplicate (request id, index) is found in the window, so one
+    posted again after its first posting left the window (``window_s``) counts again.
+
     Not thread-safe: FeedbackService updates and reads it under its stats lock.
     """
 
