@@ -32,6 +32,11 @@ __all__ = [
     "GUARD_MIN_INSTANCES",
     "GUARD_MIN_REQUESTS",
     "P99_SLO_MS",
+    "QUALITY_MAX_CALIBRATION_GAP",
+    "QUALITY_MAX_NE_INCREASE",
+    "QUALITY_MIN_LABELS",
+    "QUALITY_MIN_LABELS_TO_JUDGE",
+    "QUALITY_Z",
     "SIDECAR_TOKEN_MIN_BYTES",
     "SIDECAR_TOKEN_PLACEHOLDER",
     "STAGES",
@@ -92,3 +97,27 @@ SIDECAR_TOKEN_MIN_BYTES = 32
 #: The token of the Secret template (k8s/templates/sidecar-token-secret.yaml), refused at
 #: start: applying the template unedited must not leave a token everybody knows.
 SIDECAR_TOKEN_PLACEHOLDER = "REPLACE-ME-with-openssl-rand-hex-32"
+
+# The click-quality gates of a rollout (serve.sidecar.control.quality_gates): judged on
+# click labels joined by POST /feedback, each breached only when the lower end of its
+# one-sided 99% confidence interval is above the limit. The limits come from
+# bench/quality_calibration.py (results in bench/results/quality_calibration.json).
+#: One-sided 99% normal quantile: a candidate as good as the stable breaches a gate with
+#: probability <= 1% per evaluation even at a limit of 0.
+QUALITY_Z = 2.326
+#: Candidate NE - stable NE (both over H of the pooled CTR), dimensionless. Measured on
+#: the small models' 100,000 held-out rows, 500 random splits per point: the stable
+#: against itself and the seed-7 retrain breach it in <= 0.2% of splits from 1,000 labels
+#: per arm (0.6% at 500; up to 2% at a limit of 0: the log loss has heavy tails), the
+#: shuffled-label small-int8-s8-shuffled (NE 1.001, AUC 0.497, against NE 0.637) and a
+#: base-rate model in 100% from 500.
+QUALITY_MAX_NE_INCREASE = 0.02
+#: |ln(candidate calibration ratio)| - |ln(stable calibration ratio)|, in log-ratio units
+#: (0.05: about 5% further from calibrated than the stable). Measured as above: never
+#: breached by the stable or the retrain; scores x 1.25 (ratio 1.17 against 0.98) breach
+#: it in 60% of splits at 5,000 labels per arm, 99% at 10,000.
+QUALITY_MAX_CALIBRATION_GAP = 0.05
+#: Labels per arm a rollout waits for before it may promote (0: the gates do not block).
+QUALITY_MIN_LABELS = 0
+#: Labels per arm before the gates judge when they do not block (min_labels = 0).
+QUALITY_MIN_LABELS_TO_JUDGE = 1000

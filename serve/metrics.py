@@ -107,11 +107,17 @@ __all__ = [
     "INSTANCES_TOTAL",
     "ONLINE_AUC",
     "ONLINE_CALIBRATION_RATIO",
+    "ONLINE_CLICKS_TOTAL",
     "ONLINE_LABELS",
+    "ONLINE_LOGLOSS_NATS_TOTAL",
+    "ONLINE_LOGLOSS_SQ_NATS2_TOTAL",
     "ONLINE_OBSERVED_CTR",
     "ONLINE_PREDICTED_CTR",
+    "ONLINE_ROWS_TOTAL",
+    "ONLINE_SCORE_TOTAL",
     "PREDICTION_LOG_BYTES",
     "PREDICTION_LOG_RECORDS_TOTAL",
+    "QUALITY_GUARDS",
     "RECONCILE_RESULTS",
     "RECONCILE_TOTAL",
     "REQUESTS_TOTAL",
@@ -210,6 +216,14 @@ ONLINE_OBSERVED_CTR = "dlrm_online_observed_ctr"
 ONLINE_PREDICTED_CTR = "dlrm_online_predicted_ctr"
 ONLINE_CALIBRATION_RATIO = "dlrm_online_calibration_ratio"
 ONLINE_AUC = "dlrm_online_auc"
+# The additive sums of the click-quality gates (serve.sidecar.control.quality_gates), per
+# {version, arm}: counters of every label joined since the sidecar started (NOT the
+# window), so a rollout takes the difference since its start and a fleet sums pods.
+ONLINE_ROWS_TOTAL = "dlrm_online_rows_total"
+ONLINE_CLICKS_TOTAL = "dlrm_online_clicks_total"
+ONLINE_SCORE_TOTAL = "dlrm_online_score_total"
+ONLINE_LOGLOSS_NATS_TOTAL = "dlrm_online_logloss_nats_total"
+ONLINE_LOGLOSS_SQ_NATS2_TOTAL = "dlrm_online_logloss_sq_nats2_total"
 PREDICTION_LOG_BYTES = "dlrm_prediction_log_bytes"
 PREDICTION_LOG_RECORDS_TOTAL = "dlrm_prediction_log_records_total"
 # GPU resource signals through NVML (sidecar, serve.sidecar.adapters.gpu), labelled {device} only
@@ -236,8 +250,11 @@ ARMS: tuple[str, ...] = ("stable", "candidate")
 #: Phases of a rollout (``serve.sidecar.control.phases.RolloutPhase``); ``none`` when no
 #: rollout was declared.
 ROLLOUT_PHASES: tuple[str, ...] = ("none", *(p.value for p in RolloutPhase))
+#: Guards of a rollout judged on click labels (serve.sidecar.control.quality_gates), the
+#: last of ROLLOUT_GUARDS.
+QUALITY_GUARDS: tuple[str, ...] = ("ne_increase", "calibration_gap")
 #: Guards of a rollout, by name (bounded label of the guard gauges).
-ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi")
+ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi", *QUALITY_GUARDS)
 #: What became of one feedback label (``dlrm_feedback_labels_total{result}``): ``joined``
 #: with a logged prediction; ``unknown`` request id never logged here (not sampled, served
 #: by another pod, or evicted from the index); ``expired`` logged but its file was rotated

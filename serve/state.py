@@ -59,6 +59,9 @@ from serve.constants import (
     GUARD_MAX_SCORE_PSI,
     GUARD_MIN_INSTANCES,
     GUARD_MIN_REQUESTS,
+    QUALITY_MAX_CALIBRATION_GAP,
+    QUALITY_MAX_NE_INCREASE,
+    QUALITY_MIN_LABELS,
 )
 from serve.errors import ConfigError, describe_field_errors
 
@@ -142,6 +145,17 @@ class Guards(_Strict):
                                description="Scored instances per arm before the PSI judges.")
     interval_s: float = Field(default=GUARD_INTERVAL_S, gt=0, le=3600,
                               description="Seconds between evaluations.")
+    # The click-quality gates (serve.sidecar.control.quality_gates), judged on labels
+    # posted to /feedback since the rollout began; defaults: serve.constants.QUALITY_*.
+    min_labels: int = Field(default=QUALITY_MIN_LABELS, ge=0, le=1_000_000_000,
+                            description="Labels per arm before the quality gates judge; "
+                                        "> 0: no promotion before they judge ok; 0: they "
+                                        "judge from 1000 labels but never hold a promotion.")
+    max_ne_increase: float = Field(default=QUALITY_MAX_NE_INCREASE, ge=0, le=100,
+                                   description="Candidate NE - stable NE (lower 99% bound).")
+    max_calibration_gap: float = Field(default=QUALITY_MAX_CALIBRATION_GAP, ge=0, le=100,
+                                       description="|ln calibration ratio| of the candidate "
+                                                   "- the stable's (lower 99% bound).")
 
 
 class Rollout(_Strict):

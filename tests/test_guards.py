@@ -405,13 +405,15 @@ def test_limits_defaults_and_validation():
 
 def test_results_come_in_guard_order_and_serialize():
     results = evaluate(Snapshot(), LIMITS)
-    assert tuple(r.name for r in results) == ROLLOUT_GUARDS
+    from serve.metrics import QUALITY_GUARDS  # judged apart (quality_gates.evaluate_quality)
+    assert tuple(r.name for r in results) == tuple(
+        g for g in ROLLOUT_GUARDS if g not in QUALITY_GUARDS)
     assert all(r.status == "insufficient_data" and r.value is None for r in results)
     assert breaches(results) == []
     doc = results[0].to_json()
     assert doc == {"name": "error_ratio", "value": None, "threshold": 0.01,
                    "status": "insufficient_data",
-                   "detail": "candidate has 0 of the 20 requests needed"}
+                   "detail": "candidate has 0 of the 20 requests needed", "blocking": True}
     json.dumps([r.to_json() for r in results])
     with pytest.raises(ValueError, match="not one of"):
         GuardResult("latency", 1.0, 2.0, "ok", "")

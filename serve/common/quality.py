@@ -9,6 +9,16 @@
 Calibration ratio = mean predicted CTR / observed CTR (1.0: calibrated; above 1 the model
 over-predicts clicks). It is the ratio used in ads CTR work ("predicted over actual");
 NaN when no click was observed.
+
+Normalized entropy (NE, He et al., "Practical lessons from predicting clicks on ads at
+Facebook", 2014) = mean log loss / H(observed CTR), where the log loss of one prediction
+``p`` with label ``y`` is ``-(y ln p + (1-y) ln(1-p))`` in nats (``p`` clipped to
+[:data:`LOGLOSS_EPS`, 1 - :data:`LOGLOSS_EPS`]) and ``H(c) = -(c ln c + (1-c) ln(1-c))``
+is the log loss of always predicting the base rate. NE < 1: the model beats the base
+rate; 1: it knows nothing more; lower is better. :func:`logloss` gives the per-row values,
+:func:`entropy` H; the additive sums behind both (rows, clicks, sum of scores, sum of log
+losses and of their squares) are what the rollout's quality gates read
+(:mod:`serve.sidecar.control.quality_gates`).
 """
 from __future__ import annotations
 
@@ -22,7 +32,43 @@ import numpy as np
 from serve.errors import ConfigError
 from serve.metrics import SCORE_BUCKETS
 
-__all__ = ["ScoreSummary", "calibration_ratio", "roc_auc", "summarize"]
+__all__ = ["LOGLOSS_EPS", "ScoreSummary", "calibration_ratio", "entropy", "logloss",
+           "normalized_entropy", "roc_auc", "summarize"]
+
+#: Scores are clipped to [LOGLOSS_EPS, 1 - LOGLOSS_EPS] before a log loss: a score of
+#: exactly 0 or 1 with the other label would be an infinite loss (-ln 1e-7 = 16.1 nats).
+LOGLOSS_EPS = 1e-7
+
+
+def logloss(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """float64 (n,) log loss in nats of each prediction: ``-(y ln p + (1-y) ln(1-p))`` for
+    ``scores`` (n,) probabilities and ``labels`` (n,) 0/1, ``p`` clipped to
+    [LOGLOSS_EPS, 1 - LOGLOSS_EPS].
+
+    Raises ConfigError when the shapes differ.
+    """
+    y = np.asarray(labels).reshape(-1).astype(np.float64)
+    p = np.clip(np.asarray(scores, dtype=np.float64).reshape(-1), LOGLOSS_EPS,
+                1.0 - LOGLOSS_EPS)
+    if y.shape != p.shape:
+        raise ConfigError(f"logloss: {y.shape[0]} labels for {p.shape[0]} scores; give one "
+                          "per prediction")
+    return -(y * np.log(p) + (1.0 - y) * np.log1p(-p))
+
+
+def entropy(ctr: float) -> float:
+    """H(ctr) in nats: the log loss per row of always predicting ``ctr``; 0 for a CTR of
+    exactly 0 or 1 (NE is undefined then)."""
+    if not 0.0 < ctr < 1.0:
+        return 0.0
+    return -(ctr * math.log(ctr) + (1.0 - ctr) * math.log1p(-ctr))
+
+
+def normalized_entropy(mean_logloss: float, ctr: float) -> float | None:
+    """``mean_logloss / H(ctr)`` (dimensionless, lower is better, 1 = the base rate);
+    None when ``ctr`` is 0 or 1 (one class only: H = 0)."""
+    h = entropy(ctr)
+    return mean_logloss / h if h > 0.0 else None
 
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -70,6 +116,9 @@ class ScoreSummary:
         score_le: upper bounds of the score bins (``SCORE_BUCKETS``).
         score_counts: predictions per bin, NOT cumulative: ``score_counts[i]`` scores are
             in ``(score_le[i-1], score_le[i]]`` (the first bin from 0).
+        logloss: mean log loss in nats (:func:`logloss`).
+        ne: normalized entropy, ``logloss / H(observed_ctr)`` (:func:`normalized_entropy`);
+            None when only one class is present.
     """
 
     rows: int
@@ -79,6 +128,8 @@ class ScoreSummary:
     auc: float | None
     score_le: tuple[float, ...]
     score_counts: tuple[int, ...]
+    logloss: float = math.nan
+    ne: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,6 +153,7 @@ def summarize(labels: np.ndarray, scores: np.ndarray,
     if y.shape[0] == 0:
         raise ConfigError("summarize: no labelled predictions")
     observed, predicted = float(y.mean()), float(s.mean())
+    mean_ll = float(logloss(y, s).mean())
     pos = int(y.sum())
     auc = roc_auc(y, s) if 0 < pos < y.shape[0] else None
     le = np.asarray(buckets, dtype=np.float64)
@@ -111,4 +163,5 @@ def summarize(labels: np.ndarray, scores: np.ndarray,
     return ScoreSummary(rows=int(y.shape[0]), observed_ctr=observed, predicted_ctr=predicted,
                         calibration_ratio=calibration_ratio(predicted, observed), auc=auc,
                         score_le=tuple(float(b) for b in le),
-                        score_counts=tuple(int(c) for c in counts))
+                        score_counts=tuple(int(c) for c in counts), logloss=mean_ll,
+                        ne=normalized_entropy(mean_ll, observed))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Annotated, Any
@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import httpx
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
@@ -158,6 +159,13 @@ class Sidecar:
             registry.register(state.deltas)
         return state
 
+    def rollout_families(self) -> Iterator[Metric]:
+        """What a rollout's guards read: the workers' per-arm families (none without a
+        multiprocess dir) and the feedback join's label sums (the click-quality gates)."""
+        if self.handler_metrics is not None:
+            yield from self.handler_metrics.collect()
+        yield from self.feedback.quality_collect()
+
     def served_versions(self) -> list[str]:
         """The repository versions the desired state serves now: the stable one and a
         rollout's candidate (empty without a desired-state file)."""
@@ -181,13 +189,12 @@ class Sidecar:
             forget_workers=self.handler_metrics.forget if self.handler_metrics else None)
         self.metrics.set_switch_phase(self._switch.phase.value)
         if config.state_file is not None:
-            collector = self.handler_metrics
             self._reconciler = Reconciler(
                 self._torchserve, config, switch=self._switch, metrics=self.metrics,
                 repository=self.repository or ModelRepository(config.repository_roots,
                                                               config.model_name),
                 rollouts=RolloutController(
-                    read_families=collector.collect if collector is not None else list,
+                    read_families=self.rollout_families,
                     control_file=lambda version: control_path(
                         config.model_store, config.model_name, version),
                     metrics=self.metrics, clock=self.clock),

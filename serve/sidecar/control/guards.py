@@ -589,6 +589,9 @@ class GuardResult:
         threshold: the limit it is judged against (breached when ``value > threshold``).
         status: ``ok``, ``breached`` or ``insufficient_data``.
         detail: one sentence for people, with the numbers behind the value.
+        blocking: whether a rollout waits for this guard to be ``ok`` before it promotes
+            (a non-blocking guard still rolls back when breached; the click-quality gates
+            without ``min_labels`` are non-blocking).
     """
 
     name: str
@@ -596,6 +599,7 @@ class GuardResult:
     threshold: float
     status: str
     detail: str
+    blocking: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_GUARDS:
@@ -612,9 +616,9 @@ class GuardResult:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict: ``name``, ``value`` (null without data), ``threshold``,
-        ``status``, ``detail``."""
+        ``status``, ``detail``, ``blocking``."""
         return {"name": self.name, "value": self.value, "threshold": self.threshold,
-                "status": self.status, "detail": self.detail}
+                "status": self.status, "detail": self.detail, "blocking": self.blocking}
 
 
 def _g(x: float) -> str:

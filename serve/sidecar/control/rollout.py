@@ -12,7 +12,9 @@ Its life, one :class:`RolloutRun` per declared (stable version, rollout spec):
     :mod:`serve.store.routing`) and the bake clock starts. Every ``guards.interval_s``
     (:meth:`RolloutController.tick`) it reads the workers' per-arm metrics, takes the
     window since the current weight began, and evaluates the guards
-    (:mod:`serve.sidecar.control.guards`): error ratio, p99 latency ratio, score PSI.
+    (:mod:`serve.sidecar.control.guards`): error ratio, p99 latency ratio, score PSI;
+    and, over every click label joined since the first weight began, the click-quality
+    gates (:mod:`serve.sidecar.control.quality_gates`): NE increase, calibration gap.
 ``rolled_back``
     Any guard breached (or ``POST /state/rollout/rollback``): the weight goes to 0 at
     once (control file), and the effective desired state drops the candidate, so the
@@ -65,11 +67,18 @@ from serve.sidecar.control.guards import (
     snapshot,
 )
 from serve.sidecar.control.phases import RolloutPhase
+from serve.sidecar.control.quality_gates import (
+    QualityLimits,
+    QualitySnapshot,
+    evaluate_quality,
+    quality_snapshot,
+)
 from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
 
-__all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of", "rollout_key"]
+__all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of",
+           "quality_limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
 
@@ -86,6 +95,13 @@ def limits_of(spec: Rollout) -> GuardLimits:
     return GuardLimits(max_error_ratio=g.max_error_ratio, max_p99_ratio=g.max_p99_ratio,
                        max_score_psi=g.max_score_psi, min_requests=g.min_requests,
                        min_instances=g.min_instances)
+
+
+def quality_limits_of(spec: Rollout) -> QualityLimits:
+    """The click-quality gates' limits of a rollout spec."""
+    g = spec.guards
+    return QualityLimits(max_ne_increase=g.max_ne_increase,
+                         max_calibration_gap=g.max_calibration_gap, min_labels=g.min_labels)
 
 
 def _iso(wall: float | None) -> str | None:
@@ -107,6 +123,7 @@ class RolloutRun:
     step_started: float | None = None
     base: Snapshot | None = None        # at the current weight's start
     first_base: Snapshot | None = None  # at the first weight's start
+    quality_base: QualitySnapshot | None = None  # label sums at the first weight's start
     last_eval: float | None = None
     evaluations: int = 0
     guards: list[GuardResult] = field(default_factory=list)
@@ -126,8 +143,9 @@ class RolloutController:
     """Runs the declared rollout (see the module docstring).
 
     Args:
-        read_families: the workers' metric families now (the sidecar's
-            ``HandlerAggregateCollector.collect``).
+        read_families: the metric families now: the workers' (the sidecar's
+            ``HandlerAggregateCollector.collect``) and the feedback join's label sums
+            (``FeedbackService.collect``), for the click-quality gates.
         control_file: the control file of a serving version.
         metrics: where the phase, weight and guard values are mirrored; None: nowhere.
         clock: monotonic seconds (bake and guard periods).
@@ -213,9 +231,11 @@ class RolloutController:
         weight = run.spec.weights()[step]
         self._write_weight(run, weight)
         run.step_started = self.clock()
-        run.base = self._snapshot(run)
+        run.base, quality = self._snapshots(run)
         if step == 0 or run.first_base is None:
             run.first_base = run.base
+        if step == 0 or run.quality_base is None:
+            run.quality_base = quality
         run.last_eval = run.step_started
         run.guards = []
         run.reason = None
@@ -229,9 +249,12 @@ class RolloutController:
         write_control(self.control_file(run.serving_version), run.spec.mode, weight,
                       candidate=run.spec.candidate, stable=run.stable, step=run.step)
 
-    def _snapshot(self, run: RolloutRun) -> Snapshot:
-        return snapshot(self.read_families(), stable_version=run.stable,
-                        candidate_version=run.spec.candidate)
+    def _snapshots(self, run: RolloutRun) -> tuple[Snapshot, QualitySnapshot]:
+        families = list(self.read_families())  # one read for both
+        return (snapshot(families, stable_version=run.stable,
+                         candidate_version=run.spec.candidate),
+                quality_snapshot(families, stable_version=run.stable,
+                                 candidate_version=run.spec.candidate))
 
     def due(self) -> bool:
         """A baking, serving run whose guard period has passed."""
@@ -243,11 +266,14 @@ class RolloutController:
     def evaluate(self) -> list[GuardResult]:
         """Evaluate the guards over the window since the current weight began; a guard
         short of data there is judged over the whole rollout instead (at weight 1.0 the
-        stable arm gets no traffic, so its p99 and scores come from the earlier weights)."""
+        stable arm gets no traffic, so its p99 and scores come from the earlier weights).
+        The click-quality gates judge every label joined since the first weight began
+        (labels are scarce and come late; the candidate is the same model at every
+        weight), appended last."""
         run = self.run
         if run is None or run.base is None:
             return []
-        now = self._snapshot(run)
+        now, quality = self._snapshots(run)
         limits = limits_of(run.spec)
         results = evaluate(now.minus(run.base), limits)
         if run.first_base is not None and run.first_base is not run.base and any(
@@ -258,6 +284,9 @@ class RolloutController:
                        else replace(whole[g.name], detail=whole[g.name].detail
                                     + " (over the whole rollout: too little at this weight)")
                        for g in results]
+        if run.quality_base is not None:
+            results += evaluate_quality(quality.minus(run.quality_base),
+                                        quality_limits_of(run.spec))
         run.guards = results
         run.last_eval = self.clock()
         run.evaluations += 1
@@ -280,7 +309,7 @@ class RolloutController:
         if elapsed < run.spec.bake_s:
             run.reason = None
             return None
-        waiting = [g for g in run.guards if g.status != "ok"]
+        waiting = [g for g in run.guards if g.status != "ok" and g.blocking]
         if waiting:
             run.reason = ("bake time is over but not every guard could judge yet; "
                           "baking on: " + "; ".join(f"{g.name}: {g.detail}" for g in waiting))
@@ -377,8 +406,11 @@ class RolloutController:
             self.metrics.set_rollout("none", 0.0, [])
             return
         limits = limits_of(run.spec)
+        quality = quality_limits_of(run.spec)
         thresholds = {"error_ratio": limits.max_error_ratio, "p99_ratio": limits.max_p99_ratio,
-                      "score_psi": limits.max_score_psi}
+                      "score_psi": limits.max_score_psi,
+                      "ne_increase": quality.max_ne_increase,
+                      "calibration_gap": quality.max_calibration_gap}
         values = {g.name: g.value for g in run.guards}
         self.metrics.set_rollout(run.phase.value, run.weight,
                                  [(name, values.get(name), thresholds[name])

@@ -133,11 +133,14 @@ class SwitchRecord(BaseModel):
 class GuardStatus(BaseModel):
     """One guard of a rollout at its last evaluation."""
 
-    name: str = Field(description="error_ratio, p99_ratio or score_psi.")
+    name: str = Field(description="error_ratio, p99_ratio, score_psi, ne_increase or "
+                                  "calibration_gap.")
     value: float | None = Field(description="Its value over the window; null: not enough data.")
     threshold: float = Field(description="Breached when value > threshold.")
     status: str = Field(description="ok, breached or insufficient_data.")
     detail: str
+    blocking: bool = Field(True, description="Promotion waits for it to be ok (false: the "
+                                             "click-quality gates without min_labels).")
 
 
 class RolloutStatus(BaseModel):

@@ -6,8 +6,19 @@ prediction's response, the index the instance's position in that request). The s
 joins each label with the score the model gave, read from the prediction log that the
 workers write (:mod:`serve.store.predlog`), and keeps the labelled predictions per version and
 arm in a sliding window (:class:`CalibrationWindow`). From the window it exports the
-observed CTR, the mean predicted CTR, their ratio (the calibration ratio, 1.0 = calibrated)
-and the AUC, beside the version's build-time baseline from its report.
+observed CTR, the mean predicted CTR, their ratio (the calibration ratio, 1.0 = calibrated),
+the normalized entropy and the AUC, beside the version's build-time baseline from its
+report.
+
+Beside the window, per (version, arm) it counts every label it joined since it started
+(:class:`QualityTotals`: rows, clicks, sum of scores, sum of log losses and of their
+squares), exported as COUNTERS (``dlrm_online_rows_total``, ``dlrm_online_clicks_total``,
+``dlrm_online_score_total``, ``dlrm_online_logloss_nats_total``,
+``dlrm_online_logloss_sq_nats2_total``). They are what a rollout's click-quality gates
+judge (:mod:`serve.sidecar.control.quality_gates`): counters, not window sums, so that the
+rollout takes exactly the labels joined since it started (its base snapshot subtracted,
+as for the workers' counters) whatever the window's length, and a fleet sums them over
+pods.
 
 What happens to each label (``dlrm_feedback_labels_total{result}``):
 
@@ -54,7 +65,7 @@ from prometheus_client.registry import Collector
 
 from serve import settings
 from serve.common.flags import flag
-from serve.common.quality import ScoreSummary, summarize
+from serve.common.quality import ScoreSummary, logloss, summarize
 from serve.common.validate import positive_int
 from serve.errors import ConfigError
 from serve.metrics import (
@@ -66,9 +77,14 @@ from serve.metrics import (
     FEEDBACK_RESULTS,
     ONLINE_AUC,
     ONLINE_CALIBRATION_RATIO,
+    ONLINE_CLICKS_TOTAL,
     ONLINE_LABELS,
+    ONLINE_LOGLOSS_NATS_TOTAL,
+    ONLINE_LOGLOSS_SQ_NATS2_TOTAL,
     ONLINE_OBSERVED_CTR,
     ONLINE_PREDICTED_CTR,
+    ONLINE_ROWS_TOTAL,
+    ONLINE_SCORE_TOTAL,
     PREDICTION_LOG_BYTES,
 )
 from serve.store.predlog import RecordReader, log_files, read_at
@@ -79,6 +95,7 @@ __all__ = [
     "FeedbackResult",
     "FeedbackService",
     "PredictionIndex",
+    "QualityTotals",
     "label_keys",
 ]
 
@@ -422,6 +439,46 @@ class CalibrationWindow:
         return dict(self._cache)
 
 
+class QualityTotals:
+    """Per (version, arm): the additive sums of every label joined since this was made.
+
+    For each series: ``rows`` (labels), ``clicks`` (sum of labels), ``score`` (sum of the
+    predicted probabilities), ``logloss`` (sum of log losses, nats,
+    :func:`serve.common.quality.logloss`) and ``logloss_sq`` (sum of their squares,
+    nats^2). Monotonic (counters) while a series is kept; at most ``max_series`` are kept,
+    the least recently added-to goes first (a reader sees its counters reset).
+
+    Labels are added once: a duplicate (request id, index) is found in the window, so one
+    posted again after its first posting left the window (``window_s``) counts again.
+
+    Not thread-safe: FeedbackService updates and reads it under its stats lock.
+    """
+
+    FIELDS: tuple[str, ...] = ("rows", "clicks", "score", "logloss", "logloss_sq")
+
+    def __init__(self, max_series: int = 8) -> None:
+        self.max_series = max_series
+        self._sums: dict[tuple[str, str], np.ndarray] = {}
+
+    def add(self, series: tuple[str, str], scores: np.ndarray, labels: np.ndarray) -> None:
+        """Add labelled predictions: float (n,) scores in [0, 1], 0/1 (n,) labels."""
+        sums = self._sums.pop(series, None)  # re-inserted last: most recently used
+        if sums is None:
+            sums = np.zeros(len(self.FIELDS), dtype=np.float64)
+            while len(self._sums) >= self.max_series:
+                del self._sums[next(iter(self._sums))]
+        self._sums[series] = sums
+        y = np.asarray(labels, dtype=np.float64).reshape(-1)
+        p = np.asarray(scores, dtype=np.float64).reshape(-1)
+        ll = logloss(y, p)
+        sums += (y.shape[0], y.sum(), p.sum(), ll.sum(), (ll * ll).sum())
+
+    def snapshot(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Per series, a copy of its sums by field name."""
+        return {k: dict(zip(self.FIELDS, (float(x) for x in v), strict=True))
+                for k, v in self._sums.items()}
+
+
 @dataclass
 class FeedbackResult:
     """The answer to one POST /feedback: labels by result, and joined by arm."""
@@ -501,6 +558,7 @@ class FeedbackService(Collector):
         self.window = CalibrationWindow(config.window_s, config.window_pairs,
                                         config.max_series, clock)
         self._counts = dict.fromkeys(FEEDBACK_RESULTS, 0)
+        self.totals = QualityTotals(config.max_series)
 
     def refresh_index(self) -> int:
         """Index what the workers appended since the last call (records read); 0 without
@@ -574,9 +632,10 @@ class FeedbackService(Collector):
             new_any[p[~dup]] = True
             keep = ~dup
             if keep.any():
-                self.window.add(series, np.asarray(scores, dtype=np.float32)[keep],
-                                np.asarray([labels[i][2] for i in pos], dtype=np.uint8)[keep],
-                                keys[keep])
+                kept_scores = np.asarray(scores, dtype=np.float32)[keep]
+                kept_labels = np.asarray([labels[i][2] for i in pos], dtype=np.uint8)[keep]
+                self.window.add(series, kept_scores, kept_labels, keys[keep])
+                self.totals.add(series, kept_scores, kept_labels)
                 added[series] = int(keep.sum())
         for i, o in enumerate(outcome):
             if o == "joined" and dup_any[i] and not new_any[i]:
@@ -623,6 +682,15 @@ class FeedbackService(Collector):
             "baselines": {v: _baseline_view(b) for v, b in baselines.items()},
         }
 
+    def quality_collect(self) -> Iterator[Metric]:
+        """Only the label sums' counter families (``dlrm_online_rows_total`` ...), what
+        the rollout's click-quality gates read (:func:`~serve.sidecar.control.
+        quality_gates.quality_snapshot`): no baselines, no file reads, the stats lock
+        only."""
+        with self._stats_lock:
+            totals = self.totals.snapshot()
+        yield from _quality_families(totals)
+
     def _log_bytes(self) -> int:
         if self.config.log_dir is None:
             return 0
@@ -638,6 +706,7 @@ class FeedbackService(Collector):
         with self._stats_lock:
             summaries = self.window.summaries()
             counts = dict(self._counts)
+            totals = self.totals.snapshot()
         c = CounterMetricFamily(FEEDBACK_LABELS_TOTAL,
                                 "Click labels posted to /feedback, by what became of them.",
                                 labels=["result"])
@@ -663,6 +732,7 @@ class FeedbackService(Collector):
                     continue
                 g.add_metric([v, a], _finite(getattr(s, attr)))
             yield g
+        yield from _quality_families(totals)
         baselines = self._baselines(v for v, _ in summaries)
         for name, key, doc in (
                 (BASELINE_PREDICTED_CTR, "predicted_ctr",
@@ -679,6 +749,22 @@ class FeedbackService(Collector):
         yield GaugeMetricFamily(PREDICTION_LOG_BYTES,
                                 "Bytes of prediction log files kept for joining feedback.",
                                 value=self._log_bytes())
+
+
+def _quality_families(totals: dict[tuple[str, str], dict[str, float]]) -> Iterator[Metric]:
+    for name, key, doc in (
+            (ONLINE_ROWS_TOTAL, "rows", ("Labelled predictions joined since the sidecar "
+             "started (the click-quality gates' n).")),
+            (ONLINE_CLICKS_TOTAL, "clicks", "Clicks (label 1) among them."),
+            (ONLINE_SCORE_TOTAL, "score", "Sum of their predicted click probabilities."),
+            (ONLINE_LOGLOSS_NATS_TOTAL, "logloss", ("Sum of their log losses, in nats "
+             "(score clipped to [1e-7, 1-1e-7]).")),
+            (ONLINE_LOGLOSS_SQ_NATS2_TOTAL, "logloss_sq",
+             "Sum of the squares of their log losses, in nats^2 (for its variance).")):
+        fam = CounterMetricFamily(name, doc, labels=["version", "arm"])
+        for (v, a), t in sorted(totals.items()):
+            fam.add_metric([v, a], t[key])
+        yield fam
 
 
 def _baseline_view(b: dict[str, Any] | None) -> dict[str, Any] | None:

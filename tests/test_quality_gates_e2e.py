@@ -1,0 +1,189 @@
+"""The click-quality gates end to end: the real launcher, TorchServe, sidecar and the
+trained tiny model, held-out rows sent through a canary and their labels posted back.
+
+Versions (``tests/fixtures/pipeline.py``'s tiny build, no second training):
+
+* stable ``tiny-int8-s0``;
+* bad ``tiny-int8-s0-baserate``: the same artifact with the last layer replaced by the
+  constant logit of the held-out CTR: every score is the base rate. Calibrated (so only
+  NE can catch it), AUC 0.5, NE 1.0 against the stable's ~0.72;
+* good ``tiny-int8-s0-copy``: the stable's artifact under another version name.
+
+Each rollout is a canary at weight 0.5 with ``min_labels`` set (the gates block), the
+score PSI guard off (``max_score_psi: 100``: the base-rate model's scores would trip it
+first) and a loose p99 limit (two shared cores). The held-out rows (4,000) go through the
+inference API twice, in requests of 16 (every answer keeps TorchServe's request id), and
+their labels are posted to ``POST /feedback`` after each pass, as a click pipeline would,
+while a background load keeps traffic on both arms: the bad candidate is rolled back by
+``ne_increase`` with 0 failed requests, the good one is promoted with both gates ok.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from serve.api.protocol import example_request
+from serve.ops.feedback_check import label_triples, post_labels
+from serve.ops.heldout import score_split
+from serve.ops.loadgen import BackgroundLoad
+from serve.ops.state_client import StateClient
+from serve.state import parse_state, write_state
+from serve.store.repository import ModelRepository
+from tests.fixtures.torchserve import service_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BATCHING = {"batch_size": 4, "max_batch_delay_ms": 5}
+MIN_LABELS = 1500
+GUARDS = {"interval_s": 1, "min_requests": 20, "min_instances": 100, "max_score_psi": 100,
+          "max_p99_ratio": 1000.0, "min_labels": MIN_LABELS}
+
+
+@dataclass
+class Served:
+    cfg: Any
+    client: StateClient
+    token: str
+    stable: str
+    good: str
+    bad: str
+    data_dir: Path
+    labels: np.ndarray
+
+    @property
+    def predict_url(self) -> str:
+        return f"{self.cfg.inference_url}/predictions/dlrm"
+
+    @property
+    def sidecar_url(self) -> str:
+        return self.cfg.sidecar_write_url
+
+    def load(self) -> BackgroundLoad:
+        bodies = [orjson.dumps(example_request(8, seed=i, max_id=1000)) for i in range(16)]
+        return BackgroundLoad(self.predict_url, bodies, clients=2, expect_predictions=8)
+
+    def desired(self, rollout: dict[str, Any] | None) -> dict[str, Any]:
+        return {"model": {"version": self.stable}, "batching": BATCHING, "workers": 1,
+                "rollout": rollout}
+
+
+def _add(repo: ModelRepository, version: str, artifact: Path, report: dict[str, Any],
+         workdir: Path) -> str:
+    from serve.model.archive import add_version
+
+    add_version(repo, artifact, version, {**report, "version": version}, workdir,
+                batch_size=BATCHING["batch_size"],
+                max_batch_delay_ms=BATCHING["max_batch_delay_ms"], workers=1)
+    return version
+
+
+def _base_rate_artifact(src: Path, dst: Path, ctr: float) -> Path:
+    """``src`` with its last over-arch layer giving the logit of ``ctr`` for every row."""
+    from serve.runtime.artifact import DLRMDense, load_artifact, save_artifact
+
+    art = load_artifact(src, mmap=False)
+    if not isinstance(art.dense, DLRMDense):
+        raise TypeError(f"{src} is not a built-in DLRM artifact")
+    w, b = art.dense.over_arch[-1]
+    over = [*art.dense.over_arch[:-1],
+            (torch.zeros_like(w), torch.full_like(b, math.log(ctr / (1.0 - ctr))))]
+    save_artifact(replace(art, dense=DLRMDense(art.dense.dense_arch, over)), dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Served]:
+    from serve.model.data import load_split
+    from serve.ops.launcher import start
+
+    root = tmp_path_factory.mktemp("quality")
+    repo = ModelRepository([root / "model_store"])
+    report = dict(tiny_build.report)
+    stable = tiny_build.version
+    repo.add(stable, tiny_build.mar, report)
+    work = root / "work"
+    work.mkdir()
+    labels = np.asarray(load_split(tiny_build.data_dir, "eval").labels)
+    bad = _add(repo, f"{stable}-baserate",
+               _base_rate_artifact(tiny_build.artifact, work / "baserate.pt",
+                                   float(labels.mean())), report, work)
+    good = _add(repo, f"{stable}-copy", tiny_build.artifact, report, work)
+    write_state(root / "state.yaml", parse_state({"model": {"version": stable},
+                                                  "batching": BATCHING, "workers": 1}))
+    cfg = service_config(root)
+    svc = start(cfg)
+    token = cfg.token_file.read_text().strip()
+    client = StateClient(cfg.sidecar_write_url, token, timeout_s=30)
+    try:
+        client.wait_converged(timeout_s=180)
+        yield Served(cfg, client, token, stable, good, bad, tiny_build.data_dir, labels)
+    finally:
+        svc.stop()
+        shutil.rmtree(root / "run", ignore_errors=True)
+
+
+def _rollout(s: Served, candidate: str, done: str) -> tuple[dict[str, Any], dict[str, int],
+                                                             BackgroundLoad]:
+    """Declare a canary of ``candidate``, send the held-out rows and post their labels
+    until the rollout is ``done`` (rolled_back / promoted); the last GET /state body, the
+    labels joined per arm and the load (stopped)."""
+    r = s.client.put_state(s.desired({"candidate": candidate, "mode": "canary", "weight": 0.5,
+                                      "bake_s": 3, "guards": GUARDS}))
+    assert r.status_code == 202, r.text
+    joined: dict[str, int] = {"stable": 0, "candidate": 0}
+    with s.load() as load:
+        s.client.wait_rollout(phase="baking", serving=True, timeout_s=120)
+        for _ in range(3):
+            answers = score_split(s.predict_url, s.data_dir, batch=16, clients=2)
+            for a in answers:
+                if a.arm in joined:
+                    joined[a.arm] += a.stop - a.start
+            got = post_labels(s.sidecar_url, s.token, label_triples(answers, s.labels))
+            assert got["joined"] == len(s.labels), got
+            state = httpx.get(f"{s.sidecar_url}/state", timeout=10).json()["rollout"]
+            if state["phase"] != "baking" or min(joined.values()) >= 2 * MIN_LABELS:
+                break
+        body = s.client.wait_rollout(phase=done, timeout_s=60)
+        body = s.client.wait_rollout(phase=done, converged=True, timeout_s=120)
+        n = load.served
+        load.wait_for(n + 10)
+    return body, joined, load
+
+
+def test_a_base_rate_candidate_is_rolled_back_by_ne_increase(served: Served) -> None:
+    body, joined, load = _rollout(served, served.bad, "rolled_back")
+    r = body["rollout"]
+    guards = {g["name"]: g for g in r["guards"]}
+    print(f"\nbase-rate candidate: labels by arm {joined}; reason: {r['reason']}; "
+          f"{load.served} served, {load.failed} failed")
+    assert load.failed == 0, load.failures[:3]
+    assert "guard ne_increase breached" in r["reason"], r
+    assert guards["ne_increase"]["status"] == "breached" and guards["ne_increase"]["blocking"]
+    assert guards["ne_increase"]["value"] > guards["ne_increase"]["threshold"]
+    assert guards["score_psi"]["status"] != "breached"  # off: the quality gate caught it
+    assert body["observed"]["candidate"] is None
+
+
+def test_a_good_candidate_is_promoted_with_both_gates_ok(served: Served) -> None:
+    body, joined, load = _rollout(served, served.good, "promoted")
+    r = body["rollout"]
+    guards = {g["name"]: g for g in r["guards"]}
+    print(f"\ngood candidate: labels by arm {joined}; guards "
+          + ", ".join(f"{k}={g['value']}" for k, g in guards.items())
+          + f"; {load.served} served, {load.failed} failed")
+    assert load.failed == 0, load.failures[:3]
+    assert guards["ne_increase"]["status"] == "ok", guards["ne_increase"]
+    assert guards["calibration_gap"]["status"] == "ok", guards["calibration_gap"]
+    assert body["observed"]["model"]["version"] == served.good
+    metrics = httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text
+    assert f'dlrm_online_rows_total{{arm="candidate",version="{served.good}"}}' in metrics
