@@ -4,25 +4,24 @@ trained tiny model, held-out rows sent through a canary and their labels posted 
 Versions (``tests/fixtures/pipeline.py``'s tiny build, no second training):
 
 * stable ``tiny-int8-s0``;
-* bad ``tiny-int8-s0-baserate``: the same artifact with the last layer replaced by the
-  constant logit of the held-out CTR: every score is the base rate. Calibrated (so only
-  NE can catch it), AUC 0.5, NE 1.0 against the stable's ~0.72;
+* bad ``tiny-int8-s0-shuffled``: the tiny build trained on permuted labels (the fixture
+  ``tiny_build_shuffled``, which ``test_rollout_e2e`` builds too), AUC ~0.5: it predicts
+  about the base rate for everyone, calibrated, so NE is what catches it;
 * good ``tiny-int8-s0-copy``: the stable's artifact under another version name.
 
 Each rollout is a canary at weight 0.5 with ``min_labels`` set (the gates block), the
-score PSI guard off (``max_score_psi: 100``: the base-rate model's scores would trip it
+score PSI guard off (``max_score_psi: 100``: the shuffled model's scores would trip it
 first) and a loose p99 limit (two shared cores). The held-out rows (4,000) go through the
 inference API twice, in requests of 16 (every answer keeps TorchServe's request id), and
 their labels are posted to ``POST /feedback`` after each pass, as a click pipeline would,
 while a background load keeps traffic on both arms: the bad candidate is rolled back by
-``ne_increase`` with 0 failed requests, the good one is promoted with both gates ok.
+``ne_increase`` (or ``calibration_gap``) with 0 failed requests, the good one is promoted with both gates ok.
 """
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-import torch
 
 from serve.api.protocol import example_request
 from serve.ops.feedback_check import label_triples, post_labels
@@ -87,22 +85,9 @@ def _add(repo: ModelRepository, version: str, artifact: Path, report: dict[str, 
     return version
 
 
-def _base_rate_artifact(src: Path, dst: Path, ctr: float) -> Path:
-    """``src`` with its last over-arch layer giving the logit of ``ctr`` for every row."""
-    from serve.runtime.artifact import DLRMDense, load_artifact, save_artifact
-
-    art = load_artifact(src, mmap=False)
-    if not isinstance(art.dense, DLRMDense):
-        raise TypeError(f"{src} is not a built-in DLRM artifact")
-    w, b = art.dense.over_arch[-1]
-    over = [*art.dense.over_arch[:-1],
-            (torch.zeros_like(w), torch.full_like(b, math.log(ctr / (1.0 - ctr))))]
-    save_artifact(replace(art, dense=DLRMDense(art.dense.dense_arch, over)), dst)
-    return dst
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_build,
+           tiny_build_shuffled) -> Iterator[Served]:
     from serve.model.data import load_split
     from serve.ops.launcher import start
 
@@ -114,9 +99,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Ser
     work = root / "work"
     work.mkdir()
     labels = np.asarray(load_split(tiny_build.data_dir, "eval").labels)
-    bad = _add(repo, f"{stable}-baserate",
-               _base_rate_artifact(tiny_build.artifact, work / "baserate.pt",
-                                   float(labels.mean())), report, work)
+    shuffled = tiny_build_shuffled
+    bad = _add(repo, shuffled.version, shuffled.artifact, dict(shuffled.report), work)
     good = _add(repo, f"{stable}-copy", tiny_build.artifact, report, work)
     write_state(root / "state.yaml", parse_state({"model": {"version": stable},
                                                   "batching": BATCHING, "workers": 1}))
@@ -160,16 +144,17 @@ def _rollout(s: Served, candidate: str, done: str) -> tuple[dict[str, Any], dict
     return body, joined, load
 
 
-def test_a_base_rate_candidate_is_rolled_back_by_ne_increase(served: Served) -> None:
+def test_a_shuffled_label_candidate_is_rolled_back_by_a_quality_gate(served: Served) -> None:
     body, joined, load = _rollout(served, served.bad, "rolled_back")
     r = body["rollout"]
     guards = {g["name"]: g for g in r["guards"]}
-    print(f"\nbase-rate candidate: labels by arm {joined}; reason: {r['reason']}; "
+    print(f"\nshuffled-label candidate: labels by arm {joined}; reason: {r['reason']}; "
           f"{load.served} served, {load.failed} failed")
     assert load.failed == 0, load.failures[:3]
-    assert "guard ne_increase breached" in r["reason"], r
-    assert guards["ne_increase"]["status"] == "breached" and guards["ne_increase"]["blocking"]
-    assert guards["ne_increase"]["value"] > guards["ne_increase"]["threshold"]
+    gate = next(g for g in ("ne_increase", "calibration_gap") if f"guard {g} breached"
+                in (r["reason"] or ""))  # StopIteration: not rolled back by a quality gate
+    assert guards[gate]["status"] == "breached" and guards[gate]["blocking"]
+    assert guards[gate]["value"] > guards[gate]["threshold"]
     assert guards["score_psi"]["status"] != "breached"  # off: the quality gate caught it
     assert body["observed"]["candidate"] is None
 
