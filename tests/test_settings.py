@@ -47,7 +47,9 @@ SIDECAR_FLAGS = (
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level",
     # the edge (serve/sidecar/http/guard.py): the write port and the scoped tokens
-    "--write-port", "--delta-token-file", "--feedback-token-file")
+    "--write-port", "--delta-token-file", "--feedback-token-file",
+    # one rollout decision per fleet (serve/sidecar/control/fleet.py)
+    "--fleet", "--fleet-identity", "--fleet-lease-s", "--fleet-dir")
 
 
 # --------------------------------------------------------------------------- the registry
