@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -77,7 +78,8 @@ class KubeClient:
         base_url: ``https://<KUBERNETES_SERVICE_HOST>:<PORT>``.
         namespace: the pod's namespace.
         token: the bearer token now (re-read on each call: projected tokens rotate).
-        verify: the CA bundle's path, or False (tests over plain http need none).
+        verify: the CA bundle's path (read at the first call), or False (tests over
+            plain http need none).
         timeout_s: per call (the reconcile pass waits for it).
     """
 
@@ -86,7 +88,16 @@ class KubeClient:
         self.base_url = base_url.rstrip("/")
         self.namespace = namespace
         self.token = token
-        self._http = httpx.Client(verify=verify, timeout=timeout_s)
+        self.verify = verify
+        self.timeout_s = timeout_s
+        self._http: httpx.Client | None = None
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            verify: ssl.SSLContext | bool = (ssl.create_default_context(cafile=self.verify)
+                                             if isinstance(self.verify, str) else self.verify)
+            self._http = httpx.Client(verify=verify, timeout=self.timeout_s)
+        return self._http
 
     @classmethod
     def in_cluster(cls, environ: Mapping[str, str] | None = None,
@@ -126,9 +137,9 @@ class KubeClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            return self._http.request(method, f"{self.base_url}{path}", json=body,
+            return self._client().request(method, f"{self.base_url}{path}", json=body,
                                       params=params, headers=headers)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, OSError) as e:
             raise UpstreamUnavailable(f"the Kubernetes API server did not answer {method} "
                                       f"{path}: {e}") from None
 

@@ -395,7 +395,7 @@ class RolloutController:
         """Record the current run's outcome in the store (first writer wins), then adopt
         what the store holds for it (every reconcile pass, and after a POST). Without a
         store the outcome is stamped as this controller's own. Returns the phase adopted
-        now, if the run changed."""
+        now when the run's phase changed (another pod decided), else None."""
         run = self.run
         if run is None:
             return None
@@ -410,7 +410,8 @@ class RolloutController:
             own = self.decision_of(note)
             if own is not None:
                 recorded = self.decisions.record(own)
-        if recorded is not None and self.adopt(recorded):
+        before = run.phase
+        if recorded is not None and self.adopt(recorded) and run.phase is not before:
             return recorded.phase
         return None
 
