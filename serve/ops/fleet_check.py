@@ -34,7 +34,7 @@ from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.fleet import FleetPlan, _pids, pod_config, restart_sidecar, start_fleet, stop_fleet
 from serve.ops.launcher import REPO
 from serve.ops.loadgen import BackgroundLoad
-from serve.sidecar.control.fleet import read_fleet_file
+from serve.sidecar.control.fleet import Peer, read_fleet_file
 from serve.state import load_state
 from serve.store.repository import ModelRepository
 
@@ -103,20 +103,7 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
         r = httpx.put(f"{write}/state", json=body, headers=auth, timeout=30.0)
         if r.status_code >= 300:
             raise UpstreamUnavailable(f"PUT /state answered {r.status_code}: {r.text[:300]}")
-        t0 = time.monotonic()
-        serving_at: float | None = None
-        views: dict[str, Any] = {}
-        while time.monotonic() - t0 < timeout_s:
-            views = {p.name: (_state(p.sidecar_url).get("rollout") or {}) for p in pods}
-            if serving_at is None and any(v.get("serving") or v.get("phase") == "rolled_back"
-                                          for v in views.values()):
-                serving_at = time.monotonic()
-            revisions = {v.get("revision") for v in views.values()}
-            if all(v.get("phase") == "rolled_back" for v in views.values()) \
-                    and len(revisions) == 1 and None not in revisions:
-                break
-            time.sleep(1.0)
-        decided = time.monotonic()
+        views, serving_at, decided = _wait_decision(pods, timeout_s)
         agree = all(v.get("phase") == "rolled_back" for v in views.values()) and len(
             {v.get("revision") for v in views.values()}) == 1
         within = serving_at is not None and decided - serving_at <= DECISION_WITHIN_S
@@ -128,32 +115,7 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
         result["checks"]["every pod rolled back, one revision"] = agree
         result["checks"][f"decided within {DECISION_WITHIN_S:.0f} s of serving"] = within
 
-        victim_index = 1 if len(pods) > 1 else 0
-        victim = pods[victim_index]
-        cfg = pod_config(FleetPlan(**{**plan.__dict__, "pods": len(pods)}), victim_index)
-        pid = _pids(cfg).get("sidecar")
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-        proc = restart_sidecar(cfg)
-        deadline = time.monotonic() + 120
-        while not _answers(victim.sidecar_url) and time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise UpstreamUnavailable(f"the restarted sidecar of {victim.name} exited "
-                                          f"with {proc.returncode}")
-            time.sleep(0.5)
-        seen: set[str] = set()
-        stays = True
-        for _ in range(20):  # 20 passes of the restarted reconciler (1 s each)
-            seen.update(_registered(cfg.management_url))
-            st = _state(victim.sidecar_url)
-            ro = st.get("rollout") or {}
-            desired = st.get("desired") or {}
-            stays &= ro.get("phase") == "rolled_back" or (
-                not ro and not desired.get("rollout")
-                and (desired.get("model") or {}).get("version") == stable)
-            time.sleep(1.0)
-        result["restarted"] = {"pod": victim.name, "killed_pid": pid,
-                               "registered_after_restart": sorted(seen)}
+        result["restarted"], stays, seen = _kill_and_restart(plan, pods, stable)
         result["checks"]["restarted pod stays rolled back"] = stays
         result["checks"]["candidate never registered after restart"] = not any(
             candidate in v for v in seen)
@@ -166,6 +128,65 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
     result["checks"]["0 failed requests"] = result["requests"]["failed"] == 0
     result["ok"] = all(result["checks"].values())
     return result
+
+
+def _wait_decision(pods: list[Peer], timeout_s: float
+                   ) -> tuple[dict[str, Any], float | None, float]:
+    """Poll every pod's GET /state until each shows the rollout rolled back with one
+    revision (or ``timeout_s``): (the pods' rollout views, when the candidate first
+    served, when they agreed or the wait ended; monotonic s)."""
+    t0 = time.monotonic()
+    serving_at: float | None = None
+    views: dict[str, Any] = {}
+    while time.monotonic() - t0 < timeout_s:
+        views = {p.name: (_state(p.sidecar_url).get("rollout") or {}) for p in pods}
+        if serving_at is None and any(v.get("serving") or v.get("phase") == "rolled_back"
+                                      for v in views.values()):
+            serving_at = time.monotonic()
+        revisions = {v.get("revision") for v in views.values()}
+        if all(v.get("phase") == "rolled_back" for v in views.values()) \
+                and len(revisions) == 1 and None not in revisions:
+            break
+        time.sleep(1.0)
+    return views, serving_at, time.monotonic()
+
+
+def _kill_and_restart(plan: FleetPlan, pods: list[Peer], stable: str
+                      ) -> tuple[dict[str, Any], bool, set[str]]:
+    """SIGKILL the second pod's sidecar, start it again, watch 20 of its passes: (what was
+    done, whether it stayed rolled back, the versions its TorchServe registered)."""
+    victim_index = 1 if len(pods) > 1 else 0
+    victim = pods[victim_index]
+    cfg = pod_config(FleetPlan(**{**plan.__dict__, "pods": len(pods)}), victim_index)
+    deadline = time.monotonic() + 120  # the pair unloaded first: what follows is the restart's
+    while time.monotonic() < deadline:
+        st = _state(victim.sidecar_url)
+        if st.get("converged") and not (st.get("observed") or {}).get("candidate"):
+            break
+        time.sleep(1.0)
+    pid = _pids(cfg).get("sidecar")
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+    proc = restart_sidecar(cfg)
+    deadline = time.monotonic() + 120
+    while not _answers(victim.sidecar_url) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UpstreamUnavailable(f"the restarted sidecar of {victim.name} exited "
+                                      f"with {proc.returncode}")
+        time.sleep(0.5)
+    seen: set[str] = set()
+    stays = True
+    for _ in range(20):  # 20 passes of the restarted reconciler (1 s each)
+        seen.update(_registered(cfg.management_url))
+        st = _state(victim.sidecar_url)
+        ro = st.get("rollout") or {}
+        desired = st.get("desired") or {}
+        stays &= ro.get("phase") == "rolled_back" or (
+            not ro and not desired.get("rollout")
+            and (desired.get("model") or {}).get("version") == stable)
+        time.sleep(1.0)
+    done = {"pod": victim.name, "killed_pid": pid, "registered_after_restart": sorted(seen)}
+    return done, stays, seen
 
 
 def _table(result: dict[str, Any]) -> str:
