@@ -126,3 +126,38 @@ def test_a_pod_restarted_while_the_rollback_is_declared_never_registers_the_cand
     status = pod.status()
     assert status.rollout.phase == "rolled_back" and status.rollout.decided_by == "pod-a"
     assert load_state(state_file).rollout is None  # pod-b leads now (pod-a is gone): settled
+
+
+# --------------------------------------------------------------------------- the sidecar app
+
+
+def test_the_sidecar_app_shows_its_fleet_and_a_post_is_recorded(tmp_path):
+    """--fleet file wired through the composition root: GET /state's fleet and
+    rollout.revision, dlrm_fleet_leader on /metrics, a POST rollback recorded."""
+    from serve.sidecar.config import FleetConfig
+    from serve.sidecar.root import build_fleet
+    from tests.test_reconciler import make_app, requests
+
+    repo, state_file = setup(tmp_path)
+    store = tmp_path / "ts-store"
+    store.mkdir()
+    ts = FakeTorchServe(store, initial=None)
+    fleet = FleetConfig(mode="file", identity="pod-a")
+    app = make_app(ts, repo, state_file, fleet=fleet)
+    waited, rolled, state, metrics = requests(
+        app, ("WAIT", "", None), ("POST", "/state/rollout/rollback", None),
+        ("GET", "/state", None), ("GET", "/metrics", None))
+    assert waited.json()["fleet"]["leader"] == "pod-a"
+    assert rolled.status_code == 200, rolled.text
+    assert rolled.json()["decided_by"] == "pod-a"
+    body = state.json()
+    assert body["fleet"]["identity"] == "pod-a" and body["fleet"]["leading"] is True
+    assert body["rollout"]["revision"] == rolled.json()["revision"]
+    recorded = FileDecisionStore(tmp_path / "rollout-decisions.json").read(
+        rollout_key(STABLE, declared().rollout))
+    assert recorded is not None and recorded.revision == rolled.json()["revision"]
+    assert "by POST on pod-a" in recorded.reason
+    assert "dlrm_fleet_leader 1.0" in metrics.text
+    from serve.sidecar.config import SidecarConfig as Config
+
+    assert build_fleet(Config(state_file=state_file), list) is None  # --fleet none
