@@ -304,3 +304,44 @@ def test_without_a_store_the_outcome_is_stamped_as_its_own(tmp_path):
     status = ctl.status()
     assert status.decided_by == "local" and status.revision is not None
     assert status.revision.startswith(rollout_key(STABLE, d.rollout))
+
+
+def test_an_unreachable_store_holds_the_candidate_back_until_it_answers(tmp_path):
+    class Flaky(FileDecisionStore):
+        down = True
+
+        def read(self, key: str) -> RolloutDecision | None:
+            if self.down:
+                raise OSError("api server down")
+            return super().read(key)
+
+    store = Flaky(tmp_path / "d.json")
+    ctl = controller(tmp_path, store, "pod-b", Workers(), Clock())
+    d = desired()
+    with pytest.raises(OSError):
+        ctl.declare(d)
+    effective = ctl.effective(d)
+    assert effective is not None and effective.rollout is None  # stable alone meanwhile
+    assert "held back" in (ctl.status().reason or "")
+    store.down = False
+    FileDecisionStore(tmp_path / "d.json").record(decision(key=rollout_key(STABLE, d.rollout)))
+    run = ctl.declare(d)
+    assert run is not None and run.phase is RolloutPhase.ROLLED_BACK and run.checked
+
+
+def test_the_lease_is_asked_at_most_every_renew_period(tmp_path):
+    asked = []
+
+    class Counting(FileLease):
+        def try_acquire(self, identity: str) -> bool:
+            asked.append(identity)
+            return super().try_acquire(identity)
+
+    mono = Clock()
+    f = Fleet("pod-a", decisions=FileDecisionStore(tmp_path / "d.json"),
+              lease=Counting(tmp_path / "l.json", clock=Clock()), renew_every_s=5.0, clock=mono)
+    assert f.elect() and f.elect()
+    mono.t += 4.9
+    assert f.elect() and len(asked) == 1
+    mono.t += 0.1
+    assert f.elect() and len(asked) == 2

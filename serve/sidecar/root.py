@@ -389,7 +389,7 @@ def build_fleet(config: SidecarConfig, own: Callable[[], Iterable[Metric]]) -> F
     return Fleet(identity, decisions=store, lease=KubeLease(client, fc.lease_name, fc.lease_s),
                  families=FleetFamilies(own, KubePeers(client, fc.pod_selector), identity,
                                         timeout_s=fc.peer_timeout_s),
-                 publish_state=store.publish_state)
+                 publish_state=store.publish_state, renew_every_s=fc.lease_s / 3)
 
 
 def get_sidecar(request: Request) -> Sidecar:

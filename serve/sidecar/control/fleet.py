@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -171,11 +172,18 @@ class Fleet(Collector):
         publish_state: writes a settled desired state where the pods read it (Kubernetes:
             the serving-state ConfigMap); None: nowhere (the local state file is written
             by the reconciler itself).
+        renew_every_s: :meth:`elect` asks the lease at most this often (0: every call,
+            i.e. every reconcile pass); a third of the lease's duration keeps an API
+            server's load to a few calls per pod per lease period, and a leader renews
+            well before it expires.
+        clock: monotonic seconds (for ``renew_every_s``).
     """
 
     def __init__(self, identity: str, *, decisions: DecisionStore, lease: Lease | None = None,
                  families: FleetFamilies | None = None,
-                 publish_state: Callable[[str], bool] | None = None) -> None:
+                 publish_state: Callable[[str], bool] | None = None,
+                 renew_every_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not identity:
             raise ConfigError("a fleet identity (pod name) must be non-empty: set POD_NAME "
                               "or pass --fleet-identity")
@@ -187,6 +195,9 @@ class Fleet(Collector):
         self.leading = lease is None
         self.leader: str | None = identity if lease is None else None
         self.error: str | None = None
+        self.renew_every_s = renew_every_s
+        self.clock = clock
+        self._asked: float | None = None
 
     def elect(self) -> bool:
         """Acquire or renew the lease (every reconcile pass); True when this pod leads.
@@ -194,6 +205,10 @@ class Fleet(Collector):
         if self.lease is None:
             self.leading, self.leader, self.error = True, self.identity, None
             return True
+        now = self.clock()
+        if self._asked is not None and now - self._asked < self.renew_every_s:
+            return self.leading
+        self._asked = now
         try:
             self.leading = self.lease.try_acquire(self.identity)
             self.leader = self.identity if self.leading else self.lease.holder()

@@ -299,13 +299,13 @@ class Reconciler:
         if fleet is None:
             ctl.declare(declared)
             return
+        await asyncio.to_thread(fleet.elect)  # never raises: an unreachable lease follows
         try:
-            await asyncio.to_thread(fleet.elect)
             await asyncio.to_thread(ctl.declare, declared)
             await asyncio.to_thread(ctl.sync_decision)
-        except Exception:  # noqa: BLE001 - an unreachable store: retry next pass
-            _log.exception("reading the fleet's rollout decision failed; retrying next pass")
-            ctl.declare(declared)  # declared at least (no store read: see the log)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: retry next pass
+            _log.warning("reading the fleet's rollout decision failed (%s); a new rollout's "
+                         "candidate is held back until it answers; retrying next pass", e)
 
     def _judged(self) -> str | None:
         fleet = self.fleet

@@ -116,6 +116,7 @@ class RolloutRun:
     settled: bool = False  # the outcome was written into the desired-state file
     revision: str | None = None     # the fleet's decision (serve.sidecar.control.fleet)
     decided_by: str | None = None   # the pod that decided it
+    checked: bool = True  # the fleet's store was read for a decision (else: held back)
 
     @property
     def weight(self) -> float:
@@ -168,15 +169,23 @@ class RolloutController:
         key = rollout_key(desired.model.version, desired.rollout)
         if self.run is None or self.run.key != key:
             self.run = RolloutRun(key=key, stable=desired.model.version, spec=desired.rollout,
-                                  started_wall=self.wall_clock())
+                                  started_wall=self.wall_clock(),
+                                  checked=self.decisions is None)
             _log.info("rollout of %s beside %s (%s, weights %s, bake %.0f s) begins",
                       desired.rollout.candidate, desired.model.version, desired.rollout.mode,
                       desired.rollout.weights(), desired.rollout.bake_s)
-            recorded = self.decisions.read(key) if self.decisions is not None else None
-            if recorded is not None:  # born decided: the candidate is never served again
+            self._mirror()
+        run = self.run
+        if not run.checked and self.decisions is not None:
+            # Born decided: a recorded decision is adopted before the candidate is ever
+            # served. A store that does not answer raises here and the run stays
+            # unchecked: effective() holds the candidate back until it answers.
+            recorded = self.decisions.read(key)
+            run.checked = True
+            if recorded is not None:
                 self.adopt(recorded)
             self._mirror()
-        return self.run
+        return run
 
     def _run_for(self, desired: DesiredState) -> RolloutRun | None:
         run = self.run
@@ -190,6 +199,8 @@ class RolloutController:
         if desired is None or desired.rollout is None:
             return desired
         run = self._run_for(desired)
+        if run is not None and not run.checked:
+            return desired.model_copy(update={"rollout": None})  # until the store answers
         if run is None or run.phase is RolloutPhase.BAKING:
             return desired
         if run.phase is RolloutPhase.ROLLED_BACK:
@@ -399,12 +410,15 @@ class RolloutController:
         run = self.run
         if run is None:
             return None
-        if self.decisions is None:
-            if run.phase is not RolloutPhase.BAKING and run.revision is None:
+        if self.decisions is None or not run.checked:
+            if self.decisions is None and run.phase is not RolloutPhase.BAKING \
+                    and run.revision is None:
                 own = self.decision_of(note)
                 if own is not None:
                     run.revision, run.decided_by = own.revision, own.decided_by
             return None
+        if run.revision is not None and run.decided_by is not None:
+            return None  # adopted already: a recorded decision never changes
         recorded = self.decisions.read(run.key)
         if recorded is None and run.phase is not RolloutPhase.BAKING:
             own = self.decision_of(note)
@@ -432,7 +446,10 @@ class RolloutController:
         ago = None if run.last_eval is None or not run.evaluations else round(
             now - run.last_eval, 3)
         reason = run.reason
-        if run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
+        if not run.checked:
+            reason = ("the fleet's decision store did not answer: the candidate is held "
+                      "back (stable version alone) until it does")
+        elif run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
             reason = "loading the candidate beside the stable version (weight 0 until it serves)"
         return RolloutStatus(
             phase=run.phase.value, stable=run.stable, candidate=run.spec.candidate,
