@@ -248,13 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="pod i listens on base + 100 i + 70..91 (see the module docstring)")
     ap.add_argument("--ready-timeout", type=float, default=600.0,
                     help="seconds each pod may take to answer its first predict")
+    ap.add_argument("--model-store", default="model_store",
+                    help="the model repository every pod serves from (read only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         plan = FleetPlan(pods=args.pods, workers=args.workers, base_port=args.base_port,
-                         ready_timeout_s=args.ready_timeout)
+                         ready_timeout_s=args.ready_timeout,
+                         model_store=Path(args.model_store))
         if args.command == "down":
             n = stop_fleet(plan, say=lambda line: print(line, flush=True))
             print(f"stopped {n} pod(s)")

@@ -212,11 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds for the candidate to load and the fleet to decide")
     ap.add_argument("--out", default=str(RESULT))
+    ap.add_argument("--model-store", default="model_store",
+                    help="the model repository (read only): the stable version and the "
+                         "*-shuffled candidate come from it")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="workers per pod when the declared state is created")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    plan = FleetPlan(pods=args.pods)
+    plan = FleetPlan(pods=args.pods, workers=args.workers,
+                     model_store=Path(args.model_store))
     candidate = newest_shuffled(plan.path(plan.model_store))
     if candidate is None:
         print(f"no *-shuffled version in {plan.model_store}/: build a bad candidate with "
