@@ -35,7 +35,7 @@ from serve.ops.fleet import FleetPlan, _pids, pod_config, restart_sidecar, start
 from serve.ops.launcher import REPO
 from serve.ops.loadgen import BackgroundLoad
 from serve.sidecar.control.fleet import Peer, read_fleet_file
-from serve.state import load_state
+from serve.state import Batching, DesiredState, ModelRef, load_state, write_state
 from serve.store.repository import ModelRepository
 
 __all__ = ["main", "newest_shuffled"]
@@ -189,6 +189,25 @@ def _kill_and_restart(plan: FleetPlan, pods: list[Peer], stable: str
     return done, stays, seen
 
 
+def _declare_stable(plan: FleetPlan) -> None:
+    """Without a declared state: the newest version that is not ``*-shuffled`` (the
+    repository's latest may be the bad candidate itself), ``plan.workers`` workers."""
+    path = plan.path(plan.state_file)
+    if path.exists():
+        return
+    repo = ModelRepository([plan.path(plan.model_store)])
+    good = [v for v in repo.versions() if not v.endswith("-shuffled")]
+    if not good:
+        raise ConfigError(f"no version but *-shuffled ones in {plan.model_store}/")
+    report = repo.report(good[-1])
+    batch, delay = report.get("mar_batch_size"), report.get("mar_max_batch_delay_ms")
+    write_state(path, DesiredState(
+        model=ModelRef(version=good[-1]),
+        batching=Batching(batch_size=batch if isinstance(batch, int) else 2,
+                          max_batch_delay_ms=delay if isinstance(delay, int) else 2),
+        workers=plan.workers))
+
+
 def _table(result: dict[str, Any]) -> str:
     lines = [(f"fleet check: {result['pods']} pods, canary {result['candidate']} beside "
              f"{result['stable']} at weight {result['weight']}")]
@@ -231,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = False
     try:
+        _declare_stable(plan)
         pods = read_fleet_file(plan.fleet_file)
         if not pods or not all(_answers(p.sidecar_url) for p in pods):
             start_fleet(plan, say=lambda line: print(line, flush=True))

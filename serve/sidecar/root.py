@@ -129,6 +129,7 @@ class Sidecar:
     _tuning: TuningLoop | None = field(default=None, repr=False)
     _batching: BatchingUpdates | None = field(default=None, repr=False)
     fleet: Fleet | None = None
+    _lease_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -249,6 +250,21 @@ class Sidecar:
         if self._reconciler is not None and self._tuning is not None \
                 and self._tune_task is None:
             self._tune_task = asyncio.create_task(self._tuning.run())
+        if self.fleet is not None and self.fleet.lease is not None \
+                and self._lease_task is None:
+            self._lease_task = asyncio.create_task(self._renew_lease())
+
+    async def _renew_lease(self) -> None:
+        """Renew the fleet's rollout lease every third of its duration, apart from the
+        reconcile pass: a pass can spend minutes in a switch (registering a version), and
+        a lease renewed only by the passes would expire meanwhile and change hands."""
+        fleet = self.fleet
+        if fleet is None:
+            return
+        interval = max(0.5, self.config.fleet.lease_s / 3)
+        while True:
+            await asyncio.to_thread(fleet.elect)  # never raises
+            await asyncio.sleep(interval)
 
     async def _sync_deltas(self) -> None:
         """Every ``delta_sync_s`` (5 s when 0): deltas published on the model volume (the
@@ -285,7 +301,7 @@ class Sidecar:
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
         each pass starts from what TorchServe describes."""
-        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task"):
+        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task", "_lease_task"):
             task = getattr(self, name)
             setattr(self, name, None)
             if task is not None:

@@ -27,6 +27,10 @@ Where the desired-state file is writable, the reconciler also writes the outcome
 (promoted: ``model.version = candidate``; both: ``rollout: null``), so a restart keeps
 it. Where it is read-only (a ConfigMap) the outcome is kept in memory for as long as that
 rollout stays declared; update the ConfigMap to make it durable (README, "Rollouts").
+With a fleet (``decisions``, :mod:`serve.sidecar.control.fleet`) the outcome is recorded
+once for every pod: :meth:`RolloutController.declare` adopts a recorded decision before the
+candidate is ever served (born decided), :meth:`RolloutController.sync_decision` records
+this run's outcome (first writer wins) and adopts the store's.
 
 The state is data: :meth:`RolloutController.status` is ``rollout`` in GET /state, and
 ``dlrm_rollout_phase``, ``dlrm_rollout_weight`` and ``dlrm_rollout_guard_value``/
