@@ -50,6 +50,7 @@ from serve.ops.launcher import (
     stop_group,
     wait_ready,
 )
+from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.fleet import Peer, read_fleet_file, write_fleet_file
 from serve.state import LOCAL_STATE_FILE, DesiredState, write_state
 
@@ -169,6 +170,12 @@ def start_fleet(plan: FleetPlan, say: Callable[[str], None] = log.info) -> list[
     t0 = time.monotonic()
     try:
         for c in cfgs:
+            # A new pod: its drain record (left by the last fleet-down, in its delta
+            # folder, which is kept) must not keep it drained. A pod's emptyDir is new too.
+            # restart_sidecar keeps it: a restarted container in a draining pod stays so.
+            marker = SidecarConfig(delta_dir=c.delta_dir).drain_marker
+            if marker is not None:
+                marker.unlink(missing_ok=True)
             ts = start_torchserve(c)
             svc = Service(c, ts, state=state)
             services.append(svc)

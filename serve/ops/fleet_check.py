@@ -89,9 +89,12 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
     declared = load_state(plan.path(plan.state_file))
     stable = declared.model.version
     body = declared.model_dump(mode="json")
+    # A new rollout each run: a decided one is never baked again (its decision is
+    # recorded), so the bake (long enough never to end first) differs from run to run.
+    bake_s = 600 + int(time.time()) % 600
     body["rollout"] = {"candidate": candidate, "mode": "canary", "weight": weight,
-                       "bake_s": 600, "guards": {"interval_s": 5, "min_requests": 50,
-                                                 "min_instances": 200}}
+                       "bake_s": bake_s, "guards": {"interval_s": 5, "min_requests": 50,
+                                                    "min_instances": 200}}
     loads = [BackgroundLoad(p.predict_url, _bodies(), clients=clients, timeout_s=60.0)
              for p in pods]
     result: dict[str, Any] = {"pods": len(pods), "stable": stable, "candidate": candidate,
@@ -126,6 +129,9 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
                           "failed": sum(lo.failed for lo in loads),
                           "failures": [f for lo in loads for f in lo.failures[:3]]}
     result["checks"]["0 failed requests"] = result["requests"]["failed"] == 0
+    lease = plan.path(plan.run_dir) / "rollout-lease.json"
+    if lease.is_file():
+        result["lease"] = json.loads(lease.read_text())
     result["ok"] = all(result["checks"].values())
     return result
 
