@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -198,20 +199,28 @@ class Fleet(Collector):
         self.renew_every_s = renew_every_s
         self.clock = clock
         self._asked: float | None = None
+        # The pass and the sidecar's renewal loop both elect (each on a thread): one at a
+        # time, or this pod's two updates of the Lease race each other (a 409: "lost").
+        self._electing = threading.Lock()
 
     def elect(self) -> bool:
-        """Acquire or renew the lease (every reconcile pass); True when this pod leads.
+        """Acquire or renew the lease (each reconcile pass and the sidecar's renewal loop,
+        one at a time, at most every ``renew_every_s``); True when this pod leads.
         A lease that cannot be reached is not held (no pod judges rather than two)."""
         if self.lease is None:
             self.leading, self.leader, self.error = True, self.identity, None
             return True
-        now = self.clock()
-        if self._asked is not None and now - self._asked < self.renew_every_s:
-            return self.leading
-        self._asked = now
+        with self._electing:
+            now = self.clock()
+            if self._asked is not None and now - self._asked < self.renew_every_s:
+                return self.leading
+            self._asked = now
+            return self._ask(self.lease)
+
+    def _ask(self, lease: Lease) -> bool:
         try:
-            self.leading = self.lease.try_acquire(self.identity)
-            self.leader = self.identity if self.leading else self.lease.holder()
+            self.leading = lease.try_acquire(self.identity)
+            self.leader = self.identity if self.leading else lease.holder()
             self.error = None
         except Exception as e:  # noqa: BLE001 - an unreachable lease: follow, retry next pass
             if self.leading:
