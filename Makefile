@@ -86,6 +86,18 @@ up: venv java model  ## start the service in the background (a new .run/state.ya
 down: venv  ## stop the background service
 	$(PY) -m serve.ops.launcher down
 
+.PHONY: fleet fleet-down fleet-check
+PODS ?= 3
+WORKERS ?= 1
+fleet: venv java model  ## start a local fleet of PODS=3 pods (WORKERS=1 each) judging one rollout together; .run/fleet.json lists them
+	$(PY) -m serve.ops.fleet up --pods $(PODS) --workers $(WORKERS)
+
+fleet-down: venv  ## drain and stop the local fleet
+	$(PY) -m serve.ops.fleet down --pods $(PODS)
+
+fleet-check: venv java model  ## (long, not in make test) 3 pods roll back a bad canary together, a killed sidecar stays rolled back -> bench/results/fleet_check.json
+	$(PY) -m serve.ops.fleet_check --pods $(PODS)
+
 test: venv java kubectl prometheus chromium  ## run the test suite (CPU; GPU tests skip without CUDA)
 	DLRM_REQUIRE_TOOLS=1 $(PY) -m pytest -q
 

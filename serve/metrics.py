@@ -101,6 +101,9 @@ __all__ = [
     "EMBEDDING_IDS_WRAPPED_TOTAL",
     "FEEDBACK_LABELS_TOTAL",
     "FEEDBACK_RESULTS",
+    "FLEET_LEADER",
+    "FLEET_PODS",
+    "FLEET_PODS_JUDGED",
     "GPU_MEMORY_TOTAL_BYTES",
     "GPU_MEMORY_USED_BYTES",
     "GPU_UTILIZATION_RATIO",
@@ -203,6 +206,10 @@ ROLLOUT_PHASE = "dlrm_rollout_phase"
 ROLLOUT_WEIGHT = "dlrm_rollout_weight"
 ROLLOUT_GUARD_VALUE = "dlrm_rollout_guard_value"
 ROLLOUT_GUARD_THRESHOLD = "dlrm_rollout_guard_threshold"
+# One rollout decision per fleet (serve.sidecar.control.fleet): unlabelled gauges.
+FLEET_LEADER = "dlrm_fleet_leader"  # 1: this pod holds the rollout lease
+FLEET_PODS = "dlrm_fleet_pods"  # pods the leader knows of, itself included
+FLEET_PODS_JUDGED = "dlrm_fleet_pods_judged"  # of them, those whose metrics answered
 # Predicted CTR against the version's build-time baseline, and online calibration from
 # click feedback (sidecar, serve.sidecar.services.feedback). Gauges labelled {version} (baseline) or
 # {version, arm} (online): the versions a pod serves, at most two at a time.

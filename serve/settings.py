@@ -55,6 +55,7 @@ __all__ = [
     "DLRM_FEEDBACK_INDEX_ENTRIES",
     "DLRM_FEEDBACK_MAX_BODY_BYTES",
     "DLRM_FEEDBACK_WINDOW_S",
+    "DLRM_FLEET",
     "DLRM_LOG_LEVEL",
     "DLRM_MAX_DELTA_BYTES",
     "DLRM_MAX_DELTA_STORE_BYTES",
@@ -90,6 +91,7 @@ __all__ = [
     "LOAD_SHAPE",
     "LOAD_TEST",
     "OMP_NUM_THREADS",
+    "POD_NAME",
     "PROFILE",
     "PROMETHEUS_MULTIPROC_DIR",
     "REGISTRY",
@@ -319,6 +321,17 @@ DLRM_TUNE_MIN_SWITCH_INTERVAL_S = _var(
     "DLRM_TUNE_MIN_SWITCH_INTERVAL_S", "Seconds between two switches, at least.",
     SIDECAR)
 DLRM_LOG_LEVEL = _var("DLRM_LOG_LEVEL", "The sidecar's log level.", SIDECAR)
+DLRM_FLEET = _var(
+    "DLRM_FLEET",
+    "How the pods agree on one rollout decision: none (this pod alone), file (a local "
+    "fleet, make fleet: lease and decisions in files next to the state file) or "
+    "kubernetes (a Lease and a ConfigMap through the API server). It sets the default of "
+    "--fleet.", SIDECAR)
+POD_NAME = _var(
+    "POD_NAME",
+    "This pod's name in the fleet (the Downward API's metadata.name in Kubernetes): the "
+    "lease holder and a decision's decided_by. It sets the default of --fleet-identity "
+    "(unset: the host name).", SIDECAR)
 
 # --------------------------------------------------------------------------- workers
 # Read where a worker starts (serve.worker.Worker.load), from TorchServe's environment,

@@ -237,7 +237,8 @@ def test_kubectl_apply_check_catches_a_file_without_kind(tmp_path):
 def test_optional_servicemonitor_is_outside_the_applied_folder(docs):
     """A CRD kind in k8s/ would break `kubectl apply -f k8s/` without the operator."""
     core = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "HorizontalPodAutoscaler",
-            "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"}
+            "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim", "Role",
+            "RoleBinding"}
     assert {d["kind"] for d in docs} == core
     sm = one(_load(K8S / "monitoring" / "servicemonitor.yaml"), "ServiceMonitor")
     metrics_svc = one(docs, "Service", "dlrm-serve-metrics")
@@ -367,6 +368,70 @@ def test_serviceaccount_is_used_and_mounts_no_token(docs):
     spec = pod_spec(docs)
     assert spec["serviceAccountName"] == sa["metadata"]["name"]
     assert spec["automountServiceAccountToken"] is False
+
+
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_only_the_sidecar_holds_an_api_token(docs):
+    """The fleet's rollout (serve/sidecar/adapters/kubernetes.py) needs the API: a bound
+    token, the CA and the namespace, projected into the sidecar container alone."""
+    volume = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kube-api")
+    sources = volume["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert sources[0]["serviceAccountToken"]["expirationSeconds"] <= 3600
+    assert sources[1]["configMap"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert sources[2]["downwardAPI"]["items"][0]["path"] == "namespace"
+    for c in all_containers(docs):
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        if c["name"] == "sidecar":
+            assert mounts["kube-api"]["mountPath"] == SA_MOUNT
+            assert mounts["kube-api"]["readOnly"] is True
+        else:
+            assert "kube-api" not in mounts, c["name"]
+
+
+def test_the_sidecar_runs_the_kubernetes_fleet_as_its_pod(docs):
+    from serve.settings import POD_NAME
+    from serve.sidecar.config import FleetConfig
+
+    sc = container(docs, "sidecar")
+    assert arg_value(sc["args"], "--fleet") == "kubernetes"
+    env = {e["name"]: e for e in sc["env"]}
+    assert env[POD_NAME.name]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    fc = FleetConfig()
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    key, _, value = fc.pod_selector.partition("=")
+    assert labels[key] == value, "the peers are listed by a label every pod has"
+    assert one(docs, "ConfigMap", fc.decisions_configmap).get("data") is None, \
+        "shipped empty: an apply must never erase the pods' decisions"
+    assert one(docs, "ConfigMap", fc.state_configmap)
+
+
+def test_rbac_grants_the_fleet_exactly_what_it_uses(docs):
+    """Leases get/update by name (+ create, which cannot be named), the two ConfigMaps
+    get/update/patch by name, pods list; bound to the pod's ServiceAccount."""
+    from serve.sidecar.config import FleetConfig
+
+    fc = FleetConfig()
+    role = one(docs, "Role", "dlrm-serve-rollout")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ())),
+              tuple(sorted(r["verbs"]))) for r in role["rules"]}
+    assert rules == {
+        (("coordination.k8s.io",), ("leases",), (fc.lease_name,), ("get", "update")),
+        (("coordination.k8s.io",), ("leases",), (), ("create",)),
+        (("",), ("configmaps",), (fc.decisions_configmap, fc.state_configmap),
+         ("get", "patch", "update")),
+        (("",), ("pods",), (), ("list",)),
+    }
+    for r in role["rules"]:
+        assert "*" not in r["verbs"] and "*" not in r["resources"]
+        assert not {"delete", "deletecollection", "watch", "escalate", "bind"} & set(r["verbs"])
+    binding = one(docs, "RoleBinding", "dlrm-serve-rollout")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": pod_spec(docs)["serviceAccountName"]}]
 
 
 # --------------------------------------------------------------------------- HPA
@@ -592,8 +657,9 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
 
 
 def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
-    """Ingress: 8080 from anywhere, 8082/8090 from the monitoring namespace, 8091 from
-    labelled writer pods only; management (and gRPC) never."""
+    """Ingress: 8080 from anywhere, 8082/8090 from the monitoring namespace, 8090 from the
+    other serving pods (the fleet's leader), 8091 from labelled writer pods only;
+    management (and gRPC) never."""
     pod = pod_properties(docs)
     inference, management, metrics = (_port(pod[k]) for k in
                                       ("inference_address", "management_address", "metrics_address"))
@@ -601,13 +667,15 @@ def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
                     for p in container(docs, "sidecar")["ports"]}["sidecar"]
     np_ = one(docs, "NetworkPolicy", "dlrm-serve")
     assert np_["spec"]["policyTypes"] == ["Ingress"]
-    open_ports, monitoring_ports, writer_ports = set(), set(), set()
+    open_ports, monitoring_ports, writer_ports, peer_ports = set(), set(), set(), set()
     for rule in np_["spec"]["ingress"]:
         ports = {p["port"] for p in rule["ports"]}
         if "from" not in rule:
             open_ports |= ports
         elif rule["from"] == [{"podSelector": {"matchLabels": WRITER_LABEL}}]:
             writer_ports |= ports
+        elif rule["from"] == [{"podSelector": np_["spec"]["podSelector"]}]:
+            peer_ports |= ports
         else:
             assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
                 "kubernetes.io/metadata.name": "monitoring"}}}]
@@ -615,17 +683,24 @@ def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
     assert open_ports == {inference}
     assert monitoring_ports == {metrics, sidecar_port}
     assert writer_ports == {WRITE_PORT}
+    assert peer_ports == {sidecar_port}, "the peers read /metrics, never write"
     closed = {management, 7070, 7071}
-    assert not closed & (open_ports | monitoring_ports | writer_ports)
+    assert not closed & (open_ports | monitoring_ports | writer_ports | peer_ports)
 
 
-def test_egress_is_denied(docs):
-    """The pod opens no connection out (loopback is not subject to NetworkPolicy): one
-    policy with policyTypes Egress and no rule, on the serving pods."""
-    np_ = one(docs, "NetworkPolicy", "dlrm-serve-deny-egress")
+def test_egress_is_only_the_api_server_and_the_peers_read_port(docs):
+    """The pod opens no connection out (loopback is not subject to NetworkPolicy) but to
+    the API server (TCP 443/6443: the fleet's Lease and ConfigMap) and the other serving
+    pods' sidecar read port (the leader reads their /metrics)."""
+    np_ = one(docs, "NetworkPolicy", "dlrm-serve-egress")
     assert np_["spec"]["policyTypes"] == ["Egress"]
-    assert not np_["spec"].get("egress"), "deny-all means no egress rule"
-    assert np_["spec"]["podSelector"] == one(docs, "NetworkPolicy", "dlrm-serve")["spec"]["podSelector"]
+    serving = one(docs, "NetworkPolicy", "dlrm-serve")["spec"]["podSelector"]
+    assert np_["spec"]["podSelector"] == serving
+    sidecar_port = {p["name"]: p["containerPort"]
+                    for p in container(docs, "sidecar")["ports"]}["sidecar"]
+    rules = [({p["port"] for p in r["ports"]}, r.get("to")) for r in np_["spec"]["egress"]]
+    assert all(all(p["protocol"] == "TCP" for p in r["ports"]) for r in np_["spec"]["egress"])
+    assert rules == [({443, 6443}, None), ({sidecar_port}, [{"podSelector": serving}])]
     # Nothing in the pod points outside it: every URL the sidecar is given is loopback.
     sc = container(docs, "sidecar")
     urls = [a for a in sc["args"] if a.startswith("http")]

@@ -49,7 +49,9 @@ SIDECAR_FLAGS = (
     # the edge (serve/sidecar/http/guard.py): the write port and the scoped tokens
     "--write-port", "--delta-token-file", "--feedback-token-file",
     # embedding deltas in a fleet: POSTs refused, the model volume followed
-    "--deltas-post")
+    "--deltas-post",
+    # one rollout decision per fleet (serve/sidecar/control/fleet.py)
+    "--fleet", "--fleet-identity", "--fleet-lease-s", "--fleet-dir")
 
 
 # --------------------------------------------------------------------------- the registry

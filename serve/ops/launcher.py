@@ -149,6 +149,10 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)  # TorchServe's (and workers')
     sidecar_env: dict[str, str] = field(default_factory=dict)  # the sidecar's
     ts_overrides: dict[str, str] = field(default_factory=dict)  # config.properties keys to set
+    # A fleet (serve.ops.fleet): every pod's sidecar reads one token file (None:
+    # run_dir/sidecar-token) and gets these extra flags (--fleet file ...).
+    token_path: Path | None = None
+    sidecar_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         ports = [self.inference_port, self.management_port, self.metrics_port, self.sidecar_port,
@@ -204,6 +208,8 @@ class LaunchConfig:
 
     @property
     def token_file(self) -> Path:
+        if self.token_path is not None:
+            return self.path(self.token_path)
         return self.path(self.run_dir) / "sidecar-token"
 
     @property
@@ -469,7 +475,7 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
            "--delta-dir", str(cfg.delta_dir)]
     for d in cfg.repository_dirs:
         cmd += ["--repository", str(d)]
-    return cmd
+    return cmd + list(cfg.sidecar_args)
 
 
 def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:

@@ -47,9 +47,11 @@ __all__ = [
     "DEFAULT_CGROUP_ROOT",
     "DEFAULT_STATE_FILE",
     "DELTAS_POST_MODES",
+    "FLEET_MODES",
     "LOG_LEVELS",
     "MAX_BATCH_DELAY_MS_MAX",
     "WORKERS_MAX",
+    "FleetConfig",
     "ServerOptions",
     "SidecarConfig",
     "check_token",
@@ -61,6 +63,65 @@ DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: pod of a fleet: deltas are published on the model volume, which every pod follows).
 DELTAS_POST_MODES = ("store", "refuse")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+FLEET_MODES = ("none", "file", "kubernetes")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One rollout decision per fleet (:mod:`serve.sidecar.control.fleet`).
+
+    Attributes:
+        mode: ``none`` (this pod decides alone; its own leader), ``file`` (a local fleet:
+            lease, decisions and the pod list in files) or ``kubernetes`` (a
+            coordination.k8s.io Lease, the decisions in a ConfigMap, the peers listed by
+            label, through the API server with the pod's service account).
+        identity: this pod's name (the lease holder, ``decided_by``); None: the host name.
+        lease_s: the lease expires this long after its holder's last renewal (every
+            reconcile pass): how long a fleet may go without a judge after its leader died.
+        run_dir: (file) where the lease (``rollout-lease.json``), the decisions
+            (``rollout-decisions.json``) and the pod list (``fleet.json``) are; None: the
+            state file's folder.
+        lease_name: (kubernetes) the Lease's name.
+        decisions_configmap: (kubernetes) the ConfigMap holding the decisions.
+        state_configmap: (kubernetes) the serving-state ConfigMap the leader settles.
+        pod_selector: (kubernetes) the label selector listing the fleet's pods.
+        peer_timeout_s: a peer's GET /metrics slower than this is skipped.
+    """
+
+    mode: str = field(default="none", metadata=flag(
+        "--fleet", env=settings.DLRM_FLEET, choices=FLEET_MODES,
+        help="how the pods agree on one rollout decision: none (this pod alone), file (a "
+             "local fleet, make fleet) or kubernetes (a Lease and a ConfigMap); without one "
+             "every pod judges its own traffic and keeps its outcome in memory"))
+    identity: str | None = field(default=None, metadata=flag(
+        "--fleet-identity", env=settings.POD_NAME,
+        help="this pod's name in the fleet (lease holder, decided_by); unset: the host name"))
+    lease_s: float = field(default=15.0, metadata=flag(
+        "--fleet-lease-s",
+        help="seconds the rollout lease lasts without renewal: how long a fleet may go "
+             "without a judge after its leader died"))
+    run_dir: Path | None = field(default=None, metadata=flag(
+        "--fleet-dir",
+        help="(file) folder of the lease, the decisions and fleet.json; unset: the state "
+             "file's folder"))
+    lease_name: str = "dlrm-serve-rollout"
+    decisions_configmap: str = "dlrm-serve-rollout"
+    state_configmap: str = "dlrm-serving-state"
+    pod_selector: str = "app.kubernetes.io/name=dlrm-serve"
+    peer_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in FLEET_MODES:
+            raise ConfigError(f"fleet mode {self.mode!r} must be one of {FLEET_MODES}")
+        for name in ("lease_s", "peer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"fleet {name}={getattr(self, name)} must be > 0 seconds")
+        if self.identity is not None and not re.fullmatch(
+                r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", self.identity):
+            raise ConfigError(f"fleet identity {self.identity!r} must be a pod name (letters, "
+                              "digits, '.', '_', '-')")
+        if self.run_dir is not None:
+            object.__setattr__(self, "run_dir", Path(self.run_dir))
 
 
 @dataclass(frozen=True)
@@ -190,6 +251,7 @@ class SidecarConfig:
             this pod's delta folder) or ``refuse`` (a pod of a fleet: the POST answers 409
             naming the model volume, ``<repository>/deltas/<version>/``, where deltas are
             published once for every pod; :mod:`serve.sidecar.services.embedding_deltas`).
+        fleet: one rollout decision per fleet (:class:`FleetConfig`; off by default).
     """
 
     inference_url: str = field(default=f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}",
@@ -280,6 +342,7 @@ class SidecarConfig:
              "delta folder (one pod: make up, tests); refuse = answer 409 naming the model "
              "volume to publish on instead (a pod of a fleet, Kubernetes): a delta posted "
              "to one pod would live in that pod only, and every pod follows the volume"))
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def __post_init__(self) -> None:
         if not (self.delta_sync_s >= 0 and self.delta_sync_s != float("inf")):

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any
 
@@ -37,6 +39,13 @@ from serve.sidecar.adapters.torchserve import TorchServeClient, observe
 from serve.sidecar.config import DEFAULT_STATE_FILE, SidecarConfig
 from serve.sidecar.control.batching import BatchingUpdates
 from serve.sidecar.control.drain import Drainer
+from serve.sidecar.control.fleet import (
+    FileDecisionStore,
+    FileLease,
+    FilePeers,
+    Fleet,
+    FleetFamilies,
+)
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
@@ -119,6 +128,8 @@ class Sidecar:
     _drainer: Drainer | None = field(default=None, repr=False)
     _tuning: TuningLoop | None = field(default=None, repr=False)
     _batching: BatchingUpdates | None = field(default=None, repr=False)
+    fleet: Fleet | None = None
+    _lease_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, config: SidecarConfig, *, registry: CollectorRegistry | None = None,
@@ -189,16 +200,23 @@ class Sidecar:
             forget_workers=self.handler_metrics.forget if self.handler_metrics else None)
         self.metrics.set_switch_phase(self._switch.phase.value)
         if config.state_file is not None:
+            own = self.rollout_families
+            self.fleet = build_fleet(config, own)
+            if self.fleet is not None:
+                self.registry.register(self.fleet)
+            fleet = self.fleet
             self._reconciler = Reconciler(
                 self._torchserve, config, switch=self._switch, metrics=self.metrics,
                 repository=self.repository or ModelRepository(config.repository_roots,
                                                               config.model_name),
                 rollouts=RolloutController(
-                    read_families=self.rollout_families,
+                    read_families=fleet_families(fleet, own),
                     control_file=lambda version: control_path(
                         config.model_store, config.model_name, version),
-                    metrics=self.metrics, clock=self.clock),
-                schemas=self.schemas, clock=self.clock)
+                    metrics=self.metrics, clock=self.clock,
+                    decisions=fleet.decisions if fleet is not None else None,
+                    identity=fleet.identity if fleet is not None else "local"),
+                schemas=self.schemas, clock=self.clock, fleet=fleet)
         if self.tuner is not None:
             handler = self.handler_metrics
             self._tuning = TuningLoop(
@@ -238,6 +256,21 @@ class Sidecar:
         if self._reconciler is not None and self._tuning is not None \
                 and self._tune_task is None:
             self._tune_task = asyncio.create_task(self._tuning.run())
+        if self.fleet is not None and self.fleet.lease is not None \
+                and self._lease_task is None:
+            self._lease_task = asyncio.create_task(self._renew_lease())
+
+    async def _renew_lease(self) -> None:
+        """Renew the fleet's rollout lease every third of its duration, apart from the
+        reconcile pass: a pass can spend minutes in a switch (registering a version), and
+        a lease renewed only by the passes would expire meanwhile and change hands."""
+        fleet = self.fleet
+        if fleet is None:
+            return
+        interval = max(0.5, self.config.fleet.lease_s / 3)
+        while True:
+            await asyncio.to_thread(fleet.elect)  # never raises
+            await asyncio.sleep(interval)
 
     async def _sync_deltas(self) -> None:
         """Every ``delta_sync_s`` (5 s when 0): deltas published on the model volume (the
@@ -274,7 +307,7 @@ class Sidecar:
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
         each pass starts from what TorchServe describes."""
-        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task"):
+        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task", "_lease_task"):
             task = getattr(self, name)
             setattr(self, name, None)
             if task is not None:
@@ -337,6 +370,48 @@ class Sidecar:
             raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
                                "with its lifespan (uvicorn, TestClient as a context manager)")
         return self._switch
+
+
+def fleet_families(fleet: Fleet | None, own: Callable[[], Iterable[Metric]]
+                   ) -> Callable[[], Iterable[Metric]]:
+    """What the rollout's guards read: the fleet's families where this pod belongs to a
+    fleet (only its leader judges), else ``own`` (a wrapper: ``own`` may itself combine
+    collectors)."""
+    if fleet is None or fleet.families is None:
+        return own
+    fleet.families.own = own
+    return fleet.families
+
+
+def build_fleet(config: SidecarConfig, own: Callable[[], Iterable[Metric]]) -> Fleet | None:
+    """The fleet of ``config.fleet`` (None for ``none`` or without a state file).
+
+    ``file``: the lease, the decisions and ``fleet.json`` in ``fleet.run_dir`` (default:
+    the state file's folder, ``.run/`` locally). ``kubernetes``: through the API server
+    with the pod's service account (:mod:`serve.sidecar.adapters.kubernetes`)."""
+    fc = config.fleet
+    if fc.mode == "none" or config.state_file is None:
+        return None
+    identity = fc.identity or socket.gethostname()
+    if fc.mode == "file":
+        folder = fc.run_dir or Path(config.state_file).parent
+        return Fleet(identity, decisions=FileDecisionStore(folder / "rollout-decisions.json"),
+                     lease=FileLease(folder / "rollout-lease.json", duration_s=fc.lease_s),
+                     families=FleetFamilies(own, FilePeers(folder / "fleet.json"), identity,
+                                            timeout_s=fc.peer_timeout_s))
+    from serve.sidecar.adapters.kubernetes import (
+        ConfigMapDecisionStore,
+        KubeClient,
+        KubeLease,
+        KubePeers,
+    )
+
+    client = KubeClient.in_cluster()
+    store = ConfigMapDecisionStore(client, fc.decisions_configmap, fc.state_configmap)
+    return Fleet(identity, decisions=store, lease=KubeLease(client, fc.lease_name, fc.lease_s),
+                 families=FleetFamilies(own, KubePeers(client, fc.pod_selector), identity,
+                                        timeout_s=fc.peer_timeout_s),
+                 publish_state=store.publish_state, renew_every_s=fc.lease_s / 3)
 
 
 def get_sidecar(request: Request) -> Sidecar:

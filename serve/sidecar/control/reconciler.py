@@ -61,12 +61,13 @@ from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Assessment, assess, observed_state
+from serve.sidecar.control.fleet import Fleet
 from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.switching import SwitchRunner
-from serve.sidecar.control.views import RolloutStatus, StateStatus, SwitchRecord
+from serve.sidecar.control.views import FleetStatus, RolloutStatus, StateStatus, SwitchRecord
 from serve.state import Batching, DesiredState, dump_state
 from serve.store.repository import ModelRepository
 
@@ -119,6 +120,10 @@ class Reconciler:
             up to max.
         sample_interval_s: how often memory is sampled while a switch runs (the peak
             happens while TorchServe loads the new workers, inside one long call).
+        fleet: one rollout decision per fleet (:mod:`serve.sidecar.control.fleet`): each
+            pass renews the lease, only the leader ticks the guards and settles the
+            state, and every pod adopts the recorded decision. None: this pod decides
+            alone (its outcome kept in memory where the file is read-only).
     """
 
     def __init__(self, torchserve: TorchServeClient, config: SidecarConfig, *,
@@ -128,7 +133,7 @@ class Reconciler:
                  schemas: SchemaCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  retry_base_s: float = 2.0, retry_max_s: float = 300.0,
-                 sample_interval_s: float = 0.25) -> None:
+                 sample_interval_s: float = 0.25, fleet: Fleet | None = None) -> None:
         if config.state_file is None:
             raise ConfigError("the reconciler needs a desired-state file (--state-file)")
         self.ts = torchserve
@@ -138,6 +143,7 @@ class Reconciler:
         self.schemas = schemas if schemas is not None else SchemaCache(repository.report)
         self.metrics = metrics
         self.rollouts = rollouts
+        self.fleet = fleet
         self.clock = clock
         self.runner = SwitchRunner(torchserve, config, switch=switch, repository=repository,
                                    clock=clock, retry_base_s=retry_base_s,
@@ -247,7 +253,7 @@ class Reconciler:
         read_hash = self._read_desired()
         declared = self.desired
         if self.rollouts is not None:
-            self.rollouts.declare(declared)  # the one place a rollout is declared
+            await self._declare_rollout(declared)
         desired = self.effective()
         target = desired.serving_version() if desired else None
         try:
@@ -283,6 +289,30 @@ class Reconciler:
             desired = desired.model_copy(update={"batching": override})
         return desired
 
+    async def _declare_rollout(self, declared: DesiredState | None) -> None:
+        """The one place a rollout is declared. With a fleet: renew the lease, and adopt
+        the decision recorded for the declared rollout (a pod started after it was
+        decided is born decided: the store is read before anything is served)."""
+        ctl, fleet = self.rollouts, self.fleet
+        if ctl is None:
+            return
+        if fleet is None:
+            ctl.declare(declared)
+            return
+        await asyncio.to_thread(fleet.elect)  # never raises: an unreachable lease follows
+        try:
+            await asyncio.to_thread(ctl.declare, declared)
+            await asyncio.to_thread(ctl.sync_decision)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: retry next pass
+            _log.warning("reading the fleet's rollout decision failed (%s); a new rollout's "
+                         "candidate is held back until it answers; retrying next pass", e)
+
+    def _judged(self) -> str | None:
+        fleet = self.fleet
+        if fleet is None or not fleet.leading or fleet.families is None:
+            return None
+        return fleet.families.describe()
+
     async def _rollout_step(self, desired: DesiredState | None, serving: str | None) -> None:
         """After a pass that converged on ``desired``: start the bake once the two-arm
         registration serves, evaluate the guards when due, write an outcome into the
@@ -291,11 +321,19 @@ class Reconciler:
         if ctl is None or desired is None:
             return
         ctl.on_serving(desired, serving)
-        try:
-            transition = await asyncio.to_thread(ctl.tick)
-        except Exception:  # noqa: BLE001 - a metrics read must not stop reconciling
-            _log.exception("evaluating the rollout's guards failed; retrying next period")
-            transition = None
+        transition = None
+        if self.fleet is None or self.fleet.leading:  # one judge per fleet
+            try:
+                transition = await asyncio.to_thread(ctl.tick)
+            except Exception:  # noqa: BLE001 - a metrics read must not stop reconciling
+                _log.exception("evaluating the rollout's guards failed; retrying next period")
+        if self.fleet is not None:
+            try:
+                adopted = await asyncio.to_thread(ctl.sync_decision, self._judged())
+            except Exception:  # noqa: BLE001 - an unreachable store: retry next pass
+                _log.exception("recording the rollout's decision failed; retrying next pass")
+                adopted = None
+            transition = transition or adopted
         if transition in ("promoted", "rolled_back"):
             self.wake()
         self.settle_rollout()
@@ -304,15 +342,22 @@ class Reconciler:
         """Write a rollout's outcome into the desired-state file where it is writable
         (promoted: the candidate is the model version; both: ``rollout: null``), so a
         restart keeps it; where read-only, the outcome holds in memory (GET /state)."""
-        ctl, desired = self.rollouts, self.desired
+        ctl, desired, fleet = self.rollouts, self.desired, self.fleet
         if ctl is None or desired is None:
             return
+        if fleet is not None and not fleet.leading:
+            return  # the leader settles; this pod serves the adopted decision meanwhile
         settled = ctl.settled_state(desired)
         if settled is None:
             return
         ctl.mark_settled()
         if self.file.write_outcome(settled):
             self.wake()
+        elif fleet is not None and fleet.publish_state is not None:
+            try:  # read-only here (a ConfigMap mount): settle the declared state itself
+                fleet.publish_state(dump_state(settled))
+            except Exception:  # noqa: BLE001 - the decision holds in the store anyway
+                _log.exception("publishing the settled desired state failed")
 
     def end_rollout(self, promote: bool, reason: str) -> RolloutStatus:
         """Promote or roll back the baking rollout by hand (POST
@@ -331,6 +376,8 @@ class Reconciler:
             ctl.promote(reason)
         else:
             ctl.rollback(reason)
+        if self.fleet is not None:  # first writer wins: the store's decision is adopted
+            ctl.sync_decision(f"by POST on {self.fleet.identity}")
         self.settle_rollout()
         self.wake()
         status = ctl.status()
@@ -488,4 +535,5 @@ class Reconciler:
             last_switch=self.last_switch, target_serving_version=a.target,
             available_versions=versions, state_file=str(self.path),
             state_file_writable=self.writable_error() is None,
-            rollout=self.rollouts.status() if self.rollouts is not None else None)
+            rollout=self.rollouts.status() if self.rollouts is not None else None,
+            fleet=FleetStatus(**self.fleet.status()) if self.fleet is not None else None)

@@ -29,6 +29,10 @@ Where the desired-state file is writable, the reconciler also writes the outcome
 (promoted: ``model.version = candidate``; both: ``rollout: null``), so a restart keeps
 it. Where it is read-only (a ConfigMap) the outcome is kept in memory for as long as that
 rollout stays declared; update the ConfigMap to make it durable (README, "Rollouts").
+With a fleet (``decisions``, :mod:`serve.sidecar.control.fleet`) the outcome is recorded
+once for every pod: :meth:`RolloutController.declare` adopts a recorded decision before the
+candidate is ever served (born decided), :meth:`RolloutController.sync_decision` records
+this run's outcome (first writer wins) and adopts the store's.
 
 The state is data: :meth:`RolloutController.status` is ``rollout`` in GET /state, and
 ``dlrm_rollout_phase``, ``dlrm_rollout_weight`` and ``dlrm_rollout_guard_value``/
@@ -58,6 +62,7 @@ from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict
 from serve.metrics import SidecarMetrics
+from serve.sidecar.control.fleet import DecisionStore, RolloutDecision
 from serve.sidecar.control.guards import (
     GuardLimits,
     GuardResult,
@@ -130,6 +135,9 @@ class RolloutRun:
     reason: str | None = None
     finished_wall: float | None = None
     settled: bool = False  # the outcome was written into the desired-state file
+    revision: str | None = None     # the fleet's decision (serve.sidecar.control.fleet)
+    decided_by: str | None = None   # the pod that decided it
+    checked: bool = True  # the fleet's store was read for a decision (else: held back)
 
     @property
     def weight(self) -> float:
@@ -150,13 +158,21 @@ class RolloutController:
         metrics: where the phase, weight and guard values are mirrored; None: nowhere.
         clock: monotonic seconds (bake and guard periods).
         wall_clock: Unix seconds (the times GET /state shows).
+        decisions: the fleet's decision store (:mod:`serve.sidecar.control.fleet`): a
+            recorded decision makes a newly declared run born decided
+            (:meth:`declare`), and :meth:`sync_decision` records and adopts; None: the
+            outcome is this controller's alone.
+        identity: who decides here (the pod's name), recorded as ``decided_by``.
     """
 
     def __init__(self, *, read_families: Callable[[], Iterable[Metric]],
                  control_file: Callable[[str], Path],
                  metrics: SidecarMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 decisions: DecisionStore | None = None, identity: str = "local") -> None:
+        self.decisions = decisions
+        self.identity = identity
         self.read_families = read_families
         self.control_file = control_file
         self.metrics = metrics
@@ -175,12 +191,23 @@ class RolloutController:
         key = rollout_key(desired.model.version, desired.rollout)
         if self.run is None or self.run.key != key:
             self.run = RolloutRun(key=key, stable=desired.model.version, spec=desired.rollout,
-                                  started_wall=self.wall_clock())
+                                  started_wall=self.wall_clock(),
+                                  checked=self.decisions is None)
             _log.info("rollout of %s beside %s (%s, weights %s, bake %.0f s) begins",
                       desired.rollout.candidate, desired.model.version, desired.rollout.mode,
                       desired.rollout.weights(), desired.rollout.bake_s)
             self._mirror()
-        return self.run
+        run = self.run
+        if not run.checked and self.decisions is not None:
+            # Born decided: a recorded decision is adopted before the candidate is ever
+            # served. A store that does not answer raises here and the run stays
+            # unchecked: effective() holds the candidate back until it answers.
+            recorded = self.decisions.read(key)
+            run.checked = True
+            if recorded is not None:
+                self.adopt(recorded)
+            self._mirror()
+        return run
 
     def _run_for(self, desired: DesiredState) -> RolloutRun | None:
         run = self.run
@@ -194,6 +221,8 @@ class RolloutController:
         if desired is None or desired.rollout is None:
             return desired
         run = self._run_for(desired)
+        if run is not None and not run.checked:
+            return desired.model_copy(update={"rollout": None})  # until the store answers
         if run is None or run.phase is RolloutPhase.BAKING:
             return desired
         if run.phase is RolloutPhase.ROLLED_BACK:
@@ -368,6 +397,71 @@ class RolloutController:
         self._mirror()
         return run
 
+    # ------------------------------------------------------------------ the fleet's decision
+
+    def decision_of(self, note: str | None = None) -> RolloutDecision | None:
+        """The current run's outcome as a decision to record (None while it bakes);
+        ``note`` is appended to the reason (e.g. the pods judged)."""
+        run = self.run
+        if run is None or run.phase is RolloutPhase.BAKING:
+            return None
+        reason = run.reason or ""
+        if note:
+            reason = f"{reason} [{note}]" if reason else note
+        decided_at = run.finished_wall if run.finished_wall is not None else self.wall_clock()
+        return RolloutDecision.make(key=run.key, stable=run.stable, candidate=run.spec.candidate,
+                                    phase=run.phase.value, reason=reason,
+                                    decided_by=self.identity, decided_at=decided_at)
+
+    def adopt(self, decision: RolloutDecision) -> bool:
+        """Take the fleet's recorded ``decision`` for the current run (its phase, reason,
+        revision, who decided): weight 0 at once for a rollback; the effective desired
+        state follows. True when the run changed; a decision of another rollout, or one
+        adopted already, changes nothing."""
+        run = self.run
+        if run is None or run.key != decision.key or run.revision == decision.revision:
+            return False
+        phase = RolloutPhase(decision.phase)
+        if phase is RolloutPhase.ROLLED_BACK and run.serving_version is not None:
+            self._write_weight(run, 0.0)
+        if run.phase is not phase:
+            run.settled = False  # another outcome than the one written (if any)
+            _log.warning("rollout of %s: adopting the fleet's decision %s (%s by %s): %s",
+                         run.spec.candidate, decision.revision, decision.phase,
+                         decision.decided_by, decision.reason)
+        run.phase, run.reason = phase, decision.reason
+        run.revision, run.decided_by = decision.revision, decision.decided_by
+        run.finished_wall = decision.decided_at
+        self._mirror()
+        return True
+
+    def sync_decision(self, note: str | None = None) -> str | None:
+        """Record the current run's outcome in the store (first writer wins), then adopt
+        what the store holds for it (every reconcile pass, and after a POST). Without a
+        store the outcome is stamped as this controller's own. Returns the phase adopted
+        now when the run's phase changed (another pod decided), else None."""
+        run = self.run
+        if run is None:
+            return None
+        if self.decisions is None or not run.checked:
+            if self.decisions is None and run.phase is not RolloutPhase.BAKING \
+                    and run.revision is None:
+                own = self.decision_of(note)
+                if own is not None:
+                    run.revision, run.decided_by = own.revision, own.decided_by
+            return None
+        if run.revision is not None and run.decided_by is not None:
+            return None  # adopted already: a recorded decision never changes
+        recorded = self.decisions.read(run.key)
+        if recorded is None and run.phase is not RolloutPhase.BAKING:
+            own = self.decision_of(note)
+            if own is not None:
+                recorded = self.decisions.record(own)
+        before = run.phase
+        if recorded is not None and self.adopt(recorded) and run.phase is not before:
+            return recorded.phase
+        return None
+
     def mark_settled(self) -> None:
         """The outcome is written into the desired-state file."""
         if self.run is not None:
@@ -385,7 +479,10 @@ class RolloutController:
         ago = None if run.last_eval is None or not run.evaluations else round(
             now - run.last_eval, 3)
         reason = run.reason
-        if run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
+        if not run.checked:
+            reason = ("the fleet's decision store did not answer: the candidate is held "
+                      "back (stable version alone) until it does")
+        elif run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
             reason = "loading the candidate beside the stable version (weight 0 until it serves)"
         return RolloutStatus(
             phase=run.phase.value, stable=run.stable, candidate=run.spec.candidate,
@@ -396,7 +493,8 @@ class RolloutController:
             guards=[GuardStatus(**g.to_json()) for g in run.guards],
             guard_interval_s=run.spec.guards.interval_s, evaluations=run.evaluations,
             last_evaluated_s_ago=ago, reason=reason, started_at=_iso(run.started_wall),
-            finished_at=_iso(run.finished_wall), spec=run.spec)
+            finished_at=_iso(run.finished_wall), spec=run.spec,
+            revision=run.revision, decided_by=run.decided_by)
 
     def _mirror(self) -> None:
         if self.metrics is None:

@@ -168,6 +168,27 @@ class RolloutStatus(BaseModel):
     started_at: str | None
     finished_at: str | None
     spec: Rollout
+    revision: str | None = Field(
+        default=None, description="The fleet's decision (the same on every pod for one "
+                                  "decision); null while it bakes.")
+    decided_by: str | None = Field(
+        default=None, description="The pod (or controller) that decided it.")
+
+
+class FleetStatus(BaseModel):
+    """``fleet`` in GET /state: this pod's place in the fleet (serve.sidecar.control.fleet)."""
+
+    identity: str = Field(description="This pod's name.")
+    leader: str | None = Field(description="The pod holding the rollout lease (it judges "
+                                           "the guards); null: unknown or nobody.")
+    leading: bool = Field(description="This pod holds the lease.")
+    lease: str = Field(description="The lease's kind (none: a single pod leads itself).")
+    pods: int = Field(description="Pods the leader knows of, itself included (this pod's "
+                                  "own count when it leads).")
+    pods_judged: int = Field(description="Of them, those whose metrics answered at the "
+                                         "last judgement.")
+    skipped: dict[str, str] = Field(description="Pods skipped at the last judgement, and why.")
+    error: str | None = Field(description="Why the lease could not be reached, if so.")
 
 
 class WorkerDeltaStatus(BaseModel):
@@ -241,6 +262,9 @@ class StateStatus(BaseModel):
         default=None, description="The batching tuner (null without a desired-state file).")
     sidecar: SidecarEndpoints | None = Field(
         default=None, description="Where this sidecar takes writes.")
+    fleet: FleetStatus | None = Field(
+        default=None, description="The fleet's rollout leader and this pod's place; absent "
+                                  "without a fleet (--fleet none).")
     embeddings: dict[str, EmbeddingsStatus] | None = Field(
         default=None, description="Embedding deltas per served version (stored, and "
                                   "applied by the live workers); absent when the sidecar "
@@ -251,6 +275,8 @@ class StateStatus(BaseModel):
         data = handler(self)
         if isinstance(data, dict) and data.get("embeddings") is None:
             data.pop("embeddings", None)
+        if isinstance(data, dict) and data.get("fleet") is None:
+            data.pop("fleet", None)  # absent without a fleet, as before there was one
         return data
 
 
