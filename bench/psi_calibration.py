@@ -66,7 +66,7 @@ def _example_traffic(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndar
         lengths.append(p.lengths)
         values.append(p.values)
     # values are feature-major per chunk: regroup them feature-major over all n
-    per_feature = [[] for _ in range(lengths[0].shape[0])]
+    per_feature: list[list[np.ndarray]] = [[] for _ in range(lengths[0].shape[0])]
     for lo, va in zip(lengths, values, strict=True):
         counts = lo.sum(axis=1)
         for j, part in enumerate(np.split(va, np.cumsum(counts)[:-1])):

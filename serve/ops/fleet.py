@@ -139,8 +139,9 @@ def _fleet_state(plan: FleetPlan, cfg: LaunchConfig) -> tuple[DesiredState, bool
     """The shared declared state; created with ``plan.workers`` workers when absent."""
     path = plan.path(plan.state_file)
     if path.exists():
-        return ensure_state(path, cfg.repository())
-    state = default_state(cfg.repository()).model_copy(update={"workers": plan.workers})
+        return ensure_state(path, cfg.repository(), cfg.initial_version)
+    state = default_state(cfg.repository(), cfg.initial_version).model_copy(
+        update={"workers": plan.workers})
     write_state(path, state)
     return state, True
 

@@ -90,10 +90,10 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
     stable = declared.model.version
     body = declared.model_dump(mode="json")
     # A new rollout each run: a decided one is never baked again (its decision is
-    # recorded), so the bake (long enough never to end first) differs from run to run.
-    bake_s = 600 + int(time.time()) % 600
+    # recorded), so each run is another attempt; the bake is long enough never to end
+    # before the guards decide.
     body["rollout"] = {"candidate": candidate, "mode": "canary", "weight": weight,
-                       "bake_s": bake_s, "guards": {"interval_s": 5, "min_requests": 50,
+                       "bake_s": 600, "attempt": int(time.time()) % 1_000_000 + 1, "guards": {"interval_s": 5, "min_requests": 50,
                                                     "min_instances": 200}}
     loads = [BackgroundLoad(p.predict_url, _bodies(), clients=clients, timeout_s=60.0)
              for p in pods]
