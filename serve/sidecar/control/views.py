@@ -133,11 +133,14 @@ class SwitchRecord(BaseModel):
 class GuardStatus(BaseModel):
     """One guard of a rollout at its last evaluation."""
 
-    name: str = Field(description="error_ratio, p99_ratio or score_psi.")
+    name: str = Field(description="error_ratio, latency_ratio or score_psi.")
     value: float | None = Field(description="Its value over the window; null: not enough data.")
     threshold: float = Field(description="Breached when value > threshold.")
     status: str = Field(description="ok, breached or insufficient_data.")
     detail: str
+    consecutive_breaches: int = Field(
+        0, description="Evaluations in a row it breached (an ok one resets it); the "
+                       "rollout rolls back at guards.failure_limit.")
 
 
 class RolloutStatus(BaseModel):
