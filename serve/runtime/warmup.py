@@ -72,6 +72,8 @@ def warm_up(runtime: Runtime, batches: int, seed: int = 0) -> float:
     """
     if batches < 0:
         raise ValueError(f"batches={batches} must be >= 0")
+    if batches == 0:
+        return 0.0
     cap = runtime.config.max_forward_instances
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
