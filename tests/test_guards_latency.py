@@ -4,6 +4,7 @@ histograms with fixed seeds; the series the workers write for them; the spec's r
 field."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -169,7 +170,7 @@ def test_the_workers_forward_series_reaches_the_snapshot():
 
 def test_the_buckets_span_gpu_to_loaded_cpu_at_1_26x():
     assert BOUNDS[0] == 5e-8 and BOUNDS[-1] == 0.1
-    ratios = [b / a for a, b in zip(BOUNDS, BOUNDS[1:], strict=False)]
+    ratios = [b / a for a, b in itertools.pairwise(BOUNDS)]
     assert all(1.2 <= r <= 1.3 for r in ratios), ratios
 
 

@@ -4,7 +4,6 @@ forwards through both runtimes, changes no answer (bitwise, through a cache that
 and counts in no metric; the slowdown sleeps (factor - 1) x the candidate's forward."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
