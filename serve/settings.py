@@ -331,7 +331,7 @@ DLRM_CACHE_ON_CPU = _var(
 DLRM_DEBUG_CANDIDATE_SLOWDOWN = _var(
     "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
     "FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's forwards take this many times "
-    "their time (>= 1; the worker sleeps the rest), so a rollout run can prove the latency "
+    "their time (>= 1; the worker busy-waits the rest), so a rollout run can prove the latency "
     "guard rolls a slower model back. Overrides handler.debug_candidate_slowdown; never "
     "set it where real traffic is served.", WORKER, default="1")
 DLRM_SHARED_TABLES = _var(

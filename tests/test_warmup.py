@@ -1,7 +1,7 @@
 """Warm-up before traffic (serve.runtime.warmup, Worker.load) and the test-only candidate
 slowdown, on two tiny random artifacts on CPU, without TorchServe: the warm-up runs its
 forwards through both runtimes, changes no answer (bitwise, through a cache that evicts)
-and counts in no metric; the slowdown sleeps (factor - 1) x the candidate's forward."""
+and counts in no metric; the slowdown spins (factor - 1) x the candidate's forward."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -133,10 +133,10 @@ def test_warm_up_changes_no_answer_through_a_cache_that_evicts(model_dir, tmp_pa
         assert orjson.loads(x.body) == orjson.loads(y.body)
 
 
-def test_the_candidate_slowdown_sleeps_the_rest_of_its_forward(model_dir, tmp_path,
-                                                              monkeypatch):
+def test_the_candidate_slowdown_spins_the_rest_of_its_forward(model_dir, tmp_path,
+                                                             monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr("serve.worker.worker.time.sleep", slept.append)
+    monkeypatch.setattr("serve.worker.worker._spin", slept.append)
     w = _load(model_dir, _cfg(tmp_path, warmup_batches=0),
               {"DLRM_DEBUG_CANDIDATE_SLOWDOWN": "2.5"})
     assert w.candidate_slowdown == 2.5

@@ -141,7 +141,7 @@ class HandlerConfig:
             stable's p99 on a fresh canary candidate. Not counted in any metric;
             0 = off. 0..1000.
         debug_candidate_slowdown: FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's
-            forward takes this many times its measured time (the worker sleeps
+            forward takes this many times its measured time (the worker busy-waits
             ``(factor - 1) x`` it after each candidate forward), so a rollout run can
             prove the latency guard rolls a slower model back. >= 1.0 (1.0 = off), at most
             100; the worker's environment ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` overrides it

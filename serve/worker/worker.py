@@ -232,6 +232,7 @@ class Worker:
         self.followers: list[DeltaFollower] = []
         self._rng = rng if rng is not None else random.Random(0)
         self._clock, self._wall = clock, wall
+        self._batches = 0  # batches split between the arms (their forward order alternates)
         self.candidate_slowdown = (cfg.debug_candidate_slowdown if candidate_slowdown is None
                                    else float(candidate_slowdown))
         if not 1.0 <= self.candidate_slowdown <= 100.0:
@@ -422,7 +423,7 @@ class Worker:
         t0 = time.perf_counter()
         out = self._forward(self.candidate, batch)
         # TESTS ONLY (debug_candidate_slowdown): a model this many times slower.
-        time.sleep((self.candidate_slowdown - 1.0) * (time.perf_counter() - t0))
+        _spin((self.candidate_slowdown - 1.0) * (time.perf_counter() - t0))
         return out
 
     def _split(self) -> Split | None:
@@ -431,8 +432,11 @@ class Worker:
             return None
         control = self.watcher.current()
         rng, weight = self._rng, control.weight
+        # Canary: the arms take turns at running first (the second forward runs warm).
+        self._batches += 1
         return Split(mode=control.mode, candidate=self._predict_candidate,
-                     choose=lambda key: takes_candidate(key, weight, rng))
+                     choose=lambda key: takes_candidate(key, weight, rng),
+                     candidate_first=self._batches % 2 == 0)
 
     def _log_predictions(self, info: BatchInfo, request_ids: Sequence[str | None]) -> None:
         """Every scored request of the batch (answered, or shadow-scored: arm
@@ -530,6 +534,15 @@ class Worker:
                 self.metrics.observe_shadow_diff(self.candidate_version, info.shadow_diff)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording the per-arm DLRM metrics failed")
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` (the test-only candidate slowdown). Not ``time.sleep``: a
+    slower model keeps its core busy, and on a loaded machine a sleeping thread wakes up
+    late (measured: a 1.5x slowdown by sleep read as 2.4x on 2 shared cores)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
 
 
 def _clean_metric_files(environ: Mapping[str, str]) -> None:
