@@ -1,5 +1,5 @@
 """The latency guard end to end: the real launcher, TorchServe and sidecar, the trained tiny
-models, and a candidate made 1.5x slower by the test-only knob
+models, and a candidate made 2x slower by the test-only knob
 ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` (TorchServe's environment, so every worker's). The
 candidate is the good retrain (seed 7): only its speed differs, so only ``latency_ratio``
 may roll it back, after ``failure_limit`` breaches in a row, with 0 failed requests.
@@ -30,7 +30,11 @@ BATCHING = {"batch_size": 4, "max_batch_delay_ms": 5}
 # Default latency limit (1.3) and failure_limit (3); the PSI limit as in test_rollout_e2e
 # (two tiny seeds differ by a PSI of 0.13-0.20, close to the default 0.25).
 GUARDS = {"interval_s": 2, "min_requests": 50, "min_instances": 500, "max_score_psi": 0.5}
-SLOWDOWN = "1.5"
+# 2x: a margin over the 1.3 limit whatever the machine. Measured at 1.5x (2026-12-03, 2
+# shared cores, 4 clients of 256 instances, canary 0.5): the ratio read 1.43 (the merge of
+# the requests is not slowed), its 99% lower bound crossed 1.3 after 361 vs 375 forwards,
+# rolled back 12.3 s after serving (6 evaluations), 0 failed.
+SLOWDOWN = "2.0"
 LOAD_INSTANCES = 256
 CLIENTS = 4
 
