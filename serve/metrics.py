@@ -386,8 +386,11 @@ class HandlerMetrics:
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._dropped_stages: set[str] = set()
-        # Rollouts (serve.store.routing): one series per (arm, version); without a rollout the
-        # handler records everything as arm="stable" of its version.
+        self._init_arms(r)
+
+    def _init_arms(self, r: CollectorRegistry) -> None:
+        """The per-arm series of rollouts (serve.store.routing): one per (arm, version);
+        without a rollout the handler records everything as arm="stable" of its version."""
         arm_labels = ["arm", "version"]
         self._arm_requests = Counter(
             _strip_total(ARM_REQUESTS_TOTAL),
