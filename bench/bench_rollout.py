@@ -118,11 +118,11 @@ def _bad_run(client: StateClient, url: str, bodies: list[bytes], start: dict[str
 def _print(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["instances_per_s"]
     print("| run | instances/s | vs single | workers RSS MiB | served | failed | error_ratio "
-          "| p99_ratio | score_psi |")
+          "| latency_ratio | score_psi |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = r.get("guards", {})
-        vals = [g.get(k, {}).get("value") for k in ("error_ratio", "p99_ratio", "score_psi")]
+        vals = [g.get(k, {}).get("value") for k in ("error_ratio", "latency_ratio", "score_psi")]
         cells = ["-" if v is None else f"{v:.4g}" for v in vals]
         ips = r.get("instances_per_s")
         rel = f"{ips / base:.3f}" if ips else "-"

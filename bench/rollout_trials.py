@@ -47,6 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from serve import settings
 from serve.common.net import free_ports
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
@@ -56,7 +57,7 @@ __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "rollout_trials.json"
-SLOWDOWN_ENV = "DLRM_DEBUG_CANDIDATE_SLOWDOWN"
+SLOWDOWN_ENV = settings.DLRM_DEBUG_CANDIDATE_SLOWDOWN.name
 
 
 @contextlib.contextmanager

@@ -25,10 +25,13 @@ __all__ = [
     "DEFAULT_METRICS_PORT",
     "DEFAULT_SIDECAR_PORT",
     "DEFAULT_SIDECAR_WRITE_PORT",
+    "GUARD_CONFIDENCE",
+    "GUARD_FAILURE_LIMIT",
     "GUARD_INTERVAL_S",
     "GUARD_MAX_ERROR_RATIO",
-    "GUARD_MAX_P99_RATIO",
+    "GUARD_MAX_LATENCY_RATIO",
     "GUARD_MAX_SCORE_PSI",
+    "GUARD_MIN_FORWARDS",
     "GUARD_MIN_INSTANCES",
     "GUARD_MIN_REQUESTS",
     "P99_SLO_MS",
@@ -57,15 +60,30 @@ P99_SLO_MS = 60.0
 
 # The rollout guards' default limits: a candidate is rolled back when a limit is exceeded
 # (strictly), judged only once the window holds enough traffic.
-#: Candidate errors / candidate requests.
+#: Candidate errors / candidate requests, judged by its Wilson lower bound.
 GUARD_MAX_ERROR_RATIO = 0.01
-#: Candidate p99 latency / stable p99 latency.
-GUARD_MAX_P99_RATIO = 2.0
+#: Candidate / stable forward seconds per instance, judged by the lower confidence bound
+#: of the ratio (serve.sidecar.control.guards). Two loads of one model read ~1.0; the
+#: slack covers the canary's smaller merged forwards (a per-forward fixed cost spread over
+#: fewer instances) and CPU noise, and still catches a model 1.5x slower.
+GUARD_MAX_LATENCY_RATIO = 1.3
+#: One-sided confidence of the error and latency guards' lower bounds: the bound is above
+#: the truth 1 time in 100, so a breach is evidence, not one noisy window.
+GUARD_CONFIDENCE = 0.99
+#: Consecutive evaluations a guard must breach before the rollout rolls back (Argo
+#: Rollouts' failureLimit, Flagger's threshold). 3 at the default 5 s interval: a breach
+#: must hold ~15 s, through the evaluations after a transient (a GC pause, a neighbour's
+#: burst, a cold cache) but not through a real regression; error_ratio rolls back at once
+#: (its errors reach users, and its Wilson bound is evidence already).
+GUARD_FAILURE_LIMIT = 3
+#: Timed forwards per arm before the latency guard judges: fewer make a rank interval
+#: too wide to say anything, and the normal approximation of U needs a few dozen.
+GUARD_MIN_FORWARDS = 30
 #: Population stability index of the candidate's scores against the stable's (rule of
 #: thumb: below 0.1 no shift, 0.1 to 0.25 moderate, above 0.25 major).
 GUARD_MAX_SCORE_PSI = 0.25
-#: Candidate requests before the error and p99 guards judge. Below 100 a p99 is the
-#: maximum of a handful of samples, and one error in 20 requests reads as a 5% ratio.
+#: Candidate requests before the error guard judges: one error in 20 requests reads as a
+#: 5% ratio, and a bound over a handful of requests is too wide to judge.
 GUARD_MIN_REQUESTS = 100
 #: Scored instances per arm before the PSI guard judges.
 GUARD_MIN_INSTANCES = 500

@@ -76,6 +76,8 @@ from serve.sidecar.control.phases import ReconcileResult, RolloutPhase, SwitchPh
 __all__ = [
     "ARMS",
     "ARM_ERRORS_TOTAL",
+    "ARM_FORWARD_SECONDS_PER_INSTANCE",
+    "ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS",
     "ARM_REQUESTS_TOTAL",
     "ARM_REQUEST_DURATION_SECONDS",
     "ARM_SCORE",
@@ -192,6 +194,9 @@ ARM_REQUESTS_TOTAL = "dlrm_arm_requests_total"
 ARM_ERRORS_TOTAL = "dlrm_arm_errors_total"
 ARM_REQUEST_DURATION_SECONDS = "dlrm_arm_request_duration_seconds"
 ARM_SCORE = "dlrm_arm_score"
+# One observation per forward of an arm: its forward seconds / its instances (what the
+# candidate's model controls: no decode, no queue). The rollout's latency guard compares it.
+ARM_FORWARD_SECONDS_PER_INSTANCE = "dlrm_arm_forward_seconds_per_instance"
 SHADOW_SCORE_DIFF = "dlrm_shadow_score_diff"
 # ... and the rollout's own state, written by the sidecar.
 TUNER_PHASE = "dlrm_tuner_phase"
@@ -261,7 +266,7 @@ ROLLOUT_PHASES: tuple[str, ...] = ("none", *(p.value for p in RolloutPhase))
 #: last of ROLLOUT_GUARDS.
 QUALITY_GUARDS: tuple[str, ...] = ("ne_increase", "calibration_gap")
 #: Guards of a rollout, by name (bounded label of the guard gauges).
-ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "p99_ratio", "score_psi", *QUALITY_GUARDS)
+ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "latency_ratio", "score_psi", *QUALITY_GUARDS)
 #: What became of one feedback label (``dlrm_feedback_labels_total{result}``): ``joined``
 #: with a logged prediction; ``unknown`` request id never logged here (not sampled, served
 #: by another pod, or evicted from the index); ``expired`` logged but its file was rotated
@@ -292,6 +297,15 @@ STAGE_DURATION_BUCKETS: tuple[float, ...] = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
     0.025, 0.05, 0.1, 0.25, 1.0,
 )
+# Forward seconds per instance of one arm's forward: from ~50 ns (a GPU forward of
+# thousands of instances) to 100 ms (one instance on a loaded CPU). Ten buckets per decade
+# (the E10-like series 1, 1.25, 1.6, 2, 2.5, 3.2, 4, 5, 6.4, 8: ratio ~1.26 between
+# neighbours), so the rollout's latency guard (serve.sidecar.control.guards) resolves a
+# 1.3x ratio; fixed: changing them changes that guard's values.
+ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m}e{e}") for e in range(-8, -1)
+    for m in ("1", "1.25", "1.6", "2", "2.5", "3.2", "4", "5", "6.4", "8")
+    if 5e-8 <= float(f"{m}e{e}") <= 0.1) + (0.1,)
 # Predicted click probabilities: CTRs sit mostly below 0.5, so the buckets are dense at the
 # low end. These are also the FIXED bins of the rollout's score-shift guard (population
 # stability index): changing them changes the guard's values.
@@ -396,8 +410,11 @@ class HandlerMetrics:
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._dropped_stages: set[str] = set()
-        # Rollouts (serve.store.routing): one series per (arm, version); without a rollout the
-        # handler records everything as arm="stable" of its version.
+        self._init_arms(r)
+
+    def _init_arms(self, r: CollectorRegistry) -> None:
+        """The per-arm series of rollouts (serve.store.routing): one per (arm, version);
+        without a rollout the handler records everything as arm="stable" of its version."""
         arm_labels = ["arm", "version"]
         self._arm_requests = Counter(
             _strip_total(ARM_REQUESTS_TOTAL),
@@ -413,6 +430,11 @@ class HandlerMetrics:
             "Seconds per request of an arm: the batch's decode time plus that arm's "
             "forward time.",
             arm_labels, buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._arm_forward = Histogram(
+            ARM_FORWARD_SECONDS_PER_INSTANCE,
+            "Forward seconds per instance of an arm: one observation per forward that "
+            "succeeded (its forward time / its instances; decode and queue excluded).",
+            arm_labels, buckets=ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS, registry=r)
         self._arm_score = Histogram(
             ARM_SCORE,
             "Predicted click probabilities of each arm, one observation per instance.",
@@ -480,6 +502,17 @@ class HandlerMetrics:
             self._device_bytes.set(int(stats.device_bytes))
             self._host_bytes.set(int(stats.host_bytes))
 
+    def skip_cache(self, stats: CacheStats, features: list[str],
+                   wrapped: tuple[int, ...]) -> None:
+        """Take the runtime's cumulative counts as the starting point without counting
+        them (the worker's warm-up forwards before it serves): the next :meth:`set_cache`
+        and :meth:`set_wrapped` count only what came after."""
+        with self._lock:
+            for key in ("hits", "misses", "evictions"):
+                self._last[key] = int(getattr(stats, key))
+            for name, value in zip(features, wrapped, strict=True):
+                self._last[f"wrapped:{name}"] = int(value)
+
     def set_wrapped(self, features: list[str], wrapped: tuple[int, ...]) -> None:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
@@ -503,7 +536,8 @@ class HandlerMetrics:
         self._logged.inc(requests)
 
     def observe_arm(self, arm: str, version: str, requests: int, errors: int,
-                    seconds_per_request: float, scores: np.ndarray | None = None) -> None:
+                    seconds_per_request: float, scores: np.ndarray | None = None, *,
+                    forward_seconds_per_instance: float | None = None) -> None:
         """One arm's forward in a batch.
 
         Args:
@@ -515,6 +549,9 @@ class HandlerMetrics:
                 seconds; observed once per request in ``dlrm_arm_request_duration_seconds``.
             scores: (n,) the predicted probabilities of the arm's instances, one
                 ``dlrm_arm_score`` observation each (None or empty: none).
+            forward_seconds_per_instance: the arm's forward seconds / its instances,
+                observed once in ``dlrm_arm_forward_seconds_per_instance`` (None: not
+                observed; pass None for a forward that failed).
         Raises:
             ValueError: an arm outside ARMS, an empty version, counts below 0 or errors
                 above requests, a negative or non-finite duration.
@@ -526,14 +563,18 @@ class HandlerMetrics:
         if requests < 0 or not 0 <= errors <= requests:
             raise ValueError(f"requests={requests} must be >= 0 and errors={errors} in "
                              "0..requests")
-        if not math.isfinite(seconds_per_request) or seconds_per_request < 0:
-            raise ValueError(f"seconds_per_request={seconds_per_request} must be finite and "
-                             ">= 0")
+        for what, secs in (("seconds_per_request", seconds_per_request),
+                           ("forward_seconds_per_instance", forward_seconds_per_instance)):
+            if secs is not None and (not math.isfinite(secs) or secs < 0):
+                raise ValueError(f"{what}={secs} must be finite and >= 0")
         self._arm_requests.labels(arm=arm, version=version).inc(requests)
         self._arm_errors.labels(arm=arm, version=version).inc(errors)
         if requests:
             observe_many(self._arm_duration.labels(arm=arm, version=version),
                          np.full(requests, float(seconds_per_request)))
+        if forward_seconds_per_instance is not None:
+            self._arm_forward.labels(arm=arm, version=version).observe(
+                float(forward_seconds_per_instance))
         if scores is not None and np.size(scores):
             observe_many(self._arm_score.labels(arm=arm, version=version), scores)
 

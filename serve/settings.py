@@ -49,6 +49,7 @@ __all__ = [
     "BENCH",
     "DLRM_AUTOTUNE",
     "DLRM_CACHE_ON_CPU",
+    "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
     "DLRM_DELTA_DIR",
     "DLRM_DELTA_POLL_MS",
     "DLRM_DRAIN_FILE",
@@ -340,6 +341,12 @@ DLRM_CACHE_ON_CPU = _var(
     "DLRM_CACHE_ON_CPU",
     "1 runs the embedding cache on CPU too (on CPU it only costs time, so it is off by "
     "default); 0 serves CPU models without a cache.", WORKER, default="0")
+DLRM_DEBUG_CANDIDATE_SLOWDOWN = _var(
+    "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
+    "FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's forwards take this many times "
+    "their time (>= 1; the worker busy-waits the rest), so a rollout run can prove the latency "
+    "guard rolls a slower model back. Overrides handler.debug_candidate_slowdown; never "
+    "set it where real traffic is served.", WORKER, default="1")
 DLRM_SHARED_TABLES = _var(
     "DLRM_SHARED_TABLES",
     "With DLRM_DELTA_DIR set, on CPU without a cache: 1 makes the workers share one copy "

@@ -20,8 +20,9 @@ The file::
     #   steps: [0.5, 1.0]               # optional: later weights, one bake period each
     #   bake_s: 60                      # seconds each weight must survive the guards
     #   attempt: 1                      # bump to try the candidate again after a decision
-    #   guards: {max_error_ratio: 0.01, max_p99_ratio: 2.0, max_score_psi: 0.25,
-    #            min_requests: 100, min_instances: 500, interval_s: 5}
+    #   guards: {max_error_ratio: 0.01, max_latency_ratio: 1.3, max_score_psi: 0.25,
+    #            min_requests: 100, min_instances: 500, min_forwards: 30, interval_s: 5,
+    #            failure_limit: 3}
 
 Unknown keys, wrong types (``"8"``, ``8.0``, ``true`` for an integer) and out-of-range
 values are refused with a message that names the field, the rule and the value.
@@ -49,21 +50,24 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from serve.common.durable import write_durably
 from serve.constants import (
+    GUARD_FAILURE_LIMIT,
     GUARD_INTERVAL_S,
     GUARD_MAX_ERROR_RATIO,
-    GUARD_MAX_P99_RATIO,
+    GUARD_MAX_LATENCY_RATIO,
     GUARD_MAX_SCORE_PSI,
+    GUARD_MIN_FORWARDS,
     GUARD_MIN_INSTANCES,
     GUARD_MIN_REQUESTS,
     QUALITY_MAX_CALIBRATION_GAP,
     QUALITY_MAX_NE_INCREASE,
     QUALITY_MIN_LABELS,
 )
-from serve.errors import ConfigError, describe_field_errors
+from serve.errors import ConfigError, describe_field_errors, shown
 
 __all__ = [
     "ALLOWED_FIELDS",
@@ -107,8 +111,9 @@ _SERVING_RE = re.compile(r"^(?P<v>[A-Za-z0-9][A-Za-z0-9.\-]{0,63})_b(?P<b>\d+)d(
 ROLLOUT_MODES = ("canary", "shadow")
 ALLOWED_FIELDS = ("model.version, batching.batch_size, batching.max_batch_delay_ms, workers, "
                   "rollout.candidate, rollout.mode, rollout.weight, rollout.steps, "
-                  "rollout.bake_s, rollout.guards.{max_error_ratio, max_p99_ratio, "
-                  "max_score_psi, min_requests, min_instances, interval_s}")
+                  "rollout.bake_s, rollout.guards.{max_error_ratio, max_latency_ratio, "
+                  "max_score_psi, min_requests, min_instances, min_forwards, interval_s, "
+                  "failure_limit}")
 BAKE_S_MAX = 7 * 24 * 3600
 
 
@@ -128,21 +133,30 @@ class Batching(_Strict):
 
 
 class Guards(_Strict):
-    """When a rollout's candidate is rolled back (any limit exceeded, strictly), and how
-    much traffic it needs before each guard judges. See ``serve.sidecar.control.guards``;
-    the defaults are ``serve.constants.GUARD_*`` (why each: there)."""
+    """When a rollout's candidate is rolled back (a limit exceeded, strictly, on
+    ``failure_limit`` evaluations in a row), and how much traffic it needs before each
+    guard judges. See ``serve.sidecar.control.guards``; the defaults are
+    ``serve.constants.GUARD_*`` (why each: there). ``max_p99_ratio`` (a point estimate
+    of request p99s) is gone: it is refused with a message naming its successor."""
 
     max_error_ratio: float = Field(default=GUARD_MAX_ERROR_RATIO, ge=0, le=1,
-                                   description="Candidate errors / candidate requests.")
-    max_p99_ratio: float = Field(default=GUARD_MAX_P99_RATIO, gt=0, le=1000,
-                                 description="Candidate p99 latency / stable p99 latency.")
+                                   description="Candidate errors / candidate requests "
+                                               "(its 99% Wilson lower bound is judged).")
+    max_latency_ratio: float = Field(
+        default=GUARD_MAX_LATENCY_RATIO, gt=0, le=1000,
+        description="Candidate / stable forward seconds per instance (the 99% lower "
+                    "confidence bound of the ratio is judged).")
     max_score_psi: float = Field(default=GUARD_MAX_SCORE_PSI, ge=0, le=100,
                                  description="Population stability index of the candidate's "
                                              "predicted scores against the stable's.")
     min_requests: int = Field(default=GUARD_MIN_REQUESTS, ge=1, le=10_000_000,
-                              description="Candidate requests before errors and p99 judge.")
+                              description="Candidate requests before the error guard "
+                                          "judges.")
     min_instances: int = Field(default=GUARD_MIN_INSTANCES, ge=1, le=1_000_000_000,
                                description="Scored instances per arm before the PSI judges.")
+    min_forwards: int = Field(default=GUARD_MIN_FORWARDS, ge=1, le=10_000_000,
+                              description="Timed forwards per arm before the latency guard "
+                                          "judges.")
     interval_s: float = Field(default=GUARD_INTERVAL_S, gt=0, le=3600,
                               description="Seconds between evaluations.")
     # The click-quality gates (serve.sidecar.control.quality_gates), judged on labels
@@ -156,6 +170,20 @@ class Guards(_Strict):
     max_calibration_gap: float = Field(default=QUALITY_MAX_CALIBRATION_GAP, ge=0, le=100,
                                        description="|ln calibration ratio| of the candidate "
                                                    "- the stable's (lower 99% bound).")
+    failure_limit: int = Field(default=GUARD_FAILURE_LIMIT, ge=1, le=1000,
+                               description="Consecutive breached evaluations of one guard "
+                                           "before a rollback (error_ratio: at once).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _p99_ratio_is_gone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_p99_ratio" in data:
+            raise ValueError(
+                f"max_p99_ratio={shown(data['max_p99_ratio'])} is no longer a guard: "
+                "latency is judged by max_latency_ratio (candidate / stable forward "
+                f"seconds per instance, its lower confidence bound; default "
+                f"{GUARD_MAX_LATENCY_RATIO}); rename the key and size the limit for it")
+        return data
 
 
 class Rollout(_Strict):

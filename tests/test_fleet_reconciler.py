@@ -92,8 +92,10 @@ def test_one_leader_judges_records_and_settles_the_follower_adopts(tmp_path):
     b.clock.now += 5.0
     b.tick()  # the follower never judges
     assert b.ctl.run.phase.value == "baking" and b.ctl.run.evaluations == 0
-    a.clock.now += 5.0
-    a.tick()  # the leader judges, rolls back, records and settles the file
+    for _ in range(declared().rollout.guards.failure_limit):
+        a.clock.now += 5.0
+        a.tick()  # the leader judges (failure_limit breaches in a row), rolls back,
+        # records and settles the file
     decision = FileDecisionStore(tmp_path / "rollout-decisions.json").read(
         rollout_key(STABLE, declared().rollout))
     assert decision is not None and decision.phase == "rolled_back"

@@ -1,6 +1,6 @@
 """serve.sidecar.control.guards: snapshots of the per-arm series (parsed from real prometheus_client
 families), windows between snapshots, the statistics (PSI, histogram_quantile) and the
-three rollout guards."""
+three rollout guards (the latency guard's statistic in depth: tests/test_guards_latency.py)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
+    ARM_FORWARD_SECONDS_PER_INSTANCE,
+    ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
     ARM_REQUEST_DURATION_SECONDS,
     ARM_REQUESTS_TOTAL,
     ARM_SCORE,
@@ -41,14 +43,16 @@ from serve.sidecar.control.guards import (
     histogram_quantile,
     psi,
     snapshot,
+    wilson_lower,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 LAT_LEN = len(REQUEST_DURATION_BUCKETS) + 1
 SCORE_LEN = len(SCORE_BUCKETS) + 1
 
-# The guards as the tests size their windows: 20 requests (the default asks 100).
-LIMITS = GuardLimits(min_requests=20)
+# The guards as the tests size their windows: 20 requests and forwards (the defaults ask
+# 100 and 30).
+LIMITS = GuardLimits(min_requests=20, min_forwards=20)
 
 
 class Workers:
@@ -66,18 +70,21 @@ class Workers:
                                   buckets=REQUEST_DURATION_BUCKETS, registry=r)
         self.score = Histogram(ARM_SCORE, "scores", labels, buckets=SCORE_BUCKETS,
                                registry=r)
+        self.forward = Histogram(ARM_FORWARD_SECONDS_PER_INSTANCE, "per instance", labels,
+                                 buckets=ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS, registry=r)
         self.diff = Histogram(SHADOW_SCORE_DIFF, "diff", ["version"],
                               buckets=SCORE_DIFF_BUCKETS, registry=r)
 
     def serve(self, arm: str, version: str, *, seconds: float, scores: list[float],
               n: int = 1, failed: int = 0) -> None:
         """``n`` requests of ``seconds`` each, ``failed`` of them failed, each scoring
-        ``scores``."""
+        ``scores``; each one forward whose seconds per instance are ``seconds / 100``."""
         for i in range(n):
             self.requests.labels(arm, version).inc()
             if i < failed:
                 self.errors.labels(arm, version).inc()
             self.duration.labels(arm, version).observe(seconds)
+            self.forward.labels(arm, version).observe(seconds / 100)
             for s in scores:
                 self.score.labels(arm, version).observe(s)
 
@@ -104,12 +111,15 @@ def scores_cum(values: list[float]) -> tuple[int, ...]:
 
 
 def arm(requests: int = 0, errors: int = 0, seconds: list[float] | None = None,
-        scores: list[float] | None = None) -> ArmCounts:
+        scores: list[float] | None = None, forwards: list[float] | None = None) -> ArmCounts:
     seconds = seconds or []
     scores = scores or []
+    forwards = forwards or []
     return ArmCounts(requests=requests, errors=errors, latency_buckets=latency(seconds),
                      latency_sum=sum(seconds), score_buckets=scores_cum(scores),
-                     score_count=len(scores), score_sum=sum(scores))
+                     score_count=len(scores), score_sum=sum(scores),
+                     forward_buckets=cumulative(ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
+                                                forwards), forward_sum=sum(forwards))
 
 
 def by_name(results: list[GuardResult]) -> dict[str, GuardResult]:
@@ -394,11 +404,13 @@ def test_psi_refuses_invalid_arguments(e, a, eps, match):
 
 def test_limits_defaults_and_validation():
     limits = GuardLimits()
-    assert (limits.max_error_ratio, limits.max_p99_ratio, limits.max_score_psi,
-            limits.min_requests, limits.min_instances) == (0.01, 2.0, 0.25, 100, 500)
+    assert (limits.max_error_ratio, limits.max_latency_ratio, limits.max_score_psi,
+            limits.min_requests, limits.min_instances, limits.min_forwards,
+            limits.confidence) == (0.01, 1.3, 0.25, 100, 500, 30, 0.99)
     for bad in ({"max_error_ratio": -0.1}, {"max_error_ratio": 1.5},
-                {"max_p99_ratio": 0}, {"max_score_psi": math.inf},
-                {"min_requests": 0}, {"min_instances": 2.5}, {"min_requests": True}):
+                {"max_latency_ratio": 0}, {"max_score_psi": math.inf},
+                {"min_requests": 0}, {"min_instances": 2.5}, {"min_requests": True},
+                {"min_forwards": 0}, {"confidence": 1.0}, {"confidence": 0.2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             GuardLimits(**bad)
 
@@ -418,9 +430,11 @@ def test_results_come_in_guard_order_and_serialize():
     with pytest.raises(ValueError, match="not one of"):
         GuardResult("latency", 1.0, 2.0, "ok", "")
     with pytest.raises(ValueError, match="not one of"):
-        GuardResult("p99_ratio", 1.0, 2.0, "fine", "")
+        GuardResult("p99_ratio", 1.0, 2.0, "ok", "")  # the guard before latency_ratio
+    with pytest.raises(ValueError, match="not one of"):
+        GuardResult("latency_ratio", 1.0, 2.0, "fine", "")
     with pytest.raises(ValueError, match="None exactly"):
-        GuardResult("p99_ratio", None, 2.0, "ok", "")
+        GuardResult("latency_ratio", None, 2.0, "ok", "")
     assert set(GUARD_STATUSES) == {"ok", "breached", "insufficient_data"}
 
 
@@ -430,59 +444,68 @@ def test_error_ratio_ok_breached_insufficient_and_strict():
     assert few["error_ratio"].status == "insufficient_data"
     assert few["error_ratio"].detail == "candidate has 12 of the 20 requests needed"
 
-    bad = by_name(evaluate(Snapshot(candidate=arm(requests=120, errors=3)), limits))
-    assert bad["error_ratio"].status == "breached" and bad["error_ratio"].value == 0.025
-    assert bad["error_ratio"].detail == "candidate 3 errors of 120 requests = 0.025 > 0.01"
+    # 3 of 120 (2.5%) is no evidence of a rate above 1%: the 99% lower bound is 0.0071
+    # (by hand: (p + z^2/2n - z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z = 2.3263).
+    unlucky = by_name(evaluate(Snapshot(candidate=arm(requests=120, errors=3)), limits))
+    assert unlucky["error_ratio"].status == "ok"
+    assert unlucky["error_ratio"].value == pytest.approx(wilson_lower(3, 120, 0.99))
+    assert unlucky["error_ratio"].detail == (
+        "candidate 3 errors of 120 requests (0.025): 99% lower bound = 0.007131 <= 0.01")
+    bad = by_name(evaluate(Snapshot(candidate=arm(requests=120, errors=10)), limits))
+    assert bad["error_ratio"].status == "breached"
+    assert bad["error_ratio"].detail == (
+        "candidate 10 errors of 120 requests (0.08333): 99% lower bound = 0.04115 > 0.01")
     assert [r.name for r in breaches(bad.values())] == ["error_ratio"]
 
-    at_limit = by_name(evaluate(Snapshot(candidate=arm(requests=100, errors=1)), limits))
-    assert at_limit["error_ratio"].status == "ok"  # 0.01 is not > 0.01
-    assert at_limit["error_ratio"].detail.endswith("= 0.01 <= 0.01")
+    bound = wilson_lower(10, 120, 0.99)
+    at_limit = by_name(evaluate(Snapshot(candidate=arm(requests=120, errors=10)),
+                                GuardLimits(min_requests=20, max_error_ratio=bound)))
+    assert at_limit["error_ratio"].status == "ok"  # the bound is not > itself
     clean = by_name(evaluate(Snapshot(candidate=arm(requests=20)), limits))
     assert (clean["error_ratio"].status, clean["error_ratio"].value) == ("ok", 0.0)
 
 
 def _latency_window(stable_s: float, candidate_s: float, n: int = 100,
                     stable_n: int | None = None) -> Snapshot:
+    """``n`` candidate and ``stable_n`` stable forwards of the given seconds per instance,
+    spread +-20% (evenly, so both arms' shapes are alike)."""
     stable_n = n if stable_n is None else stable_n
-    return Snapshot(stable=arm(requests=stable_n, seconds=[stable_s] * stable_n),
-                    candidate=arm(requests=n, seconds=[candidate_s] * n))
+
+    def spread(centre: float, k: int) -> list[float]:
+        return [centre * (0.8 + 0.4 * i / max(1, k - 1)) for i in range(k)]
+
+    return Snapshot(stable=arm(requests=stable_n, forwards=spread(stable_s, stable_n)),
+                    candidate=arm(requests=n, forwards=spread(candidate_s, n)))
 
 
-def test_p99_ratio_ok_breached_and_strict():
-    # Stable in (7.5 ms, 10 ms], candidate in (10 ms, 25 ms]: p99s by interpolation.
-    stable_p99 = 0.0075 + 0.0025 * 0.99
-    candidate_p99 = 0.01 + 0.015 * 0.99
-    slow = by_name(evaluate(_latency_window(0.009, 0.02), LIMITS))["p99_ratio"]
-    assert slow.status == "breached"
-    assert slow.value == pytest.approx(candidate_p99 / stable_p99)  # ~2.49
-    assert slow.detail.startswith("candidate p99 0.02485 s / stable p99 0.009975 s = 2.491 > 2")
+def test_latency_ratio_ok_breached_and_strict():
+    slow = by_name(evaluate(_latency_window(20e-6, 40e-6), LIMITS))["latency_ratio"]
+    assert slow.status == "breached" and 1.3 < slow.value < 2.0  # the lower bound of ~2x
+    assert slow.detail.startswith("candidate / stable forward seconds per instance over "
+                                  "100 vs 100 forwards: ratio 2")
+    assert "; 99% lower bound = " in slow.detail and slow.detail.endswith("> 1.3")
 
-    same = by_name(evaluate(_latency_window(0.009, 0.009), GuardLimits(max_p99_ratio=1.0)))
-    assert (same["p99_ratio"].status, same["p99_ratio"].value) == ("ok", 1.0)  # 1.0 !> 1.0
-    tighter = GuardLimits(max_p99_ratio=0.999)
-    assert by_name(evaluate(_latency_window(0.009, 0.009), tighter))["p99_ratio"].breached
-    faster = by_name(evaluate(_latency_window(0.009, 0.002), LIMITS))["p99_ratio"]
-    assert faster.status == "ok" and faster.value < 1
+    same = by_name(evaluate(_latency_window(20e-6, 20e-6), LIMITS))["latency_ratio"]
+    assert same.status == "ok" and same.value < 1.0
+    limit = by_name(evaluate(_latency_window(20e-6, 40e-6), LIMITS))["latency_ratio"].value
+    exact = GuardLimits(min_forwards=20, max_latency_ratio=limit)
+    assert by_name(evaluate(_latency_window(20e-6, 40e-6), exact))["latency_ratio"].status == "ok"
+    faster = by_name(evaluate(_latency_window(20e-6, 5e-6), LIMITS))["latency_ratio"]
+    assert faster.status == "ok" and faster.value < 0.3
 
 
-def test_p99_ratio_needs_requests_and_a_stable_p99():
-    limits = LIMITS
-    few = by_name(evaluate(_latency_window(0.009, 0.5, n=5), limits))["p99_ratio"]
+def test_latency_ratio_needs_forwards_on_both_arms():
+    few = by_name(evaluate(_latency_window(20e-6, 0.05, n=5, stable_n=50),
+                           LIMITS))["latency_ratio"]
     assert few.status == "insufficient_data" and few.value is None
-    assert few.detail == "candidate has 5 of the 20 requests needed"
-    no_stable = Snapshot(candidate=arm(requests=50, seconds=[0.01] * 50))
-    result = by_name(evaluate(no_stable, limits))["p99_ratio"]
-    assert result.status == "insufficient_data" and "stable has 0 of the 20" in result.detail
-    # With the positive bounds of REQUEST_DURATION_BUCKETS a defined p99 is > 0, so the
-    # stable p99 is missing only when stable has no timed requests.
-    timeless = Snapshot(stable=ArmCounts(requests=50), candidate=arm(requests=50,
-                                                                    seconds=[0.01] * 50))
-    assert by_name(evaluate(timeless, limits))["p99_ratio"].status == "insufficient_data"
+    assert few.detail == "candidate has 5 of the 20 timed forwards needed"
+    no_stable = Snapshot(candidate=arm(requests=50, forwards=[1e-5] * 50))
+    result = by_name(evaluate(no_stable, LIMITS))["latency_ratio"]
+    assert result.detail == "stable has 0 of the 20 timed forwards needed"
+    # Workers that predate the series: requests, no forwards.
     untimed = Snapshot(stable=arm(requests=50, seconds=[0.01] * 50),
-                       candidate=ArmCounts(requests=50))
-    result = by_name(evaluate(untimed, limits))["p99_ratio"]
-    assert result.status == "insufficient_data" and "undefined" in result.detail
+                       candidate=arm(requests=50, seconds=[0.5] * 50))
+    assert by_name(evaluate(untimed, LIMITS))["latency_ratio"].status == "insufficient_data"
 
 
 def _spread(center: float, n: int, seed: int) -> list[float]:
@@ -539,10 +562,12 @@ def test_end_to_end_from_families_to_breaches():
         scores = [min(0.999, max(0.0005, rng.gauss(0.2, 0.05))) for _ in range(10)]
         w.serve("stable", "v1", seconds=0.004, scores=scores)
         w.serve("candidate", "v2", seconds=0.004, scores=scores)
-    w.serve("candidate", "v2", seconds=0.004, scores=[], n=30, failed=2)  # 2 of 130 fail
+    w.serve("candidate", "v2", seconds=0.004, scores=[], n=30, failed=12)  # 12 of 130 fail
     results = evaluate(w.snap().minus(base), LIMITS)
     got = {r.name: r.status for r in results}
-    assert got == {"error_ratio": "breached", "p99_ratio": "ok", "score_psi": "ok"}
+    assert got == {"error_ratio": "breached", "latency_ratio": "ok", "score_psi": "ok"}
     assert [r.name for r in breaches(results)] == ["error_ratio"]
-    assert by_name(results)["p99_ratio"].value == 1.0
+    assert by_name(results)["error_ratio"].value == pytest.approx(wilson_lower(12, 130, 0.99))
+    latency = by_name(results)["latency_ratio"]  # same forwards: ratio 1, bound below it
+    assert latency.value <= 1.0 and "ratio 1;" in latency.detail
     assert by_name(results)["score_psi"].value == pytest.approx(0.0, abs=1e-12)

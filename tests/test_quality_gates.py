@@ -292,7 +292,7 @@ class Labels:
 
 
 def desired(**guards) -> DesiredState:
-    g = {"interval_s": 5, "min_requests": 10, "min_instances": 100, "max_p99_ratio": 1000,
+    g = {"interval_s": 5, "min_requests": 10, "min_instances": 100, "max_latency_ratio": 1000,
          "max_score_psi": 100}
     g.update(guards)
     return parse_state({"model": {"version": STABLE}, "rollout": {
@@ -329,6 +329,9 @@ def test_labels_from_before_the_rollout_do_not_judge_it(tmp_path: Path) -> None:
     ctl.declare(d)
     ctl.on_serving(d, SERVING)
     label_both(labels, 1500, 1, lambda q, rng: rng.permutation(q))
+    for _ in range(d.rollout.guards.failure_limit - 1):  # breaches in a row first
+        clock.t += 5
+        assert ctl.tick() is None
     clock.t += 5
     assert ctl.tick() == "rolled_back"
     assert ctl.run is not None and "guard ne_increase breached" in (ctl.run.reason or "")

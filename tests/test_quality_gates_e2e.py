@@ -11,7 +11,7 @@ Versions (``tests/fixtures/pipeline.py``'s tiny build, no second training):
 
 Each rollout is a canary at weight 0.5 with ``min_labels`` set (the gates block), the
 score PSI guard off (``max_score_psi: 100``: the shuffled model's scores would trip it
-first) and a loose p99 limit (two shared cores). The held-out rows (4,000) go through the
+first) and the default latency guard. The held-out rows (4,000) go through the
 inference API twice, in requests of 16 (every answer keeps TorchServe's request id), and
 their labels are posted to ``POST /feedback`` after each pass, as a click pipeline would,
 while a background load keeps traffic on both arms: the bad candidate is rolled back by
@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BATCHING = {"batch_size": 4, "max_batch_delay_ms": 5}
 MIN_LABELS = 1500
 GUARDS = {"interval_s": 1, "min_requests": 20, "min_instances": 100, "max_score_psi": 100,
-          "max_p99_ratio": 1000.0, "min_labels": MIN_LABELS}
+          "min_labels": MIN_LABELS}
 
 
 @dataclass

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from serve.errors import Conflict
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
+    ARM_FORWARD_SECONDS_PER_INSTANCE,
+    ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
     ARM_REQUEST_DURATION_SECONDS,
     ARM_REQUESTS_TOTAL,
     ARM_SCORE,
@@ -55,14 +57,19 @@ class Workers:
                                  buckets=REQUEST_DURATION_BUCKETS, registry=r)
         self.score = Histogram(ARM_SCORE, "s", ["arm", "version"], buckets=SCORE_BUCKETS,
                                registry=r)
+        self.forward = Histogram(ARM_FORWARD_SECONDS_PER_INSTANCE, "f", ["arm", "version"],
+                                 buckets=ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS, registry=r)
 
     def serve(self, arm: str, version: str, requests: int, *, errors: int = 0,
               latency_s: float = 0.01, scores: np.ndarray | None = None) -> None:
+        """``requests`` requests of one forward each, of 100 instances: the forward's
+        seconds per instance are ``latency_s / 100``."""
         self.requests.labels(arm, version).inc(requests)
         if errors:
             self.errors.labels(arm, version).inc(errors)
         for _ in range(requests):
             self.latency.labels(arm, version).observe(latency_s)
+            self.forward.labels(arm, version).observe(latency_s / 100)
         for s in (scores if scores is not None else []):
             self.score.labels(arm, version).observe(float(s))
 
@@ -76,7 +83,8 @@ def good_scores(n: int, seed: int) -> np.ndarray:
 
 def desired(**rollout) -> DesiredState:
     spec = {"candidate": CANDIDATE, "mode": "canary", "weight": 0.2, "bake_s": 30,
-            "guards": {"interval_s": 5, "min_requests": 10, "min_instances": 100}}
+            "guards": {"interval_s": 5, "min_requests": 10, "min_instances": 100,
+                       "min_forwards": 10}}
     spec.update(rollout)
     return parse_state({"model": {"version": STABLE}, "rollout": spec})
 
@@ -143,7 +151,7 @@ def test_guards_every_interval_then_promotion_after_bake(rig):
     assert ctl.tick() is None  # evaluated, within bake
     status = ctl.status()
     assert status.evaluations == 1 and [g.name for g in status.guards] == [
-        "error_ratio", "p99_ratio", "score_psi", "ne_increase", "calibration_gap"]
+        "error_ratio", "latency_ratio", "score_psi", "ne_increase", "calibration_gap"]
     assert all(g.status == "ok" for g in status.guards[:3]), status.guards
     # no labels posted: the click-quality gates wait, without blocking (min_labels 0)
     assert all(g.status == "insufficient_data" and not g.blocking
@@ -183,18 +191,27 @@ def test_steps_walk_the_weights_one_bake_each(rig):
     assert seen[:3] == [pytest.approx(0.1), pytest.approx(0.5), pytest.approx(1.0)]
 
 
-def test_score_shift_rolls_back_within_two_periods(rig):
+def test_score_shift_rolls_back_after_failure_limit_breaches_in_a_row(rig):
     ctl, clock, workers, metrics, tmp = rig
     d = desired()
     ctl.declare(d)
     ctl.on_serving(d, SERVING)
     flat = np.full(200, 0.5)  # a shuffled-label model: every score near the base rate
+    for n in (1, 2):
+        traffic(workers, candidate_scores=flat)
+        clock.t += 5.0
+        assert ctl.tick() is None  # breached, still counting
+        status = ctl.status()
+        assert status.phase == "baking" and control(tmp).weight == pytest.approx(0.2)
+        assert f"guard score_psi breached {n} of 3 times in a row" in status.reason
+        psi = next(g for g in status.guards if g.name == "score_psi")
+        assert psi.status == "breached" and psi.consecutive_breaches == n
     traffic(workers, candidate_scores=flat)
     clock.t += 5.0
     assert ctl.tick() == "rolled_back"
     status = ctl.status()
     assert status.phase == "rolled_back" and status.weight == 0.0
-    assert "score_psi" in status.reason
+    assert "score_psi breached 3 times in a row" in status.reason
     psi = next(g for g in status.guards if g.name == "score_psi")
     assert psi.status == "breached" and psi.value > psi.threshold
     assert control(tmp).weight == 0.0  # at once, before any switch
@@ -205,24 +222,72 @@ def test_score_shift_rolls_back_within_two_periods(rig):
         ctl.promote("late")
 
 
-def test_errors_and_latency_guards_roll_back(rig):
+def test_errors_roll_back_at_once_and_latency_after_failure_limit(rig):
     ctl, clock, workers, _, _ = rig
     d = desired()
     ctl.declare(d)
     ctl.on_serving(d, SERVING)
-    traffic(workers, candidate_errors=5)
+    traffic(workers, candidate_errors=5)  # 5 of 20: Wilson 99% lower bound ~0.07 > 0.01
     clock.t += 5.0
     assert ctl.tick() == "rolled_back"
-    assert "error_ratio" in ctl.status().reason
+    assert "error_ratio breached:" in ctl.status().reason
 
     d2 = desired(weight=0.3)  # a new spec: a new run
     ctl.declare(d2)
     assert ctl.run.key == rollout_key(STABLE, d2.rollout) and ctl.run.phase is RolloutPhase.BAKING
     ctl.on_serving(d2, SERVING)
+    transitions = []
+    for _ in range(3):
+        traffic(workers, latency=(0.005, 0.5))
+        clock.t += 5.0
+        transitions.append(ctl.tick())
+    assert transitions == [None, None, "rolled_back"]
+    assert "latency_ratio breached 3 times in a row" in ctl.status().reason
+
+
+def test_an_ok_evaluation_resets_the_count(rig):
+    """A breach that does not hold (a transient) never rolls back: breached, breached, ok,
+    breached, breached is never 3 in a row."""
+    ctl, clock, workers, _, _ = rig
+    d = desired(bake_s=600)
+    ctl.declare(d)
+    ctl.on_serving(d, SERVING)
+    seen = []
+    # The window is cumulative since the weight began: fast traffic outweighs the slow
+    # forwards for the ok evaluation, then more slow traffic outweighs it again.
+    for slow, n in ((True, 20), (True, 20), (False, 200), (True, 600), (True, 100)):
+        traffic(workers, requests=(80, n), latency=(0.01, 0.05 if slow else 0.01))
+        clock.t += 5.0
+        assert ctl.tick() is None
+        g = next(g for g in ctl.status().guards if g.name == "latency_ratio")
+        seen.append((g.status, g.consecutive_breaches))
+    assert seen == [("breached", 1), ("breached", 2), ("ok", 0), ("breached", 1),
+                    ("breached", 2)]
+    assert ctl.status().phase == "baking"
+
+
+def test_manual_rollback_ignores_the_failure_limit(rig):
+    ctl, clock, workers, _, tmp = rig
+    d = desired()
+    ctl.declare(d)
+    ctl.on_serving(d, SERVING)
+    traffic(workers, latency=(0.005, 0.5))
+    clock.t += 5.0
+    assert ctl.tick() is None
+    assert ctl.rollback("by hand").phase is RolloutPhase.ROLLED_BACK
+    assert ctl.status().reason == "by hand" and control(tmp).weight == 0.0
+
+
+def test_failure_limit_one_rolls_back_on_the_first_breach(rig):
+    ctl, clock, workers, _, _ = rig
+    d = desired(guards={"interval_s": 5, "min_requests": 10, "min_instances": 100,
+                        "min_forwards": 10, "failure_limit": 1})
+    ctl.declare(d)
+    ctl.on_serving(d, SERVING)
     traffic(workers, latency=(0.005, 0.5))
     clock.t += 5.0
     assert ctl.tick() == "rolled_back"
-    assert "p99_ratio" in ctl.status().reason
+    assert "guard latency_ratio breached:" in ctl.status().reason
 
 
 def test_bake_waits_for_data_instead_of_promoting_blind(rig):
@@ -299,7 +364,8 @@ def test_reconciler_loads_both_settles_the_outcome_and_unloads(tmp_path):
     store.mkdir()
     ts = FakeTorchServe(store, initial=None)
     state_file = tmp_path / "state.yaml"
-    d = desired(bake_s=60)
+    d = desired(bake_s=60, guards={"interval_s": 5, "min_requests": 10, "min_instances": 100,
+                                   "failure_limit": 1})
     d = d.model_copy(update={"batching": d.batching.model_copy(
         update={"batch_size": 8, "max_batch_delay_ms": 50}), "workers": 1})
     write_state(state_file, d)

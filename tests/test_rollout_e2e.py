@@ -39,12 +39,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BATCHING = {"batch_size": 4, "max_batch_delay_ms": 5}
 # The tiny models of two seeds differ more than the small ones: their score PSI on random
 # inputs is 0.13-0.20 (small: 0.011), close to the default limit of 0.25; the shuffled-label
-# model's is ~7.5. A limit of 0.5 keeps both far from the line. The p99 limit is loose:
-# the test machine's two cores are shared with the load generator (and, in CI, with
-# whatever else runs), so one slow forward moves a p99 of ~100 requests by 2x; this module
-# checks the rollout's mechanics, bench-rollout measures latency.
-GUARDS = {"interval_s": 2, "min_requests": 50, "min_instances": 500, "max_score_psi": 0.5,
-          "max_p99_ratio": 10.0}
+# model's is ~7.5. A limit of 0.5 keeps both far from the line. The latency guard keeps
+# its default (1.3 on the lower confidence bound of the forward-time ratio, 3 breaches in
+# a row): it judges forward seconds per instance, which a slow neighbour on the shared
+# cores moves on both arms alike, not request p99s.
+GUARDS = {"interval_s": 2, "min_requests": 50, "min_instances": 500, "max_score_psi": 0.5}
 LOAD_INSTANCES = 64
 CLIENTS = 6
 
@@ -213,7 +212,9 @@ def test_shuffled_label_candidate_is_rolled_back_by_the_score_guard(served: Serv
           + ", ".join(f"{k}={g['value']}" for k, g in guards.items())
           + f"; {load.served} served, {load.failed} failed")
     assert load.failed == 0, load.failures[:3]
-    assert r["evaluations"] <= 2 and "score_psi" in r["reason"], r
+    # failure_limit (3) breaches in a row, after at most one evaluation short of data
+    assert r["evaluations"] <= 4 and "score_psi breached 3 times in a row" in r["reason"], r
+    assert guards["score_psi"]["consecutive_breaches"] == 3
     assert guards["score_psi"]["status"] == "breached"
     assert guards["score_psi"]["value"] > guards["score_psi"]["threshold"]
     assert body["observed"]["candidate"] is None

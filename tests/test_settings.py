@@ -17,9 +17,10 @@ from serve import settings
 from serve.common import validate
 from serve.common.flags import build
 from serve.constants import (
+    GUARD_FAILURE_LIMIT,
     GUARD_INTERVAL_S,
     GUARD_MAX_ERROR_RATIO,
-    GUARD_MAX_P99_RATIO,
+    GUARD_MAX_LATENCY_RATIO,
     GUARD_MAX_SCORE_PSI,
     GUARD_MIN_INSTANCES,
     GUARD_MIN_REQUESTS,
@@ -270,12 +271,12 @@ def test_the_guard_defaults_are_defined_once():
     from serve.state import Guards
 
     g, limits = Guards(), GuardLimits()
-    assert (g.max_error_ratio, g.max_p99_ratio, g.max_score_psi, g.min_requests,
-            g.min_instances, g.interval_s) == (
-        GUARD_MAX_ERROR_RATIO, GUARD_MAX_P99_RATIO, GUARD_MAX_SCORE_PSI, GUARD_MIN_REQUESTS,
-        GUARD_MIN_INSTANCES, GUARD_INTERVAL_S)
-    for name in ("max_error_ratio", "max_p99_ratio", "max_score_psi", "min_requests",
-                 "min_instances"):
+    assert (g.max_error_ratio, g.max_latency_ratio, g.max_score_psi, g.min_requests,
+            g.min_instances, g.interval_s, g.failure_limit) == (
+        GUARD_MAX_ERROR_RATIO, GUARD_MAX_LATENCY_RATIO, GUARD_MAX_SCORE_PSI,
+        GUARD_MIN_REQUESTS, GUARD_MIN_INSTANCES, GUARD_INTERVAL_S, GUARD_FAILURE_LIMIT)
+    for name in ("max_error_ratio", "max_latency_ratio", "max_score_psi", "min_requests",
+                 "min_instances", "min_forwards"):
         assert getattr(limits, name) == getattr(g, name), name
     # The README's example guards block says "these are the defaults": keep it in step.
     readme = (REPO / "README.md").read_text()

@@ -8,6 +8,7 @@ torch, no TorchServe.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
 from serve.settings import (
     DLRM_CACHE_ON_CPU,
+    DLRM_DEBUG_CANDIDATE_SLOWDOWN,
     DLRM_DELTA_DIR,
     DLRM_DELTA_POLL_MS,
     DLRM_SHARED_TABLES,
@@ -32,6 +34,7 @@ __all__ = [
     "HandlerConfig",
     "RolloutWiring",
     "cache_on_cpu_from_env",
+    "candidate_slowdown_from_env",
     "default_num_threads",
 ]
 
@@ -130,6 +133,20 @@ class HandlerConfig:
             TorchServe batch), so a test can make a tiny model slow enough that the queue
             holds seconds of work (e.g. to prove a version switch drains it). 0..10000;
             leave it 0 in any archive that serves traffic.
+        warmup_batches: forwards each runtime (stable, and a rollout's candidate) runs on
+            generated batches when the worker loads, before it answers (TorchServe marks
+            it READY after): sizes cycle through 1, 64 and 512 instances (capped by
+            ``max_forward_instances``), so the first real batches do not pay first-call
+            costs (allocations, kernel selection, cold caches): measured 3.4x the
+            stable's p99 on a fresh canary candidate. Not counted in any metric;
+            0 = off. 0..1000.
+        debug_candidate_slowdown: FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's
+            forward takes this many times its measured time (the worker busy-waits
+            ``(factor - 1) x`` it after each candidate forward), so a rollout run can
+            prove the latency guard rolls a slower model back. >= 1.0 (1.0 = off), at most
+            100; the worker's environment ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` overrides it
+            (a rollout's derived archive takes the stable archive's handler settings).
+            Leave it 1.0 in any archive that serves traffic.
         rollout: a rollout's candidate loaded beside the stable model
             (:class:`RolloutWiring`); None (the default) serves the stable model alone.
     """
@@ -143,6 +160,8 @@ class HandlerConfig:
     max_ids_per_feature: int = 64
     max_body_bytes: int = 8 * 1024 * 1024
     debug_delay_ms: int = 0
+    warmup_batches: int = 6
+    debug_candidate_slowdown: float = 1.0
     rollout: RolloutWiring | None = None
 
     def __post_init__(self) -> None:
@@ -161,6 +180,11 @@ class HandlerConfig:
             positive_int(f"handler.{name}", getattr(self, name))
         int_in_range("handler.debug_delay_ms", self.debug_delay_ms, 0, 10_000,
                      then=" (ms slept per batch; for tests only)")
+        int_in_range("handler.warmup_batches", self.warmup_batches, 0, 1000,
+                     then=" (forwards per runtime at load; 0 = no warm-up)")
+        number_in_range("handler.debug_candidate_slowdown", self.debug_candidate_slowdown,
+                        1, 100, then=" (x the candidate's forward time; 1.0 = off; for "
+                                     "tests only)")
         if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
             raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
                               "None; build the config with HandlerConfig.from_dict to read a "
@@ -201,6 +225,28 @@ def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
         raise ConfigError(f"{DLRM_CACHE_ON_CPU}={v!r} must be 1 (cache on CPU too) or 0 "
                           "(the default: no cache on CPU)")
     return v == "1"
+
+
+def candidate_slowdown_from_env(environ: Mapping[str, str], configured: float) -> float:
+    """The candidate slowdown in effect (TESTS AND BENCHMARKS ONLY): the environment's
+    ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` when set, else ``configured``
+    (``handler.debug_candidate_slowdown``).
+
+    Raises:
+        ConfigError: a value that is not a number in 1..100.
+    """
+    raw = DLRM_DEBUG_CANDIDATE_SLOWDOWN.raw(environ)
+    if raw is None:
+        return configured
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 1.0 <= value <= 100.0:  # also NaN
+        raise ConfigError(f"{DLRM_DEBUG_CANDIDATE_SLOWDOWN}={raw!r} must be a number in "
+                          "1..100 (x the candidate's forward time; for tests only); unset "
+                          "it to serve at full speed")
+    return value
 
 
 @dataclass(frozen=True)

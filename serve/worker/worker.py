@@ -11,7 +11,10 @@ and the batch lock they apply deltas under; the prediction log; and the handler 
   Runtime on the given device and, when the config's ``handler.rollout`` names one
   (:class:`serve.api.config.RolloutWiring`, written by the sidecar into the archives it
   derives), the candidate's artifact beside it (same runtime settings), and watches the
-  control file.
+  control file. Before it returns (so before TorchServe marks the worker READY), each
+  runtime runs ``handler.warmup_batches`` forwards on generated batches
+  (:mod:`serve.runtime.warmup`): the first real requests, a rollout candidate's included,
+  do not pay first-call costs. The warm-up counts in no metric.
 * :meth:`Worker.handle`: each body is parsed and validated on its own (a bad one gets
   its own 4xx JSON; the others go on), the good ones run as ONE forward, and the
   probabilities are split back in order (:func:`serve.api.batch.handle_batch`). Each
@@ -72,7 +75,12 @@ import numpy as np
 import torch
 
 from serve.api.batch import BatchInfo, MergedBatch, Outcome, Split, encode_error, handle_batch
-from serve.api.config import DeltaWiring, HandlerConfig, cache_on_cpu_from_env
+from serve.api.config import (
+    DeltaWiring,
+    HandlerConfig,
+    cache_on_cpu_from_env,
+    candidate_slowdown_from_env,
+)
 from serve.common.cpu import choose_threads
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
@@ -80,6 +88,7 @@ from serve.metrics import HandlerMetrics, clean_dead_worker_files
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
+from serve.runtime.warmup import warm_up
 from serve.settings import PROMETHEUS_MULTIPROC_DIR
 from serve.state import parse_serving_version
 from serve.store.delta_files import DeltaStore
@@ -196,6 +205,8 @@ class Worker:
         predlog: where scored requests are logged; None: not logged.
         metrics: the handler metrics (default: a fresh :class:`HandlerMetrics`).
         clock: seconds for durations; wall: epoch seconds for the prediction log.
+        candidate_slowdown: TESTS AND BENCHMARKS ONLY: the candidate's forwards take this
+            many times their time (>= 1); default ``cfg.debug_candidate_slowdown``.
     """
 
     def __init__(self, runtime: Runtime, cfg: HandlerConfig, *, model_version: str,
@@ -204,7 +215,8 @@ class Worker:
                  predlog: PredictionLogWriter | None = None,
                  metrics: HandlerMetrics | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 candidate_slowdown: float | None = None) -> None:
         if (candidate is None) != (candidate_version is None) or (
                 candidate is not None and watcher is None):
             raise ValueError("Worker: a rollout needs candidate, candidate_version and "
@@ -220,6 +232,12 @@ class Worker:
         self.followers: list[DeltaFollower] = []
         self._rng = rng if rng is not None else random.Random(0)
         self._clock, self._wall = clock, wall
+        self._batches = 0  # batches split between the arms (their forward order alternates)
+        self.candidate_slowdown = (cfg.debug_candidate_slowdown if candidate_slowdown is None
+                                   else float(candidate_slowdown))
+        if not 1.0 <= self.candidate_slowdown <= 100.0:
+            raise ValueError(f"candidate_slowdown={self.candidate_slowdown!r} must be in "
+                             "1..100 (1.0 = off)")
         # Held for each batch; a delta is applied between two batches under it.
         self._batch_lock = threading.Lock()
         self._last_stages = self._stage_seconds()
@@ -242,7 +260,8 @@ class Worker:
                 (:func:`serve.common.cpu.choose_threads`). Sets the process's torch threads.
             environ: the environment to read (``DLRM_CACHE_ON_CPU``, ``DLRM_DELTA_*``,
                 ``DLRM_PREDICTION_LOG_*``, ``PROMETHEUS_MULTIPROC_DIR``,
-                ``OMP_NUM_THREADS``); default ``os.environ``.
+                ``OMP_NUM_THREADS``, and for tests ``DLRM_DEBUG_CANDIDATE_SLOWDOWN``);
+                default ``os.environ``.
             metrics: default a fresh :class:`HandlerMetrics`, after the files of dead
                 workers in ``PROMETHEUS_MULTIPROC_DIR`` are cleaned.
             freeze_gc: move everything allocated so far (torch, the model) out of the
@@ -262,6 +281,7 @@ class Worker:
             cache_on_cpu=cache_on_cpu_from_env(env))
         deltas = DeltaWiring.from_env(env)
         store = DeltaStore(deltas.directory) if deltas is not None else None
+        slowdown = candidate_slowdown_from_env(env, cfg.debug_candidate_slowdown)
 
         def shared_for(version: str) -> SharedTables | None:
             return _shared_tables(store, deltas, version)
@@ -277,9 +297,15 @@ class Worker:
             metrics = HandlerMetrics()
         worker = cls(runtime, cfg, model_version=model_version, candidate=candidate,
                      candidate_version=rollout.candidate_version if rollout else None,
-                     watcher=watcher, rng=rng, predlog=predlog, metrics=metrics)
+                     watcher=watcher, rng=rng, predlog=predlog, metrics=metrics,
+                     candidate_slowdown=slowdown)
+        if slowdown != 1.0:
+            logger.warning("TEST ONLY: the candidate's forwards are slowed %.3gx "
+                           "(debug_candidate_slowdown / DLRM_DEBUG_CANDIDATE_SLOWDOWN)",
+                           slowdown)
         if store is not None and deltas is not None:
             worker.follow_deltas(store, deltas)
+        worker.warm_up(cfg.warmup_batches)
         worker._last_stages = worker._stage_seconds()
         if freeze_gc:
             gc.collect()
@@ -305,6 +331,27 @@ class Worker:
             logger.info("deltas: following %s in %s (%d applied at start, sequence %d, "
                         "shared tables %s)", version, store.folder(version), n, f.applied,
                         rt.shared.path if rt.shared is not None else "off")
+
+    def warm_up(self, batches: int) -> float:
+        """``batches`` forwards of generated batches through each runtime (stable, then
+        the candidate), under the batch guard (a delta follower may run already); then
+        the metrics take the runtimes' counters as their starting point, so the warm-up
+        counts nowhere. Returns the seconds it took (logged). 0: nothing."""
+        if batches <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        each = []
+        with self._batch_guard():
+            for rt in self._runtimes():
+                each.append(warm_up(rt, batches))
+        seconds = time.perf_counter() - t0
+        self._last_stages = self._stage_seconds()
+        stats = self._cache_stats()
+        self.metrics.skip_cache(stats, self.runtime.feature_names, stats.wrapped)
+        logger.info("warm-up: %d forwards per runtime in %.3f s (%s)", batches, seconds,
+                    ", ".join(f"{v}: {t:.3f} s" for v, t in zip(
+                        (self.model_version, self.candidate_version), each, strict=False)))
+        return seconds
 
     def close(self) -> None:
         """Stop the delta followers' threads (TorchServe never calls it: a worker ends
@@ -371,7 +418,13 @@ class Worker:
         """The rollout's candidate: MergedBatch -> float32 (B,) probabilities."""
         if self.candidate is None:
             raise RuntimeError("no rollout candidate is loaded")
-        return self._forward(self.candidate, batch)
+        if self.candidate_slowdown == 1.0:
+            return self._forward(self.candidate, batch)
+        t0 = time.perf_counter()
+        out = self._forward(self.candidate, batch)
+        # TESTS ONLY (debug_candidate_slowdown): a model this many times slower.
+        _spin((self.candidate_slowdown - 1.0) * (time.perf_counter() - t0))
+        return out
 
     def _split(self) -> Split | None:
         """This batch's split: the control read once (None without a rollout)."""
@@ -379,8 +432,11 @@ class Worker:
             return None
         control = self.watcher.current()
         rng, weight = self._rng, control.weight
+        # Canary: the arms take turns at running first (the second forward runs warm).
+        self._batches += 1
         return Split(mode=control.mode, candidate=self._predict_candidate,
-                     choose=lambda key: takes_candidate(key, weight, rng))
+                     choose=lambda key: takes_candidate(key, weight, rng),
+                     candidate_first=self._batches % 2 == 0)
 
     def _log_predictions(self, info: BatchInfo, request_ids: Sequence[str | None]) -> None:
         """Every scored request of the batch (answered, or shadow-scored: arm
@@ -463,17 +519,30 @@ class Worker:
     def _record_arms(self, info: BatchInfo) -> None:
         """Per-arm series: each arm that ran a forward, with its model version; every
         request of a failed forward is an error of its arm. Seconds per request = the
-        batch's decode time + the arm's forward time."""
+        batch's decode time + the arm's forward time; forward seconds per instance (what
+        the rollout's latency guard compares) = the arm's forward time / its instances,
+        for forwards that succeeded."""
         try:
             for run in info.arms.values():
+                per_instance = (run.forward_s / run.instances
+                                if not run.failed and run.instances else None)
                 self.metrics.observe_arm(
                     run.arm, self._version_of(run.arm), run.requests,
                     run.requests if run.failed else 0, info.decode_s + run.forward_s,
-                    run.scores)
+                    run.scores, forward_seconds_per_instance=per_instance)
             if info.shadow_diff is not None and self.candidate_version is not None:
                 self.metrics.observe_shadow_diff(self.candidate_version, info.shadow_diff)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording the per-arm DLRM metrics failed")
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` (the test-only candidate slowdown). Not ``time.sleep``: a
+    slower model keeps its core busy, and on a loaded machine a sleeping thread wakes up
+    late (measured: a 1.5x slowdown by sleep read as 2.4x on 2 shared cores)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
 
 
 def _clean_metric_files(environ: Mapping[str, str]) -> None:

@@ -3,8 +3,10 @@
 
 The TorchServe workers write per-arm series (names and buckets in :mod:`serve.metrics`):
 ``dlrm_arm_requests_total`` and ``dlrm_arm_errors_total`` (counters), the histograms
-``dlrm_arm_request_duration_seconds`` (seconds per request) and ``dlrm_arm_score`` (one
-observation per predicted probability), all with labels ``arm`` and ``version``, and in
+``dlrm_arm_request_duration_seconds`` (seconds per request),
+``dlrm_arm_forward_seconds_per_instance`` (one observation per forward: its seconds / its
+instances) and ``dlrm_arm_score`` (one observation per predicted probability), all with
+labels ``arm`` and ``version``, and in
 shadow mode ``dlrm_shadow_score_diff`` (candidate minus stable score on the same instance,
 label ``version``). The sidecar reads them summed over workers
 (``serve.metrics.HandlerAggregateCollector(dir).collect()``) and:
@@ -17,24 +19,55 @@ label ``version``). The sidecar reads them summed over workers
    :class:`GuardResult` per guard of :data:`~serve.metrics.ROLLOUT_GUARDS`:
 
 ``error_ratio``
-    candidate errors / candidate requests (0..1).
-``p99_ratio``
-    candidate p99 latency / stable p99 latency, each p99 from the histogram's buckets as
-    Prometheus' ``histogram_quantile`` computes it (:func:`histogram_quantile`).
+    the Wilson lower confidence bound (one-sided, ``GuardLimits.confidence``, 99% by
+    default) of the candidate's error probability, from candidate errors / candidate
+    requests (0..1, :func:`wilson_lower`). 1 error in 100 requests reads 0.0014, not 0.01:
+    the guard breaches when the data say the candidate's error rate is above the limit,
+    not when one unlucky window shows it.
+``latency_ratio``
+    how much slower the candidate's model is than the stable's, judged on what the
+    candidate controls: forward seconds per instance (no decode, no queueing, no
+    request size), one observation per forward. The value is the lower confidence bound
+    (one-sided, ``confidence``) of the ratio candidate / stable from
+    :func:`ratio_bounds`: the Hodges-Lehmann estimate of a scale shift (the median of
+    ``log(candidate) - log(stable)`` over all pairs of one candidate and one stable
+    forward, exponentiated) with its distribution-free Mann-Whitney (Moses) interval: the
+    order statistics of those pairwise differences at ranks
+    ``n*m/2 -+ z * sqrt(n*m*(n+m+1)/12)`` (the normal approximation of the U statistic,
+    ``n``, ``m`` the two arms' forwards, ``z`` the normal quantile of ``confidence``).
+    The histograms hold bucket counts, not values: each bucket's count is spread evenly
+    in log space over it (:data:`RATIO_POINTS_PER_BUCKET` points; the first bucket spans
+    one bucket ratio below its bound, ``+Inf`` one above the last), and the variance is
+    that of U without ties (the times are continuous; the buckets tie them only in the
+    record), the wider, conservative choice. Rank-based, so a few slow first forwards (a
+    cold candidate) move it little; a candidate whose every forward is 1.5x slower moves
+    it by 1.5x. A point estimate above the limit is not enough: only a lower bound above
+    it breaches.
 ``score_psi``
     population stability index of the candidate's score distribution against the
     stable's, over the fixed bins :data:`~serve.metrics.SCORE_BUCKETS` (:func:`psi`).
 
 A guard is ``breached`` when its value is strictly greater than its threshold, and
-``insufficient_data`` (value ``None``) until the window holds enough requests or scored
-instances to judge it: a handful of requests says nothing about a p99 or an error ratio.
+``insufficient_data`` (value ``None``) until the window holds enough requests, forwards or
+scored instances to judge it. One breach is a verdict over one window, not a rollback: the
+controller (:mod:`serve.sidecar.control.rollout`) rolls back when a guard breaches on
+``failure_limit`` consecutive evaluations (``error_ratio``: at once).
+
+Caveats of ``latency_ratio``: per-instance time falls with the forward's size (a fixed
+cost per forward is spread over its instances), and a canary's candidate gets smaller
+merged forwards than the stable (fewer requests per batch), so an equal model may read
+somewhat slower (measured negligible at ranking sizes: ``small`` s7 beside s0 in a 0.2
+canary of 100-700-instance requests read 1.00, lower bound 0.95). And the second forward
+of a batch runs warm (0.85-0.88x per instance, whichever model): the worker alternates
+which arm runs first (``serve.api.batch.Split.candidate_first``). ``max_latency_ratio``
+(1.3 by default) leaves room for what remains.
 
 Example::
 
     base = snapshot(collector.collect(), stable_version="v1", candidate_version="v2")
     ...  # later
     now = snapshot(collector.collect(), stable_version="v1", candidate_version="v2")
-    results = evaluate(now.minus(base), GuardLimits(max_p99_ratio=1.5))
+    results = evaluate(now.minus(base), GuardLimits(max_latency_ratio=1.5))
     if breaches(results):
         ...  # roll back
 """
@@ -44,20 +77,26 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from statistics import NormalDist
 from typing import Any
 
+import numpy as np
 from prometheus_client.metrics_core import Metric
 
 from serve.common.validate import int_at_least, nonneg_number, positive_int
 from serve.constants import (
+    GUARD_CONFIDENCE,
     GUARD_MAX_ERROR_RATIO,
-    GUARD_MAX_P99_RATIO,
+    GUARD_MAX_LATENCY_RATIO,
     GUARD_MAX_SCORE_PSI,
+    GUARD_MIN_FORWARDS,
     GUARD_MIN_INSTANCES,
     GUARD_MIN_REQUESTS,
 )
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
+    ARM_FORWARD_SECONDS_PER_INSTANCE,
+    ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
     ARM_REQUEST_DURATION_SECONDS,
     ARM_REQUESTS_TOTAL,
     ARM_SCORE,
@@ -72,25 +111,33 @@ __all__ = [
     "GUARD_STATUSES",
     "P99",
     "PSI_EPS",
+    "RATIO_POINTS_PER_BUCKET",
     "ArmCounts",
     "GuardLimits",
     "GuardResult",
+    "RatioBounds",
     "Snapshot",
     "breaches",
     "evaluate",
     "histogram_quantile",
     "psi",
+    "ratio_bounds",
     "snapshot",
+    "wilson_lower",
 ]
 
 #: Outcomes of a guard: ``ok``, ``breached`` (value > threshold), ``insufficient_data``.
 GUARD_STATUSES: tuple[str, ...] = ("ok", "breached", "insufficient_data")
 #: Floor of each bin's fraction in :func:`psi`, so that an empty bin gives a finite term.
 PSI_EPS = 1e-4
-#: The quantile judged by the ``p99_ratio`` guard.
+#: The quantile of :meth:`ArmCounts.p99_seconds` (request latency; no guard judges it).
 P99 = 0.99
+#: Points each bucket's count is spread over (evenly in log space) by
+#: :func:`ratio_bounds`: 4 resolve a ratio to ~1.06 with buckets ~1.26 apart.
+RATIO_POINTS_PER_BUCKET = 4
 
 _LATENCY_LEN = len(REQUEST_DURATION_BUCKETS) + 1  # + the +Inf bucket
+_FORWARD_LEN = len(ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS) + 1
 _SCORE_LEN = len(SCORE_BUCKETS) + 1
 _DIFF_LEN = len(SCORE_DIFF_BUCKETS) + 1
 
@@ -143,6 +190,11 @@ class ArmCounts:
             to :data:`~serve.metrics.SCORE_BUCKETS` plus ``+Inf``.
         score_count: predicted probabilities (instances) scored.
         score_sum: their sum (so ``score_sum / score_count`` is the mean predicted CTR).
+        forward_buckets: cumulative counts of forwards per ``le`` of their seconds per
+            instance, aligned to
+            :data:`~serve.metrics.ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS` plus ``+Inf``
+            (zeros from workers that predate the series).
+        forward_sum: the sum of those seconds per instance.
     """
 
     requests: int = 0
@@ -152,6 +204,8 @@ class ArmCounts:
     score_buckets: tuple[int, ...] = field(default=_zeros(_SCORE_LEN))
     score_count: int = 0
     score_sum: float = 0.0
+    forward_buckets: tuple[int, ...] = field(default=_zeros(_FORWARD_LEN))
+    forward_sum: float = 0.0
 
     def __post_init__(self) -> None:
         int_at_least("requests", self.requests, 0, then=" (a count)", error=ValueError)
@@ -159,13 +213,25 @@ class ArmCounts:
         int_at_least("score_count", self.score_count, 0, then=" (a count)", error=ValueError)
         _check_counts("latency_buckets", self.latency_buckets, _LATENCY_LEN)
         _check_counts("score_buckets", self.score_buckets, _SCORE_LEN)
+        _check_counts("forward_buckets", self.forward_buckets, _FORWARD_LEN)
         _check_sum("latency_sum", self.latency_sum)
         _check_sum("score_sum", self.score_sum)
+        _check_sum("forward_sum", self.forward_sum)
 
     @property
     def latency_count(self) -> int:
         """Requests in the latency histogram (its ``+Inf`` bucket)."""
         return self.latency_buckets[-1]
+
+    @property
+    def forward_count(self) -> int:
+        """Forwards timed per instance (the ``+Inf`` bucket)."""
+        return self.forward_buckets[-1]
+
+    @property
+    def forward_bins(self) -> tuple[int, ...]:
+        """Forwards per seconds-per-instance bin (non-cumulative)."""
+        return _bins(self.forward_buckets)
 
     @property
     def score_bins(self) -> tuple[int, ...]:
@@ -182,6 +248,7 @@ class ArmCounts:
         """The counts since ``base``, clamped at 0 per field (see :meth:`Snapshot.minus`)."""
         latency_reset = self.latency_count < base.latency_count
         score_reset = self.score_count < base.score_count
+        forward_reset = self.forward_count < base.forward_count
         return ArmCounts(
             requests=max(0, self.requests - base.requests),
             errors=max(0, self.errors - base.errors),
@@ -190,6 +257,9 @@ class ArmCounts:
             score_buckets=_minus_counts(self.score_buckets, base.score_buckets),
             score_count=max(0, self.score_count - base.score_count),
             score_sum=0.0 if score_reset else max(0.0, self.score_sum - base.score_sum),
+            forward_buckets=_minus_counts(self.forward_buckets, base.forward_buckets),
+            forward_sum=(0.0 if forward_reset
+                         else max(0.0, self.forward_sum - base.forward_sum)),
         )
 
     def decreased_since(self, base: ArmCounts) -> bool:
@@ -197,7 +267,8 @@ class ArmCounts:
         pairs = [(self.requests, base.requests), (self.errors, base.errors),
                  (self.score_count, base.score_count),
                  *zip(self.latency_buckets, base.latency_buckets, strict=True),
-                 *zip(self.score_buckets, base.score_buckets, strict=True)]
+                 *zip(self.score_buckets, base.score_buckets, strict=True),
+                 *zip(self.forward_buckets, base.forward_buckets, strict=True)]
         return any(now < then for now, then in pairs)
 
 
@@ -355,7 +426,9 @@ def snapshot(families: Iterable[Metric], *, stable_version: str,
     hists: dict[tuple[str, str], _Hist] = {}
     diff = _Hist(SHADOW_SCORE_DIFF, SCORE_DIFF_BUCKETS, "SCORE_DIFF_BUCKETS")
     histograms = ((ARM_REQUEST_DURATION_SECONDS, REQUEST_DURATION_BUCKETS,
-                   "REQUEST_DURATION_BUCKETS"), (ARM_SCORE, SCORE_BUCKETS, "SCORE_BUCKETS"))
+                   "REQUEST_DURATION_BUCKETS"), (ARM_SCORE, SCORE_BUCKETS, "SCORE_BUCKETS"),
+                  (ARM_FORWARD_SECONDS_PER_INSTANCE, ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
+                   "ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS"))
     for arm in wanted:
         for name, bounds, bounds_name in histograms:
             hists[(name, arm)] = _Hist(name, bounds, bounds_name)
@@ -398,6 +471,7 @@ def _arm_counts(arm: str, version: str, counters: dict[tuple[str, str], float],
     """One arm's counts out of what :func:`snapshot` summed (checked: finite, >= 0)."""
     latency = hists[(ARM_REQUEST_DURATION_SECONDS, arm)]
     score = hists[(ARM_SCORE, arm)]
+    forward = hists[(ARM_FORWARD_SECONDS_PER_INSTANCE, arm)]
     where = f"{arm} (version {version!r})"
     return ArmCounts(
         requests=_as_count(f"{ARM_REQUESTS_TOTAL} of {where}",
@@ -411,6 +485,10 @@ def _arm_counts(arm: str, version: str, counters: dict[tuple[str, str], float],
                             for v in score.buckets),
         score_count=_as_count(f"{ARM_SCORE}_count of {where}", score.count),
         score_sum=_finite(f"{ARM_SCORE}_sum of {where}", score.sum),
+        forward_buckets=tuple(_as_count(f"{ARM_FORWARD_SECONDS_PER_INSTANCE}_bucket of "
+                                        f"{where}", v) for v in forward.buckets),
+        forward_sum=_finite(f"{ARM_FORWARD_SECONDS_PER_INSTANCE}_sum of {where}",
+                            forward.sum),
     )
 
 
@@ -536,6 +614,122 @@ def psi(expected_counts: Sequence[float], actual_counts: Sequence[float],
     return value
 
 
+def _z(confidence: float) -> float:
+    if not 0.5 <= confidence < 1.0:  # also rejects NaN
+        raise ValueError(f"confidence={confidence!r} must be within [0.5, 1) (one-sided; "
+                         "0.99 = wrong 1 time in 100)")
+    return NormalDist().inv_cdf(confidence)
+
+
+def wilson_lower(successes: int, trials: int, confidence: float) -> float:
+    """The Wilson score lower confidence bound (one-sided) of a probability, 0..1.
+
+    ``(p + z^2/2n - z * sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)`` with ``p = k/n`` and
+    ``z`` the standard normal quantile of ``confidence``. Unlike ``p - z*se`` it stays
+    within 0..1 and behaves at ``k = 0`` (0) and small ``n``. Example: 1 error in 100
+    requests at 99% gives 0.0014; 50 in 100 gives 0.39.
+
+    Raises:
+        ValueError: ``trials`` < 1, ``successes`` outside 0..trials, ``confidence``
+            outside [0.5, 1).
+    """
+    positive_int("trials", trials, error=ValueError)
+    int_at_least("successes", successes, 0, then=" (a count)", error=ValueError)
+    if successes > trials:
+        raise ValueError(f"successes={successes} must be <= trials={trials}")
+    z = _z(confidence)
+    n, p = float(trials), successes / trials
+    z2 = z * z
+    centre = p + z2 / (2 * n)
+    margin = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, (centre - margin) / (1 + z2 / n))
+
+
+@dataclass(frozen=True)
+class RatioBounds:
+    """How many times larger one arm's observations are than another's (dimensionless).
+
+    Attributes:
+        estimate: the Hodges-Lehmann ratio (median pairwise ratio).
+        lower: its one-sided lower confidence bound (0 when the samples are too small for
+            any bound: the rank falls below the first pair).
+        reference, compared: observations on each side (n and m).
+    """
+
+    estimate: float
+    lower: float
+    reference: int
+    compared: int
+
+
+def _log_points(bounds: Sequence[float], bins: Sequence[int],
+                per_bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each non-empty bin's count spread evenly in log space over the bin: (points,
+    weights). The first bin (0, b0] spans [b0 / r, b0], the +Inf bin [b_last, b_last * r],
+    r the ratio of the neighbouring bounds."""
+    logs = np.log(np.asarray(bounds, dtype=np.float64))
+    edges = np.concatenate(([2 * logs[0] - logs[1]], logs, [2 * logs[-1] - logs[-2]]))
+    counts = np.asarray(bins, dtype=np.float64)
+    nz = np.nonzero(counts)[0]
+    frac = (np.arange(per_bucket) + 0.5) / per_bucket
+    lo, hi = edges[nz], edges[nz + 1]
+    points = (lo[:, None] + (hi - lo)[:, None] * frac[None, :]).ravel()
+    weights = np.repeat(counts[nz] / per_bucket, per_bucket)
+    return points, weights
+
+
+def ratio_bounds(bounds: Sequence[float], reference_bins: Sequence[int],
+                 compared_bins: Sequence[int], confidence: float,
+                 per_bucket: int = RATIO_POINTS_PER_BUCKET) -> RatioBounds:
+    """The ratio compared / reference of two histograms of positive values, with its
+    one-sided lower confidence bound (see the module docstring, ``latency_ratio``).
+
+    Args:
+        bounds: the finite upper bounds of the buckets, > 0, strictly increasing, at least 2.
+        reference_bins, compared_bins: per-bin counts (not cumulative), one per bound plus
+            the ``+Inf`` bin.
+        confidence: of the lower bound, one-sided, in [0.5, 1).
+        per_bucket: points each bucket's count is spread over.
+
+    Returns:
+        :class:`RatioBounds`: ``exp`` of the Hodges-Lehmann shift of the logs and of its
+        lower Moses bound, the weighted quantiles ``1/2`` and
+        ``1/2 - z * sqrt((n+m+1) / (12 n m))`` of the pairwise log differences.
+
+    Raises:
+        ValueError: bounds not positive/increasing or fewer than 2, counts of the wrong
+            length or negative, an empty side, ``confidence`` outside [0.5, 1).
+    """
+    z = _z(confidence)
+    if len(bounds) < 2 or any(b <= 0 or not math.isfinite(b) for b in bounds) or any(
+            a >= b for a, b in pairwise(bounds)):
+        raise ValueError(f"bounds must be at least 2, finite, > 0 and strictly increasing: "
+                         f"{tuple(bounds)!r}")
+    for what, bins in (("reference_bins", reference_bins), ("compared_bins", compared_bins)):
+        if len(bins) != len(bounds) + 1:
+            raise ValueError(f"{what} has {len(bins)} bins; expected {len(bounds) + 1} (one "
+                             "per bound plus +Inf)")
+        if any(c < 0 for c in bins):
+            raise ValueError(f"{what} must be counts >= 0: {list(bins)!r}")
+        if sum(bins) <= 0:
+            raise ValueError(f"{what} are all 0: a ratio needs observations on both sides")
+    positive_int("per_bucket", per_bucket, error=ValueError)
+    xs, xw = _log_points(bounds, reference_bins, per_bucket)
+    ys, yw = _log_points(bounds, compared_bins, per_bucket)
+    diffs = (ys[:, None] - xs[None, :]).ravel()
+    weights = (yw[:, None] * xw[None, :]).ravel()
+    order = np.argsort(diffs, kind="stable")
+    diffs, weights = diffs[order], weights[order]
+    total = float(weights.sum())
+    # Each pair's rank at the middle of its weight, so a quantile interpolates between pairs.
+    mid = (np.cumsum(weights) - weights / 2) / total
+    n, m = float(sum(reference_bins)), float(sum(compared_bins))
+    q_lo = 0.5 - z * math.sqrt((n + m + 1) / (12 * n * m))
+    estimate = float(np.exp(np.interp(0.5, mid, diffs)))
+    lower = 0.0 if q_lo <= 0 else float(np.exp(np.interp(q_lo, mid, diffs)))
+    return RatioBounds(estimate=estimate, lower=lower, reference=int(n), compared=int(m))
+
+
 # --- the guards -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -543,39 +737,48 @@ class GuardLimits:
     """Thresholds of the rollout guards (the defaults; a rollout spec may override them).
 
     Attributes:
-        max_error_ratio: highest acceptable candidate errors / candidate requests (0..1).
-        max_p99_ratio: highest acceptable candidate p99 latency / stable p99 latency
-            (dimensionless; 2.0 = the candidate may be twice as slow at the tail).
+        max_error_ratio: highest acceptable candidate error probability (0..1), judged
+            against its Wilson lower bound.
+        max_latency_ratio: highest acceptable candidate / stable forward seconds per
+            instance (dimensionless; 1.3 = the candidate's model may be 30% slower),
+            judged against the ratio's lower confidence bound.
         max_score_psi: highest acceptable PSI of the candidate's score distribution against
             the stable's (dimensionless; < 0.1 no shift, 0.1-0.25 moderate, > 0.25 major).
-        min_requests: requests the candidate (and, for ``p99_ratio``, the stable's latency
-            histogram) needs in the window before ``error_ratio`` and ``p99_ratio`` are
-            judged.
+        min_requests: requests the candidate needs in the window before ``error_ratio``
+            is judged.
+        min_forwards: timed forwards each arm needs in the window before
+            ``latency_ratio`` is judged.
         min_instances: scored instances each arm needs in the window before ``score_psi``
             is judged.
+        confidence: of the lower bounds of ``error_ratio`` and ``latency_ratio``
+            (one-sided; 0.99: a bound above the truth 1 time in 100).
 
     A guard is breached when its value is strictly greater than its threshold.
 
     Raises:
         ValueError: a ratio limit that is negative or not finite, ``max_error_ratio`` above
-            1, ``max_p99_ratio`` not > 0, a minimum that is not an integer >= 1.
+            1, ``max_latency_ratio`` not > 0, a minimum that is not an integer >= 1,
+            ``confidence`` outside [0.5, 1).
     """
 
     max_error_ratio: float = GUARD_MAX_ERROR_RATIO  # defaults: serve.constants, as the
-    max_p99_ratio: float = GUARD_MAX_P99_RATIO      # declared state's (serve.state.Guards)
+    max_latency_ratio: float = GUARD_MAX_LATENCY_RATIO  # declared state's (state.Guards)
     max_score_psi: float = GUARD_MAX_SCORE_PSI
     min_requests: int = GUARD_MIN_REQUESTS
     min_instances: int = GUARD_MIN_INSTANCES
+    min_forwards: int = GUARD_MIN_FORWARDS
+    confidence: float = GUARD_CONFIDENCE
 
     def __post_init__(self) -> None:
-        for name in ("max_error_ratio", "max_p99_ratio", "max_score_psi"):
+        for name in ("max_error_ratio", "max_latency_ratio", "max_score_psi"):
             nonneg_number(name, getattr(self, name), error=ValueError)
         if self.max_error_ratio > 1:
             raise ValueError(f"max_error_ratio={self.max_error_ratio!r} is a ratio: 0..1")
-        if self.max_p99_ratio <= 0:
-            raise ValueError(f"max_p99_ratio={self.max_p99_ratio!r} must be > 0")
-        for name in ("min_requests", "min_instances"):
+        if self.max_latency_ratio <= 0:
+            raise ValueError(f"max_latency_ratio={self.max_latency_ratio!r} must be > 0")
+        for name in ("min_requests", "min_instances", "min_forwards"):
             positive_int(name, getattr(self, name), error=ValueError)
+        _z(self.confidence)
 
 
 @dataclass(frozen=True)
@@ -636,31 +839,39 @@ def _insufficient(name: str, threshold: float, detail: str) -> GuardResult:
     return GuardResult(name, None, threshold, "insufficient_data", detail)
 
 
+def _pct(confidence: float) -> str:
+    return f"{confidence * 100:g}%"
+
+
 def _error_ratio(w: Snapshot, limits: GuardLimits) -> GuardResult:
     name, limit, c = "error_ratio", limits.max_error_ratio, w.candidate
     if c.requests < limits.min_requests:
         return _insufficient(name, limit, f"candidate has {c.requests} of the "
                              f"{limits.min_requests} requests needed")
-    return _judged(name, c.errors / c.requests, limit,
-                   f"candidate {c.errors} errors of {c.requests} requests")
+    errors = min(c.errors, c.requests)  # a window across a reset may count more errors
+    lower = wilson_lower(errors, c.requests, limits.confidence)
+    return _judged(name, lower, limit,
+                   f"candidate {errors} errors of {c.requests} requests "
+                   f"({_g(errors / c.requests)}): {_pct(limits.confidence)} lower bound")
 
 
-def _p99_ratio(w: Snapshot, limits: GuardLimits) -> GuardResult:
-    name, limit = "p99_ratio", limits.max_p99_ratio
+def _latency_ratio(w: Snapshot, limits: GuardLimits) -> GuardResult:
+    name, limit = "latency_ratio", limits.max_latency_ratio
     c, s = w.candidate, w.stable
-    if c.requests < limits.min_requests:
-        return _insufficient(name, limit, f"candidate has {c.requests} of the "
-                             f"{limits.min_requests} requests needed")
-    if s.latency_count < limits.min_requests:
-        return _insufficient(name, limit, f"stable has {s.latency_count} of the "
-                             f"{limits.min_requests} timed requests needed for its p99")
-    c_p99, s_p99 = c.p99_seconds(), s.p99_seconds()
-    if c_p99 is None:
-        return _insufficient(name, limit, "candidate p99 is undefined: no timed requests")
-    if s_p99 is None or s_p99 <= 0:
-        return _insufficient(name, limit, "stable p99 is undefined or 0 s: no ratio to it")
-    return _judged(name, c_p99 / s_p99, limit,
-                   f"candidate p99 {_g(c_p99)} s / stable p99 {_g(s_p99)} s")
+    need = limits.min_forwards
+    if c.forward_count < need or s.forward_count < need:
+        short = [f"{arm} has {n} of the {need} timed forwards needed"
+                 for arm, n in (("candidate", c.forward_count), ("stable", s.forward_count))
+                 if n < need]
+        return _insufficient(name, limit, "; ".join(short))
+    r = ratio_bounds(ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS, s.forward_bins,
+                     c.forward_bins, limits.confidence)
+    means = (f"; mean {_g(c.forward_sum / c.forward_count * 1e6)} vs "
+             f"{_g(s.forward_sum / s.forward_count * 1e6)} us per instance")
+    return _judged(name, r.lower, limit,
+                   f"candidate / stable forward seconds per instance over {r.compared} vs "
+                   f"{r.reference} forwards: ratio {_g(r.estimate)}{means}; "
+                   f"{_pct(limits.confidence)} lower bound")
 
 
 def _score_psi(w: Snapshot, limits: GuardLimits) -> GuardResult:
@@ -680,12 +891,13 @@ def evaluate(window: Snapshot, limits: GuardLimits) -> list[GuardResult]:
     """Judge the guards over ``window`` (usually ``now.minus(base)``), one
     :class:`GuardResult` per guard in :data:`~serve.metrics.ROLLOUT_GUARDS` order:
 
-    * ``error_ratio`` = candidate errors / candidate requests; judged from
-      ``min_requests`` candidate requests.
-    * ``p99_ratio`` = candidate p99 / stable p99 latency (:func:`histogram_quantile` over
-      :data:`~serve.metrics.REQUEST_DURATION_BUCKETS`); judged from ``min_requests``
-      candidate requests and as many timed stable requests, and only when the stable
-      p99 is > 0.
+    * ``error_ratio`` = the Wilson lower bound (:func:`wilson_lower`, ``confidence``) of
+      candidate errors / candidate requests; judged from ``min_requests`` candidate
+      requests.
+    * ``latency_ratio`` = the lower bound (``confidence``) of candidate / stable forward
+      seconds per instance (:func:`ratio_bounds` over
+      :data:`~serve.metrics.ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS`); judged from
+      ``min_forwards`` timed forwards per arm.
     * ``score_psi`` = :func:`psi` of the candidate's score bins against the stable's
       (:attr:`ArmCounts.score_bins`); judged from ``min_instances`` scored instances per
       arm.
@@ -693,7 +905,7 @@ def evaluate(window: Snapshot, limits: GuardLimits) -> list[GuardResult]:
     Each is ``breached`` when its value is strictly greater than its threshold. Pass
     ``GuardLimits()`` for the defaults.
     """
-    return [_error_ratio(window, limits), _p99_ratio(window, limits),
+    return [_error_ratio(window, limits), _latency_ratio(window, limits),
             _score_psi(window, limits)]
 
 

@@ -12,13 +12,19 @@ Its life, one :class:`RolloutRun` per declared (stable version, rollout spec):
     :mod:`serve.store.routing`) and the bake clock starts. Every ``guards.interval_s``
     (:meth:`RolloutController.tick`) it reads the workers' per-arm metrics, takes the
     window since the current weight began, and evaluates the guards
-    (:mod:`serve.sidecar.control.guards`): error ratio, p99 latency ratio, score PSI;
-    and, over every click label joined since the first weight began, the click-quality
-    gates (:mod:`serve.sidecar.control.quality_gates`): NE increase, calibration gap.
+    (:mod:`serve.sidecar.control.guards`): error ratio, latency ratio (forward seconds per
+    instance), score PSI; and, over every click label joined since the first weight began,
+    the click-quality gates (:mod:`serve.sidecar.control.quality_gates`): NE increase,
+    calibration gap. Each guard's consecutive breached evaluations are counted; an ``ok``
+    evaluation resets its count (``insufficient_data`` leaves it).
 ``rolled_back``
-    Any guard breached (or ``POST /state/rollout/rollback``): the weight goes to 0 at
+    A guard breached on ``guards.failure_limit`` evaluations in a row (``error_ratio``:
+    on its first breach: its errors reach users, and its Wilson bound is evidence already),
+    or ``POST /state/rollout/rollback``: the weight goes to 0 at
     once (control file), and the effective desired state drops the candidate, so the
     reconciler switches to the stable version alone (zero-failure switch) and unloads it.
+    While a breach is still counting, GET /state says so (``reason``, and each guard's
+    ``consecutive_breaches``) and the bake does not advance.
 ``promoted``
     Every weight survived ``bake_s`` with every guard judged ``ok`` (a guard still short
     of data extends the bake: nothing is promoted blind), or ``POST
@@ -82,10 +88,14 @@ from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
 
-__all__ = ["RolloutController", "RolloutPhase", "RolloutRun", "limits_of",
+__all__ = ["IMMEDIATE_GUARDS", "RolloutController", "RolloutPhase", "RolloutRun", "limits_of",
            "quality_limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
+
+#: Guards whose first breach rolls back (not ``failure_limit`` in a row): failed requests
+#: reach users, and ``error_ratio`` judges a Wilson lower bound, evidence already.
+IMMEDIATE_GUARDS: frozenset[str] = frozenset({"error_ratio"})
 
 
 def rollout_key(stable: str, spec: Rollout) -> str:
@@ -97,9 +107,10 @@ def rollout_key(stable: str, spec: Rollout) -> str:
 def limits_of(spec: Rollout) -> GuardLimits:
     """The guard limits of a rollout spec."""
     g = spec.guards
-    return GuardLimits(max_error_ratio=g.max_error_ratio, max_p99_ratio=g.max_p99_ratio,
+    return GuardLimits(max_error_ratio=g.max_error_ratio,
+                       max_latency_ratio=g.max_latency_ratio,
                        max_score_psi=g.max_score_psi, min_requests=g.min_requests,
-                       min_instances=g.min_instances)
+                       min_instances=g.min_instances, min_forwards=g.min_forwards)
 
 
 def quality_limits_of(spec: Rollout) -> QualityLimits:
@@ -132,6 +143,8 @@ class RolloutRun:
     last_eval: float | None = None
     evaluations: int = 0
     guards: list[GuardResult] = field(default_factory=list)
+    # guard name -> breached evaluations in a row (reset by an ok one, and at each weight)
+    consecutive: dict[str, int] = field(default_factory=dict)
     reason: str | None = None
     finished_wall: float | None = None
     settled: bool = False  # the outcome was written into the desired-state file
@@ -267,6 +280,7 @@ class RolloutController:
             run.quality_base = quality
         run.last_eval = run.step_started
         run.guards = []
+        run.consecutive = {}
         run.reason = None
         _log.info("rollout of %s: weight %.4g (step %d of %d) for %.0f s", run.spec.candidate,
                   weight, step + 1, len(run.spec.weights()), run.spec.bake_s)
@@ -317,23 +331,37 @@ class RolloutController:
             results += evaluate_quality(quality.minus(run.quality_base),
                                         quality_limits_of(run.spec))
         run.guards = results
+        for g in results:
+            if g.status == "breached":
+                run.consecutive[g.name] = run.consecutive.get(g.name, 0) + 1
+            elif g.status == "ok":
+                run.consecutive[g.name] = 0
         run.last_eval = self.clock()
         run.evaluations += 1
         self._mirror()
         return run.guards
 
     def advance(self) -> str | None:
-        """After an evaluation: roll back on a breach; at the end of a bake with every
-        guard ok, the next weight or promotion. Returns the transition (``stepped``,
-        ``promoted``, ``rolled_back``) or None."""
+        """After an evaluation: roll back on a guard breached ``failure_limit`` times in a
+        row (:data:`IMMEDIATE_GUARDS`: once); at the end of a bake with every guard ok, the
+        next weight or promotion. Returns the transition (``stepped``, ``promoted``,
+        ``rolled_back``) or None."""
         run = self.run
         if run is None or run.phase is not RolloutPhase.BAKING or run.step_started is None:
             return None
+        limit = run.spec.guards.failure_limit
         bad = breaches(run.guards)
-        if bad:
-            self.rollback("guard " + "; guard ".join(f"{g.name} breached: {g.detail}"
-                                                     for g in bad))
+        final = [g for g in bad if g.name in IMMEDIATE_GUARDS
+                 or run.consecutive.get(g.name, 0) >= limit]
+        if final:
+            self.rollback("guard " + "; guard ".join(
+                f"{g.name} breached{self._times(run, g.name)}: {g.detail}" for g in final))
             return "rolled_back"
+        if bad:
+            run.reason = "; ".join(
+                f"guard {g.name} breached {run.consecutive.get(g.name, 0)} of {limit} times "
+                f"in a row (rolls back at {limit}): {g.detail}" for g in bad)
+            return None
         elapsed = self.clock() - run.step_started
         if elapsed < run.spec.bake_s:
             run.reason = None
@@ -349,6 +377,11 @@ class RolloutController:
         self.promote(f"every guard held through {len(run.spec.weights())} weight(s) of "
                      f"{run.spec.bake_s:g} s each")
         return "promoted"
+
+    @staticmethod
+    def _times(run: RolloutRun, name: str) -> str:
+        n = run.consecutive.get(name, 0)
+        return f" {n} times in a row" if n > 1 else ""
 
     def tick(self) -> str | None:
         """One guard period: evaluate and advance when due (the reconciler calls it every
@@ -490,7 +523,8 @@ class RolloutController:
             bake_s=run.spec.bake_s, bake_elapsed_s=elapsed,
             serving=run.serving_version is not None and run.phase is RolloutPhase.BAKING,
             serving_version=run.serving_version,
-            guards=[GuardStatus(**g.to_json()) for g in run.guards],
+            guards=[GuardStatus(**g.to_json(), consecutive_breaches=run.consecutive.get(
+                g.name, 0)) for g in run.guards],
             guard_interval_s=run.spec.guards.interval_s, evaluations=run.evaluations,
             last_evaluated_s_ago=ago, reason=reason, started_at=_iso(run.started_wall),
             finished_at=_iso(run.finished_wall), spec=run.spec,
@@ -505,7 +539,8 @@ class RolloutController:
             return
         limits = limits_of(run.spec)
         quality = quality_limits_of(run.spec)
-        thresholds = {"error_ratio": limits.max_error_ratio, "p99_ratio": limits.max_p99_ratio,
+        thresholds = {"error_ratio": limits.max_error_ratio,
+                      "latency_ratio": limits.max_latency_ratio,
                       "score_psi": limits.max_score_psi,
                       "ne_increase": quality.max_ne_increase,
                       "calibration_gap": quality.max_calibration_gap}

@@ -133,7 +133,7 @@ class SwitchRecord(BaseModel):
 class GuardStatus(BaseModel):
     """One guard of a rollout at its last evaluation."""
 
-    name: str = Field(description="error_ratio, p99_ratio, score_psi, ne_increase or "
+    name: str = Field(description="error_ratio, latency_ratio, score_psi, ne_increase or "
                                   "calibration_gap.")
     value: float | None = Field(description="Its value over the window; null: not enough data.")
     threshold: float = Field(description="Breached when value > threshold.")
@@ -141,6 +141,9 @@ class GuardStatus(BaseModel):
     detail: str
     blocking: bool = Field(True, description="Promotion waits for it to be ok (false: the "
                                              "click-quality gates without min_labels).")
+    consecutive_breaches: int = Field(
+        0, description="Evaluations in a row it breached (an ok one resets it); the "
+                       "rollout rolls back at guards.failure_limit.")
 
 
 class RolloutStatus(BaseModel):
