@@ -20,7 +20,7 @@ The file::
     #   steps: [0.5, 1.0]               # optional: later weights, one bake period each
     #   bake_s: 60                      # seconds each weight must survive the guards
     #   attempt: 1                      # bump to try the candidate again after a decision
-    #   guards: {max_error_ratio: 0.01, max_latency_ratio: 1.3, max_score_psi: 0.25,
+    #   guards: {max_error_ratio: 0.01, max_latency_ratio: 1.3, max_score_psi: 0.5,
     #            min_requests: 100, min_instances: 500, min_forwards: 30, interval_s: 5,
     #            failure_limit: 3}
 
