@@ -406,7 +406,7 @@ def test_limits_defaults_and_validation():
     limits = GuardLimits()
     assert (limits.max_error_ratio, limits.max_latency_ratio, limits.max_score_psi,
             limits.min_requests, limits.min_instances, limits.min_forwards,
-            limits.confidence) == (0.01, 1.3, 0.25, 100, 500, 30, 0.99)
+            limits.confidence) == (0.01, 1.3, 0.5, 100, 500, 30, 0.99)
     for bad in ({"max_error_ratio": -0.1}, {"max_error_ratio": 1.5},
                 {"max_latency_ratio": 0}, {"max_score_psi": math.inf},
                 {"min_requests": 0}, {"min_instances": 2.5}, {"min_requests": True},
