@@ -46,6 +46,7 @@ from serve.constants import (
     QUALITY_MAX_NE_INCREASE,
     QUALITY_Z,
 )
+from serve.ops.heldout import columnar_rows
 from serve.sidecar.control.quality_gates import (
     QualityCounts,
     QualityLimits,
@@ -87,18 +88,7 @@ def score(artifact: Path, data_dir: Path, rows: int | None, batch: int = 2048) -
     out = np.empty(n, dtype=np.float32)
     for start in range(0, n, batch):
         stop = min(start + batch, n)
-        ids = np.asarray(data.sparse[start:stop])               # (B, F, M)
-        b, f = ids.shape[0], ids.shape[1]
-        if data.lengths is None:
-            lengths = np.ones((f, b), dtype=np.int32)
-            values = ids[:, :, 0].T.reshape(-1)
-        else:
-            lens = np.asarray(data.lengths[start:stop]).astype(np.int32)  # (B, F)
-            lengths = lens.T.copy()
-            values = np.concatenate([ids[bi, fi, :lens[bi, fi]] for fi in range(f)
-                                     for bi in range(b)])
-        out[start:stop] = rt.predict_arrays(np.array(data.dense[start:stop], dtype=np.float32),
-                                            values.astype(np.int64), lengths)
+        out[start:stop] = rt.predict_arrays(*columnar_rows(data, start, stop))
     return np.asarray(data.labels[:n], dtype=np.uint8), out
 
 
