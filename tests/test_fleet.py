@@ -10,12 +10,10 @@ import pytest
 
 from serve.errors import ConfigError
 from serve.metrics import FLEET_LEADER, FLEET_PODS_JUDGED
-from serve.sidecar.control.fleet import (
+from serve.sidecar.adapters.fleet_store import (
     FileDecisionStore,
     FileLease,
     FilePeers,
-    Fleet,
-    FleetFamilies,
     Peer,
     RolloutDecision,
     StaticPeers,
@@ -23,6 +21,7 @@ from serve.sidecar.control.fleet import (
     read_fleet_file,
     write_fleet_file,
 )
+from serve.sidecar.control.fleet import Fleet, FleetFamilies
 from serve.sidecar.control.rollout import RolloutController, RolloutPhase, rollout_key
 from serve.store.routing import read_control
 from tests.test_rollout import CANDIDATE, SERVING, STABLE, Clock, Workers, desired, traffic

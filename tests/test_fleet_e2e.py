@@ -13,7 +13,7 @@ from serve.errors import ConfigError
 from serve.ops.fleet import FleetPlan, pod_config, start_fleet, stop_fleet
 from serve.ops.fleet_check import _kill_and_restart, _registered, _wait_decision
 from serve.ops.launcher import REPO, check_ports
-from serve.sidecar.control.fleet import read_fleet_file
+from serve.sidecar.adapters.fleet_store import read_fleet_file
 from serve.state import Batching, DesiredState, ModelRef, write_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -10,15 +10,10 @@ import httpx
 import numpy as np
 
 from serve.sidecar.adapters.archives import control_path
+from serve.sidecar.adapters.fleet_store import FileDecisionStore, FileLease, StaticPeers
 from serve.sidecar.adapters.torchserve import TorchServeClient
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.fleet import (
-    FileDecisionStore,
-    FileLease,
-    Fleet,
-    FleetFamilies,
-    StaticPeers,
-)
+from serve.sidecar.control.fleet import Fleet, FleetFamilies
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController, rollout_key
 from serve.sidecar.control.switch import VersionSwitch
@@ -115,7 +110,7 @@ def test_a_pod_restarted_while_the_rollback_is_declared_never_registers_the_cand
         tmp_path):
     repo, state_file = setup(tmp_path)
     d = declared()
-    from serve.sidecar.control.fleet import RolloutDecision
+    from serve.sidecar.adapters.fleet_store import RolloutDecision
 
     FileDecisionStore(tmp_path / "rollout-decisions.json").record(RolloutDecision.make(
         key=rollout_key(STABLE, d.rollout), stable=STABLE, candidate=CANDIDATE,

@@ -30,6 +30,7 @@ from serve.settings import (
 from serve.state import VERSION_RE
 
 __all__ = [
+    "CANDIDATE_SLOWDOWN_MAX",
     "DeltaWiring",
     "HandlerConfig",
     "RolloutWiring",
@@ -183,8 +184,8 @@ class HandlerConfig:
         int_in_range("handler.warmup_batches", self.warmup_batches, 0, 1000,
                      then=" (forwards per runtime at load; 0 = no warm-up)")
         number_in_range("handler.debug_candidate_slowdown", self.debug_candidate_slowdown,
-                        1, 100, then=" (x the candidate's forward time; 1.0 = off; for "
-                                     "tests only)")
+                        1, CANDIDATE_SLOWDOWN_MAX,
+                        then=" (x the candidate's forward time; 1.0 = off; for tests only)")
         if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
             raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
                               "None; build the config with HandlerConfig.from_dict to read a "
@@ -227,6 +228,11 @@ def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:
     return v == "1"
 
 
+#: The largest test-only candidate slowdown (x its forward time): the one bound of
+#: ``handler.debug_candidate_slowdown``, its environment override and the worker's argument.
+CANDIDATE_SLOWDOWN_MAX = 100.0
+
+
 def candidate_slowdown_from_env(environ: Mapping[str, str], configured: float) -> float:
     """The candidate slowdown in effect (TESTS AND BENCHMARKS ONLY): the environment's
     ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` when set, else ``configured``
@@ -242,9 +248,9 @@ def candidate_slowdown_from_env(environ: Mapping[str, str], configured: float) -
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not 1.0 <= value <= 100.0:  # also NaN
+    if not 1.0 <= value <= CANDIDATE_SLOWDOWN_MAX:  # also NaN
         raise ConfigError(f"{DLRM_DEBUG_CANDIDATE_SLOWDOWN}={raw!r} must be a number in "
-                          "1..100 (x the candidate's forward time; for tests only); unset "
+                          f"1..{CANDIDATE_SLOWDOWN_MAX:g} (x the candidate's forward time; for tests only); unset "
                           "it to serve at full speed")
     return value
 

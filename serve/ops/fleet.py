@@ -50,8 +50,8 @@ from serve.ops.launcher import (
     stop_group,
     wait_ready,
 )
+from serve.sidecar.adapters.fleet_store import Peer, read_fleet_file, write_fleet_file
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.fleet import Peer, read_fleet_file, write_fleet_file
 from serve.state import LOCAL_STATE_FILE, DesiredState, write_state
 
 __all__ = ["FleetPlan", "main", "pod_config", "restart_sidecar", "start_fleet", "stop_fleet"]

@@ -34,7 +34,7 @@ from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.fleet import FleetPlan, _pids, pod_config, restart_sidecar, start_fleet, stop_fleet
 from serve.ops.launcher import REPO
 from serve.ops.loadgen import BackgroundLoad
-from serve.sidecar.control.fleet import Peer, read_fleet_file
+from serve.sidecar.adapters.fleet_store import Peer, read_fleet_file
 from serve.state import Batching, DesiredState, ModelRef, load_state, write_state
 from serve.store.repository import ModelRepository
 

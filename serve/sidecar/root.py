@@ -32,6 +32,7 @@ from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import HandlerAggregateCollector, SidecarMetrics
 from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.archives import control_path
+from serve.sidecar.adapters.fleet_store import FileDecisionStore, FileLease, FilePeers
 from serve.sidecar.adapters.gpu import GpuCollector
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe, is_memory_backed
 from serve.sidecar.adapters.model_schemas import SchemaCache
@@ -39,13 +40,7 @@ from serve.sidecar.adapters.torchserve import TorchServeClient, observe
 from serve.sidecar.config import DEFAULT_STATE_FILE, SidecarConfig
 from serve.sidecar.control.batching import BatchingUpdates
 from serve.sidecar.control.drain import Drainer
-from serve.sidecar.control.fleet import (
-    FileDecisionStore,
-    FileLease,
-    FilePeers,
-    Fleet,
-    FleetFamilies,
-)
+from serve.sidecar.control.fleet import Fleet, FleetFamilies
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch

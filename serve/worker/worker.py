@@ -76,12 +76,14 @@ import torch
 
 from serve.api.batch import BatchInfo, MergedBatch, Outcome, Split, encode_error, handle_batch
 from serve.api.config import (
+    CANDIDATE_SLOWDOWN_MAX,
     DeltaWiring,
     HandlerConfig,
     cache_on_cpu_from_env,
     candidate_slowdown_from_env,
 )
 from serve.common.cpu import choose_threads
+from serve.common.validate import number_in_range
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
 from serve.metrics import HandlerMetrics, clean_dead_worker_files
@@ -235,9 +237,8 @@ class Worker:
         self._batches = 0  # batches split between the arms (their forward order alternates)
         self.candidate_slowdown = (cfg.debug_candidate_slowdown if candidate_slowdown is None
                                    else float(candidate_slowdown))
-        if not 1.0 <= self.candidate_slowdown <= 100.0:
-            raise ValueError(f"candidate_slowdown={self.candidate_slowdown!r} must be in "
-                             "1..100 (1.0 = off)")
+        number_in_range("candidate_slowdown", self.candidate_slowdown, 1,
+                        CANDIDATE_SLOWDOWN_MAX, then=" (1.0 = off)", error=ValueError)
         # Held for each batch; a delta is applied between two batches under it.
         self._batch_lock = threading.Lock()
         self._last_stages = self._stage_seconds()

@@ -14,7 +14,7 @@ decide differently, and a restarted sidecar bakes a rolled-back candidate again.
   rolled-back candidate is never registered again.
 
 The records and the local implementations (files under ``.run/``, ``make fleet``) are in
-:mod:`serve.sidecar.adapters.fleet_store` (re-exported here): :class:`FileDecisionStore`,
+:mod:`serve.sidecar.adapters.fleet_store`: :class:`FileDecisionStore`,
 :class:`FileLease` (both under ``fcntl.flock``), :class:`FilePeers` (``.run/fleet.json``).
 Kubernetes ones: :mod:`serve.sidecar.adapters.kubernetes`.
 
@@ -44,39 +44,9 @@ from prometheus_client.registry import Collector
 
 from serve.errors import ConfigError
 from serve.metrics import FLEET_LEADER, FLEET_PODS, FLEET_PODS_JUDGED
-from serve.sidecar.adapters.fleet_store import (
-    DECISION_PHASES,
-    DecisionStore,
-    FileDecisionStore,
-    FileLease,
-    FilePeers,
-    Lease,
-    Peer,
-    PeerSource,
-    RolloutDecision,
-    StaticPeers,
-    decision_revision,
-    read_fleet_file,
-    write_fleet_file,
-)
+from serve.sidecar.adapters.fleet_store import DecisionStore, Lease, Peer, PeerSource
 
-__all__ = [
-    "DECISION_PHASES",
-    "DecisionStore",
-    "FileDecisionStore",
-    "FileLease",
-    "FilePeers",
-    "Fleet",
-    "FleetFamilies",
-    "Lease",
-    "Peer",
-    "PeerSource",
-    "RolloutDecision",
-    "StaticPeers",
-    "decision_revision",
-    "read_fleet_file",
-    "write_fleet_file",
-]
+__all__ = ["Fleet", "FleetFamilies"]
 
 _log = logging.getLogger(__name__)
 

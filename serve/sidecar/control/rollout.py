@@ -68,7 +68,7 @@ from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict
 from serve.metrics import SidecarMetrics
-from serve.sidecar.control.fleet import DecisionStore, RolloutDecision
+from serve.sidecar.adapters.fleet_store import DecisionStore, RolloutDecision
 from serve.sidecar.control.guards import (
     GuardLimits,
     GuardResult,
