@@ -34,7 +34,6 @@ import psutil
 
 from serve import settings
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
-from serve.common.net import free_ports
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state
 
@@ -75,17 +74,14 @@ def measure_pod(ts_pid: int, sidecar_pid: int | None) -> dict[str, Any]:
 
 
 def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str, Any]:
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import LaunchConfig, free_port_settings, start
 
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         root = Path(tmp)
         write_state(root / "state.yaml", parse_state({"model": {"version": version},
                                                       "workers": workers}))
-        inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
         cfg = LaunchConfig(
-            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
-            grpc_inference_port=gi, grpc_management_port=gm,
-            model_store=REPO / "model_store", state_file=root / "state.yaml",
+            **free_port_settings(), model_store=REPO / "model_store", state_file=root / "state.yaml",
             run_dir=root / "run", log_dir=root / "logs", sidecar=True, ready_timeout_s=300,
             extra_env={settings.DLRM_SHARED_TABLES.name: "1" if shared else "0"})
         t0 = time.monotonic()

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from serve import settings
-from serve.common.net import free_ports
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state
@@ -64,15 +63,12 @@ SLOWDOWN_ENV = settings.DLRM_DEBUG_CANDIDATE_SLOWDOWN.name
 def _service(root: Path, store: Path, stable: str, extra_env: dict[str, str]
              ) -> Iterator[tuple[str, StateClient]]:
     """A service on free ports serving ``stable`` (shipped defaults), stopped at the end."""
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import LaunchConfig, free_port_settings, start
 
     root.mkdir(parents=True, exist_ok=True)
     write_state(root / "state.yaml", parse_state({"model": {"version": stable}}))
-    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
     cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side,
-        sidecar_write_port=side_w, grpc_inference_port=gi, grpc_management_port=gm,
-        model_store=store, state_file=root / "state.yaml", run_dir=root / "run",
+        **free_port_settings(), model_store=store, state_file=root / "state.yaml", run_dir=root / "run",
         log_dir=root / "logs", sidecar=True, ready_timeout_s=300, extra_env=extra_env)
     svc = start(cfg)
     try:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from serve.common.net import free_ports
 from serve.errors import ConfigError
 from serve.ops import launcher
-from serve.ops.launcher import LaunchConfig, check_ports, planned_ports, start
+from serve.ops.launcher import LaunchConfig, check_ports, free_port_settings, planned_ports, start
 from serve.store.repository import ModelRepository
 
 
@@ -31,10 +30,7 @@ def held() -> Iterator[int]:
 
 def _cfg(tmp_path: Path, **kw: object) -> LaunchConfig:
     """Free ports (the OS picks them) and every path under ``tmp_path``."""
-    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
-    base: dict = {"inference_port": inf, "management_port": mgmt, "metrics_port": met,
-                  "sidecar_port": side, "sidecar_write_port": side_w, "grpc_inference_port": gi, "grpc_management_port": gm,
-                  "model_store": tmp_path / "model_store", "run_dir": tmp_path / "run",
+    base: dict = {**free_port_settings(), "model_store": tmp_path / "model_store", "run_dir": tmp_path / "run",
                   "log_dir": tmp_path / "logs", "state_file": tmp_path / "run" / "state.yaml"}
     return LaunchConfig(**{**base, **kw})
 

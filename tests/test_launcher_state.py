@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.common.net import free_port, free_ports
+from serve.common.net import free_port
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.launcher import (
     REPO,
@@ -21,6 +21,7 @@ from serve.ops.launcher import (
     _banner,
     default_state,
     ensure_state,
+    free_port_settings,
     render_ts_config,
     sidecar_command,
     start,
@@ -152,11 +153,9 @@ def test_launcher_flags_name_the_version_like_make_model():
 
 def _cfg(tmp_path: Path, **kw: object) -> LaunchConfig:
     # free ports: start() checks them first, and a `make up` on this host holds the defaults
-    ports = ("inference_port", "management_port", "metrics_port", "sidecar_port",
-             "sidecar_write_port", "grpc_inference_port", "grpc_management_port")
     base: dict = {"model_store": tmp_path / "model_store", "run_dir": tmp_path / "run",
                   "log_dir": tmp_path / "logs", "state_file": tmp_path / "run" / "state.yaml",
-                  **dict(zip(ports, free_ports(len(ports)), strict=True))}
+                  **free_port_settings()}
     return LaunchConfig(**{**base, **kw})
 
 

@@ -245,12 +245,10 @@ def _state_file(root: Path, version: str) -> Path:
 @contextlib.contextmanager
 def harness(root: Path, store: Path) -> Iterator[Harness]:
     """A background service on free ports (config.properties as shipped), stopped at the end."""
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launcher import LaunchConfig, free_port_settings, start
 
-    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
     cfg = LaunchConfig(
-        inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
-        grpc_inference_port=gi, grpc_management_port=gm, model_store=store,
+        **free_port_settings(), model_store=store,
         state_file=_state_file(root, stable_version(store)), run_dir=root / "run",
         log_dir=root / "logs", sidecar=True, ready_timeout_s=300)
     svc = start(cfg)

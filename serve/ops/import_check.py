@@ -604,8 +604,7 @@ class Service:
                 "workers": self.workers, "rollout": None}
 
     def _config(self) -> Any:
-        from serve.common.net import free_ports
-        from serve.ops.launcher import LaunchConfig
+        from serve.ops.launcher import LaunchConfig, free_port_settings
 
         run = self.root / f"service-{self.starts}"
         run_dir = run / "run"
@@ -616,10 +615,8 @@ class Service:
             if self._short is None:
                 self._short = Path(tempfile.mkdtemp(prefix="ic-run-"))
             run_dir = self._short / str(self.starts)
-        inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
         return LaunchConfig(
-            inference_port=inf, management_port=mgmt, metrics_port=met, sidecar_port=side, sidecar_write_port=side_w,
-            grpc_inference_port=gi, grpc_management_port=gm, model_store=self.store,
+            **free_port_settings(), model_store=self.store,
             state_file=run / "state.yaml", run_dir=run_dir, log_dir=run / "logs",
             sidecar=True, ready_timeout_s=self.converge_timeout_s,
             extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},

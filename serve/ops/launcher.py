@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from serve import settings
-from serve.common.net import wait_until
+from serve.common.net import free_ports, wait_until
 from serve.common.validate import int_in_range, is_int
 from serve.constants import (
     DEFAULT_GRPC_INFERENCE_PORT,
@@ -75,6 +75,7 @@ __all__ = [
     "default_state",
     "describe_state",
     "ensure_state",
+    "free_port_settings",
     "main",
     "planned_ports",
     "port_holder",
@@ -654,6 +655,14 @@ _PORTS: tuple[tuple[str, str, str | None, EnvVar], ...] = (
      settings.SIDECAR_WRITE_PORT),
 )
 _SIDECAR_PORTS = ("sidecar_port", "sidecar_write_port")
+
+
+def free_port_settings() -> dict[str, Any]:  # Any: LaunchConfig's ** keywords (ints)
+    """A free loopback port (the OS picks it) for every port setting of
+    :class:`LaunchConfig`, as its keywords: a service of its own for a test, a benchmark
+    or a check, beside whatever already listens (``make up`` holds the defaults)."""
+    return dict(zip((setting for setting, *_ in _PORTS), free_ports(len(_PORTS)),
+                    strict=True))
 
 
 def planned_ports(cfg: LaunchConfig) -> list[PortUse]:
