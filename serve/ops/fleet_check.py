@@ -93,12 +93,13 @@ def run_check(plan: FleetPlan, *, candidate: str, weight: float, clients: int,
     # recorded), so each run is another attempt; the bake is long enough never to end
     # before the guards decide.
     body["rollout"] = {"candidate": candidate, "mode": "canary", "weight": weight,
-                       "bake_s": 600, "attempt": int(time.time()) % 1_000_000 + 1, "guards": {"interval_s": 5, "min_requests": 50,
-                                                    "min_instances": 200}}
+                       "bake_s": 600, "attempt": int(time.time()) % 1_000_000 + 1,
+                       "guards": {"interval_s": 5, "min_requests": 50, "min_instances": 200}}
     loads = [BackgroundLoad(p.predict_url, _bodies(), clients=clients, timeout_s=60.0)
              for p in pods]
     result: dict[str, Any] = {"pods": len(pods), "stable": stable, "candidate": candidate,
-                              "weight": weight, "checks": {}}
+                              "weight": weight, "state": _declared(declared, pods[0]),
+                              "checks": {}}
     for load in loads:
         load.start()
     try:
@@ -214,9 +215,25 @@ def _declare_stable(plan: FleetPlan) -> None:
         workers=plan.workers))
 
 
+def _declared(declared: Any, pod: Peer) -> dict[str, Any]:
+    """The serving state the check measures: the declared batching and workers, and
+    whether the batching tuner runs (GET /tuner of the first pod; each pod runs its own)."""
+    try:
+        tuner = httpx.get(f"{pod.sidecar_url}/tuner", timeout=5).json().get("enabled")
+    except (httpx.HTTPError, ValueError):
+        tuner = None
+    return {"batching": declared.batching.model_dump(mode="json"),
+            "workers": declared.workers,
+            "tuner": {True: "on", False: "off"}.get(tuner, "unknown")}
+
+
 def _table(result: dict[str, Any]) -> str:
+    st = result.get("state") or {}
+    b = st.get("batching") or {}
     lines = [(f"fleet check: {result['pods']} pods, canary {result['candidate']} beside "
-             f"{result['stable']} at weight {result['weight']}")]
+             f"{result['stable']} at weight {result['weight']}; batching "
+             f"{b.get('batch_size')}/{b.get('max_batch_delay_ms')} ms, "
+             f"{st.get('workers')} workers per pod, tuner {st.get('tuner')}")]
     for name, d in (result.get("decision") or {}).items():
         lines.append(f"  {name:8s} {d.get('phase')!s:12s} {d.get('revision')!s:28s} "
                      f"by {d.get('decided_by')}")
