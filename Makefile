@@ -33,7 +33,7 @@ VARIANT ?= gpu
 GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring check promcheck model delta delta-check bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring check promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         wrk bench-autotune \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
@@ -115,6 +115,9 @@ check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md), 
 	@git diff --exit-code -- . || { echo "make check: the generators changed tracked files (above): commit them" >&2; exit 1; }
 	@new=$$(git status --porcelain --untracked-files=all -- docs k8s/monitoring | grep '^??'); \
 	if [ -n "$$new" ]; then echo "make check: generated files not in git: $$new" >&2; exit 1; fi
+
+delta-compare: venv java  ## modulo vs managed id spaces: build both (small), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~30 min)
+	$(PY) -m bench.delta_compare
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json
 	$(PY) -m bench.bench_runtime

@@ -5,7 +5,8 @@
 
 Writes ``bench/results/runtime.json``:
 ``{"throughput": [{"batch", "torchrec_samples_per_s", "runtime_samples_per_s", ...}],
-   "levers": [...], "hit_ratio": [{"scenario", "load_factor", "alpha", "policy",
+   "levers": [...], "remap": {"batch", "modulo_samples_per_s", "managed_samples_per_s",
+   "remap_cost", "equal"}, "hit_ratio": [{"scenario", "load_factor", "alpha", "policy",
    "hit_ratio", "ideal", ...}]}``
 
 Throughput: both sides get the same prebuilt inputs (a KJT for TorchRec, a SparseBatch
@@ -141,6 +142,8 @@ def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
               f"{row['runtime_samples_per_s']:>10,.0f}/s  ratio {row['ratio']:.2f}  "
               f"max|dp| {diff:.1e}", flush=True)
 
+    remap = _remap_cost(art, inputs, batches, min_seconds)
+
     # Levers at the batch closest to 512; accuracy against the exact default path, AUC on
     # labels drawn from the exact model's own probabilities (no trained model needed).
     b = min(batches, key=lambda x: abs(x - 512))
@@ -173,7 +176,38 @@ def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
         print(f"  lever {name:<28} batch {b}: {row['samples_per_s']:>10,.0f}/s  max|dp| "
               f"{row['max_abs_diff']:.1e}  dAUC {row['auc_delta']:+.1e}", flush=True)
     torch.set_num_threads(threads)
-    return rows_out, levers
+    return rows_out, levers, remap
+
+
+def _remap_cost(art: Any, inputs: dict[int, tuple], batches: tuple[int, ...],
+                min_seconds: float) -> dict[str, Any]:
+    """The managed id map's cost, in the same process and run: the artifact's managed twin
+    (every table managed and full, :func:`bench.gpu_check.managed_twin`) fed the raw ids of
+    the very rows the modulo runtime is fed, at the batch closest to 512. Same rows, so
+    the probabilities must be equal (checked with ``torch.equal``); the difference in
+    time is the map lookup (a ``searchsorted`` per managed feature)."""
+    from bench.gpu_check import managed_twin
+
+    b = min(batches, key=lambda x: abs(x - 512))
+    dense, _kjt, sb = inputs[b]
+    twin, raws = managed_twin(art, seed=5)
+    nf = sb.lengths.shape[0]
+    ids = sb.values.view(nf, -1)
+    ftab = art.schema.feature_tables
+    raw_sb = SparseBatch(torch.stack([raws[ftab[f]][ids[f]] for f in range(nf)]).reshape(-1),
+                         sb.lengths)
+    modulo, managed = Runtime.from_artifact(art, RuntimeConfig()), Runtime.from_artifact(twin, RuntimeConfig())
+    with torch.inference_mode():
+        equal = torch.equal(modulo.predict(dense, sb), managed.predict(dense, raw_sb))
+        t_mod, t_man = _time_pair(lambda: modulo.predict(dense, sb),
+                                  lambda: managed.predict(dense, raw_sb), min_seconds)
+    out = {"batch": b, "modulo_samples_per_s": b / t_mod, "managed_samples_per_s": b / t_man,
+           "remap_cost": t_man / t_mod - 1.0, "equal": equal,
+           "ids_per_table": [int(m.size) for m in twin.id_maps.values()]}
+    print(f"  id map (managed, every table full) batch {b}: modulo {out['modulo_samples_per_s']:,.0f}/s"
+          f"  managed {out['managed_samples_per_s']:,.0f}/s  cost {out['remap_cost']:+.1%}"
+          f"  torch.equal {equal}", flush=True)
+    return out
 
 
 def hit_ratios(sim_rows: int, batches: int, warmup: int, batch: int) -> list[dict]:
@@ -251,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     threads = args.threads or torch.get_num_threads()
     if args.quick:
-        tp, levers = throughput("tiny", (1, 64, 512), 0.05, threads)
+        tp, levers, remap = throughput("tiny", (1, 64, 512), 0.05, threads)
         hr = hit_ratios(sim_rows=2000, batches=10, warmup=5, batch=128)
     else:
-        tp, levers = throughput("small", BATCHES, 0.5, threads)
+        tp, levers, remap = throughput("small", BATCHES, 0.5, threads)
         hr = hit_ratios(sim_rows=20_000, batches=300, warmup=300, batch=512)
-    result = {"throughput": tp, "levers": levers, "hit_ratio": hr,
+    result = {"throughput": tp, "levers": levers, "remap": remap, "hit_ratio": hr,
               "quick": args.quick, "torch": torch.__version__, "threads": threads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -268,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in levers:
         print(f"| {r['lever']} ({r['threads']} thr) | {r['samples_per_s']:,.0f} | "
               f"{r['max_abs_diff']:.1e} | {r['auc_delta']:+.1e} |")
+    print(f"\n| id mapping (batch {remap['batch']}) | samples/s |\n|---|---:|\n"
+          f"| modulo | {remap['modulo_samples_per_s']:,.0f} |\n"
+          f"| managed (every table full) | {remap['managed_samples_per_s']:,.0f} |\n"
+          f"remap cost {remap['remap_cost']:+.1%} of the forward; predictions equal: "
+          f"{remap['equal']}")
     _print_hit_ratios(hr)
     print(f"\nwrote {args.out}")
     return 0

@@ -127,6 +127,35 @@ def build_random_artifact(profile_name: str, device: torch.device, seed: int = 0
                          {"origin": "bench.gpu_check random"})
 
 
+def managed_twin(art: Artifact, seed: int = 0) -> tuple[Artifact, list[torch.Tensor]]:
+    """The same tables and dense part with every table ``mapping="managed"`` and full:
+    row r >= 1 of table t owns a random raw id (spread over the int64 range), row 0 is the
+    fallback. Returns the artifact and, per table, ``raw`` int64 (rows,) with ``raw[r]``
+    the id of row r (``raw[0]``: an id the map does not hold), so ``raw[t][ids]`` are raw
+    ids that the managed twin serves exactly as the original serves ``ids``: the map is
+    the only extra work (bench.bench_runtime measures its cost this way)."""
+    import dataclasses
+
+    from serve.runtime.idmap import IdMap
+    from serve.schema import ModelSchema
+
+    g = torch.Generator().manual_seed(seed)
+    maps, raws = {}, []
+    for spec in art.schema.tables:
+        n = spec.rows
+        raw = torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
+        raw = torch.unique(raw)
+        while raw.numel() < n:     # collisions in 2**62 draws: practically never, but exact
+            raw = torch.unique(torch.cat([raw, torch.randint(0, 2**62, (n,), generator=g)]))
+        raw = raw[torch.randperm(raw.numel(), generator=g)[:n]]
+        maps[spec.name] = IdMap.from_arrays(raw[1:], torch.arange(1, n), n)
+        raws.append(raw)
+    schema = ModelSchema(art.schema.dense,
+                         tuple(dataclasses.replace(t, mapping="managed") for t in art.schema.tables),
+                         art.schema.features)
+    return Artifact(schema, art.tables, art.dense, dict(art.meta), maps), raws
+
+
 def check_exactness(device: str, fixture: Path, mapped: bool = False) -> list[dict[str, Any]]:
     """Serve the carried tiny artifact on ``device`` in several configurations and compare
     with the CPU probabilities stored beside it. Returns one row per configuration."""

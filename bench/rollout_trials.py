@@ -50,7 +50,6 @@ from typing import Any
 from serve import settings
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.state import parse_state, write_state
 
 __all__ = ["main"]
 
@@ -63,21 +62,10 @@ SLOWDOWN_ENV = settings.DLRM_DEBUG_CANDIDATE_SLOWDOWN.name
 def _service(root: Path, store: Path, stable: str, extra_env: dict[str, str]
              ) -> Iterator[tuple[str, StateClient]]:
     """A service on free ports serving ``stable`` (shipped defaults), stopped at the end."""
-    from serve.ops.launcher import LaunchConfig, free_port_settings, start
+    from serve.ops.launcher import running_service
 
-    root.mkdir(parents=True, exist_ok=True)
-    write_state(root / "state.yaml", parse_state({"model": {"version": stable}}))
-    cfg = LaunchConfig(
-        **free_port_settings(), model_store=store, state_file=root / "state.yaml", run_dir=root / "run",
-        log_dir=root / "logs", sidecar=True, ready_timeout_s=300, extra_env=extra_env)
-    svc = start(cfg)
-    try:
-        client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
-                             timeout_s=30)
-        client.wait_converged(timeout_s=300)
+    with running_service(root, store, stable, extra_env) as (cfg, client):
         yield f"{cfg.inference_url}/predictions/dlrm", client
-    finally:
-        svc.stop()
 
 
 def _bodies(clients: int) -> tuple[list[bytes], float]:

@@ -44,7 +44,7 @@ from serve.ops.loadgen import BackgroundLoad
 from serve.profiles import PROFILES, get_profile
 from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, decode_delta
 
-__all__ = ["check_parent", "main"]
+__all__ = ["check_parent", "main", "run_check"]
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "delta_check.json"
@@ -103,26 +103,45 @@ def check_parent(delta: Delta, status: dict[str, Any]) -> str | None:
     return None
 
 
+class SetupError(Exception):
+    """The check cannot run as set up (exit 2): the message says why."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        res = run_check(args)
+    except SetupError as e:
+        print(f"delta_check: {e}", file=sys.stderr)
+        return 2
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"checks: {res['checks']} -> {'ok' if res['ok'] else 'FAILED'}; wrote {args.json}")
+    return 0 if res["ok"] else 1
+
+
+def run_check(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole check (module docstring) with ``args`` as :func:`_parser` makes them;
+    returns the result (what ``--json`` gets) after printing its table.
+
+    Raises:
+        SetupError: the delta, the token or the pod's chain make the check meaningless.
+    """
     try:
         blob = Path(args.delta).read_bytes()
         delta = decode_delta(blob)
         token = Path(args.token_file).read_text().strip()
         predict = predict_url(args.url, "dlrm")
     except (OSError, ServeError) as e:
-        print(f"delta_check: {getattr(e, 'message', e)}", file=sys.stderr)
-        return 2
+        raise SetupError(str(getattr(e, "message", e))) from e
     try:
         status = httpx.get(f"{args.sidecar}/embeddings/deltas", timeout=30, trust_env=False,
                            headers={"Authorization": f"Bearer {token}"})
         why = check_parent(delta, status.json()) if status.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
-        print(f"delta_check: GET {args.sidecar}/embeddings/deltas failed: {e}", file=sys.stderr)
-        return 2
+        raise SetupError(f"GET {args.sidecar}/embeddings/deltas failed: {e}") from e
     if why is not None:
-        print(f"delta_check: {why}", file=sys.stderr)
-        return 2
+        raise SetupError(why)
     day = args.day
     if day is None:
         done = Path(args.delta).with_name("done.json")
@@ -157,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  POST answer: {answer['message']}", flush=True)
     res = {"version": delta.base_version, "sequence": delta.sequence, "day": day,
            "parent_digest": delta.parent_digest,
-           "delta_rows": delta.rows, "delta_bytes": len(blob), "auc_before": before["auc"],
+           "delta_rows": delta.rows, "delta_assigned": delta.assigned,
+           "delta_evicted": delta.evicted, "delta_bytes": len(blob), "auc_before": before["auc"],
            "auc_after": after["auc"], "auc_gain": round(gain, 6), "eval_rows": after["rows"],
            "post_status": r.status_code, "post_seconds": round(post_s, 3),
            "apply_seconds_per_worker": {str(w["pid"]): w["apply_seconds"] for w in workers},
@@ -171,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {before['auc']:.4f} | {after['auc']:.4f} | {gain:+.4f} | {delta.rows:,} | "
           f"{len(blob):,} | {apply_s} | "
           f"{load.served} | {load.failed} |")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    print(f"checks: {checks} -> {'ok' if res['ok'] else 'FAILED'}; wrote {args.json}")
-    return 0 if res["ok"] else 1
+    return res
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,7 @@ __all__ = [
     "port_holder",
     "post_json",
     "render_ts_config",
+    "running_service",
     "sidecar_command",
     "start",
     "start_sidecar",
@@ -751,6 +752,34 @@ def check_ports(cfg: LaunchConfig,
             f"cannot start: {len(lines)} port{'s' if len(lines) != 1 else ''} the service "
             "needs cannot be bound:\n" + "\n".join(lines)
             + "\nstop what holds them (`make down` if it is this service), or move the ports")
+
+
+@contextlib.contextmanager
+def running_service(root: Path, model_store: Path, version: str,
+                    extra_env: dict[str, str] | None = None, ready_timeout_s: float = 300
+                    ) -> Iterator[tuple[LaunchConfig, Any]]:
+    """A service of its own (TorchServe + sidecar, shipped defaults, every port free on
+    127.0.0.1, state and run files under ``root``) serving ``version`` and converged,
+    stopped on exit: what the benchmarks that must not touch ``make up``'s service
+    (``bench.rollout_trials``, ``bench.delta_compare``) run against. Yields the launch
+    config (its URLs and token file) and a :class:`serve.ops.state_client.StateClient`."""
+    from serve.ops.state_client import StateClient
+    from serve.state import parse_state
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_state(root / "state.yaml", parse_state({"model": {"version": version}}))
+    cfg = LaunchConfig(
+        **free_port_settings(), model_store=model_store, state_file=root / "state.yaml",
+        run_dir=root / "run", log_dir=root / "logs", sidecar=True,
+        ready_timeout_s=ready_timeout_s, extra_env=dict(extra_env or {}))
+    svc = start(cfg)
+    try:
+        client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
+                             timeout_s=30)
+        client.wait_converged(timeout_s=ready_timeout_s)
+        yield cfg, client
+    finally:
+        svc.stop()
 
 
 def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:

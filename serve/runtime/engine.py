@@ -63,7 +63,7 @@ from serve.runtime.cache import (
     resolve_decay_every,
 )
 from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, convert_precision
-from serve.runtime.idmap import IdMap
+from serve.runtime.idmap import IdMap, MapIndex
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
 from serve.store.rowformat import row_bytes
@@ -238,7 +238,9 @@ class _Group:
     features_d: torch.Tensor        # int64 (F_g,) = features (for per-feature counters)
     rows_h: torch.Tensor            # int64 (F_g, 1) on the host
     modulo_d: torch.Tensor          # int64 (F_g,) 1 where the feature's table is modulo
-    managed: tuple[tuple[int, int], ...] = ()   # (j in the group, table) of managed features
+    managed: tuple[tuple[int, int], ...]   # (j in the group, table) of managed features
+    managed_j: torch.Tensor                # int64 (M,) the j of ``managed``
+    managed_f: torch.Tensor                # int64 (M,) their feature indices
     scratch: torch.Tensor | None = None
 
 
@@ -328,6 +330,7 @@ class Runtime:
         self.id_maps: dict[int, IdMap] = {
             i: artifact.id_maps[t.name].to(dev) for i, t in enumerate(self.schema.tables)
             if t.mapping == "managed"}
+        self._map_index = MapIndex(self.id_maps, dev)
         ftab = self.schema.feature_tables
         #: Rows of each feature's table (request order).
         self.feature_rows = [self.table_rows[t] for t in ftab]
@@ -389,7 +392,9 @@ class Runtime:
                 torch.tensor(rows, dtype=torch.int64).unsqueeze(1),
                 torch.tensor([0 if ftab[f] in self.id_maps else 1 for f in feats],
                              dtype=torch.int64, device=dev),
-                managed))
+                managed,
+                torch.tensor([j for j, _ in managed], dtype=torch.int64, device=dev),
+                torch.tensor([feats[j] for j, _ in managed], dtype=torch.int64, device=dev)))
         return groups
 
     def _place_rows(self, artifact: Artifact, config: RuntimeConfig, shared: SharedTables | None
@@ -516,6 +521,7 @@ class Runtime:
             raise ConfigError(f"table {table} is not a managed table of {id_map.table_rows} "
                               "rows")
         self.id_maps[table] = id_map.to(self.device)
+        self._map_index = MapIndex(self.id_maps, self.device)
 
     @property
     def row_bytes(self) -> int:
@@ -583,8 +589,13 @@ class Runtime:
             else:
                 self._wrapped_d.index_add_(0, g.features_d, wrapped)
             local = vv % rows
-            for j, t in g.managed:
-                local[j] = self._map_rows(g.features[j], t, vv[j])
+            if g.managed:
+                b = vv.shape[1]
+                mv = vv.index_select(0, g.managed_j).view(-1)          # (M * B,)
+                got, found = self._map_index.lookup(
+                    mv, [(t, i * b, (i + 1) * b) for i, (_, t) in enumerate(g.managed)])
+                local.index_copy_(0, g.managed_j, got.view(-1, b))
+                self._fallback_d.index_add_(0, g.managed_f, (~found).view(-1, b).sum(1))
             return (local + g.offsets_d.unsqueeze(1)).view(-1)
         per_feature = lengths.sum(1).to(dev, non_blocking=True)
         feat = torch.repeat_interleave(g.ids_d, per_feature, output_size=v.numel())
@@ -597,18 +608,13 @@ class Runtime:
         local = v % rows
         if g.managed:
             bounds = [0, *itertools.accumulate(lengths.sum(1).tolist())]
-            for j, t in g.managed:
+            for j, t in g.managed:   # few multi-hot features: one lookup each
                 lo, hi = bounds[j], bounds[j + 1]
                 if hi > lo:
-                    local[lo:hi] = self._map_rows(g.features[j], t, v[lo:hi])
+                    got, found = self._map_index.lookup(v[lo:hi], [(t, 0, hi - lo)])
+                    local[lo:hi] = got
+                    self._fallback_d[g.features[j]] += (~found).sum()
         return local + g.offsets_d.index_select(0, feat)
-
-    def _map_rows(self, feature: int, table: int, ids: torch.Tensor) -> torch.Tensor:
-        """A managed table's rows of ``ids`` (int64 (k,) on the device), counting the ids
-        that read the fallback row for ``feature``."""
-        rows, found = self.id_maps[table].lookup_with_hits(ids)
-        self._fallback_d[feature] += found.numel() - found.sum()
-        return rows
 
     def _embed(self, sparse: SparseBatch, lengths: torch.Tensor, b: int) -> torch.Tensor:
         """Pooled embeddings on the device, float32: (B, F, D) for a model of one group
