@@ -104,7 +104,7 @@ def _auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def throughput(profile_name: str, batches: tuple[int, ...], min_seconds: float,
-               threads: int) -> tuple[list[dict], list[dict]]:
+               threads: int) -> tuple[list[dict], list[dict], dict[str, Any]]:
     from torchrec.inference.modules import quantize_inference_model
 
     from serve.model.dlrm import build_dlrm, make_kjt

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -372,3 +373,78 @@ def test_managed_runtime_on_cuda_equals_cpu(managed, tmp_path, cache):
     for step in range(3):
         dense, sparse = _traffic(managed, d1, step, 128, multi_hot=step == 1)
         assert torch.equal(rt.predict(dense, sparse), ref_gpu.predict(dense, sparse))
+
+
+# -- one copy of the maps per pod ----------------------------------------------------------
+
+def _shared_managed_worker(art_path: str, folder: str, apply: bool, q) -> None:
+    from serve.runtime.artifact import load_artifact
+    from serve.runtime.shared import SharedTables
+
+    art = load_artifact(art_path)
+    store = DeltaStore(folder)
+    shared = SharedTables(store.folder(VERSION) / "tables.bin", store.last_sequence(VERSION))
+    rt = Runtime.from_artifact(art, RuntimeConfig(), shared=shared)
+    f = DeltaFollower(store, VERSION, rt, threading.Lock())
+    if apply:
+        f.catch_up()
+    else:
+        q.put("ready")
+        while f.applied < 1:  # the delta is added after "ready"
+            f.catch_up()
+            time.sleep(0.01)
+    d = decode_delta(store.path(VERSION, 1).read_bytes())
+    dense, sparse = _traffic(art, d, 3, 64, multi_hot=True)
+    with shared.read():
+        q.put((rt.predict(dense, sparse).numpy(), rt.stats().fallback))
+
+
+def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
+    """Two workers map one file holding the rows AND the id maps (one copy per pod); one
+    writes the delta's admissions, evictions and rows, the other only sees them: both
+    serve exactly the rebuilt artifact."""
+    import multiprocessing as mp
+
+    from serve.runtime.shared import SharedTables
+
+    art_path = tmp_path / "artifact.pt"
+    save_artifact(managed, art_path)
+    d1 = _id_delta(managed, 55)
+    folder = tmp_path / "deltas"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    reader = ctx.Process(target=_shared_managed_worker, args=(str(art_path), str(folder), False, q))
+    reader.start()
+    assert q.get(timeout=120) == "ready"
+    store = DeltaStore(folder)
+    for blob, d in chained([d1]):
+        store.add(blob, d)
+    writer = ctx.Process(target=_shared_managed_worker, args=(str(art_path), str(folder), True, q))
+    writer.start()
+    outs = [q.get(timeout=120), q.get(timeout=120)]
+    reader.join(60)
+    writer.join(60)
+    assert reader.exitcode == 0 and writer.exitcode == 0
+    rebuilt = with_delta_rows(managed, d1)
+    dense, sparse = _traffic(managed, d1, 3, 64, multi_hot=True)
+    expected = Runtime.from_artifact(rebuilt).predict(dense, sparse).numpy()
+    stale = Runtime.from_artifact(managed).predict(dense, sparse).numpy()
+    assert not np.array_equal(expected, stale), "the delta changed nothing: cannot fail"
+    for probs, _fallback in outs:
+        assert np.array_equal(probs, expected)
+    assert outs[0][1] == outs[1][1], "both workers read the same maps"
+    shared = SharedTables(store.folder(VERSION) / "tables.bin")
+    assert shared.sequence() == 1
+    table_bytes = sum(t.data.numel() for t in managed.tables)
+    maps = 8 * (len(MANAGED) + 2 * sum(managed.schema.tables[t].rows for t in MANAGED))
+    assert shared.path.stat().st_size == table_bytes + (-table_bytes % 8) + maps
+
+
+def test_managed_warm_up_reads_admitted_ids_and_leaves_the_fallback_count(managed):
+    from serve.runtime.warmup import warm_up
+
+    rt = Runtime.from_artifact(managed, RuntimeConfig())
+    warm_up(rt, batches=3)
+    st = rt.stats()
+    assert st.forwards == 3 and st.samples > 0
+    assert sum(st.fallback) == 0 and sum(st.wrapped) == 0

@@ -326,11 +326,9 @@ class Runtime:
             offsets.append(offsets[-1] + r)
         self._offsets = offsets
         dev = self.device
-        #: Managed tables' id maps on the device (table index -> map).
-        self.id_maps: dict[int, IdMap] = {
-            i: artifact.id_maps[t.name].to(dev) for i, t in enumerate(self.schema.tables)
-            if t.mapping == "managed"}
-        self._map_index = MapIndex(self.id_maps, dev)
+        #: Managed tables (index -> rows); their maps are in ``_map_index`` (_place_rows).
+        self._managed: dict[int, int] = {i: t.rows for i, t in enumerate(self.schema.tables)
+                                         if t.mapping == "managed"}
         ftab = self.schema.feature_tables
         #: Rows of each feature's table (request order).
         self.feature_rows = [self.table_rows[t] for t in ftab]
@@ -382,7 +380,7 @@ class Runtime:
         groups = []
         for (dtype, dim, pooling), feats in keyed.items():
             rows = [self.table_rows[ftab[f]] for f in feats]
-            managed = tuple((j, ftab[f]) for j, f in enumerate(feats) if ftab[f] in self.id_maps)
+            managed = tuple((j, ftab[f]) for j, f in enumerate(feats) if ftab[f] in self._managed)
             groups.append(_Group(
                 tuple(feats), dtype, dim, pooling,
                 torch.tensor(rows, dtype=torch.int64, device=dev),
@@ -390,7 +388,7 @@ class Runtime:
                 torch.arange(len(feats), device=dev),
                 torch.tensor(feats, dtype=torch.int64, device=dev),
                 torch.tensor(rows, dtype=torch.int64).unsqueeze(1),
-                torch.tensor([0 if ftab[f] in self.id_maps else 1 for f in feats],
+                torch.tensor([0 if ftab[f] in self._managed else 1 for f in feats],
                              dtype=torch.int64, device=dev),
                 managed,
                 torch.tensor([j for j, _ in managed], dtype=torch.int64, device=dev),
@@ -413,10 +411,21 @@ class Runtime:
                            cache_bytes=config.cache_bytes)
         use_cache = (config.cache_on_cpu if self.device.type == "cpu"
                      else cap < self.total_rows)
+        # The managed tables' maps: written into a region of their own here (on the
+        # device), or, with the pod-wide shared tables, into the shared file beside them.
+        maps = MapIndex(self._managed)
+        for i, t in enumerate(self.schema.tables):
+            if i in self._managed:
+                maps.write(i, artifact.id_maps[t.name])
         if not use_cache and self.device.type == "cpu" and shared is not None:
             # One copy for every worker of the pod (serve.runtime.shared).
             self.shared = shared
-            return None, shared.open(_widen(tables))
+            table = shared.open(_widen(tables), maps.region if self._managed else None)
+            self._map_index = (MapIndex(self._managed, shared.id_region)
+                               if shared.id_region is not None else maps)
+            return None, table
+        self._map_index = (maps if self.device.type == "cpu"
+                           else MapIndex(self._managed, maps.region.to(self.device)))
         if not use_cache:
             if (self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous()
                     and tables[0].shape[1] == rb):
@@ -510,18 +519,25 @@ class Runtime:
                        evict_ids: torch.Tensor) -> IdMap:
         """What :meth:`update_ids` would make the table's map, without changing it (so a
         delta's every change is checked before any is applied)."""
-        if table not in self.id_maps:
+        if table not in self._managed:
             raise ConfigError(f"table {table} is not one of the managed tables "
-                              f"{sorted(self.id_maps)}; only managed tables take id changes")
-        return self.id_maps[table].apply(assign_ids, assign_rows, evict_ids)
+                              f"{sorted(self._managed)}; only managed tables take id changes")
+        return self._map_index.map(table).apply(assign_ids, assign_rows, evict_ids)
 
     def set_id_map(self, table: int, id_map: IdMap) -> None:
-        """Serve ``id_map`` for managed table ``table`` from the next predict on."""
-        if table not in self.id_maps or id_map.table_rows != self.table_rows[table]:
+        """Serve ``id_map`` for managed table ``table`` from the next predict on (written in
+        place: with the pod-wide shared tables every worker sees it, so one writes it, under
+        the shared write lock, like rows)."""
+        if table not in self._managed or id_map.table_rows != self.table_rows[table]:
             raise ConfigError(f"table {table} is not a managed table of {id_map.table_rows} "
                               "rows")
-        self.id_maps[table] = id_map.to(self.device)
-        self._map_index = MapIndex(self.id_maps, self.device)
+        self._map_index.write(table, id_map)
+
+    @property
+    def id_maps(self) -> dict[int, IdMap]:
+        """The managed tables' maps (table index -> map; views, valid until the next
+        change)."""
+        return {t: self._map_index.map(t) for t in self._managed}
 
     @property
     def row_bytes(self) -> int:
@@ -710,7 +726,7 @@ class Runtime:
         t0 = time.perf_counter()
         nf = len(self.feature_names)
         if (self.config.cuda_graphs and self.device.type == "cuda" and self._single
-                and not self.id_maps and (self.cache is None or self.cache.static_ok(nf * b))
+                and not self._managed and (self.cache is None or self.cache.static_ok(nf * b))
                 and sparse.values.numel() == nf * b and bool((lengths == 1).all())):
             out = self._predict_graph(dense, sparse, b)
             self._stage["dense"] += time.perf_counter() - t0

@@ -11,10 +11,10 @@ version it serves (stable, and a rollout's candidate). Its steps, each a method:
    forward, so a batch sees all of a delta or none of it) change the managed tables' id
    maps (``Runtime.update_ids``: admitted ids get their rows, evicted ids the fallback)
    and overwrite the rows: ``Runtime.update_rows`` writes the host rows and the
-   device-cached copies. Each worker holds its own id maps, so every worker applies the
-   id changes; the rows are written once. With the
-   pod-wide shared table (:mod:`serve.runtime.shared`) it also takes that table's write
-   lock (no worker is mid-batch), and only the first worker to get there writes: the
+   device-cached copies. With the
+   pod-wide shared table (:mod:`serve.runtime.shared`, the id maps in the same file) it
+   also takes that table's write lock (no worker is mid-batch), and only the first worker
+   to get there writes maps and rows: the
    others find the table's sequence already there (one copy, so each worker's view gets
    the delta exactly once either way);
 4. :meth:`write_status`: ``workers/<pid>.json`` (sequence, rows, apply seconds), which
@@ -141,12 +141,28 @@ class DeltaFollower:
         return delta
 
     def id_maps(self, delta: Delta) -> dict[int, IdMap]:
-        """The managed tables' maps after ``delta``'s id changes (no lock, nothing
-        changed yet), so a change the maps refuse stops the delta before any of it lands.
+        """The managed tables' maps after ``delta``'s id changes (nothing changed yet), so
+        a change the maps refuse stops the delta before any of it lands. Empty when the
+        pod-wide shared file holds the delta already (another worker wrote it: its maps
+        are this worker's maps). With the shared file this reads it under its read lock
+        (no writer midway), and so under the batch lock too: the lock's descriptor is the
+        process's, and a batch of this worker holds it meanwhile otherwise (releasing it
+        here would release the batch's). Milliseconds: the maps' size, not the rows'.
 
         Raises:
             DeltaConflict: an evicted id not in the map, an assigned id or row taken.
         """
+        shared = self.runtime.shared
+        if shared is None:
+            return self._changed_maps(delta)
+        if not any(t.id_changes for t in delta.tables):
+            return {}
+        with self.batch_lock, shared.read():
+            if shared.sequence() >= delta.sequence:
+                return {}
+            return self._changed_maps(delta)
+
+    def _changed_maps(self, delta: Delta) -> dict[int, IdMap]:
         out: dict[int, IdMap] = {}
         for i, t in enumerate(delta.tables):
             if not t.id_changes:
@@ -171,9 +187,9 @@ class DeltaFollower:
         with self.batch_lock, (shared.write() if shared is not None
                                else contextlib.nullcontext()):
             t0 = self.perf()
-            for table, id_map in maps.items():   # this worker's own maps: every worker
-                self.runtime.set_id_map(table, id_map)
             if shared is None or shared.sequence() < delta.sequence:
+                for table, id_map in maps.items():
+                    self.runtime.set_id_map(table, id_map)
                 for table, ids, rows in prepared:
                     self.runtime.update_rows(table, ids, rows)
                 if shared is not None:

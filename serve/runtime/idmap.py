@@ -224,33 +224,89 @@ class IdMap:
         return ni[stay].astype(np.int64), nrow[stay].astype(np.int64), evict
 
 
+
 class MapIndex:
-    """Several managed tables' maps in one place, for one lookup over many features.
+    """Several managed tables' maps in one int64 region, for one lookup over many features.
 
     A lookup per feature through :meth:`IdMap.lookup` is about ten small tensor ops; at
-    26 features and batch 512 their fixed cost came to as much as the model's forward
-    (bench.bench_runtime, "id map"). Here every table's ids and rows are concatenated
-    (each table followed by one sentinel slot, id -1, row :data:`FALLBACK_ROW`: no query
-    equals it, ids being >= 0), so a batch costs one ``searchsorted`` (and one add) per
-    feature segment, then a single gather, compare and select for all of them.
+    26 features their fixed cost came close to the model's forward. Here a batch costs one
+    ``searchsorted`` (and one add) per feature segment, then a single gather, compare and
+    select for all of them.
 
-    Attributes (on ``device``): ``ids``/``rows`` int64 (sum_t (n_t + 1),); ``offsets``:
-    table -> where its ids start.
+    Layout of the region, int64, fixed by the tables' rows (so it can live in a file every
+    worker of the pod maps, :meth:`serve.runtime.shared.SharedTables.open`, and change in
+    place when a delta lands)::
+
+        counts  (T,)            ids admitted per table, n_t
+        ids     (sum_t rows_t,) table t's slots at offsets[t]: its n_t ids sorted, then -1
+        rows    (sum_t rows_t,) the rows of those ids, then FALLBACK_ROW
+
+    A table has ``rows_t`` slots and at most ``rows_t - 1`` ids, so slot ``n_t`` always holds
+    the sentinel -1, which no query equals (ids are >= 0): a search past the last id lands
+    on it and finds nothing.
+
+    Args:
+        tables: managed table index -> its rows, in region order.
+        region: the int64 region (:meth:`size`), already written (a shared file another
+            worker filled), or None: a fresh one on ``device`` holding empty maps.
     """
 
-    def __init__(self, maps: dict[int, IdMap], device: torch.device | str = "cpu") -> None:
-        self.maps = {t: m.to(device) for t, m in maps.items()}
-        ids, rows, self.offsets = [], [], {}
+    def __init__(self, tables: dict[int, int], region: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.tables = dict(tables)
+        self.order = {t: i for i, t in enumerate(self.tables)}
+        self.offsets: dict[int, int] = {}
         at = 0
-        sentinel = torch.tensor([-1], dtype=torch.int64, device=device)
-        fallback = torch.tensor([FALLBACK_ROW], dtype=torch.int64, device=device)
-        for t, m in self.maps.items():
+        for t, rows in self.tables.items():
             self.offsets[t] = at
-            ids += [m.ids, sentinel]
-            rows += [m.rows, fallback]
-            at += m.size + 1
-        self.ids = torch.cat(ids) if ids else sentinel
-        self.rows = torch.cat(rows) if rows else fallback
+            at += rows
+        slots, nt = at, len(self.tables)
+        if region is None:
+            region = torch.empty(self.size(self.tables), dtype=torch.int64, device=device)
+            region[:nt] = 0
+            region[nt:nt + slots] = -1
+            region[nt + slots:] = FALLBACK_ROW
+        if region.dtype != torch.int64 or region.numel() != self.size(self.tables):
+            raise ConfigError(f"an id map region for tables {self.tables} is int64 "
+                              f"({self.size(self.tables)},), got {region.dtype} "
+                              f"{tuple(region.shape)}")
+        self.region = region
+        self.counts = region[:nt]
+        self.ids = region[nt:nt + slots]
+        self.rows = region[nt + slots:]
+        # On CUDA the counts are mirrored on the host (reading them would sync the device
+        # every batch); on CPU they are read from the region, which another worker may
+        # have changed (a shared file).
+        self._host_counts: list[int] | None = (self.counts.tolist()
+                                               if region.device.type != "cpu" else None)
+
+    @staticmethod
+    def size(tables: dict[int, int]) -> int:
+        """int64 elements of the region of ``tables`` (table -> rows)."""
+        return len(tables) + 2 * sum(tables.values())
+
+    def _counts(self) -> list[int]:
+        return self._host_counts if self._host_counts is not None else self.counts.tolist()
+
+    def map(self, table: int) -> IdMap:
+        """Table ``table``'s map: views of the region (valid until the next write)."""
+        n, off = self._counts()[self.order[table]], self.offsets[table]
+        return IdMap(self.ids[off:off + n], self.rows[off:off + n], self.tables[table])
+
+    def write(self, table: int, m: IdMap) -> None:
+        """Make ``m`` table ``table``'s map, in place (the caller holds whatever lock keeps
+        lookups out meanwhile)."""
+        if m.table_rows != self.tables.get(table):
+            raise ConfigError(f"table {table} has no id map slots for {m.table_rows} rows")
+        k, off, rows = self.order[table], self.offsets[table], self.tables[table]
+        n = m.size
+        self.ids[off:off + n] = m.ids.to(self.ids.device)
+        self.rows[off:off + n] = m.rows.to(self.rows.device)
+        self.ids[off + n:off + rows] = -1
+        self.rows[off + n:off + rows] = FALLBACK_ROW
+        self.counts[k] = n
+        if self._host_counts is not None:
+            self._host_counts[k] = n
 
     def lookup(self, values: torch.Tensor, segments: list[tuple[int, int, int]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,12 +314,14 @@ class MapIndex:
         ``values[lo:hi]`` are of ``table``; together the segments cover ``values``):
         ``(rows int64 (k,), found bool (k,))`` on ``values``' device, FALLBACK_ROW where
         not found."""
+        counts = self._counts()
         pos = torch.empty_like(values)
         for t, lo, hi in segments:
             if hi > lo:
-                m = self.maps[t]
-                torch.searchsorted(m.ids, values[lo:hi], out=pos[lo:hi])
-                pos[lo:hi] += self.offsets[t]
+                off = self.offsets[t]
+                torch.searchsorted(self.ids[off:off + counts[self.order[t]]], values[lo:hi],
+                                   out=pos[lo:hi])
+                pos[lo:hi] += off
         found = self.ids.index_select(0, pos) == values
         rows = torch.where(found, self.rows.index_select(0, pos),
                            torch.zeros((), dtype=torch.int64, device=values.device))

@@ -7,6 +7,11 @@ the first worker writes the concatenated tables, uint8 (R, row_bytes), once into
 maps it ``MAP_SHARED``: the pages live once, in the page cache (tmpfs or disk-backed),
 whatever the number of workers.
 
+Managed tables' id maps (:class:`serve.runtime.idmap.MapIndex`: an int64 region of
+fixed size) live in the same file, after the rows (8-byte aligned): one copy per pod, and
+a delta's admissions and evictions are written into it once, like its rows, under the
+same lock.
+
 Deltas write into that one mapping, so they must never land under a batch that is
 reading it: a batch holds the **read** side of a cross-process reader-writer lock
 (``flock`` on ``tables.lock``) for its whole forward, and a delta is written under the
@@ -49,13 +54,19 @@ __all__ = ["SharedTables", "tables_identity"]
 IDENTITY_ROWS = 256
 
 
-def tables_identity(tables: list[torch.Tensor]) -> str:
+def tables_identity(tables: list[torch.Tensor], id_region: torch.Tensor | None = None) -> str:
     """A digest naming the build ``tables`` come from: the shape of each uint8
     (rows_t, row_bytes) table and up to :data:`IDENTITY_ROWS` evenly spread rows of each
     (the first and last included). Two trainings differ in every row, so a sample tells
     builds apart; reading it costs microseconds where hashing every row of a 2 GB table
     would cost seconds per worker."""
     h = hashlib.sha256()
+    if id_region is not None:   # the build's id maps: part of what the file holds
+        h.update(f"maps{int(id_region.numel())};".encode())
+        k = min(int(id_region.numel()), 4 * IDENTITY_ROWS)
+        if k:
+            spread = torch.linspace(0, id_region.numel() - 1, k).long()
+            h.update(id_region.index_select(0, spread).contiguous().numpy().tobytes())
     for t in tables:
         rows = int(t.shape[0])
         h.update(f"{rows}x{int(t.shape[1])};".encode())
@@ -88,6 +99,9 @@ class SharedTables:
         self._turn = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT, 0o644)
         self._seq_path = Path(f"{base}.seq")
         self._id_path = Path(f"{base}.id")
+        #: The managed tables' id map region in the file (int64), after :meth:`open` was
+        #: given one; None otherwise.
+        self.id_region: torch.Tensor | None = None
 
     def close(self) -> None:
         for fd in (self._rw, self._turn):
@@ -148,13 +162,15 @@ class SharedTables:
         os.replace(tmp, self._id_path)
 
     # -- the mapping -------------------------------------------------------------------
-    def open(self, tables: list[torch.Tensor]) -> torch.Tensor:
+    def open(self, tables: list[torch.Tensor], id_region: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """The shared table, uint8 (R, row_bytes), mapped ``MAP_SHARED``.
 
         The first caller writes the file from ``tables`` (each uint8 (rows_t, row_bytes),
-        in feature order; typically memory-mapped from the artifact); later callers map
-        it. A file whose size does not match, or that claims a delta newer than
-        ``max_sequence``, is written afresh from ``tables``.
+        in feature order; typically memory-mapped from the artifact) and ``id_region``
+        (the build's id maps, int64 (m,); then :attr:`id_region` is its view in the file);
+        later callers map it. A file whose size does not match, or that claims a delta
+        newer than ``max_sequence``, is written afresh.
 
         Raises:
             ArtifactError: the tables have different row widths.
@@ -164,8 +180,11 @@ class SharedTables:
             raise ArtifactError(f"tables mix row widths {sorted(widths)}")
         rb = widths.pop()
         rows = sum(int(t.shape[0]) for t in tables)
-        nbytes = rows * rb
-        ident = tables_identity(tables)
+        table_bytes = rows * rb
+        pad = -table_bytes % 8 if id_region is not None else 0
+        nmaps = int(id_region.numel()) if id_region is not None else 0
+        nbytes = table_bytes + pad + 8 * nmaps
+        ident = tables_identity(tables, id_region)
         with self.write():
             size = self.path.stat().st_size if self.path.exists() else -1
             seq = self.sequence()
@@ -182,11 +201,16 @@ class SharedTables:
                 with open(tmp, "wb") as f:
                     # memoryviews of the (memory-mapped) tables: no second copy in memory
                     f.writelines(t.contiguous().numpy().data for t in tables)
+                    if id_region is not None:
+                        f.write(b"\0" * pad)
+                        f.write(id_region.cpu().contiguous().numpy().data)
                 os.replace(tmp, self.path)
                 self.set_sequence(0)
                 self._set_identity(ident)
             storage = torch.UntypedStorage.from_file(os.fspath(self.path), shared=True,
                                                      nbytes=nbytes)
-        table = torch.empty(0, dtype=torch.uint8)
-        table.set_(storage)  # type: ignore[arg-type]
-        return table.view(rows, rb)
+        whole = torch.empty(0, dtype=torch.uint8)
+        whole.set_(storage)  # type: ignore[arg-type]
+        if id_region is not None:
+            self.id_region = whole[table_bytes + pad:].view(torch.int64)
+        return whole[:table_bytes].view(rows, rb)

@@ -10,7 +10,8 @@ as a slower model (a canary's first evaluation measured its p99 at 3.4x the stab
 :func:`warmup_batch` makes a batch in the runtime's own request layout from its schema:
 B instances (B as asked), ``num_dense`` dense features drawn from a standard normal, and
 one id per sparse feature drawn below the rows of that feature's table (so no id wraps and
-the wrapped-id counters stay put). :func:`warm_up` runs ``batches`` such forwards, the
+the wrapped-id counters stay put), or for a managed table among the ids its map admitted
+(the map's own path; the fallback counters stay put). :func:`warm_up` runs ``batches`` such forwards, the
 sizes cycling through :data:`WARMUP_SIZES` capped by the runtime's
 ``max_forward_instances``.
 
@@ -55,9 +56,16 @@ def warmup_batch(runtime: Runtime, size: int,
         raise ValueError(f"size={size} must be >= 1 instance")
     nf = len(runtime.feature_names)
     dense = rng.standard_normal((size, runtime.num_dense), dtype=np.float32)
-    values = np.concatenate([rng.integers(0, rows, size=size, dtype=np.int64)
-                             for rows in runtime.feature_rows]) if nf else \
-        np.zeros(0, dtype=np.int64)
+    maps = runtime.id_maps
+    parts = []
+    for f, rows in enumerate(runtime.feature_rows):
+        known = maps[runtime.schema.feature_tables[f]].ids if runtime.schema.feature_tables[f] \
+            in maps else None
+        if known is not None and known.numel():   # admitted ids: the map's real path
+            parts.append(known.cpu().numpy()[rng.integers(0, known.numel(), size=size)])
+        else:
+            parts.append(rng.integers(0, rows, size=size, dtype=np.int64))
+    values = np.concatenate(parts) if nf else np.zeros(0, dtype=np.int64)
     lengths = np.ones((nf, size), dtype=np.int32)
     return dense, values, lengths
 
