@@ -448,3 +448,16 @@ def test_managed_warm_up_reads_admitted_ids_and_leaves_the_fallback_count(manage
     st = rt.stats()
     assert st.forwards == 3 and st.samples > 0
     assert sum(st.fallback) == 0 and sum(st.wrapped) == 0
+
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+def test_managed_every_table_equals_rows_fed_directly(base, multi_hot):
+    """Every table managed (the one-hot path then skips the modulo arithmetic): the same
+    answers as the rows fed to a modulo runtime, and the fallback counted per feature."""
+    every = _managed(base, tables=tuple(range(F)), seed=40)
+    rt = Runtime.from_artifact(every, RuntimeConfig())
+    ref = Runtime.from_artifact(base, RuntimeConfig())
+    dense, sparse = _raw_batch(every, 4, 80, multi_hot)
+    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, _as_rows(every, sparse)))
+    rows = _as_rows(every, sparse).values
+    assert sum(rt.stats().fallback) == int((rows == FALLBACK_ROW).sum()) > 0

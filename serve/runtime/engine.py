@@ -241,6 +241,7 @@ class _Group:
     managed: tuple[tuple[int, int], ...]   # (j in the group, table) of managed features
     managed_j: torch.Tensor                # int64 (M,) the j of ``managed``
     managed_f: torch.Tensor                # int64 (M,) their feature indices
+    managed_tables: tuple[int, ...]        # (M,) their tables
     scratch: torch.Tensor | None = None
 
 
@@ -392,7 +393,8 @@ class Runtime:
                              dtype=torch.int64, device=dev),
                 managed,
                 torch.tensor([j for j, _ in managed], dtype=torch.int64, device=dev),
-                torch.tensor([feats[j] for j, _ in managed], dtype=torch.int64, device=dev)))
+                torch.tensor([feats[j] for j, _ in managed], dtype=torch.int64, device=dev),
+                tuple(t for _, t in managed)))
         return groups
 
     def _place_rows(self, artifact: Artifact, config: RuntimeConfig, shared: SharedTables | None
@@ -596,6 +598,13 @@ class Runtime:
         v = values.to(dev, non_blocking=True).long()
         if one_hot:
             vv = v.view(len(g.features), -1)
+            if len(g.managed) == len(g.features):   # every table managed: no wraps, no %
+                local, found = self._map_index.lookup_features(vv, g.managed_tables)
+                if self._single:
+                    self._fallback_d += (~found).sum(1)
+                else:
+                    self._fallback_d.index_add_(0, g.managed_f, (~found).sum(1))
+                return (local + g.offsets_d.unsqueeze(1)).view(-1)
             rows = g.rows_d.unsqueeze(1)
             wrapped = (vv >= rows).sum(1)
             if g.managed:
@@ -606,12 +615,10 @@ class Runtime:
                 self._wrapped_d.index_add_(0, g.features_d, wrapped)
             local = vv % rows
             if g.managed:
-                b = vv.shape[1]
-                mv = vv.index_select(0, g.managed_j).view(-1)          # (M * B,)
-                got, found = self._map_index.lookup(
-                    mv, [(t, i * b, (i + 1) * b) for i, (_, t) in enumerate(g.managed)])
-                local.index_copy_(0, g.managed_j, got.view(-1, b))
-                self._fallback_d.index_add_(0, g.managed_f, (~found).view(-1, b).sum(1))
+                got, found = self._map_index.lookup_features(
+                    vv.index_select(0, g.managed_j), g.managed_tables)     # (M, B)
+                local.index_copy_(0, g.managed_j, got)
+                self._fallback_d.index_add_(0, g.managed_f, (~found).sum(1))
             return (local + g.offsets_d.unsqueeze(1)).view(-1)
         per_feature = lengths.sum(1).to(dev, non_blocking=True)
         feat = torch.repeat_interleave(g.ids_d, per_feature, output_size=v.numel())
