@@ -113,8 +113,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _CacheTotals:
     """Cache statistics summed over the runtimes (stable + candidate), in the shape
-    :meth:`HandlerMetrics.set_cache` reads, plus ``wrapped`` per feature (for
-    ``set_wrapped``); sums of cumulative counts stay cumulative."""
+    :meth:`HandlerMetrics.set_cache` reads, plus ``wrapped`` and ``fallback`` per
+    feature (for ``set_wrapped``, ``set_fallback``); sums of cumulative counts stay
+    cumulative."""
 
     hits: int
     misses: int
@@ -122,6 +123,7 @@ class _CacheTotals:
     device_bytes: int
     host_bytes: int
     wrapped: tuple[int, ...]
+    fallback: tuple[int, ...] = ()
 
 
 
@@ -242,6 +244,11 @@ class Worker:
         # Held for each batch; a delta is applied between two batches under it.
         self._batch_lock = threading.Lock()
         self._last_stages = self._stage_seconds()
+        #: Features of managed tables: they get fallback-row series (none without one).
+        self._managed = self._managed_features()
+        if self._managed:  # the series exist (at 0) before the first fallback: rate() works
+            self.metrics.set_fallback(self.runtime.feature_names,
+                                      (0,) * len(self.runtime.feature_names), self._managed)
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str], cfg: HandlerConfig, *,
@@ -348,7 +355,8 @@ class Worker:
         seconds = time.perf_counter() - t0
         self._last_stages = self._stage_seconds()
         stats = self._cache_stats()
-        self.metrics.skip_cache(stats, self.runtime.feature_names, stats.wrapped)
+        self.metrics.skip_cache(stats, self.runtime.feature_names, stats.wrapped,
+                                stats.fallback)
         logger.info("warm-up: %d forwards per runtime in %.3f s (%s)", batches, seconds,
                     ", ".join(f"{v}: {t:.3f} s" for v, t in zip(
                         (self.model_version, self.candidate_version), each, strict=False)))
@@ -483,13 +491,27 @@ class Worker:
         names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
         total = dict.fromkeys(names, 0)
         wrapped = [0] * len(self.runtime.feature_names)
+        fallback = [0] * len(self.runtime.feature_names)
         for rt in self._runtimes():
             st = rt.stats()
             for name in names:
                 total[name] += int(getattr(st, name))
             for i, n in enumerate(st.wrapped):
                 wrapped[i] += n
-        return _CacheTotals(**total, wrapped=tuple(wrapped))
+            for i, n in enumerate(st.fallback):
+                fallback[i] += n
+        return _CacheTotals(**total, wrapped=tuple(wrapped), fallback=tuple(fallback))
+
+    def _managed_features(self) -> frozenset[str]:
+        """Features that read a managed table (serve.runtime.idmap) in the stable model or
+        the candidate: the ones with a ``dlrm_embedding_ids_fallback_total`` series."""
+        out: set[str] = set()
+        for rt in self._runtimes():
+            tables = rt.schema.tables
+            out.update(f.name for f, t in zip(rt.schema.features, rt.schema.feature_tables,
+                                              strict=True)
+                       if tables[t].mapping == "managed")
+        return frozenset(out)
 
     def _record(self, outcomes: list[Outcome], info: BatchInfo | None, seconds: float) -> None:
         try:
@@ -514,6 +536,9 @@ class Worker:
                 stats = self._cache_stats()
                 self.metrics.set_cache(stats)
                 self.metrics.set_wrapped(self.runtime.feature_names, stats.wrapped)
+                if self._managed:
+                    self.metrics.set_fallback(self.runtime.feature_names, stats.fallback,
+                                              self._managed)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording DLRM metrics failed")
 
