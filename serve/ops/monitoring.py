@@ -60,7 +60,6 @@ from serve.metrics import (
     CACHE_MISSES_TOTAL,
     EMBEDDING_DELTA_APPLIED_SEQUENCE,
     EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS,
-    EMBEDDING_ID_MAP_OCCUPANCY_RATIO,
     EMBEDDING_IDS_FALLBACK_TOTAL,
     EMBEDDING_IDS_WRAPPED_TOTAL,
     FEEDBACK_LABELS_TOTAL,
@@ -745,15 +744,6 @@ def _model_panels() -> tuple[Panel, ...]:
             (f"sum by (feature) (rate({EMBEDDING_IDS_WRAPPED_TOTAL}[5m]))", "{{feature}}"),),
             "Sparse ids per second that were >= their table's rows and wrapped modulo rows, "
             "per feature: new ids outgrowing a table (grow it in the next build)."),
-        Panel("Managed ids: fallback share and occupancy", "percentunit", (
-            ((f"sum by (feature) (rate({EMBEDDING_IDS_FALLBACK_TOTAL}[5m])) / ignoring "
-             f"(feature) group_left sum (rate({INSTANCES_TOTAL}[5m]))"),
-             "{{feature}} fallback per instance"),
-            (f"max by (version, feature) ({EMBEDDING_ID_MAP_OCCUPANCY_RATIO})",
-             "{{version}} {{feature}} occupancy")),
-            "Managed features (id maps): lookups that read the fallback row per instance "
-            "(new ids not admitted yet; DlrmEmbeddingFallbackRising watches its rise) and "
-            "each id map's ids / capacity (near 1: the table is full)."),
         Panel("Rollout", "percentunit", (
             (f"max by (pod) ({ROLLOUT_WEIGHT})", "{{pod}} candidate weight"),
             (f"count by (phase) ({ROLLOUT_PHASE} == 1)", "pods {{phase}}")),
