@@ -258,7 +258,9 @@ EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS = "dlrm_embedding_delta_created_timest
 EMBEDDING_IDS_WRAPPED_TOTAL = "dlrm_embedding_ids_wrapped_total"
 # Managed id spaces (serve.runtime.idmap), label `feature` one of the model's sparse
 # feature names (bounded). Lookups of a managed feature that read the table's fallback row
-# (ids never admitted, evicted, or not admitted yet): workers, like the wrapped count.
+# (ids never admitted, evicted, or not admitted yet), per {feature, version} (the model
+# version that looked it up, as the per-arm series: a rollout's two maps differ): workers,
+# like the wrapped count.
 EMBEDDING_IDS_FALLBACK_TOTAL = "dlrm_embedding_ids_fallback_total"
 # Ids admitted (assigned a row) / evicted by the deltas this pod accepted, counted once per
 # pod by the sidecar when it stores a delta; `feature` is the one its delta file names for
@@ -426,8 +428,8 @@ class HandlerMetrics:
         self._fallback = Counter(
             _strip_total(EMBEDDING_IDS_FALLBACK_TOTAL),
             "Lookups of a managed feature whose id has no row of its own (never admitted, "
-            "evicted, not admitted yet) and read the table's fallback row, per feature.",
-            ["feature"], registry=r)
+            "evicted, not admitted yet) and read the table's fallback row, per feature and "
+            "model version.", ["feature", "version"], registry=r)
         self._stage = Histogram(
             STAGE_DURATION_SECONDS,
             "Time per pipeline stage of one forward pass, in seconds.",
@@ -528,18 +530,16 @@ class HandlerMetrics:
             self._host_bytes.set(int(stats.host_bytes))
 
     def skip_cache(self, stats: CacheStats, features: list[str],
-                   wrapped: tuple[int, ...], fallback: tuple[int, ...] = ()) -> None:
+                   wrapped: tuple[int, ...]) -> None:
         """Take the runtime's cumulative counts as the starting point without counting
-        them (the worker's warm-up forwards before it serves): the next :meth:`set_cache`,
-        :meth:`set_wrapped` and :meth:`set_fallback` count only what came after
-        (``fallback``: empty, or one count per feature)."""
+        them (the worker's warm-up forwards before it serves): the next :meth:`set_cache`
+        and :meth:`set_wrapped` count only what came after (:meth:`set_fallback` with
+        ``count=False`` does the same for the fallback counts)."""
         with self._lock:
             for key in ("hits", "misses", "evictions"):
                 self._last[key] = int(getattr(stats, key))
             for name, value in zip(features, wrapped, strict=True):
                 self._last[f"wrapped:{name}"] = int(value)
-            for name, value in zip(features, fallback, strict=False):
-                self._last[f"fallback:{name}"] = int(value)
 
     def set_wrapped(self, features: list[str], wrapped: tuple[int, ...]) -> None:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
@@ -548,19 +548,24 @@ class HandlerMetrics:
             for name, value in zip(features, wrapped, strict=True):
                 self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
 
-    def set_fallback(self, features: list[str], fallback: tuple[int, ...],
-                     managed: frozenset[str] | None = None) -> None:
-        """Record a runtime's cumulative fallback-row lookups (``RuntimeStats.fallback``,
-        one per feature in ``features`` order) as counter increments, like
-        :meth:`set_wrapped`. ``managed``: the features whose series exist (those of
-        managed tables; None: every feature); a modulo feature never reads a fallback
-        row, so it gets no series of zeros."""
+    def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
+                     managed: frozenset[str] | None = None, *, count: bool = True) -> None:
+        """Record the cumulative fallback-row lookups of ``version``'s runtime
+        (``RuntimeStats.fallback``, one per feature in ``features`` order) as counter
+        increments, like :meth:`set_wrapped`. ``managed``: the features whose series
+        exist (those of managed tables; None: every feature); a modulo feature never reads
+        a fallback row, so it gets no series of zeros. ``count=False``: take the counts as
+        the starting point without counting them (warm-up), creating the series at 0."""
         with self._lock:
             for name, value in zip(features, fallback, strict=True):
                 if managed is not None and name not in managed:
                     continue
-                self._advance(self._fallback.labels(feature=name), f"fallback:{name}",
-                              int(value))
+                child = self._fallback.labels(feature=name, version=version)
+                key = f"fallback:{version}:{name}"
+                if count:
+                    self._advance(child, key, int(value))
+                else:
+                    self._last[key] = int(value)
 
     def _advance(self, counter: Counter, key: str, value: int) -> None:
         """Move ``counter`` by ``value``'s increase since the last value seen under ``key``
@@ -692,19 +697,21 @@ def _family_total(families: Iterable[Metric], name: str) -> float | None:
     return None
 
 
-def feature_counts(families: Iterable[Metric], name: str) -> dict[str, int]:
+def feature_counts(families: Iterable[Metric], name: str) -> dict[str, dict[str, int]]:
     """The samples of counter ``name`` (e.g. :data:`EMBEDDING_IDS_FALLBACK_TOTAL`) in
-    ``families`` summed by their ``feature`` label (the workers' files, summed over
-    processes: :meth:`HandlerAggregateCollector.collect`)."""
+    ``families`` summed by their ``version`` and ``feature`` labels (the workers' files,
+    summed over processes: :meth:`HandlerAggregateCollector.collect`):
+    ``{version: {feature: count}}``."""
     family = _strip_total(name)
-    out: dict[str, int] = {}
+    out: dict[str, dict[str, int]] = {}
     for metric in families:
         if metric.name != family:
             continue
         for s in metric.samples:
-            feature = s.labels.get("feature")
-            if s.name == name and feature is not None:
-                out[feature] = out.get(feature, 0) + int(s.value)
+            feature, version = s.labels.get("feature"), s.labels.get("version")
+            if s.name == name and feature is not None and version is not None:
+                per = out.setdefault(version, {})
+                per[feature] = per.get(feature, 0) + int(s.value)
     return out
 
 

@@ -183,7 +183,14 @@ def _fallback_lookups(art: Artifact, sparse: SparseBatch) -> dict[str, int]:
 
 
 def _fallback_counter(m: dict[tuple[str, tuple], float]) -> dict[str, float]:
-    return {dict(labels)["feature"]: v for (name, labels), v in m.items() if name == FALLBACK}
+    """``dlrm_embedding_ids_fallback_total`` of the served version, by feature."""
+    out = {}
+    for (name, labels), v in m.items():
+        if name == FALLBACK:
+            lab = dict(labels)
+            assert lab["version"] == VERSION, lab
+            out[lab["feature"]] = v
+    return out
 
 
 # -----------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ and the stored deltas' headers."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -57,30 +56,24 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 def test_managed_fallback_counter_moves_by_delta_of_cumulative_counts():
     reg = CollectorRegistry()
     m = HandlerMetrics(reg)
-    names = ["C1", "C2", "C3"]
-    m.set_fallback(names, (0, 0, 0), frozenset({"C1", "C3"}))
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C1") == 0.0
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C2") is None, \
-        "a modulo feature gets no fallback series"
-    m.set_fallback(names, (5, 9, 2), frozenset({"C1", "C3"}))
-    m.set_fallback(names, (7, 9, 2), frozenset({"C1", "C3"}))
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C1") == 7.0
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C3") == 2.0
-    m.skip_cache(_Stats(), names, (0, 0, 0), (100, 0, 50))   # warm-up counted nowhere
-    m.set_fallback(names, (101, 0, 50), frozenset({"C1", "C3"}))
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C1") == 8.0
-    m.set_fallback(names, (3, 0, 1), frozenset({"C1", "C3"}))   # a rebuilt runtime: from 0
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C1") == 11.0
-    assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature="C3") == 3.0
+    names, managed = ["C1", "C2", "C3"], frozenset({"C1", "C3"})
 
+    def value(feature: str, version: str = "v1") -> float | None:
+        return _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=feature, version=version)
 
-@dataclasses.dataclass
-class _Stats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    device_bytes: int = 0
-    host_bytes: int = 0
+    m.set_fallback("v1", names, (0, 0, 0), managed, count=False)
+    assert value("C1") == 0.0 and value("C3") == 0.0
+    assert value("C2") is None, "a modulo feature gets no fallback series"
+    m.set_fallback("v1", names, (5, 9, 2), managed)
+    m.set_fallback("v1", names, (7, 9, 2), managed)
+    assert (value("C1"), value("C3")) == (7.0, 2.0)
+    m.set_fallback("v1", names, (100, 0, 50), managed, count=False)   # warm-up: not counted
+    m.set_fallback("v1", names, (101, 0, 50), managed)
+    assert value("C1") == 8.0
+    m.set_fallback("v1", names, (3, 0, 1), managed)   # a rebuilt runtime counts from 0
+    assert (value("C1"), value("C3")) == (11.0, 3.0)
+    m.set_fallback("v2", names, (4, 0, 0), managed)   # a rollout's candidate: its own series
+    assert (value("C1", "v2"), value("C1")) == (4.0, 11.0)
 
 
 def test_managed_worker_records_fallback_lookups_per_feature(managed, base):
@@ -90,8 +83,9 @@ def test_managed_worker_records_fallback_lookups_per_feature(managed, base):
                metrics=HandlerMetrics(reg))
     names = rt.feature_names
     managed_names = {names[t] for t in MANAGED}
-    assert {n for n in names if _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=n)
-            is not None} == managed_names, "series at 0 for managed features from the start"
+    assert {n for n in names if _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=n,
+                                       version=VERSION) == 0.0} == managed_names, \
+        "series at 0 for managed features from the start"
     dense, sparse = _raw_batch(managed, 5, 64, multi_hot=True, unknown=0.3)
     body = encode_binary(dense.numpy(), sparse.lengths.numpy(), sparse.values.numpy())
     out = w.handle([WorkerRequest(body, BINARY_MEDIA_TYPE)])
@@ -101,23 +95,29 @@ def test_managed_worker_records_fallback_lookups_per_feature(managed, base):
         v = sparse.values[bounds[t]:bounds[t + 1]]
         want = int((managed.id_maps[managed.schema.tables[t].name].lookup(v)
                     == FALLBACK_ROW).sum())
-        assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=names[t]) == want, names[t]
-    assert sum(_value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=names[t]) or 0
-               for t in MANAGED) > 0
+        assert _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=names[t],
+                      version=VERSION) == want, names[t]
+    assert sum(_value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=names[t],
+                      version=VERSION) or 0 for t in MANAGED) > 0
     # a modulo model: no fallback series at all
     reg2 = CollectorRegistry()
     w2 = Worker(Runtime.from_artifact(base, RuntimeConfig()), HandlerConfig(max_instances=1024),
                 model_version="tiny-modulo", metrics=HandlerMetrics(reg2))
     w2.handle([WorkerRequest(encode_binary(dense.numpy(), sparse.lengths.numpy(),
                                            sparse.values.numpy() % 100), BINARY_MEDIA_TYPE)])
-    assert all(_value(reg2, EMBEDDING_IDS_FALLBACK_TOTAL, feature=n) is None for n in names)
+    assert all(_value(reg2, EMBEDDING_IDS_FALLBACK_TOTAL, feature=n, version="tiny-modulo")
+               is None for n in names)
+    assert not [f for f in reg2.collect() if f.name == "dlrm_embedding_ids_fallback"
+                and f.samples]
 
 
 def test_managed_feature_counts_sum_a_counter_by_feature():
     reg = CollectorRegistry()
     m = HandlerMetrics(reg)
-    m.set_fallback(["C1", "C2"], (4, 6))
-    assert feature_counts(reg.collect(), EMBEDDING_IDS_FALLBACK_TOTAL) == {"C1": 4, "C2": 6}
+    m.set_fallback("v1", ["C1", "C2"], (4, 6))
+    m.set_fallback("v2", ["C1", "C2"], (1, 0))
+    assert feature_counts(reg.collect(), EMBEDDING_IDS_FALLBACK_TOTAL) == {
+        "v1": {"C1": 4, "C2": 6}, "v2": {"C1": 1, "C2": 0}}
 
 
 def test_managed_id_families_are_bounded_and_named():
@@ -145,7 +145,7 @@ def _report(art: Artifact, with_counts: bool = True) -> dict[str, Any]:
 
 
 def _service(tmp_path: Path, report: dict[str, Any],
-             fallback: dict[str, int] | None = None) -> DeltaService:
+             fallback: dict[str, dict[str, int]] | None = None) -> DeltaService:
     return DeltaService(DeltaStore(tmp_path / "deltas"), versions=lambda: [VERSION],
                         report_of=lambda v: report,
                         fallback_counts=(lambda: dict(fallback)) if fallback is not None
@@ -181,7 +181,7 @@ def test_managed_admitted_and_evicted_are_counted_once_per_stored_delta(managed,
 
 def test_managed_id_maps_follow_the_deltas_every_worker_applied(managed, tmp_path):
     report = _report(managed)
-    svc = _service(tmp_path, report, fallback={"C1": 17})
+    svc = _service(tmp_path, report, fallback={VERSION: {"C1": 17}, "other": {"C1": 5}})
     chain = _two_deltas(managed)
     for blob, _ in chain:
         svc.add(blob)
@@ -203,6 +203,9 @@ def test_managed_id_maps_follow_the_deltas_every_worker_applied(managed, tmp_pat
             assert m.admitted == sum(int(x.assign_ids.shape[0]) for x in ts)
             assert m.evicted == sum(int(x.evict_ids.shape[0]) for x in ts)
             assert m.fallback_lookups == (17 if m.feature == "C1" else 0)
+    # GET /state's path: the version's own counts from {version: {feature: n}}
+    got = asyncio.run(svc.summaries())[VERSION].id_maps
+    assert [m.fallback_lookups for m in got] == [17 if m.feature == "C1" else 0 for m in got]
     # No worker reports: the stored deltas (what the workers will apply).
     fresh = _service(tmp_path, report)
     maps = fresh.summary(VERSION, []).id_maps    # read from the files (a restarted sidecar)

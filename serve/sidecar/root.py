@@ -428,9 +428,9 @@ SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]
 
 
 def _fallback_counts(handler_metrics: HandlerAggregateCollector | None
-                     ) -> Callable[[], dict[str, int]] | None:
-    """The pod's fallback-row lookups per feature, read from the workers' metric files
-    (None without them)."""
+                     ) -> Callable[[], dict[str, dict[str, int]]] | None:
+    """The pod's fallback-row lookups per version and feature, read from the workers'
+    metric files (None without them)."""
     if handler_metrics is None:
         return None
     collector = handler_metrics

@@ -226,9 +226,9 @@ class IdMapView(BaseModel):
     sequence: int = Field(description="The deltas counted: 1..sequence (those every live "
                                       "worker applied; the stored ones while none reports).")
     fallback_lookups: int | None = Field(
-        description="Lookups of the feature that read the fallback row, summed over the "
-                    "pod's workers (dlrm_embedding_ids_fallback_total: per pod, not per "
-                    "version); null without the workers' metrics directory.")
+        description="Lookups of the feature by this version that read the fallback row, "
+                    "summed over the pod's workers (dlrm_embedding_ids_fallback_total); "
+                    "null without the workers' metrics directory.")
 
 
 class EmbeddingsStatus(BaseModel):

@@ -81,9 +81,9 @@ kept), so a scrape costs no worker time, and the count is per pod, never per wor
 The deltas counted are those every live worker applied (``applied_sequence``; the stored
 ones while no worker reports). A report without ``id_mapping`` (a version built before
 it, or a test artifact) gives ``ids`` and ``occupancy`` null, never a made-up number.
-``fallback_lookups`` is the pod's ``dlrm_embedding_ids_fallback_total`` of the feature,
-summed over its workers' metric files (null without ``--multiproc-dir``): the counter has
-no version label (bounded series), so during a rollout both versions' lookups are in it.
+``fallback_lookups`` is the pod's ``dlrm_embedding_ids_fallback_total`` of the feature
+and version, summed over its workers' metric files (null without the workers' metrics
+directory).
 A version without a managed table has ``id_maps: []``.
 """
 from __future__ import annotations
@@ -297,9 +297,9 @@ class DeltaService(Collector):
             bound. In Kubernetes the store is memory-backed and its pages are charged to
             the sidecar's container until their version stops being served, so this
             bound, not one delta's size, is what keeps the sidecar inside its memory.
-        fallback_counts: the pod's fallback-row lookups per feature (the workers'
-            ``dlrm_embedding_ids_fallback_total``), for GET /state's ``id_maps``; None:
-            unknown (``fallback_lookups`` null).
+        fallback_counts: the pod's fallback-row lookups, ``{version: {feature: n}}``
+            (the workers' ``dlrm_embedding_ids_fallback_total``), for GET /state's
+            ``id_maps``; None: unknown (``fallback_lookups`` null).
     """
 
     def __init__(self, store: DeltaStore, *, versions: Callable[[], list[str]],
@@ -310,7 +310,8 @@ class DeltaService(Collector):
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  pid_ttl_s: float = 1.0, max_bytes: int | None = None,
                  max_store_bytes: int | None = None,
-                 fallback_counts: Callable[[], dict[str, int]] | None = None) -> None:
+                 fallback_counts: Callable[[], dict[str, dict[str, int]]] | None = None
+                 ) -> None:
         self.store = store
         self.fallback_counts = fallback_counts
         self._admitted: dict[str, int] = {}
@@ -720,7 +721,8 @@ class DeltaService(Collector):
     def id_maps(self, version: str, through: int,
                 fallback: dict[str, int] | None = None) -> tuple[IdMapStatus, ...]:
         """Each managed feature of ``version`` after its build and deltas 1..``through``
-        (module docstring); ``fallback``: the pod's fallback lookups per feature. Empty
+        (module docstring); ``fallback``: the pod's fallback lookups of ``version`` per
+        feature. Empty
         for a version without managed tables. Blocking file reads (cached).
 
         Raises:
@@ -827,7 +829,8 @@ class DeltaService(Collector):
                 fallback: dict[str, int] | None = None) -> VersionSummary:
         """``version``'s stored and applied deltas and its managed id maps (blocking file
         reads); ``digest``: with its ``head_digest`` (a scrape leaves it out);
-        ``fallback``: the pod's fallback lookups per feature, for the id maps."""
+        ``fallback``: the pod's fallback lookups of ``version`` per feature, for the id
+        maps."""
         workers = tuple(self.store.worker_statuses(version, sorted(set(pids))))
         last = self.store.last_sequence(version)
         head = self.head_digest(version) if digest else None
@@ -858,13 +861,14 @@ class DeltaService(Collector):
         versions = self._versions()
 
         def read() -> dict[str, VersionSummary]:
-            fallback = None
+            counts = None
             if self.fallback_counts is not None:
                 try:
-                    fallback = self.fallback_counts()
+                    counts = self.fallback_counts()
                 except Exception as e:  # noqa: BLE001 - a status read must not fail on it
                     _log.warning("fallback lookups unknown: %s", e)
-            return {v: self.summary(v, pids, fallback=fallback) for v in versions}
+            return {v: self.summary(v, pids, fallback=None if counts is None
+                                    else counts.get(v, {})) for v in versions}
 
         return await asyncio.to_thread(read)
 
