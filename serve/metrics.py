@@ -100,7 +100,11 @@ __all__ = [
     "EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS",
     "EMBEDDING_DELTA_ROWS_UPDATED",
     "EMBEDDING_DELTA_SEQUENCE",
+    "EMBEDDING_IDS_ADMITTED_TOTAL",
+    "EMBEDDING_IDS_EVICTED_TOTAL",
+    "EMBEDDING_IDS_FALLBACK_TOTAL",
     "EMBEDDING_IDS_WRAPPED_TOTAL",
+    "EMBEDDING_ID_MAP_OCCUPANCY_RATIO",
     "FEEDBACK_LABELS_TOTAL",
     "FEEDBACK_RESULTS",
     "FLEET_LEADER",
@@ -156,11 +160,14 @@ __all__ = [
     "EmbeddingDeltaGauges",
     "HandlerAggregateCollector",
     "HandlerMetrics",
+    "IdMapGauge",
     "SidecarMetrics",
     "cache_hit_ratio_family",
     "clean_dead_worker_files",
     "delta_files_skipped_family",
     "embedding_delta_families",
+    "embedding_id_families",
+    "feature_counts",
     "torchserve_families",
     "workers_family",
 ]
@@ -249,6 +256,21 @@ EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS = "dlrm_embedding_delta_created_timest
 # Ids >= their table's rows (they wrap modulo rows), per feature: label `feature` is one of
 # the model's 26 sparse feature names (bounded), never an id.
 EMBEDDING_IDS_WRAPPED_TOTAL = "dlrm_embedding_ids_wrapped_total"
+# Managed id spaces (serve.runtime.idmap), label `feature` one of the model's sparse
+# feature names (bounded). Lookups of a managed feature that read the table's fallback row
+# (ids never admitted, evicted, or not admitted yet), per {feature, version} (the model
+# version that looked it up, as the per-arm series: a rollout's two maps differ): workers,
+# like the wrapped count.
+EMBEDDING_IDS_FALLBACK_TOTAL = "dlrm_embedding_ids_fallback_total"
+# Ids admitted (assigned a row) / evicted by the deltas this pod accepted, counted once per
+# pod by the sidecar when it stores a delta; `feature` is the one its delta file names for
+# the table (a table's first feature).
+EMBEDDING_IDS_ADMITTED_TOTAL = "dlrm_embedding_ids_admitted_total"
+EMBEDDING_IDS_EVICTED_TOTAL = "dlrm_embedding_ids_evicted_total"
+# A managed table's ids / capacity (0..1), per served {version} and each {feature} reading
+# it: the build's admitted ids plus the applied deltas' assigned minus evicted ones
+# (sidecar, from the build report and the stored deltas' headers).
+EMBEDDING_ID_MAP_OCCUPANCY_RATIO = "dlrm_embedding_id_map_occupancy_ratio"
 # ... and the rest of the delta pipeline's state per served {version} (sidecar,
 # serve.sidecar.services.embedding_deltas): the last sequence stored, the one every live worker has applied,
 # the rows those deltas wrote and the slowest worker's last apply time.
@@ -403,6 +425,11 @@ class HandlerMetrics:
             _strip_total(EMBEDDING_IDS_WRAPPED_TOTAL),
             "Sparse ids >= their table's rows, wrapped modulo rows, per feature: new ids "
             "outgrowing a table.", ["feature"], registry=r)
+        self._fallback = Counter(
+            _strip_total(EMBEDDING_IDS_FALLBACK_TOTAL),
+            "Lookups of a managed feature whose id has no row of its own (never admitted, "
+            "evicted, not admitted yet) and read the table's fallback row, per feature and "
+            "model version.", ["feature", "version"], registry=r)
         self._stage = Histogram(
             STAGE_DURATION_SECONDS,
             "Time per pipeline stage of one forward pass, in seconds.",
@@ -506,7 +533,8 @@ class HandlerMetrics:
                    wrapped: tuple[int, ...]) -> None:
         """Take the runtime's cumulative counts as the starting point without counting
         them (the worker's warm-up forwards before it serves): the next :meth:`set_cache`
-        and :meth:`set_wrapped` count only what came after."""
+        and :meth:`set_wrapped` count only what came after (:meth:`set_fallback` with
+        ``count=False`` does the same for the fallback counts)."""
         with self._lock:
             for key in ("hits", "misses", "evictions"):
                 self._last[key] = int(getattr(stats, key))
@@ -519,6 +547,25 @@ class HandlerMetrics:
         with self._lock:
             for name, value in zip(features, wrapped, strict=True):
                 self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
+
+    def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
+                     managed: frozenset[str] | None = None, *, count: bool = True) -> None:
+        """Record the cumulative fallback-row lookups of ``version``'s runtime
+        (``RuntimeStats.fallback``, one per feature in ``features`` order) as counter
+        increments, like :meth:`set_wrapped`. ``managed``: the features whose series
+        exist (those of managed tables; None: every feature); a modulo feature never reads
+        a fallback row, so it gets no series of zeros. ``count=False``: take the counts as
+        the starting point without counting them (warm-up), creating the series at 0."""
+        with self._lock:
+            for name, value in zip(features, fallback, strict=True):
+                if managed is not None and name not in managed:
+                    continue
+                child = self._fallback.labels(feature=name, version=version)
+                key = f"fallback:{version}:{name}"
+                if count:
+                    self._advance(child, key, int(value))
+                else:
+                    self._last[key] = int(value)
 
     def _advance(self, counter: Counter, key: str, value: int) -> None:
         """Move ``counter`` by ``value``'s increase since the last value seen under ``key``
@@ -648,6 +695,24 @@ def _family_total(families: Iterable[Metric], name: str) -> float | None:
         if metric.name == family:
             return sum(s.value for s in metric.samples if s.name == name)
     return None
+
+
+def feature_counts(families: Iterable[Metric], name: str) -> dict[str, dict[str, int]]:
+    """The samples of counter ``name`` (e.g. :data:`EMBEDDING_IDS_FALLBACK_TOTAL`) in
+    ``families`` summed by their ``version`` and ``feature`` labels (the workers' files,
+    summed over processes: :meth:`HandlerAggregateCollector.collect`):
+    ``{version: {feature: count}}``."""
+    family = _strip_total(name)
+    out: dict[str, dict[str, int]] = {}
+    for metric in families:
+        if metric.name != family:
+            continue
+        for s in metric.samples:
+            feature, version = s.labels.get("feature"), s.labels.get("version")
+            if s.name == name and feature is not None and version is not None:
+                per = out.setdefault(version, {})
+                per[feature] = per.get(feature, 0) + int(s.value)
+    return out
 
 
 def cache_hit_ratio_family(families: Iterable[Metric]) -> GaugeMetricFamily:
@@ -804,6 +869,48 @@ def embedding_delta_families(gauges: Iterable[EmbeddingDeltaGauges]) -> list[Met
             if value is not None:
                 family.add_metric([g.version], float(value))
         out.append(family)
+    return out
+
+
+@dataclass(frozen=True)
+class IdMapGauge:
+    """One managed feature's id-map occupancy in one served version (0..1)."""
+
+    version: str
+    feature: str
+    occupancy: float
+
+
+def embedding_id_families(admitted: Mapping[str, int], evicted: Mapping[str, int],
+                          occupancy: Iterable[IdMapGauge]) -> list[Metric]:
+    """The sidecar's managed-id families (``serve.sidecar.services.embedding_deltas``).
+
+    * ``dlrm_embedding_ids_admitted_total{feature}`` / ``..._evicted_total{feature}``:
+      ids the deltas this pod stored assigned a row / evicted (each delta counted once,
+      when stored). A feature appears once a delta named it (0 until then is not made
+      up: no series).
+    * ``dlrm_embedding_id_map_occupancy_ratio{version,feature}``: admitted ids / capacity
+      of each managed feature's table in each served version (``version`` is one of the
+      served versions: bounded, like the delta gauges).
+    """
+    out: list[Metric] = []
+    for name, doc, counts in (
+            (EMBEDDING_IDS_ADMITTED_TOTAL, ("Ids of managed tables admitted (assigned a row) "
+             "by the embedding deltas this pod stored, per feature."), admitted),
+            (EMBEDDING_IDS_EVICTED_TOTAL, ("Ids of managed tables evicted (back to the "
+             "fallback row) by the embedding deltas this pod stored, per feature."), evicted)):
+        family = CounterMetricFamily(name, doc, labels=["feature"])
+        for feature in sorted(counts):
+            family.add_metric([feature], float(counts[feature]))
+        out.append(family)
+    gauge = GaugeMetricFamily(
+        EMBEDDING_ID_MAP_OCCUPANCY_RATIO,
+        "Admitted ids / capacity (rows - 1) of a managed feature's id map in a served "
+        "version: the build's ids plus the applied deltas' admissions minus evictions.",
+        labels=["version", "feature"])
+    for g in occupancy:
+        gauge.add_metric([g.version, g.feature], float(g.occupancy))
+    out.append(gauge)
     return out
 
 

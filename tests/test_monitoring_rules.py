@@ -165,7 +165,7 @@ def test_every_alert_has_for_severity_summary_and_description():
     assert {a["alert"] for a in alerts} == {
         "DlrmHighErrorRatio", "DlrmP99OverSlo", "DlrmNoReadyWorkers",
         "DlrmCacheHitRatioFalling", "DlrmPredictedCtrShift", "DlrmCalibrationOff",
-        "DlrmRolloutRolledBack", "DlrmEmbeddingDeltasStale"}
+        "DlrmRolloutRolledBack", "DlrmEmbeddingDeltasStale", "DlrmEmbeddingFallbackRising"}
     for a in alerts:
         assert "for" in a, a["alert"]
         assert a["labels"]["severity"] in ("page", "ticket"), a["alert"]

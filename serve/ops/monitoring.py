@@ -60,6 +60,7 @@ from serve.metrics import (
     CACHE_MISSES_TOTAL,
     EMBEDDING_DELTA_APPLIED_SEQUENCE,
     EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS,
+    EMBEDDING_IDS_FALLBACK_TOTAL,
     EMBEDDING_IDS_WRAPPED_TOTAL,
     FEEDBACK_LABELS_TOTAL,
     GPU_MEMORY_TOTAL_BYTES,
@@ -93,6 +94,8 @@ __all__ = [
     "EMBEDDING_STALE_SECONDS",
     "ERROR_RATIO_MAX",
     "ERROR_RATIO_RECORD",
+    "FALLBACK_RISE",
+    "FALLBACK_SHARE_MAX",
     "GENERATED_HEADER",
     "INSTANCES_RECORD",
     "LABELS_RECORD",
@@ -163,6 +166,19 @@ CALIBRATION_RANGE: tuple[float, float] = (0.8, 1.25)
 CALIBRATION_MIN_LABELS = 5000
 #: Age of the newest applied embedding delta after which the embeddings count as stale.
 EMBEDDING_STALE_SECONDS = 6 * 3600
+#: Fallback-row lookups of a managed feature per instance (over 15 minutes) above which
+#: its rise is worth a ticket. A managed table always serves its long tail (ids seen
+#: fewer times than the admission threshold) from the fallback row, a share set by the
+#: threshold and the traffic and steady from hour to hour; below 5 % a doubling is a
+#: handful of unknown users, not a broken pipeline.
+FALLBACK_SHARE_MAX = 0.05
+#: ... and it must be this many times its value an hour earlier: new ids arrive all the
+#: time, and while deltas admit them the share stays flat; when they stop reaching
+#: serving (the delta builder stopped, its deltas are refused, the table is full and
+#: evicts nothing) every new user reads the fallback row and the share climbs by the
+#: hour. 2x separates that climb from the tail's noise (a day's traffic shifts it by
+#: tens of percent, not 2x in an hour).
+FALLBACK_RISE = 2.0
 
 _DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
 _RECORD_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*(:[a-zA-Z0-9_]+)+$")
@@ -355,7 +371,7 @@ def alert_rules() -> tuple[AlertRule, ...]:
     """The alert group: serving health (pages first), then the model's behaviour."""
     return (_high_error_ratio(), _p99_over_slo(), _no_ready_workers(),
             _cache_hit_ratio_falling(), _predicted_ctr_shift(), _calibration_off(),
-            _rollout_rolled_back(), _embedding_deltas_stale())
+            _rollout_rolled_back(), _embedding_deltas_stale(), _fallback_share_rising())
 
 
 def _hit_ratio(offset: str = "") -> str:
@@ -549,6 +565,41 @@ def _embedding_deltas_stale() -> AlertRule:
         f"{EMBEDDING_STALE_SECONDS // 3600} hours ago: new items and changed users are "
         "scored with old embeddings. Check the delta builder (did it run and publish?) "
         "and the sidecar's log for deltas it refused to apply.")
+
+
+def _fallback_share(offset: str = "") -> str:
+    """Fallback-row lookups per instance, per (namespace, feature), over 15 minutes
+    (``offset`` e.g. " offset 1h")."""
+    w = f"[15m]{offset}"
+    return (f"sum by (namespace, feature) (rate({EMBEDDING_IDS_FALLBACK_TOTAL}{w}))\n"
+            f"  / on (namespace) group_left\n"
+            f"  sum by (namespace) (rate({INSTANCES_TOTAL}{w}))")
+
+
+def _fallback_share_rising() -> AlertRule:
+    """A ticket: a managed feature's fallback share rose (new ids are not reaching
+    serving)."""
+    return AlertRule(
+        "DlrmEmbeddingFallbackRising",
+        f"(\n  {_fallback_share()}\n)\n"
+        f"> {FALLBACK_SHARE_MAX}\n"
+        f"and\n"
+        f"(\n  {_fallback_share()}\n)\n"
+        f"> {FALLBACK_RISE} *\n"
+        f"(\n  {_fallback_share(' offset 1h')}\n)",
+        "30m", "ticket",
+        "{{ $value | humanizePercentage }} of instances read the fallback row of "
+        "{{ $labels.feature }} in {{ $labels.namespace }}",
+        f"Over the last 15 minutes more than {FALLBACK_SHARE_MAX:.0%} of the instances "
+        f"looked up an id of managed feature {{{{ $labels.feature }}}} that has no row "
+        f"of its own (the fallback row), and that share is over {FALLBACK_RISE:g}x its "
+        "value an hour earlier, for 30 minutes: new ids are not reaching serving, so new "
+        "users and items are scored with the table's unknown-id embedding. The tail of "
+        "rare ids keeps a steady share; a climb means admissions stopped arriving. Check "
+        "that embedding deltas are built and applied (GET /state embeddings.<version>: "
+        "applied_sequence, id_maps admitted and occupancy; DlrmEmbeddingDeltasStale; "
+        "dlrm_delta_posts_refused_total), and whether the table is full (occupancy near "
+        "1: evictions must free rows, or give it more rows in the next build).")
 
 
 def _group(name: str, rules: Sequence[RecordingRule] | Sequence[AlertRule]) -> dict[str, Any]:

@@ -29,7 +29,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict, UpstreamUnavailable
-from serve.metrics import HandlerAggregateCollector, SidecarMetrics
+from serve.metrics import (
+    EMBEDDING_IDS_FALLBACK_TOTAL,
+    HandlerAggregateCollector,
+    SidecarMetrics,
+    feature_counts,
+)
 from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.archives import control_path
 from serve.sidecar.adapters.fleet_store import FileDecisionStore, FileLease, FilePeers
@@ -161,7 +166,8 @@ class Sidecar:
                                         report_of=repository.report, clock=clock,
                                         wall_clock=wall_clock,
                                         max_bytes=config.max_delta_bytes,
-                                        max_store_bytes=config.max_delta_store_bytes)
+                                        max_store_bytes=config.max_delta_store_bytes,
+                                        fallback_counts=_fallback_counts(handler_metrics))
             registry.register(state.deltas)
         return state
 
@@ -419,3 +425,13 @@ def get_sidecar(request: Request) -> Sidecar:
 
 #: Route parameter type: ``async def route(sidecar: SidecarDep)``.
 SidecarDep = Annotated[Sidecar, Depends(get_sidecar)]
+
+
+def _fallback_counts(handler_metrics: HandlerAggregateCollector | None
+                     ) -> Callable[[], dict[str, dict[str, int]]] | None:
+    """The pod's fallback-row lookups per version and feature, read from the workers'
+    metric files (None without them)."""
+    if handler_metrics is None:
+        return None
+    collector = handler_metrics
+    return lambda: feature_counts(collector.collect(), EMBEDDING_IDS_FALLBACK_TOTAL)

@@ -68,7 +68,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -114,7 +114,8 @@ logger = logging.getLogger(__name__)
 class _CacheTotals:
     """Cache statistics summed over the runtimes (stable + candidate), in the shape
     :meth:`HandlerMetrics.set_cache` reads, plus ``wrapped`` per feature (for
-    ``set_wrapped``); sums of cumulative counts stay cumulative."""
+    ``set_wrapped``) and each runtime's ``fallback`` per feature by model version (for
+    ``set_fallback``); sums of cumulative counts stay cumulative."""
 
     hits: int
     misses: int
@@ -122,6 +123,7 @@ class _CacheTotals:
     device_bytes: int
     host_bytes: int
     wrapped: tuple[int, ...]
+    fallback: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 
@@ -242,6 +244,10 @@ class Worker:
         # Held for each batch; a delta is applied between two batches under it.
         self._batch_lock = threading.Lock()
         self._last_stages = self._stage_seconds()
+        #: Per version, the features of managed tables: they get fallback-row series.
+        self._managed = self._managed_features()
+        # The series exist (at 0) before the first fallback, so rate() works from the start.
+        self._record_fallback(self._cache_stats(), count=False)
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str], cfg: HandlerConfig, *,
@@ -349,6 +355,7 @@ class Worker:
         self._last_stages = self._stage_seconds()
         stats = self._cache_stats()
         self.metrics.skip_cache(stats, self.runtime.feature_names, stats.wrapped)
+        self._record_fallback(stats, count=False)
         logger.info("warm-up: %d forwards per runtime in %.3f s (%s)", batches, seconds,
                     ", ".join(f"{v}: {t:.3f} s" for v, t in zip(
                         (self.model_version, self.candidate_version), each, strict=False)))
@@ -483,13 +490,44 @@ class Worker:
         names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
         total = dict.fromkeys(names, 0)
         wrapped = [0] * len(self.runtime.feature_names)
-        for rt in self._runtimes():
+        fallback: dict[str, tuple[int, ...]] = {}
+        for version, rt in self._versions():
             st = rt.stats()
             for name in names:
                 total[name] += int(getattr(st, name))
             for i, n in enumerate(st.wrapped):
                 wrapped[i] += n
-        return _CacheTotals(**total, wrapped=tuple(wrapped))
+            if self._managed.get(version):
+                fallback[version] = st.fallback
+        return _CacheTotals(**total, wrapped=tuple(wrapped), fallback=fallback)
+
+    def _versions(self) -> list[tuple[str, Runtime]]:
+        """(model version, runtime) of the stable model and a rollout's candidate."""
+        out = [(self.model_version, self.runtime)]
+        if self.candidate is not None and self.candidate_version is not None:
+            out.append((self.candidate_version, self.candidate))
+        return out
+
+    def _managed_features(self) -> dict[str, frozenset[str]]:
+        """Per model version, the features that read a managed table
+        (serve.runtime.idmap): the ones with ``dlrm_embedding_ids_fallback_total``
+        series (a version without any is left out)."""
+        out: dict[str, frozenset[str]] = {}
+        for version, rt in self._versions():
+            tables = rt.schema.tables
+            names = frozenset(f.name for f, t in zip(rt.schema.features,
+                                                     rt.schema.feature_tables, strict=True)
+                              if tables[t].mapping == "managed")
+            if names:
+                out[version] = names
+        return out
+
+    def _record_fallback(self, stats: _CacheTotals, *, count: bool = True) -> None:
+        """Each runtime's fallback lookups under its model version (``count=False``: the
+        starting point, after the warm-up)."""
+        for version, fallback in stats.fallback.items():
+            self.metrics.set_fallback(version, self.runtime.feature_names, fallback,
+                                      self._managed[version], count=count)
 
     def _record(self, outcomes: list[Outcome], info: BatchInfo | None, seconds: float) -> None:
         try:
@@ -514,6 +552,7 @@ class Worker:
                 stats = self._cache_stats()
                 self.metrics.set_cache(stats)
                 self.metrics.set_wrapped(self.runtime.feature_names, stats.wrapped)
+                self._record_fallback(stats)
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording DLRM metrics failed")
 

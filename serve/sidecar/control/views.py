@@ -208,6 +208,29 @@ class WorkerDeltaStatus(BaseModel):
                                           "seconds; 0: none).")
 
 
+class IdMapView(BaseModel):
+    """One managed feature's id map in a served version (``serve.runtime.idmap``; computed
+    by ``serve.sidecar.services.embedding_deltas.DeltaService.id_maps``)."""
+
+    feature: str = Field(description="The sparse feature (several may read one table).")
+    table: str = Field(description="The managed table it reads.")
+    capacity: int = Field(description="Ids the table can hold: its rows - 1 (row 0 is "
+                                      "the fallback row of every id without one).")
+    ids: int | None = Field(description="Ids holding a row now: the build's + admitted - "
+                                        "evicted; null when the build report does not say "
+                                        "how many the build admitted.")
+    occupancy: float | None = Field(description="ids / capacity, 0..1 (null with ids).")
+    admitted: int = Field(description="Ids the applied deltas assigned a row.")
+    evicted: int = Field(description="Ids the applied deltas evicted (back to the "
+                                     "fallback row).")
+    sequence: int = Field(description="The deltas counted: 1..sequence (those every live "
+                                      "worker applied; the stored ones while none reports).")
+    fallback_lookups: int | None = Field(
+        description="Lookups of the feature by this version that read the fallback row, "
+                    "summed over the pod's workers (dlrm_embedding_ids_fallback_total); "
+                    "null without the workers' metrics directory.")
+
+
 class EmbeddingsStatus(BaseModel):
     """One served version's embedding deltas: stored, and applied by its live workers.
 
@@ -232,6 +255,10 @@ class EmbeddingsStatus(BaseModel):
     newest_delta_age_s: float | None = Field(
         description="Seconds since then: how stale the embeddings are.")
     workers: list[WorkerDeltaStatus]
+    id_maps: list[IdMapView] = Field(
+        default_factory=list, description="Each feature of a managed table (ids mapped by "
+                                          "the version's id map); [] when every table is "
+                                          "modulo.")
 
 
 class SidecarEndpoints(BaseModel):

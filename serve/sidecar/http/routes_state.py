@@ -21,6 +21,9 @@ by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows
 
 With ``--delta-dir``, GET /state also has ``embeddings``: per served version, the last
 embedding delta stored and what the live workers applied (:mod:`serve.sidecar.services.embedding_deltas`).
+Its ``id_maps`` describe each managed feature's id map (:mod:`serve.runtime.idmap`):
+capacity, ids, occupancy, ids admitted and evicted by the applied deltas, fallback
+lookups; ``[]`` for a version whose tables are all modulo.
 """
 from __future__ import annotations
 

@@ -61,6 +61,30 @@ used (none before the first answer).
 The service is also the Prometheus collector of the delta gauges
 (:func:`serve.metrics.embedding_delta_families`), computed at scrape from the store and the
 live workers' status files; an unreadable file is skipped and never fails a scrape.
+
+**Managed id maps** (tables with ``mapping="managed"``, :mod:`serve.runtime.idmap`).
+Deltas of such tables admit ids (assign them rows) and evict ids. The service counts them
+once per pod, when a delta is stored (``dlrm_embedding_ids_admitted_total{feature}``,
+``dlrm_embedding_ids_evicted_total{feature}``), and describes each served version's maps
+(:meth:`DeltaService.id_maps`, GET /state ``embeddings.<version>.id_maps``, the gauge
+``dlrm_embedding_id_map_occupancy_ratio{version,feature}``) without asking a worker:
+
+    ids = admitted at build (the build report's ``id_mapping.tables.<table>.admitted``)
+          + assigned - evicted over the deltas 1..applied_sequence
+
+Why here and not in the workers: the sum is exact (a worker's ``IdMap.apply`` refuses an
+eviction of an absent id and an assignment of a present one, so every applied change
+moves the count by one), every worker of a version holds the same map after the same
+deltas, so a per-worker count would only repeat it; and the sidecar already has both
+inputs, the report and the stored deltas (their per-table counts, read once per file and
+kept), so a scrape costs no worker time, and the count is per pod, never per worker.
+The deltas counted are those every live worker applied (``applied_sequence``; the stored
+ones while no worker reports). A report without ``id_mapping`` (a version built before
+it, or a test artifact) gives ``ids`` and ``occupancy`` null, never a made-up number.
+``fallback_lookups`` is the pod's ``dlrm_embedding_ids_fallback_total`` of the feature
+and version, summed over its workers' metric files (null without the workers' metrics
+directory).
+A version without a managed table has ``id_maps: []``.
 """
 from __future__ import annotations
 
@@ -88,10 +112,13 @@ from serve.errors import (
 )
 from serve.metrics import (
     EmbeddingDeltaGauges,
+    IdMapGauge,
     delta_files_skipped_family,
     delta_posts_refused_family,
     embedding_delta_families,
+    embedding_id_families,
 )
+from serve.schema import ModelSchema, schema_from_report
 from serve.store import delta_files as delta_format
 from serve.store.delta_files import (
     Delta,
@@ -111,6 +138,7 @@ __all__ = [
     "WAIT_MAX_S",
     "Accepted",
     "DeltaService",
+    "IdMapStatus",
     "LivePids",
     "VersionSummary",
     "WaitResult",
@@ -167,6 +195,44 @@ class WaitResult:
 
 
 @dataclass(frozen=True)
+class IdMapStatus:
+    """One managed feature's id map in one served version (module docstring).
+
+    ``capacity``: ids the table can hold (rows - 1: row 0 is the fallback); ``ids``: ids
+    holding a row now (build + ``admitted`` - ``evicted``; None when the build report
+    does not say how many the build admitted); ``occupancy`` = ids / capacity (0..1);
+    ``admitted`` / ``evicted``: ids the applied deltas (1..``sequence``) assigned a row /
+    evicted; ``fallback_lookups``: the pod's lookups of the feature that read the
+    fallback row (None when unknown).
+    """
+
+    feature: str
+    table: str
+    capacity: int
+    ids: int | None
+    occupancy: float | None
+    admitted: int
+    evicted: int
+    sequence: int
+    fallback_lookups: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"feature": self.feature, "table": self.table, "capacity": self.capacity,
+                "ids": self.ids, "occupancy": self.occupancy, "admitted": self.admitted,
+                "evicted": self.evicted, "sequence": self.sequence,
+                "fallback_lookups": self.fallback_lookups}
+
+
+#: Per delta file: table index -> (ids assigned, ids evicted), tables with changes only.
+_IdCounts = dict[int, tuple[int, int]]
+
+
+def _id_counts(delta: Delta) -> _IdCounts:
+    return {t.table: (int(t.assign_ids.shape[0]), int(t.evict_ids.shape[0]))
+            for t in delta.tables if t.id_changes}
+
+
+@dataclass(frozen=True)
 class VersionSummary:
     """One served version's deltas: stored, and applied by its live workers.
 
@@ -191,9 +257,11 @@ class VersionSummary:
     newest_delta_age_s: float | None
     workers: tuple[WorkerStatus, ...]
     head_digest: str | None = None
+    id_maps: tuple[IdMapStatus, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"last_sequence": self.last_sequence, "head_digest": self.head_digest,
+                "id_maps": [m.to_json() for m in self.id_maps],
                 "applied_sequence": self.applied_sequence,
                 "rows_updated": self.rows_updated,
                 "apply_seconds_max": self.apply_seconds_max,
@@ -229,6 +297,9 @@ class DeltaService(Collector):
             bound. In Kubernetes the store is memory-backed and its pages are charged to
             the sidecar's container until their version stops being served, so this
             bound, not one delta's size, is what keeps the sidecar inside its memory.
+        fallback_counts: the pod's fallback-row lookups, ``{version: {feature: n}}``
+            (the workers' ``dlrm_embedding_ids_fallback_total``), for GET /state's
+            ``id_maps``; None: unknown (``fallback_lookups`` null).
     """
 
     def __init__(self, store: DeltaStore, *, versions: Callable[[], list[str]],
@@ -238,8 +309,17 @@ class DeltaService(Collector):
                  wall_clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  pid_ttl_s: float = 1.0, max_bytes: int | None = None,
-                 max_store_bytes: int | None = None) -> None:
+                 max_store_bytes: int | None = None,
+                 fallback_counts: Callable[[], dict[str, dict[str, int]]] | None = None
+                 ) -> None:
         self.store = store
+        self.fallback_counts = fallback_counts
+        self._admitted: dict[str, int] = {}
+        self._evicted: dict[str, int] = {}
+        # (version, sequence) -> ((size, mtime_ns) of its file, its id counts): read once.
+        self._id_counts: dict[tuple[str, int], tuple[tuple[int, int], _IdCounts]] = {}
+        # version -> its schema and the ids its build admitted per table (None: unknown).
+        self._builds: dict[str, tuple[ModelSchema, dict[str, int | None]]] = {}
         self.max_store_bytes = max_store_bytes
         #: The largest delta accepted (bytes): POST bodies and volume files. The one limit
         #: of a delta; the request guard reads it here too.
@@ -433,6 +513,8 @@ class DeltaService(Collector):
             incoming.discard()
             raise
         stored = self.store.commit(incoming, delta, self.max_bytes, base_digest=base)
+        if stored.outcome != "unchanged":
+            self._remember_ids(delta, stored.path, count=stored.outcome == "stored")
         _log.info("embedding delta %s #%d %s (%d rows, %d bytes)", delta.base_version,
                   delta.sequence, stored.outcome, delta.rows, incoming.size)
         return Accepted(delta.base_version, delta.sequence, delta.rows, incoming.size,
@@ -561,6 +643,117 @@ class DeltaService(Collector):
         with self._state_lock:
             return dict(self._refused)
 
+    # ------------------------------------------------------------------ id maps
+
+    def _remember_ids(self, delta: Delta, path: Path, *, count: bool) -> None:
+        """Keep a stored delta's id counts (no re-read later) and, when ``count`` (a new
+        sequence, not a repaired file), add them to the admitted/evicted counters."""
+        counts = _id_counts(delta)
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        with self._state_lock:
+            self._id_counts[(delta.base_version, delta.sequence)] = (
+                (st.st_size, st.st_mtime_ns), counts)
+            if not count:
+                return
+            for t in delta.tables:
+                if t.assign_ids.shape[0]:
+                    self._admitted[t.feature] = (self._admitted.get(t.feature, 0)
+                                                 + int(t.assign_ids.shape[0]))
+                if t.evict_ids.shape[0]:
+                    self._evicted[t.feature] = (self._evicted.get(t.feature, 0)
+                                                + int(t.evict_ids.shape[0]))
+
+    @property
+    def admitted(self) -> dict[str, int]:
+        """Ids admitted by the deltas stored so far, per feature (the delta's name for
+        the table)."""
+        with self._state_lock:
+            return dict(self._admitted)
+
+    @property
+    def evicted(self) -> dict[str, int]:
+        """Ids evicted by the deltas stored so far, per feature."""
+        with self._state_lock:
+            return dict(self._evicted)
+
+    def _stored_id_counts(self, version: str, sequence: int) -> _IdCounts:
+        """A stored delta's id counts: kept from its commit, else read once from its file
+        (ids only, :func:`serve.store.delta_files.scan_delta_file`) and kept while the
+        file is unchanged. Raises OSError / ServeError for a file that cannot be read."""
+        path = self.store.path(version, sequence)
+        st = path.stat()
+        key = (st.st_size, st.st_mtime_ns)
+        with self._state_lock:
+            got = self._id_counts.get((version, sequence))
+        if got is not None and got[0] == key:
+            return got[1]
+        counts = _id_counts(scan_delta_file(path, self.max_bytes))
+        with self._state_lock:
+            self._id_counts[(version, sequence)] = (key, counts)
+        return counts
+
+    def _build(self, version: str) -> tuple[ModelSchema, dict[str, int | None]]:
+        """``version``'s schema and its build's admitted ids per managed table (from its
+        build report, read once: a version's report never changes)."""
+        with self._state_lock:
+            got = self._builds.get(version)
+        if got is not None:
+            return got
+        report = self._report_of(version)
+        schema = schema_from_report(report)
+        mapping = report.get("id_mapping")
+        tables = mapping.get("tables") if isinstance(mapping, dict) else None
+        admitted: dict[str, int | None] = {}
+        for t in schema.tables:
+            if t.mapping != "managed":
+                continue
+            entry = tables.get(t.name) if isinstance(tables, dict) else None
+            n = entry.get("admitted") if isinstance(entry, dict) else None
+            admitted[t.name] = int(n) if isinstance(n, int) and not isinstance(n, bool) \
+                and n >= 0 else None
+        with self._state_lock:
+            self._builds[version] = (schema, admitted)
+        return schema, admitted
+
+    def id_maps(self, version: str, through: int,
+                fallback: dict[str, int] | None = None) -> tuple[IdMapStatus, ...]:
+        """Each managed feature of ``version`` after its build and deltas 1..``through``
+        (module docstring); ``fallback``: the pod's fallback lookups of ``version`` per
+        feature. Empty
+        for a version without managed tables. Blocking file reads (cached).
+
+        Raises:
+            OSError, ServeError: the report or a stored delta cannot be read.
+        """
+        schema, build = self._build(version)
+        if not build:
+            return ()
+        assigned = dict.fromkeys(build, 0)
+        evicted = dict.fromkeys(build, 0)
+        for seq in range(1, through + 1):
+            for t, (k, e) in self._stored_id_counts(version, seq).items():
+                name = schema.tables[t].name if 0 <= t < len(schema.tables) else None
+                if name in assigned:
+                    assigned[name] += k
+                    evicted[name] += e
+        out = []
+        for f, t in zip(schema.features, schema.feature_tables, strict=True):
+            spec = schema.tables[t]
+            if spec.name not in build:
+                continue
+            at_build = build[spec.name]
+            ids = None if at_build is None else at_build + assigned[spec.name] - evicted[spec.name]
+            cap = spec.rows - 1
+            out.append(IdMapStatus(
+                feature=f.name, table=spec.name, capacity=cap, ids=ids,
+                occupancy=None if ids is None or cap <= 0 else min(1.0, max(0.0, ids / cap)),
+                admitted=assigned[spec.name], evicted=evicted[spec.name], sequence=through,
+                fallback_lookups=None if fallback is None else int(fallback.get(f.name, 0))))
+        return tuple(out)
+
     # ------------------------------------------------------------------ clean-up
 
     def clean(self, keep: Iterable[str], live_pids: Iterable[int]) -> list[str]:
@@ -632,15 +825,24 @@ class DeltaService(Collector):
 
     # ------------------------------------------------------------------ report
 
-    def summary(self, version: str, pids: Iterable[int], *, digest: bool = True
-                ) -> VersionSummary:
-        """``version``'s stored and applied deltas (blocking file reads); ``digest``:
-        with its ``head_digest`` (a scrape leaves it out)."""
+    def summary(self, version: str, pids: Iterable[int], *, digest: bool = True,
+                fallback: dict[str, int] | None = None) -> VersionSummary:
+        """``version``'s stored and applied deltas and its managed id maps (blocking file
+        reads); ``digest``: with its ``head_digest`` (a scrape leaves it out);
+        ``fallback``: the pod's fallback lookups of ``version`` per feature, for the id
+        maps."""
         workers = tuple(self.store.worker_statuses(version, sorted(set(pids))))
         last = self.store.last_sequence(version)
         head = self.head_digest(version) if digest else None
+        through = min((w.sequence for w in workers), default=last)
+        try:
+            maps = self.id_maps(version, min(through, last), fallback)
+        except (OSError, ValueError, KeyError, ServeError) as e:
+            _log.warning("id maps of version %s not described: %s", version, e)
+            maps = ()
         if not workers:
-            return VersionSummary(version, last, None, None, None, None, None, (), head)
+            return VersionSummary(version, last, None, None, None, None, None, (), head,
+                                  maps)
         slowest = min(workers, key=lambda w: (w.sequence, w.rows))
         created = slowest.created_at if slowest.sequence > 0 and slowest.created_at > 0 \
             else None
@@ -650,15 +852,25 @@ class DeltaService(Collector):
             rows_updated=slowest.rows,
             apply_seconds_max=max(float(w.apply_seconds) for w in workers),
             newest_delta_created_at=created, newest_delta_age_s=age, workers=workers,
-            head_digest=head)
+            head_digest=head, id_maps=maps)
 
     async def summaries(self) -> dict[str, VersionSummary]:
         """Each served version's :class:`VersionSummary` (GET /state, GET
         /embeddings/deltas)."""
         pids = await self.live_pids()
         versions = self._versions()
-        return await asyncio.to_thread(
-            lambda: {v: self.summary(v, pids) for v in versions})
+
+        def read() -> dict[str, VersionSummary]:
+            counts = None
+            if self.fallback_counts is not None:
+                try:
+                    counts = self.fallback_counts()
+                except Exception as e:  # noqa: BLE001 - a status read must not fail on it
+                    _log.warning("fallback lookups unknown: %s", e)
+            return {v: self.summary(v, pids, fallback=None if counts is None
+                                    else counts.get(v, {})) for v in versions}
+
+        return await asyncio.to_thread(read)
 
     async def damaged(self) -> dict[str, list[tuple[str, str]]]:
         """Per served version, each damaged stored delta (file name, reason): a truncated
@@ -677,13 +889,18 @@ class DeltaService(Collector):
             _log.warning("embedding delta metrics: served versions unknown: %s", e)
             versions = []
         pids = self._pids_for_scrape() if versions else frozenset()
-        gauges = []
+        gauges, occupancy = [], []
         for version in versions:
             try:
-                gauges.append(self.summary(version, pids, digest=False).gauges())
+                summary = self.summary(version, pids, digest=False)
             except (OSError, ValueError, ServeError) as e:
                 _log.warning("embedding delta metrics of %s skipped: %s", version, e)
+                continue
+            gauges.append(summary.gauges())
+            occupancy += [IdMapGauge(version, m.feature, m.occupancy)
+                          for m in summary.id_maps if m.occupancy is not None]
         yield from embedding_delta_families(gauges)
+        yield from embedding_id_families(self.admitted, self.evicted, occupancy)
         yield delta_files_skipped_family(self.skipped)
         yield delta_posts_refused_family(self.refused)
 
