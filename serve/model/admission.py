@@ -196,6 +196,8 @@ class AdmissionState:
         self.config = config
         self.tables = {t.name: t for t in tables}
         self.day = day
+        # What the last decide() did, per table (not saved: a report of the run).
+        self.last_decisions: dict[str, Decision] = {}
 
     @classmethod
     def new(cls, config: AdmissionConfig, rows: Mapping[str, int]) -> AdmissionState:
@@ -254,7 +256,8 @@ class AdmissionState:
         """
         if self.day < 0:
             raise ConfigError("admission: decide() before any observe(); nothing was seen")
-        return {name: self._decide_table(t) for name, t in self.tables.items()}
+        self.last_decisions = {name: self._decide_table(t) for name, t in self.tables.items()}
+        return dict(self.last_decisions)
 
     def _decide_table(self, t: TableState) -> Decision:
         cfg, day = self.config, self.day

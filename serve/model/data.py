@@ -537,7 +537,7 @@ def to_batch(item: tuple[torch.Tensor, ...], feature_names: list[str]) -> Batch:
     return Batch(dense, make_kjt(feature_names, values, lens), labels)
 
 
-def make_loader(dataset: ClickLogDataset, num_workers: int = 1,
+def make_loader(dataset: Any, num_workers: int = 1,
                 prefetch_factor: int = 4) -> torch.utils.data.DataLoader:
     """A DataLoader over whole batches: ``num_workers`` processes, ``prefetch_factor``
     batches each queued ahead (0 workers: read in the calling process)."""
@@ -548,9 +548,12 @@ def make_loader(dataset: ClickLogDataset, num_workers: int = 1,
                                        num_workers=num_workers, **kwargs)
 
 
-def iter_batches(dataset: ClickLogDataset, num_workers: int = 1,
+def iter_batches(dataset: Any, num_workers: int = 1,
                  prefetch_factor: int = 4) -> Iterator[Batch]:
-    """Batches with a KJT built in the calling process (KJTs need not cross processes)."""
+    """Batches with a KJT built in the calling process (KJTs need not cross processes).
+
+    ``dataset``: a :class:`ClickLogDataset`, or a wrapper of one with the same items and a
+    ``feature_names`` list (e.g. :class:`serve.model.train.RowMappedDataset`)."""
     for item in make_loader(dataset, num_workers, prefetch_factor):
         yield to_batch(item, dataset.feature_names)
 
