@@ -156,7 +156,7 @@ bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee ->
 # The GPU machine has stock torch + pytest but no venv (and no TorchRec): use its python3.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:  ## on a CUDA machine (no venv needed): gpu tests (CUDA paths vs CPU), then exactness, throughput, batch-1 latency
-	$(GPU_PY) -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider --noconftest -q && $(GPU_PY) -m bench.gpu_check
+	$(GPU_PY) -m pytest -m gpu tests/test_gpu.py tests/test_idmap_managed.py -p no:cacheprovider --noconftest -q && $(GPU_PY) -m bench.gpu_check
 
 LOADTEST_ARGS ?=
 gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU expectations) for gpu-check

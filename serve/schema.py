@@ -31,10 +31,15 @@ from serve.common.validate import int_at_least
 from serve.errors import ConfigError
 from serve.store.rowformat import DTYPES
 
-__all__ = ["DEFAULT_MAX_IDS", "POOLINGS", "FeatureSpec", "ModelSchema", "TableSpec", "criteo_schema",
+__all__ = ["DEFAULT_MAX_IDS", "MAPPINGS", "POOLINGS", "FeatureSpec", "ModelSchema", "TableSpec", "criteo_schema",
            "schema_from_report"]
 
 POOLINGS = ("sum", "mean")
+#: How a table turns a raw id into a row: ``modulo`` (row = id % rows: ids beyond the
+#: table share rows with others) or ``managed`` (the version's id map,
+#: :class:`serve.runtime.idmap.IdMap`: admitted ids own a row, the rest get the table's
+#: fallback row 0).
+MAPPINGS = ("modulo", "managed")
 #: Most ids per feature and instance when a build states none (format-1 artifacts; the
 #: handler's only limit before schemas).
 DEFAULT_MAX_IDS = 64
@@ -51,13 +56,14 @@ def _name(v: Any, what: str) -> str:
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table: rows x dim, stored as ``dtype`` (serve.store.rowformat), pooled by
-    ``pooling`` ("sum" or "mean")."""
+    ``pooling`` ("sum" or "mean"), its ids turned into rows by ``mapping`` (:data:`MAPPINGS`)."""
 
     name: str
     rows: int
     dim: int
     pooling: str = "sum"
     dtype: str = "int8"
+    mapping: str = "modulo"
 
     def __post_init__(self) -> None:
         _name(self.name, "table name")
@@ -71,10 +77,21 @@ class TableSpec:
         if self.dtype == "int4" and self.dim % 2:
             raise ConfigError(f"table {self.name}: int4 needs an even dim, got {self.dim}; "
                               "store it as int8")
+        if self.mapping not in MAPPINGS:
+            raise ConfigError(f"table {self.name}: mapping {self.mapping!r} is not one of "
+                              f"{MAPPINGS}")
+        if self.mapping == "managed" and self.rows < 2:
+            raise ConfigError(f"table {self.name}: a managed table needs >= 2 rows (row 0 is "
+                              f"the fallback for ids not admitted), got {self.rows}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rows": self.rows, "dim": self.dim,
-                "pooling": self.pooling, "dtype": self.dtype}
+        """The mapping is written only when managed: modulo schemas (every build before
+        managed ids) keep their exact dict, so reports and fingerprints do not change."""
+        d: dict[str, Any] = {"name": self.name, "rows": self.rows, "dim": self.dim,
+                             "pooling": self.pooling, "dtype": self.dtype}
+        if self.mapping != "modulo":
+            d["mapping"] = self.mapping
+        return d
 
 
 @dataclass(frozen=True)
@@ -167,12 +184,18 @@ class ModelSchema:
     # -- views ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """The request-facing view (``GET /state`` ``observed.model.schema``):
-        ``{"dense": N, "sparse": [{"name", "table", "rows", "dim", "pooling", "max_ids"}]}``."""
+        ``{"dense": N, "sparse": [{"name", "table", "rows", "dim", "pooling", "max_ids"}]}``,
+        plus ``"mapping": "managed"`` for a feature whose table is managed."""
         tables = {t.name: t for t in self.tables}
-        return {"dense": self.dense, "sparse": [
-            {"name": f.name, "table": f.table, "rows": tables[f.table].rows,
-             "dim": tables[f.table].dim, "pooling": tables[f.table].pooling,
-             "max_ids": f.max_ids} for f in self.features]}
+        out = []
+        for f in self.features:
+            t = tables[f.table]
+            d: dict[str, Any] = {"name": f.name, "table": f.table, "rows": t.rows, "dim": t.dim,
+                                 "pooling": t.pooling, "max_ids": f.max_ids}
+            if t.mapping != "modulo":   # as in to_dict: modulo views stay as they were
+                d["mapping"] = t.mapping
+            out.append(d)
+        return {"dense": self.dense, "sparse": out}
 
     def to_dict(self) -> dict[str, Any]:
         return {"dense": self.dense, "tables": [t.to_dict() for t in self.tables],
@@ -189,7 +212,7 @@ class ModelSchema:
             return cls(dense=d["dense"], tables=tables, features=features)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"model schema is malformed ({type(e).__name__}: {e}); it "
-                              "needs dense, tables [{name, rows, dim, pooling, dtype}] and "
+                              "needs dense, tables [{name, rows, dim, pooling, dtype[, mapping]}] and "
                               "features [{name, table, max_ids}]") from e
 
     def request_differences(self, other: ModelSchema) -> list[str]:

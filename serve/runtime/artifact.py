@@ -18,7 +18,10 @@ File: ``torch.save`` of a dict, format version ``FORMAT_VERSION`` (2):
      "tables": [{"name", "data": uint8 (rows, row_bytes)}, ...]   (schema.tables order),
      "dense": {"kind": "dlrm", "dense_arch", "over_arch"}          (our built-in DLRM)
             | {"kind": "export", "program": uint8 (n,)}            (torch.export bytes),
-     "meta": {...}}
+     "meta": {...},
+     "id_maps": {table name: {"ids": int64 (n,), "rows": int64 (n,)}}}
+                                   (only when a table is ``mapping="managed"``: its
+                                    :class:`serve.runtime.idmap.IdMap`)
 
 Why ``torch.export`` for the dense part of other models: it records the user's layers
 after pooling as a graph of ATen operators that ``torch.export.load`` runs with stock
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 from serve.errors import ArtifactError, ConfigError
+from serve.runtime.idmap import IdMap
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
 from serve.store.rowformat import DTYPES, row_bytes
 from serve.store.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
@@ -166,12 +170,15 @@ class Artifact:
         tables: the quantized rows of each table, in ``schema.tables`` order.
         dense: the model after pooling (:class:`DLRMDense` or :class:`ExportedDense`).
         meta: free-form build information (version, profile, ...).
+        id_maps: table name -> :class:`serve.runtime.idmap.IdMap`, for exactly the tables
+            whose schema mapping is "managed".
     """
 
     schema: ModelSchema
     tables: list[QuantTable]
     dense: DenseSpec
     meta: dict[str, Any] = field(default_factory=dict)
+    id_maps: dict[str, IdMap] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         specs = self.schema.tables
@@ -183,6 +190,16 @@ class Artifact:
                 raise ArtifactError(
                     f"table {t.name} ({t.rows} x {t.dim} {t.dtype}) does not match the "
                     f"schema's {spec.name} ({spec.rows} x {spec.dim} {spec.dtype})")
+        managed = {t.name for t in specs if t.mapping == "managed"}
+        if set(self.id_maps) != managed:
+            raise ArtifactError(f"id maps for tables {sorted(self.id_maps)}, but the managed "
+                                f"tables are {sorted(managed)}; every managed table needs "
+                                "its map and no other table has one")
+        for spec in specs:
+            m = self.id_maps.get(spec.name)
+            if m is not None and m.table_rows != spec.rows:
+                raise ArtifactError(f"table {spec.name}: its id map is for {m.table_rows} "
+                                    f"rows, the table has {spec.rows}")
         if isinstance(self.dense, DLRMDense):
             dims = {t.dim for t in self.tables}
             if len(dims) != 1:
@@ -193,19 +210,22 @@ class Artifact:
     def dlrm(cls, feature_names: list[str], num_dense: int, dtype: str,
              tables: list[QuantTable], dense_arch: list[tuple[torch.Tensor, torch.Tensor]],
              over_arch: list[tuple[torch.Tensor, torch.Tensor]],
-             meta: dict[str, Any] | None = None, max_ids: int = DEFAULT_MAX_IDS) -> Artifact:
+             meta: dict[str, Any] | None = None, max_ids: int = DEFAULT_MAX_IDS,
+             id_maps: dict[str, IdMap] | None = None) -> Artifact:
         """Our built-in DLRM: table ``i`` is read by feature ``feature_names[i]`` alone,
-        sum-pooled."""
+        sum-pooled; the tables named in ``id_maps`` are managed, the others modulo."""
         if len(feature_names) != len(tables):
             raise ArtifactError(f"{len(feature_names)} features for {len(tables)} tables; "
                                 "the built-in DLRM has one table per feature")
+        maps = dict(id_maps or {})
         schema = ModelSchema(
             num_dense,
-            tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype) for t in tables),
+            tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype,
+                            "managed" if t.name in maps else "modulo") for t in tables),
             tuple(FeatureSpec(f, t.name, max_ids)
                   for f, t in zip(feature_names, tables, strict=True)))
         del dtype  # every table states its own
-        return cls(schema, tables, DLRMDense(dense_arch, over_arch), dict(meta or {}))
+        return cls(schema, tables, DLRMDense(dense_arch, over_arch), dict(meta or {}), maps)
 
     # -- views ---------------------------------------------------------------------------
     @property
@@ -253,6 +273,8 @@ def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
         "tables": [{"name": t.name, "data": t.data} for t in art.tables],
         "dense": dense, "meta": art.meta,
     }
+    if art.id_maps:
+        blob["id_maps"] = {name: m.to_dict() for name, m in art.id_maps.items()}
     tmp = f"{os.fspath(path)}.tmp"
     torch.save(blob, tmp)
     os.replace(tmp, path)
@@ -279,7 +301,10 @@ def _from_v2(blob: dict[str, Any]) -> Artifact:
         dense = ExportedDense(d["program"])
     else:
         raise ArtifactError(f"dense kind {d['kind']!r} is not 'dlrm' or 'export'")
-    return Artifact(schema, tables, dense, dict(blob["meta"]))
+    rows = {s.name: s.rows for s in schema.tables}
+    id_maps = {name: IdMap.from_arrays(m["ids"], m["rows"], rows.get(name, 0))
+               for name, m in blob.get("id_maps", {}).items()}
+    return Artifact(schema, tables, dense, dict(blob["meta"]), id_maps)
 
 
 def load_artifact(path: str | os.PathLike[str], mmap: bool = True) -> Artifact:

@@ -6,7 +6,10 @@ nnz = number of sparse ids in a batch, U = distinct global rows among them.
 Pipeline of one ``predict``:
 
 1. validate the inputs on the host (negative ids -> ``InvalidInput`` naming the feature);
-2. global row = table offset + (id % table rows) (ids >= rows wrap, documented rule);
+2. global row = table offset + the table's row of the id: ``id % rows`` for a modulo
+   table (ids >= rows wrap, documented rule), the version's id map for a managed one
+   (:mod:`serve.runtime.idmap`: admitted ids own a row, every other id reads the
+   fallback row 0, counted per feature in ``RuntimeStats.fallback``);
 3. embedding: either a direct gather from the tables on the device (no cache: every row
    resident), or ``torch.unique`` -> :class:`serve.runtime.cache.EmbeddingCache` (hot rows on the
    device, all rows pinned in host memory) -> dequantize the U rows once -> pool;
@@ -60,6 +63,7 @@ from serve.runtime.cache import (
     resolve_decay_every,
 )
 from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, convert_precision
+from serve.runtime.idmap import IdMap
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
 from serve.store.rowformat import row_bytes
@@ -179,7 +183,9 @@ class RuntimeStats:
     ``forwards``: model forwards (a batch split by ``max_forward_instances`` counts one per
     chunk); ``samples``: samples predicted. ``wrapped``: per feature (``feature_names``
     order), ids that were >= the table's rows and wrapped modulo rows (new ids outgrowing
-    a table show up here first).
+    a table show up here first; modulo tables only). ``fallback``: per feature, ids of a
+    managed table that were not in its id map and read the fallback row (0 for modulo
+    tables).
     """
 
     lookups: int
@@ -193,6 +199,7 @@ class RuntimeStats:
     forwards: int = 0
     samples: int = 0
     wrapped: tuple[int, ...] = ()
+    fallback: tuple[int, ...] = ()
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -230,6 +237,8 @@ class _Group:
     ids_d: torch.Tensor             # arange(F_g)
     features_d: torch.Tensor        # int64 (F_g,) = features (for per-feature counters)
     rows_h: torch.Tensor            # int64 (F_g, 1) on the host
+    modulo_d: torch.Tensor          # int64 (F_g,) 1 where the feature's table is modulo
+    managed: tuple[tuple[int, int], ...] = ()   # (j in the group, table) of managed features
     scratch: torch.Tensor | None = None
 
 
@@ -315,6 +324,10 @@ class Runtime:
             offsets.append(offsets[-1] + r)
         self._offsets = offsets
         dev = self.device
+        #: Managed tables' id maps on the device (table index -> map).
+        self.id_maps: dict[int, IdMap] = {
+            i: artifact.id_maps[t.name].to(dev) for i, t in enumerate(self.schema.tables)
+            if t.mapping == "managed"}
         ftab = self.schema.feature_tables
         #: Rows of each feature's table (request order).
         self.feature_rows = [self.table_rows[t] for t in ftab]
@@ -325,6 +338,7 @@ class Runtime:
         # The CUDA-graph path (one group) counts wrapped ids on the host (the graph wraps
         # them itself); it also uses the one group's per-feature rows and offsets.
         self._wrapped_h = torch.zeros(nf, dtype=torch.int64)
+        self._fallback_d = torch.zeros(nf, dtype=torch.int64, device=dev)
         g0 = self._groups[0]
         self._rows_d, self._offsets_d, self._rows_h = g0.rows_d, g0.offsets_d, g0.rows_h
         self.cache: EmbeddingCache | None
@@ -365,13 +379,17 @@ class Runtime:
         groups = []
         for (dtype, dim, pooling), feats in keyed.items():
             rows = [self.table_rows[ftab[f]] for f in feats]
+            managed = tuple((j, ftab[f]) for j, f in enumerate(feats) if ftab[f] in self.id_maps)
             groups.append(_Group(
                 tuple(feats), dtype, dim, pooling,
                 torch.tensor(rows, dtype=torch.int64, device=dev),
                 torch.tensor([offsets[ftab[f]] for f in feats], dtype=torch.int64, device=dev),
                 torch.arange(len(feats), device=dev),
                 torch.tensor(feats, dtype=torch.int64, device=dev),
-                torch.tensor(rows, dtype=torch.int64).unsqueeze(1)))
+                torch.tensor(rows, dtype=torch.int64).unsqueeze(1),
+                torch.tensor([0 if ftab[f] in self.id_maps else 1 for f in feats],
+                             dtype=torch.int64, device=dev),
+                managed))
         return groups
 
     def _place_rows(self, artifact: Artifact, config: RuntimeConfig, shared: SharedTables | None
@@ -467,6 +485,38 @@ class Runtime:
                 t = self._table()
                 t.index_copy_(0, g.to(t.device), rows.to(t.device))
 
+    def update_ids(self, table: int, assign_ids: torch.Tensor, assign_rows: torch.Tensor,
+                   evict_ids: torch.Tensor) -> None:
+        """Change a managed table's id map (a delta's admissions and evictions): evicted ids
+        read the fallback row from the next predict on, assigned ids their row. The rows'
+        bytes come with the same delta (:meth:`update_rows`, which also refreshes the
+        device cache's copies), so call both between the same two batches.
+
+        Args:
+            table: index in ``schema.tables`` order; the table must be managed.
+            assign_ids, assign_rows: int64 (k,) raw ids and their rows in 1..rows-1.
+            evict_ids: int64 (e,) raw ids to remove (each must be in the map).
+        Raises:
+            ConfigError: a modulo table, or a change the map refuses (IdMap.apply).
+        """
+        self.set_id_map(table, self.changed_id_map(table, assign_ids, assign_rows, evict_ids))
+
+    def changed_id_map(self, table: int, assign_ids: torch.Tensor, assign_rows: torch.Tensor,
+                       evict_ids: torch.Tensor) -> IdMap:
+        """What :meth:`update_ids` would make the table's map, without changing it (so a
+        delta's every change is checked before any is applied)."""
+        if table not in self.id_maps:
+            raise ConfigError(f"table {table} is not one of the managed tables "
+                              f"{sorted(self.id_maps)}; only managed tables take id changes")
+        return self.id_maps[table].apply(assign_ids, assign_rows, evict_ids)
+
+    def set_id_map(self, table: int, id_map: IdMap) -> None:
+        """Serve ``id_map`` for managed table ``table`` from the next predict on."""
+        if table not in self.id_maps or id_map.table_rows != self.table_rows[table]:
+            raise ConfigError(f"table {table} is not a managed table of {id_map.table_rows} "
+                              "rows")
+        self.id_maps[table] = id_map.to(self.device)
+
     @property
     def row_bytes(self) -> int:
         """Bytes per stored row (the artifact's row format)."""
@@ -526,17 +576,39 @@ class Runtime:
             vv = v.view(len(g.features), -1)
             rows = g.rows_d.unsqueeze(1)
             wrapped = (vv >= rows).sum(1)
+            if g.managed:
+                wrapped.mul_(g.modulo_d)
             if self._single:
                 self._wrapped_d += wrapped
             else:
                 self._wrapped_d.index_add_(0, g.features_d, wrapped)
-            return (vv % rows + g.offsets_d.unsqueeze(1)).view(-1)
+            local = vv % rows
+            for j, t in g.managed:
+                local[j] = self._map_rows(g.features[j], t, vv[j])
+            return (local + g.offsets_d.unsqueeze(1)).view(-1)
         per_feature = lengths.sum(1).to(dev, non_blocking=True)
         feat = torch.repeat_interleave(g.ids_d, per_feature, output_size=v.numel())
         rows = g.rows_d.index_select(0, feat)
+        over = (v >= rows).long()
+        if g.managed:
+            over.mul_(g.modulo_d.index_select(0, feat))
         self._wrapped_d.index_add_(0, feat if self._single else g.features_d.index_select(0, feat),
-                                   (v >= rows).long())
-        return v % rows + g.offsets_d.index_select(0, feat)
+                                   over)
+        local = v % rows
+        if g.managed:
+            bounds = [0, *itertools.accumulate(lengths.sum(1).tolist())]
+            for j, t in g.managed:
+                lo, hi = bounds[j], bounds[j + 1]
+                if hi > lo:
+                    local[lo:hi] = self._map_rows(g.features[j], t, v[lo:hi])
+        return local + g.offsets_d.index_select(0, feat)
+
+    def _map_rows(self, feature: int, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """A managed table's rows of ``ids`` (int64 (k,) on the device), counting the ids
+        that read the fallback row for ``feature``."""
+        rows, found = self.id_maps[table].lookup_with_hits(ids)
+        self._fallback_d[feature] += found.numel() - found.sum()
+        return rows
 
     def _embed(self, sparse: SparseBatch, lengths: torch.Tensor, b: int) -> torch.Tensor:
         """Pooled embeddings on the device, float32: (B, F, D) for a model of one group
@@ -632,7 +704,7 @@ class Runtime:
         t0 = time.perf_counter()
         nf = len(self.feature_names)
         if (self.config.cuda_graphs and self.device.type == "cuda" and self._single
-                and (self.cache is None or self.cache.static_ok(nf * b))
+                and not self.id_maps and (self.cache is None or self.cache.static_ok(nf * b))
                 and sparse.values.numel() == nf * b and bool((lengths == 1).all())):
             out = self._predict_graph(dense, sparse, b)
             self._stage["dense"] += time.perf_counter() - t0
@@ -756,4 +828,5 @@ class Runtime:
                             stage_seconds=dict(self._stage), forwards=self._forwards,
                             samples=self._samples,
                             wrapped=tuple(int(x) for x in
-                                          (self._wrapped_d.cpu() + self._wrapped_h).tolist()))
+                                          (self._wrapped_d.cpu() + self._wrapped_h).tolist()),
+                            fallback=tuple(int(x) for x in self._fallback_d.cpu().tolist()))

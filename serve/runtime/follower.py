@@ -8,8 +8,11 @@ version it serves (stable, and a rollout's candidate). Its steps, each a method:
 2. :meth:`load`: read and check the next one (checksum, base version, sequence, the
    runtime's tables) *outside* the batch lock, so batches go on meanwhile;
 3. :meth:`apply`: under the worker's batch lock (a batch holds it for its whole
-   forward, so a batch sees all of a delta or none of it) overwrite the rows:
-   ``Runtime.update_rows`` writes the host rows and the device-cached copies. With the
+   forward, so a batch sees all of a delta or none of it) change the managed tables' id
+   maps (``Runtime.update_ids``: admitted ids get their rows, evicted ids the fallback)
+   and overwrite the rows: ``Runtime.update_rows`` writes the host rows and the
+   device-cached copies. Each worker holds its own id maps, so every worker applies the
+   id changes; the rows are written once. With the
    pod-wide shared table (:mod:`serve.runtime.shared`) it also takes that table's write
    lock (no worker is mid-batch), and only the first worker to get there writes: the
    others find the table's sequence already there (one copy, so each worker's view gets
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from serve.errors import DeltaConflict, ServeError
+from serve.runtime.idmap import IdMap
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
 from serve.store.delta_files import (
@@ -49,6 +53,10 @@ from serve.store.delta_files import (
 __all__ = ["DeltaFollower", "DeltaTarget", "runtime_layout"]
 
 log = logging.getLogger(__name__)
+
+
+def _int64(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
 class DeltaTarget(Protocol):
@@ -66,6 +74,11 @@ class DeltaTarget(Protocol):
     def shared(self) -> SharedTables | None: ...
 
     def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+    def changed_id_map(self, table: int, assign_ids: torch.Tensor, assign_rows: torch.Tensor,
+                       evict_ids: torch.Tensor) -> IdMap: ...
+
+    def set_id_map(self, table: int, id_map: IdMap) -> None: ...
 
 
 def runtime_layout(runtime: DeltaTarget) -> TableLayout:
@@ -127,16 +140,39 @@ class DeltaFollower:
         check_layout(delta, self.layout)
         return delta
 
-    def apply(self, delta: Delta) -> float:
-        """Write ``delta``'s rows between two batches; return the seconds the write took
-        (not the wait for the running batch)."""
-        prepared = [(t.table, torch.from_numpy(np.ascontiguousarray(t.ids, dtype=np.int64)),
-                     torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
+    def id_maps(self, delta: Delta) -> dict[int, IdMap]:
+        """The managed tables' maps after ``delta``'s id changes (no lock, nothing
+        changed yet), so a change the maps refuse stops the delta before any of it lands.
+
+        Raises:
+            DeltaConflict: an evicted id not in the map, an assigned id or row taken.
+        """
+        out: dict[int, IdMap] = {}
+        for i, t in enumerate(delta.tables):
+            if not t.id_changes:
+                continue
+            try:
+                out[t.table] = self.runtime.changed_id_map(
+                    t.table, _int64(t.assign_ids), _int64(t.assign_rows), _int64(t.evict_ids))
+            except ServeError as e:
+                raise DeltaConflict(f"tables[{i}].assigned",
+                                    f"{e.message}: the delta does not fit this version's id "
+                                    "map", reason="id_map") from e
+        return out
+
+    def apply(self, delta: Delta, id_maps: dict[int, IdMap] | None = None) -> float:
+        """Write ``delta``'s id changes and rows between two batches; return the seconds
+        the write took (not the wait for the running batch). ``id_maps``: from
+        :meth:`id_maps` (computed here when None)."""
+        maps = self.id_maps(delta) if id_maps is None else id_maps
+        prepared = [(t.table, _int64(t.ids), torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
                     for t in delta.tables]
         shared = self.runtime.shared
         with self.batch_lock, (shared.write() if shared is not None
                                else contextlib.nullcontext()):
             t0 = self.perf()
+            for table, id_map in maps.items():   # this worker's own maps: every worker
+                self.runtime.set_id_map(table, id_map)
             if shared is None or shared.sequence() < delta.sequence:
                 for table, ids, rows in prepared:
                     self.runtime.update_rows(table, ids, rows)
@@ -168,12 +204,13 @@ class DeltaFollower:
                 break  # a gap in the store: wait for the missing one
             try:
                 delta = self.load(seq)
+                maps = self.id_maps(delta)
             except (ServeError, OSError) as e:
                 if self._failed != seq:
                     log.error("delta %s #%d not applied: %s", self.version, seq, e)
                     self._failed = seq
                 break
-            seconds = self.apply(delta)
+            seconds = self.apply(delta, maps)
             done += 1
             log.info("delta %s #%d applied: %d rows in %.2f ms", self.version, seq,
                      delta.rows, seconds * 1e3)

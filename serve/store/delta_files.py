@@ -14,11 +14,15 @@ File layout (little-endian)::
     payload                         per table of the header, in order:
                                         ids  int64 (n,)   sorted, unique, 0 <= id < rows
                                         rows uint8 (n, row_bytes)
+                                        assign_ids  int64 (k,)  managed tables only:
+                                        assign_rows int64 (k,)  admitted raw id -> row
+                                        evict_ids   int64 (e,)  raw ids removed
 
     header = {"format": 1, "base_version": "small-int8-s0", "sequence": 1,
               "created_at": 1796000000.0,          # unix seconds, when it was built
               "dtype": "int8", "dim": 16, "row_bytes": 20,
-              "tables": [{"feature": "C1", "table": 0, "rows": 123}, ...],
+              "tables": [{"feature": "C1", "table": 0, "rows": 123,
+                          "assigned": 5, "evicted": 2}, ...],   # (both omitted when 0)
               "payload_bytes": 4567,
               "parent_digest": "<hex>",            # what it builds on (below)
               "sha256": "<hex>"}
@@ -49,6 +53,15 @@ delta can only build on its version; what is lost is the check that it was built
 very build of it); a later sequence is refused (400 ``header.parent_digest``: rebuild
 it with ``make delta``, which writes the field).
 
+**Id changes** (tables with ``mapping="managed"``, :mod:`serve.runtime.idmap`): a
+table's entry may also carry the ids training admitted (``assigned``: raw id -> row)
+and the ids it evicted (``evicted``), :meth:`serve.runtime.idmap.IdMap.diff` of the two
+builds' maps. A worker applies them and the rows in one step between two batches
+(:mod:`serve.runtime.follower`), so after the delta the pod serves exactly the rebuilt
+artifact: its map and its rows. ``row ids`` (``ids``) stay row numbers of the table; the
+rows of newly assigned ids are always among them. A file without the two counts (every
+delta of a modulo table) has the layout above without the last three arrays.
+
 The delta store (``DeltaStore``, one folder per pod, shared by the sidecar and the
 TorchServe workers)::
 
@@ -72,7 +85,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,15 +147,29 @@ _INCOMING = ".incoming."
 _CHUNK = 1 << 20
 
 
+def _no_ids() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class DeltaTable:
-    """The changed rows of one table: ``ids`` int64 (n,) sorted unique, ``rows`` uint8
-    (n, row_bytes) in the artifact's row format."""
+    """The changed rows of one table: ``ids`` int64 (n,) sorted unique row numbers,
+    ``rows`` uint8 (n, row_bytes) in the artifact's row format; for a managed table also
+    its id changes: ``assign_ids`` int64 (k,) sorted unique raw ids and their
+    ``assign_rows`` int64 (k,), ``evict_ids`` int64 (e,) sorted unique raw ids."""
 
     feature: str
     table: int
     ids: np.ndarray
     rows: np.ndarray
+    assign_ids: np.ndarray = field(default_factory=_no_ids)
+    assign_rows: np.ndarray = field(default_factory=_no_ids)
+    evict_ids: np.ndarray = field(default_factory=_no_ids)
+
+    @property
+    def id_changes(self) -> int:
+        """Ids assigned plus ids evicted."""
+        return int(self.assign_ids.shape[0]) + int(self.evict_ids.shape[0])
 
 
 @dataclass(frozen=True)
@@ -166,9 +193,20 @@ class Delta:
         """Rows changed, over all tables."""
         return sum(int(t.ids.shape[0]) for t in self.tables)
 
+    @property
+    def assigned(self) -> int:
+        """Ids admitted (assigned a row), over all tables."""
+        return sum(int(t.assign_ids.shape[0]) for t in self.tables)
+
+    @property
+    def evicted(self) -> int:
+        """Ids evicted, over all tables."""
+        return sum(int(t.evict_ids.shape[0]) for t in self.tables)
+
     def summary(self) -> dict[str, Any]:
         return {"base_version": self.base_version, "sequence": self.sequence,
                 "created_at": self.created_at, "rows": self.rows,
+                "assigned": self.assigned, "evicted": self.evicted,
                 "tables": len(self.tables), "dtype": self.dtype,
                 "parent_digest": self.parent_digest}
 
@@ -187,6 +225,8 @@ class TableLayout:
     dim: int
     row_bytes: int
     formats: tuple[tuple[str, int, int], ...] = ()
+    #: Each table's id mapping ("modulo" | "managed"); empty = all modulo.
+    mappings: tuple[str, ...] = ()
 
 
 def layout_for_schema(schema: ModelSchema) -> TableLayout:
@@ -202,7 +242,8 @@ def layout_for_schema(schema: ModelSchema) -> TableLayout:
     return TableLayout(tuple(first[t.name] for t in schema.tables),
                        tuple(t.rows for t in schema.tables), dtype, dim,
                        row_bytes(dtype, dim) if dim else 0,
-                       tuple((t.dtype, t.dim, row_bytes(t.dtype, t.dim)) for t in schema.tables))
+                       tuple((t.dtype, t.dim, row_bytes(t.dtype, t.dim)) for t in schema.tables),
+                       tuple(t.mapping for t in schema.tables))
 
 
 def layout_for_report(report: dict[str, Any]) -> TableLayout:
@@ -243,12 +284,25 @@ def _checksum(header: dict[str, Any], payload: bytes | memoryview) -> str:
 def encode_delta(delta: Delta) -> bytes:
     """The delta as file bytes (module docstring), checksum included."""
     parts = []
-    tables = []
+    tables: list[dict[str, Any]] = []
     for t in delta.tables:
         ids = np.ascontiguousarray(t.ids, dtype="<i8")
         rows = np.ascontiguousarray(t.rows, dtype=np.uint8)
         parts += [ids.tobytes(), rows.tobytes()]
-        tables.append({"feature": t.feature, "table": int(t.table), "rows": int(ids.shape[0])})
+        entry = {"feature": t.feature, "table": int(t.table), "rows": int(ids.shape[0])}
+        if t.id_changes:
+            ai = np.ascontiguousarray(t.assign_ids, dtype="<i8")
+            ar = np.ascontiguousarray(t.assign_rows, dtype="<i8")
+            ev = np.ascontiguousarray(t.evict_ids, dtype="<i8")
+            if ai.shape != ar.shape:
+                raise InvalidDelta(f"tables[{len(tables)}].assigned",
+                                   f"{ai.shape[0]} assigned ids for {ar.shape[0]} rows")
+            parts += [ai.tobytes(), ar.tobytes(), ev.tobytes()]
+            if ai.shape[0]:
+                entry["assigned"] = int(ai.shape[0])
+            if ev.shape[0]:
+                entry["evicted"] = int(ev.shape[0])
+        tables.append(entry)
     payload = b"".join(parts)
     header: dict[str, Any] = {
         "format": FORMAT, "base_version": delta.base_version, "sequence": int(delta.sequence),
@@ -338,10 +392,30 @@ def _fields(header: dict[str, Any]) -> tuple[str, int, float, str, int, int, lis
     return base, seq, float(created), dtype, dim, rb, raw_tables
 
 
-def _table_spans(raw_tables: list[Any], rb: int, payload: int
-                 ) -> list[tuple[str, int, int, int]]:
-    """(feature, table, rows, offset in the payload) of each table, checked to tile the
-    payload exactly."""
+@dataclass(frozen=True)
+class _Span:
+    """Where one table's arrays are in the payload: ``n`` rows at ``pos``, then ``k``
+    assigned (id, row) pairs and ``e`` evicted ids."""
+
+    feature: str
+    table: int
+    n: int
+    k: int
+    e: int
+    pos: int
+
+    def arrays(self, rb: int) -> tuple[int, int, int, int]:
+        """Offsets of rows, assign_ids, assign_rows, evict_ids."""
+        rows = self.pos + 8 * self.n
+        ai = rows + rb * self.n
+        return rows, ai, ai + 8 * self.k, ai + 16 * self.k
+
+    def size(self, rb: int) -> int:
+        return self.n * (8 + rb) + 16 * self.k + 8 * self.e
+
+
+def _table_spans(raw_tables: list[Any], rb: int, payload: int) -> list[_Span]:
+    """Each table's arrays, checked to tile the payload exactly."""
     out, pos = [], 0
     for i, t in enumerate(raw_tables):
         if not isinstance(t, dict) or not isinstance(t.get("feature"), str):
@@ -349,13 +423,23 @@ def _table_spans(raw_tables: list[Any], rb: int, payload: int
                                                       "table, rows")
         n = _int_field(t, "rows", 0)
         idx = _int_field(t, "table", 0)
-        if pos + n * (8 + rb) > payload:
-            raise InvalidDelta(f"header.tables[{i}].rows", f"{n} rows do not fit the payload")
-        out.append((t["feature"], idx, n, pos))
-        pos += n * (8 + rb)
+        k = int_at_least("assigned", t.get("assigned", 0), 0,
+                         error=_in_header(f"tables[{i}].assigned"))
+        e = int_at_least("evicted", t.get("evicted", 0), 0,
+                         error=_in_header(f"tables[{i}].evicted"))
+        span = _Span(t["feature"], idx, n, k, e, pos)
+        if pos + span.size(rb) > payload:
+            raise InvalidDelta(f"header.tables[{i}].rows", f"{n} rows, {k} assigned and {e} "
+                                                           "evicted ids do not fit the payload")
+        out.append(span)
+        pos += span.size(rb)
     if pos != payload:
         raise InvalidDelta("payload", f"{payload - pos} bytes left after the last table")
     return out
+
+
+def _ids_from(buf: Any, count: int, offset: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<i8", count=count, offset=offset).astype(np.int64)
 
 
 def _over_limit(size: int, max_bytes: int | None) -> None:
@@ -380,11 +464,14 @@ def decode_delta(blob: bytes | bytearray | memoryview | mmap.mmap,
     _check_sha(header, _checksum(header, payload))
     base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
     tables = []
-    for feature, idx, n, pos in _table_spans(raw_tables, rb, len(payload)):
-        ids = np.frombuffer(payload, dtype="<i8", count=n, offset=pos).astype(np.int64)
-        rows = np.frombuffer(payload, dtype=np.uint8, count=n * rb,
-                             offset=pos + 8 * n).reshape(n, rb)
-        tables.append(DeltaTable(feature, idx, ids, rows))
+    for sp in _table_spans(raw_tables, rb, len(payload)):
+        at_rows, at_ai, at_ar, at_ev = sp.arrays(rb)
+        ids = _ids_from(payload, sp.n, sp.pos)
+        rows = np.frombuffer(payload, dtype=np.uint8, count=sp.n * rb,
+                             offset=at_rows).reshape(sp.n, rb)
+        tables.append(DeltaTable(sp.feature, sp.table, ids, rows,
+                                 _ids_from(payload, sp.k, at_ai), _ids_from(payload, sp.k, at_ar),
+                                 _ids_from(payload, sp.e, at_ev)))
     return Delta(base, seq, created, dtype, dim, rb, tuple(tables), _parent(header))
 
 
@@ -412,11 +499,15 @@ def scan_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) 
         _check_sha(header, h.hexdigest())
         base, seq, created, dtype, dim, rb, raw_tables = _fields(header)
         tables = []
-        for feature, idx, n, pos in _table_spans(raw_tables, rb, total - off):
-            f.seek(off + pos)
-            ids = np.frombuffer(f.read(8 * n), dtype="<i8").astype(np.int64)
-            rows = np.broadcast_to(np.zeros(rb, dtype=np.uint8), (n, rb))
-            tables.append(DeltaTable(feature, idx, ids, rows))
+        for sp in _table_spans(raw_tables, rb, total - off):
+            _, at_ai, _, _ = sp.arrays(rb)
+            f.seek(off + sp.pos)
+            ids = np.frombuffer(f.read(8 * sp.n), dtype="<i8").astype(np.int64)
+            rows = np.broadcast_to(np.zeros(rb, dtype=np.uint8), (sp.n, rb))
+            f.seek(off + at_ai)
+            changes = np.frombuffer(f.read(8 * (2 * sp.k + sp.e)), dtype="<i8").astype(np.int64)
+            tables.append(DeltaTable(sp.feature, sp.table, ids, rows, changes[:sp.k],
+                                     changes[sp.k:2 * sp.k], changes[2 * sp.k:]))
     return Delta(base, seq, created, dtype, dim, rb, tuple(tables), _parent(header))
 
 
@@ -457,6 +548,39 @@ def check_layout(delta: Delta, layout: TableLayout) -> None:
                                                f"got {int(ids.min())}..{int(ids.max())}")
         if ids.size > 1 and not bool((np.diff(ids) > 0).all()):
             raise InvalidDelta(f"{where}.ids", "ids must be sorted ascending and unique")
+        _check_id_changes(t, where, layout.mappings[t.table] if layout.mappings else "modulo",
+                          rows)
+
+
+def _check_id_changes(t: DeltaTable, where: str, mapping: str, rows: int) -> None:
+    """A table's id changes fit its mapping: none on a modulo table; on a managed one,
+    raw ids sorted, unique and >= 0, assigned rows in 1..rows-1 and unique, and every
+    assigned row's bytes carried in the same delta. (Whether an evicted id is in the map
+    and an assigned row free is the worker's map to check: ``IdMap.apply``.)"""
+    if not t.id_changes:
+        return
+    if mapping != "managed":
+        raise InvalidDelta(f"{where}.assigned", f"table {t.table} ({t.feature}) maps ids "
+                                                "modulo its rows; only a managed table takes "
+                                                "id assignments or evictions")
+    for key, arr in (("assigned", t.assign_ids), ("evicted", t.evict_ids)):
+        if arr.size and int(arr[0]) < 0:
+            raise InvalidDelta(f"{where}.{key}", f"raw id {int(arr[0])} is negative; ids "
+                                                 "are integers >= 0")
+        if arr.size > 1 and not bool((np.diff(arr) > 0).all()):
+            raise InvalidDelta(f"{where}.{key}", "raw ids must be sorted ascending and unique")
+    ar = t.assign_rows
+    if ar.size:
+        if int(ar.min()) < 1 or int(ar.max()) >= rows:
+            raise InvalidDelta(f"{where}.assigned", f"rows must be in [1, {rows}) (row 0 is "
+                                                    f"the fallback); got {int(ar.min())}.."
+                                                    f"{int(ar.max())}")
+        if np.unique(ar).shape[0] != ar.shape[0]:
+            raise InvalidDelta(f"{where}.assigned", "two ids are assigned the same row")
+        if not bool(np.isin(ar, t.ids).all()):
+            raise InvalidDelta(f"{where}.assigned", "every assigned row's bytes must be in "
+                                                    "the delta (its ids); rebuild it with "
+                                                    "`make delta`")
 
 
 def read_delta_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> Delta:

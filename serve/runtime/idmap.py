@@ -1,0 +1,224 @@
+"""A managed table's id map: raw int64 ids to rows, exact for any id, with a fallback row.
+
+A table with ``mapping="managed"`` (:data:`serve.schema.MAPPINGS`) does not fold ids
+into its rows with ``id % rows`` (where an id beyond the table, or one that arrived after
+the build, silently shares the row of an unrelated id). Training decides which ids own a
+row (admission, :mod:`serve.model.admission`), and the version carries that decision as
+an :class:`IdMap`: n admitted raw ids, each with its own row in ``1..rows-1``. Row 0 of
+every managed table, :data:`FALLBACK_ROW`, is reserved: every id not in the map (never
+seen, not admitted yet, evicted a moment ago, or 2**63 - 1) gets it, and training trains
+it on exactly those ids, so it holds the "unknown id" embedding.
+
+Layout: ``ids`` int64 (n,) sorted ascending and unique, ``rows`` int64 (n,) in the same
+order. A lookup of k ids is one ``torch.searchsorted`` (O(k log n), no hashing, no
+collisions: equality of int64 keys decides) and two gathers, on whatever device the
+map's tensors live (the runtime moves them to its own). Why a sorted array rather than
+a hash table: it is exact by construction, has no load factor or probe limit, is a
+single stock-PyTorch op on CPU and CUDA, and its update (a delta's admissions and
+evictions) is one merge of sorted arrays, milliseconds for a million ids.
+
+Changes come as (assign ids -> rows, evict ids) (:meth:`IdMap.apply`; what a delta
+carries, :func:`IdMap.diff` computes it from two maps): the evictions first, then the
+assignments, each checked (an evicted id must be present, an assigned id absent and its
+row free), so a map is always a bijection between its ids and a subset of the rows.
+
+Example::
+
+    m = IdMap.from_arrays([7, 2**63 - 1], [1, 2], table_rows=4)
+    m.lookup(torch.tensor([7, 8, 2**63 - 1]))      # tensor([1, 0, 2])
+    m2 = m.apply([9], [3], evict_ids=[7])           # 9 -> row 3; 7 -> fallback
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from serve.errors import ConfigError
+
+__all__ = ["FALLBACK_ROW", "IdMap"]
+
+#: The row of a managed table that every id without a row of its own reads.
+FALLBACK_ROW = 0
+
+_Ints = torch.Tensor | np.ndarray | Sequence[int]
+
+
+def _int64(x: _Ints, what: str) -> torch.Tensor:
+    """A 1-d int64 CPU tensor of ``x`` (no copy when it already is one)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu")
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(np.asarray(x, dtype=np.int64)))
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ConfigError(f"{what} must be a 1-d integer array, got {t.dtype} {tuple(t.shape)}")
+    return t.to(torch.int64).contiguous()
+
+
+@dataclass(frozen=True)
+class IdMap:
+    """Admitted raw ids of one managed table and their rows.
+
+    Attributes:
+        ids: int64 (n,) sorted ascending, unique, >= 0.
+        rows: int64 (n,) unique, each in ``1..table_rows - 1`` (``rows[i]`` is ``ids[i]``'s).
+        table_rows: rows of the table, the fallback row included.
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    table_rows: int
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def empty(cls, table_rows: int) -> IdMap:
+        """No id admitted yet: every id reads the fallback row."""
+        return cls.from_arrays([], [], table_rows)
+
+    @classmethod
+    def from_arrays(cls, ids: _Ints, rows: _Ints, table_rows: int) -> IdMap:
+        """A checked map from unsorted (id, row) pairs.
+
+        Raises:
+            ConfigError: ids repeated or negative, rows repeated or outside 1..rows-1, more
+                ids than rows, lengths differ.
+        """
+        if not isinstance(table_rows, int) or table_rows < 2:
+            raise ConfigError(f"a managed table needs >= 2 rows (row {FALLBACK_ROW} is the "
+                              f"fallback), got {table_rows!r}")
+        i, r = _int64(ids, "ids"), _int64(rows, "rows")
+        if i.shape != r.shape:
+            raise ConfigError(f"ids ({i.numel()}) and rows ({r.numel()}) must pair one to one")
+        order = torch.argsort(i)
+        i, r = i[order].contiguous(), r[order].contiguous()
+        m = cls(i, r, table_rows)
+        m.check()
+        return m
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` unless this is a valid map (class docstring)."""
+        n = self.ids.numel()
+        if n > self.capacity:
+            raise ConfigError(f"{n} ids for a table of {self.table_rows} rows: at most "
+                              f"{self.capacity} (row {FALLBACK_ROW} is the fallback)")
+        if n == 0:
+            return
+        if int(self.ids[0]) < 0:
+            raise ConfigError(f"id {int(self.ids[0])} is negative; ids are integers >= 0")
+        if n > 1 and not bool((self.ids[1:] > self.ids[:-1]).all()):
+            dup = self.ids[1:][self.ids[1:] == self.ids[:-1]]
+            raise ConfigError(f"id {int(dup[0])} appears twice; every id owns one row")
+        lo, hi = int(self.rows.min()), int(self.rows.max())
+        if lo < 1 or hi >= self.table_rows:
+            raise ConfigError(f"rows must be in 1..{self.table_rows - 1} (row {FALLBACK_ROW} "
+                              f"is the fallback), got {lo}..{hi}")
+        if torch.unique(self.rows).numel() != n:
+            raise ConfigError("a row is assigned to two ids; every admitted id owns its row")
+
+    # -- views ---------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Ids admitted."""
+        return int(self.ids.numel())
+
+    @property
+    def capacity(self) -> int:
+        """Ids the table can admit: every row but the fallback."""
+        return self.table_rows - 1
+
+    @property
+    def occupancy(self) -> float:
+        """size / capacity, 0..1."""
+        return self.size / self.capacity
+
+    def to(self, device: torch.device | str) -> IdMap:
+        return IdMap(self.ids.to(device), self.rows.to(device), self.table_rows)
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) as numpy int64 (n,) each, id order."""
+        return self.ids.cpu().numpy(), self.rows.cpu().numpy()
+
+    def to_dict(self) -> dict[str, Any]:
+        """What an artifact stores: ``{"ids", "rows"}`` CPU tensors (the rows count is the
+        schema's)."""
+        return {"ids": self.ids.cpu(), "rows": self.rows.cpu()}
+
+    def equal(self, other: IdMap) -> bool:
+        """Same ids, same rows, same table (``torch.equal``)."""
+        return (self.table_rows == other.table_rows
+                and torch.equal(self.ids.cpu(), other.ids.cpu())
+                and torch.equal(self.rows.cpu(), other.rows.cpu()))
+
+    # -- lookup --------------------------------------------------------------------------
+    def lookup(self, values: torch.Tensor) -> torch.Tensor:
+        """Rows of ``values``: int64 (k,) raw ids -> int64 (k,) rows, :data:`FALLBACK_ROW`
+        for ids not in the map; on the map's device (``values`` are moved there)."""
+        rows, _ = self.lookup_with_hits(values)
+        return rows
+
+    def lookup_with_hits(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows int64 (k,), found bool (k,)): as :meth:`lookup`, and which ids were in the
+        map (the others read the fallback row)."""
+        v = values.to(self.ids.device).long()
+        if self.ids.numel() == 0:
+            return (torch.full_like(v, FALLBACK_ROW), torch.zeros_like(v, dtype=torch.bool))
+        pos = torch.searchsorted(self.ids, v).clamp_(max=self.ids.numel() - 1)
+        found = self.ids.index_select(0, pos.view(-1)).view_as(v) == v
+        rows = torch.where(found, self.rows.index_select(0, pos.view(-1)).view_as(v),
+                           torch.full_like(v, FALLBACK_ROW))
+        return rows, found
+
+    # -- change --------------------------------------------------------------------------
+    def apply(self, assign_ids: _Ints, assign_rows: _Ints, evict_ids: _Ints = ()) -> IdMap:
+        """A new map: ``evict_ids`` removed, then ``assign_ids[i] -> assign_rows[i]`` added.
+
+        Raises:
+            ConfigError: an evicted id is not in the map; an assigned id is still in it
+                (evict it first to move it); an assigned row is taken or outside
+                1..rows-1; the map overflows.
+        """
+        ids, rows = self.ids.cpu(), self.rows.cpu()
+        ev = _int64(evict_ids, "evict_ids")
+        if ev.numel():
+            present = torch.isin(ev, ids)
+            if not bool(present.all()):
+                raise ConfigError(f"evicted id {int(ev[~present][0])} is not in the map; a "
+                                  "delta evicts only ids its base version admitted")
+            keep = ~torch.isin(ids, ev)
+            ids, rows = ids[keep], rows[keep]
+        ai, ar = _int64(assign_ids, "assign_ids"), _int64(assign_rows, "assign_rows")
+        if ai.shape != ar.shape:
+            raise ConfigError(f"assign_ids ({ai.numel()}) and assign_rows ({ar.numel()}) "
+                              "must pair one to one")
+        if ai.numel():
+            again = torch.isin(ai, ids)
+            if bool(again.any()):
+                raise ConfigError(f"assigned id {int(ai[again][0])} already owns a row; "
+                                  "evict it in the same change to move it")
+            taken = torch.isin(ar, rows)
+            if bool(taken.any()):
+                raise ConfigError(f"assigned row {int(ar[taken][0])} belongs to another id; "
+                                  "evict that id in the same change first")
+        out = IdMap.from_arrays(torch.cat((ids, ai)), torch.cat((rows, ar)), self.table_rows)
+        return out.to(self.ids.device)
+
+    @staticmethod
+    def diff(old: IdMap, new: IdMap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(assign_ids, assign_rows, evict_ids)``, numpy int64, sorted by id, such that
+        ``old.apply(assign_ids, assign_rows, evict_ids)`` equals ``new``. An id whose row
+        changed is evicted and assigned again."""
+        if old.table_rows != new.table_rows:
+            raise ConfigError(f"maps of tables of {old.table_rows} and {new.table_rows} rows "
+                              "cannot be diffed: a delta never changes a table's rows")
+        oi, orow = old.to_numpy()
+        ni, nrow = new.to_numpy()
+        common, o_at, n_at = np.intersect1d(oi, ni, assume_unique=True, return_indices=True)
+        moved = orow[o_at] != nrow[n_at]
+        gone = np.setdiff1d(oi, ni, assume_unique=True)
+        evict = np.union1d(gone, common[moved]).astype(np.int64)
+        stay = np.ones(ni.shape[0], dtype=bool)
+        stay[n_at[~moved]] = False
+        return ni[stay].astype(np.int64), nrow[stay].astype(np.int64), evict

@@ -1,0 +1,374 @@
+"""Managed id spaces (serve.runtime.idmap): the map itself, the artifact, the runtime's
+lookup through it (cached = uncached, equal to the rows fed directly), and deltas that
+admit and evict ids, applied live and compared with the rebuilt artifact (torch.equal)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.gpu_check import build_random_artifact
+from serve.errors import ArtifactError, ConfigError, InvalidDelta
+from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, save_artifact
+from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+from serve.runtime.follower import DeltaFollower
+from serve.runtime.idmap import FALLBACK_ROW, IdMap
+from serve.schema import ModelSchema, TableSpec
+from serve.store.delta_files import (
+    Delta,
+    DeltaStore,
+    DeltaTable,
+    check_layout,
+    decode_delta,
+    encode_delta,
+    layout_for_schema,
+    scan_delta_file,
+)
+from tests.fixtures.deltas import chained, with_delta_rows
+
+F = 26
+VERSION = "tiny-int8-s0-managed"
+MAX = 2**63 - 1
+#: Tables (of the tiny profile's 26) made managed; the others stay modulo.
+MANAGED = (0, 2, 3, 7, 11, 25)
+
+
+def _random_map(rows: int, seed: int, share: float = 0.5, top: bool = False) -> IdMap:
+    """About ``share`` of the capacity admitted: raw ids spread over the int64 range
+    (and 2**63 - 1 when ``top``), rows a random subset of 1..rows-1."""
+    rng = np.random.default_rng(seed)
+    n = max(1, int((rows - 1) * share))
+    ids = np.unique(rng.integers(0, 2**62, size=n, dtype=np.int64))
+    if top:
+        ids = np.unique(np.append(ids[:-1], MAX))
+    rws = rng.permutation(np.arange(1, rows, dtype=np.int64))[: ids.shape[0]]
+    return IdMap.from_arrays(ids, rws, rows)
+
+
+def _managed(art: Artifact, tables: tuple[int, ...] = MANAGED, seed: int = 0) -> Artifact:
+    specs = tuple(dataclasses.replace(t, mapping="managed") if i in tables else t
+                  for i, t in enumerate(art.schema.tables))
+    schema = ModelSchema(art.schema.dense, specs, art.schema.features)
+    maps = {art.schema.tables[t].name: _random_map(art.schema.tables[t].rows, seed + t,
+                                                   top=t == tables[0])
+            for t in tables}
+    return Artifact(schema, art.tables, art.dense, dict(art.meta), maps)
+
+
+@pytest.fixture(scope="module")
+def base() -> Artifact:
+    return build_random_artifact("tiny", torch.device("cpu"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def managed(base: Artifact) -> Artifact:
+    return _managed(base)
+
+
+def _raw_batch(art: Artifact, seed: int, b: int, multi_hot: bool,
+               unknown: float = 0.2) -> tuple[torch.Tensor, SparseBatch]:
+    """Raw ids: for managed tables mostly admitted ids (hot ones first), a share
+    ``unknown`` of never-admitted ones (2**63 - 1 - k included); modulo tables 0..3000."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(0, 4, (F, b), generator=g, dtype=torch.int32) if multi_hot
+               else torch.ones((F, b), dtype=torch.int32))
+    parts = []
+    for f in range(F):
+        n = int(lengths[f].sum())
+        name = art.schema.tables[f].name
+        if name in art.id_maps:
+            known = art.id_maps[name].ids
+            pick = torch.randint(0, min(known.numel(), 50), (n,), generator=g)
+            v = known[pick].clone()
+            miss = torch.rand(n, generator=g) < unknown
+            v[miss] = MAX - torch.randint(0, 5, (int(miss.sum()),), generator=g)
+        else:
+            v = torch.randint(0, 3000, (n,), generator=g)
+        parts.append(v)
+    return torch.randn(b, 13, generator=g), SparseBatch(torch.cat(parts), lengths)
+
+
+def _as_rows(art: Artifact, sparse: SparseBatch) -> SparseBatch:
+    """The same batch with each managed table's raw ids replaced by their rows (what a
+    modulo runtime of the same tables must then serve identically)."""
+    bounds = [0, *np.cumsum(sparse.lengths.sum(1).tolist()).tolist()]
+    parts = []
+    for f in range(F):
+        v = sparse.values[bounds[f]: bounds[f + 1]]
+        name = art.schema.tables[f].name
+        parts.append(art.id_maps[name].lookup(v) if name in art.id_maps else v)
+    return SparseBatch(torch.cat(parts), sparse.lengths)
+
+
+# -- the map ------------------------------------------------------------------------------
+
+def test_managed_map_lookup_is_exact_for_any_int64():
+    m = IdMap.from_arrays([MAX, 7, 0, 2**40], [3, 1, 4, 2], table_rows=6)
+    got, found = m.lookup_with_hits(torch.tensor([7, 8, MAX, MAX - 1, 0, 2**40, 2**40 + 6]))
+    assert got.tolist() == [1, FALLBACK_ROW, 3, FALLBACK_ROW, 4, 2, FALLBACK_ROW]
+    assert found.tolist() == [True, False, True, False, True, True, False]
+    assert (m.size, m.capacity, m.occupancy) == (4, 5, 0.8)
+    empty = IdMap.empty(3)
+    assert empty.lookup(torch.tensor([0, MAX])).tolist() == [FALLBACK_ROW] * 2
+
+
+def test_managed_map_admit_evict_diff_round_trip():
+    for seed in range(5):
+        old, new = _random_map(500, seed), _random_map(500, seed + 100, share=0.7)
+        # share ids between them, some keeping their row and some moving
+        ai, ar, ev = IdMap.diff(old, new)
+        assert old.apply(ai, ar, ev).equal(new)
+        assert not ai.size or bool((np.diff(ai) > 0).all())
+    same = _random_map(50, 1)
+    ai, ar, ev = IdMap.diff(same, same)
+    assert ai.size == ar.size == ev.size == 0
+    moved = IdMap.from_arrays([5, 6], [1, 2], 4)
+    ai, ar, ev = IdMap.diff(moved, IdMap.from_arrays([5, 6], [2, 1], 4))
+    assert ai.tolist() == [5, 6] and ar.tolist() == [2, 1] and ev.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("change, rule", [
+    (([], [], [9]), "evicted id 9 is not in the map"),
+    (([5], [3], []), "assigned id 5 already owns a row"),
+    (([9], [1], []), "assigned row 1 belongs to another id"),
+    (([9], [0], []), "rows must be in 1..3"),
+    (([9, 10], [3], []), "must pair one to one"),
+    (([9, 10], [3, 3], [6]), "a row is assigned to two ids"),
+])
+def test_managed_map_refuses_changes_that_break_it(change, rule):
+    m = IdMap.from_arrays([5, 6], [1, 2], 4)
+    with pytest.raises(ConfigError, match=rule):
+        m.apply(*change)
+    assert m.equal(IdMap.from_arrays([5, 6], [1, 2], 4)), "a refused change changed nothing"
+
+
+def test_managed_map_refuses_malformed_arrays():
+    with pytest.raises(ConfigError, match="appears twice"):
+        IdMap.from_arrays([1, 1], [1, 2], 4)
+    with pytest.raises(ConfigError, match="negative"):
+        IdMap.from_arrays([-1], [1], 4)
+    with pytest.raises(ConfigError, match="at most 2"):
+        IdMap.from_arrays([1, 2, 3], [1, 2, 3], 3)
+    with pytest.raises(ConfigError, match=">= 2 rows"):
+        IdMap.empty(1)
+    with pytest.raises(ConfigError, match="needs >= 2 rows"):
+        TableSpec("t", 1, 4, mapping="managed")
+
+
+# -- the artifact -------------------------------------------------------------------------
+
+def test_managed_artifact_round_trip(managed, base, tmp_path):
+    save_artifact(managed, tmp_path / "m.pt")
+    back = load_artifact(tmp_path / "m.pt")
+    assert back.schema == managed.schema
+    assert set(back.id_maps) == set(managed.id_maps)
+    assert all(back.id_maps[k].equal(m) for k, m in managed.id_maps.items())
+    save_artifact(base, tmp_path / "b.pt")
+    assert "id_maps" not in torch.load(tmp_path / "b.pt", weights_only=True)
+    assert base.schema.to_dict() == load_artifact(tmp_path / "b.pt").schema.to_dict()
+    assert all("mapping" not in t for t in base.schema.to_dict()["tables"])
+    with pytest.raises(ArtifactError, match="every managed table needs its map"):
+        Artifact(managed.schema, managed.tables, managed.dense, {}, {})
+
+
+# -- the runtime --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+@pytest.mark.parametrize("cache", [None, "lru", "lfu"])
+def test_managed_runtime_equals_rows_fed_directly(managed, base, multi_hot, cache):
+    """Raw ids through the maps = the same rows given to a modulo runtime of the same
+    tables, bit for bit; with the cache on (load factor 0.2) too."""
+    cfg = (RuntimeConfig() if cache is None else
+           RuntimeConfig(cache_on_cpu=True, cache_policy=cache, cache_load_factor=0.2))
+    rt = Runtime.from_artifact(managed, cfg)
+    ref = Runtime.from_artifact(base, RuntimeConfig())
+    for step in range(4):
+        dense, sparse = _raw_batch(managed, step, 64, multi_hot)
+        assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, _as_rows(managed, sparse)))
+
+
+def test_managed_fallback_counted_per_feature_and_never_wrapped(managed):
+    rt = Runtime.from_artifact(managed, RuntimeConfig())
+    dense, sparse = _raw_batch(managed, 9, 200, multi_hot=False, unknown=0.3)
+    rt.predict(dense, sparse)
+    st = rt.stats()
+    rows = _as_rows(managed, sparse).values.view(F, -1)
+    for f in range(F):
+        if f in MANAGED:
+            assert st.fallback[f] == int((rows[f] == FALLBACK_ROW).sum()) > 0, f
+            assert st.wrapped[f] == 0, "a managed feature's big ids are not wraps"
+        else:
+            assert st.fallback[f] == 0
+    # ids at the top of int64 and ids never seen: fallback row, no error
+    b = 3
+    values = torch.full((F * b,), MAX, dtype=torch.int64)
+    probs = rt.predict(torch.zeros(b, 13), SparseBatch(values, torch.ones((F, b), dtype=torch.int32)))
+    assert probs.shape == (b,) and bool(torch.isfinite(probs).all())
+    after = rt.stats().fallback
+    managed_top = {f for f in MANAGED if MAX not in
+                   set(managed.id_maps[managed.schema.tables[f].name].ids.tolist())}
+    assert all(after[f] - st.fallback[f] == (b if f in managed_top else 0) for f in range(F))
+
+
+# -- deltas with ids ----------------------------------------------------------------------
+
+def _id_delta(art: Artifact, seed: int, sequence: int = 1,
+              tables: tuple[int, ...] = (0, 3, 25), modulo_tables: tuple[int, ...] = (1,)
+              ) -> Delta:
+    """Per managed table: evict some admitted ids (hot ones included), admit new raw ids
+    into the freed rows and free rows, with new bytes for every assigned row and some
+    others; plus a rows-only change of a modulo table."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in sorted(tables + modulo_tables):
+        qt = art.tables[t]
+        name = art.schema.tables[t].name
+        if t in modulo_tables:
+            ids = np.unique(rng.integers(0, qt.rows, size=max(1, qt.rows // 5)))
+            w = torch.from_numpy(rng.uniform(-0.2, 0.2, (ids.shape[0], qt.dim)).astype(np.float32))
+            out.append(DeltaTable(art.table_feature(t), t, ids.astype(np.int64),
+                                  quantize_rows_reference(w, qt.dtype).numpy()))
+            continue
+        m = art.id_maps[name]
+        mids, mrows = m.to_numpy()
+        evict_at = np.unique(np.concatenate([np.arange(min(5, mids.size)),
+                                             rng.choice(mids.size, size=mids.size // 4,
+                                                        replace=False)]))
+        evict = mids[evict_at]
+        free = np.setdiff1d(np.arange(1, qt.rows), np.delete(mrows, evict_at))
+        k = min(free.size, evict.size + 3)
+        new_ids = rng.integers(2**62, 2**63 - 2, size=k, dtype=np.int64)
+        order = np.argsort(new_ids)
+        ai, ar = new_ids[order], rng.permutation(free)[:k][order]
+        extra = rng.choice(np.arange(1, qt.rows), size=5, replace=False)
+        ids = np.unique(np.concatenate([ar, extra])).astype(np.int64)
+        w = torch.from_numpy(rng.uniform(-0.2, 0.2, (ids.shape[0], qt.dim)).astype(np.float32))
+        out.append(DeltaTable(art.table_feature(t), t, ids,
+                              quantize_rows_reference(w, qt.dtype).numpy(),
+                              ai.astype(np.int64), ar.astype(np.int64), np.sort(evict)))
+    return Delta(VERSION, sequence, 1_800_000_000.0 + sequence, art.dtype, art.embedding_dim,
+                 out[0].rows.shape[1], tuple(out))
+
+
+def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
+    store = DeltaStore(tmp_path / "deltas")
+    for blob, d in chained(deltas):
+        store.add(blob, d)
+    return store
+
+
+def _traffic(art: Artifact, delta: Delta, seed: int, b: int, multi_hot: bool
+             ) -> tuple[torch.Tensor, SparseBatch]:
+    """Raw ids mixing the map's ids, the delta's newly admitted and evicted ids, unknown."""
+    dense, sparse = _raw_batch(art, seed, b, multi_hot)
+    g = torch.Generator().manual_seed(seed + 1)
+    bounds = [0, *np.cumsum(sparse.lengths.sum(1).tolist()).tolist()]
+    values = sparse.values.clone()
+    for t in delta.tables:
+        if not t.id_changes:
+            continue
+        pool = torch.from_numpy(np.concatenate([t.assign_ids, t.evict_ids]))
+        lo, hi = bounds[t.table], bounds[t.table + 1]
+        take = torch.rand(hi - lo, generator=g) < 0.5
+        values[lo:hi][take] = pool[torch.randint(0, pool.numel(), (int(take.sum()),), generator=g)]
+    return dense, SparseBatch(values, sparse.lengths)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_managed_delta_admit_evict_equals_rebuilt(managed, tmp_path, policy):
+    """Cache on (load factor 0.2), warmed with the ids the delta evicts: after the live
+    delta (two in a chain) the predictions equal a runtime built from the rebuilt
+    artifact (maps changed, rows written), bit for bit; evicted ids read the fallback."""
+    d1 = _id_delta(managed, 11, 1)
+    d2 = _id_delta(with_delta_rows(managed, d1), 12, 2, tables=(0, 2), modulo_tables=(4,))
+    cfg = RuntimeConfig(cache_on_cpu=True, cache_policy=policy, cache_load_factor=0.2)
+    rt = Runtime.from_artifact(managed, cfg)
+    for step in range(4):
+        rt.predict(*_traffic(managed, d1, step, 64, multi_hot=step % 2 == 1))
+    assert rt.cache is not None and rt.cache.resident_rows().numel()
+    store = _store_with(tmp_path, d1, d2)
+    f = DeltaFollower(store, VERSION, rt, threading.Lock())
+    assert f.catch_up() == 2 and f.applied == 2
+    rebuilt = with_delta_rows(managed, d1, d2)
+    ref = Runtime.from_artifact(rebuilt, RuntimeConfig())
+    stale = Runtime.from_artifact(managed, RuntimeConfig())
+    changed = False
+    for step in range(10, 16):
+        dense, sparse = _traffic(managed, d1, step, 96, multi_hot=step % 2 == 1)
+        got = rt.predict(dense, sparse)
+        assert torch.equal(got, ref.predict(dense, sparse)), step
+        changed |= not torch.equal(got, stale.predict(dense, sparse))
+    assert changed, "the deltas changed no prediction: the test could not fail"
+    for t in d1.tables:
+        if t.id_changes:
+            evicted = torch.from_numpy(np.setdiff1d(t.evict_ids, d2.tables[0].assign_ids))
+            assert bool((rt.id_maps[t.table].lookup(evicted) == FALLBACK_ROW).all())
+            assert rt.id_maps[t.table].equal(rebuilt.id_maps[managed.schema.tables[t.table].name])
+
+
+def test_managed_delta_file_round_trip_and_layout(managed, base, tmp_path):
+    d = _id_delta(managed, 5)
+    blob = encode_delta(d)
+    back = decode_delta(blob)
+    for a, b in zip(d.tables, back.tables, strict=True):
+        for key in ("ids", "rows", "assign_ids", "assign_rows", "evict_ids"):
+            assert np.array_equal(getattr(a, key), getattr(b, key)), key
+    assert back.assigned == d.assigned > 0 and back.evicted == d.evicted > 0
+    path = tmp_path / "d.delta"
+    path.write_bytes(blob)
+    scanned = scan_delta_file(path)
+    assert all(np.array_equal(a.assign_ids, b.assign_ids) and np.array_equal(a.evict_ids, b.evict_ids)
+               and np.array_equal(a.assign_rows, b.assign_rows)
+               for a, b in zip(d.tables, scanned.tables, strict=True))
+    check_layout(back, layout_for_schema(managed.schema))
+    with pytest.raises(InvalidDelta, match="only a managed table takes id assignments") as e:
+        check_layout(back, layout_for_schema(base.schema))
+    assert e.value.field == "tables[0].assigned"
+    t0 = back.tables[0]
+    keep = ~np.isin(t0.ids, t0.assign_rows)   # assigned rows whose bytes are missing
+    orphan = dataclasses.replace(t0, ids=t0.ids[keep], rows=t0.rows[keep])
+    bad = dataclasses.replace(back, tables=(orphan, *back.tables[1:]))
+    with pytest.raises(InvalidDelta, match="every assigned row's bytes must be in the delta"):
+        check_layout(bad, layout_for_schema(managed.schema))
+
+
+def test_managed_follower_refuses_a_change_the_map_refuses(managed, tmp_path):
+    """Evicting an id the map does not hold: the delta is refused whole (no map or row
+    changed) and the worker keeps serving the version as it was."""
+    d = _id_delta(managed, 7)
+    t = next(x for x in d.tables if x.id_changes)
+    ghost = dataclasses.replace(t, evict_ids=np.sort(np.append(t.evict_ids[1:], 12345)))
+    bad = dataclasses.replace(d, tables=tuple(ghost if x is t else x for x in d.tables))
+    rt = Runtime.from_artifact(managed, RuntimeConfig())
+    ref = Runtime.from_artifact(managed, RuntimeConfig())
+    f = DeltaFollower(_store_with(tmp_path, bad), VERSION, rt, threading.Lock())
+    assert f.catch_up() == 0 and f.applied == 0
+    dense, sparse = _traffic(managed, d, 3, 64, multi_hot=True)
+    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache", [None, "lru", "lfu"])
+def test_managed_runtime_on_cuda_equals_cpu(managed, tmp_path, cache):
+    """The map on the GPU: lookups (2**63 - 1 included), a live admit/evict delta, and the
+    predictions of a runtime rebuilt after it, CUDA vs CPU (same rows; the dense part's
+    float rounding may differ between devices, so allclose there, torch.equal for rows)."""
+    cfg = RuntimeConfig(device="cuda", cache_policy=cache or "lru",
+                        cache_load_factor=1.0 if cache is None else 0.2)
+    rt = Runtime.from_artifact(managed, cfg)
+    name = managed.schema.tables[0].name
+    probe = torch.tensor([0, MAX, 12345, *managed.id_maps[name].ids[:5].tolist()])
+    assert torch.equal(rt.id_maps[0].lookup(probe.cuda()).cpu(), managed.id_maps[name].lookup(probe))
+    d1 = _id_delta(managed, 11, 1)
+    f = DeltaFollower(_store_with(tmp_path, d1), VERSION, rt, threading.Lock())
+    assert f.catch_up() == 1
+    rebuilt = with_delta_rows(managed, d1)
+    ref_gpu = Runtime.from_artifact(rebuilt, RuntimeConfig(device="cuda", cache_load_factor=1.0))
+    for step in range(3):
+        dense, sparse = _traffic(managed, d1, step, 128, multi_hot=step == 1)
+        assert torch.equal(rt.predict(dense, sparse), ref_gpu.predict(dense, sparse))
