@@ -87,6 +87,7 @@ from serve.common.clilog import setup_cli_logging
 from serve.common.validate import boolean, int_at_least
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
+from serve.schema import MAPPINGS
 from serve.state import VERSION_RE
 from serve.store.repository import (
     DEFAULT_PROFILE,
@@ -123,7 +124,7 @@ REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerpri
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
-MAPPING_CHOICES = ("modulo", "managed")
+MAPPING_CHOICES = MAPPINGS  # serve.schema: "modulo", "managed"
 MANAGED_SUFFIX = "-managed"
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {

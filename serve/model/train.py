@@ -374,7 +374,7 @@ class RowMapper:
             col = ids[:, j, :]
             m = self.id_maps.get(j)
             out[:, j, :] = (col % rows if m is None
-                            else m.lookup(col.reshape(-1)).reshape(col.shape))
+                            else m.lookup(col.reshape(-1).contiguous()).reshape(col.shape))
         return out
 
 
