@@ -127,7 +127,7 @@ def test_managed_build_has_id_maps_with_fallback_row_reserved(managed_build):
     assert (rep["threshold"], rep["ttl_days"], rep["recency_days"]) == (2, 2, 1)
     for t in art.schema.tables:
         m = art.id_maps[t.name]
-        ids, rows = m.to_numpy()
+        _ids, rows = m.to_numpy()
         assert rows.min() >= 1 and rows.max() < t.rows  # row 0 reserved for the fallback
         assert m.equal(state.id_map(t.name))
         assert rep["tables"][t.name] == {"admitted": m.size, "capacity": t.rows - 1,
