@@ -503,6 +503,16 @@ def _already_built(cfg: PipelineConfig, fps: dict[str, str],
     return PipelineResult(version, repo.archive(version), existing, [], list(STEPS))
 
 
+def _trained_id_maps(cfg: PipelineConfig) -> dict[str, Any] | None:
+    """A managed build's id maps, from the admission state its training wrote next to the
+    checkpoint; None for modulo."""
+    if cfg.mapping != "managed":
+        return None
+    from serve.model.admission import ADMISSION_FILE, load_state
+
+    return load_state(cfg.checkpoint_dir / ADMISSION_FILE).id_maps()
+
+
 def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> PipelineResult:
     """Add version ``cfg.version_name`` to the repository, or confirm it holds this build.
 
@@ -553,13 +563,8 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     def do_quantize() -> dict:
         if cfg.label_shuffle and cfg.check_quality:
             say("[quantize] label shuffle: the int8 AUC bar is not applied (AUC ~0.5 by design)")
-        id_maps = None
-        if cfg.mapping == "managed":
-            from serve.model.admission import ADMISSION_FILE, load_state
-
-            id_maps = load_state(cfg.checkpoint_dir / ADMISSION_FILE).id_maps()
         q = quantize(cfg.merged, p, cfg.data_dir, cfg.dtype, cfg.artifact,
-                     check=cfg.quality_check, id_maps=id_maps)
+                     check=cfg.quality_check, id_maps=_trained_id_maps(cfg))
         say(f"[quantize] AUC fp32 {q.auc_fp32:.4f}  {cfg.dtype} {q.auc_quantized:.4f}  "
             f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
         return dataclasses.asdict(q)
@@ -588,6 +593,27 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     return PipelineResult(version, repo.archive(version), report, r.ran, r.skipped)
 
 
+def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
+    """--mapping and the managed id space's policy settings."""
+    ap.add_argument("--mapping", default="modulo", choices=MAPPING_CHOICES,
+                    help="id space of every table: modulo (default; row = id %% rows, so ids "
+                         "beyond a table or new after the build share rows with unrelated ids) "
+                         "or managed (ids seen --admit-threshold times get rows of their own, "
+                         "the rest a fallback row; later days admit and evict, and deltas "
+                         "carry the id changes). Version and workdir get a -managed suffix")
+    ap.add_argument("--admit-threshold", type=int, default=2, metavar="N",
+                    help="managed: sightings in the training data before an id gets a row "
+                         "(default 2; 1 admits every id seen, higher keeps one-off ids out)")
+    ap.add_argument("--eviction", default="lfu_lru", choices=("lru", "lfu", "ttl", "lfu_lru"),
+                    help="managed: who leaves a full table (default lfu_lru: ids seen within "
+                         "--recency-days are protected, the least frequent of the rest go)")
+    ap.add_argument("--ttl-days", type=int, default=2,
+                    help="managed, --eviction ttl: days unseen before an id is evicted (default 2)")
+    ap.add_argument("--recency-days", type=int, default=1,
+                    help="managed, --eviction lfu_lru: ids seen within this many days are "
+                         "never evicted (default 1: seen on the latest day)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.model.pipeline",
@@ -614,23 +640,7 @@ def _parser() -> argparse.ArgumentParser:
                          "N days of drift, see serve.model.data): default version "
                          "<profile>-<dtype>-s<seed>-day<N>, workdir build/<profile>-s<seed>-day<N>; "
                          "the full-rebuild reference for `make delta`")
-    ap.add_argument("--mapping", default="modulo", choices=MAPPING_CHOICES,
-                    help="id space of every table: modulo (default; row = id %% rows, so ids "
-                         "beyond a table or new after the build share rows with unrelated ids) "
-                         "or managed (ids seen --admit-threshold times get rows of their own, "
-                         "the rest a fallback row; later days admit and evict, and deltas "
-                         "carry the id changes). Version and workdir get a -managed suffix")
-    ap.add_argument("--admit-threshold", type=int, default=2, metavar="N",
-                    help="managed: sightings in the training data before an id gets a row "
-                         "(default 2; 1 admits every id seen, higher keeps one-off ids out)")
-    ap.add_argument("--eviction", default="lfu_lru", choices=("lru", "lfu", "ttl", "lfu_lru"),
-                    help="managed: who leaves a full table (default lfu_lru: ids seen within "
-                         "--recency-days are protected, the least frequent of the rest go)")
-    ap.add_argument("--ttl-days", type=int, default=2,
-                    help="managed, --eviction ttl: days unseen before an id is evicted (default 2)")
-    ap.add_argument("--recency-days", type=int, default=1,
-                    help="managed, --eviction lfu_lru: ids seen within this many days are "
-                         "never evicted (default 1: seen on the latest day)")
+    _add_mapping_args(ap)
     ap.add_argument("--version", default=None,
                     help="name of the model version to add (default <profile>-<dtype>-s<seed>, "
                          "e.g. small-int8-s0, plus -shuffled with --label-shuffle); letters, "
