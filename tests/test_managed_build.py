@@ -153,6 +153,7 @@ def test_managed_delta_carries_admit_and_evict_and_rebuilds_exactly(managed_buil
     evicted = sum(t.evict_ids.shape[0] for t in delta.tables)
     assert admitted > 0 and evicted > 0
     changes = res.done["id_changes"]
+    assert set(changes) <= {t.name for t in new.schema.tables}  # per table name
     assert sum(c["admitted"] for c in changes.values()) == admitted
     assert sum(c["evicted"] for c in changes.values()) == evicted
     print(f"tiny managed delta day 1: {admitted} ids admitted, {evicted} evicted, "

@@ -39,8 +39,9 @@ carries, per table, ``assign_ids``/``assign_rows``/``evict_ids`` =
 :meth:`serve.runtime.idmap.IdMap.diff` of the previous and the new map, plus the changed
 rows, where the rows of newly assigned ids are always shipped (even when their bytes
 happen to be equal: the row now means another id). The "changed rows were trained" check
-allows rows of assigned ids. done.json records ``id_changes``: per table the ids admitted
-and evicted, and ``id_mapping``: the occupancy after the day.
+allows rows of assigned ids. done.json records ``id_changes``: per table name the ids
+admitted and evicted, and ``id_mapping``: the policy and per table the occupancy after the
+day (plus that day's admitted/evicted).
 
 Example::
 
@@ -540,9 +541,9 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
     moved = f", {admitted:,} ids assigned, {evicted:,} evicted" if moves else ""
     say(f"[diff] {delta.rows:,} rows changed in {len(tables)} tables{moved}, {len(blob):,} B, "
         f"{seconds['diff']:.1f}s")
-    changes = {x.feature: {"admitted": int(x.assign_ids.shape[0]),
-                           "evicted": int(x.evict_ids.shape[0])} for x in tables
-               if x.assign_ids.shape[0] or x.evict_ids.shape[0]}
+    changes = {new.schema.tables[x.table].name: {"admitted": int(x.assign_ids.shape[0]),
+                                                 "evicted": int(x.evict_ids.shape[0])}
+               for x in tables if x.assign_ids.shape[0] or x.evict_ids.shape[0]}
     return (delta, path, len(blob),
             {x.feature: int(x.ids.shape[0]) for x in tables if x.ids.shape[0]}, changes)
 
