@@ -24,10 +24,20 @@ later, deterministic in (seed, d) and cumulative (day d = day d-1 plus one more 
   most a quarter of it) are swapped with ranks drawn from the cold half of the previous
   day's mapping, so ids a day-0 model barely trained become hot;
 - changed effects: the planted per-id effect of a share (30%) of the ids hot on day d
-  (top 2% of ranks) is redrawn.
+  (top 2% of ranks) is redrawn;
+- new ids (new users and items becoming active): per feature with >= 8 rows, n =
+  max(1, round(0.4% of the table)) more of the top ranks (drawn among the 2.5% highest
+  ranks not already taken by a new id, at least 4n of them) get brand-new raw ids
+  ``card + k``, k counting new ids over the days (day 2 keeps day 1's new ids at their
+  ranks and adds n more), each with a planted effect of its own (and a latent vector when
+  the feature is in a pair). The old ids they displace leave the traffic (churn). On
+  ``small`` new ids are ~10-20% of a large feature's lookups on day 1 (``new_id_share``);
+  a modulo model serves them from the row ``id % card`` of an unrelated, mostly cold id.
+  Day 0's ids stay < card (and its files byte for byte what they were); on day >= 1 ids
+  reach ``card + new ids``, and the id dtype is chosen to hold them.
 
 The dense weights and the pairwise interactions stay, so retraining only the embedding
-rows can recover what drifted. Day d's splits draw from random streams of their own.
+rows can recover what drifted (and learn the new ids, once they have rows of their own). Day d's splits draw from random streams of their own.
 ``ensure_day_data(profile, d)`` keeps one folder per day, ``build/<profile>-data/day<d>``.
 
 Example::
@@ -71,6 +81,7 @@ __all__ = [
     "load_split",
     "main",
     "make_loader",
+    "new_id_share",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,6 +104,12 @@ _DRIFT_HOT_SHARE = 0.01      # top ranks remapped to cold ids, per table and day
 _DRIFT_MIN_HOT = 3
 _DRIFT_EFFECT_RANKS = 0.02   # the "hot" ranks whose effects may be redrawn
 _DRIFT_EFFECT_SHARE = 0.3    # share of those redrawn each day
+# New ids (module docstring): tuned so that on `small` a large feature's lookups on day 1
+# are ~10-20% brand-new ids (new_id_share; printed by tests/test_data_new_ids.py).
+_NEW_ID_STREAM = 0x9E1D
+_NEW_ID_SHARE = 0.004        # ranks given a brand-new id, per table and day
+_NEW_ID_POOL = 0.025         # ... drawn among this share of the highest free ranks
+_NEW_ID_MIN_ROWS = 8         # tables smaller than this get no new ids
 
 
 @dataclass(frozen=True)
@@ -142,8 +159,19 @@ class _Planted:
                        / math.sqrt(_LATENT)
                        for i in sorted({i for p in self.pairs for i in p})}
         self.perms = [id_permutation(seed, i, c) for i, c in enumerate(profile.cardinalities)]
+        # New ids (day >= 1): per feature, the ranks taken by a brand-new id and those ids
+        # (card + k, k in order of arrival), int64 (n,) each; perms stay permutations.
+        f = profile.num_sparse
+        self.new_ranks = [np.zeros(0, np.int64) for _ in range(f)]
+        self.new_ids = [np.zeros(0, np.int64) for _ in range(f)]
+        # Their planted effects (n,) and latent vectors (n, L), kept apart so the old ids'
+        # arrays keep their shapes: id card + k reads entry k.
+        self.new_effects = [np.zeros(0, np.float32) for _ in range(f)]
+        self.new_latent = {i: np.zeros((0, _LATENT), np.float32) for i in self.latent}
         for d in range(1, day + 1):
             self._drift(profile, seed, d)
+            self._new_ids(profile, seed, d)
+        self.rank_ids = [self.ids_by_rank(j) for j in range(f)]
 
     def _drift(self, profile: Profile, seed: int, day: int) -> None:
         """Move the world from day ``day - 1`` to ``day``: new hot ids, changed effects."""
@@ -161,24 +189,69 @@ class _Planted:
             effects[redraw] = np.asarray(rng.standard_normal(redraw.shape[0]), dtype=np.float32)
             self.perms[j], self.effects[j] = perm, effects
 
+    def _new_ids(self, profile: Profile, seed: int, day: int) -> None:
+        """Day ``day``'s new ids: per feature with >= _NEW_ID_MIN_ROWS rows, n hot ranks
+        drawn among the free top ranks get ids ``card + k`` with fresh effects (and latent
+        vectors); the old ids at those ranks leave the traffic."""
+        rng = np.random.default_rng([seed, _NEW_ID_STREAM, day])
+        for j, card in enumerate(profile.cardinalities):
+            if card < _NEW_ID_MIN_ROWS:
+                continue
+            n = max(1, round(_NEW_ID_SHARE * card))
+            free = np.setdiff1d(np.arange(card, dtype=np.int64), self.new_ranks[j])
+            pool = free[:min(free.shape[0], max(4 * n, round(_NEW_ID_POOL * card)))]
+            n = min(n, pool.shape[0])
+            if n == 0:
+                continue
+            ranks = np.sort(rng.choice(pool, size=n, replace=False)).astype(np.int64)
+            start = card + self.new_ids[j].shape[0]
+            ids = np.arange(start, start + n, dtype=np.int64)
+            self.new_ranks[j] = np.concatenate([self.new_ranks[j], ranks])
+            self.new_ids[j] = np.concatenate([self.new_ids[j], ids])
+            effects = np.asarray(rng.standard_normal(n), dtype=np.float32)
+            self.new_effects[j] = np.concatenate([self.new_effects[j], effects])
+            if j in self.latent:
+                lat = (rng.standard_normal((n, _LATENT)) / math.sqrt(_LATENT)).astype(np.float32)
+                self.new_latent[j] = np.concatenate([self.new_latent[j], lat])
+
+    def ids_by_rank(self, j: int) -> np.ndarray:
+        """Feature ``j``'s raw id at each Zipf rank: int64 (card,), the permutation with the
+        new ids in their ranks (day 0: the permutation itself)."""
+        if not self.new_ranks[j].shape[0]:
+            return self.perms[j]
+        ids = self.perms[j].copy()
+        ids[self.new_ranks[j]] = self.new_ids[j]
+        return ids
+
+    def max_id(self) -> int:
+        """The largest raw id any feature can draw (card - 1 on day 0)."""
+        return max(int(r.max()) for r in self.rank_ids)
+
     def logit(self, z: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """z: (n, N) standardised dense; ids: (n, F, M); lengths: (n, F) -> (n,) logits."""
         _n, f, m = ids.shape
         valid = (np.arange(m)[None, None, :] < lengths[:, :, None]).astype(np.float32)
         denom = np.maximum(lengths, 1).astype(np.float32)
         out = z @ self.dense_w + _BIAS
+        effects = [np.concatenate([e, n]) if n.shape[0] else e
+                   for e, n in zip(self.effects, self.new_effects, strict=True)]
+        latent = {i: np.concatenate([v, self.new_latent[i]]) if self.new_latent[i].shape[0]
+                  else v for i, v in self.latent.items()}
         for j in range(f):
-            e = (self.effects[j][ids[:, j, :]] * valid[:, j, :]).sum(1) / denom[:, j]
+            e = (effects[j][ids[:, j, :]] * valid[:, j, :]).sum(1) / denom[:, j]
             out += self.feature_scale[j] * e
         for a, b in self.pairs:
-            ua = (self.latent[a][ids[:, a, :]] * valid[:, a, :, None]).sum(1) / denom[:, a, None]
-            ub = (self.latent[b][ids[:, b, :]] * valid[:, b, :, None]).sum(1) / denom[:, b, None]
+            ua = (latent[a][ids[:, a, :]] * valid[:, a, :, None]).sum(1) / denom[:, a, None]
+            ub = (latent[b][ids[:, b, :]] * valid[:, b, :, None]).sum(1) / denom[:, b, None]
             out += _PAIR_WEIGHT * (ua * ub).sum(1)
         return out.astype(np.float32)
 
 
-def _id_dtype(profile: Profile) -> np.dtype:
-    return np.dtype(np.int32 if max(profile.cardinalities) <= np.iinfo(np.int32).max else np.int64)
+def _id_dtype(profile: Profile, max_id: int | None = None) -> np.dtype:
+    """int32 when every id fits (``max_id``: the largest id drawn; default the largest
+    table's last row, as on day 0), else int64."""
+    top = max(profile.cardinalities) if max_id is None else max_id
+    return np.dtype(np.int32 if top <= np.iinfo(np.int32).max else np.int64)
 
 
 def _files(out: Path, split: str, multi_hot: bool) -> dict[str, Path]:
@@ -193,7 +266,7 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
                     n: int, split_seed: int, progress: bool) -> dict:
     p = cfg.profile
     f, m = p.num_sparse, p.max_ids_per_feature
-    id_dtype = _id_dtype(p)
+    id_dtype = _id_dtype(p, planted.max_id() if cfg.day > 0 else None)
     files = _files(out, split, m > 1)
     mm_dense = np.memmap(files["dense"], np.float32, "w+", shape=(n, NUM_DENSE))
     mm_sparse = np.memmap(files["sparse"], id_dtype, "w+", shape=(n, f, m))
@@ -214,7 +287,7 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
             lengths = np.ones((rows, f), dtype=np.uint8)
         for j, card in enumerate(p.cardinalities):
             ranks = zipf_ranks(rng, rows * m, card, cfg.alpha, cdfs[j]).reshape(rows, m)
-            ids[:, j, :] = planted.perms[j][ranks]
+            ids[:, j, :] = planted.rank_ids[j][ranks]
         if m > 1:  # ids beyond a sample's length are padding: store 0, never read
             ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
         logit = planted.logit(z, ids, lengths)
@@ -258,10 +331,15 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
         "dense_features": list(DENSE_FEATURES),
         "sparse_features": list(p.feature_names), "cardinalities": list(p.cardinalities),
         "max_ids_per_feature": p.max_ids_per_feature,
-        "dtypes": {"dense": "float32", "sparse": _id_dtype(p).name, "labels": "uint8",
-                   "lengths": "uint8"},
+        "dtypes": {"dense": "float32",
+                   "sparse": _id_dtype(p, planted.max_id() if cfg.day > 0 else None).name,
+                   "labels": "uint8", "lengths": "uint8"},
         "splits": splits, "seconds": round(time.perf_counter() - t0, 3),
     }
+    if cfg.day > 0:  # day 0's meta stays as it was
+        meta["new_id_share"] = _NEW_ID_SHARE
+        meta["new_ids"] = {name: int(planted.new_ids[j].shape[0])
+                           for j, name in enumerate(p.feature_names)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     if out.exists():
         shutil.rmtree(out)
@@ -289,12 +367,15 @@ def ensure_day_data(profile: Profile, day: int, out: Path | None = None,
     cfg = DataConfig.for_profile(profile, day=day)
     out = day_data_dir(profile.name, day) if out is None else Path(out)
     want = {"profile": profile.name, "seed": cfg.seed, "day": cfg.day, "alpha": cfg.alpha,
-            "train": cfg.train_samples, "eval": cfg.eval_samples}
+            "train": cfg.train_samples, "eval": cfg.eval_samples,
+            # a later day written before new ids existed is regenerated
+            "new_id_share": _NEW_ID_SHARE if day > 0 else None}
     try:
         meta = json.loads((out / "meta.json").read_text())
         have = {"profile": meta.get("profile"), "seed": meta.get("seed"),
                 "day": meta.get("day", 0), "alpha": meta.get("alpha"),
-                "train": meta["splits"]["train"]["rows"], "eval": meta["splits"]["eval"]["rows"]}
+                "train": meta["splits"]["train"]["rows"], "eval": meta["splits"]["eval"]["rows"],
+                "new_id_share": meta.get("new_id_share")}
         fresh = have == want and meta.get("format_version") == FORMAT_VERSION
     except (OSError, ValueError, KeyError, TypeError):
         fresh = False
@@ -357,6 +438,21 @@ def load_split(data_dir: str | os.PathLike, split: str = "train") -> DataSplit:
         arrays[key] = np.memmap(path, dt, "r", shape=shape)
     return DataSplit(arrays["dense"], arrays["sparse"], arrays["labels"], arrays.get("lengths"),
                      list(meta["sparse_features"]), meta)
+
+
+def new_id_share(data_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
+    """Per feature, the share of a split's lookups (valid ids) that are brand-new ids,
+    i.e. ids >= the feature's table rows (0.0 on day 0). Reads the whole split."""
+    d = load_split(data_dir, split)
+    card = np.asarray(d.meta["cardinalities"], dtype=np.int64)
+    out: dict[str, float] = {}
+    for j, name in enumerate(d.feature_names):
+        ids = np.asarray(d.sparse[:, j, :], dtype=np.int64)
+        if d.lengths is not None:
+            valid = np.arange(ids.shape[1])[None, :] < np.asarray(d.lengths[:, j])[:, None]
+            ids = ids[valid]
+        out[name] = float((ids >= card[j]).mean()) if ids.size else 0.0
+    return out
 
 
 @dataclass
@@ -441,7 +537,7 @@ def to_batch(item: tuple[torch.Tensor, ...], feature_names: list[str]) -> Batch:
     return Batch(dense, make_kjt(feature_names, values, lens), labels)
 
 
-def make_loader(dataset: ClickLogDataset, num_workers: int = 1,
+def make_loader(dataset: Any, num_workers: int = 1,
                 prefetch_factor: int = 4) -> torch.utils.data.DataLoader:
     """A DataLoader over whole batches: ``num_workers`` processes, ``prefetch_factor``
     batches each queued ahead (0 workers: read in the calling process)."""
@@ -452,9 +548,12 @@ def make_loader(dataset: ClickLogDataset, num_workers: int = 1,
                                        num_workers=num_workers, **kwargs)
 
 
-def iter_batches(dataset: ClickLogDataset, num_workers: int = 1,
+def iter_batches(dataset: Any, num_workers: int = 1,
                  prefetch_factor: int = 4) -> Iterator[Batch]:
-    """Batches with a KJT built in the calling process (KJTs need not cross processes)."""
+    """Batches with a KJT built in the calling process (KJTs need not cross processes).
+
+    ``dataset``: a :class:`ClickLogDataset`, or a wrapper of one with the same items and a
+    ``feature_names`` list (e.g. :class:`serve.model.train.RowMappedDataset`)."""
     for item in make_loader(dataset, num_workers, prefetch_factor):
         yield to_batch(item, dataset.feature_names)
 
@@ -478,8 +577,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: the profile's)")
     ap.add_argument("--day", type=int, default=0,
                     help="day of the logs (default 0, the original): day d >= 1 has d days of "
-                         "drift (new hot ids, changed per-id effects; same dense weights), "
-                         "deterministic in (seed, day)")
+                         "drift (new hot ids, changed per-id effects; same dense weights) and "
+                         "brand-new ids >= the table's rows, deterministic in (seed, day)")
     return ap
 
 

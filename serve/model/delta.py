@@ -27,7 +27,21 @@ done.json records both ``parent_digest`` and the file's own ``digest``. The step
    touched (``changed_rows.npz``); otherwise ``ServeError``.
 
 Both AUCs in done.json (previous artifact, new artifact) are measured the same way: the
-serving runtime (:class:`serve.runtime.engine.Runtime`) on day D's eval split.
+serving runtime (:class:`serve.runtime.engine.Runtime`) on day D's eval split (raw ids:
+the runtime maps them itself, by modulo or by the artifact's id maps).
+
+A **managed** version (its report has ``id_mapping``; :mod:`serve.model.admission`) also
+moves its id space: the training continues the previous step's admission state
+(``admission.npz`` of delta n-1, or the build's checkpoint) on day D's ids (admit, evict,
+with the version's policy) and trains on rows mapped by the NEW maps; the state is saved
+as ``admission.npz`` in the sequence folder (delta n+1 continues from it), and the delta
+carries, per table, ``assign_ids``/``assign_rows``/``evict_ids`` =
+:meth:`serve.runtime.idmap.IdMap.diff` of the previous and the new map, plus the changed
+rows, where the rows of newly assigned ids are always shipped (even when their bytes
+happen to be equal: the row now means another id). The "changed rows were trained" check
+allows rows of assigned ids. done.json records ``id_changes``: per table name the ids
+admitted and evicted, and ``id_mapping``: the policy and per table the occupancy after the
+day (plus that day's admitted/evicted).
 
 Example::
 
@@ -69,6 +83,7 @@ __all__ = [
     "build_delta",
     "delta_file_name",
     "diff_artifacts",
+    "id_changes",
     "main",
     "next_sequence",
     "parent_digest",
@@ -251,6 +266,27 @@ class _DeltaPlan:
         return self.prev / "checkpoint"
 
     @property
+    def admission(self) -> Any:
+        """The version's :class:`serve.model.admission.AdmissionConfig` (None: modulo)."""
+        from serve.model.admission import AdmissionConfig
+
+        idm = self.report.get("id_mapping")
+        if not isinstance(idm, dict) or idm.get("mapping") != "managed":
+            return None
+        return AdmissionConfig(policy=str(idm["policy"]), threshold=int(idm["threshold"]),
+                               ttl_days=int(idm["ttl_days"]),
+                               recency_days=int(idm["recency_days"]))
+
+    @property
+    def prev_admission(self) -> Path:
+        """The admission state this delta continues: delta n-1's ``admission.npz``, or the
+        build's (next to its checkpoint)."""
+        from serve.model.admission import ADMISSION_FILE
+
+        own = self.prev / ADMISSION_FILE
+        return own if own.is_file() else self.prev_ckpt / ADMISSION_FILE
+
+    @property
     def prev_art(self) -> Path:
         return self.prev / "artifact.pt"
 
@@ -279,7 +315,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
     seconds["data"] = round(time.perf_counter() - t, 3)
 
     tres, auc_quantized = _update_model(cfg, plan, data, seconds, say)
-    delta, path, nbytes, tables = _write_delta(cfg, plan, seconds, say)
+    delta, path, nbytes, tables, id_changes = _write_delta(cfg, plan, seconds, say)
     digest = file_sha256(path)  # what delta seq + 1 names as its parent
 
     t = time.perf_counter()
@@ -298,6 +334,9 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         "created_at": delta.created_at, "parent_digest": plan.parent_digest,
         "digest": digest,
     }
+    if plan.admission is not None:
+        done["id_changes"] = id_changes
+        done["id_mapping"] = tres.get("id_mapping")
     tmp = plan.folder / (DONE_FILE + ".tmp")
     tmp.write_text(json.dumps(done, indent=2))
     os.replace(tmp, plan.folder / DONE_FILE)
@@ -324,7 +363,13 @@ def _plan_delta(cfg: DeltaConfig, say: Callable[[str], None]) -> _DeltaPlan:
     seq = next_sequence(work_root) if work_root.is_dir() else 1
     prev = build_dir if seq == 1 else work_root / f"{seq - 1:08d}"
     prev_ckpt, prev_art = prev / "checkpoint", prev / "artifact.pt"
-    for what, p in (("checkpoint", prev_ckpt / ".metadata"), ("artifact", prev_art)):
+    need = [("checkpoint", prev_ckpt / ".metadata"), ("artifact", prev_art)]
+    if isinstance(report.get("id_mapping"), dict):
+        from serve.model.admission import ADMISSION_FILE
+
+        need.append(("admission state", prev / ADMISSION_FILE if seq > 1
+                     else prev_ckpt / ADMISSION_FILE))
+    for what, p in need:
         if not p.is_file():
             raise ConfigError(
                 f"the base of delta {seq} of version {version} is gone: {what} {p} does not "
@@ -377,16 +422,31 @@ def _update_model(cfg: DeltaConfig, plan: _DeltaPlan, data: Path, seconds: dict[
     from serve.model.train import TrainConfig, train
 
     profile, folder = plan.profile, plan.folder
+    admission = plan.admission
     t = time.perf_counter()
     say(f"[train] resuming {plan.prev_ckpt} on day {cfg.day}, embeddings only, "
         f"{plan.nproc} ranks ...")
     tres = train(TrainConfig(profile=profile, data_dir=data, out_dir=folder / "checkpoint",
                              nproc=plan.nproc, backend=cfg.backend, threads=cfg.threads,
                              max_steps=cfg.max_steps, seed=plan.report.get("seed"),
-                             resume_from=plan.prev_ckpt, sparse_only=True))
+                             resume_from=plan.prev_ckpt, sparse_only=True,
+                             admission=admission,
+                             admission_from=plan.prev_admission if admission else None))
     seconds["train"] = round(time.perf_counter() - t, 3)
     say(f"[train] {tres['steps']} steps, {tres['rows']:,} rows, loss {tres['final_loss']:.4f}, "
         f"{tres['changed_rows']:,} rows touched, {seconds['train']:.1f}s")
+    id_maps = None
+    if admission is not None:
+        from serve.model.admission import ADMISSION_FILE, load_state
+
+        state_file = folder / "checkpoint" / ADMISSION_FILE
+        shutil.copyfile(state_file, folder / ADMISSION_FILE)  # what delta n+1 continues
+        id_maps = load_state(state_file).id_maps()
+        idm = tres["id_mapping"]
+        say("[admission] " + ", ".join(
+            f"{n} +{t['admitted_today']}/-{t['evicted_today']}"
+            for n, t in idm["tables"].items() if t["admitted_today"] or t["evicted_today"])
+            + f" ({idm['policy']}, day {idm['day']})")
 
     t = time.perf_counter()
     m = merge_checkpoint(folder / "checkpoint", profile, folder / "merged.pt")
@@ -395,17 +455,45 @@ def _update_model(cfg: DeltaConfig, plan: _DeltaPlan, data: Path, seconds: dict[
 
     t = time.perf_counter()
     q = quantize(folder / "merged.pt", profile, data, plan.dtype, folder / "artifact.pt",
-                 eval_limit=cfg.eval_limit, check=False, progress=False, float_artifact=False)
+                 eval_limit=cfg.eval_limit, check=False, progress=False, float_artifact=False,
+                 id_maps=id_maps)
     seconds["quantize"] = round(time.perf_counter() - t, 3)
     say(f"[quantize] AUC fp32 {q.auc_fp32:.4f} {plan.dtype} {q.auc_quantized:.4f}, "
         f"{seconds['quantize']:.1f}s")
     return tres, q.auc_quantized
 
 
+def id_changes(old: Any, new: Any) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per table index with a change, ``(assign_ids, assign_rows, evict_ids)`` int64 =
+    :meth:`serve.runtime.idmap.IdMap.diff` of ``old``'s and ``new``'s id maps (both
+    :class:`serve.runtime.artifact.Artifact`; tables without maps: none).
+
+    Raises:
+        ServeError: the two artifacts do not manage the same tables.
+    """
+    from serve.runtime.idmap import IdMap
+
+    if set(old.id_maps) != set(new.id_maps):
+        raise ServeError(f"the new artifact manages tables {sorted(new.id_maps)}, the previous "
+                         f"one {sorted(old.id_maps)}; a delta keeps the id spaces: build a new "
+                         "version instead")
+    out = {}
+    for ti, spec in enumerate(new.schema.tables):
+        if spec.name not in new.id_maps:
+            continue
+        a_ids, a_rows, e_ids = IdMap.diff(old.id_maps[spec.name], new.id_maps[spec.name])
+        if a_ids.size or e_ids.size:
+            out[ti] = (np.asarray(a_ids, np.int64), np.asarray(a_rows, np.int64),
+                       np.asarray(e_ids, np.int64))
+    return out
+
+
 def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
-                 say: Callable[[str], None]) -> tuple[Delta, Path, int, dict[str, int]]:
-    """Diff the base and the new artifact, check every changed row was trained, write the
-    delta file (atomically); return the delta, its path, its size and rows per table.
+                 say: Callable[[str], None]
+                 ) -> tuple[Delta, Path, int, dict[str, int], dict[str, dict[str, int]]]:
+    """Diff the base and the new artifact, check every changed row was trained (or belongs
+    to a newly assigned id), write the delta file (atomically); return the delta, its path,
+    its size, rows per table and, per managed table, the ids admitted and evicted.
 
     Raises:
         ServeError: dense layers changed, or rows changed that no training batch touched.
@@ -417,28 +505,47 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
 
     t = time.perf_counter()
     old, new = load_artifact(plan.prev_art), load_artifact(plan.folder / "artifact.pt")
-    changed = diff_artifacts(old, new)
+    changed = {ti: (f, ids) for ti, f, ids, _rows in diff_artifacts(old, new)}
+    moves = id_changes(old, new)
     touched = load_changed_rows(plan.folder / "checkpoint")
-    for _ti, feature, ids, _rows in changed:
-        outside = np.setdiff1d(ids, touched.get(feature, np.zeros(0, np.int64)))
+    tables = []
+    for ti in range(len(new.schema.tables)):
+        feature = new.table_feature(ti)
+        ids = changed[ti][1] if ti in changed else np.zeros(0, np.int64)
+        empty = np.zeros(0, np.int64)
+        a_ids, a_rows, e_ids = moves.get(ti, (empty, empty, empty))
+        outside = np.setdiff1d(ids, np.union1d(touched.get(feature, empty), a_rows))
         if outside.size:
-            raise ServeError(f"table {feature}: {outside.size} changed rows (e.g. id "
+            raise ServeError(f"table {feature}: {outside.size} changed rows (e.g. row "
                              f"{int(outside[0])}) were not in any training batch "
-                             "(changed_rows.npz); the artifacts are not one update apart")
+                             "(changed_rows.npz) nor assigned to a new id; the artifacts are "
+                             "not one update apart")
+        ids = np.union1d(ids, a_rows).astype(np.int64)  # assigned rows always ship
+        if not (ids.size or e_ids.size):
+            continue
+        rows = new.tables[ti].data.index_select(0, torch.from_numpy(ids)).numpy().copy()
+        tables.append(DeltaTable(feature, ti, ids, rows, assign_ids=a_ids,
+                                 assign_rows=a_rows, evict_ids=e_ids))
     dim = plan.profile.embedding_dim
     delta = Delta(base_version=plan.version, sequence=plan.seq, created_at=time.time(),
                   dtype=plan.dtype, dim=dim, row_bytes=row_bytes(plan.dtype, dim),
-                  tables=tuple(DeltaTable(f, ti, ids, rows) for ti, f, ids, rows in changed),
-                  parent_digest=plan.parent_digest)
+                  tables=tuple(tables), parent_digest=plan.parent_digest)
     blob = encode_delta(delta)
     path = plan.folder / delta_file_name(plan.version, plan.seq, cfg.model_name)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, path)
     seconds["diff"] = round(time.perf_counter() - t, 3)
-    say(f"[diff] {delta.rows:,} rows changed in {len(changed)} tables, {len(blob):,} B, "
+    admitted = sum(int(x.assign_ids.shape[0]) for x in tables)
+    evicted = sum(int(x.evict_ids.shape[0]) for x in tables)
+    moved = f", {admitted:,} ids assigned, {evicted:,} evicted" if moves else ""
+    say(f"[diff] {delta.rows:,} rows changed in {len(tables)} tables{moved}, {len(blob):,} B, "
         f"{seconds['diff']:.1f}s")
-    return delta, path, len(blob), {f: int(ids.shape[0]) for _, f, ids, _ in changed}
+    changes = {new.schema.tables[x.table].name: {"admitted": int(x.assign_ids.shape[0]),
+                                                 "evicted": int(x.evict_ids.shape[0])}
+               for x in tables if x.assign_ids.shape[0] or x.evict_ids.shape[0]}
+    return (delta, path, len(blob),
+            {x.feature: int(x.ids.shape[0]) for x in tables if x.ids.shape[0]}, changes)
 
 
 # ----------------------------------------------------------------------------- CLI

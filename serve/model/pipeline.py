@@ -41,6 +41,18 @@ sources, so the repository is checked before any work:
 the day is one of the data step's arguments (only when N > 0, so day-0 builds keep their
 arguments) and the report records ``data_day``.
 
+``--mapping managed`` gives every table a managed id space (:mod:`serve.model.admission`):
+ids seen ``--admit-threshold`` times in the training split get rows of their own, the
+others read the fallback row 0, and ``--eviction`` (lru, lfu, ttl, lfu_lru; with
+``--ttl-days``, ``--recency-days``) decides who leaves a full table on later days (deltas).
+The training maps ids to rows through the admission state it writes next to the checkpoint
+(``admission.npz``); the artifact carries the id maps (``Artifact.id_maps``) and its schema's
+tables ``mapping="managed"``. The policy is in the train step's arguments only when
+managed (modulo builds keep their arguments), the version defaults to ``...-managed`` and
+the workdir to ``build/<profile>-s<seed>[...]-managed`` (a managed and a modulo build never
+share a step), and the report records ``id_mapping``: the mapping, the policy, threshold,
+ttl_days, recency_days and per table admitted ids, capacity (rows - 1) and occupancy.
+
 The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, the
 archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
 table bytes, parameters, wall time per step, git commit, and the ``baseline``: the served
@@ -75,6 +87,7 @@ from serve.common.clilog import setup_cli_logging
 from serve.common.validate import boolean, int_at_least
 from serve.errors import ConfigError, ServeError
 from serve.profiles import PROFILES, Profile, get_profile
+from serve.schema import MAPPINGS
 from serve.state import VERSION_RE
 from serve.store.repository import (
     DEFAULT_PROFILE,
@@ -85,6 +98,8 @@ from serve.store.repository import (
 )
 
 __all__ = [
+    "MANAGED_SUFFIX",
+    "MAPPING_CHOICES",
     "REPORT_KEYS",
     "SHUFFLED_SUFFIX",
     "STEPS",
@@ -93,6 +108,7 @@ __all__ = [
     "config_from_args",
     "default_version",
     "default_workdir",
+    "id_mapping_line",
     "main",
     "run_pipeline",
     "source_hash",
@@ -108,6 +124,8 @@ REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerpri
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
+MAPPING_CHOICES = MAPPINGS  # serve.schema: "modulo", "managed"
+MANAGED_SUFFIX = "-managed"
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "data": ("model/data.py", "profiles.py"),
@@ -121,12 +139,14 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
 
 
 def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False,
-                    data_day: int = 0) -> Path:
-    """One build directory per (profile, seed, shuffle, day): ``build/small-s0``, or
-    ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
-    checkpoints), ``build/small-s0-day1`` on day 1's data."""
+                    data_day: int = 0, mapping: str = "modulo") -> Path:
+    """One build directory per (profile, seed, shuffle, day, mapping): ``build/small-s0``,
+    or ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
+    checkpoints), ``build/small-s0-day1`` on day 1's data, ``build/small-s0-managed`` with
+    ``--mapping managed``."""
     return Path("build") / (f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-                            f"{day_suffix(data_day)}")
+                            f"{day_suffix(data_day)}"
+                            f"{MANAGED_SUFFIX if mapping == 'managed' else ''}")
 
 
 @dataclass(frozen=True)
@@ -169,9 +189,22 @@ class PipelineConfig:
     check_quality: bool = True
     label_shuffle: bool = False
     data_day: int = 0     # day of the click logs (serve.model.data; 0 = the original)
+    # Id space of every table: "modulo" (row = id % rows) or "managed" (admitted ids get
+    # rows, the others the fallback row; serve.model.admission). The rest: its policy.
+    mapping: str = "modulo"
+    admit_threshold: int = 2
+    eviction: str = "lfu_lru"
+    ttl_days: int = 2
+    recency_days: int = 1
 
     def __post_init__(self) -> None:
         from serve.model.quantize import QUANT_DTYPES
+
+        if self.mapping not in MAPPING_CHOICES:
+            raise ConfigError(f"--mapping {self.mapping!r} must be one of "
+                              f"{', '.join(MAPPING_CHOICES)} (modulo: row = id % rows; managed: "
+                              "admitted ids get rows of their own)")
+        _ = self.admission  # validates the policy settings
 
         if self.dtype not in QUANT_DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
@@ -189,6 +222,17 @@ class PipelineConfig:
                 f"starting with a letter or digit, at most 64 characters ({VERSION_RE})")
 
     @property
+    def admission(self) -> Any:
+        """The :class:`serve.model.admission.AdmissionConfig` of a managed build; None
+        for modulo."""
+        from serve.model.admission import AdmissionConfig
+
+        if self.mapping != "managed":
+            return None
+        return AdmissionConfig(policy=self.eviction, threshold=self.admit_threshold,
+                               ttl_days=self.ttl_days, recency_days=self.recency_days)
+
+    @property
     def train_seed(self) -> int:
         return self.profile.seed if self.seed is None else self.seed
 
@@ -197,7 +241,7 @@ class PipelineConfig:
         if self.version is not None:
             return self.version
         return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle,
-                               self.data_day)
+                               self.data_day) + (MANAGED_SUFFIX if self.mapping == "managed" else "")
 
     @property
     def quality_check(self) -> bool:
@@ -321,7 +365,7 @@ def _train_config(cfg: PipelineConfig) -> Any:
                        nproc=cfg.nproc, backend=cfg.backend, batch_size=cfg.batch_size,
                        learning_rate=cfg.learning_rate, threads=cfg.threads,
                        num_workers=cfg.num_workers, seed=cfg.seed,
-                       label_shuffle=cfg.label_shuffle)
+                       label_shuffle=cfg.label_shuffle, admission=cfg.admission)
 
 
 def _data_config(cfg: PipelineConfig) -> Any:
@@ -339,12 +383,16 @@ def _step_args(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
                             "eval_samples": dcfg.eval_samples, "seed": dcfg.seed}
     if dcfg.day > 0:  # only then: day-0 builds keep the arguments they always had
         data["day"] = dcfg.day
+    train: dict[str, Any] = {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
+                             "batch_size": tcfg.global_batch, "lr": tcfg.lr,
+                             "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads,
+                             "seed": tcfg.resolved_seed, "label_shuffle": tcfg.label_shuffle}
+    if cfg.admission is not None:  # only then: modulo builds keep the arguments they had
+        train["id_mapping"] = {"mapping": cfg.mapping, **cfg.admission.to_dict(),
+                               "source": source_hash(("model/admission.py",))}
     return {
         "data": data,
-        "train": {"nproc": cfg.nproc, "backend": tcfg.resolved_backend(),
-                  "batch_size": tcfg.global_batch, "lr": tcfg.lr,
-                  "dense_lr": tcfg.dense_learning_rate, "threads": cfg.threads,
-                  "seed": tcfg.resolved_seed, "label_shuffle": tcfg.label_shuffle},
+        "train": train,
         "merge": {},
         "quantize": {"dtype": cfg.dtype, "check": cfg.quality_check},
         "archive": {"model_name": cfg.model_name, "version": cfg.version_name,
@@ -395,6 +443,8 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         # The request schema and tables (serve.schema), and the import check's result.
         "schema": qres.get("schema"),
         "check": {"max_abs_diff": qres.get("check_max_abs_diff")},
+        **({"id_mapping": _id_mapping_report(tres["id_mapping"])}
+           if cfg.mapping == "managed" else {}),
         "table_bytes_fp32": qres["table_bytes_fp32"],
         "table_bytes_quantized": qres["table_bytes_quantized"],
         "num_parameters": mres["num_parameters"],
@@ -405,6 +455,16 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "wall_seconds": {s: records[s]["wall_seconds"] for s in STEPS[:-1]},
         "build_dir": os.fspath(cfg.workdir),
     }
+
+
+def _id_mapping_report(plan: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``id_mapping`` from plan.json's: mapping, policy (named), threshold,
+    ttl_days, recency_days and per table admitted ids, capacity and occupancy."""
+    return {"mapping": plan["mapping"], "policy": plan["policy"],
+            "threshold": plan["threshold"], "ttl_days": plan["ttl_days"],
+            "recency_days": plan["recency_days"],
+            "tables": {n: {k: t[k] for k in ("admitted", "capacity", "occupancy")}
+                       for n, t in plan["tables"].items()}}
 
 
 def _immutable(cfg: PipelineConfig, existing: dict[str, Any], build_fp: str) -> ConfigError:
@@ -441,6 +501,16 @@ def _already_built(cfg: PipelineConfig, fps: dict[str, str],
     for name in STEPS:
         say(f"[{name}] up to date (fingerprint {fps[name]}), skipped")
     return PipelineResult(version, repo.archive(version), existing, [], list(STEPS))
+
+
+def _trained_id_maps(cfg: PipelineConfig) -> dict[str, Any] | None:
+    """A managed build's id maps, from the admission state its training wrote next to the
+    checkpoint; None for modulo."""
+    if cfg.mapping != "managed":
+        return None
+    from serve.model.admission import ADMISSION_FILE, load_state
+
+    return load_state(cfg.checkpoint_dir / ADMISSION_FILE).id_maps()
 
 
 def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> PipelineResult:
@@ -494,7 +564,7 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
         if cfg.label_shuffle and cfg.check_quality:
             say("[quantize] label shuffle: the int8 AUC bar is not applied (AUC ~0.5 by design)")
         q = quantize(cfg.merged, p, cfg.data_dir, cfg.dtype, cfg.artifact,
-                     check=cfg.quality_check)
+                     check=cfg.quality_check, id_maps=_trained_id_maps(cfg))
         say(f"[quantize] AUC fp32 {q.auc_fp32:.4f}  {cfg.dtype} {q.auc_quantized:.4f}  "
             f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
         return dataclasses.asdict(q)
@@ -523,6 +593,27 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     return PipelineResult(version, repo.archive(version), report, r.ran, r.skipped)
 
 
+def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
+    """--mapping and the managed id space's policy settings."""
+    ap.add_argument("--mapping", default="modulo", choices=MAPPING_CHOICES,
+                    help="id space of every table: modulo (default; row = id %% rows, so ids "
+                         "beyond a table or new after the build share rows with unrelated ids) "
+                         "or managed (ids seen --admit-threshold times get rows of their own, "
+                         "the rest a fallback row; later days admit and evict, and deltas "
+                         "carry the id changes). Version and workdir get a -managed suffix")
+    ap.add_argument("--admit-threshold", type=int, default=2, metavar="N",
+                    help="managed: sightings in the training data before an id gets a row "
+                         "(default 2; 1 admits every id seen, higher keeps one-off ids out)")
+    ap.add_argument("--eviction", default="lfu_lru", choices=("lru", "lfu", "ttl", "lfu_lru"),
+                    help="managed: who leaves a full table (default lfu_lru: ids seen within "
+                         "--recency-days are protected, the least frequent of the rest go)")
+    ap.add_argument("--ttl-days", type=int, default=2,
+                    help="managed, --eviction ttl: days unseen before an id is evicted (default 2)")
+    ap.add_argument("--recency-days", type=int, default=1,
+                    help="managed, --eviction lfu_lru: ids seen within this many days are "
+                         "never evicted (default 1: seen on the latest day)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.model.pipeline",
@@ -549,6 +640,7 @@ def _parser() -> argparse.ArgumentParser:
                          "N days of drift, see serve.model.data): default version "
                          "<profile>-<dtype>-s<seed>-day<N>, workdir build/<profile>-s<seed>-day<N>; "
                          "the full-rebuild reference for `make delta`")
+    _add_mapping_args(ap)
     ap.add_argument("--version", default=None,
                     help="name of the model version to add (default <profile>-<dtype>-s<seed>, "
                          "e.g. small-int8-s0, plus -shuffled with --label-shuffle); letters, "
@@ -598,7 +690,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     profile = get_profile(args.profile)
     seed = profile.seed if args.seed is None else args.seed
     workdir = args.workdir or default_workdir(profile.name, seed, args.label_shuffle,
-                                              args.data_day)
+                                              args.data_day, args.mapping)
     return PipelineConfig(
         profile=profile, workdir=Path(workdir),
         model_store=Path(args.model_store), model_name=args.model_name, seed=args.seed,
@@ -608,7 +700,9 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         learning_rate=args.lr, threads=args.threads, mar_batch_size=args.mar_batch_size,
         mar_max_batch_delay_ms=args.mar_max_batch_delay_ms, mar_workers=args.mar_workers,
         force=args.force, check_quality=not args.no_quality_check,
-        label_shuffle=args.label_shuffle, data_day=args.data_day)
+        label_shuffle=args.label_shuffle, data_day=args.data_day, mapping=args.mapping,
+        admit_threshold=args.admit_threshold, eviction=args.eviction, ttl_days=args.ttl_days,
+        recency_days=args.recency_days)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -631,6 +725,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def id_mapping_line(idm: dict[str, Any]) -> str:
+    """The build summary's id-mapping line: policy and admitted ids / capacity, all tables."""
+    tables = idm["tables"].values()
+    admitted = sum(int(t["admitted"]) for t in tables)
+    capacity = sum(int(t["capacity"]) for t in tables)
+    return (f"  id mapping {idm['mapping']} ({idm['policy']}, threshold {idm['threshold']}): "
+            f"{admitted:,} admitted ids / {capacity:,} capacity "
+            f"({admitted / max(capacity, 1):.1%}) over {len(idm['tables'])} tables")
+
+
 def _summary(res: PipelineResult, seconds: float) -> str:
     rep = res.report
     ran = ", ".join(res.ran) or "nothing"
@@ -650,6 +754,9 @@ def _summary(res: PipelineResult, seconds: float) -> str:
                   tables]
     except (KeyError, TypeError, ValueError):
         pass
+    idm = rep.get("id_mapping")
+    if isinstance(idm, dict) and isinstance(idm.get("tables"), dict):
+        lines.append(id_mapping_line(idm))
     lines.append(f"  report {res.archive.with_suffix('.json')}")
     return "\n".join(lines)
 

@@ -6,6 +6,13 @@ converted to our plain-torch artifact (:mod:`serve.runtime.artifact`), which the
 without TorchRec. Quality is measured on held-out data: the AUC of the fp32 model and
 of the quantized one; int8 must keep AUC >= fp32 AUC - 0.001 (MLPerf's 99.9% bar).
 
+Managed id spaces (``id_maps``, table name -> :class:`serve.runtime.idmap.IdMap`): the
+evaluation reads rows through the maps (as training did and the runtime will), and both
+artifacts carry the maps with their schema's tables ``mapping="managed"``; modulo tables
+are evaluated on ``id % rows`` (the identity on day-0 data), as the runtime serves them.
+The import check compares row layouts (our runtime vs TorchRec's quantized forward on the
+same rows) before the maps are attached.
+
 Writes ``--out`` (quantized artifact), the fp32 artifact of the same model next to it
 (``<out stem>.fp32.pt``, the exact reference for runtime tests) and ``<out>.json``
 (AUCs, table bytes).
@@ -101,20 +108,27 @@ def quantize_model(model: torch.nn.Module, dtype: str, inplace: bool = False) ->
 
 def evaluate_auc(model: torch.nn.Module, data_dir: str | os.PathLike, split: str = "eval",
                  batch_size: int = 4096, limit: int | None = None,
-                 progress: bool = False) -> tuple[float, int]:
+                 progress: bool = False, mapper: Any = None) -> tuple[float, int]:
     """AUC of ``model`` on a split; returns (auc, rows). Forward in eval mode, no grad."""
-    y, s = evaluate_scores(model, data_dir, split, batch_size, limit, progress)
+    y, s = evaluate_scores(model, data_dir, split, batch_size, limit, progress, mapper)
     return roc_auc(y, s), int(y.shape[0])
 
 
 def evaluate_scores(model: torch.nn.Module, data_dir: str | os.PathLike, split: str = "eval",
                     batch_size: int = 4096, limit: int | None = None,
-                    progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                    progress: bool = False, mapper: Any = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """(labels uint8 (n,), click probabilities float32 (n,)) of ``model`` on a split, in
-    row order: the sigmoid of the model's logits, as the serving runtime answers."""
-    from serve.model.data import ClickLogDataset, iter_batches
+    row order: the sigmoid of the model's logits, as the serving runtime answers.
 
-    ds = ClickLogDataset(data_dir, split, batch_size, limit=limit)
+    ``mapper``: raw ids -> table rows (:class:`serve.model.train.RowMapper`); None: the
+    raw ids as they are (a model whose tables hold every id)."""
+    from serve.model.data import ClickLogDataset, iter_batches
+    from serve.model.train import RowMappedDataset
+
+    ds: Any = ClickLogDataset(data_dir, split, batch_size, limit=limit)
+    if mapper is not None:
+        ds = RowMappedDataset(ds, mapper)
     scores, labels = [], []
     model.eval()
     t0 = time.perf_counter()
@@ -142,7 +156,8 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
              dtype: str, out: str | os.PathLike, eval_limit: int | None = None,
              check: bool = True, progress: bool = True,
              max_auc_drop: float = INT8_MAX_AUC_DROP,
-             float_artifact: bool | None = None) -> QuantizeResult:
+             float_artifact: bool | None = None,
+             id_maps: dict[str, Any] | None = None) -> QuantizeResult:
     """Quantize ``merged`` (from serve.model.merge), measure AUCs, write the artifacts.
 
     ``float_artifact``: also write the fp32 twin; None = only when the fp32 tables are at
@@ -150,10 +165,12 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     Memory: one fp32 model at a time; the float model is quantized in place once its
     AUC and fp32 artifact are taken, instead of being deep-copied.
     The quantized artifact is written only if it passes the quality bar.
+    ``id_maps``: table name -> IdMap for managed tables (module docstring); None: modulo.
     """
     from serve.model.export import artifact_from_float_dlrm, artifact_from_quantized_dlrm
     from serve.model.importer import DEFAULT_TOLERANCE, check_artifact
     from serve.model.merge import load_merged
+    from serve.model.train import RowMapper
     from serve.runtime.artifact import save_artifact
 
     if dtype not in QUANT_DTYPES:
@@ -163,19 +180,28 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     fpath = float_artifact_path(out)
     model, meta = load_merged(merged, profile)
+    id_maps = dict(id_maps or {})
+    unknown = sorted(set(id_maps) - set(profile.table_names))
+    if unknown:
+        raise ConfigError(f"id maps for {unknown}: profile {profile.name!r} has no such tables")
+    mapper = RowMapper(profile.cardinalities,
+                       {j: id_maps[t] for j, t in enumerate(profile.table_names) if t in id_maps})
     nparams = int(meta.get("num_parameters") or sum(p.numel() for p in model.parameters()))
     if progress:
         print(f"quantize: evaluating fp32 AUC, then tables -> {dtype}", flush=True)
-    auc_fp32, rows = evaluate_auc(model, data_dir, limit=eval_limit, progress=progress)
+    auc_fp32, rows = evaluate_auc(model, data_dir, limit=eval_limit, progress=progress,
+                                  mapper=mapper)
     base_meta = {"profile": profile.name, "auc_fp32": auc_fp32,
                  "world_size": meta.get("world_size"), "source": os.fspath(merged)}
     if float_artifact is None:
         float_artifact = profile.table_bytes_fp32() <= FLOAT_ARTIFACT_MAX_BYTES
     if float_artifact:
-        save_artifact(artifact_from_float_dlrm(model, meta={**base_meta, "dtype": "fp32"}), fpath)
+        save_artifact(_with_id_maps(artifact_from_float_dlrm(
+            model, meta={**base_meta, "dtype": "fp32"}), id_maps), fpath)
     qmodel = quantize_model(model, dtype, inplace=True)
     del model
-    labels_q, scores_q = evaluate_scores(qmodel, data_dir, limit=eval_limit, progress=progress)
+    labels_q, scores_q = evaluate_scores(qmodel, data_dir, limit=eval_limit, progress=progress,
+                                         mapper=mapper)
     baseline = summarize(labels_q, scores_q)
     auc_q = roc_auc(labels_q, scores_q)
     art = artifact_from_quantized_dlrm(qmodel, dtype, meta={**base_meta, f"auc_{dtype}": auc_q})
@@ -185,6 +211,7 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
     if not exact.passed:
         raise ArtifactError(f"the runtime's probabilities differ from TorchRec's quantized "
                             f"forward by {exact.max_abs_diff:.3g} > {exact.tolerance:g}")
+    art = _with_id_maps(art, id_maps)  # after the check: it compares rows, not id spaces
     res = QuantizeResult(
         artifact=os.fspath(out), float_artifact=os.fspath(fpath) if float_artifact else None,
         quantized_dtype=dtype, auc_fp32=auc_fp32, auc_quantized=auc_q, eval_rows=rows,
@@ -199,6 +226,19 @@ def quantize(merged: str | os.PathLike, profile: Profile, data_dir: str | os.Pat
                            "quantize well: keep them fp16 (--dtype fp16) or retrain")
     save_artifact(art, out)
     return res
+
+
+def _with_id_maps(art: Any, id_maps: dict[str, Any]) -> Any:
+    """``art`` with ``id_maps`` (table name -> IdMap) and those tables' schema mapping
+    "managed"; ``art`` itself when there are none (modulo artifacts stay as they were)."""
+    if not id_maps:
+        return art
+    import dataclasses
+
+    tables = tuple(dataclasses.replace(t, mapping="managed") if t.name in id_maps else t
+                   for t in art.schema.tables)
+    schema = dataclasses.replace(art.schema, tables=tables)
+    return dataclasses.replace(art, schema=schema, id_maps=dict(id_maps))
 
 
 def _parser() -> argparse.ArgumentParser:

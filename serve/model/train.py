@@ -13,8 +13,20 @@ Output directory (``--out``), written atomically (``DIR.tmp`` then rename):
     sharded_outputs.pt              a fixed eval batch and the sharded model's logits
                                     on it, so ``serve.model.merge`` can prove it is exact
     changed_rows.npz                (--resume only) per feature name, int64 sorted unique
-                                    ids of the rows the training touched (ids in any
-                                    rank's batches); plan.json "changed_rows" counts them
+                                    rows the training touched (rows in any rank's
+                                    batches); plan.json "changed_rows" counts them
+    admission.npz                   (managed id spaces only) the admission state after
+                                    this data's day (:mod:`serve.model.admission`)
+
+Ids to rows: the sharded tables train on **rows**, not raw ids (:class:`RowMapper`). A
+modulo table reads row ``id % rows`` (what the runtime serves; on day-0 data every id is
+< rows, so this is the identity and day-0 training is unchanged); a managed table
+(``TrainConfig.admission`` set) reads the row its id map gives, and ids not admitted read
+the fallback row 0, which thereby learns the "unknown id" embedding. The maps come from
+the admission state: a new one (or ``admission_from``'s, for a delta) observes the whole
+training split of the data's day and decides; every rank computes the same state (it reads
+the whole split, deterministically) and rank 0 saves it next to the checkpoint. The fixed
+merge-check batch is mapped the same way.
 
 Continued training (``--resume CKPT_DIR``): every rank builds the sharded model as
 usual, then reads the checkpoint's weights into its own shards
@@ -65,6 +77,7 @@ from serve.common.clilog import setup_cli_logging
 from serve.common.net import free_port
 from serve.common.validate import boolean
 from serve.errors import CheckpointError, ConfigError, ServeError, ShardingError
+from serve.model.admission import AdmissionConfig
 from serve.model.data import ClickLogDataset
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
@@ -72,11 +85,14 @@ __all__ = [
     "CHANGED_ROWS_FILE",
     "OUTPUTS_FILE",
     "PLAN_FILE",
+    "RowMappedDataset",
+    "RowMapper",
     "ShuffledLabelDataset",
     "TrainConfig",
     "label_permutation",
     "load_changed_rows",
     "main",
+    "managed_state",
     "max_world_size",
     "plan_sharding",
     "shuffled_labels",
@@ -121,6 +137,10 @@ class TrainConfig:
     resume_from: Path | None = None
     # Step only the embedding optimizer (needs resume_from): the MLPs stay bit-identical.
     sparse_only: bool = False
+    # Managed id spaces (every table): the policy; None = modulo (row = id % rows).
+    admission: AdmissionConfig | None = None
+    # Managed: continue this admission.npz (a delta) instead of starting empty.
+    admission_from: Path | None = None
 
     def __post_init__(self) -> None:
         boolean("sparse_only", self.sparse_only)
@@ -140,6 +160,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {v} must be >= 1")
+        if self.admission_from is not None and self.admission is None:
+            raise ConfigError("admission_from (a previous admission.npz) needs a managed id "
+                              "space: pass the admission policy too")
         if self.threads < 1 or self.num_workers < 0 or self.eval_batch < 1:
             raise ConfigError("--threads and --eval-batch must be >= 1, --workers >= 0")
 
@@ -319,12 +342,97 @@ class ShuffledLabelDataset(ClickLogDataset):
 
 def train_dataset(cfg: TrainConfig, batch_size: int, rank: int = 0,
                   world_size: int = 1) -> ClickLogDataset:
-    """This rank's training batches: labels permuted when ``cfg.label_shuffle``."""
+    """This rank's training batches (raw ids): labels permuted when ``cfg.label_shuffle``.
+    Training reads them through :class:`RowMappedDataset`."""
     if cfg.label_shuffle:
         return ShuffledLabelDataset(cfg.data_dir, batch_size, cfg.resolved_seed, rank=rank,
                                     world_size=world_size, drop_last=True)
     return ClickLogDataset(cfg.data_dir, "train", batch_size, rank=rank,
                            world_size=world_size, drop_last=True)
+
+
+# ----------------------------------------------------------------------------- ids -> rows
+
+class RowMapper:
+    """Raw ids to table rows, per feature (the built-in DLRM: feature j reads table j).
+
+    ``rows``: each feature's table rows; ``id_maps``: feature index -> its table's
+    :class:`serve.runtime.idmap.IdMap` for managed tables (others: ``id % rows``, as the
+    runtime serves modulo tables). Picklable (DataLoader workers get a copy).
+    """
+
+    def __init__(self, rows: tuple[int, ...] | list[int], id_maps: dict[int, Any] | None = None
+                 ) -> None:
+        self.rows = tuple(int(r) for r in rows)
+        self.id_maps = dict(id_maps or {})
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 (B, F, M) -> rows int64 (B, F, M); padding positions map too (they
+        are never read)."""
+        out = torch.empty_like(ids)
+        for j, rows in enumerate(self.rows):
+            col = ids[:, j, :]
+            m = self.id_maps.get(j)
+            out[:, j, :] = (col % rows if m is None
+                            else m.lookup(col.reshape(-1).contiguous()).reshape(col.shape))
+        return out
+
+
+class RowMappedDataset(torch.utils.data.Dataset):
+    """A :class:`serve.model.data.ClickLogDataset` (or subclass) whose items carry rows
+    instead of raw ids (same items otherwise: dense, rows (B, F, M), lengths, labels)."""
+
+    def __init__(self, inner: ClickLogDataset, mapper: RowMapper) -> None:
+        self.inner, self.mapper = inner, mapper
+        self.feature_names = inner.feature_names
+        self.rows, self.batch_size, self.batches = inner.rows, inner.batch_size, inner.batches
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        dense, ids, lengths, labels = self.inner[i]
+        return dense, self.mapper(ids), lengths, labels
+
+
+def managed_state(cfg: TrainConfig) -> Any:
+    """The admission state after the data's day (managed builds; None for modulo): the
+    previous state (``admission_from``) or a new one for the profile's tables, which
+    observes the whole training split and decides. Deterministic: every rank gets the same.
+
+    Raises:
+        ConfigError: the previous state is unreadable, names other tables, or has already
+            seen this day.
+    """
+    if cfg.admission is None:
+        return None
+    from serve.model.admission import AdmissionState, load_state, observe_split
+
+    p = cfg.profile
+    tables = dict(zip(p.table_names, p.cardinalities, strict=True))
+    if cfg.admission_from is not None:
+        state = load_state(cfg.admission_from)
+        if {n: t.rows for n, t in state.tables.items()} != tables:
+            raise ConfigError(f"admission state {cfg.admission_from} is for other tables than "
+                              f"profile {p.name!r}'s; continue the state of this model's build")
+        if state.config != cfg.admission:
+            raise ConfigError(f"admission state {cfg.admission_from} was made with "
+                              f"{state.config.to_dict()}, this run asks for "
+                              f"{cfg.admission.to_dict()}; a model keeps its policy")
+    else:
+        state = AdmissionState.new(cfg.admission, tables)
+    day = _data_day(cfg.data_dir) or 0
+    observe_split(state, day, cfg.data_dir, "train",
+                  dict(zip(p.feature_names, p.table_names, strict=True)))
+    return state
+
+
+def _mapper(cfg: TrainConfig, state: Any) -> RowMapper:
+    p = cfg.profile
+    if state is None:
+        return RowMapper(p.cardinalities)
+    maps = state.id_maps()
+    return RowMapper(p.cardinalities, {j: maps[t] for j, t in enumerate(p.table_names)})
 
 
 # ----------------------------------------------------------------------------- resume
@@ -455,12 +563,12 @@ def _resume(dmp: Any, ckpt: Path) -> None:
 
 
 def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int,
-                local_batch: int, device: torch.device) -> _RankRun:
+                local_batch: int, device: torch.device, mapper: RowMapper) -> _RankRun:
     """Train this rank's share of the click log; rank 0 prints progress every log_every."""
     from serve.model.data import iter_batches
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    ds = train_dataset(cfg, local_batch, rank, world_size)
+    ds = RowMappedDataset(train_dataset(cfg, local_batch, rank, world_size), mapper)
     touched = [np.zeros(c, dtype=bool) for c in cfg.profile.cardinalities]
     epochs = cfg.epochs or cfg.profile.epochs
     total = len(ds) * epochs if cfg.max_steps is None else min(cfg.max_steps, len(ds) * epochs)
@@ -486,16 +594,18 @@ def _train_loop(dmp: Any, opt: Any, cfg: TrainConfig, rank: int, world_size: int
     return _RankRun(step, rows, time.perf_counter() - t0, ema, epochs, touched)
 
 
-def _fixed_batch_outputs(dmp: Any, cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+def _fixed_batch_outputs(dmp: Any, cfg: TrainConfig, device: torch.device,
+                         mapper: RowMapper) -> dict[str, Any]:
     """The sharded model's logits on a fixed eval batch, for the merge check.
 
     The same rows on every rank, so each rank's output is the sharded model's answer.
+    ``ids`` are the batch's table rows (mapped like training), what the merged model reads.
     """
     from serve.model.data import load_split, to_batch
 
     dmp.eval()
     n = min(cfg.eval_batch, len(load_split(cfg.data_dir, "eval")))
-    fixed = ClickLogDataset(cfg.data_dir, "eval", n, limit=n)
+    fixed = RowMappedDataset(ClickLogDataset(cfg.data_dir, "eval", n, limit=n), mapper)
     item = fixed[0]
     b = to_batch(item, fixed.feature_names)
     with torch.no_grad():
@@ -525,9 +635,11 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
         local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         local_batch = max(1, cfg.global_batch // world_size)
         plan, types, shards = plan_sharding(p, world_size, device.type, local_ws, local_batch)
+        state = managed_state(cfg)  # the same on every rank (reads the whole split)
+        mapper = _mapper(cfg, state)
         dmp, opt = _sharded_model(cfg, device, plan)
-        run = _train_loop(dmp, opt, cfg, rank, world_size, local_batch, device)
-        outputs = _fixed_batch_outputs(dmp, cfg, device)
+        run = _train_loop(dmp, opt, cfg, rank, world_size, local_batch, device, mapper)
+        outputs = _fixed_batch_outputs(dmp, cfg, device, mapper)
         dcp.save(dmp.state_dict(), checkpoint_id=tmp_dir)
         mine = [np.flatnonzero(m).astype(np.int64) for m in run.touched]
         every: list[Any] = [None] * world_size
@@ -553,10 +665,26 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                 "sparse_only": cfg.sparse_only, "day": _data_day(cfg.data_dir),
                 "changed_rows": int(sum(v.shape[0] for v in changed.values())),
             }
+            if state is not None:
+                from serve.model.admission import ADMISSION_FILE
+
+                state.save(Path(tmp_dir) / ADMISSION_FILE)
+                meta["id_mapping"] = _id_mapping(state)
             (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _id_mapping(state: Any) -> dict[str, Any]:
+    """plan.json's record of a managed build's admission: the policy, and per table the
+    admitted ids, capacity and occupancy after the day, and the day's admitted/evicted."""
+    summary = state.summary()
+    for name, d in state.last_decisions.items():
+        summary[name].update({"admitted_today": d.to_dict()["admitted"],
+                              "evicted_today": d.to_dict()["evicted"]})
+    return {"mapping": "managed", **state.config.to_dict(), "day": state.day,
+            "tables": summary}
 
 
 def _data_day(data_dir: Path) -> int | None:
@@ -587,6 +715,14 @@ def train(cfg: TrainConfig) -> dict:
         raise ShardingError(f"--nproc {world} needs {world} GPUs with nccl but this machine has "
                             f"{torch.cuda.device_count()}; use --nproc <= that or --backend gloo")
     check_resume(cfg, world)  # a wrong checkpoint fails here, not in every rank
+    if cfg.admission_from is not None:  # likewise a wrong admission state
+        from serve.model.admission import load_state
+
+        prev = load_state(cfg.admission_from)
+        day = _data_day(cfg.data_dir) or 0
+        if day <= prev.day:
+            raise ConfigError(f"admission state {cfg.admission_from} has seen day {prev.day}; "
+                              f"the data is day {day}: a managed model continues on a later day")
     # Validate (and show) the plan before any rank starts.
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     _, types, shards = plan_sharding(cfg.profile, world, dev, local_ws,
@@ -597,6 +733,11 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.label_shuffle:
             print(f"label shuffle: the training labels are permuted (seed {cfg.resolved_seed}); "
                   "eval is untouched, so expect eval AUC ~0.5", flush=True)
+        if cfg.admission is not None:
+            a = cfg.admission
+            print(f"id mapping: managed, policy {a.policy}, admit after {a.threshold} "
+                  f"sightings" + (f", continuing {cfg.admission_from}"
+                                  if cfg.admission_from is not None else ""), flush=True)
         if cfg.resume_from is not None:
             what = "embeddings only (MLPs frozen)" if cfg.sparse_only else "all weights"
             print(f"resume: continuing from {cfg.resume_from}, training {what}", flush=True)
