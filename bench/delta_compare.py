@@ -70,8 +70,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def version_name(profile: str, seed: int, mapping: str) -> str:
-    """The version each mapping builds: ``<profile>-int8-s<seed>[-managed]``."""
-    return f"{profile}-int8-s{seed}" + ("-managed" if mapping == "managed" else "")
+    """The version each mapping builds, as ``make model`` names it:
+    ``<profile>-int8-s<seed>[-managed]``."""
+    from serve.store.repository import default_version
+
+    return default_version(profile, seed=seed, mapping=mapping)
 
 
 def _run(cmd: list[str]) -> str:

@@ -91,6 +91,7 @@ from serve.schema import MAPPINGS
 from serve.state import VERSION_RE
 from serve.store.repository import (
     DEFAULT_PROFILE,
+    MANAGED_SUFFIX,
     SHUFFLED_SUFFIX,
     ModelRepository,
     day_suffix,
@@ -125,7 +126,6 @@ REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerpri
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
 MAPPING_CHOICES = MAPPINGS  # serve.schema: "modulo", "managed"
-MANAGED_SUFFIX = "-managed"
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "data": ("model/data.py", "profiles.py"),
@@ -241,7 +241,7 @@ class PipelineConfig:
         if self.version is not None:
             return self.version
         return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle,
-                               self.data_day) + (MANAGED_SUFFIX if self.mapping == "managed" else "")
+                               self.data_day, self.mapping)
 
     @property
     def quality_check(self) -> bool:

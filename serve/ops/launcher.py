@@ -993,6 +993,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="see --profile (default: the "
                                                           "profile's seed)")
     ap.add_argument("--label-shuffle", action="store_true", help="see --profile")
+    ap.add_argument("--mapping", default="modulo", choices=("modulo", "managed"),
+                    help="see --profile: a build with --mapping managed (its version ends "
+                         "in -managed)")
     ap.add_argument("--version", default=None, help="see --profile: this version by name")
     ap.add_argument("--mar", default=None,
                     help="load this archive of the model store at start (tests, benchmarks; "
@@ -1022,7 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
             ts_config=Path(args.ts_config), log_config=Path(args.log_config),
             state_file=Path(args.state_file),
             initial_version=args.version or default_version(
-                args.profile, seed=args.seed, label_shuffle=args.label_shuffle),
+                args.profile, seed=args.seed, label_shuffle=args.label_shuffle,
+                mapping=args.mapping),
             repositories=tuple(Path(d) for d in args.repository or ()),
             sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
             drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),

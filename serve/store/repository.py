@@ -31,12 +31,14 @@ from serve.errors import ConfigError
 from serve.profiles import get_profile
 from serve.state import VERSION_RE
 
-__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "SHUFFLED_SUFFIX", "ModelRepository", "day_suffix", "default_version"]
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository", "day_suffix", "default_version"]
 
 _VERSION = re.compile(VERSION_RE)
 
 #: The suffix of a version trained on permuted labels (``make model LABEL_SHUFFLE=1``).
 SHUFFLED_SUFFIX = "-shuffled"
+#: What a build with ``--mapping managed`` (serve.runtime.idmap) adds to its version name.
+MANAGED_SUFFIX = "-managed"
 #: The profile ``make model`` builds without ``PROFILE=`` (and ``make up`` declares).
 DEFAULT_PROFILE = "small"
 #: The table dtype ``make model`` builds without ``--dtype``.
@@ -49,10 +51,11 @@ def day_suffix(data_day: int) -> str:
 
 
 def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | None = None,
-                    label_shuffle: bool = False, data_day: int = 0) -> str:
+                    label_shuffle: bool = False, data_day: int = 0,
+                    mapping: str = "modulo") -> str:
     """The version a build gets without ``--version``: ``small-int8-s0``, or
     ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``, ``small-int8-s0-day1``
-    for one on day 1's data. ``seed`` None: the profile's own (what ``make model`` trains
+    for one on day 1's data, ``small-int8-s0-managed`` for ``--mapping managed``. ``seed`` None: the profile's own (what ``make model`` trains
     without ``SEED=``). It lives with the repository, not the build, so that ``make up``
     names the version ``make model`` builds without importing the build.
 
@@ -62,7 +65,7 @@ def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | N
     if seed is None:
         seed = get_profile(profile_name).seed
     return (f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-            f"{day_suffix(data_day)}")
+            f"{day_suffix(data_day)}{MANAGED_SUFFIX if mapping == 'managed' else ''}")
 
 
 class ModelRepository:
