@@ -38,9 +38,9 @@ from serve.state import parse_state, write_state
 from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, version_digest
 from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import chained, with_delta_rows
+from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, traffic
 from tests.fixtures.torchserve import service_config
 from tests.promtext import samples
-from tests.test_idmap_managed import MANAGED, VERSION, _id_delta, _managed, _traffic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -111,14 +111,14 @@ class Served:
         mixes the delta's admitted and evicted ids."""
         if self.deltas:
             return
-        d1 = _id_delta(self.managed, 11, 1)
-        d2 = _id_delta(with_delta_rows(self.managed, d1), 12, 2, tables=(0, 2),
+        d1 = id_delta(self.managed, 11, 1)
+        d2 = id_delta(with_delta_rows(self.managed, d1), 12, 2, tables=(0, 2),
                        modulo_tables=(4,))
         now = time.time()
         d1 = dataclasses.replace(d1, created_at=now - 60)
         d2 = dataclasses.replace(d2, created_at=now - 30)
         for step in range(4):   # the cache holds the rows the deltas evict and rewrite
-            self.predict(_body(*_traffic(self.managed, d1, step, 64, step % 2 == 1)))
+            self.predict(_body(*traffic(self.managed, d1, step, 64, step % 2 == 1)))
         for blob, d in chained([d1, d2], parent=version_digest(self.report)):
             r = httpx.post(f"{self.sidecar_url}/embeddings/deltas", content=blob,
                            params={"wait_s": 60}, timeout=90,
@@ -130,7 +130,7 @@ class Served:
             self.deltas.append(d)
             seen = []
             for step in range(20 + 10 * d.sequence, 24 + 10 * d.sequence):
-                dense, sparse = _traffic(self.managed, d, step, 96, step % 2 == 1)
+                dense, sparse = traffic(self.managed, d, step, 96, step % 2 == 1)
                 body = _body(dense, sparse)
                 seen.append((body, dense, sparse, self.predict(body)))
             self.after.append(seen)
@@ -144,7 +144,7 @@ def served(request: pytest.FixtureRequest,
 
     policy = request.param
     root = tmp_path_factory.mktemp(f"idmap-{policy}")
-    managed = _managed(build_random_artifact("tiny", torch.device("cpu"), seed=3))
+    managed = managed_copy(build_random_artifact("tiny", torch.device("cpu"), seed=3))
     art_path = root / "artifact.pt"
     save_artifact(managed, art_path)
     report = _report(managed)

@@ -14,15 +14,14 @@ import torch
 
 from bench.gpu_check import build_random_artifact
 from serve.errors import ArtifactError, ConfigError, InvalidDelta
-from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, save_artifact
+from serve.runtime.artifact import Artifact, load_artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.idmap import FALLBACK_ROW, IdMap
-from serve.schema import ModelSchema, TableSpec
+from serve.schema import TableSpec
 from serve.store.delta_files import (
     Delta,
     DeltaStore,
-    DeltaTable,
     check_layout,
     decode_delta,
     encode_delta,
@@ -30,34 +29,18 @@ from serve.store.delta_files import (
     scan_delta_file,
 )
 from tests.fixtures.deltas import chained, with_delta_rows
-
-F = 26
-VERSION = "tiny-int8-s0-managed"
-MAX = 2**63 - 1
-#: Tables (of the tiny profile's 26) made managed; the others stay modulo.
-MANAGED = (0, 2, 3, 7, 11, 25)
-
-
-def _random_map(rows: int, seed: int, share: float = 0.5, top: bool = False) -> IdMap:
-    """About ``share`` of the capacity admitted: raw ids spread over the int64 range
-    (and 2**63 - 1 when ``top``), rows a random subset of 1..rows-1."""
-    rng = np.random.default_rng(seed)
-    n = max(1, int((rows - 1) * share))
-    ids = np.unique(rng.integers(0, 2**62, size=n, dtype=np.int64))
-    if top:
-        ids = np.unique(np.append(ids[:-1], MAX))
-    rws = rng.permutation(np.arange(1, rows, dtype=np.int64))[: ids.shape[0]]
-    return IdMap.from_arrays(ids, rws, rows)
-
-
-def _managed(art: Artifact, tables: tuple[int, ...] = MANAGED, seed: int = 0) -> Artifact:
-    specs = tuple(dataclasses.replace(t, mapping="managed") if i in tables else t
-                  for i, t in enumerate(art.schema.tables))
-    schema = ModelSchema(art.schema.dense, specs, art.schema.features)
-    maps = {art.schema.tables[t].name: _random_map(art.schema.tables[t].rows, seed + t,
-                                                   top=t == tables[0])
-            for t in tables}
-    return Artifact(schema, art.tables, art.dense, dict(art.meta), maps)
+from tests.fixtures.idmaps import (
+    MANAGED,
+    MAX,
+    VERSION,
+    F,
+    as_rows,
+    id_delta,
+    managed_copy,
+    random_map,
+    raw_batch,
+    traffic,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,42 +50,7 @@ def base() -> Artifact:
 
 @pytest.fixture(scope="module")
 def managed(base: Artifact) -> Artifact:
-    return _managed(base)
-
-
-def _raw_batch(art: Artifact, seed: int, b: int, multi_hot: bool,
-               unknown: float = 0.2) -> tuple[torch.Tensor, SparseBatch]:
-    """Raw ids: for managed tables mostly admitted ids (hot ones first), a share
-    ``unknown`` of never-admitted ones (2**63 - 1 - k included); modulo tables 0..3000."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = (torch.randint(0, 4, (F, b), generator=g, dtype=torch.int32) if multi_hot
-               else torch.ones((F, b), dtype=torch.int32))
-    parts = []
-    for f in range(F):
-        n = int(lengths[f].sum())
-        name = art.schema.tables[f].name
-        if name in art.id_maps:
-            known = art.id_maps[name].ids
-            pick = torch.randint(0, min(known.numel(), 50), (n,), generator=g)
-            v = known[pick].clone()
-            miss = torch.rand(n, generator=g) < unknown
-            v[miss] = MAX - torch.randint(0, 5, (int(miss.sum()),), generator=g)
-        else:
-            v = torch.randint(0, 3000, (n,), generator=g)
-        parts.append(v)
-    return torch.randn(b, 13, generator=g), SparseBatch(torch.cat(parts), lengths)
-
-
-def _as_rows(art: Artifact, sparse: SparseBatch) -> SparseBatch:
-    """The same batch with each managed table's raw ids replaced by their rows (what a
-    modulo runtime of the same tables must then serve identically)."""
-    bounds = [0, *np.cumsum(sparse.lengths.sum(1).tolist()).tolist()]
-    parts = []
-    for f in range(F):
-        v = sparse.values[bounds[f]: bounds[f + 1]]
-        name = art.schema.tables[f].name
-        parts.append(art.id_maps[name].lookup(v) if name in art.id_maps else v)
-    return SparseBatch(torch.cat(parts), sparse.lengths)
+    return managed_copy(base)
 
 
 # -- the map ------------------------------------------------------------------------------
@@ -119,12 +67,12 @@ def test_managed_map_lookup_is_exact_for_any_int64():
 
 def test_managed_map_admit_evict_diff_round_trip():
     for seed in range(5):
-        old, new = _random_map(500, seed), _random_map(500, seed + 100, share=0.7)
+        old, new = random_map(500, seed), random_map(500, seed + 100, share=0.7)
         # share ids between them, some keeping their row and some moving
         ai, ar, ev = IdMap.diff(old, new)
         assert old.apply(ai, ar, ev).equal(new)
         assert not ai.size or bool((np.diff(ai) > 0).all())
-    same = _random_map(50, 1)
+    same = random_map(50, 1)
     ai, ar, ev = IdMap.diff(same, same)
     assert ai.size == ar.size == ev.size == 0
     moved = IdMap.from_arrays([5, 6], [1, 2], 4)
@@ -188,16 +136,16 @@ def test_managed_runtime_equals_rows_fed_directly(managed, base, multi_hot, cach
     rt = Runtime.from_artifact(managed, cfg)
     ref = Runtime.from_artifact(base, RuntimeConfig())
     for step in range(4):
-        dense, sparse = _raw_batch(managed, step, 64, multi_hot)
-        assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, _as_rows(managed, sparse)))
+        dense, sparse = raw_batch(managed, step, 64, multi_hot)
+        assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, as_rows(managed, sparse)))
 
 
 def test_managed_fallback_counted_per_feature_and_never_wrapped(managed):
     rt = Runtime.from_artifact(managed, RuntimeConfig())
-    dense, sparse = _raw_batch(managed, 9, 200, multi_hot=False, unknown=0.3)
+    dense, sparse = raw_batch(managed, 9, 200, multi_hot=False, unknown=0.3)
     rt.predict(dense, sparse)
     st = rt.stats()
-    rows = _as_rows(managed, sparse).values.view(F, -1)
+    rows = as_rows(managed, sparse).values.view(F, -1)
     for f in range(F):
         if f in MANAGED:
             assert st.fallback[f] == int((rows[f] == FALLBACK_ROW).sum()) > 0, f
@@ -217,44 +165,6 @@ def test_managed_fallback_counted_per_feature_and_never_wrapped(managed):
 
 # -- deltas with ids ----------------------------------------------------------------------
 
-def _id_delta(art: Artifact, seed: int, sequence: int = 1,
-              tables: tuple[int, ...] = (0, 3, 25), modulo_tables: tuple[int, ...] = (1,)
-              ) -> Delta:
-    """Per managed table: evict some admitted ids (hot ones included), admit new raw ids
-    into the freed rows and free rows, with new bytes for every assigned row and some
-    others; plus a rows-only change of a modulo table."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in sorted(tables + modulo_tables):
-        qt = art.tables[t]
-        name = art.schema.tables[t].name
-        if t in modulo_tables:
-            ids = np.unique(rng.integers(0, qt.rows, size=max(1, qt.rows // 5)))
-            w = torch.from_numpy(rng.uniform(-0.2, 0.2, (ids.shape[0], qt.dim)).astype(np.float32))
-            out.append(DeltaTable(art.table_feature(t), t, ids.astype(np.int64),
-                                  quantize_rows_reference(w, qt.dtype).numpy()))
-            continue
-        m = art.id_maps[name]
-        mids, mrows = m.to_numpy()
-        evict_at = np.unique(np.concatenate([np.arange(min(5, mids.size)),
-                                             rng.choice(mids.size, size=mids.size // 4,
-                                                        replace=False)]))
-        evict = mids[evict_at]
-        free = np.setdiff1d(np.arange(1, qt.rows), np.delete(mrows, evict_at))
-        k = min(free.size, evict.size + 3)
-        new_ids = rng.integers(2**62, 2**63 - 2, size=k, dtype=np.int64)
-        order = np.argsort(new_ids)
-        ai, ar = new_ids[order], rng.permutation(free)[:k][order]
-        extra = rng.choice(np.arange(1, qt.rows), size=5, replace=False)
-        ids = np.unique(np.concatenate([ar, extra])).astype(np.int64)
-        w = torch.from_numpy(rng.uniform(-0.2, 0.2, (ids.shape[0], qt.dim)).astype(np.float32))
-        out.append(DeltaTable(art.table_feature(t), t, ids,
-                              quantize_rows_reference(w, qt.dtype).numpy(),
-                              ai.astype(np.int64), ar.astype(np.int64), np.sort(evict)))
-    return Delta(VERSION, sequence, 1_800_000_000.0 + sequence, art.dtype, art.embedding_dim,
-                 out[0].rows.shape[1], tuple(out))
-
-
 def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
     for blob, d in chained(deltas):
@@ -262,34 +172,17 @@ def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     return store
 
 
-def _traffic(art: Artifact, delta: Delta, seed: int, b: int, multi_hot: bool
-             ) -> tuple[torch.Tensor, SparseBatch]:
-    """Raw ids mixing the map's ids, the delta's newly admitted and evicted ids, unknown."""
-    dense, sparse = _raw_batch(art, seed, b, multi_hot)
-    g = torch.Generator().manual_seed(seed + 1)
-    bounds = [0, *np.cumsum(sparse.lengths.sum(1).tolist()).tolist()]
-    values = sparse.values.clone()
-    for t in delta.tables:
-        if not t.id_changes:
-            continue
-        pool = torch.from_numpy(np.concatenate([t.assign_ids, t.evict_ids]))
-        lo, hi = bounds[t.table], bounds[t.table + 1]
-        take = torch.rand(hi - lo, generator=g) < 0.5
-        values[lo:hi][take] = pool[torch.randint(0, pool.numel(), (int(take.sum()),), generator=g)]
-    return dense, SparseBatch(values, sparse.lengths)
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_managed_delta_admit_evict_equals_rebuilt(managed, tmp_path, policy):
     """Cache on (load factor 0.2), warmed with the ids the delta evicts: after the live
     delta (two in a chain) the predictions equal a runtime built from the rebuilt
     artifact (maps changed, rows written), bit for bit; evicted ids read the fallback."""
-    d1 = _id_delta(managed, 11, 1)
-    d2 = _id_delta(with_delta_rows(managed, d1), 12, 2, tables=(0, 2), modulo_tables=(4,))
+    d1 = id_delta(managed, 11, 1)
+    d2 = id_delta(with_delta_rows(managed, d1), 12, 2, tables=(0, 2), modulo_tables=(4,))
     cfg = RuntimeConfig(cache_on_cpu=True, cache_policy=policy, cache_load_factor=0.2)
     rt = Runtime.from_artifact(managed, cfg)
     for step in range(4):
-        rt.predict(*_traffic(managed, d1, step, 64, multi_hot=step % 2 == 1))
+        rt.predict(*traffic(managed, d1, step, 64, multi_hot=step % 2 == 1))
     assert rt.cache is not None and rt.cache.resident_rows().numel()
     store = _store_with(tmp_path, d1, d2)
     f = DeltaFollower(store, VERSION, rt, threading.Lock())
@@ -299,7 +192,7 @@ def test_managed_delta_admit_evict_equals_rebuilt(managed, tmp_path, policy):
     stale = Runtime.from_artifact(managed, RuntimeConfig())
     changed = False
     for step in range(10, 16):
-        dense, sparse = _traffic(managed, d1, step, 96, multi_hot=step % 2 == 1)
+        dense, sparse = traffic(managed, d1, step, 96, multi_hot=step % 2 == 1)
         got = rt.predict(dense, sparse)
         assert torch.equal(got, ref.predict(dense, sparse)), step
         changed |= not torch.equal(got, stale.predict(dense, sparse))
@@ -312,7 +205,7 @@ def test_managed_delta_admit_evict_equals_rebuilt(managed, tmp_path, policy):
 
 
 def test_managed_delta_file_round_trip_and_layout(managed, base, tmp_path):
-    d = _id_delta(managed, 5)
+    d = id_delta(managed, 5)
     blob = encode_delta(d)
     back = decode_delta(blob)
     for a, b in zip(d.tables, back.tables, strict=True):
@@ -340,7 +233,7 @@ def test_managed_delta_file_round_trip_and_layout(managed, base, tmp_path):
 def test_managed_follower_refuses_a_change_the_map_refuses(managed, tmp_path):
     """Evicting an id the map does not hold: the delta is refused whole (no map or row
     changed) and the worker keeps serving the version as it was."""
-    d = _id_delta(managed, 7)
+    d = id_delta(managed, 7)
     t = next(x for x in d.tables if x.id_changes)
     ghost = dataclasses.replace(t, evict_ids=np.sort(np.append(t.evict_ids[1:], 12345)))
     bad = dataclasses.replace(d, tables=tuple(ghost if x is t else x for x in d.tables))
@@ -348,7 +241,7 @@ def test_managed_follower_refuses_a_change_the_map_refuses(managed, tmp_path):
     ref = Runtime.from_artifact(managed, RuntimeConfig())
     f = DeltaFollower(_store_with(tmp_path, bad), VERSION, rt, threading.Lock())
     assert f.catch_up() == 0 and f.applied == 0
-    dense, sparse = _traffic(managed, d, 3, 64, multi_hot=True)
+    dense, sparse = traffic(managed, d, 3, 64, multi_hot=True)
     assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
 
 
@@ -365,13 +258,13 @@ def test_managed_runtime_on_cuda_equals_cpu(managed, tmp_path, cache):
     name = managed.schema.tables[0].name
     probe = torch.tensor([0, MAX, 12345, *managed.id_maps[name].ids[:5].tolist()])
     assert torch.equal(rt.id_maps[0].lookup(probe.cuda()).cpu(), managed.id_maps[name].lookup(probe))
-    d1 = _id_delta(managed, 11, 1)
+    d1 = id_delta(managed, 11, 1)
     f = DeltaFollower(_store_with(tmp_path, d1), VERSION, rt, threading.Lock())
     assert f.catch_up() == 1
     rebuilt = with_delta_rows(managed, d1)
     ref_gpu = Runtime.from_artifact(rebuilt, RuntimeConfig(device="cuda", cache_load_factor=1.0))
     for step in range(3):
-        dense, sparse = _traffic(managed, d1, step, 128, multi_hot=step == 1)
+        dense, sparse = traffic(managed, d1, step, 128, multi_hot=step == 1)
         assert torch.equal(rt.predict(dense, sparse), ref_gpu.predict(dense, sparse))
 
 
@@ -394,7 +287,7 @@ def _shared_managed_worker(art_path: str, folder: str, apply: bool, q) -> None:
             f.catch_up()
             time.sleep(0.01)
     d = decode_delta(store.path(VERSION, 1).read_bytes())
-    dense, sparse = _traffic(art, d, 3, 64, multi_hot=True)
+    dense, sparse = traffic(art, d, 3, 64, multi_hot=True)
     with shared.read():
         q.put((rt.predict(dense, sparse).numpy(), rt.stats().fallback))
 
@@ -409,7 +302,7 @@ def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
 
     art_path = tmp_path / "artifact.pt"
     save_artifact(managed, art_path)
-    d1 = _id_delta(managed, 55)
+    d1 = id_delta(managed, 55)
     folder = tmp_path / "deltas"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -426,7 +319,7 @@ def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
     writer.join(60)
     assert reader.exitcode == 0 and writer.exitcode == 0
     rebuilt = with_delta_rows(managed, d1)
-    dense, sparse = _traffic(managed, d1, 3, 64, multi_hot=True)
+    dense, sparse = traffic(managed, d1, 3, 64, multi_hot=True)
     expected = Runtime.from_artifact(rebuilt).predict(dense, sparse).numpy()
     stale = Runtime.from_artifact(managed).predict(dense, sparse).numpy()
     assert not np.array_equal(expected, stale), "the delta changed nothing: cannot fail"
@@ -454,10 +347,10 @@ def test_managed_warm_up_reads_admitted_ids_and_leaves_the_fallback_count(manage
 def test_managed_every_table_equals_rows_fed_directly(base, multi_hot):
     """Every table managed (the one-hot path then skips the modulo arithmetic): the same
     answers as the rows fed to a modulo runtime, and the fallback counted per feature."""
-    every = _managed(base, tables=tuple(range(F)), seed=40)
+    every = managed_copy(base, tables=tuple(range(F)), seed=40)
     rt = Runtime.from_artifact(every, RuntimeConfig())
     ref = Runtime.from_artifact(base, RuntimeConfig())
-    dense, sparse = _raw_batch(every, 4, 80, multi_hot)
-    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, _as_rows(every, sparse)))
-    rows = _as_rows(every, sparse).values
+    dense, sparse = raw_batch(every, 4, 80, multi_hot)
+    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, as_rows(every, sparse)))
+    rows = as_rows(every, sparse).values
     assert sum(rt.stats().fallback) == int((rows == FALLBACK_ROW).sum()) > 0

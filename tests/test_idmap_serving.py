@@ -32,7 +32,7 @@ from serve.sidecar.services.embedding_deltas import DeltaService
 from serve.store.delta_files import DeltaStore, WorkerStatus, version_digest
 from serve.worker import Worker, WorkerRequest
 from tests.fixtures.deltas import chained, with_delta_rows
-from tests.test_idmap_managed import MANAGED, VERSION, _id_delta, _managed, _raw_batch
+from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, raw_batch
 
 F = 26
 
@@ -44,7 +44,7 @@ def base() -> Artifact:
 
 @pytest.fixture(scope="module")
 def managed(base: Artifact) -> Artifact:
-    return _managed(base)
+    return managed_copy(base)
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -86,7 +86,7 @@ def test_managed_worker_records_fallback_lookups_per_feature(managed, base):
     assert {n for n in names if _value(reg, EMBEDDING_IDS_FALLBACK_TOTAL, feature=n,
                                        version=VERSION) == 0.0} == managed_names, \
         "series at 0 for managed features from the start"
-    dense, sparse = _raw_batch(managed, 5, 64, multi_hot=True, unknown=0.3)
+    dense, sparse = raw_batch(managed, 5, 64, multi_hot=True, unknown=0.3)
     body = encode_binary(dense.numpy(), sparse.lengths.numpy(), sparse.values.numpy())
     out = w.handle([WorkerRequest(body, BINARY_MEDIA_TYPE)])
     assert out[0].status == 200, out[0].body
@@ -153,8 +153,8 @@ def _service(tmp_path: Path, report: dict[str, Any],
 
 
 def _two_deltas(art: Artifact) -> list[tuple[bytes, Any]]:
-    d1 = _id_delta(art, 11, 1)
-    d2 = _id_delta(with_delta_rows(art, d1), 12, 2, tables=(0, 2), modulo_tables=(4,))
+    d1 = id_delta(art, 11, 1)
+    d2 = id_delta(with_delta_rows(art, d1), 12, 2, tables=(0, 2), modulo_tables=(4,))
     return chained([d1, d2], parent=version_digest(_report(art)))
 
 
