@@ -117,7 +117,7 @@ check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md), 
 	@new=$$(git status --porcelain --untracked-files=all -- docs k8s/monitoring | grep '^??'); \
 	if [ -n "$$new" ]; then echo "make check: generated files not in git: $$new" >&2; exit 1; fi
 
-delta-compare: venv java  ## modulo vs managed id spaces: build both (small), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~30 min)
+delta-compare: venv java  ## modulo vs managed id spaces: build both (small, small-half: tables half the id universe), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~15 min)
 	$(PY) -m bench.delta_compare
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json

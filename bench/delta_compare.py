@@ -1,10 +1,13 @@
 """Modulo vs managed id spaces on a later day: the same model built both ways, each
 refreshed live by its day-D embedding delta, measured on day D's held-out rows.
 
-    python -m bench.delta_compare                 # make delta-compare: small, day 1
-    python -m bench.delta_compare --profile tiny  # a quick run
+    python -m bench.delta_compare                   # make delta-compare: small and small-half, day 1
+    python -m bench.delta_compare --profiles tiny   # a quick run
 
-For each mapping (``modulo``: row = id % rows; ``managed``: the id map of
+``small`` has a row for every id of its click logs (ids 0..rows-1 on day 0), so modulo
+collides only the new ids of later days; ``small-half`` serves the same click logs with
+tables of half as many rows, the production regime (more ids than rows), where modulo
+folds two ids into every row from day 0 on. For each profile and each mapping (``modulo``: row = id % rows; ``managed``: the id map of
 :mod:`serve.runtime.idmap`, admission and eviction decided by training):
 
 1. build the day-0 version (``python -m serve.model.pipeline --mapping M``; skipped when
@@ -23,11 +26,12 @@ For each mapping (``modulo``: row = id % rows; ``managed``: the id map of
 
 Writes ``bench/results/delta_compare.json``::
 
-    {"runs": [{"mapping": "modulo" | "managed", "version", "auc_before", "auc_after",
+    {"runs": [{"profile", "mapping": "modulo" | "managed", "version", "auc_before", "auc_after",
                "unknown_ratio", "delta_rows", "delta_bytes", "apply_s", "assigned",
                "evicted", "served", "failed", "post_status"}, ...],
      "state": {...what was measured: profile, day, seed, batching, workers, tuner, load},
-     "checks": {"managed_gain": ..., "no_failed_requests": ...}, "ok": bool}
+     "managed_minus_modulo_auc_after": {profile: ...},
+     "checks": {"managed_gain_<profile>": ..., "no_failed_requests": ...}, "ok": bool}
 
 and prints the table. Exit 1 when a check fails: managed ``auc_after`` at least
 ``--min-gain`` (0.005) above modulo's, 0 failed requests in each run, each POST applied.
@@ -55,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.delta_compare",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="small", help="model profile (default small)")
+    ap.add_argument("--profiles", default="small,small-half",
+                    help="model profiles, comma-separated (default small,small-half)")
     ap.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     ap.add_argument("--day", type=int, default=1, help="the later day (default 1)")
     ap.add_argument("--model-store", type=Path, default=REPO / "model_store")
@@ -86,10 +91,10 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def build(args: argparse.Namespace, mapping: str) -> tuple[str, Path]:
+def build(args: argparse.Namespace, profile: str, mapping: str) -> tuple[str, Path]:
     """The day-0 version (built if missing) and its day-D delta (built afresh)."""
-    version = version_name(args.profile, args.seed, mapping)
-    _run([sys.executable, "-m", "serve.model.pipeline", "--profile", args.profile,
+    version = version_name(profile, args.seed, mapping)
+    _run([sys.executable, "-m", "serve.model.pipeline", "--profile", profile,
           "--seed", str(args.seed), "--version", version, "--model-store", str(args.model_store),
           "--mapping", mapping, "--if-missing"])
     work = WORK / version
@@ -129,25 +134,26 @@ def unknown_ratio(artifact_path: Path, profile: str, day: int) -> float:
     return unknown / max(total, 1)
 
 
-def measure(args: argparse.Namespace, mapping: str, version: str, delta: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, profile: str, mapping: str, version: str,
+            delta: Path) -> dict[str, Any]:
     """Serve ``version``, apply ``delta`` live under load, AUC before and after."""
     from serve.ops.delta_check import run_check
     from serve.ops.launcher import running_service
 
-    root = WORK / "service" / mapping
+    root = WORK / "service" / version
     shutil.rmtree(root, ignore_errors=True)
     with running_service(root, args.model_store, version) as (cfg, _client):
         check = argparse.Namespace(
             delta=str(delta), url=cfg.inference_url, sidecar=cfg.sidecar_write_url,
-            token_file=str(cfg.token_file), day=args.day, profile=args.profile,
+            token_file=str(cfg.token_file), day=args.day, profile=profile,
             clients=args.clients, instances=args.instances, after_s=args.after_s,
             min_gain=-1.0, json=None)
         res = run_check(check)
     apply_s = max(res["apply_seconds_per_worker"].values(), default=None)
-    return {"mapping": mapping, "version": version, "auc_before": res["auc_before"],
-            "auc_after": res["auc_after"],
+    return {"profile": profile, "mapping": mapping, "version": version,
+            "auc_before": res["auc_before"], "auc_after": res["auc_after"],
             "unknown_ratio": round(unknown_ratio(delta.parent / "artifact.pt",
-                                                 args.profile, args.day), 6),
+                                                 profile, args.day), 6),
             "delta_rows": res["delta_rows"], "delta_bytes": res["delta_bytes"],
             "apply_s": apply_s, "assigned": res["delta_assigned"],
             "evicted": res["delta_evicted"], "served": res["load"]["served"],
@@ -158,31 +164,35 @@ def measure(args: argparse.Namespace, mapping: str, version: str, delta: Path) -
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     t0 = time.time()
-    state = {"profile": args.profile, "seed": args.seed, "day": args.day,
+    profiles = [p for p in args.profiles.split(",") if p]
+    state = {"profiles": profiles, "seed": args.seed, "day": args.day,
              "service": "shipped defaults: batching 2/2 ms, 2 workers, tuner on, cache off (CPU)",
              "load": f"{args.clients} closed-loop clients x {args.instances} instances"}
     print(f"delta-compare: {state}", flush=True)
-    built = {m: build(args, m) for m in MAPPINGS}
-    runs = [measure(args, m, *built[m]) for m in MAPPINGS]
-    by = {r["mapping"]: r for r in runs}
-    gain = by["managed"]["auc_after"] - by["modulo"]["auc_after"]
-    checks = {"managed_gain": gain >= args.min_gain,
-              "no_failed_requests": all(r["failed"] == 0 and r["served"] > 0 for r in runs),
-              "posts_applied": all(r["post_status"] == 200 for r in runs)}
-    result = {"runs": runs, "state": state, "managed_minus_modulo_auc_after": round(gain, 6),
+    runs, gains = [], {}
+    for profile in profiles:
+        built = {m: build(args, profile, m) for m in MAPPINGS}
+        got = {m: measure(args, profile, m, *built[m]) for m in MAPPINGS}
+        runs += [got[m] for m in MAPPINGS]
+        gains[profile] = round(got["managed"]["auc_after"] - got["modulo"]["auc_after"], 6)
+    checks = {f"managed_gain_{p}": g >= args.min_gain for p, g in gains.items()}
+    checks["no_failed_requests"] = all(r["failed"] == 0 and r["served"] > 0 for r in runs)
+    checks["posts_applied"] = all(r["post_status"] == 200 for r in runs)
+    result = {"runs": runs, "state": state, "managed_minus_modulo_auc_after": gains,
               "checks": checks, "ok": all(checks.values()),
               "seconds": round(time.time() - t0, 1),
               "command": "python -m bench.delta_compare " + " ".join(argv or sys.argv[1:])}
     print(f"\nstate: {state}")
-    print(f"| mapping | day-{args.day} AUC before | after | unknown ratio | delta rows | delta bytes "
-          "| ids assigned | evicted | apply s | served | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| profile | mapping | day-{args.day} AUC before | after | unknown ratio | delta rows "
+          "| delta bytes | ids assigned | evicted | apply s | served | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['mapping']} | {r['auc_before']:.4f} | {r['auc_after']:.4f} | "
+        print(f"| {r['profile']} | {r['mapping']} | {r['auc_before']:.4f} | {r['auc_after']:.4f} | "
               f"{r['unknown_ratio']:.4f} | {r['delta_rows']:,} | {r['delta_bytes']:,} | "
               f"{r['assigned']:,} | {r['evicted']:,} | {r['apply_s']} | {r['served']:,} | "
               f"{r['failed']} |")
-    print(f"managed - modulo AUC after the delta: {gain:+.4f} (needs >= {args.min_gain})")
+    for p, g in gains.items():
+        print(f"{p}: managed - modulo AUC after the delta: {g:+.4f} (needs >= {args.min_gain})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"checks: {checks} -> {'ok' if result['ok'] else 'FAILED'}; wrote {args.out}")

@@ -152,13 +152,13 @@ class _Planted:
         f = profile.num_sparse
         # Per-feature informativeness: some features matter a lot, some barely.
         self.feature_scale = rng.uniform(0.2, 1.0, size=f) * _ID_EFFECT
-        self.effects = [rng.standard_normal(c).astype(np.float32) for c in profile.cardinalities]
+        self.effects = [rng.standard_normal(c).astype(np.float32) for c in profile.id_space]
         self.dense_w = (rng.standard_normal(NUM_DENSE) * _DENSE_WEIGHT).astype(np.float32)
         self.pairs = [(a, b) for a, b in _PAIRS if a < f and b < f]
-        self.latent = {i: rng.standard_normal((profile.cardinalities[i], _LATENT)).astype(np.float32)
+        self.latent = {i: rng.standard_normal((profile.id_space[i], _LATENT)).astype(np.float32)
                        / math.sqrt(_LATENT)
                        for i in sorted({i for p in self.pairs for i in p})}
-        self.perms = [id_permutation(seed, i, c) for i, c in enumerate(profile.cardinalities)]
+        self.perms = [id_permutation(seed, i, c) for i, c in enumerate(profile.id_space)]
         # New ids (day >= 1): per feature, the ranks taken by a brand-new id and those ids
         # (card + k, k in order of arrival), int64 (n,) each; perms stay permutations.
         f = profile.num_sparse
@@ -176,7 +176,7 @@ class _Planted:
     def _drift(self, profile: Profile, seed: int, day: int) -> None:
         """Move the world from day ``day - 1`` to ``day``: new hot ids, changed effects."""
         rng = np.random.default_rng([seed, _DRIFT_STREAM, day])
-        for j, card in enumerate(profile.cardinalities):
+        for j, card in enumerate(profile.id_space):
             prev = self.perms[j]
             perm = prev.copy()
             k = min(max(_DRIFT_MIN_HOT, round(_DRIFT_HOT_SHARE * card)), card // 4)
@@ -194,7 +194,7 @@ class _Planted:
         drawn among the free top ranks get ids ``card + k`` with fresh effects (and latent
         vectors); the old ids at those ranks leave the traffic."""
         rng = np.random.default_rng([seed, _NEW_ID_STREAM, day])
-        for j, card in enumerate(profile.cardinalities):
+        for j, card in enumerate(profile.id_space):
             if card < _NEW_ID_MIN_ROWS:
                 continue
             n = max(1, round(_NEW_ID_SHARE * card))
@@ -250,7 +250,7 @@ class _Planted:
 def _id_dtype(profile: Profile, max_id: int | None = None) -> np.dtype:
     """int32 when every id fits (``max_id``: the largest id drawn; default the largest
     table's last row, as on day 0), else int64."""
-    top = max(profile.cardinalities) if max_id is None else max_id
+    top = max(profile.id_space) if max_id is None else max_id
     return np.dtype(np.int32 if top <= np.iinfo(np.int32).max else np.int64)
 
 
@@ -285,7 +285,7 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
             lengths = rng.integers(1, m + 1, size=(rows, f)).astype(np.uint8)
         else:
             lengths = np.ones((rows, f), dtype=np.uint8)
-        for j, card in enumerate(p.cardinalities):
+        for j, card in enumerate(p.id_space):
             ranks = zipf_ranks(rng, rows * m, card, cfg.alpha, cdfs[j]).reshape(rows, m)
             ids[:, j, :] = planted.rank_ids[j][ranks]
         if m > 1:  # ids beyond a sample's length are padding: store 0, never read
@@ -321,7 +321,7 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     planted = _Planted(p, cfg.seed, cfg.day)
-    cdfs = [zeta_cdf(c, cfg.alpha) for c in p.cardinalities]
+    cdfs = [zeta_cdf(c, cfg.alpha) for c in p.id_space]
     splits = {}
     for split, n, s in (("train", cfg.train_samples, 1), ("eval", cfg.eval_samples, 2)):
         splits[split] = _generate_split(cfg, planted, cdfs, tmp, split, n, s, progress)
@@ -329,7 +329,7 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
         "format_version": FORMAT_VERSION, "profile": p.name, "alpha": cfg.alpha,
         "seed": cfg.seed, "day": cfg.day, "num_dense": NUM_DENSE,
         "dense_features": list(DENSE_FEATURES),
-        "sparse_features": list(p.feature_names), "cardinalities": list(p.cardinalities),
+        "sparse_features": list(p.feature_names), "cardinalities": list(p.id_space),
         "max_ids_per_feature": p.max_ids_per_feature,
         "dtypes": {"dense": "float32",
                    "sparse": _id_dtype(p, planted.max_id() if cfg.day > 0 else None).name,

@@ -297,7 +297,10 @@ def source_hash(files: tuple[str, ...]) -> str:
 
 
 def _fingerprint(step: str, cfg: PipelineConfig, args: dict[str, Any], upstream: str) -> str:
-    blob = json.dumps({"step": step, "profile": dataclasses.asdict(cfg.profile), "args": args,
+    profile = dataclasses.asdict(cfg.profile)
+    if profile.get("id_cardinalities") is None:   # profiles before the field: same prints
+        profile.pop("id_cardinalities", None)
+    blob = json.dumps({"step": step, "profile": profile, "args": args,
                        "source": source_hash(_STEP_SOURCES[step]), "upstream": upstream},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
