@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds of load after the POST answered (10)")
     ap.add_argument("--min-gain", type=float, default=0.005,
                     help="managed AUC after its delta over modulo's (0.005)")
+    ap.add_argument("--fallback-share", type=float, default=0.0,
+                    help="managed builds: share of each table's rows that unadmitted ids "
+                         "share by id %% k (default 0: one fallback row); > 0 names the "
+                         "version ...-managed-fb<percent>")
     ap.add_argument("--out", type=Path, default=OUT, help=f"output (default {OUT})")
     return ap
 
@@ -94,9 +98,13 @@ def _run(cmd: list[str]) -> str:
 def build(args: argparse.Namespace, profile: str, mapping: str) -> tuple[str, Path]:
     """The day-0 version (built if missing) and its day-D delta (built afresh)."""
     version = version_name(profile, args.seed, mapping)
+    extra: list[str] = []
+    if mapping == "managed" and args.fallback_share > 0:
+        version += f"-fb{round(args.fallback_share * 100)}"
+        extra = ["--fallback-share", str(args.fallback_share)]
     _run([sys.executable, "-m", "serve.model.pipeline", "--profile", profile,
           "--seed", str(args.seed), "--version", version, "--model-store", str(args.model_store),
-          "--mapping", mapping, "--if-missing"])
+          "--mapping", mapping, "--if-missing", *extra])
     work = WORK / version
     shutil.rmtree(work, ignore_errors=True)
     out = _run([sys.executable, "-m", "serve.model.delta", "--day", str(args.day),

@@ -64,6 +64,8 @@ class TableSpec:
     pooling: str = "sum"
     dtype: str = "int8"
     mapping: str = "modulo"
+    #: Managed tables: rows 0..k-1 that ids outside the id map share by ``id % k``.
+    fallback_rows: int = 1
 
     def __post_init__(self) -> None:
         _name(self.name, "table name")
@@ -83,6 +85,11 @@ class TableSpec:
         if self.mapping == "managed" and self.rows < 2:
             raise ConfigError(f"table {self.name}: a managed table needs >= 2 rows (row 0 is "
                               f"the fallback for ids not admitted), got {self.rows}")
+        if not isinstance(self.fallback_rows, int) or self.fallback_rows < 1 \
+                or (self.fallback_rows > 1 and (self.mapping != "managed"
+                                                or self.fallback_rows >= self.rows)):
+            raise ConfigError(f"table {self.name}: fallback_rows {self.fallback_rows!r} must be "
+                              f"1, or for a managed table 1..{self.rows - 1}")
 
     def to_dict(self) -> dict[str, Any]:
         """The mapping is written only when managed: modulo schemas (every build before
@@ -91,6 +98,8 @@ class TableSpec:
                              "pooling": self.pooling, "dtype": self.dtype}
         if self.mapping != "modulo":
             d["mapping"] = self.mapping
+        if self.fallback_rows != 1:
+            d["fallback_rows"] = self.fallback_rows
         return d
 
 

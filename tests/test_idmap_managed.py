@@ -354,3 +354,23 @@ def test_managed_every_table_equals_rows_fed_directly(base, multi_hot):
     assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, as_rows(every, sparse)))
     rows = as_rows(every, sparse).values
     assert sum(rt.stats().fallback) == int((rows == FALLBACK_ROW).sum()) > 0
+
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+@pytest.mark.parametrize("every", [False, True])
+def test_managed_hashed_fallback_rows_equal_rows_fed_directly(base, multi_hot, every):
+    """k fallback rows per table: an id outside the map reads row id % k (not all of them
+    row 0); admitted ids own rows k..rows-1. Same answers as those rows fed directly."""
+    tables = tuple(range(F)) if every else MANAGED
+    art = managed_copy(base, tables=tables, seed=60, fallback_share=0.2)
+    big = next(t for t in tables if base.schema.tables[t].rows >= 50)
+    m = art.id_maps[base.schema.tables[big].name]
+    assert m.fallback_rows > 1 and int(m.rows.min()) >= m.fallback_rows
+    probe = torch.tensor([MAX - 1, 12345, 7, 8])   # none admitted (map ids < 2**62, MAX)
+    assert m.lookup(probe).tolist() == [int(x) % m.fallback_rows for x in probe.tolist()]
+    rt = Runtime.from_artifact(art, RuntimeConfig())
+    ref = Runtime.from_artifact(base, RuntimeConfig())
+    dense, sparse = raw_batch(art, 5, 80, multi_hot)
+    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, as_rows(art, sparse)))
+    fallen = as_rows(art, sparse).values
+    assert sum(rt.stats().fallback) > 0 and int((fallen > 0).sum()) > 0

@@ -120,12 +120,15 @@ class AdmissionConfig:
         threshold: sightings before an id is admitted (>= 1).
         ttl_days: ``ttl``: days unseen before an admitted id is evicted (>= 1).
         recency_days: ``lfu_lru``: ids seen within this many days are protected (>= 1).
+        fallback_share: the share of each table's rows reserved as fallback rows, which
+            ids without a row of their own share by ``id % k`` (0: one fallback row).
     """
 
     policy: str = "lfu_lru"
     threshold: int = 2
     ttl_days: int = 2
     recency_days: int = 1
+    fallback_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -136,10 +139,22 @@ class AdmissionConfig:
                      then=" (sightings of an id before it gets a row of its own)")
         int_at_least("--ttl-days", self.ttl_days, 1)
         int_at_least("--recency-days", self.recency_days, 1)
+        if not (isinstance(self.fallback_share, (int, float))
+                and 0.0 <= self.fallback_share < 1.0):
+            raise ConfigError(f"--fallback-share {self.fallback_share!r} must be in [0, 1): the "
+                              "share of a table's rows that ids without a row of their own "
+                              "share (0: one fallback row)")
+
+    def fallback_rows(self, rows: int) -> int:
+        """k for a table of ``rows``: round(share x rows), at least 1, at most rows - 1."""
+        return min(max(1, round(self.fallback_share * rows)), rows - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "threshold": self.threshold,
-                "ttl_days": self.ttl_days, "recency_days": self.recency_days}
+        d: dict[str, Any] = {"policy": self.policy, "threshold": self.threshold,
+                             "ttl_days": self.ttl_days, "recency_days": self.recency_days}
+        if self.fallback_share:   # builds before the option keep their fingerprints
+            d["fallback_share"] = self.fallback_share
+        return d
 
 
 @dataclass
@@ -153,6 +168,7 @@ class TableState:
     freq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     last_seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    fallback_rows: int = 1
 
     def __post_init__(self) -> None:
         int_at_least(f"managed table {self.name}: rows", self.rows, 2,
@@ -163,8 +179,8 @@ class TableState:
 
     @property
     def capacity(self) -> int:
-        """Rows for admitted ids: ``rows - 1`` (row 0 is the fallback)."""
-        return self.rows - 1
+        """Rows for admitted ids: ``rows - fallback_rows`` (rows 0..k-1 are the fallback)."""
+        return self.rows - self.fallback_rows
 
     @property
     def admitted(self) -> int:
@@ -202,7 +218,8 @@ class AdmissionState:
     @classmethod
     def new(cls, config: AdmissionConfig, rows: Mapping[str, int]) -> AdmissionState:
         """An empty state for tables ``{name: rows}``: nothing admitted."""
-        return cls(config, [TableState(n, int(r)) for n, r in rows.items()])
+        return cls(config, [TableState(n, int(r), fallback_rows=config.fallback_rows(int(r)))
+                            for n, r in rows.items()])
 
     def table(self, name: str) -> TableState:
         try:
@@ -270,7 +287,7 @@ class AdmissionState:
         cand = np.flatnonzero((t.row == 0) & (t.last_seen == day) & (t.count >= cfg.threshold))
         cand = cand[self._order(t, cand, best_first=True)]
         used = np.zeros(t.rows, dtype=bool)
-        used[0] = True
+        used[:t.fallback_rows] = True
         used[t.row[t.row > 0]] = True
         free = np.flatnonzero(~used)
         n_free = min(free.shape[0], cand.shape[0])
@@ -333,7 +350,7 @@ class AdmissionState:
 
         t = self.table(name)
         on = t.row > 0
-        return IdMap.from_arrays(t.ids[on].copy(), t.row[on].copy(), t.rows)
+        return IdMap.from_arrays(t.ids[on].copy(), t.row[on].copy(), t.rows, t.fallback_rows)
 
     def id_maps(self) -> dict[str, IdMap]:
         return {name: self.id_map(name) for name in self.tables}
@@ -349,7 +366,8 @@ class AdmissionState:
         """Write the state as one ``.npz`` (atomically); returns the path."""
         path = Path(path)
         meta = {"format": _FORMAT, "config": self.config.to_dict(), "day": self.day,
-                "tables": [{"name": t.name, "rows": t.rows} for t in self.tables.values()]}
+                "tables": [{"name": t.name, "rows": t.rows, "fallback_rows": t.fallback_rows}
+                           for t in self.tables.values()]}
         arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta))}
         for i, t in enumerate(self.tables.values()):
             for f in _FIELDS:
@@ -376,7 +394,8 @@ def load_state(path: str | os.PathLike) -> AdmissionState:
             if meta.get("format") != _FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}")
             tables = [TableState(str(m["name"]), int(m["rows"]),
-                                 *(z[f"t{i}_{f}"].copy() for f in _FIELDS))
+                                 **{f: z[f"t{i}_{f}"].copy() for f in _FIELDS},
+                                 fallback_rows=int(m.get("fallback_rows", 1)))
                       for i, m in enumerate(meta["tables"])]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"admission state {path} is unreadable ({e}); rebuild it (a managed "

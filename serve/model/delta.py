@@ -275,7 +275,8 @@ class _DeltaPlan:
             return None
         return AdmissionConfig(policy=str(idm["policy"]), threshold=int(idm["threshold"]),
                                ttl_days=int(idm["ttl_days"]),
-                               recency_days=int(idm["recency_days"]))
+                               recency_days=int(idm["recency_days"]),
+                               fallback_share=float(idm.get("fallback_share", 0.0)))
 
     @property
     def prev_admission(self) -> Path:

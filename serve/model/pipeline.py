@@ -196,6 +196,7 @@ class PipelineConfig:
     eviction: str = "lfu_lru"
     ttl_days: int = 2
     recency_days: int = 1
+    fallback_share: float = 0.0
 
     def __post_init__(self) -> None:
         from serve.model.quantize import QUANT_DTYPES
@@ -230,7 +231,8 @@ class PipelineConfig:
         if self.mapping != "managed":
             return None
         return AdmissionConfig(policy=self.eviction, threshold=self.admit_threshold,
-                               ttl_days=self.ttl_days, recency_days=self.recency_days)
+                               ttl_days=self.ttl_days, recency_days=self.recency_days,
+                               fallback_share=self.fallback_share)
 
     @property
     def train_seed(self) -> int:
@@ -466,6 +468,7 @@ def _id_mapping_report(plan: dict[str, Any]) -> dict[str, Any]:
     return {"mapping": plan["mapping"], "policy": plan["policy"],
             "threshold": plan["threshold"], "ttl_days": plan["ttl_days"],
             "recency_days": plan["recency_days"],
+            "fallback_share": plan.get("fallback_share", 0.0),
             "tables": {n: {k: t[k] for k in ("admitted", "capacity", "occupancy")}
                        for n, t in plan["tables"].items()}}
 
@@ -615,6 +618,10 @@ def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--recency-days", type=int, default=1,
                     help="managed, --eviction lfu_lru: ids seen within this many days are "
                          "never evicted (default 1: seen on the latest day)")
+    ap.add_argument("--fallback-share", type=float, default=0.0,
+                    help="managed: share of each table's rows reserved as fallback rows that "
+                         "ids without a row of their own share by id %% k (default 0: one "
+                         "fallback row)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -705,7 +712,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         force=args.force, check_quality=not args.no_quality_check,
         label_shuffle=args.label_shuffle, data_day=args.data_day, mapping=args.mapping,
         admit_threshold=args.admit_threshold, eviction=args.eviction, ttl_days=args.ttl_days,
-        recency_days=args.recency_days)
+        recency_days=args.recency_days, fallback_share=args.fallback_share)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,8 +235,9 @@ def _with_id_maps(art: Any, id_maps: dict[str, Any]) -> Any:
         return art
     import dataclasses
 
-    tables = tuple(dataclasses.replace(t, mapping="managed") if t.name in id_maps else t
-                   for t in art.schema.tables)
+    tables = tuple(dataclasses.replace(t, mapping="managed",
+                                       fallback_rows=id_maps[t.name].fallback_rows)
+                   if t.name in id_maps else t for t in art.schema.tables)
     schema = dataclasses.replace(art.schema, tables=tables)
     return dataclasses.replace(art, schema=schema, id_maps=dict(id_maps))
 

@@ -197,9 +197,11 @@ class Artifact:
                                 "its map and no other table has one")
         for spec in specs:
             m = self.id_maps.get(spec.name)
-            if m is not None and m.table_rows != spec.rows:
+            if m is not None and (m.table_rows, m.fallback_rows) != (spec.rows,
+                                                                     spec.fallback_rows):
                 raise ArtifactError(f"table {spec.name}: its id map is for {m.table_rows} "
-                                    f"rows, the table has {spec.rows}")
+                                    f"rows ({m.fallback_rows} fallback), the table has "
+                                    f"{spec.rows} ({spec.fallback_rows} fallback)")
         if isinstance(self.dense, DLRMDense):
             dims = {t.dim for t in self.tables}
             if len(dims) != 1:
@@ -221,7 +223,9 @@ class Artifact:
         schema = ModelSchema(
             num_dense,
             tuple(TableSpec(t.name, t.rows, t.dim, "sum", t.dtype,
-                            "managed" if t.name in maps else "modulo") for t in tables),
+                            "managed" if t.name in maps else "modulo",
+                            maps[t.name].fallback_rows if t.name in maps else 1)
+                  for t in tables),
             tuple(FeatureSpec(f, t.name, max_ids)
                   for f, t in zip(feature_names, tables, strict=True)))
         del dtype  # every table states its own
@@ -301,8 +305,10 @@ def _from_v2(blob: dict[str, Any]) -> Artifact:
         dense = ExportedDense(d["program"])
     else:
         raise ArtifactError(f"dense kind {d['kind']!r} is not 'dlrm' or 'export'")
-    rows = {s.name: s.rows for s in schema.tables}
-    id_maps = {name: IdMap.from_arrays(m["ids"], m["rows"], rows.get(name, 0))
+    specs = {s.name: s for s in schema.tables}
+    id_maps = {name: IdMap.from_arrays(m["ids"], m["rows"],
+                                       specs[name].rows if name in specs else 0,
+                                       specs[name].fallback_rows if name in specs else 1)
                for name, m in blob.get("id_maps", {}).items()}
     return Artifact(schema, tables, dense, dict(blob["meta"]), id_maps)
 

@@ -330,6 +330,7 @@ class Runtime:
         #: Managed tables (index -> rows); their maps are in ``_map_index`` (_place_rows).
         self._managed: dict[int, int] = {i: t.rows for i, t in enumerate(self.schema.tables)
                                          if t.mapping == "managed"}
+        self._fallback_rows = {i: self.schema.tables[i].fallback_rows for i in self._managed}
         ftab = self.schema.feature_tables
         #: Rows of each feature's table (request order).
         self.feature_rows = [self.table_rows[t] for t in ftab]
@@ -415,7 +416,7 @@ class Runtime:
                      else cap < self.total_rows)
         # The managed tables' maps: written into a region of their own here (on the
         # device), or, with the pod-wide shared tables, into the shared file beside them.
-        maps = MapIndex(self._managed)
+        maps = MapIndex(self._managed, fallback=self._fallback_rows)
         for i, t in enumerate(self.schema.tables):
             if i in self._managed:
                 maps.write(i, artifact.id_maps[t.name])
@@ -423,11 +424,13 @@ class Runtime:
             # One copy for every worker of the pod (serve.runtime.shared).
             self.shared = shared
             table = shared.open(_widen(tables), maps.region if self._managed else None)
-            self._map_index = (MapIndex(self._managed, shared.id_region)
+            self._map_index = (MapIndex(self._managed, shared.id_region,
+                                        fallback=self._fallback_rows)
                                if shared.id_region is not None else maps)
             return None, table
         self._map_index = (maps if self.device.type == "cpu"
-                           else MapIndex(self._managed, maps.region.to(self.device)))
+                           else MapIndex(self._managed, maps.region.to(self.device),
+                                         fallback=self._fallback_rows))
         if not use_cache:
             if (self.device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous()
                     and tables[0].shape[1] == rb):

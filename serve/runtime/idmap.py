@@ -64,22 +64,27 @@ class IdMap:
 
     Attributes:
         ids: int64 (n,) sorted ascending, unique, >= 0.
-        rows: int64 (n,) unique, each in ``1..table_rows - 1`` (``rows[i]`` is ``ids[i]``'s).
-        table_rows: rows of the table, the fallback row included.
+        rows: int64 (n,) unique, each in ``fallback_rows..table_rows - 1`` (``rows[i]`` is
+            ``ids[i]``'s).
+        table_rows: rows of the table, the fallback rows included.
+        fallback_rows: k, the rows 0..k-1 that ids outside the map share, by ``id % k``
+            (1: one fallback row, :data:`FALLBACK_ROW`).
     """
 
     ids: torch.Tensor
     rows: torch.Tensor
     table_rows: int
+    fallback_rows: int = 1
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def empty(cls, table_rows: int) -> IdMap:
-        """No id admitted yet: every id reads the fallback row."""
-        return cls.from_arrays([], [], table_rows)
+    def empty(cls, table_rows: int, fallback_rows: int = 1) -> IdMap:
+        """No id admitted yet: every id reads a fallback row."""
+        return cls.from_arrays([], [], table_rows, fallback_rows)
 
     @classmethod
-    def from_arrays(cls, ids: _Ints, rows: _Ints, table_rows: int) -> IdMap:
+    def from_arrays(cls, ids: _Ints, rows: _Ints, table_rows: int,
+                    fallback_rows: int = 1) -> IdMap:
         """A checked map from unsorted (id, row) pairs.
 
         Raises:
@@ -89,12 +94,15 @@ class IdMap:
         if not isinstance(table_rows, int) or table_rows < 2:
             raise ConfigError(f"a managed table needs >= 2 rows (row {FALLBACK_ROW} is the "
                               f"fallback), got {table_rows!r}")
+        if not isinstance(fallback_rows, int) or not 1 <= fallback_rows < table_rows:
+            raise ConfigError(f"fallback_rows {fallback_rows!r} must be in 1..{table_rows - 1}: "
+                              "at least one fallback row, and one row left for an id")
         i, r = _int64(ids, "ids"), _int64(rows, "rows")
         if i.shape != r.shape:
             raise ConfigError(f"ids ({i.numel()}) and rows ({r.numel()}) must pair one to one")
         order = torch.argsort(i)
         i, r = i[order].contiguous(), r[order].contiguous()
-        m = cls(i, r, table_rows)
+        m = cls(i, r, table_rows, fallback_rows)
         m.check()
         return m
 
@@ -103,7 +111,8 @@ class IdMap:
         n = self.ids.numel()
         if n > self.capacity:
             raise ConfigError(f"{n} ids for a table of {self.table_rows} rows: at most "
-                              f"{self.capacity} (row {FALLBACK_ROW} is the fallback)")
+                              f"{self.capacity} (rows 0..{self.fallback_rows - 1} are the "
+                              "fallback)")
         if n == 0:
             return
         if int(self.ids[0]) < 0:
@@ -112,9 +121,10 @@ class IdMap:
             dup = self.ids[1:][self.ids[1:] == self.ids[:-1]]
             raise ConfigError(f"id {int(dup[0])} appears twice; every id owns one row")
         lo, hi = int(self.rows.min()), int(self.rows.max())
-        if lo < 1 or hi >= self.table_rows:
-            raise ConfigError(f"rows must be in 1..{self.table_rows - 1} (row {FALLBACK_ROW} "
-                              f"is the fallback), got {lo}..{hi}")
+        if lo < self.fallback_rows or hi >= self.table_rows:
+            raise ConfigError(f"rows must be in {self.fallback_rows}..{self.table_rows - 1} "
+                              f"(rows 0..{self.fallback_rows - 1} are the fallback), got "
+                              f"{lo}..{hi}")
         if torch.unique(self.rows).numel() != n:
             raise ConfigError("a row is assigned to two ids; every admitted id owns its row")
 
@@ -126,8 +136,8 @@ class IdMap:
 
     @property
     def capacity(self) -> int:
-        """Ids the table can admit: every row but the fallback."""
-        return self.table_rows - 1
+        """Ids the table can admit: every row but the fallback rows."""
+        return self.table_rows - self.fallback_rows
 
     @property
     def occupancy(self) -> float:
@@ -135,7 +145,8 @@ class IdMap:
         return self.size / self.capacity
 
     def to(self, device: torch.device | str) -> IdMap:
-        return IdMap(self.ids.to(device), self.rows.to(device), self.table_rows)
+        return IdMap(self.ids.to(device), self.rows.to(device), self.table_rows,
+                     self.fallback_rows)
 
     def to_numpy(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) as numpy int64 (n,) each, id order."""
@@ -149,6 +160,7 @@ class IdMap:
     def equal(self, other: IdMap) -> bool:
         """Same ids, same rows, same table (``torch.equal``)."""
         return (self.table_rows == other.table_rows
+                and self.fallback_rows == other.fallback_rows
                 and torch.equal(self.ids.cpu(), other.ids.cpu())
                 and torch.equal(self.rows.cpu(), other.rows.cpu()))
 
@@ -163,12 +175,13 @@ class IdMap:
         """(rows int64 (k,), found bool (k,)): as :meth:`lookup`, and which ids were in the
         map (the others read the fallback row)."""
         v = values.to(self.ids.device).long()
+        fallback = v % self.fallback_rows if self.fallback_rows > 1 else \
+            torch.full_like(v, FALLBACK_ROW)
         if self.ids.numel() == 0:
-            return (torch.full_like(v, FALLBACK_ROW), torch.zeros_like(v, dtype=torch.bool))
+            return fallback, torch.zeros_like(v, dtype=torch.bool)
         pos = torch.searchsorted(self.ids, v).clamp_(max=self.ids.numel() - 1)
         found = self.ids.index_select(0, pos.view(-1)).view_as(v) == v
-        rows = torch.where(found, self.rows.index_select(0, pos.view(-1)).view_as(v),
-                           torch.full_like(v, FALLBACK_ROW))
+        rows = torch.where(found, self.rows.index_select(0, pos.view(-1)).view_as(v), fallback)
         return rows, found
 
     # -- change --------------------------------------------------------------------------
@@ -202,7 +215,8 @@ class IdMap:
             if bool(taken.any()):
                 raise ConfigError(f"assigned row {int(ar[taken][0])} belongs to another id; "
                                   "evict that id in the same change first")
-        out = IdMap.from_arrays(torch.cat((ids, ai)), torch.cat((rows, ar)), self.table_rows)
+        out = IdMap.from_arrays(torch.cat((ids, ai)), torch.cat((rows, ar)), self.table_rows,
+                                self.fallback_rows)
         return out.to(self.ids.device)
 
     @staticmethod
@@ -210,9 +224,10 @@ class IdMap:
         """``(assign_ids, assign_rows, evict_ids)``, numpy int64, sorted by id, such that
         ``old.apply(assign_ids, assign_rows, evict_ids)`` equals ``new``. An id whose row
         changed is evicted and assigned again."""
-        if old.table_rows != new.table_rows:
+        if (old.table_rows, old.fallback_rows) != (new.table_rows, new.fallback_rows):
             raise ConfigError(f"maps of tables of {old.table_rows} and {new.table_rows} rows "
-                              "cannot be diffed: a delta never changes a table's rows")
+                              f"({old.fallback_rows} and {new.fallback_rows} fallback rows) "
+                              "cannot be diffed: a delta never changes a table's layout")
         oi, orow = old.to_numpy()
         ni, nrow = new.to_numpy()
         common, o_at, n_at = np.intersect1d(oi, ni, assume_unique=True, return_indices=True)
@@ -245,15 +260,22 @@ class MapIndex:
     the sentinel -1, which no query equals (ids are >= 0): a search past the last id lands
     on it and finds nothing.
 
+    Ids outside a map read ``id % k_t`` (k_t: the table's fallback rows, fixed by its
+    schema, so not in the region).
+
     Args:
         tables: managed table index -> its rows, in region order.
         region: the int64 region (:meth:`size`), already written (a shared file another
             worker filled), or None: a fresh one on ``device`` holding empty maps.
+        fallback: managed table index -> its fallback rows k_t (default 1 each).
     """
 
     def __init__(self, tables: dict[int, int], region: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 fallback: dict[int, int] | None = None) -> None:
         self.tables = dict(tables)
+        self.fallback = {t: (fallback or {}).get(t, 1) for t in self.tables}
+        self._hashed = any(k > 1 for k in self.fallback.values())
         self.order = {t: i for i, t in enumerate(self.tables)}
         self.offsets: dict[int, int] = {}
         at = 0
@@ -285,6 +307,7 @@ class MapIndex:
         self._views: dict[int, torch.Tensor] = {}
         self._views_counts: list[int] | None = None
         self._offs: dict[tuple[int, ...], torch.Tensor] = {}
+        self._ks: dict[tuple[int, ...], torch.Tensor] = {}
 
     @staticmethod
     def size(tables: dict[int, int]) -> int:
@@ -306,13 +329,15 @@ class MapIndex:
     def map(self, table: int) -> IdMap:
         """Table ``table``'s map: views of the region (valid until the next write)."""
         n, off = self._counts()[self.order[table]], self.offsets[table]
-        return IdMap(self.ids[off:off + n], self.rows[off:off + n], self.tables[table])
+        return IdMap(self.ids[off:off + n], self.rows[off:off + n], self.tables[table],
+                     self.fallback[table])
 
     def write(self, table: int, m: IdMap) -> None:
         """Make ``m`` table ``table``'s map, in place (the caller holds whatever lock keeps
         lookups out meanwhile)."""
-        if m.table_rows != self.tables.get(table):
-            raise ConfigError(f"table {table} has no id map slots for {m.table_rows} rows")
+        if (m.table_rows, m.fallback_rows) != (self.tables.get(table), self.fallback.get(table)):
+            raise ConfigError(f"table {table} has no id map slots for {m.table_rows} rows "
+                              f"with {m.fallback_rows} fallback rows")
         k, off, rows = self.order[table], self.offsets[table], self.tables[table]
         n = m.size
         self.ids[off:off + n] = m.ids.to(self.ids.device)
@@ -331,11 +356,14 @@ class MapIndex:
         not found."""
         views = self._sorted()
         pos = torch.empty_like(values)
+        ks = torch.ones_like(values) if self._hashed else None
         for t, lo, hi in segments:
             if hi > lo:
                 torch.searchsorted(views[t], values[lo:hi], out=pos[lo:hi])
                 pos[lo:hi] += self.offsets[t]
-        return self._resolve(values, pos)
+                if ks is not None:
+                    ks[lo:hi] = self.fallback[t]
+        return self._resolve(values, pos, ks)
 
     def lookup_features(self, values: torch.Tensor, tables: tuple[int, ...]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,13 +380,23 @@ class MapIndex:
                                 device=values.device).unsqueeze(1)
             self._offs[tables] = offs
         pos += offs
-        rows, found = self._resolve(values.reshape(-1), pos.view(-1))
+        ks = None
+        if self._hashed:
+            ks = self._ks.get(tables)
+            if ks is None:
+                ks = torch.tensor([self.fallback[t] for t in tables], dtype=torch.int64,
+                                  device=values.device).unsqueeze(1)
+                self._ks[tables] = ks
+            ks = ks.expand_as(values).reshape(-1)
+        rows, found = self._resolve(values.reshape(-1), pos.view(-1), ks)
         return rows.view_as(values), found.view_as(values)
 
-    def _resolve(self, values: torch.Tensor, pos: torch.Tensor
+    def _resolve(self, values: torch.Tensor, pos: torch.Tensor, ks: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global slots ``pos`` of ``values`` (both (k,)) -> (rows, found)."""
+        """Global slots ``pos`` of ``values`` (both (k,)) -> (rows, found); ids not found
+        read row ``value % ks`` (``ks`` None: every table has one fallback row, 0)."""
         found = self.ids.index_select(0, pos) == values
-        rows = torch.where(found, self.rows.index_select(0, pos),
-                           torch.zeros((), dtype=torch.int64, device=values.device))
+        fallback = (values % ks if ks is not None
+                    else torch.zeros((), dtype=torch.int64, device=values.device))
+        rows = torch.where(found, self.rows.index_select(0, pos), fallback)
         return rows, found

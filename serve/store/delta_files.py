@@ -227,6 +227,8 @@ class TableLayout:
     formats: tuple[tuple[str, int, int], ...] = ()
     #: Each table's id mapping ("modulo" | "managed"); empty = all modulo.
     mappings: tuple[str, ...] = ()
+    #: Each table's fallback rows (rows 0..k-1 no id is assigned); empty = 1 each.
+    fallback_rows: tuple[int, ...] = ()
 
 
 def layout_for_schema(schema: ModelSchema) -> TableLayout:
@@ -243,7 +245,8 @@ def layout_for_schema(schema: ModelSchema) -> TableLayout:
                        tuple(t.rows for t in schema.tables), dtype, dim,
                        row_bytes(dtype, dim) if dim else 0,
                        tuple((t.dtype, t.dim, row_bytes(t.dtype, t.dim)) for t in schema.tables),
-                       tuple(t.mapping for t in schema.tables))
+                       tuple(t.mapping for t in schema.tables),
+                       tuple(t.fallback_rows for t in schema.tables))
 
 
 def layout_for_report(report: dict[str, Any]) -> TableLayout:
@@ -549,10 +552,11 @@ def check_layout(delta: Delta, layout: TableLayout) -> None:
         if ids.size > 1 and not bool((np.diff(ids) > 0).all()):
             raise InvalidDelta(f"{where}.ids", "ids must be sorted ascending and unique")
         _check_id_changes(t, where, layout.mappings[t.table] if layout.mappings else "modulo",
-                          rows)
+                          rows, layout.fallback_rows[t.table] if layout.fallback_rows else 1)
 
 
-def _check_id_changes(t: DeltaTable, where: str, mapping: str, rows: int) -> None:
+def _check_id_changes(t: DeltaTable, where: str, mapping: str, rows: int,
+                      fallback_rows: int = 1) -> None:
     """A table's id changes fit its mapping: none on a modulo table; on a managed one,
     raw ids sorted, unique and >= 0, assigned rows in 1..rows-1 and unique, and every
     assigned row's bytes carried in the same delta. (Whether an evicted id is in the map
@@ -571,9 +575,10 @@ def _check_id_changes(t: DeltaTable, where: str, mapping: str, rows: int) -> Non
             raise InvalidDelta(f"{where}.{key}", "raw ids must be sorted ascending and unique")
     ar = t.assign_rows
     if ar.size:
-        if int(ar.min()) < 1 or int(ar.max()) >= rows:
-            raise InvalidDelta(f"{where}.assigned", f"rows must be in [1, {rows}) (row 0 is "
-                                                    f"the fallback); got {int(ar.min())}.."
+        if int(ar.min()) < fallback_rows or int(ar.max()) >= rows:
+            raise InvalidDelta(f"{where}.assigned", f"rows must be in [{fallback_rows}, {rows}) "
+                                                    f"(rows below {fallback_rows} are the "
+                                                    f"fallback); got {int(ar.min())}.."
                                                     f"{int(ar.max())}")
         if np.unique(ar).shape[0] != ar.shape[0]:
             raise InvalidDelta(f"{where}.assigned", "two ids are assigned the same row")

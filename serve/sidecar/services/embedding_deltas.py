@@ -198,7 +198,7 @@ class WaitResult:
 class IdMapStatus:
     """One managed feature's id map in one served version (module docstring).
 
-    ``capacity``: ids the table can hold (rows - 1: row 0 is the fallback); ``ids``: ids
+    ``capacity``: ids the table can hold (rows - fallback rows); ``ids``: ids
     holding a row now (build + ``admitted`` - ``evicted``; None when the build report
     does not say how many the build admitted); ``occupancy`` = ids / capacity (0..1);
     ``admitted`` / ``evicted``: ids the applied deltas (1..``sequence``) assigned a row /
@@ -746,7 +746,7 @@ class DeltaService(Collector):
                 continue
             at_build = build[spec.name]
             ids = None if at_build is None else at_build + assigned[spec.name] - evicted[spec.name]
-            cap = spec.rows - 1
+            cap = spec.rows - spec.fallback_rows
             out.append(IdMapStatus(
                 feature=f.name, table=spec.name, capacity=cap, ids=ids,
                 occupancy=None if ids is None or cap <= 0 else min(1.0, max(0.0, ids / cap)),
