@@ -70,10 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds of load after the POST answered (10)")
     ap.add_argument("--min-gain", type=float, default=0.005,
                     help="managed AUC after its delta over modulo's (0.005)")
-    ap.add_argument("--fallback-share", type=float, default=0.0,
+    ap.add_argument("--fallback-share", type=float, default=None,
                     help="managed builds: share of each table's rows that unadmitted ids "
-                         "share by id %% k (default 0: one fallback row); > 0 names the "
-                         "version ...-managed-fb<percent>")
+                         "share by id %% k (default: the build's default); given, the "
+                         "version is named ...-managed-fb<percent>")
     ap.add_argument("--out", type=Path, default=OUT, help=f"output (default {OUT})")
     return ap
 
@@ -99,7 +99,7 @@ def build(args: argparse.Namespace, profile: str, mapping: str) -> tuple[str, Pa
     """The day-0 version (built if missing) and its day-D delta (built afresh)."""
     version = version_name(profile, args.seed, mapping)
     extra: list[str] = []
-    if mapping == "managed" and args.fallback_share > 0:
+    if mapping == "managed" and args.fallback_share is not None:
         version += f"-fb{round(args.fallback_share * 100)}"
         extra = ["--fallback-share", str(args.fallback_share)]
     _run([sys.executable, "-m", "serve.model.pipeline", "--profile", profile,

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from serve.errors import ConfigError
-from serve.model.admission import ADMISSION_FILE, AdmissionConfig, load_state
+from serve.model.admission import (
+    ADMISSION_FILE,
+    DEFAULT_FALLBACK_SHARE,
+    AdmissionConfig,
+    load_state,
+)
 from serve.model.delta import DeltaConfig, build_delta
 from serve.model.pipeline import (
     PipelineConfig,
@@ -38,7 +43,7 @@ def test_managed_pipeline_names_args_and_modulo_unchanged(tmp_path):
     managed = PipelineConfig(profile=TINY, workdir=tmp_path, mapping="managed")
     assert modulo.version_name == "tiny-int8-s0" and modulo.admission is None
     assert managed.version_name == "tiny-int8-s0-managed"
-    assert managed.admission == AdmissionConfig("lfu_lru", 2, 2, 1)
+    assert managed.admission == AdmissionConfig("lfu_lru", 2, 2, 1, DEFAULT_FALLBACK_SHARE)
     assert default_workdir("tiny", 0) == Path("build/tiny-s0")
     assert default_workdir("tiny", 0, mapping="managed") == Path("build/tiny-s0-managed")
     assert "id_mapping" not in _step_args(modulo)["train"]  # modulo arguments as before
@@ -59,7 +64,12 @@ def test_managed_pipeline_cli_and_validation(tmp_path):
                                  "--recency-days", "2"])
     cfg = config_from_args(args)
     assert cfg.workdir == Path("build/tiny-s0-managed")
-    assert cfg.admission == AdmissionConfig("lru", 3, 4, 2)
+    assert cfg.admission == AdmissionConfig("lru", 3, 4, 2, DEFAULT_FALLBACK_SHARE)
+    one_row = config_from_args(_parser().parse_args(["--profile", "tiny", "--mapping", "managed",
+                                                     "--fallback-share", "0"]))
+    assert one_row.admission.fallback_share == 0.0
+    with pytest.raises(ConfigError, match="--fallback-share 1.0 must be in"):
+        PipelineConfig(profile=TINY, workdir=tmp_path, mapping="managed", fallback_share=1.0)
     assert config_from_args(_parser().parse_args(["--profile", "tiny"])).mapping == "modulo"
     with pytest.raises(ConfigError, match="--mapping 'hashed' must be one of modulo, managed"):
         PipelineConfig(profile=TINY, workdir=tmp_path, mapping="hashed")
@@ -128,10 +138,11 @@ def test_managed_build_has_id_maps_with_fallback_row_reserved(managed_build):
     for t in art.schema.tables:
         m = art.id_maps[t.name]
         _ids, rows = m.to_numpy()
-        assert rows.min() >= 1 and rows.max() < t.rows  # row 0 reserved for the fallback
+        assert rows.min() >= t.fallback_rows and rows.max() < t.rows  # fallback rows reserved
         assert m.equal(state.id_map(t.name))
-        assert rep["tables"][t.name] == {"admitted": m.size, "capacity": t.rows - 1,
-                                         "occupancy": round(m.size / (t.rows - 1), 6)}
+        cap = t.rows - t.fallback_rows
+        assert rep["tables"][t.name] == {"admitted": m.size, "capacity": cap,
+                                         "occupancy": round(m.size / cap, 6)}
     # the fp32 twin carries the same maps
     fl = load_artifact(b.float_artifact)
     assert all(fl.id_maps[n].equal(art.id_maps[n]) for n in names)
