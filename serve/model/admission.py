@@ -105,12 +105,12 @@ __all__ = [
 ]
 
 ADMISSION_FILE = "admission.npz"
-#: What a managed build reserves by default (``--fallback-share``): a quarter of each
-#: table's rows as fallback rows that ids without a row of their own share by id % k.
-#: Measured with ``make delta-compare`` on small-half (tables half the id universe), day-1
-#: AUC after the day-1 delta: one fallback row 0.8428, a share of 0.15 / 0.25 / 0.5:
-#: see the README ("Modulo vs managed ids"); 0.25 was the best of those.
-DEFAULT_FALLBACK_SHARE = 0.25
+#: What a managed build reserves by default (``--fallback-share``): one fallback row per
+#: table (0.0). Hashed fallback rows (a share k/rows of the rows, shared by id % k among
+#: ids without a row of their own) win only where tables hold fewer rows than there are
+#: ids; ``make delta-compare`` measures both regimes (README, "Modulo vs managed ids"), so
+#: set it per build from the ratio of ids to rows.
+DEFAULT_FALLBACK_SHARE = 0.0
 POLICIES = ("lru", "lfu", "ttl", "lfu_lru")
 # Not-admitted ids unseen this many days are dropped from the state (bounded memory).
 FORGET_DAYS = 7

@@ -621,8 +621,9 @@ def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
                          "never evicted (default 1: seen on the latest day)")
     ap.add_argument("--fallback-share", type=float, default=None,
                     help="managed: share of each table's rows reserved as fallback rows that "
-                         "ids without a row of their own share by id %% k (default "
-                         "0.25, measured best by make delta-compare; 0: one fallback row)")
+                         "ids without a row of their own share by id %% k (default 0: one "
+                         "fallback row; about 0.25 where tables hold fewer rows than there "
+                         "are ids, as make delta-compare measured on small-half)")
 
 
 def _parser() -> argparse.ArgumentParser:
