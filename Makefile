@@ -9,7 +9,7 @@ PROFILE ?= small
 # <profile>-<dtype>-s<seed>); each build adds an immutable version to model_store/.
 SEED ?=
 # The version `make model` builds and a new .run/state.yaml of `make up`/`make run` declares.
-MODEL_ARGS = --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MAPPING), --mapping $(MAPPING))
+MODEL_ARGS = --profile $(PROFILE)$(if $(SEED), --seed $(SEED))$(if $(VERSION), --version $(VERSION))$(if $(filter 1 true yes,$(LABEL_SHUFFLE)), --label-shuffle)$(if $(MAPPING), --mapping $(MAPPING))$(if $(DENSE_PRECISION), --dense-precision $(DENSE_PRECISION))
 MAPPING ?=
 VERSION ?=
 # make delta: the day of click logs the embedding delta trains on (>= 1).

@@ -5,6 +5,8 @@ contract, the metrics, the tools and the load test all import them from here.
   label of ``dlrm_stage_duration_seconds`` (decode = body parse in the handler,
   embedding = row lookup + pooling, dense = MLPs + interaction).
 - ``CACHE_POLICIES``: eviction policies of the embedding cache (``lru``, ``lfu``).
+- ``DENSE_PRECISIONS``: arithmetic of the built-in DLRM's dense part (``fp32`` exact, the
+  lossy ``bf16`` and ``int8`` levers), and ``DENSE_MAX_AUC_DROP``, the build's gate on them.
 - ``P99_SLO_MS``: the service's p99 latency goal (the tuner, ``make capacity``, the load
   test and the alerts all judge against it).
 - ``GUARD_*``: the rollout guards' default limits (``serve.state.Guards``, the declared
@@ -25,6 +27,8 @@ __all__ = [
     "DEFAULT_METRICS_PORT",
     "DEFAULT_SIDECAR_PORT",
     "DEFAULT_SIDECAR_WRITE_PORT",
+    "DENSE_MAX_AUC_DROP",
+    "DENSE_PRECISIONS",
     "GUARD_CONFIDENCE",
     "GUARD_FAILURE_LIMIT",
     "GUARD_INTERVAL_S",
@@ -47,6 +51,14 @@ __all__ = [
 
 STAGES: tuple[str, ...] = ("decode", "embedding", "dense")
 CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu")
+#: The dense part's arithmetic (``handler.dense_precision``, ``--dense-precision``): "fp32"
+#: is exact against TorchRec (the default); "bf16" (AMX / AVX-512 BF16 on CPU, tensor
+#: cores on GPU) and "int8" (dynamic quantization, CPU) are lossy levers a build turns on
+#: only through the AUC gate below.
+DENSE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
+#: A lossy dense precision must keep the held-out AUC within this of the same artifact's
+#: fp32 dense AUC (the int8 tables' bar, MLPerf's 99.9%, on the same rows).
+DENSE_MAX_AUC_DROP = 0.001
 
 #: The artifact's file name inside a model archive (.mar) and the folder TorchServe
 #: unpacks it into; a rollout's candidate artifact sits beside it.

@@ -18,7 +18,7 @@ from typing import Any
 
 from serve.common.cpu import available_cpus, threads_per_worker
 from serve.common.validate import int_in_range, number_in_range, positive_int
-from serve.constants import CACHE_POLICIES
+from serve.constants import CACHE_POLICIES, DENSE_PRECISIONS
 from serve.errors import ConfigError
 from serve.settings import (
     DLRM_CACHE_ON_CPU,
@@ -148,6 +148,11 @@ class HandlerConfig:
             100; the worker's environment ``DLRM_DEBUG_CANDIDATE_SLOWDOWN`` overrides it
             (a rollout's derived archive takes the stable archive's handler settings).
             Leave it 1.0 in any archive that serves traffic.
+        dense_precision: the built-in DLRM's dense arithmetic (``DENSE_PRECISIONS``):
+            "fp32" (default, exact against TorchRec) or a lossy lever, "bf16" or "int8",
+            that a build sets only after its AUC gate (``--dense-precision``,
+            :mod:`serve.model.precision`); an imported model's exported dense part runs
+            in fp32 only (the worker refuses another value at load).
         rollout: a rollout's candidate loaded beside the stable model
             (:class:`RolloutWiring`); None (the default) serves the stable model alone.
     """
@@ -163,6 +168,7 @@ class HandlerConfig:
     debug_delay_ms: int = 0
     warmup_batches: int = 6
     debug_candidate_slowdown: float = 1.0
+    dense_precision: str = "fp32"
     rollout: RolloutWiring | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +192,10 @@ class HandlerConfig:
         number_in_range("handler.debug_candidate_slowdown", self.debug_candidate_slowdown,
                         1, CANDIDATE_SLOWDOWN_MAX,
                         then=" (x the candidate's forward time; 1.0 = off; for tests only)")
+        if self.dense_precision not in DENSE_PRECISIONS:
+            raise ConfigError(f"handler.dense_precision={self.dense_precision!r} must be one of "
+                              f"{', '.join(DENSE_PRECISIONS)} (fp32: exact; the others are "
+                              "lossy: build them with --dense-precision, which checks the AUC)")
         if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
             raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
                               "None; build the config with HandlerConfig.from_dict to read a "
@@ -204,11 +214,14 @@ class HandlerConfig:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (nested mappings); ``rollout`` is left out when None, so archives
-        without a rollout keep the config they had before rollouts existed."""
+        """Plain data (nested mappings); ``rollout`` is left out when None and
+        ``dense_precision`` when "fp32", so archives without them keep the config they had
+        before either existed."""
         out = asdict(self)
         if out["rollout"] is None:
             del out["rollout"]
+        if out["dense_precision"] == "fp32":
+            del out["dense_precision"]
         return out
 
 

@@ -59,6 +59,7 @@ from serve.constants import (
     DEFAULT_METRICS_PORT,
     DEFAULT_SIDECAR_PORT,
     DEFAULT_SIDECAR_WRITE_PORT,
+    DENSE_PRECISIONS,
 )
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
@@ -996,6 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mapping", default="modulo", choices=("modulo", "managed"),
                     help="see --profile: a build with --mapping managed (its version ends "
                          "in -managed)")
+    ap.add_argument("--dense-precision", default="fp32", choices=DENSE_PRECISIONS,
+                    help="see --profile: a build with --dense-precision bf16|int8 (its version "
+                         "ends in -dense-<precision>)")
     ap.add_argument("--version", default=None, help="see --profile: this version by name")
     ap.add_argument("--mar", default=None,
                     help="load this archive of the model store at start (tests, benchmarks; "
@@ -1026,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
             state_file=Path(args.state_file),
             initial_version=args.version or default_version(
                 args.profile, seed=args.seed, label_shuffle=args.label_shuffle,
-                mapping=args.mapping),
+                mapping=args.mapping, dense_precision=args.dense_precision),
             repositories=tuple(Path(d) for d in args.repository or ()),
             sidecar=not args.no_sidecar, ready_timeout_s=args.ready_timeout,
             drain_timeout_s=args.drain_timeout, run_dir=Path(args.run_dir),

@@ -19,12 +19,13 @@ import io
 import torch
 from torch import nn
 
+from serve.constants import DENSE_PRECISIONS
 from serve.errors import ConfigError
 
 __all__ = ["PRECISIONS", "DenseDLRM", "ExportedDenseModule", "convert_precision"]
 
 # "fp32" is exact against TorchRec; the others are lossy and opt-in (see RuntimeConfig).
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = DENSE_PRECISIONS
 
 
 def _mlp(layers: list[tuple[torch.Tensor, torch.Tensor]], relu_last: bool) -> nn.Sequential:

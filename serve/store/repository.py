@@ -31,7 +31,8 @@ from serve.errors import ConfigError
 from serve.profiles import get_profile
 from serve.state import VERSION_RE
 
-__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository", "day_suffix", "default_version"]
+__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository",
+           "day_suffix", "default_version", "dense_suffix"]
 
 _VERSION = re.compile(VERSION_RE)
 
@@ -45,6 +46,11 @@ DEFAULT_PROFILE = "small"
 DEFAULT_DTYPE = "int8"
 
 
+def dense_suffix(dense_precision: str) -> str:
+    """``-dense-bf16`` for a build whose dense part runs in a lossy precision, "" for fp32."""
+    return "" if dense_precision == "fp32" else f"-dense-{dense_precision}"
+
+
 def day_suffix(data_day: int) -> str:
     """``-day<N>`` for a build on day N's data (N > 0), else ``""``."""
     return f"-day{data_day}" if data_day > 0 else ""
@@ -52,10 +58,11 @@ def day_suffix(data_day: int) -> str:
 
 def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | None = None,
                     label_shuffle: bool = False, data_day: int = 0,
-                    mapping: str = "modulo") -> str:
+                    mapping: str = "modulo", dense_precision: str = "fp32") -> str:
     """The version a build gets without ``--version``: ``small-int8-s0``, or
     ``small-int8-s8-shuffled`` for a build with ``--label-shuffle``, ``small-int8-s0-day1``
-    for one on day 1's data, ``small-int8-s0-managed`` for ``--mapping managed``. ``seed`` None: the profile's own (what ``make model`` trains
+    for one on day 1's data, ``small-int8-s0-managed`` for ``--mapping managed``,
+    ``small-int8-s0-dense-bf16`` for ``--dense-precision bf16``. ``seed`` None: the profile's own (what ``make model`` trains
     without ``SEED=``). It lives with the repository, not the build, so that ``make up``
     names the version ``make model`` builds without importing the build.
 
@@ -65,7 +72,8 @@ def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | N
     if seed is None:
         seed = get_profile(profile_name).seed
     return (f"{profile_name}-{dtype}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-            f"{day_suffix(data_day)}{MANAGED_SUFFIX if mapping == 'managed' else ''}")
+            f"{day_suffix(data_day)}{MANAGED_SUFFIX if mapping == 'managed' else ''}"
+            f"{dense_suffix(dense_precision)}")
 
 
 class ModelRepository:

@@ -285,7 +285,7 @@ class Worker:
             device=str(device), cache_load_factor=cfg.cache_load_factor,
             cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
             num_threads=threads, max_forward_instances=cfg.max_forward_instances,
-            cache_on_cpu=cache_on_cpu_from_env(env))
+            cache_on_cpu=cache_on_cpu_from_env(env), dense_precision=cfg.dense_precision)
         deltas = DeltaWiring.from_env(env)
         store = DeltaStore(deltas.directory) if deltas is not None else None
         slowdown = candidate_slowdown_from_env(env, cfg.debug_candidate_slowdown)
