@@ -253,3 +253,17 @@ def test_banner_names_the_version_and_the_state_endpoint(store: Path, tmp_path: 
             f"(declared in {tmp_path / 'run' / 'state.yaml'})") in text
     assert f"curl -s -H 'Content-Type: application/json' {cfg.inference_url}/predictions/dlrm" in text
     assert f"curl -s {cfg.sidecar_url}/state" in text
+
+
+def test_a_started_service_is_a_new_pod_so_the_last_drain_record_goes(tmp_path: Path):
+    """`make down` drains (the sidecar records it so a restarted sidecar stays drained);
+    the next `make up` is a new pod: a kept record left it drained and never ready."""
+    cfg = _cfg(tmp_path, model_store=tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    assert _flag(sidecar_command(cfg), "--drain-file") == [str(cfg.drain_file)]
+    cfg.delta_dir.mkdir(parents=True)
+    for marker in (cfg.drain_file, cfg.delta_dir / ".drained.json"):
+        marker.write_text('{"drained": true, "phase": "drained"}')
+    with pytest.raises(ConfigError, match="the repository is empty"):
+        start(cfg)  # fails later, at the desired state: the records are gone by then
+    assert not cfg.drain_file.exists() and not (cfg.delta_dir / ".drained.json").exists()

@@ -210,6 +210,15 @@ class LaunchConfig:
         return self.path(self.run_dir) / "deltas"
 
     @property
+    def drain_file(self) -> Path:
+        """Where the sidecar records a drain (``--drain-file``): a sidecar restarted inside
+        this service stays drained, and :func:`start` removes it, since a service it starts
+        is a new pod (in Kubernetes the record lives in the pod's emptyDir and dies with it;
+        here ``run_dir`` outlives ``make down``, and a kept record left the next
+        ``make up`` drained, never ready)."""
+        return self.path(self.run_dir) / "drained.json"
+
+    @property
     def token_file(self) -> Path:
         if self.token_path is not None:
             return self.path(self.token_path)
@@ -475,7 +484,7 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
            "--model-store", str(cfg.path(cfg.model_store)),
            "--state-file", str(cfg.path(cfg.state_file)),
            "--prediction-log-dir", str(cfg.prediction_log_dir),
-           "--delta-dir", str(cfg.delta_dir)]
+           "--delta-dir", str(cfg.delta_dir), "--drain-file", str(cfg.drain_file)]
     for d in cfg.repository_dirs:
         cmd += ["--repository", str(d)]
     return cmd + list(cfg.sidecar_args)
@@ -804,6 +813,8 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
             raise ConfigError(f"a service started from {cfg.path(cfg.run_dir)} is running "
                               f"(pids {pids}); stop it first: `make down`")
     check_ports(cfg)
+    cfg.drain_file.unlink(missing_ok=True)  # a new pod: the last one's drain is over
+    (cfg.delta_dir / ".drained.json").unlink(missing_ok=True)  # where it was recorded before
     state = None
     if cfg.sidecar:
         state, created = ensure_state(cfg.path(cfg.state_file), cfg.repository(),
