@@ -206,8 +206,8 @@ def render(schema: Mapping[str, Any] | None = None) -> str:
     schemas = doc.get("components", {}).get("schemas", {})
     if schemas:
         lines += ["## Schemas", "",
-                  "Every body the routes above take or answer, as the sidecar validates it "
-                  "(`serve/sidecar/http/schemas.py`).", ""]
+                  ("Every body the routes above take or answer, as the sidecar validates it "
+                  "(`serve/sidecar/http/schemas.py`)."), ""]
         for name in sorted(schemas):
             lines.extend(_schema_section(name, schemas[name]))
     return "\n".join(lines).rstrip("\n") + "\n"
