@@ -113,12 +113,15 @@ def test_a_result_becomes_a_dated_page_with_its_command(tmp_path: Path):
 def test_a_result_without_a_date_takes_the_file_time_and_says_so(tmp_path: Path):
     root = _root(tmp_path)
     path = root / "bench" / "results" / "mystery.json"
-    path.write_text(json.dumps({"command": "python -m bench.mystery --fast", "x": 1.5}))
+    path.write_text(json.dumps({"command": "python -m bench.mystery --fast", "x": 1.5,
+                                "t_s": [float(i) for i in range(100)], "few": [1, 2]}))
     os.utime(path, (1764547200, 1764547200))  # 2025-12-01T00:00:00Z
     benchdoc.write(root)
     text = (root / "docs" / "benchmarks" / "2025-12-01-mystery.md").read_text()
     assert "`python -m bench.mystery --fast`" in text
-    assert "the result file's modification time (the result records no date)" in text
+    assert "| `t_s` | 100 values, min 0, max 99, first 0, last 99 |" in text
+    assert "| `few` | [1,2] |" in text
+    assert "the result file's modification time: the result records no date" in text
 
 
 def test_committed_pages_stay_listed_without_their_result_files(tmp_path: Path):

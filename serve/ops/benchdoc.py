@@ -74,6 +74,8 @@ _DATE_KEYS = ("measured_at", "created_at", "date", "timestamp")
 MAX_ROWS = 60
 #: Characters of one cell shown at most.
 MAX_CELL = 120
+#: A list of more numbers than this is summarised (count, min, max, first, last).
+MAX_LIST = 12
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def _when(doc: Any, path: Path) -> tuple[str, str]:
                 return stamp.isoformat(timespec="seconds"), f"the result's `{key}`"
     stamp = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC)
     return (stamp.isoformat(timespec="seconds"),
-            "the result file's modification time (the result records no date)")
+            "the result file's modification time: the result records no date")
 
 
 def _command(doc: Any, name: str) -> str:
@@ -118,7 +120,16 @@ def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
+def _series(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) > MAX_LIST
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
+
+
 def _fmt(value: Any) -> str:
+    if _series(value):
+        # A time series: its shape, not every point (the result file keeps them).
+        return (f"{len(value)} values, min {min(value):.6g}, max {max(value):.6g}, "
+                f"first {value[0]:.6g}, last {value[-1]:.6g}")
     if isinstance(value, float):
         text = f"{value:.6g}"
     elif isinstance(value, bool) or value is None:
