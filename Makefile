@@ -34,7 +34,7 @@ VARIANT ?= gpu
 GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring check promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring check docs promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
         wrk bench-autotune \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
@@ -110,12 +110,25 @@ lint: venv  ## ruff + mypy + pip-audit of the serving packages (AUDIT_STRICT=1: 
 	$(VENV)/bin/mypy serve handlers loadtest bench
 	$(PY) -m serve.ops.audit$(if $(filter 1 true yes,$(AUDIT_STRICT)), --strict)
 
-check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md), then fail if the tree changed: commit what they write
+check: venv  ## rerun every generator (k8s/monitoring/, docs/configuration.md, docs/sidecar-api.md, docs/benchmarks/), fail if the tree changed (commit what they write), then make docs
 	$(PY) -m serve.ops.monitoring --write
 	$(PY) -m serve.ops.configdoc --write
+	$(PY) -m serve.ops.apidoc --write
+	$(PY) -m serve.ops.benchdoc --write
 	@git diff --exit-code -- . || { echo "make check: the generators changed tracked files (above): commit them" >&2; exit 1; }
-	@new=$$(git status --porcelain --untracked-files=all -- docs k8s/monitoring | grep '^??'); \
+	@new=$$(git status --porcelain --untracked-files=all -- docs k8s/monitoring mkdocs.yml | grep '^??'); \
 	if [ -n "$$new" ]; then echo "make check: generated files not in git: $$new" >&2; exit 1; fi
+	@$(MAKE) --no-print-directory docs
+
+# Strict: a warning (a broken link or anchor, a page missing from the nav) fails the build.
+# Not --quiet: with --strict it hid the warnings that failed the build. Then the built site
+# must load nothing from the internet (air-gapped readers): no script, stylesheet or font
+# from another host.
+docs: venv  ## build the documentation site docs/ -> site/ with MkDocs, strict (any warning fails), and check it loads nothing from the internet
+	$(VENV)/bin/mkdocs build --strict --clean
+	@ext=$$(grep -rIoE '<script[^>]*src="(https?:)?//[^"]*"|<link[^>]*href="(https?:)?//[^"]*"|@import[^;]*(https?:)?//[^;]*|url\((["'"'"']?)(https?:)?//[^)]*\)' site | sort -u); \
+	if [ -n "$$ext" ]; then echo "make docs: the site loads from the internet:" >&2; echo "$$ext" >&2; exit 1; fi; \
+	echo "make docs: site/ built, nothing loaded from the internet"
 
 delta-compare: venv java  ## modulo vs managed id spaces: build both (small, small-half: tables half the id universe), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~15 min)
 	$(PY) -m bench.delta_compare

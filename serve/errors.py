@@ -89,7 +89,7 @@ class UnknownProfileError(ConfigError):
 
 class ModelContractError(ConfigError):
     """A user's model factory, or the model it returns, does not fit the model contract
-    (README, "Serve your own TorchRec model")."""
+    (docs/own-model.md)."""
 
     kind = "ModelContractError"
 

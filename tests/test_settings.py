@@ -278,9 +278,9 @@ def test_the_guard_defaults_are_defined_once():
     for name in ("max_error_ratio", "max_latency_ratio", "max_score_psi", "min_requests",
                  "min_instances", "min_forwards"):
         assert getattr(limits, name) == getattr(g, name), name
-    # The README's example guards block says "these are the defaults": keep it in step.
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("  guards:", 1)[1].split("```", 1)[0]
+    # docs/rollouts.md's example guards block says "these are the defaults": keep it in step.
+    page = (REPO / "docs" / "rollouts.md").read_text()
+    block = page.split("  guards:", 1)[1].split("```", 1)[0]
     shown = yaml.safe_load("\n".join(ln.split("#")[0].rstrip()[4:]
                                      for ln in block.splitlines()[1:] if ln.strip()))
     assert set(shown) == set(Guards.model_fields)

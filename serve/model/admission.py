@@ -108,7 +108,7 @@ ADMISSION_FILE = "admission.npz"
 #: What a managed build reserves by default (``--fallback-share``): one fallback row per
 #: table (0.0). Hashed fallback rows (a share k/rows of the rows, shared by id % k among
 #: ids without a row of their own) win only where tables hold fewer rows than there are
-#: ids; ``make delta-compare`` measures both regimes (README, "Modulo vs managed ids"), so
+#: ids; ``make delta-compare`` measures both regimes (docs/benchmarks/figures.md), so
 #: set it per build from the ratio of ids to rows.
 DEFAULT_FALLBACK_SHARE = 0.0
 POLICIES = ("lru", "lfu", "ttl", "lfu_lru")

@@ -3,7 +3,7 @@
     python -m serve.model.importer --factory FILE.py:FUNCTION --checkpoint PATH --version NAME
         [--num-dense N] [--dtype int8] [--table-dtype TABLE=fp16 ...] [--max-ids FEATURE=N ...]
 
-The contract (README, "Serve your own TorchRec model"): ``FUNCTION()`` returns a
+The contract (docs/own-model.md): ``FUNCTION()`` returns a
 ``torch.nn.Module`` (on CPU or on the meta device) whose ``forward(dense_features,
 sparse_features)`` takes float32 (B, N) and a ``KeyedJaggedTensor``, returns logits (B,)
 or (B, 1), and keeps its embeddings in ``EmbeddingBagCollection`` modules (sum or mean

@@ -16,7 +16,7 @@ line last::
 ``X-DLRM-Model-Version``): a rollout in progress shows up there. Progress goes to stderr.
 Any non-200 answer stops the run with exit code 1 (an AUC over part of the rows would
 mislead); a bad argument exits 2. Anyone can measure a deployed model on the same data as
-the build with it (the freshness check of ``make delta`` in the README uses it before and
+the build with it (the freshness check of ``make delta`` in docs/deltas.md uses it before and
 after a delta).
 """
 from __future__ import annotations

@@ -137,7 +137,7 @@ MAX_DELTA_BYTES = 256 << 20
 #: The default bound on all the deltas the store holds (``--max-delta-store-bytes``): two
 #: of the largest. Stored deltas stay until their version stops being served, charged to
 #: the sidecar's container on a memory-backed folder, so its memory limit is sized from
-#: this bound (README, "Memory").
+#: this bound (docs/deltas.md, "Memory of the sidecar").
 MAX_DELTA_STORE_BYTES = 2 * MAX_DELTA_BYTES
 _HEADER_MAX = 1 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")

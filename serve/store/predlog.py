@@ -5,7 +5,7 @@ Click feedback arrives minutes after a prediction (``POST /feedback`` on the sid
 keeps its answers for a while. TorchServe workers APPEND records here; the sidecar reads
 them. Both only need a shared folder (an ``emptyDir`` in the pod), never shared memory.
 
-Bounds (documented in the README and docs/configuration.md), all settable through the
+Bounds (documented in docs/observability.md and docs/configuration.md), all settable through the
 environment of TorchServe (variables in :mod:`serve.settings`, defaults in the fields of
 :class:`PredictionLogConfig`):
 

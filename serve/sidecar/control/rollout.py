@@ -34,7 +34,7 @@ Its life, one :class:`RolloutRun` per declared (stable version, rollout spec):
 Where the desired-state file is writable, the reconciler also writes the outcome into it
 (promoted: ``model.version = candidate``; both: ``rollout: null``), so a restart keeps
 it. Where it is read-only (a ConfigMap) the outcome is kept in memory for as long as that
-rollout stays declared; update the ConfigMap to make it durable (README, "Rollouts").
+rollout stays declared; update the ConfigMap to make it durable (docs/rollouts.md).
 With a fleet (``decisions``, :mod:`serve.sidecar.control.fleet`) the outcome is recorded
 once for every pod: :meth:`RolloutController.declare` adopts a recorded decision before the
 candidate is ever served (born decided), :meth:`RolloutController.sync_decision` records

@@ -6,7 +6,7 @@ dominate; batch 2 reaches ~0.4x), while ranking requests of 100-700 instances fr
 clients want batch 2 (a batch of 8 makes one worker collect every queued request while
 the other idles: measured 2.3x worse). So the sidecar retunes live.
 
-The model behind it (see README "Batching that tunes itself" for the measurements):
+The model behind it (see docs/tuner.md for the measurements):
 
 1. **A queueing seed.** From the pod's own metrics over a window: the requests in the
    system ``C`` (Little's law on TorchServe's cumulative inference latency: microseconds

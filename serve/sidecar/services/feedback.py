@@ -41,7 +41,7 @@ arrays), for at most ``max_series`` (version, arm) pairs.
 
 In Kubernetes each pod knows only its own predictions: post a label to the pod that
 answered (its sidecar, e.g. through a headless Service) or to every pod (the others count
-it ``unknown``); sum ``joined`` over pods. The README explains both.
+it ``unknown``); sum ``joined`` over pods. docs/observability.md explains both.
 """
 from __future__ import annotations
 
