@@ -3,8 +3,10 @@ same ParsedRequest our API gives, the response, the metadata of a schema, and ev
 naming the input and the rule (messages pinned)."""
 from __future__ import annotations
 
+import asyncio
 import re
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -13,6 +15,7 @@ from serve.api.binary import example_binary
 from serve.api.config import HandlerConfig
 from serve.api.decode import parse_body
 from serve.api.oip import (
+    HEADER_LENGTH,
     encode_infer_request,
     encode_infer_response,
     model_metadata,
@@ -24,6 +27,7 @@ from serve.api.oip import (
 from serve.api.request import BINARY_MEDIA_TYPE, INT64_MAX
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
+from serve.sidecar.http.app import SidecarConfig, by_port, create_app, create_oip_app
 
 CFG = HandlerConfig()
 # An imported model's schema (as tests/test_protocol.py's): its own names, N = 3, one
@@ -335,3 +339,128 @@ def test_the_predict_body_keeps_an_imported_schema_s_shape():
     req = parse_infer(encode_infer_request(inputs)[0], CUSTOM)
     p = parse_body(to_predict_body(req, CUSTOM), CFG, BINARY_MEDIA_TYPE, schema=CUSTOM)
     np.testing.assert_array_equal(p.values, CUSTOM_VALUES)
+
+
+# --------------------------------------------------------------------------- the sidecar's app
+# In process (ASGI), TorchServe faked by an httpx.MockTransport: what reaches TorchServe,
+# and how its answers map. tests/test_oip_http.py runs the real sidecar and TorchServe.
+
+
+class _FakeInference:
+    """TorchServe's inference and management answers the OIP routes read."""
+
+    def __init__(self, status: int = 200, body: bytes = b"", ready: bool = True) -> None:
+        self.status, self.body, self.ready = status, body, ready
+        self.seen: list[httpx.Request] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        path = request.url.path
+        if path == "/models/dlrm":
+            if not self.ready:
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(200, json=[{"modelVersion": "small-int8-s0",
+                                              "workers": [{"status": "READY"}]}])
+        if path == "/ping":
+            return httpx.Response(200, json={"status": "Healthy"})
+        if path == "/predictions/dlrm":
+            p = parse_body(request.content, CFG, request.headers["content-type"])
+            body = self.body or orjson.dumps({"predictions": [0.25] * p.dense.shape[0]})
+            return httpx.Response(self.status, content=body, headers={
+                "X-DLRM-Model-Version": "small-int8-s0", "X-DLRM-Batch-Instances": "3"})
+        return httpx.Response(404, json={"message": "no such path"})
+
+
+def _oip_calls(fake: _FakeInference, *requests: tuple[str, str, dict]) -> list[httpx.Response]:
+    app = create_app(SidecarConfig(token=TOKEN),
+                     http_client=httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)),
+                     oip_port=18192)
+    oip = create_oip_app(app.state.sidecar)
+
+    async def go() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            out = []
+            for which, (method, url, kw) in zip(
+                    ("main" if u.startswith("/state") else "oip" for _, u, _ in requests),
+                    requests, strict=True):
+                transport = httpx.ASGITransport(app=app if which == "main" else oip)
+                async with httpx.AsyncClient(transport=transport,
+                                             base_url="http://sidecar") as c:
+                    out.append(await c.request(method, url, **kw))
+            return out
+    return asyncio.run(go())
+
+
+TOKEN = "t0ken-for-tests-t0ken-for-tests-0123"
+
+
+def _body(n: int = 3) -> tuple[bytes, dict[str, str]]:
+    ref = _reference(n)
+    body, header = encode_infer_request(oip_inputs(ref.dense, ref.lengths, ref.values),
+                                        binary=True, binary_output=True)
+    return body, {HEADER_LENGTH: str(header)}
+
+
+def test_infer_is_forwarded_as_our_binary_form_with_the_route_key():
+    fake = _FakeInference()
+    body, headers = _body()
+    (r,) = _oip_calls(fake, ("POST", "/v2/models/dlrm/infer", {
+        "content": body, "headers": {**headers, "X-DLRM-Route-Key": "user-1"}}))
+    assert r.status_code == 200, r.text
+    sent = fake.seen[-1]
+    assert sent.headers["content-type"] == BINARY_MEDIA_TYPE
+    assert sent.headers["x-dlrm-route-key"] == "user-1"
+    _same(parse_body(sent.content, CFG, BINARY_MEDIA_TYPE), _reference(3))
+    assert r.headers["x-dlrm-model-version"] == "small-int8-s0"
+    header = int(r.headers[HEADER_LENGTH])
+    assert orjson.loads(r.content[:header])["model_version"] == "small-int8-s0"
+    assert np.array_equal(np.frombuffer(r.content[header:], "<f4"), np.full(3, 0.25, np.float32))
+
+
+@pytest.mark.parametrize("status,body,want", [
+    (400, b'{"code": 400, "type": "InvalidInput", "message": "binary body: too odd"}', 400),
+    (413, b"", 413),
+    (503, b'{"code": 503, "message": "has no worker to serve inference request"}', 503),
+    (500, b"<html>boom</html>", 503),
+])
+def test_torchserve_s_answers_keep_their_meaning_in_oip_s_shape(status, body, want):
+    fake = _FakeInference(status=status, body=body)
+    data, headers = _body()
+    (r,) = _oip_calls(fake, ("POST", "/v2/models/dlrm/infer", {"content": data,
+                                                                "headers": headers}))
+    assert r.status_code == want and list(r.json()) == ["error"]
+    assert r.json()["error"]
+
+
+def test_not_ready_unknown_paths_and_compressed_bodies_answer_oip_errors():
+    fake = _FakeInference(ready=False)
+    ready, model_ready, unknown, gz, state = _oip_calls(
+        fake, ("GET", "/v2/health/ready", {}), ("GET", "/v2/models/dlrm/ready", {}),
+        ("GET", "/v2/models/dlrm/versions/1", {}),
+        ("POST", "/v2/models/dlrm/infer", {"content": b"{}",
+                                           "headers": {"Content-Encoding": "gzip"}}),
+        ("GET", "/state", {}))
+    assert ready.status_code == 503 and ready.json()["error"].startswith(
+        "TorchServe management API at")
+    assert model_ready.status_code == 503
+    assert unknown.status_code == 404 and "the Open Inference Protocol paths here are" in \
+        unknown.json()["error"]
+    assert gz.status_code == 415 and gz.json() == {
+        "error": "header Content-Encoding: 'gzip' is not supported; send the body uncompressed"}
+    assert state.json()["endpoints"] == {"oip_url": "http://sidecar:18192"}
+
+
+def test_by_port_sends_each_local_port_to_its_app():
+    seen: list[str] = []
+
+    def app_named(name):
+        async def app(scope, receive, send):
+            seen.append(name)
+        return app
+
+    served = by_port(app_named("main"), {8092: app_named("oip")})
+    for port in (8090, 8092, None):
+        scope = {"type": "http", "server": ("127.0.0.1", port) if port else None}
+        asyncio.run(served(scope, None, None))
+    asyncio.run(served({"type": "lifespan"}, None, None))
+    assert seen == ["main", "oip", "main", "main"]
