@@ -8,9 +8,9 @@ the sidecar's ``GET /state`` (``endpoints.oip_url``) and the served schema
 1. ``is_server_live``, ``is_server_ready``, ``is_model_ready("dlrm")`` and the model's
    metadata (its inputs must be the schema's);
 2. ``infer`` with binary tensors (and a binary output) for 512 instances, a third of the
-   features multi-hot (``<feature>.lengths``), seeded;
+   features multi-hot (``<feature>.lengths``), seeded; then the same as JSON tensors;
 3. the same instances through our own API (``POST /predictions/dlrm``, binary columnar
-   form), and ``numpy.array_equal`` of the two FP32 probability vectors.
+   form), and ``numpy.array_equal`` of the FP32 probability vectors.
 
 Prints a table and writes ``bench/results/oip_check.json``; exits 1 when a check fails.
 """
@@ -61,12 +61,13 @@ def _ours(url: str, dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) 
 
 
 def _oip(client: httpclient.InferenceServerClient, model: str, schema: dict,
-         dense: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> np.ndarray:
+         dense: np.ndarray, lengths: np.ndarray, values: np.ndarray,
+         binary: bool = True) -> np.ndarray:
     inputs = []
 
     def add(name: str, arr: np.ndarray, datatype: str) -> None:
         t = httpclient.InferInput(name, list(arr.shape), datatype)
-        t.set_data_from_numpy(arr, binary_data=True)
+        t.set_data_from_numpy(arr, binary_data=binary)
         inputs.append(t)
 
     add("dense", dense, "FP32")
@@ -75,7 +76,7 @@ def _oip(client: httpclient.InferenceServerClient, model: str, schema: dict,
         add(feat["name"], values[ends[f]:ends[f + 1]], "INT64")
         if not (lengths[f] == 1).all():
             add(feat["name"] + ".lengths", lengths[f], "INT32")
-    out = [httpclient.InferRequestedOutput("probabilities", binary_data=True)]
+    out = [httpclient.InferRequestedOutput("probabilities", binary_data=binary)]
     result = client.infer(model, inputs, outputs=out)
     return result.as_numpy("probabilities")
 
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     checks.append((f"infer binary, {args.instances} instances: array_equal to our API",
                    f"max |diff| {float(np.max(np.abs(theirs.astype(np.float64) - ours))):.3g}"
                    if theirs.shape == ours.shape else f"shape {theirs.shape}", equal))
+
+    as_json = _oip(client, args.model, schema, dense, lengths, values, binary=False)
+    checks.append((f"infer JSON, {args.instances} instances: array_equal to our API",
+                   f"dtype {as_json.dtype}", bool(np.array_equal(as_json, ours))))
 
     width = max(len(c[0]) for c in checks)
     print(f"OIP base URL {oip_url} (from GET {args.sidecar}/state endpoints.oip_url); "
