@@ -26,8 +26,9 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
   Protocol v2 (:mod:`serve.sidecar.http.routes_oip`), forwarded to TorchServe's predictions
   API; its errors answer ``{"error": ...}``.
 
-Two ports (three with ``--oip-port``), one process: the public port (``--port``, 8090: metrics, probes, every read;
-a write there answers 403) and the write port (``--write-port``, 8091: every route).
+Two ports (three with ``--oip-port``), one process: the public port (``--port``, 8090:
+metrics, probes, every read; a write there answers 403) and the write port
+(``--write-port``, 8091: every route).
 Every write passes the edge guard (:mod:`serve.sidecar.http.guard`) before a byte of its
 body is read: its token and the token's scope (operator, delta publisher, feedback
 producer: :mod:`serve.sidecar.http.auth`), and its body's size.

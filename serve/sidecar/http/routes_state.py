@@ -16,6 +16,9 @@ GET's ``observed.model.schema`` is the served version's request schema
 (:meth:`serve.schema.ModelSchema.describe`), read once per version from its build report;
 null when the version has no report or no derivable schema.
 
+GET's ``endpoints.oip_url`` is the Open Inference Protocol's base URL (``--oip-port``,
+:mod:`serve.sidecar.http.routes_oip`) on the host the GET reached; null when not served.
+
 ``POST /state/rollout/promote`` and ``POST /state/rollout/rollback`` end a baking rollout
 by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
 
