@@ -222,6 +222,20 @@ example-ranker: venv  ## examples/own_ranker (hand-written TorchRec ranker: mixe
 	$(PY) -m serve.model.fit --factory examples/own_ranker/model.py:make_model --out build/examples/own_ranker/ckpt --world-size 2 --steps $(EXAMPLE_STEPS)
 	$(PY) -m serve.model.importer --factory examples/own_ranker/model.py:make_model --checkpoint build/examples/own_ranker/ckpt --version own-ranker-int8
 
+# The Open Inference Protocol (KServe v2) with a stock client: tritonclient in a venv of
+# its own (.oipenv), so the check imports nothing of ours, as a client would.
+OIPENV := .oipenv
+TRITONCLIENT_VERSION ?= 2.73.0
+.PHONY: oip-check
+$(OIPENV)/.stamp: Makefile
+	$(PYTHON) -m venv $(OIPENV)
+	$(OIPENV)/bin/pip install -q 'tritonclient[http]==$(TRITONCLIENT_VERSION)' numpy
+	@touch $@
+
+oip-check: $(OIPENV)/.stamp  ## with `make up` running: tritonclient (own venv .oipenv) is_server_ready, is_model_ready, binary infer of 512 instances == our API's probabilities (numpy.array_equal) -> bench/results/oip_check.json
+	$(OIPENV)/bin/python scripts/oip_check.py --sidecar http://127.0.0.1:$${SIDECAR_PORT:-8090} \
+		--predict-url http://127.0.0.1:$${TS_INFERENCE_PORT:-8080}/predictions/dlrm
+
 # Own models end to end through the real service (serve/ops/import_check.py).
 IMPORT_CHECK_ARGS ?=
 .PHONY: import-check

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_INFERENCE_PORT",
     "DEFAULT_MANAGEMENT_PORT",
     "DEFAULT_METRICS_PORT",
+    "DEFAULT_SIDECAR_OIP_PORT",
     "DEFAULT_SIDECAR_PORT",
     "DEFAULT_SIDECAR_WRITE_PORT",
     "DENSE_MAX_AUC_DROP",
@@ -117,6 +118,8 @@ DEFAULT_SIDECAR_PORT = 8090
 #: public port (metrics, probes, reads; what Prometheus and the Service reach) takes no
 #: write at all, and a NetworkPolicy can open the write port to the operators only.
 DEFAULT_SIDECAR_WRITE_PORT = 8091
+#: The Open Inference Protocol (KServe v2) port `make up` gives the sidecar (serve.api.oip).
+DEFAULT_SIDECAR_OIP_PORT = 8092
 #: TorchServe 0.12 always starts its gRPC APIs (unused here); they must not collide.
 DEFAULT_GRPC_INFERENCE_PORT = 7070
 DEFAULT_GRPC_MANAGEMENT_PORT = 7071

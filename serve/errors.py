@@ -16,6 +16,7 @@ __all__ = [
     "Forbidden",
     "InvalidInput",
     "ModelContractError",
+    "NotFound",
     "PayloadTooLarge",
     "ServeError",
     "ShardingError",
@@ -57,6 +58,13 @@ class PayloadTooLarge(ServeError):
 class UnsupportedMediaType(ServeError):
     status = 415
     kind = "UnsupportedMediaType"
+
+
+class NotFound(ServeError):
+    """A path names something this server does not serve (e.g. another model)."""
+
+    status = 404
+    kind = "NotFound"
 
 
 class Unauthorized(ServeError):

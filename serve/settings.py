@@ -40,6 +40,7 @@ from serve.constants import (
     DEFAULT_INFERENCE_PORT,
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_OIP_PORT,
     DEFAULT_SIDECAR_PORT,
     DEFAULT_SIDECAR_WRITE_PORT,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "DLRM_SIDECAR_FEEDBACK_TOKEN_FILE",
     # the variables, in REGISTRY order
     "DLRM_SIDECAR_HOST",
+    "DLRM_SIDECAR_OIP_PORT",
     "DLRM_SIDECAR_PORT",
     "DLRM_SIDECAR_TOKEN",
     "DLRM_SIDECAR_TOKEN_FILE",
@@ -97,6 +99,7 @@ __all__ = [
     "PROMETHEUS_MULTIPROC_DIR",
     "REGISTRY",
     "SIDECAR",
+    "SIDECAR_OIP_PORT",
     "SIDECAR_PORT",
     "SIDECAR_WRITE_PORT",
     "TOOLS",
@@ -245,6 +248,9 @@ DLRM_SIDECAR_TOKEN_FILE = _var("DLRM_SIDECAR_TOKEN_FILE",
 # The edge: the write port and the scoped tokens (serve.sidecar.http.guard).
 DLRM_SIDECAR_WRITE_PORT = _var(
     "DLRM_SIDECAR_WRITE_PORT", "The sidecar's write port (every write; reads too).", SIDECAR)
+DLRM_SIDECAR_OIP_PORT = _var(
+    "DLRM_SIDECAR_OIP_PORT",
+    "The sidecar's Open Inference Protocol (KServe v2) port; 0: not served.", SIDECAR)
 DLRM_SIDECAR_DELTA_TOKEN_FILE = _var(
     "DLRM_SIDECAR_DELTA_TOKEN_FILE",
     "The file holding the delta publisher's token (POST /embeddings/deltas only).", SIDECAR)
@@ -405,6 +411,11 @@ SIDECAR_WRITE_PORT = _var(
     "The sidecar's write port when the launcher's --sidecar-write-port is not given (the "
     "launcher passes it to the sidecar as --write-port).", LAUNCHER,
     default=str(DEFAULT_SIDECAR_WRITE_PORT))
+SIDECAR_OIP_PORT = _var(
+    "SIDECAR_OIP_PORT",
+    "The sidecar's Open Inference Protocol (KServe v2) port when the launcher's "
+    "--sidecar-oip-port is not given (the launcher passes it to the sidecar as --oip-port).",
+    LAUNCHER, default=str(DEFAULT_SIDECAR_OIP_PORT))
 GRPC_INFERENCE_PORT = _var(
     "GRPC_INFERENCE_PORT", "TorchServe's gRPC inference port (always started, unused).",
     LAUNCHER, default=str(DEFAULT_GRPC_INFERENCE_PORT))

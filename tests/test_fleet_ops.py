@@ -15,7 +15,7 @@ def test_every_pod_has_its_own_ports_and_folders_and_shares_the_rest():
     plan = FleetPlan(pods=3)
     cfgs = [pod_config(plan, i) for i in range(3)]
     ports = [u.port for c in cfgs for u in planned_ports(c)]
-    assert len(ports) == len(set(ports)) == 21
+    assert len(ports) == len(set(ports)) == 24  # 3 pods x 8 ports (5 TorchServe, 3 sidecar)
     assert (cfgs[0].inference_port, cfgs[0].sidecar_port, cfgs[0].sidecar_write_port) == (
         8180, 8190, 8191)
     assert len({c.path(c.run_dir) for c in cfgs}) == 3

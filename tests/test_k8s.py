@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from serve.constants import DEFAULT_SIDECAR_OIP_PORT
 from tests.fixtures.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,8 @@ HPA_METRIC = "dlrm_requests_per_second"
 SIDECAR_COUNTER = "dlrm_requests_total"
 # The sidecar's write port (every route, writes included); 8090 serves reads and metrics.
 WRITE_PORT = 8091
+# The Open Inference Protocol's port (the sidecar's --oip-port; make up's default too).
+OIP_PORT = 8092
 TOKEN_SECRET = "dlrm-sidecar-token"
 # Keys of the token Secret -> required? (the operator token is; the scoped ones are not)
 TOKEN_KEYS = {"token": True, "delta-token": False, "feedback-token": False}
@@ -640,9 +643,10 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
     defaults = sidecar.SidecarConfig()
     sidecar_port = sidecar._parser().get_default("port")
     assert {p["name"]: p["containerPort"] for p in sc["ports"]} == \
-        {"sidecar": sidecar_port, "write": WRITE_PORT}
+        {"sidecar": sidecar_port, "write": WRITE_PORT, "oip": OIP_PORT}
     assert int(arg_value(sc["args"], "--port")) == sidecar_port
     assert int(arg_value(sc["args"], "--write-port")) == WRITE_PORT
+    assert int(arg_value(sc["args"], "--oip-port")) == OIP_PORT == DEFAULT_SIDECAR_OIP_PORT
     assert arg_value(sc["args"], "--host") == "0.0.0.0"
     for flag, key, default in (("--inference-url", "inference_address", defaults.inference_url),
                                ("--management-url", "management_address", defaults.management_url),
@@ -657,7 +661,8 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
 
 
 def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
-    """Ingress: 8080 from anywhere, 8082/8090 from the monitoring namespace, 8090 from the
+    """Ingress: 8080 and the Open Inference Protocol's 8092 (forwarded to 8080) from
+    anywhere, 8082/8090 from the monitoring namespace, 8090 from the
     other serving pods (the fleet's leader), 8091 from labelled writer pods only;
     management (and gRPC) never."""
     pod = pod_properties(docs)
@@ -680,7 +685,7 @@ def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
             assert rule["from"] == [{"namespaceSelector": {"matchLabels": {
                 "kubernetes.io/metadata.name": "monitoring"}}}]
             monitoring_ports |= ports
-    assert open_ports == {inference}
+    assert open_ports == {inference, OIP_PORT}
     assert monitoring_ports == {metrics, sidecar_port}
     assert writer_ports == {WRITE_PORT}
     assert peer_ports == {sidecar_port}, "the peers read /metrics, never write"

@@ -40,7 +40,7 @@ def test_planned_ports_name_every_port_and_how_to_move_it(tmp_path: Path):
     uses = {u.setting: u for u in planned_ports(cfg)}
     assert set(uses) == {"inference_port", "management_port", "metrics_port",
                          "grpc_inference_port", "grpc_management_port", "sidecar_port",
-                         "sidecar_write_port"}
+                         "sidecar_write_port", "sidecar_oip_port"}
     assert uses["inference_port"].port == cfg.inference_port
     assert uses["inference_port"].how_to_move() == (
         "--inference-port PORT or TS_INFERENCE_PORT=PORT (make up TS_INFERENCE_PORT=PORT)")

@@ -448,7 +448,7 @@ def test_status_shape(tmp_path, repo, state_file):
         "target_serving_version": "small-s0_b8d50w1",
         "available_versions": ["small-s0", "small-s1"],
         "state_file": str(state_file), "state_file_writable": True, "rollout": None,
-        "tuner": None, "sidecar": None}
+        "tuner": None, "sidecar": None, "endpoints": None}
     w.tick()
     after = w.status()
     assert after["converged"] is True and after["reason"] is None

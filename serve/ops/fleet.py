@@ -5,7 +5,8 @@
 
 Reuses the launcher (:mod:`serve.ops.launcher`): each pod is a :class:`LaunchConfig` with
 its own ports (pod ``i`` of ``--base-port`` B: inference B+100i+80, management +81,
-metrics +82, sidecar +90 (public) / +91 (writes), gRPC +70/+71; B=8100 gives pod-1
+metrics +82, sidecar +90 (public) / +91 (writes) / +92 (Open Inference Protocol), gRPC
++70/+71; B=8100 gives pod-1
 8180/8181/8182/8190/8191), its own ``.run/fleet/<name>/`` (TorchServe's config and tmp,
 the workers' metrics, prediction log and delta folders, pids) and logs under
 ``logs/fleet/<name>/``. Shared by every pod:
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 #: Port of each API relative to a pod's block of 100 (see the module docstring).
 _OFFSETS = {"grpc_inference_port": 70, "grpc_management_port": 71, "inference_port": 80,
             "management_port": 81, "metrics_port": 82, "sidecar_port": 90,
-            "sidecar_write_port": 91}
+            "sidecar_write_port": 91, "sidecar_oip_port": 92}
 MAX_PODS = 9
 
 

@@ -17,8 +17,8 @@ fixtures build).
 
 "Ready" means a real predict was answered, not just ``/ping``. Ports come from flags, else the env
 (TS_INFERENCE_PORT, TS_MANAGEMENT_PORT, TS_METRICS_PORT, SIDECAR_PORT, SIDECAR_WRITE_PORT,
-and GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC APIs), else
-8080/8081/8082/8090/8091 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
+SIDECAR_OIP_PORT, and GRPC_INFERENCE_PORT / GRPC_MANAGEMENT_PORT for TorchServe's unused gRPC
+APIs), else 8080/8081/8082/8090/8091/8092 (7070/7071); every server binds 127.0.0.1 unless ``--host`` says otherwise.
 Before anything starts, each of these ports is test-bound (``check_ports``): a busy one
 fails at once, naming the port, its setting, its holder and the flag/variable that moves it.
 
@@ -57,6 +57,7 @@ from serve.constants import (
     DEFAULT_INFERENCE_PORT,
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_OIP_PORT,
     DEFAULT_SIDECAR_PORT,
     DEFAULT_SIDECAR_WRITE_PORT,
     DENSE_PRECISIONS,
@@ -121,6 +122,9 @@ class LaunchConfig:
     sidecar_port: int = DEFAULT_SIDECAR_PORT
     # The sidecar's write API (every write; the public sidecar_port refuses them).
     sidecar_write_port: int = DEFAULT_SIDECAR_WRITE_PORT
+    # The sidecar's Open Inference Protocol (KServe v2) API: /v2/..., infer forwarded to
+    # TorchServe (serve.sidecar.http.routes_oip).
+    sidecar_oip_port: int = DEFAULT_SIDECAR_OIP_PORT
     # TorchServe 0.12 always starts gRPC; can't be disabled
     grpc_inference_port: int = DEFAULT_GRPC_INFERENCE_PORT
     grpc_management_port: int = DEFAULT_GRPC_MANAGEMENT_PORT
@@ -159,7 +163,8 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         ports = [self.inference_port, self.management_port, self.metrics_port, self.sidecar_port,
-                 self.sidecar_write_port, self.grpc_inference_port, self.grpc_management_port]
+                 self.sidecar_write_port, self.sidecar_oip_port, self.grpc_inference_port,
+                 self.grpc_management_port]
         for p in ports:
             int_in_range("port", p, 1, 65535)
         if len(set(ports)) != len(ports):
@@ -192,6 +197,11 @@ class LaunchConfig:
     def sidecar_write_url(self) -> str:
         """The sidecar's write port: every write (PUT /state, POST /drain...), reads too."""
         return f"http://{self.host}:{self.sidecar_write_port}"
+
+    @property
+    def oip_url(self) -> str:
+        """The Open Inference Protocol's base URL (the sidecar's ``--oip-port``)."""
+        return f"http://{self.host}:{self.sidecar_oip_port}"
 
     @property
     def multiproc_dir(self) -> Path:
@@ -477,7 +487,7 @@ def sidecar_command(cfg: LaunchConfig) -> list[str]:
     ``--repository`` (one per folder) where the versions are, ``--state-file`` what to serve.
     """
     cmd = [sys.executable, "-m", "serve.sidecar", "--host", cfg.host, "--port", str(cfg.sidecar_port),
-           "--write-port", str(cfg.sidecar_write_port),
+           "--write-port", str(cfg.sidecar_write_port), "--oip-port", str(cfg.sidecar_oip_port),
            "--inference-url", cfg.inference_url, "--management-url", cfg.management_url,
            "--metrics-url", cfg.metrics_url, "--model-name", cfg.model_name,
            "--token-file", str(cfg.token_file), "--multiproc-dir", str(cfg.multiproc_dir),
@@ -664,8 +674,10 @@ _PORTS: tuple[tuple[str, str, str | None, EnvVar], ...] = (
     ("sidecar_port", "the sidecar (FastAPI)", "--sidecar-port", settings.SIDECAR_PORT),
     ("sidecar_write_port", "the sidecar's write API", "--sidecar-write-port",
      settings.SIDECAR_WRITE_PORT),
+    ("sidecar_oip_port", "the sidecar's Open Inference Protocol (KServe v2) API",
+     "--sidecar-oip-port", settings.SIDECAR_OIP_PORT),
 )
-_SIDECAR_PORTS = ("sidecar_port", "sidecar_write_port")
+_SIDECAR_PORTS = ("sidecar_port", "sidecar_write_port", "sidecar_oip_port")
 
 
 def free_port_settings() -> dict[str, Any]:  # Any: LaunchConfig's ** keywords (ints)
@@ -870,6 +882,8 @@ def _banner(svc: Service) -> str:
     if svc.sidecar is not None:
         lines.append(f"  sidecar:    {cfg.sidecar_url}  writes: {cfg.sidecar_write_url}  "
                      f"(token in {cfg.token_file})")
+        lines.append(f"  OIP v2:     {cfg.oip_url}/v2/models/{cfg.model_name}/infer  "
+                     f"(KServe v2 / tritonclient; docs/oip.md)")
     lines += [f"  logs:       {cfg.path(cfg.log_dir)}", "try:",
               (f"  curl -s -H 'Content-Type: application/json' "
                f"{cfg.inference_url}/predictions/{cfg.model_name} -d '{body}'")]

@@ -25,6 +25,7 @@ from serve.constants import (
     DEFAULT_INFERENCE_PORT,
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_METRICS_PORT,
+    DEFAULT_SIDECAR_OIP_PORT,
     DEFAULT_SIDECAR_PORT,
     DEFAULT_SIDECAR_WRITE_PORT,
     DEFAULT_TOKEN_FILE,
@@ -133,6 +134,8 @@ class ServerOptions:
             write there answers 403 naming the write port).
         write_port: the write port, on the same host, in the same process: every route
             (writes and reads). Never equal to ``port``.
+        oip_port: the Open Inference Protocol (KServe v2) port, same host and process
+            (:mod:`serve.sidecar.http.routes_oip`); 0: not served.
         token_file: the file holding the write token (when ``DLRM_SIDECAR_TOKEN`` is
             unset); ``create_token`` writes a random one there first if it is absent.
         delta_token_file, feedback_token_file: the files holding the scoped tokens (the
@@ -150,6 +153,13 @@ class ServerOptions:
         "--write-port", env=settings.DLRM_SIDECAR_WRITE_PORT,
         help="the write port (every write, reads too), so a NetworkPolicy can open writes "
              "to the operators alone while Prometheus and the probes use --port"))
+    oip_port: int = field(default=0, metadata=flag(
+        "--oip-port", env=settings.DLRM_SIDECAR_OIP_PORT,
+        help="the Open Inference Protocol (KServe v2) port: /v2/health, model metadata "
+             "and infer, forwarded to TorchServe's predictions API so batching, rollouts "
+             "and metrics are our API's; a port of its own so a NetworkPolicy can open it "
+             "to clients like the inference port; 0: not served (make up serves it on "
+             f"{DEFAULT_SIDECAR_OIP_PORT})"))
     token_file: Path = field(default=Path(DEFAULT_TOKEN_FILE), metadata=flag(
         "--token-file", env=settings.DLRM_SIDECAR_TOKEN_FILE,
         help=f"file holding the write token (the bearer token of every write); env "
@@ -177,6 +187,12 @@ class ServerOptions:
                 f"write_port={self.write_port} is the public port too; the write API needs "
                 f"a port of its own (default {DEFAULT_SIDECAR_WRITE_PORT}): pass another "
                 f"--write-port or --port")
+        int_in_range("oip_port", self.oip_port, 0, 65535)
+        if self.oip_port in (self.port, self.write_port):
+            raise ConfigError(
+                f"oip_port={self.oip_port} is the public or the write port too; the Open "
+                f"Inference Protocol needs a port of its own (make up uses "
+                f"{DEFAULT_SIDECAR_OIP_PORT}): pass another --oip-port, or 0 for none")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
         object.__setattr__(self, "token_file", Path(self.token_file))

@@ -101,6 +101,8 @@ class Sidecar:
             ``registry``; None without ``config.delta_dir``.
         tuner: the batching tuner (:mod:`serve.sidecar.control.tuner`); it acts only with a
             desired-state file (through the reconciler).
+        oip_port: the Open Inference Protocol's port (GET /state's ``endpoints``); None
+            when not served.
         write_port: the port the write API listens on (GET /state's ``sidecar``); None
             when every port takes writes (one listener).
     """
@@ -119,6 +121,7 @@ class Sidecar:
     deltas: DeltaService | None = None
     tuner: BatchTuner | None = None
     write_port: int | None = None
+    oip_port: int | None = None
     _tune_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)

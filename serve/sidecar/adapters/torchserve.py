@@ -20,6 +20,7 @@ from serve.errors import UpstreamUnavailable
 from serve.sidecar.config import SidecarConfig
 
 __all__ = [
+    "PREDICT_TIMEOUT_S",
     "NotRegistered",
     "Observed",
     "Registered",
@@ -29,6 +30,11 @@ __all__ = [
     "pending_requests",
     "ready_workers",
 ]
+
+
+#: Longest wait for a forwarded predict (s): above the archives' ``responseTimeout``
+#: (120 s), so TorchServe's own timeout answers first and names the cause.
+PREDICT_TIMEOUT_S = 125.0
 
 
 class NotRegistered(UpstreamUnavailable):
@@ -87,6 +93,24 @@ class TorchServeClient:
         r = await self._get(url, "inference API")
         if r.status_code != 200:
             raise UpstreamUnavailable(f"TorchServe {url} answered {r.status_code}: {_ts_message(r)}")
+
+    async def predict(self, body: bytes, content_type: str,
+                      headers: dict[str, str] | None = None) -> httpx.Response:
+        """``POST /predictions/{model}`` on the inference API, as any client of ours would
+        send it (TorchServe batches it with the rest); the response whatever its status.
+
+        The timeout is :data:`PREDICT_TIMEOUT_S`, not the management calls' one: a predict
+        waits in TorchServe's queue and batch under load.
+        """
+        url = f"{self.config.inference_url}/predictions/{self.config.model_name}"
+        try:
+            return await self.client.post(
+                url, content=body, timeout=PREDICT_TIMEOUT_S,
+                headers={"Content-Type": content_type, **(headers or {})})
+        except httpx.HTTPError as e:
+            raise UpstreamUnavailable(
+                f"TorchServe inference API at {url} did not answer ({type(e).__name__}: "
+                f"{e}); check that TorchServe is running") from None
 
     async def metrics_text(self) -> str:
         """TorchServe's own Prometheus exposition (its metrics port)."""

@@ -269,6 +269,15 @@ class SidecarEndpoints(BaseModel):
                     "them); null when every port takes writes (one listener).")
 
 
+class ServiceEndpoints(BaseModel):
+    """``endpoints`` in GET /state: where clients reach the model through this sidecar."""
+
+    oip_url: str | None = Field(
+        description="The Open Inference Protocol (KServe v2) base URL (GET "
+                    "{oip_url}/v2/health/ready, POST {oip_url}/v2/models/{model}/infer), on "
+                    "the host this request reached; null when not served (--oip-port 0).")
+
+
 class StateStatus(BaseModel):
     """GET /state: the declared state, what serves, and whether they agree (and why not)."""
 
@@ -292,6 +301,8 @@ class StateStatus(BaseModel):
         default=None, description="The batching tuner (null without a desired-state file).")
     sidecar: SidecarEndpoints | None = Field(
         default=None, description="Where this sidecar takes writes.")
+    endpoints: ServiceEndpoints | None = Field(
+        default=None, description="Where clients reach the model through this sidecar.")
     fleet: FleetStatus | None = Field(
         default=None, description="The fleet's rollout leader and this pod's place; absent "
                                   "without a fleet (--fleet none).")

@@ -22,9 +22,13 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
   from the traffic (on by default).
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.http.routes_health`), ``/docs``
   (OpenAPI).
+* On ``--oip-port`` only, an app of its own (:func:`create_oip_app`): the Open Inference
+  Protocol v2 (:mod:`serve.sidecar.http.routes_oip`), forwarded to TorchServe's predictions
+  API; its errors answer ``{"error": ...}``.
 
-Two ports, one process: the public port (``--port``, 8090: metrics, probes, every read;
-a write there answers 403) and the write port (``--write-port``, 8091: every route).
+Two ports (three with ``--oip-port``), one process: the public port (``--port``, 8090:
+metrics, probes, every read; a write there answers 403) and the write port
+(``--write-port``, 8091: every route).
 Every write passes the edge guard (:mod:`serve.sidecar.http.guard`) before a byte of its
 body is read: its token and the token's scope (operator, delta publisher, feedback
 producer: :mod:`serve.sidecar.http.auth`), and its body's size.
@@ -55,6 +59,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import settings
 from serve.common.flags import add_options, build
@@ -68,11 +73,15 @@ from serve.sidecar.http import (
     routes_feedback,
     routes_health,
     routes_metrics,
+    routes_oip,
     routes_state,
     routes_tuner,
 )
 from serve.sidecar.http.docs import mount_docs
-from serve.sidecar.http.errors import register_exception_handlers
+from serve.sidecar.http.errors import (
+    register_exception_handlers,
+    register_oip_exception_handlers,
+)
 from serve.sidecar.http.guard import EdgeGuard, check_write_routes
 from serve.sidecar.http.middleware import count_requests
 from serve.sidecar.http.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
@@ -85,7 +94,9 @@ __all__ = [
     "BatchingUpdateResult",
     "ServerOptions",
     "SidecarConfig",
+    "by_port",
     "create_app",
+    "create_oip_app",
     "ensure_dev_token",
     "load_token",
     "main",
@@ -100,7 +111,7 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
                http_client: httpx.AsyncClient | None = None,
                clock: Callable[[], float] = time.monotonic,
                wall_clock: Callable[[], float] = time.time,
-               write_port: int | None = None) -> FastAPI:
+               write_port: int | None = None, oip_port: int | None = None) -> FastAPI:
     """The sidecar app, behind its edge guard (:class:`~serve.sidecar.http.guard.EdgeGuard`).
 
     Args:
@@ -112,10 +123,13 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
         wall_clock: unix seconds (the age of the newest embedding delta applied).
         write_port: the local port writes are taken on (GET /state shows it); a write
             on another port answers 403. None: writes on any port (one listener).
+        oip_port: the port :func:`create_oip_app` serves on (GET /state's
+            ``endpoints.oip_url``); None: not served.
     """
     state = Sidecar.create(config, registry=registry, clock=clock,
                            wall_clock=wall_clock)
     state.write_port = write_port
+    state.oip_port = oip_port or None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -156,6 +170,37 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     return app
 
 
+def create_oip_app(sidecar: Sidecar) -> FastAPI:
+    """The Open Inference Protocol's app (:mod:`serve.sidecar.http.routes_oip`) over the
+    sidecar's parts (``create_app(...).state.sidecar``: its TorchServe client, schemas and
+    metrics; the main app's lifespan connects and stops them).
+
+    No token and no write port: infer is a read of the model, open to the clients the
+    inference port is open to. Its own error mapping (``{"error": ...}``) and its own body
+    bound (the route's); its requests are counted in ``dlrm_sidecar_requests_total``.
+    """
+    app = FastAPI(title="DLRM serving: Open Inference Protocol v2", version="0.1.0",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.sidecar = sidecar
+    register_oip_exception_handlers(app)
+    app.middleware("http")(count_requests)
+    app.include_router(routes_oip.router)
+    return app
+
+
+def by_port(default: ASGIApp, apps: Mapping[int, ASGIApp]) -> ASGIApp:
+    """One ASGI app over several: a request on local port ``p`` (``scope["server"]``) goes
+    to ``apps[p]``, anything else (the lifespan too) to ``default``. So one uvicorn server,
+    one event loop and one lifespan serve every port."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server") if scope["type"] in ("http", "websocket") else None
+        target = apps.get(server[1]) if server else None
+        await (target or default)(scope, receive, send)
+
+    return app
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -188,15 +233,18 @@ def _tokens(opts: ServerOptions, environ: Mapping[str, str]) -> dict[str, str | 
 
 def _serve(app: FastAPI, opts: ServerOptions) -> None:
     """Run ``app`` under one uvicorn server listening on both ports (one event loop,
-    one lifespan): the public port and the write port."""
+    one lifespan): the public port and the write port; with ``opts.oip_port``, the Open
+    Inference Protocol's app on that port too."""
     import uvicorn
 
-    def config(port: int) -> uvicorn.Config:
-        return uvicorn.Config(app, host=opts.host, port=port, log_level=opts.log_level,
-                              access_log=False)
-
     sockets = [listen_socket(opts.host, opts.port), listen_socket(opts.host, opts.write_port)]
-    uvicorn.Server(config(opts.port)).run(sockets=sockets)
+    served: ASGIApp = app
+    if opts.oip_port:
+        sockets.append(listen_socket(opts.host, opts.oip_port))
+        served = by_port(app, {opts.oip_port: create_oip_app(app.state.sidecar)})
+    config = uvicorn.Config(served, host=opts.host, port=opts.port, log_level=opts.log_level,
+                            access_log=False)
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -235,7 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     _log.info("sidecar on http://%s:%d (writes on :%d) for model %r (management %s); "
               "desired state: %s", opts.host, opts.port, opts.write_port, config.model_name,
               config.management_url, config.state_file or "none (reconciler off)")
-    _serve(create_app(config, write_port=opts.write_port), opts)
+    if opts.oip_port:
+        _log.info("Open Inference Protocol v2 on http://%s:%d/v2", opts.host, opts.oip_port)
+    _serve(create_app(config, write_port=opts.write_port, oip_port=opts.oip_port), opts)
 
 if __name__ == "__main__":
     main()

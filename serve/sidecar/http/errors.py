@@ -7,8 +7,14 @@
 * Starlette's HTTP errors (404, 405...) -> their status, type ``HTTPError``.
 * Anything else -> 500 ``InternalError``. Starlette answers it from its outermost
   middleware and then re-raises, so the server (uvicorn) logs the traceback once.
+
+The Open Inference Protocol's port (:mod:`serve.sidecar.http.routes_oip`) answers the same
+errors with the same statuses in OIP's shape, ``{"error": "<message>"}``
+(:func:`register_oip_exception_handlers`): a KServe v2 client reads only that.
 """
 from __future__ import annotations
+
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.errors import InvalidInput, ServeError, Unauthorized, describe_field_errors
 from serve.sidecar.config import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, WORKERS_MAX
 
-__all__ = ["error_response", "internal_error", "register_exception_handlers"]
+__all__ = ["error_response", "internal_error", "oip_error_response",
+           "register_exception_handlers", "register_oip_exception_handlers"]
 
 _RULES = (f"batch_size: integer 1..{BATCH_SIZE_MAX}, max_batch_delay_ms: integer "
           f"0..{MAX_BATCH_DELAY_MS_MAX}, workers: integer 1..{WORKERS_MAX}")
@@ -81,3 +88,41 @@ def _validation_error(exc: RequestValidationError, what: str) -> InvalidInput:
             parts += describe_field_errors([e])
     rules = f". Allowed fields: {_RULES}" if what.endswith("/batching") else ""
     return InvalidInput(f"invalid {what} body: " + "; ".join(parts) + rules)
+
+
+def register_oip_exception_handlers(app: FastAPI) -> None:
+    """The Open Inference Protocol app's mapping: every error answers
+    ``{"error": "<message>"}`` with the status :func:`register_exception_handlers` gives it."""
+
+    async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
+        return oip_error_response(exc)
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc, f"{request.method} {request.url.path}")
+        return oip_error_response(err)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+        if exc.status_code == 404:
+            message += ("; the Open Inference Protocol paths here are /v2, /v2/health/live, "
+                        "/v2/health/ready, /v2/models/{model}, /v2/models/{model}/ready and "
+                        "POST /v2/models/{model}/infer")
+        return JSONResponse({"error": message}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        body = (await internal_error(request, exc)).body
+        return JSONResponse({"error": json.loads(bytes(body))["message"]},
+                            status_code=ServeError.status)
+
+    app.add_exception_handler(ServeError, serve_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, internal)
+
+
+def oip_error_response(exc: ServeError) -> JSONResponse:
+    """``exc`` in OIP's shape: its status, ``{"error": message}``. A 413 closes the
+    connection (its body was not read)."""
+    headers = {"Connection": "close"} if exc.status == 413 else None
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)

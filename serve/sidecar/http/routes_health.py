@@ -7,15 +7,17 @@ the sidecar restarted for nothing); readiness says whether the pod can serve, an
 """
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from serve.errors import UpstreamUnavailable
 from serve.sidecar.adapters.torchserve import ready_workers
 from serve.sidecar.http.auth import require_token
-from serve.sidecar.root import SidecarDep
+from serve.sidecar.root import Sidecar, SidecarDep
 
-__all__ = ["router"]
+__all__ = ["readiness", "router"]
 
 router = APIRouter()
 
@@ -28,36 +30,41 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="TorchServe's model has a READY worker and /ping answers",
             responses={503: {"description": "not ready, with the reason"}})
 async def readyz(sidecar: SidecarDep) -> JSONResponse:
+    try:
+        return JSONResponse(await readiness(sidecar))
+    except UpstreamUnavailable as e:
+        return JSONResponse(e.to_json(), status_code=503)
+
+
+async def readiness(sidecar: Sidecar) -> dict[str, Any]:
+    """``{"status": "ready", "model", "model_version", "ready_workers"}`` when the pod can
+    serve (not draining, a READY worker, /ping answers, deltas caught up); raises
+    UpstreamUnavailable naming why not. ``GET /readyz`` and the Open Inference Protocol's
+    ready paths (:mod:`serve.sidecar.http.routes_oip`) answer from it."""
     model = sidecar.config.model_name
     if sidecar.draining:
-        err = UpstreamUnavailable(f"the pod is shutting down (drain: "
+        raise UpstreamUnavailable(f"the pod is shutting down (drain: "
                                   f"{sidecar.drainer.report.phase}); it takes no new requests")
-        return JSONResponse(err.to_json(), status_code=503)
     try:
         desc = await sidecar.torchserve.describe()
-    except UpstreamUnavailable as e:
+    except UpstreamUnavailable:
         sidecar.metrics.set_up("management", False)
-        return JSONResponse(e.to_json(), status_code=503)
+        raise
     sidecar.metrics.set_up("management", True)
     ready = ready_workers(desc)
     if ready == 0:
         statuses = sorted({str(w.get("status")) for w in desc.get("workers") or []})
-        err = UpstreamUnavailable(
+        raise UpstreamUnavailable(
             f"model {model!r} version {desc.get('modelVersion')} has no READY "
             f"worker (statuses: {', '.join(statuses) or 'no workers'}); wait for it to load")
-        return JSONResponse(err.to_json(), status_code=503)
-    try:  # READY workers are no use if the inference API does not answer
-        await sidecar.torchserve.ping()
-    except UpstreamUnavailable as e:
-        return JSONResponse(e.to_json(), status_code=503)
+    await sidecar.torchserve.ping()  # READY workers are no use if inference does not answer
     if sidecar.deltas is not None:  # a new pod serves only once it has its version's deltas
         behind = await sidecar.deltas.not_caught_up(
             need_sync=sidecar.config.delta_sync_s > 0 and bool(sidecar.config.repository_roots))
         if behind is not None:
-            return JSONResponse(UpstreamUnavailable(behind).to_json(), status_code=503)
-    return JSONResponse({"status": "ready", "model": model,
-                         "model_version": str(desc.get("modelVersion")),
-                         "ready_workers": ready})
+            raise UpstreamUnavailable(behind)
+    return {"status": "ready", "model": model, "model_version": str(desc.get("modelVersion")),
+            "ready_workers": ready}
 
 
 @router.get("/drain", summary="The shutdown drain's state (a read: no token)")

@@ -16,6 +16,9 @@ GET's ``observed.model.schema`` is the served version's request schema
 (:meth:`serve.schema.ModelSchema.describe`), read once per version from its build report;
 null when the version has no report or no derivable schema.
 
+GET's ``endpoints.oip_url`` is the Open Inference Protocol's base URL (``--oip-port``,
+:mod:`serve.sidecar.http.routes_oip`) on the host the GET reached; null when not served.
+
 ``POST /state/rollout/promote`` and ``POST /state/rollout/rollback`` end a baking rollout
 by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Request
 from pydantic import ValidationError
 
 from serve.errors import ConfigError, InvalidInput, UpstreamUnavailable
@@ -42,6 +45,7 @@ from serve.sidecar.http.schemas import (
     EmbeddingsStatus,
     ObservedState,
     RolloutStatus,
+    ServiceEndpoints,
     SidecarEndpoints,
     StateAccepted,
     StateStatus,
@@ -61,7 +65,7 @@ _SHAPE = ('a desired state is {"model": {"version": V}, "batching": {"batch_size
 
 @router.get("/state", response_model=StateStatus, response_model_by_alias=True,
             summary="Desired vs observed serving state, converged or why not")
-async def get_state(sidecar: SidecarDep) -> StateStatus:
+async def get_state(request: Request, sidecar: SidecarDep) -> StateStatus:
     reconciler = sidecar.reconciler
     if reconciler is not None:
         status = await reconciler.status()
@@ -69,7 +73,8 @@ async def get_state(sidecar: SidecarDep) -> StateStatus:
         status = await _status_without_file(sidecar)
     status = status.model_copy(update={
         "tuner": tuner_status(sidecar),
-        "sidecar": SidecarEndpoints(write_port=sidecar.write_port)})
+        "sidecar": SidecarEndpoints(write_port=sidecar.write_port),
+        "endpoints": ServiceEndpoints(oip_url=_oip_url(request, sidecar))})
     if sidecar.deltas is not None:
         summaries = await sidecar.deltas.summaries()
         status = status.model_copy(update={"embeddings": {
@@ -103,6 +108,15 @@ async def put_state(body: Annotated[Any, Body()], sidecar: SidecarDep) -> StateA
         desired=desired, converged=converged, target_serving_version=desired.serving_version(),
         state_file=str(reconciler.path),
         message="written; the reconciler applies it now: GET /state shows the progress")
+
+
+def _oip_url(request: Request, sidecar: Sidecar) -> str | None:
+    """The Open Inference Protocol's base URL on the host this request reached: the OIP
+    port listens on the same address (one process, one ``--host``)."""
+    if not sidecar.oip_port:
+        return None
+    host = request.url.hostname or "127.0.0.1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{sidecar.oip_port}"
 
 
 def _validated(body: Any, sidecar: Sidecar) -> DesiredState:
