@@ -498,8 +498,9 @@ def _p99_over_slo() -> AlertRule:
         f"over the {P99_SLO_SECONDS * 1000:.0f}ms goal",
         "The handler's p99 (decode to response, without TorchServe's queueing) over 5 "
         f"minutes, all pods together, has been above {P99_SLO_SECONDS * 1000:.0f} ms for "
-        f"10 minutes. Compare {P99_RECORD} and {QPS_RECORD} per pod: all pods slow at a "
-        "QPS above the HPA target (k8s/hpa.yaml) means scaling is not keeping up "
+        f"10 minutes. Compare {P99_RECORD} and {UTILIZATION_RECORD} per pod: all pods "
+        "slow at a utilization above the HPA target (0.8, k8s/hpa.yaml) means scaling is "
+        "not keeping up "
         "(maxReplicas reached, pods Pending, a slow model load); one pod slow means a "
         "bad node or a noisy neighbour: delete that pod. A falling cache hit ratio or a "
         "new version can also raise it.")
@@ -723,7 +724,15 @@ def _traffic_panels() -> tuple[Panel, ...]:
             (f"sum({QPS_RECORD})", "all pods"),
             (f"sum by (pod) ({QPS_RECORD})", "{{pod}}")),
             f"Prediction requests per second: {QPS_RECORD}, the prometheus-adapter's "
-            "dlrm_requests_per_second that the HPA scales on (all status codes)."),
+            "dlrm_requests_per_second, the HPA's backstop metric (all status codes)."),
+        Panel("Capacity utilization", "percentunit", (
+            (f"avg({UTILIZATION_RECORD})", "mean of pods"),
+            (f"{UTILIZATION_RECORD}", "{{pod}}"),
+            ("vector(0.8)", "HPA target")),
+            f"{UTILIZATION_RECORD}: the prometheus-adapter's "
+            f"{CAPACITY_UTILIZATION_RATIO}, what the HPA scales on: handler work-seconds "
+            "per second over READY workers x the busy fraction at the knee (1.0 = the pod "
+            "at its knee, for any traffic mix; docs/autoscaling.md)."),
         Panel("Instances/s", "short", (
             (f"sum({INSTANCES_RECORD})", "all pods"),
             (f"sum by (pod) ({INSTANCES_RECORD})", "{{pod}}")),
