@@ -181,10 +181,10 @@ gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU ex
 loadtest: venv java  ## locust, headless: SHAPE=steady|step|spike|soak DURATION=60s [LOADTEST_ARGS="-H http://svc:8080 --allow-remote"]
 	$(PY) -m loadtest.run --shape $(SHAPE) --duration $(DURATION) $(LOADTEST_ARGS)
 
-capacity: venv java model  ## measure one instance's knee and write loadtest/capacity.json + the HPA target
+capacity: venv java model  ## measure one instance's knee of the load-test mix; writes loadtest/capacity.json (not hpa.yaml)
 	$(PY) -m serve.ops.capacity
 
-hpa-sim: venv  ## replay load curves through the HPA algorithm; prints and plots
+hpa-sim: venv  ## replay single/ranking/mixed traffic through k8s/hpa.yaml and the old req/s spec; writes bench/results/hpa_sim.json
 	$(PY) -m serve.ops.hpa_sim
 
 IMAGE_SUFFIX = $(if $(filter cpu,$(VARIANT)),-cpu,)

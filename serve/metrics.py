@@ -95,6 +95,8 @@ __all__ = [
     "CACHE_HIT_RATIO",
     "CACHE_HOST_BYTES",
     "CACHE_MISSES_TOTAL",
+    "CAPACITY_UTILIZATION_RATIO",
+    "CAPACITY_WORK_SECONDS_TOTAL",
     "EMBEDDING_DELTA_APPLIED_SEQUENCE",
     "EMBEDDING_DELTA_APPLY_SECONDS",
     "EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS",
@@ -180,6 +182,12 @@ INSTANCES_TOTAL = "dlrm_instances_total"
 REQUEST_DURATION_SECONDS = "dlrm_request_duration_seconds"
 BATCH_INSTANCES = "dlrm_batch_instances"
 BATCH_REQUESTS = "dlrm_batch_requests"
+# Seconds of model work done (each batch's handler time, decode to response, counted once per
+# batch, not once per request): the HPA's primary signal. Its rate over the pod's available
+# capacity is the custom metric CAPACITY_UTILIZATION_RATIO, made by the prometheus-adapter
+# rule that serve.ops.monitoring generates (serve.sidecar.control.utilization holds the math).
+CAPACITY_WORK_SECONDS_TOTAL = "dlrm_capacity_work_seconds_total"
+CAPACITY_UTILIZATION_RATIO = "dlrm_capacity_utilization_ratio"
 CACHE_HITS_TOTAL = "dlrm_cache_hits_total"
 CACHE_MISSES_TOTAL = "dlrm_cache_misses_total"
 CACHE_EVICTIONS_TOTAL = "dlrm_cache_evictions_total"
@@ -404,6 +412,11 @@ class HandlerMetrics:
             BATCH_INSTANCES,
             "Instances per merged forward pass (all requests of one TorchServe batch).",
             buckets=BATCH_INSTANCES_BUCKETS, registry=r)
+        self._work = Counter(
+            _strip_total(CAPACITY_WORK_SECONDS_TOTAL),
+            "Seconds of model work done: each batch's handler time (decode to response), "
+            "once per batch. rate() of it over the pod's capacity is the HPA's "
+            "dlrm_capacity_utilization_ratio.", registry=r)
         self._batch_requests = Histogram(
             BATCH_REQUESTS,
             "Requests per forward pass: the TorchServe batch size actually formed.",
@@ -498,6 +511,14 @@ class HandlerMetrics:
         if instances:
             self._instances.inc(instances)
         observe_many(self._duration, np.full(requests, float(seconds)))
+
+    def observe_work(self, seconds: float) -> None:
+        """One batch's handler time in ``seconds`` (the work it cost the worker, whatever
+        its requests' sizes or statuses): :data:`CAPACITY_WORK_SECONDS_TOTAL`."""
+        if not seconds >= 0:
+            raise ValueError(f"work seconds={seconds} must be >= 0; pass the batch's "
+                             "measured handler time")
+        self._work.inc(float(seconds))
 
     def observe_batch(self, instances: int, requests: int) -> None:
         """One merged forward pass over ``instances`` samples from ``requests`` requests."""

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from serve.errors import CapacityError, ConfigError
 from serve.ops.capacity import (
@@ -16,7 +15,6 @@ from serve.ops.capacity import (
     format_quantity,
     machine_info,
     main,
-    update_hpa_target,
 )
 from serve.ops.hpa_sim import parse_quantity
 from serve.ops.knee import find_knee
@@ -92,26 +90,6 @@ def test_format_quantity_is_a_plain_kubernetes_quantity(v, want):
     assert parse_quantity(want) == pytest.approx(v)
 
 
-def test_update_hpa_target_changes_only_the_marked_line():
-    text = (REPO / "k8s" / "hpa.yaml").read_text()
-    new = update_hpa_target(text, 56.2)
-    # Not strict: the assert below compares the line counts itself, with a clearer message.
-    changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines(), strict=False)
-               if a != b]
-    assert len(changed) == 1 and len(text.splitlines()) == len(new.splitlines())
-    assert changed[0][1].strip() == 'averageValue: "56.2"  # capacity.json target_qps'
-    doc = yaml.safe_load(new)
-    pods = next(m for m in doc["spec"]["metrics"] if m["type"] == "Pods")
-    assert pods["pods"]["target"]["averageValue"] == "56.2"
-    assert update_hpa_target(new, 56.2) == new
-
-
-def test_update_hpa_target_needs_the_marker():
-    with pytest.raises(ConfigError, match=r"exactly one 'averageValue: \"N\"  # capacity.json "
-                                          r"target_qps' line, found 0"):
-        update_hpa_target("averageValue: \"5\"\n", 4.0)
-
-
 def test_config_validation_names_the_flag():
     with pytest.raises(ConfigError, match=r"--headroom 1.5 must be in \(0, 1\]"):
         CapacityConfig(headroom=1.5)
@@ -131,18 +109,18 @@ def test_document_records_machine_and_derivation():
     json.dumps(doc)
 
 
-def test_main_from_a_summary_writes_capacity_and_hpa(tmp_path, capsys):
+def test_main_from_a_summary_writes_capacity_only(tmp_path, capsys):
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"steps": RAMP, "knee": None}))
-    hpa = tmp_path / "hpa.yaml"
-    hpa.write_text((REPO / "k8s" / "hpa.yaml").read_text())
     out = tmp_path / "capacity.json"
-    rc = main(["--from-summary", str(summary), "--output", str(out), "--hpa", str(hpa)])
+    hpa_before = (REPO / "k8s" / "hpa.yaml").read_text()
+    rc = main(["--from-summary", str(summary), "--output", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in printed
+    assert "k8s/hpa.yaml unchanged" in printed
     assert json.loads(out.read_text())["target_qps"] == 56.0
-    assert 'averageValue: "56"  # capacity.json target_qps' in hpa.read_text()
+    assert (REPO / "k8s" / "hpa.yaml").read_text() == hpa_before
 
 
 def test_the_warm_up_stage_is_not_a_capacity_measurement(tmp_path, capsys):

@@ -30,6 +30,8 @@ VERSIONS = ("1.30.0", "1.33.0")
 UID = 10001
 HPA_METRIC = "dlrm_requests_per_second"
 SIDECAR_COUNTER = "dlrm_requests_total"
+UTILIZATION_METRIC = "dlrm_capacity_utilization_ratio"
+WORK_COUNTER = "dlrm_capacity_work_seconds_total"
 # The sidecar's write port (every route, writes included); 8090 serves reads and metrics.
 WRITE_PORT = 8091
 # The Open Inference Protocol's port (the sidecar's --oip-port; make up's default too).
@@ -443,54 +445,76 @@ def test_rbac_grants_the_fleet_exactly_what_it_uses(docs):
 def test_hpa_metrics_replicas_and_behavior(docs):
     spec = one(docs, "HorizontalPodAutoscaler")["spec"]
     assert 2 <= spec["minReplicas"] <= spec["maxReplicas"]
-    types = {m["type"]: m for m in spec["metrics"]}
-    assert types["Pods"]["pods"]["metric"]["name"] == HPA_METRIC
-    assert types["Pods"]["pods"]["target"]["type"] == "AverageValue"
-    assert types["Resource"]["resource"]["name"] == "cpu"
-    assert types["Resource"]["resource"]["target"]["type"] == "Utilization"
-    assert 0 < types["Resource"]["resource"]["target"]["averageUtilization"] <= 100
+    pods = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in spec["metrics"]
+            if m["type"] == "Pods"}
+    assert set(pods) == {UTILIZATION_METRIC, HPA_METRIC}
+    assert all(t["type"] == "AverageValue" for t in pods.values())
+    (cpu,) = [m for m in spec["metrics"] if m["type"] == "Resource"]
+    assert cpu["resource"]["name"] == "cpu"
+    assert cpu["resource"]["target"]["type"] == "Utilization"
+    assert 0 < cpu["resource"]["target"]["averageUtilization"] <= 100
     up, down = spec["behavior"]["scaleUp"], spec["behavior"]["scaleDown"]
     assert up["stabilizationWindowSeconds"] == 0
     assert all(p["periodSeconds"] <= 15 for p in up["policies"]), "scale-up must be fast"
     assert down["stabilizationWindowSeconds"] == 300
 
 
-def test_hpa_target_equals_measured_capacity(docs):
+def test_hpa_targets_are_the_designs_numbers(docs):
+    """Utilization at 0.8 of capacity (the module's constant, what the sim judges against);
+    the req/s backstop at 0.8 x the single-instance knee, above every other mix's knee, so
+    it only ever fires for small requests."""
+    from serve.ops.hpa_sim import MIXES, load_capacity, parse_quantity
+    from serve.sidecar.control.utilization import UTILIZATION_TARGET
+
+    spec = one(docs, "HorizontalPodAutoscaler")["spec"]
+    pods = {m["pods"]["metric"]["name"]: parse_quantity(m["pods"]["target"]["averageValue"])
+            for m in spec["metrics"] if m["type"] == "Pods"}
+    assert pods[UTILIZATION_METRIC] == pytest.approx(UTILIZATION_TARGET)
+    single = MIXES["single"].knee_rps
+    assert pods[HPA_METRIC] <= 0.8 * single and pods[HPA_METRIC] >= 0.79 * single
+    mixed_knee = load_capacity(REPO / "loadtest" / "capacity.json")["knee_qps"]
+    assert pods[HPA_METRIC] > 10 * max(mixed_knee, MIXES["ranking"].knee_rps)
+
+
+def test_make_capacity_no_longer_writes_the_hpa():
     from serve.ops.capacity import DEFAULT_OUTPUT
-    from serve.ops.hpa_sim import DEFAULT_CAPACITY, parse_quantity
+    from serve.ops.hpa_sim import DEFAULT_CAPACITY
 
     # The writer (make capacity) and the reader (make hpa-sim) agree on the file, and it
     # is not in k8s/, where `kubectl apply -f k8s/` would try to decode it.
     assert DEFAULT_OUTPUT == DEFAULT_CAPACITY and DEFAULT_OUTPUT.parts[0] != "k8s"
-    path = REPO / DEFAULT_OUTPUT
-    if not path.is_file():
-        pytest.fail(f"{DEFAULT_OUTPUT} is missing: run `make capacity` (it measures one "
-                    "instance and sets the HPA's averageValue from it)")
-    cap = json.loads(path.read_text())
-    for key in ("knee_qps", "p99_goal_ms", "target_qps", "measured_at", "machine"):
-        assert key in cap, key
-    assert cap["target_qps"] <= cap["knee_qps"] * cap.get("headroom", 0.8) + 1e-9
-    assert cap["machine"]["cpu_model"] and cap["machine"]["logical_cores"] >= 1
-    pods = [m for m in one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"] if m["type"] == "Pods"]
-    assert parse_quantity(pods[0]["pods"]["target"]["averageValue"]) == pytest.approx(
-        cap["target_qps"], abs=1e-9)
+    from serve.ops import capacity
+
+    assert not hasattr(capacity, "update_hpa_target")
+    assert "--hpa" not in (REPO / "serve" / "ops" / "capacity.py").read_text()
+    assert "capacity.json target_qps" not in (K8S / "hpa.yaml").read_text()
 
 
-def test_adapter_rule_turns_the_counter_into_the_hpa_metric(docs):
-    """Static half: the rule maps dlrm_requests_total to the HPA's metric as a 1 m rate
-    per pod. The integration test below feeds it the real sidecar's exposition."""
-    rule = _adapter_rule(docs)
-    assert _adapter_metric_name(rule, SIDECAR_COUNTER) == HPA_METRIC
+@pytest.mark.parametrize("metric,series", [(HPA_METRIC, SIDECAR_COUNTER),
+                                           (UTILIZATION_METRIC, WORK_COUNTER)])
+def test_adapter_rules_turn_the_counters_into_the_hpa_metrics(docs, metric, series):
+    """Static half: each rule maps its counter to the HPA's metric as a 1 m rate per pod.
+    The integration test below feeds them the real sidecar's exposition."""
+    rule = _adapter_rule(docs, metric)
+    assert _adapter_metric_name(rule, series) == metric
     assert re.search(r"rate\(<<\.Series>>\{<<\.LabelMatchers>>\}\[1m\]\)", rule["metricsQuery"])
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
     assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
 
 
-def _adapter_rule(docs: list[dict]) -> dict:
+def test_utilization_rule_divides_by_ready_workers_times_busy_at_knee(docs):
+    from serve.sidecar.control.utilization import BUSY_AT_KNEE
+
+    q = _adapter_rule(docs, UTILIZATION_METRIC)["metricsQuery"]
+    assert q.endswith(f' / ({BUSY_AT_KNEE:g} * clamp_min(sum(dlrm_workers{{<<.LabelMatchers>>,'
+                      'status="READY"}) by (<<.GroupBy>>), 1))'), q
+
+
+def _adapter_rule(docs: list[dict], metric: str = HPA_METRIC) -> dict:
     cm = one(docs, "ConfigMap", "dlrm-serve-adapter-rules")
     rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
-    assert len(rules) == 1
-    return rules[0]
+    (rule,) = [r for r in rules if r["name"]["as"] == metric]
+    return rule
 
 
 def _adapter_metric_name(rule: dict, series: str) -> str | None:
@@ -1055,10 +1079,11 @@ def test_hpa_metric_comes_from_what_the_real_sidecar_exports(docs, torchserve, s
     assert r.status_code == 200, r.text
     text = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
     samples = _metric_sample_names(text)
-    rule = _adapter_rule(docs)
-    made = {name: _adapter_metric_name(rule, name) for name in samples}
-    hits = {name for name, m in made.items() if m == HPA_METRIC}
-    assert hits == {SIDECAR_COUNTER}, sorted(samples)
+    for metric, counter in ((HPA_METRIC, SIDECAR_COUNTER), (UTILIZATION_METRIC, WORK_COUNTER)):
+        rule = _adapter_rule(docs, metric)
+        made = {name: _adapter_metric_name(rule, name) for name in samples}
+        hits = {name for name, m in made.items() if m == metric}
+        assert hits == {counter}, sorted(samples)
     codes = {labels.get("code") for labels in samples[SIDECAR_COUNTER]}
     assert "200" in codes
 

@@ -103,8 +103,8 @@ def test_qps_record_is_the_adapters_query():
     dlrm_requests_per_second (rendered for all pods), so the dashboard shows what the HPA
     scales on."""
     cm = _load(REPO / "k8s" / "prometheus-adapter-rules.yaml")
-    (rule,) = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
-    assert rule["name"]["as"] == HPA_METRIC
+    (rule,) = [r for r in yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+               if r["name"]["as"] == HPA_METRIC]
     hpa = _load(REPO / "k8s" / "hpa.yaml")
     assert HPA_METRIC in [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]
                           if m["type"] == "Pods"]
@@ -115,6 +115,28 @@ def test_qps_record_is_the_adapters_query():
         'sum(rate(dlrm_requests_total{namespace!="",pod!=""}[1m])) by (namespace,pod)')
     (qps,) = [r for r in _rules("recording") if r.get("record") == QPS_RECORD]
     assert qps["expr"] == adapter_query()
+
+
+def test_utilization_record_is_the_adapters_query():
+    """The utilization record is what the adapter computes for the HPA's primary metric:
+    the work counter's 1 m rate over READY workers x BUSY_AT_KNEE."""
+    from serve.ops.monitoring import UTILIZATION_RECORD
+    from serve.sidecar.control.utilization import BUSY_AT_KNEE
+
+    want = ('sum(rate(dlrm_capacity_work_seconds_total{namespace!="",pod!=""}[1m])) '
+            f'by (namespace,pod) / ({BUSY_AT_KNEE:g} * clamp_min(sum(dlrm_workers'
+            '{namespace!="",pod!="",status="READY"}) by (namespace,pod), 1))')
+    assert adapter_query(metric=serve.metrics.CAPACITY_UTILIZATION_RATIO) == want
+    assert adapter_query(REPO / "k8s" / "prometheus-adapter-rules.yaml",
+                         serve.metrics.CAPACITY_UTILIZATION_RATIO) == want
+    (rec,) = [r for r in _rules("recording") if r.get("record") == UTILIZATION_RECORD]
+    assert rec["expr"] == want
+
+
+def test_adapter_query_names_a_missing_rule(tmp_path):
+    with pytest.raises(ValueError, match="expected one adapter rule naming 'dlrm_nope', "
+                                         "found 0"):
+        adapter_query(metric="dlrm_nope")
 
 
 def test_adapter_query_refuses_a_template_it_cannot_render(tmp_path):

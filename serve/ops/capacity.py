@@ -1,4 +1,4 @@
-"""Measure what one serving instance sustains and derive the HPA's QPS target.
+"""Measure what one serving instance sustains of the load test's traffic mix.
 
 ``make capacity`` (``python -m serve.ops.capacity``):
 
@@ -16,11 +16,15 @@
    ``serve.constants.P99_SLO_MS``, the MLPerf DLRM-v2 server bound) or whose failure
    ratio is over bounds, the step that
    last raised the request rate by at least 5%;
-4. target = ``headroom`` (0.8) x knee: the HPA scales out at 80% of what one pod
-   sustains, leaving room for the metric's delay and pod start-up (``make hpa-sim``);
-5. prints the derivation, writes ``loadtest/capacity.json`` (not under k8s/, which holds
-   only what ``kubectl apply -f k8s/`` applies) and sets the QPS ``averageValue`` in
-   ``k8s/hpa.yaml`` to the target.
+4. target_qps = ``headroom`` (0.8) x knee: what a request-rate HPA target would be for
+   THIS mix (``make hpa-sim`` replays it as the old spec);
+5. prints the derivation and writes ``loadtest/capacity.json`` (not under k8s/, which
+   holds only what ``kubectl apply -f k8s/`` applies).
+
+It does not touch ``k8s/hpa.yaml`` any more: the HPA scales on utilization of capacity
+(``dlrm_capacity_utilization_ratio``, target 0.8 for every mix), and its request-rate
+backstop is the single-instance knee, not this mix's (docs/autoscaling.md).
+``make hpa-sim`` reads capacity.json as the mixed traffic's capacity.
 
 Units: rates in requests/s (one request carries many instances: the HPA's metric,
 ``dlrm_requests_per_second``, counts requests), latencies in ms.
@@ -65,7 +69,6 @@ __all__ = [
     "format_quantity",
     "machine_info",
     "main",
-    "update_hpa_target",
 ]
 
 _log = logging.getLogger(__name__)
@@ -76,10 +79,6 @@ DEFAULT_SIDECAR = f"http://127.0.0.1:{DEFAULT_SIDECAR_WRITE_PORT}"
 # Not in k8s/: `kubectl apply -f k8s/` reads every .json there and rejects this one (no
 # `kind`). The figures belong with the load test that measured them.
 DEFAULT_OUTPUT = Path("loadtest/capacity.json")
-DEFAULT_HPA = Path("k8s/hpa.yaml")
-# The line in k8s/hpa.yaml this module rewrites (the marker comment makes it unambiguous).
-_HPA_LINE = re.compile(r'^(?P<indent>\s*)averageValue:\s*"?(?P<value>[0-9.]+[a-zA-Z]*)"?'
-                       r'(?P<comment>\s*#\s*capacity\.json target_qps.*)$', re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,6 @@ class CapacityConfig:
     users: str = ""
     instances: str = ""
     output: Path = DEFAULT_OUTPUT
-    hpa: Path = DEFAULT_HPA
     sidecar: str = DEFAULT_SIDECAR
     token_file: Path = Path(DEFAULT_TOKEN_FILE)
     pause_settle_s: float = 15.0
@@ -135,20 +133,6 @@ def format_quantity(value: float) -> str:
     12.5 -> "12.5" (never an exponent, which Kubernetes would misread)."""
     v = round(value, 1)
     return str(int(v)) if v == int(v) else f"{v:.1f}"
-
-
-def update_hpa_target(text: str, target_qps: float) -> str:
-    """``text`` (k8s/hpa.yaml) with the QPS averageValue set to ``target_qps``.
-
-    Only the line marked ``# capacity.json target_qps`` changes, comments included.
-    """
-    matches = list(_HPA_LINE.finditer(text))
-    if len(matches) != 1:
-        raise ConfigError(f"k8s/hpa.yaml must have exactly one 'averageValue: \"N\"  # "
-                          f"capacity.json target_qps' line, found {len(matches)}; restore it")
-    m = matches[0]
-    line = f'{m["indent"]}averageValue: "{format_quantity(target_qps)}"{m["comment"]}'
-    return text[:m.start()] + line + text[m.end():]
 
 
 def machine_info() -> dict[str, Any]:
@@ -264,15 +248,15 @@ def _print_derivation(steps: Sequence[dict[str, Any]], knee: Knee, cfg: Capacity
     if not knee.saturated:
         print("WARNING: no step broke the goal, so the knee is a lower bound")
     print(f"target_qps = floor({cfg.headroom:g} x {knee.rps:.2f}, 0.1) = {target:g} req/s "
-          "per pod (the HPA scales out above it)")
+          "per pod (a req/s target for this mix only; the HPA scales on utilization)")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m serve.ops.capacity",
         description="Measure one instance's knee (highest req/s at p99 <= goal) with the "
-                    "step load test, then write loadtest/capacity.json and the HPA's QPS "
-                    "target (headroom x knee) into k8s/hpa.yaml.")
+                    "step load test, then write loadtest/capacity.json (make hpa-sim "
+                    "reads it; k8s/hpa.yaml is not changed).")
     p.add_argument("--host", default=DEFAULT_HOST, help="the instance's inference URL")
     p.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
                    help="latency goal a step must meet (default: the service's p99 goal, "
@@ -288,7 +272,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar", default=DEFAULT_SIDECAR,
                    help="the sidecar whose batching tuner is paused during the run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="capacity.json path")
-    p.add_argument("--hpa", type=Path, default=DEFAULT_HPA, help="HPA manifest to update")
     p.add_argument("--from-summary", type=Path, default=None,
                    help="derive from an existing loadtest summary.json instead of running")
     p.add_argument("--no-write", action="store_true", help="print only; change no file")
@@ -332,13 +315,11 @@ def _tuner_paused(cfg: CapacityConfig) -> Iterator[None]:
 
 def _write(cfg: CapacityConfig, knee: Knee, target: float,
            steps: Sequence[dict[str, Any]]) -> None:
-    """Write capacity.json and the HPA's averageValue (ConfigError: the HPA lacks its marker)."""
+    """Write capacity.json."""
     measured_at = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     doc = capacity_document(knee, cfg, target, steps, machine_info(), measured_at)
-    hpa_text = update_hpa_target(cfg.hpa.read_text(), target)  # fail before writing anything
     cfg.output.parent.mkdir(parents=True, exist_ok=True)
     cfg.output.write_text(json.dumps(doc, indent=2) + "\n")
-    cfg.hpa.write_text(hpa_text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = CapacityConfig(host=args.host, p99_goal_ms=args.p99_goal_ms,
                              headroom=args.headroom, max_fail_ratio=args.max_fail_ratio,
                              duration=args.duration, users=args.users,
-                             instances=args.instances, output=args.output, hpa=args.hpa,
+                             instances=args.instances, output=args.output,
                              sidecar=args.sidecar)
         if args.from_summary is not None:
             summary = json.loads(args.from_summary.read_text())
@@ -379,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"capacity: {e}", file=sys.stderr)
         return 3
-    print(f"wrote {cfg.output}; set {cfg.hpa} averageValue to \"{format_quantity(target)}\"")
+    print(f"wrote {cfg.output} (k8s/hpa.yaml unchanged: it scales on utilization)")
     return 0
 
 

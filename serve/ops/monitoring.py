@@ -21,9 +21,13 @@ in Kubernetes the ServiceMonitor adds ``namespace`` and ``pod``. Rules aggregate
 service, for alerts on what users see), plus bounded labels (``version``, ``arm``,
 ``code``): never ``instance``/``job`` churn.
 
-The QPS record is the prometheus-adapter rule of ``k8s/prometheus-adapter-rules.yaml``
-rendered by :func:`adapter_query`, so a dashboard of the record shows what the HPA
-scales on.
+* ``../prometheus-adapter-rules.yaml``: the prometheus-adapter rules that make the HPA's
+  two custom metrics, ``dlrm_capacity_utilization_ratio`` (the work counter's rate over
+  the pod's capacity, :mod:`serve.sidecar.control.utilization`) and
+  ``dlrm_requests_per_second`` (the request-rate backstop).
+
+The QPS and utilization records are those adapter rules rendered by
+:func:`adapter_query`, so a dashboard of the records shows what the HPA scales on.
 
 Dashboard expressions use fixed windows (``[1m]``), no Grafana variables: each one runs
 verbatim against Prometheus (:func:`dashboard_queries` lists them for such a check).
@@ -58,6 +62,8 @@ from serve.metrics import (
     BATCH_REQUESTS,
     CACHE_HITS_TOTAL,
     CACHE_MISSES_TOTAL,
+    CAPACITY_UTILIZATION_RATIO,
+    CAPACITY_WORK_SECONDS_TOTAL,
     EMBEDDING_DELTA_APPLIED_SEQUENCE,
     EMBEDDING_DELTA_CREATED_TIMESTAMP_SECONDS,
     EMBEDDING_IDS_FALLBACK_TOTAL,
@@ -81,6 +87,7 @@ from serve.metrics import (
     UPSTREAM_UP,
     WORKERS,
 )
+from serve.sidecar.control.utilization import BUSY_AT_KNEE
 
 __all__ = [
     "ALERT_GROUP",
@@ -104,12 +111,16 @@ __all__ = [
     "P50_RECORD",
     "P99_RECORD",
     "P99_SLO_SECONDS",
+    "QPS_METRIC",
     "QPS_RECORD",
     "RECORDING_GROUP",
+    "UTILIZATION_RECORD",
     "AlertRule",
     "Panel",
     "RecordingRule",
+    "adapter_config_map",
     "adapter_query",
+    "adapter_rules",
     "alert_rules",
     "check",
     "dashboard",
@@ -139,6 +150,10 @@ DASHBOARD_UID = "dlrm-serve"
 # --- recording rule names (level:metric:operations) ---
 #: Per-pod request rate: exactly the prometheus-adapter's dlrm_requests_per_second query.
 QPS_RECORD = "dlrm:requests_per_second:rate1m"
+#: Per-pod utilization of capacity: exactly the adapter's dlrm_capacity_utilization_ratio.
+UTILIZATION_RECORD = "dlrm:capacity_utilization:ratio_rate1m"
+#: The HPA's request-rate metric (the backstop), made by the adapter from REQUESTS_TOTAL.
+QPS_METRIC = "dlrm_requests_per_second"
 INSTANCES_RECORD = "dlrm:instances_per_second:rate1m"
 P50_RECORD = "dlrm:request_duration_seconds:p50_1m"
 P99_RECORD = "dlrm:request_duration_seconds:p99_1m"
@@ -270,9 +285,64 @@ class Panel:
 # --------------------------------------------------------------------------- the adapter
 
 
-def adapter_query(rules_file: Path | None = None) -> str:
-    """The prometheus-adapter's ``metricsQuery`` for ``dlrm_requests_per_second``, rendered
-    for every pod of every namespace.
+def _adapter_rule(series: str, metric: str, query: str) -> dict[str, Any]:
+    return {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
+            "resources": {"overrides": {"namespace": {"resource": "namespace"},
+                                        "pod": {"resource": "pod"}}},
+            "name": {"matches": f"^{series}$", "as": metric},
+            "metricsQuery": query}
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    """prometheus-adapter's rules for the HPA's two Pods metrics (k8s/hpa.yaml).
+
+    * ``dlrm_requests_per_second``: requests/s over 1 m, all codes (errors cost capacity
+      too): the backstop for traffic whose cost is outside the handler.
+    * ``dlrm_capacity_utilization_ratio``: handler work-seconds per second over 1 m, over
+      the pod's capacity, READY workers x ``BUSY_AT_KNEE``
+      (:func:`serve.sidecar.control.utilization.utilization_ratio`); ``clamp_min(.., 1)``
+      keeps a pod with no READY worker (it did no work) at 0 instead of NaN.
+    """
+    work = ("sum(rate(<<.Series>>{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>)"
+            f" / ({BUSY_AT_KNEE:g} * clamp_min(sum({WORKERS}{{<<.LabelMatchers>>,"
+            'status="READY"}) by (<<.GroupBy>>), 1))')
+    return [
+        _adapter_rule(REQUESTS_TOTAL, QPS_METRIC,
+                      "sum(rate(<<.Series>>{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>)"),
+        _adapter_rule(CAPACITY_WORK_SECONDS_TOTAL, CAPACITY_UTILIZATION_RATIO, work),
+    ]
+
+
+def adapter_config_map() -> dict[str, Any]:
+    """The adapter's rules in a ConfigMap (``data["config.yaml"]``)."""
+    config = yaml.safe_dump({"rules": adapter_rules()}, sort_keys=False, width=1000)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "dlrm-serve-adapter-rules",
+                         "labels": {"app.kubernetes.io/name": "dlrm-serve",
+                                    "app.kubernetes.io/part-of": "dlrm-serve"}},
+            "data": {"config.yaml": config}}
+
+
+_ADAPTER_ABOUT = r"""
+prometheus-adapter rules that make k8s/hpa.yaml's two Pods metrics from the sidecar's
+counters: dlrm_capacity_utilization_ratio (dlrm_capacity_work_seconds_total's 1 m rate
+over READY workers x the handler's busy fraction at the knee; 1.0 = the pod at its knee)
+and dlrm_requests_per_second (dlrm_requests_total's 1 m rate, all codes).
+
+The adapter reads its rules from its own ConfigMap in its own namespace (often
+"monitoring"); this copy lives with the app so `kubectl apply -f k8s/` works on any
+cluster. Merge the `rules:` entries into the adapter's config, e.g. with the
+prometheus-community/prometheus-adapter Helm chart:
+  kubectl get configmap dlrm-serve-adapter-rules \
+    -o jsonpath='{.data.config\.yaml}' > dlrm-rules.yaml   # then add to rules.custom
+Then `kubectl get --raw \
+  "/apis/custom.metrics.k8s.io/v1beta1/namespaces/default/pods/*/dlrm_capacity_utilization_ratio"`
+lists one value per pod.""".strip()
+
+
+def adapter_query(rules_file: Path | None = None, metric: str = QPS_METRIC) -> str:
+    """The prometheus-adapter's ``metricsQuery`` for ``metric`` (default
+    ``dlrm_requests_per_second``), rendered for every pod of every namespace.
 
     The adapter's Go template gets ``.Series`` (the series name its ``seriesQuery``
     found), ``.LabelMatchers`` (matchers joined with ``","``) and ``.GroupBy`` (label
@@ -283,18 +353,23 @@ def adapter_query(rules_file: Path | None = None) -> str:
     same per-pod values.
 
     Args:
-        rules_file: the adapter's ConfigMap (default ``k8s/prometheus-adapter-rules.yaml``).
+        rules_file: an adapter ConfigMap to read (default: :func:`adapter_config_map`,
+            what ``k8s/prometheus-adapter-rules.yaml`` is generated from).
+        metric: the rule's ``name.as``.
     Returns:
         e.g. ``sum(rate(dlrm_requests_total{namespace!="",pod!=""}[1m])) by (namespace,pod)``.
     Raises:
-        ValueError: the ConfigMap does not hold exactly one rule, or its template uses
-            something other than Series, LabelMatchers and GroupBy.
+        ValueError: the ConfigMap does not hold exactly one rule for ``metric``, or its
+            template uses something other than Series, LabelMatchers and GroupBy.
     """
-    path = rules_file if rules_file is not None else _REPO / _ADAPTER_RULES
-    cm = yaml.safe_load(path.read_text())
-    rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    path = rules_file if rules_file is not None else _ADAPTER_RULES
+    cm = (yaml.safe_load(rules_file.read_text()) if rules_file is not None
+          else adapter_config_map())
+    rules = [r for r in yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+             if r.get("name", {}).get("as") == metric]
     if len(rules) != 1:
-        raise ValueError(f"{path}: expected one adapter rule, found {len(rules)}")
+        raise ValueError(f"{path}: expected one adapter rule naming {metric!r}, found "
+                         f"{len(rules)}")
     rule = rules[0]
     m = re.fullmatch(r"\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\}\s*", rule["seriesQuery"])
     if m is None:
@@ -328,6 +403,8 @@ def recording_rules(adapter_rules: Path | None = None) -> tuple[RecordingRule, .
     hits, misses = CACHE_HITS_TOTAL, CACHE_MISSES_TOTAL
     return (
         RecordingRule(QPS_RECORD, adapter_query(adapter_rules)),
+        RecordingRule(UTILIZATION_RECORD,
+                      adapter_query(adapter_rules, CAPACITY_UTILIZATION_RATIO)),
         RecordingRule(INSTANCES_RECORD,
                       f"sum by ({pod}) (rate({INSTANCES_TOTAL}[1m]))"),
         RecordingRule(P50_RECORD,
@@ -421,8 +498,9 @@ def _p99_over_slo() -> AlertRule:
         f"over the {P99_SLO_SECONDS * 1000:.0f}ms goal",
         "The handler's p99 (decode to response, without TorchServe's queueing) over 5 "
         f"minutes, all pods together, has been above {P99_SLO_SECONDS * 1000:.0f} ms for "
-        f"10 minutes. Compare {P99_RECORD} and {QPS_RECORD} per pod: all pods slow at a "
-        "QPS above the HPA target (k8s/hpa.yaml) means scaling is not keeping up "
+        f"10 minutes. Compare {P99_RECORD} and {UTILIZATION_RECORD} per pod: all pods "
+        "slow at a utilization above the HPA target (0.8, k8s/hpa.yaml) means scaling is "
+        "not keeping up "
         "(maxReplicas reached, pods Pending, a slow model load); one pod slow means a "
         "bad node or a noisy neighbour: delete that pod. A falling cache hit ratio or a "
         "new version can also raise it.")
@@ -646,7 +724,15 @@ def _traffic_panels() -> tuple[Panel, ...]:
             (f"sum({QPS_RECORD})", "all pods"),
             (f"sum by (pod) ({QPS_RECORD})", "{{pod}}")),
             f"Prediction requests per second: {QPS_RECORD}, the prometheus-adapter's "
-            "dlrm_requests_per_second that the HPA scales on (all status codes)."),
+            "dlrm_requests_per_second, the HPA's backstop metric (all status codes)."),
+        Panel("Capacity utilization", "percentunit", (
+            (f"avg({UTILIZATION_RECORD})", "mean of pods"),
+            (f"{UTILIZATION_RECORD}", "{{pod}}"),
+            ("vector(0.8)", "HPA target")),
+            f"{UTILIZATION_RECORD}: the prometheus-adapter's "
+            f"{CAPACITY_UTILIZATION_RATIO}, what the HPA scales on: handler work-seconds "
+            "per second over READY workers x the busy fraction at the knee (1.0 = the pod "
+            "at its knee, for any traffic mix; docs/autoscaling.md)."),
         Panel("Instances/s", "short", (
             (f"sum({INSTANCES_RECORD})", "all pods"),
             (f"sum by (pod) ({INSTANCES_RECORD})", "{{pod}}")),
@@ -869,9 +955,10 @@ def _yaml(doc: dict[str, Any], about: str) -> str:
 def generated_files(root: Path | None = None) -> dict[Path, str]:
     """Every generated file (path under ``root``, default the repository) and its text."""
     base = root if root is not None else _REPO
-    adapter = base / _ADAPTER_RULES
+    adapter = None  # the records render the adapter rules this module generates
     d = base / MONITORING_DIR
     return {
+        base / _ADAPTER_RULES: _yaml(adapter_config_map(), _ADAPTER_ABOUT),
         d / "recording.rules.yaml": _yaml(
             rule_file("recording", adapter),
             "Prometheus recording rules of dlrm-serve (rule_files: of a plain Prometheus).\n"

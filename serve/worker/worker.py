@@ -531,6 +531,9 @@ class Worker:
 
     def _record(self, outcomes: list[Outcome], info: BatchInfo | None, seconds: float) -> None:
         try:
+            # The batch's time once (every request's histogram sample repeats it): the
+            # work the HPA's utilization signal counts, failed batches included.
+            self.metrics.observe_work(seconds)
             if info is not None:
                 self.runtime.record_stage("decode", info.decode_s)
             by_status: dict[int, list[int]] = {}  # status -> [requests, instances]

@@ -1,0 +1,93 @@
+"""Handler seconds per request and per instance, per traffic mix: what one batch adds to
+``dlrm_capacity_work_seconds_total``, and the figures behind ``make hpa-sim``'s work model
+(serve.ops.hpa_sim.WORK) and ``BUSY_AT_KNEE`` (serve.sidecar.control.utilization).
+
+    python -m bench.bench_work --model-dir DIR   # an unpacked .mar (artifact.pt); ~10 s
+
+One in-process :class:`serve.worker.worker.Worker` (one torch thread, as each of the CPU
+pod's 2 workers has), row-form JSON bodies from ``example_request``; each batch is timed
+around ``Worker.handle`` (what the worker counts). Mixes, as the tuner serves them:
+single = batches of 32 one-instance requests (32 / 2 ms); ranking = one request of
+100-700 instances (1 / 2 ms); mixed = batches of 2 requests, 10% of them single-instance.
+Medians over ``--batches`` batches after 5 unmeasured ones. On a shared machine the
+per-instance figure moved 2x between runs (2026-12-04: 22.8-26 us in two runs, ~50 us
+in one under heavier load): take the lower.
+
+Writes ``bench/results/work.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import orjson
+from prometheus_client import CollectorRegistry
+
+from serve.api.config import HandlerConfig
+from serve.api.json_body import example_request
+from serve.api.request import JSON_MEDIA_TYPE
+from serve.metrics import HandlerMetrics
+from serve.worker.messages import WorkerRequest
+from serve.worker.worker import Worker
+
+OUT = Path("bench/results/work.json")
+
+
+def _mixes(rng: np.random.Generator) -> dict[str, Callable[[int], list[bytes]]]:
+    def body(n: int, seed: int) -> bytes:
+        return orjson.dumps(example_request(n, seed=seed))
+
+    return {
+        "single": lambda i: [body(1, i * 32 + j) for j in range(32)],
+        "ranking": lambda i: [body(int(rng.integers(100, 701)), i)],
+        "mixed": lambda i: [body(1 if rng.random() < 0.1 else int(rng.integers(100, 701)),
+                                 i * 2 + j) for j in range(2)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", type=Path, required=True,
+                    help="an unpacked model archive (holds artifact.pt)")
+    ap.add_argument("--batches", type=int, default=55, help="timed batches per mix")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"result file (default {OUT})")
+    args = ap.parse_args(argv)
+    cfg = HandlerConfig(num_threads=1, max_instances=4096)
+    w = Worker.load(args.model_dir, cfg, model_version="bench", device="cpu", workers=2,
+                    environ={}, metrics=HandlerMetrics(CollectorRegistry()), freeze_gc=False)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, make in _mixes(rng).items():
+        batches = [make(i) for i in range(args.batches + 5)]
+        per_request, per_instance, sizes = [], [], []
+        for k, b in enumerate(batches):
+            reqs = [WorkerRequest(x, JSON_MEDIA_TYPE) for x in b]
+            t0 = time.perf_counter()
+            w.handle(reqs)
+            dt = time.perf_counter() - t0
+            if k < 5:
+                continue
+            inst = sum(len(orjson.loads(x)["instances"]) for x in b)
+            per_request.append(dt / len(reqs))
+            per_instance.append(dt / inst)
+            sizes.append(inst / len(reqs))
+        row = {"mix": name, "per_request_us": round(float(np.median(per_request)) * 1e6, 2),
+               "per_instance_us": round(float(np.median(per_instance)) * 1e6, 2),
+               "instances_per_request": round(float(np.mean(sizes)), 1)}
+        rows.append(row)
+        print(f"{name:8s} {row['per_request_us']:10.1f} us/request "
+              f"{row['per_instance_us']:8.2f} us/instance  "
+              f"({row['instances_per_request']:.1f} instances/request)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
