@@ -334,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                          "what limits throughput")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per concurrency step")
     ap.add_argument("--max-requests", type=int, default=200_000, help="hard cap per step")
-    goal = ap.add_mutually_exclusive_group()
-    goal.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
+    goal_flags = ap.add_mutually_exclusive_group()
+    goal_flags.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
                       help="latency bound of the knee (serve.ops.knee's rule; default the "
                            "service's goal, 60 ms, as MLPerf DLRM-v2's server scenario): a "
                            "knee past the goal is capacity no user would accept")
-    goal.add_argument("--no-p99-goal", action="store_true",
+    goal_flags.add_argument("--no-p99-goal", action="store_true",
                       help="no latency bound (the old behaviour): the knee is where throughput "
                            "stops rising, the in-process runtime's fair comparison")
     ap.add_argument("--out", default="bench/results/e2e.json")
