@@ -375,6 +375,26 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
     return {"lag": lag, "lat": lat, "ok": ok, "errors": errors, "seconds": end - t0}
 
 
+def unloaded_latency_ms(url: str, bodies: Sequence[tuple[bytes, int]], n: int,
+                        content_type: str, timeout_s: float = 60.0) -> np.ndarray:
+    """Latencies (ms, (n,)) of ``n`` queries sent one at a time (the next after the answer):
+    the service time with no queueing. Open-loop arrivals at any rate only add queueing to
+    it, so when its p99 is over the goal no rate can pass."""
+    import httpx
+
+    out = np.zeros(n)
+    with httpx.Client(timeout=timeout_s, trust_env=False,
+                      headers={"Content-Type": content_type}) as client:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = client.post(url, content=bodies[i % len(bodies)][0])
+            out[i] = (time.perf_counter() - t0) * 1e3
+            if r.status_code != 200:
+                raise RuntimeError(f"POST {url} answered {r.status_code} with no load at all: "
+                                   f"{r.text[:300]}; see the service's logs")
+    return out
+
+
 def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
               min_duration_s: float, min_queries: int, p99_goal_ms: float,
               max_client_lag_ms: float, content_type: str, seed: int = 0,
@@ -496,6 +516,11 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
                   min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
                   content_type=JSON_MEDIA_TYPE, seed=args.seed + 1)   # warm-up, not judged
 
+        floor = unloaded_latency_ms(url, bodies, args.probe_queries, JSON_MEDIA_TYPE)
+        floor_p99 = float(np.percentile(floor, 99))
+        print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
+              f"{np.percentile(floor, 50):.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
+
         def measure(rate: float) -> Trial:
             t = run_trial(url, bodies, rate, min_duration_s=args.min_duration_s,
                           min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
@@ -510,8 +535,15 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
             return t
 
         t0 = time.perf_counter()
-        found = search_rate(measure, start_qps, rel_tol=args.rel_tol,
-                            max_trials=args.max_trials)
+        if floor_p99 > args.p99_goal_ms:
+            # no queueing at all already misses the goal: no rate can meet it
+            found = SearchResult(best=None, stop_reason=(
+                f"unloaded p99 {floor_p99:.1f} ms > goal {args.p99_goal_ms:g} ms: no rate "
+                "can pass (one query at a time already misses it)"))
+            print(f"  [{name}] {found.stop_reason}", flush=True)
+        else:
+            found = search_rate(measure, start_qps, rel_tol=args.rel_tol,
+                                max_trials=args.max_trials)
         search_s = time.perf_counter() - t0
         state_after = read_state(sidecar_url)
         if _served(state_after)[1] != batching:
@@ -541,6 +573,9 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         "service_vs_in_process": round(best.pairs_per_s / inproc, 3) if best and inproc else None,
         "mean_pairs_per_query": round(mean_pairs, 1),
         "client_limited": found.client_limited, "stop_reason": found.stop_reason,
+        "met_goal": best is not None,
+        "unloaded_p50_ms": round(float(np.percentile(floor, 50)), 2),
+        "unloaded_p99_ms": round(floor_p99, 2),
         "search_seconds": round(search_s, 1),
         "state": {"batching": batching, "workers": workers, "threads_per_worker": threads,
                   "tuner_enabled": state.get("tuner_enabled"), "version": served_version,
@@ -550,6 +585,10 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         "trials": [asdict(t) | {"queries_per_s": t.queries_per_s, "pairs_per_s": t.pairs_per_s}
                    for t in found.trials],
     }
+    fp32_peak = peak.get("peak", {}).get("fp32")
+    in_flops = inproc * flops["flops_per_pair"]
+    run["dense_flops"] |= {"in_process_flops_per_s": in_flops,
+                           "in_process_share_of_fp32_peak": in_flops / fp32_peak if fp32_peak else None}
     if best:
         achieved = best.pairs_per_s * flops["flops_per_pair"]
         run["dense_flops"] |= {
@@ -570,12 +609,18 @@ def validate_results(doc: Mapping[str, Any]) -> list[str]:
         for k in REQUIRED_RUN_KEYS:
             if k not in r:
                 problems.append(f"runs[{i}] lacks {k!r}")
+            elif k == "p99_ms" and r[k] is None and r.get("queries_per_s") == 0:
+                continue    # no rate met the goal: there is no p99 at a passing rate
             elif k != "model" and not isinstance(r[k], (int, float)):
                 problems.append(f"runs[{i}][{k!r}] = {r[k]!r} is not a number")
     for k in ("meta", "command"):
         if k not in doc:
             problems.append(f"document lacks {k!r}")
     return problems
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:7.1f}" if v is not None else f"{'none':>7}"
 
 
 def _table(runs: Sequence[Mapping[str, Any]]) -> str:
@@ -589,7 +634,7 @@ def _table(runs: Sequence[Mapping[str, Any]]) -> str:
         st = r["state"]
         lines.append(
             f"{r['model']:>8} {r['queries_per_s']:8.1f} {r['pairs_per_s']:10.0f} "
-            f"{r['pairs_per_s_per_core']:12.0f} {r['p50_ms'] or 0:7.1f} {r['p99_ms'] or 0:7.1f} "
+            f"{r['pairs_per_s_per_core']:12.0f} {_ms(r['p50_ms'])} {_ms(r['p99_ms'])} "
             f"{r['failed'] if r['failed'] is not None else '-':>6} "
             f"{r['in_process_pairs_per_s']:15.0f} {r['service_vs_in_process'] or 0:6.2f} "
             f"{fl.get('flops_per_pair', 0) / 1e6:10.2f} "
@@ -635,6 +680,9 @@ def _parser() -> argparse.ArgumentParser:
                          "schedule is invalid (the client, not the service, was the limit)")
     ap.add_argument("--single-fraction", type=float, default=0.0,
                     help="single-pair queries mixed in (the load test mixes 0.1; MLPerf none)")
+    ap.add_argument("--probe-queries", type=int, default=50,
+                    help="queries sent one at a time before the search: if even their p99 "
+                         "misses the goal, no rate can meet it and the search is skipped")
     ap.add_argument("--pool", type=int, default=128, help="distinct request bodies per model")
     ap.add_argument("--inprocess-s", type=float, default=6.0,
                     help="seconds of the in-process Runtime.predict reference per model")
@@ -732,6 +780,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"highest rate with p99 <= {args.p99_goal_ms:g} ms (trials >= {args.min_duration_s:g} s "
           f"and >= {args.min_queries} queries; cores = os.cpu_count() = {cores})")
     print(_table(runs))
+    for r in runs:
+        if not r["met_goal"]:
+            print(f"{r['model']}: no rate met the goal ({r['stop_reason']})")
+        fl = r["dense_flops"]
+        print(f"{r['model']}: dense {fl['flops_per_pair'] / 1e6:.2f} MFLOP/pair; in process "
+              f"{fl['in_process_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+              f"{fl['in_process_share_of_fp32_peak'] or 0:.3f} of the fp32 GEMM peak "
+              f"({peak['peak']['fp32'] / 1e9:.0f} GFLOP/s; bf16 {peak['peak']['bf16'] / 1e9:.0f})")
     print(f"MLPerf anchor (Xeon 6980P socket, 128 cores, INT8 AMX, p99 < 50 ms): "
           f"{MLPERF_ANCHOR['pairs_per_s_per_core']:,.0f} pairs/s per core")
     print(f"wrote {out}")

@@ -185,6 +185,13 @@ def test_results_schema() -> None:
                                      "runs[0] lacks 'p99_ms'",
                                      "document lacks 'command'"]
     assert validate_results({"runs": []}) == ["'runs' must be a non-empty list"]
+    # no rate met the goal: zero rates and no p99 is a valid (honest) answer ...
+    none = _doc()
+    none["runs"][0] |= {"queries_per_s": 0.0, "pairs_per_s": 0.0, "p99_ms": None}
+    assert validate_results(none) == []
+    # ... but a p99 is missing only then
+    none["runs"][0]["queries_per_s"] = 5.0
+    assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number"]
 
 
 def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
