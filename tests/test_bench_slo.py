@@ -231,3 +231,36 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     assert set(st["batching"]) == {"batch_size", "max_batch_delay_ms"}
     assert doc["meta"]["gemm"]["peak"]["fp32"] > 0
     assert "--min-duration-s 1.5" in doc["command"]
+
+
+def test_flops_read_from_an_exported_dcn_artifact() -> None:
+    """A tiny DLRM_DCN exported as the importer exports it: the shapes the benchmark reads
+    from the program give the formula's count (and match torch's own counter)."""
+    from types import SimpleNamespace
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from torchrec.models.dlrm import DLRM_DCN
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from bench.bench_slo import artifact_dense_flops
+    from serve.model.export import export_dense, model_schema
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=10,
+                                 feature_names=[f"f{i}"]) for i in range(3)]
+    model = DLRM_DCN(embedding_bag_collection=EmbeddingBagCollection(tables=tables),
+                     dense_in_features=5, dense_arch_layer_sizes=[16, 8],
+                     over_arch_layer_sizes=[12, 1], dcn_num_layers=2, dcn_low_rank_dim=4).eval()
+    schema = model_schema(model, 5)
+    got = artifact_dense_flops(SimpleNamespace(schema=schema, dense=export_dense(model, schema)))
+    d = 4 * 8                                   # (F + 1) * D
+    want = dense_flops_per_pair([(5, 16), (16, 8), (d, 12), (12, 1)], interaction="dcn",
+                                cross_layers=2, cross_rank=4, cross_width=d)
+    assert got["flops_per_pair"] == want
+    assert got["interaction"] == {"cross_layers": 2, "rank": 4, "width": d}
+    # torch's counter sees the matmuls only (no bias, no elementwise): 4 d r per layer
+    with FlopCounterMode(display=False) as fc:
+        model.over_arch(model.inter_arch(model.dense_arch(torch.randn(1, 5)),
+                                         torch.randn(1, 3, 8)))
+    assert fc.get_total_flops() == want - 2 * 3 * d
