@@ -1,0 +1,798 @@
+"""The highest query rate the real service holds at p99 <= 60 ms: open-loop Poisson
+arrivals of ranking queries, in the manner of MLPerf Inference's Server scenario.
+
+    python -m bench.bench_slo                               # small and dlrm-v2, own service
+    python -m bench.bench_slo --models small --min-duration-s 5 --min-queries 100   # smoke
+    python -m bench.bench_slo --url http://127.0.0.1:8080   # against a running `make up`
+
+What it measures, per model (a served version): queries arrive as a Poisson process at
+a rate R (queries/s); each query ranks B user-item pairs, B drawn from the load test's
+law (:class:`loadtest.traffic.InstancesDistribution`: 100-700 pairs, mean 270, with
+``--single-fraction`` single-pair queries mixed in, 0 by default as in MLPerf). A trial
+sends at R until it has lasted ``--min-duration-s`` *and* sent ``--min-queries``
+(LoadGen's two minimums). The search starts at half the rate the in-process reference
+could sustain. A trial passes when every query was answered 200, its p99 latency
+(measured from the query's *scheduled* time, so a late send is charged to the latency,
+not hidden) is <= ``--p99-goal-ms``, and the client kept to its schedule. The search
+(:func:`search_rate`) doubles R from the start until a trial fails (halving if the
+first one fails), then bisects between the best passing and the lowest failing rate
+until they are within ``--rel-tol``.
+
+The client must never be the bottleneck: one asyncio loop with ``httpx.AsyncClient`` sends
+each query at its scheduled time without waiting for earlier answers (open loop). Its own
+lag (actual - scheduled send time) is reported; a trial whose p99 lag exceeds
+``--max-client-lag-ms`` is invalid (it counts as failed and is flagged: the rate found is
+then a lower bound set by the client, not by the service).
+
+Beside the HTTP figures, in the same run: ``Runtime.predict`` in process on the same
+bodies (same request sizes), with as many torch threads as the service has in all
+(workers x threads per worker), and for each model its dense FLOPs per pair
+(:func:`dense_flops_per_pair`) against this CPU's measured GEMM peak
+(:func:`gemm_peak`, fp32 and bf16, same threads).
+
+State: without ``--url`` it starts its own service (real TorchServe + sidecar, shipped
+defaults, free loopback ports, :func:`serve.ops.launcher.running_service`) per model.
+The state measured (version, batching, workers, threads, tuner on/off) is read from the
+sidecar's ``GET /state`` and ``GET /tuner`` before and after, printed with the figures and
+written to ``bench/results/slo.json``:
+``{"runs": [{"model", "queries_per_s", "pairs_per_s", "pairs_per_s_per_core", "p99_ms",
+"in_process_pairs_per_s", ...}], "meta": {...}, "command": "..."}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.traffic import InstancesDistribution
+from serve.constants import P99_SLO_MS
+
+__all__ = [
+    "MODELS",
+    "REQUIRED_RUN_KEYS",
+    "SearchResult",
+    "Trial",
+    "dense_flops_per_pair",
+    "gemm_peak",
+    "main",
+    "poisson_schedule",
+    "query_sizes",
+    "search_rate",
+    "trial_queries",
+    "validate_results",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("bench.slo")
+
+#: Model name on the command line -> served version (what `make model` / `make
+#: example-dlrmv2` build) and how to build it when it is missing.
+MODELS: dict[str, tuple[str, str]] = {
+    "small": ("small-int8-s0", "make model"),
+    "dlrm-v2": ("dlrm-v2-int8", "make example-dlrmv2"),
+}
+#: Keys every entry of results["runs"] has (tests pin the schema).
+REQUIRED_RUN_KEYS = ("model", "queries_per_s", "pairs_per_s", "pairs_per_s_per_core", "p99_ms",
+                     "in_process_pairs_per_s")
+#: MLPerf Inference DLRM-v2 Server anchor (CPU, INT8 AMX, one Xeon 6980P socket, 128 cores,
+#: p99 < 50 ms), for the comparison printed beside ours; see docs/benchmarks-slo.md.
+MLPERF_ANCHOR = {"queries_per_s_per_socket": 9.2e3, "pairs_per_s_per_socket": 2.5e6,
+                 "cores": 128, "pairs_per_s_per_core": 19.5e3, "p99_ms": 50.0}
+
+
+# --- pure parts: schedule, sizes, search, FLOPs ---------------------------------------
+
+def poisson_schedule(rate_qps: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Send times (s, float64 (n,), increasing from the first gap) of ``n`` Poisson
+    arrivals at ``rate_qps``: cumulative sums of exponential gaps of mean 1/rate."""
+    if not (rate_qps > 0 and math.isfinite(rate_qps)):
+        raise ValueError(f"rate {rate_qps} queries/s must be a finite number > 0")
+    if n < 1:
+        raise ValueError(f"query count {n} must be >= 1")
+    return np.cumsum(rng.exponential(1.0 / rate_qps, size=n))
+
+
+def trial_queries(rate_qps: float, min_duration_s: float, min_queries: int) -> int:
+    """Queries a trial at ``rate_qps`` sends: enough to last ``min_duration_s`` and at
+    least ``min_queries`` (LoadGen's minimum duration and minimum query count)."""
+    return max(int(min_queries), math.ceil(rate_qps * min_duration_s))
+
+
+def query_sizes(n: int, seed: int, single_fraction: float = 0.0) -> np.ndarray:
+    """Pairs per query, int64 (n,): the load test's ranking law (``loadtest.traffic``'s
+    default 100-700:270), stratified so a small pool keeps the law's mean."""
+    law = InstancesDistribution(single_fraction=single_fraction)
+    return law.stratified(np.random.default_rng([seed, 32]), n)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One trial at an offered rate. Latencies in ms from the scheduled send time."""
+
+    rate_qps: float
+    queries: int
+    seconds: float              # trial start to last scheduled send (the rates' denominator)
+    failed: int
+    pairs: int                  # pairs of the queries answered 200
+    p50_ms: float
+    p99_ms: float
+    lag_p99_ms: float           # client: actual - scheduled send time
+    lag_max_ms: float
+    client_ok: bool
+    passed: bool
+    first_error: str | None = None
+    wall_s: float = 0.0         # first scheduled send to last answer
+
+    @property
+    def queries_per_s(self) -> float:
+        return self.queries / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def pairs_per_s(self) -> float:
+        return self.pairs / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SearchResult:
+    """The best passing trial (None: none passed), every trial in order, and whether a
+    client-limited (invalid) trial bounded the search from above."""
+
+    best: Trial | None
+    trials: list[Trial] = field(default_factory=list)
+    client_limited: bool = False
+    stop_reason: str = ""
+
+
+def search_rate(measure: Callable[[float], Trial], start_qps: float, *, growth: float = 2.0,
+                rel_tol: float = 0.05, max_trials: int = 14, min_qps: float = 0.5) -> SearchResult:
+    """The highest rate whose trial passes: coarse then bisect.
+
+    Coarse: from ``start_qps``, multiply by ``growth`` while trials pass (divide while
+    they fail, down to ``min_qps``). Bisect: between the best passing rate and the lowest
+    failing one until ``hi / lo - 1 <= rel_tol``. ``measure(rate)`` runs one trial; it
+    may be a pure function (rate -> Trial) in tests. Latency grows with rate, so one
+    crossing is assumed; a noisy pass above a failure only raises ``lo`` if it is
+    still below ``hi``.
+    """
+    if not (start_qps > 0 and growth > 1 and 0 < rel_tol < 1 and max_trials >= 1):
+        raise ValueError(f"search needs start_qps > 0, growth > 1, 0 < rel_tol < 1, "
+                         f"max_trials >= 1; got {start_qps}, {growth}, {rel_tol}, {max_trials}")
+    out = SearchResult(best=None)
+    lo: Trial | None = None
+    hi: float | None = None
+    hi_client = False
+    rate = start_qps
+    while len(out.trials) < max_trials:
+        t = measure(rate)
+        out.trials.append(t)
+        if t.passed and (hi is None or t.rate_qps < hi):
+            if lo is None or t.rate_qps > lo.rate_qps:
+                lo = t
+        elif not t.passed and (hi is None or t.rate_qps < hi):
+            hi, hi_client = t.rate_qps, not t.client_ok
+        if lo is not None and hi is not None:
+            if hi / lo.rate_qps - 1.0 <= rel_tol:
+                out.stop_reason = f"bracketed within {rel_tol:.0%}: pass {lo.rate_qps:.1f}, fail {hi:.1f}"
+                break
+            rate = 0.5 * (lo.rate_qps + hi)
+        elif lo is not None:
+            rate = lo.rate_qps * growth
+        else:
+            rate = t.rate_qps / growth
+            if rate < min_qps:
+                out.stop_reason = f"no rate >= {min_qps} queries/s passes"
+                break
+    else:
+        out.stop_reason = f"stopped after {max_trials} trials"
+    out.best = lo
+    out.client_limited = hi_client
+    return out
+
+
+def dense_flops_per_pair(linear: Sequence[tuple[int, int]], *, interaction: str = "none",
+                         num_vectors: int = 0, dim: int = 0, cross_layers: int = 0,
+                         cross_rank: int = 0, cross_width: int = 0) -> int:
+    """Dense FLOPs per pair (multiply and add counted as 2), biases and activations left out.
+
+    Formula: ``2 * sum(in * out)`` over every matrix of the bottom and top MLPs
+    (``linear``: (in, out) per layer), plus the interaction:
+
+    - ``"dot"`` (TorchRec ``DLRM``): pairwise dot products of V = ``num_vectors`` vectors
+      (F pooled embeddings + the bottom MLP's output) of ``dim`` D: ``D * V * (V - 1)``
+      (V choose 2 dots of 2D FLOPs each).
+    - ``"dcn"`` (``DLRM_DCN``, low-rank DCNv2): per cross layer, x_{l+1} = x_0 * (W (V x_l)
+      + b) + x_l with V (r x d), W (d x r): ``4 d r + 3 d`` (two matmuls, bias, product,
+      sum), d = ``cross_width`` = (F + 1) D, r = ``cross_rank``.
+    """
+    flops = 2 * sum(int(i) * int(o) for i, o in linear)
+    if interaction == "dot":
+        flops += dim * num_vectors * (num_vectors - 1)
+    elif interaction == "dcn":
+        flops += cross_layers * (4 * cross_width * cross_rank + 3 * cross_width)
+    elif interaction != "none":
+        raise ValueError(f"interaction {interaction!r} must be 'none', 'dot' or 'dcn'")
+    return flops
+
+
+def artifact_dense_flops(artifact: Any) -> dict[str, Any]:
+    """:func:`dense_flops_per_pair` of an artifact, from its dense layers' weight shapes,
+    with the shapes it read (so the figure can be checked by hand)."""
+    import torch
+
+    from serve.runtime.artifact import DLRMDense
+
+    schema = artifact.schema
+    dense = artifact.dense
+    if isinstance(dense, DLRMDense):
+        linear = [(int(w.shape[1]), int(w.shape[0])) for w, _ in dense.dense_arch]
+        linear += [(int(w.shape[1]), int(w.shape[0])) for w, _ in dense.over_arch]
+        nf = len(schema.feature_names)
+        d = int(dense.dense_arch[-1][0].shape[0])
+        flops = dense_flops_per_pair(linear, interaction="dot", num_vectors=nf + 1, dim=d)
+        return {"flops_per_pair": flops, "kind": "dlrm (dot interaction)", "linear": linear,
+                "interaction": {"vectors": nf + 1, "dim": d}}
+    ep = torch.export.load(io.BytesIO(dense.program.numpy().tobytes()))
+    params = dict(ep.state_dict)
+    linear = []
+    v_kernels = sorted((k, tuple(p.shape)) for k, p in params.items() if ".V_kernels." in k)
+    for k, p in params.items():
+        if p.dim() == 2 and ("dense_arch" in k or "over_arch" in k) and k.endswith("weight"):
+            linear.append((int(p.shape[1]), int(p.shape[0])))
+    if v_kernels:
+        r, width = v_kernels[0][1]
+        flops = dense_flops_per_pair(linear, interaction="dcn", cross_layers=len(v_kernels),
+                                     cross_rank=int(r), cross_width=int(width))
+        kind = f"dcn ({len(v_kernels)} low-rank cross layers, r {r}, d {width})"
+        inter = {"cross_layers": len(v_kernels), "rank": int(r), "width": int(width)}
+    else:
+        flops = dense_flops_per_pair(linear)
+        kind, inter = "linear layers only (interaction not recognised: left out)", {}
+    return {"flops_per_pair": flops, "kind": kind, "linear": linear, "interaction": inter}
+
+
+# --- the GEMM peak and the in-process reference --------------------------------------
+
+def gemm_peak(threads: int, sizes: Sequence[int] = (512, 1024, 2048),
+              dtypes: Sequence[str] = ("fp32", "bf16"), seconds: float = 1.0) -> dict[str, Any]:
+    """This CPU's matmul FLOP/s (``torch.matmul`` of n x n by n x n: 2 n^3 FLOPs) per dtype
+    and size, best of 3 windows each, with ``threads`` torch threads; ``peak`` per dtype."""
+    import torch
+
+    torch.set_num_threads(threads)
+    kinds = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    out: dict[str, Any] = {"threads": threads, "by_size": {}, "peak": {}}
+    for name in dtypes:
+        best_of_dtype = 0.0
+        for n in sizes:
+            a = torch.randn(n, n).to(kinds[name])
+            b = torch.randn(n, n).to(kinds[name])
+            torch.matmul(a, b)
+            best = 0.0
+            for _ in range(3):
+                k, t0 = 0, time.perf_counter()
+                while k < 2 or time.perf_counter() - t0 < seconds / 3:
+                    torch.matmul(a, b)
+                    k += 1
+                best = max(best, 2.0 * n ** 3 * k / (time.perf_counter() - t0))
+            out["by_size"][f"{name}_{n}"] = best
+            best_of_dtype = max(best_of_dtype, best)
+        out["peak"][name] = best_of_dtype
+    return out
+
+
+def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], schema: Any,
+                          bodies: Sequence[tuple[bytes, int]], content_type: str, threads: int,
+                          seconds: float) -> float:
+    """``Runtime.predict`` alone over the same bodies (parsed up front), one predict per
+    query, ``threads`` torch threads; best of 3 windows (the least disturbed on a shared
+    machine)."""
+    import torch
+
+    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+
+    cfg = HandlerConfig.from_dict(handler_cfg)
+    torch.set_num_threads(threads)
+    rt = Runtime.from_artifact(artifact_path, RuntimeConfig(
+        device="cpu", cache_load_factor=cfg.cache_load_factor, cache_bytes=cfg.cache_bytes,
+        cache_policy=cfg.cache_policy, num_threads=threads))
+    batches = []
+    for body, _ in bodies:
+        p = parse_body(body, cfg, content_type, schema=schema)
+        batches.append((torch.from_numpy(p.dense),
+                        SparseBatch(torch.from_numpy(p.values), torch.from_numpy(p.lengths))))
+    for d, s in batches[:2]:
+        rt.predict(d, s)
+    best = 0.0
+    for _ in range(3):
+        n = pairs = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < max(0.3, seconds / 3) or n < 3:
+            d, s = batches[n % len(batches)]
+            rt.predict(d, s)
+            pairs += d.shape[0]
+            n += 1
+        best = max(best, pairs / (time.perf_counter() - t0))
+    return best
+
+
+# --- the open-loop client --------------------------------------------------------------
+
+async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.ndarray,
+                     picks: np.ndarray, content_type: str, timeout_s: float,
+                     max_connections: int) -> dict[str, Any]:
+    import httpx
+
+    n = len(offsets)
+    lag = np.zeros(n)
+    lat = np.full(n, np.nan)
+    ok = np.zeros(n, dtype=bool)
+    errors: list[str] = []
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=max_connections)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False,
+                                 headers={"Content-Type": content_type}) as client:
+
+        async def one(i: int, due: float) -> None:
+            lag[i] = time.perf_counter() - due
+            body = bodies[picks[i]][0]
+            try:
+                r = await client.post(url, content=body)
+                ok[i] = r.status_code == 200
+                if not ok[i] and len(errors) < 3:
+                    errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+            except httpx.HTTPError as e:
+                if len(errors) < 3:
+                    errors.append(f"{type(e).__name__}: {e}")
+            lat[i] = time.perf_counter() - due
+
+        tasks = []
+        t0 = time.perf_counter() + 0.05
+        for i in range(n):
+            due = t0 + float(offsets[i])
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, due)))
+        await asyncio.gather(*tasks)
+        end = time.perf_counter()
+    return {"lag": lag, "lat": lat, "ok": ok, "errors": errors, "seconds": end - t0}
+
+
+def unloaded_latency_ms(url: str, bodies: Sequence[tuple[bytes, int]], n: int,
+                        content_type: str, timeout_s: float = 60.0) -> np.ndarray:
+    """Latencies (ms, (n,)) of ``n`` queries sent one at a time (the next after the answer):
+    the service time with no queueing. Open-loop arrivals at any rate only add queueing to
+    it, so when its p99 is over the goal no rate can pass."""
+    import httpx
+
+    out = np.zeros(n)
+    with httpx.Client(timeout=timeout_s, trust_env=False,
+                      headers={"Content-Type": content_type}) as client:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = client.post(url, content=bodies[i % len(bodies)][0])
+            out[i] = (time.perf_counter() - t0) * 1e3
+            if r.status_code != 200:
+                raise RuntimeError(f"POST {url} answered {r.status_code} with no load at all: "
+                                   f"{r.text[:300]}; see the service's logs")
+    return out
+
+
+def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
+              min_duration_s: float, min_queries: int, p99_goal_ms: float,
+              max_client_lag_ms: float, content_type: str, seed: int = 0,
+              timeout_s: float = 30.0, max_connections: int = 1024) -> Trial:
+    """One open-loop trial at ``rate_qps`` (see the module docstring)."""
+    n = trial_queries(rate_qps, min_duration_s, min_queries)
+    rng = np.random.default_rng([seed, int(rate_qps * 1000)])
+    offsets = poisson_schedule(rate_qps, n, rng)
+    picks = rng.integers(0, len(bodies), size=n)
+    r = asyncio.run(_open_loop(url, bodies, offsets, picks, content_type, timeout_s,
+                               max_connections))
+    lat_ms = r["lat"] * 1e3
+    lag_ms = r["lag"] * 1e3
+    failed = int((~r["ok"]).sum())
+    pairs = int(sum(bodies[i][1] for i in picks[r["ok"]]))
+    p99 = float(np.percentile(lat_ms, 99))
+    lag_p99 = float(np.percentile(lag_ms, 99))
+    client_ok = lag_p99 <= max_client_lag_ms
+    return Trial(rate_qps=round(rate_qps, 3), queries=n, seconds=float(offsets[-1]),
+                 wall_s=r["seconds"], failed=failed,
+                 pairs=pairs, p50_ms=float(np.percentile(lat_ms, 50)), p99_ms=p99,
+                 lag_p99_ms=lag_p99, lag_max_ms=float(lag_ms.max()), client_ok=client_ok,
+                 passed=client_ok and failed == 0 and p99 <= p99_goal_ms,
+                 first_error=r["errors"][0] if r["errors"] else None)
+
+
+# --- bodies, state, one model ----------------------------------------------------------
+
+def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
+                single_fraction: float) -> list[tuple[bytes, int]]:
+    """``pool`` columnar JSON bodies with the load test's sizes. The built-in DLRM's
+    profiles get the load test's own generator (:class:`loadtest.traffic.RequestPool`:
+    Zipf ids, training-like dense); an imported schema gets
+    :func:`serve.api.json_body.example_request` (multi-hot up to each feature's max)."""
+    import orjson
+
+    from serve.profiles import PROFILES
+
+    sizes = query_sizes(pool, seed, single_fraction)
+    profile = PROFILES.get(str(report.get("profile")))
+    if profile is not None and tuple(profile.feature_names) == tuple(schema.feature_names):
+        from loadtest.traffic import RequestPool, TrafficConfig
+
+        rp = RequestPool(TrafficConfig(
+            profile=profile,
+            instances=InstancesDistribution(single_fraction=single_fraction),
+            body_format="columnar", pool_size=pool, seed=seed))
+        return [(r.body, r.instances) for r in rp.requests]
+    from serve.api.json_body import example_request
+
+    return [(orjson.dumps(example_request(int(b), seed=seed + i, form="columnar",
+                                          schema=schema, multi_hot=True)), int(b))
+            for i, b in enumerate(sizes.tolist())]
+
+
+def read_state(sidecar_url: str) -> dict[str, Any]:
+    """What is served, from the sidecar: version, batching, workers, tuner on/off."""
+    from serve.ops.state_client import StateClient
+
+    client = StateClient(sidecar_url)
+    try:
+        st = client.state()
+    except Exception as e:  # noqa: BLE001 - a state we cannot read is reported, not fatal
+        return {"error": f"GET {sidecar_url}/state: {e}"}
+    desired = st.get("desired") or {}
+    observed = st.get("observed") or {}
+    return {"desired": desired, "observed": observed, "converged": st.get("converged"),
+            "tuner_enabled": client.tuner_on()}
+
+
+def _served(state: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], int]:
+    d = state.get("desired") or {}
+    return ((d.get("model") or {}).get("version"), dict(d.get("batching") or {}),
+            int(d.get("workers") or 1))
+
+
+def measure_model(name: str, version: str, store: Path, args: argparse.Namespace,
+                  infer_url: str, sidecar_url: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """Search one served model's rate; the in-process reference and FLOPs beside it."""
+    import zipfile
+
+    import yaml
+
+    from serve.api.protocol import JSON_MEDIA_TYPE
+    from serve.common.cpu import choose_threads
+    from serve.runtime.artifact import load_artifact
+    from serve.schema import schema_from_report
+    from serve.store.repository import ModelRepository
+
+    repo = ModelRepository([store], "dlrm")
+    report = repo.report(version)
+    schema = schema_from_report(report)
+    bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
+    mean_pairs = sum(b for _, b in bodies) / len(bodies)
+    state = read_state(sidecar_url)
+    served_version, batching, workers = _served(state)
+    if served_version is not None and served_version != version:
+        raise RuntimeError(f"the sidecar at {sidecar_url} serves {served_version!r}, not "
+                           f"{version!r}: pass --models for what it serves")
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(repo.archive(version)) as z:
+        z.extract("artifact.pt", tmp)
+        handler_cfg = (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
+        artifact_path = Path(tmp) / "artifact.pt"
+        threads = choose_threads(workers, handler_cfg.get("num_threads")).threads
+        total_threads = workers * threads
+        flops = artifact_dense_flops(load_artifact(artifact_path))
+        print(f"[{name}] {version}: {len(bodies)} bodies, {mean_pairs:.0f} pairs/query on "
+              f"average; serving {batching} x {workers} worker(s) x {threads} thread(s), tuner "
+              f"{'on' if state.get('tuner_enabled') else 'off'}; dense {flops['flops_per_pair'] / 1e6:.2f} "
+              f"MFLOP/pair ({flops['kind']})", flush=True)
+        url = f"{infer_url}/predictions/dlrm"
+        # In process first (the service idle): it also sets where the search starts.
+        inproc_before = inprocess_pairs_per_s(artifact_path, handler_cfg, schema, bodies,
+                                              JSON_MEDIA_TYPE, total_threads, args.inprocess_s)
+        start_qps = args.start_qps or max(0.5, 0.5 * inproc_before / mean_pairs)
+        print(f"  [{name}] in process {inproc_before:.0f} pairs/s ({total_threads} threads); "
+              f"search starts at {start_qps:.1f} queries/s", flush=True)
+        run_trial(url, bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
+                  min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
+                  content_type=JSON_MEDIA_TYPE, seed=args.seed + 1)   # warm-up, not judged
+
+        floor = unloaded_latency_ms(url, bodies, args.probe_queries, JSON_MEDIA_TYPE)
+        floor_p99 = float(np.percentile(floor, 99))
+        print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
+              f"{np.percentile(floor, 50):.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
+
+        def measure(rate: float) -> Trial:
+            t = run_trial(url, bodies, rate, min_duration_s=args.min_duration_s,
+                          min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
+                          max_client_lag_ms=args.max_client_lag_ms,
+                          content_type=JSON_MEDIA_TYPE, seed=args.seed)
+            verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
+                                               else "fail")
+            print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s, "
+                  f"{t.pairs_per_s:9.0f} pairs/s, p50 {t.p50_ms:7.1f} ms, p99 {t.p99_ms:7.1f} ms, "
+                  f"failed {t.failed}, client lag p99 {t.lag_p99_ms:.1f} ms -> {verdict}"
+                  + (f" ({t.first_error})" if t.first_error else ""), flush=True)
+            return t
+
+        t0 = time.perf_counter()
+        if floor_p99 > args.p99_goal_ms:
+            # no queueing at all already misses the goal: no rate can meet it
+            found = SearchResult(best=None, stop_reason=(
+                f"unloaded p99 {floor_p99:.1f} ms > goal {args.p99_goal_ms:g} ms: no rate "
+                "can pass (one query at a time already misses it)"))
+            print(f"  [{name}] {found.stop_reason}", flush=True)
+        else:
+            found = search_rate(measure, start_qps, rel_tol=args.rel_tol,
+                                max_trials=args.max_trials)
+        search_s = time.perf_counter() - t0
+        state_after = read_state(sidecar_url)
+        if _served(state_after)[1] != batching:
+            print(f"  [{name}] WARNING: batching changed during the search ({batching} -> "
+                  f"{_served(state_after)[1]}; the tuner is "
+                  f"{'on' if state.get('tuner_enabled') else 'off'}): the trials measured "
+                  "more than one state", flush=True)
+        # and again after (the service idle again): the higher is the least disturbed
+        inproc = max(inproc_before, inprocess_pairs_per_s(
+            artifact_path, handler_cfg, schema, bodies, JSON_MEDIA_TYPE, total_threads,
+            args.inprocess_s))
+    cores = os.cpu_count() or 1
+    best = found.best
+    run: dict[str, Any] = {
+        "model": name, "version": version,
+        "queries_per_s": round(best.queries_per_s, 2) if best else 0.0,
+        "offered_queries_per_s": best.rate_qps if best else 0.0,
+        "pairs_per_s": round(best.pairs_per_s, 1) if best else 0.0,
+        "pairs_per_s_per_core": round(best.pairs_per_s / cores, 1) if best else 0.0,
+        "cores": cores,
+        "p50_ms": round(best.p50_ms, 2) if best else None,
+        "p99_ms": round(best.p99_ms, 2) if best else None,
+        "failed": best.failed if best else None,
+        "client_lag_p99_ms": round(best.lag_p99_ms, 2) if best else None,
+        "in_process_pairs_per_s": round(inproc, 1),
+        "in_process_threads": total_threads,
+        "service_vs_in_process": round(best.pairs_per_s / inproc, 3) if best and inproc else None,
+        "mean_pairs_per_query": round(mean_pairs, 1),
+        "client_limited": found.client_limited, "stop_reason": found.stop_reason,
+        "met_goal": best is not None,
+        "unloaded_p50_ms": round(float(np.percentile(floor, 50)), 2),
+        "unloaded_p99_ms": round(floor_p99, 2),
+        "search_seconds": round(search_s, 1),
+        "state": {"batching": batching, "workers": workers, "threads_per_worker": threads,
+                  "tuner_enabled": state.get("tuner_enabled"), "version": served_version,
+                  "batching_after": _served(state_after)[1],
+                  "tuner_enabled_after": state_after.get("tuner_enabled")},
+        "dense_flops": flops,
+        "trials": [asdict(t) | {"queries_per_s": t.queries_per_s, "pairs_per_s": t.pairs_per_s}
+                   for t in found.trials],
+    }
+    fp32_peak = peak.get("peak", {}).get("fp32")
+    in_flops = inproc * flops["flops_per_pair"]
+    run["dense_flops"] |= {"in_process_flops_per_s": in_flops,
+                           "in_process_share_of_fp32_peak": in_flops / fp32_peak if fp32_peak else None}
+    if best:
+        achieved = best.pairs_per_s * flops["flops_per_pair"]
+        run["dense_flops"] |= {
+            "achieved_flops_per_s": achieved,
+            "share_of_fp32_peak": achieved / peak["peak"]["fp32"] if peak.get("peak") else None,
+            "share_of_bf16_peak": (achieved / peak["peak"]["bf16"]
+                                   if peak.get("peak", {}).get("bf16") else None)}
+    return run
+
+
+def validate_results(doc: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a results document (empty: nothing)."""
+    problems = []
+    runs = doc.get("runs")
+    if not isinstance(runs, list) or not runs:
+        return ["'runs' must be a non-empty list"]
+    for i, r in enumerate(runs):
+        for k in REQUIRED_RUN_KEYS:
+            if k not in r:
+                problems.append(f"runs[{i}] lacks {k!r}")
+            elif k == "p99_ms" and r[k] is None and r.get("queries_per_s") == 0:
+                continue    # no rate met the goal: there is no p99 at a passing rate
+            elif k != "model" and not isinstance(r[k], (int, float)):
+                problems.append(f"runs[{i}][{k!r}] = {r[k]!r} is not a number")
+    for k in ("meta", "command"):
+        if k not in doc:
+            problems.append(f"document lacks {k!r}")
+    return problems
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:7.1f}" if v is not None else f"{'none':>7}"
+
+
+def _table(runs: Sequence[Mapping[str, Any]]) -> str:
+    header = (f"{'model':>8} {'q/s':>8} {'pairs/s':>10} {'pairs/s/core':>12} {'p50 ms':>7} "
+              f"{'p99 ms':>7} {'failed':>6} {'in-proc pairs/s':>15} {'ratio':>6} "
+              f"{'MFLOP/pair':>10} {'fp32 peak share':>15}  state")
+    lines = [header]
+    for r in runs:
+        fl = r.get("dense_flops", {})
+        share = fl.get("share_of_fp32_peak")
+        st = r["state"]
+        lines.append(
+            f"{r['model']:>8} {r['queries_per_s']:8.1f} {r['pairs_per_s']:10.0f} "
+            f"{r['pairs_per_s_per_core']:12.0f} {_ms(r['p50_ms'])} {_ms(r['p99_ms'])} "
+            f"{r['failed'] if r['failed'] is not None else '-':>6} "
+            f"{r['in_process_pairs_per_s']:15.0f} {r['service_vs_in_process'] or 0:6.2f} "
+            f"{fl.get('flops_per_pair', 0) / 1e6:10.2f} "
+            f"{(f'{share:.3f}' if share is not None else '-'):>15}  "
+            f"{st['version']} batching {st['batching']} x{st['workers']}w x{st['threads_per_worker']}t "
+            f"tuner {'on' if st['tuner_enabled'] else 'off'}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_slo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="small,dlrm-v2",
+                    help=f"comma-separated, of {', '.join(MODELS)} (versions "
+                         f"{', '.join(v for v, _ in MODELS.values())})")
+    ap.add_argument("--url", default=None,
+                    help="measure a running service (`make up`) at this TorchServe inference URL "
+                         "instead of starting one per model; it must serve the one model named "
+                         "by --models (loopback only)")
+    ap.add_argument("--sidecar-url", default="http://127.0.0.1:8090",
+                    help="with --url: the sidecar whose GET /state and /tuner say what is served")
+    ap.add_argument("--model-store", default="model_store")
+    ap.add_argument("--version", default=None,
+                    help="serve this version as the one model of --models instead of its "
+                         "default (e.g. a test's tiny build)")
+    ap.add_argument("--p99-goal-ms", type=float, default=P99_SLO_MS,
+                    help="latency bound a trial must meet (MLPerf DLRM-v2 server: 60 ms)")
+    ap.add_argument("--min-duration-s", type=float, default=60.0,
+                    help="each trial sends for at least this long (MLPerf: 600 s); shorter trials "
+                         "make p99 noisy")
+    ap.add_argument("--min-queries", type=int, default=1000,
+                    help="each trial sends at least this many queries (the p99 of 1000 is the "
+                         "10th-worst; MLPerf's 270,336 would take hours at a few queries/s)")
+    ap.add_argument("--start-qps", type=float, default=None,
+                    help="first trial's rate (queries/s); default half the in-process rate "
+                         "(in-process pairs/s / mean pairs per query / 2), so the coarse "
+                         "steps start near the answer whatever the model's cost")
+    ap.add_argument("--rel-tol", type=float, default=0.05,
+                    help="stop bisecting when the failing rate is within this of the passing one")
+    ap.add_argument("--max-trials", type=int, default=10, help="trials per model at most")
+    ap.add_argument("--max-client-lag-ms", type=float, default=10.0,
+                    help="a trial whose client sent its p99 query later than this past the "
+                         "schedule is invalid (the client, not the service, was the limit)")
+    ap.add_argument("--single-fraction", type=float, default=0.0,
+                    help="single-pair queries mixed in (the load test mixes 0.1; MLPerf none)")
+    ap.add_argument("--probe-queries", type=int, default=50,
+                    help="queries sent one at a time before the search: if even their p99 "
+                         "misses the goal, no rate can meet it and the search is skipped")
+    ap.add_argument("--pool", type=int, default=128, help="distinct request bodies per model")
+    ap.add_argument("--inprocess-s", type=float, default=6.0,
+                    help="seconds of the in-process Runtime.predict reference per model")
+    ap.add_argument("--gemm-s", type=float, default=1.0, help="seconds per GEMM size and dtype")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/slo.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if not names or unknown:
+        print(f"error: --models {args.models!r}: use any of {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    if args.version is not None and len(names) != 1:
+        print("error: --version replaces the version of one model: name it alone in --models",
+              file=sys.stderr)
+        return 2
+    versions = {m: args.version or MODELS[m][0] for m in names}
+    if args.url is not None:
+        if len(names) != 1:
+            print("error: --url measures the one model it serves: name it alone in --models",
+                  file=sys.stderr)
+            return 2
+        if urllib.parse.urlsplit(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            print(f"error: --url {args.url}: this load generator only targets loopback",
+                  file=sys.stderr)
+            return 2
+    store = Path(args.model_store)
+    store = store if store.is_absolute() else REPO / store
+    from serve.store.repository import ModelRepository
+
+    repo = ModelRepository([store], "dlrm")
+    missing = [f"{m} (version {versions[m]}: `{MODELS[m][1]}`)" for m in names
+               if not repo.exists(versions[m])]
+    if missing and args.url is None:
+        print(f"error: not in {store}: {', '.join(missing)}; build them first", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from serve.common.cpu import available_cpus
+
+    cores = os.cpu_count() or 1
+    # One peak for every model: the service's largest thread count is the CPU budget.
+    gemm_threads = max(1, available_cpus())
+    print(f"GEMM peak: torch.matmul fp32/bf16, {gemm_threads} threads ...", flush=True)
+    peak = gemm_peak(gemm_threads, seconds=args.gemm_s)
+    print("  " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak["peak"].items()),
+          flush=True)
+    runs: list[dict[str, Any]] = []
+    for name in names:
+        version = versions[name]
+        if args.url is not None:
+            runs.append(measure_model(name, version, store, args, args.url.rstrip("/"),
+                                      args.sidecar_url.rstrip("/"), peak))
+            continue
+        from serve.ops.launcher import running_service
+
+        with tempfile.TemporaryDirectory(prefix="bench-slo-") as root:
+            print(f"[{name}] starting TorchServe + sidecar (shipped defaults, free ports) "
+                  f"serving {version} ...", flush=True)
+            with running_service(Path(root), store, version) as (cfg, _client):
+                runs.append(measure_model(name, version, store, args, cfg.inference_url,
+                                          cfg.sidecar_url, peak))
+    doc = {
+        "runs": runs,
+        "meta": {"p99_goal_ms": args.p99_goal_ms, "min_duration_s": args.min_duration_s,
+                 "min_queries": args.min_queries, "rel_tol": args.rel_tol,
+                 "max_client_lag_ms": args.max_client_lag_ms,
+                 "sizes": InstancesDistribution(single_fraction=args.single_fraction).spec(),
+                 "single_fraction": args.single_fraction, "body_form": "columnar JSON",
+                 "cores": cores, "cores_note": "os.cpu_count() of this machine/pod",
+                 "available_cpus": available_cpus(), "gemm": peak,
+                 "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                 "service": "own (started per model)" if args.url is None else args.url,
+                 "mlperf_anchor": MLPERF_ANCHOR,
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "command": "python -m bench.bench_slo " + shlex.join(argv if argv is not None
+                                                             else sys.argv[1:]),
+    }
+    problems = validate_results(doc)
+    if problems:
+        print("error: results malformed: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out = out if out.is_absolute() else REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print()
+    print(f"highest rate with p99 <= {args.p99_goal_ms:g} ms (trials >= {args.min_duration_s:g} s "
+          f"and >= {args.min_queries} queries; cores = os.cpu_count() = {cores})")
+    print(_table(runs))
+    for r in runs:
+        if not r["met_goal"]:
+            print(f"{r['model']}: no rate met the goal ({r['stop_reason']})")
+        fl = r["dense_flops"]
+        print(f"{r['model']}: dense {fl['flops_per_pair'] / 1e6:.2f} MFLOP/pair; in process "
+              f"{fl['in_process_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+              f"{fl['in_process_share_of_fp32_peak'] or 0:.3f} of the fp32 GEMM peak "
+              f"({peak['peak']['fp32'] / 1e9:.0f} GFLOP/s; bf16 {peak['peak']['bf16'] / 1e9:.0f})")
+    print(f"MLPerf anchor (Xeon 6980P socket, 128 cores, INT8 AMX, p99 < 50 ms): "
+          f"{MLPERF_ANCHOR['pairs_per_s_per_core']:,.0f} pairs/s per core")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""bench.bench_slo: the Poisson schedule, the reused size law, the rate search on a
+synthetic latency model, the FLOPs formula, the results schema, and (slow) a very short
+real run against TorchServe + sidecar."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench import bench_slo
+from bench.bench_slo import (
+    REQUIRED_RUN_KEYS,
+    Trial,
+    dense_flops_per_pair,
+    poisson_schedule,
+    query_sizes,
+    search_rate,
+    trial_queries,
+    validate_results,
+)
+from loadtest.traffic import InstancesDistribution
+
+# --- the schedule ---------------------------------------------------------------------
+
+def test_poisson_schedule_mean_rate_at_fixed_seed() -> None:
+    rate, n = 200.0, 20_000
+    t = poisson_schedule(rate, n, np.random.default_rng(0))
+    assert t.shape == (n,) and np.all(np.diff(t) > 0) and t[0] > 0
+    # n / T estimates the rate with relative SE 1/sqrt(n) = 0.7%: 3% is > 4 SE
+    assert n / t[-1] == pytest.approx(rate, rel=0.03)
+    gaps = np.diff(t)
+    # exponential gaps: coefficient of variation 1 (a fixed-interval schedule has 0)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.05)
+    again = poisson_schedule(rate, n, np.random.default_rng(0))
+    np.testing.assert_array_equal(t, again)
+
+
+@pytest.mark.parametrize("rate,n", [(0.0, 10), (-1.0, 10), (math.inf, 10), (1.0, 0)])
+def test_poisson_schedule_rejects(rate: float, n: int) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        poisson_schedule(rate, n, np.random.default_rng(0))
+
+
+def test_trial_queries_takes_both_minimums() -> None:
+    assert trial_queries(10.0, 60.0, 3000) == 3000       # count binds at a low rate
+    assert trial_queries(100.0, 60.0, 3000) == 6000      # duration binds at a high rate
+    assert trial_queries(33.3, 1.0, 1) == 34
+
+
+# --- the size law is the load test's ----------------------------------------------------
+
+def test_query_sizes_reuse_the_load_tests_law() -> None:
+    law = InstancesDistribution()           # loadtest's default: 100-700:270 (+10% singles)
+    assert (law.min, law.max, law.mean) == (100, 700, 270.0)
+    sizes = query_sizes(4096, seed=0)
+    assert sizes.min() >= 100 and sizes.max() <= 700
+    assert sizes.mean() == pytest.approx(270.0, abs=3.0)
+    # the same stratified draw loadtest's RequestPool makes
+    want = InstancesDistribution(single_fraction=0.0).stratified(
+        np.random.default_rng([0, 32]), 4096)
+    np.testing.assert_array_equal(sizes, want)
+    with_singles = query_sizes(4096, seed=0, single_fraction=0.1)
+    assert (with_singles == 1).mean() == pytest.approx(0.1, abs=0.01)
+
+
+def test_bench_slo_does_not_copy_the_law() -> None:
+    src = Path(bench_slo.__file__).read_text()
+    assert "from loadtest.traffic import InstancesDistribution" in src
+    assert "_fit_lognormal_probs" not in src and "lognormal" not in src
+
+
+# --- the search on a synthetic latency model --------------------------------------------
+
+def _queue_p99(rate: float, capacity: float = 400.0, base_ms: float = 10.0) -> float:
+    """An M/M/1-like p99: base + a tail that explodes as rate -> capacity."""
+    if rate >= capacity:
+        return math.inf
+    return base_ms + 4.6 * 1e3 / (capacity - rate)     # ln(100) / (mu - lambda), in ms
+
+
+def _synthetic(goal_ms: float, client_max: float = math.inf, calls: list | None = None):
+    def measure(rate: float) -> Trial:
+        if calls is not None:
+            calls.append(rate)
+        p99 = _queue_p99(rate)
+        client_ok = rate <= client_max
+        return Trial(rate_qps=rate, queries=1000, seconds=1000 / rate, failed=0,
+                     pairs=270_000, p50_ms=p99 / 3, p99_ms=p99, lag_p99_ms=0.1,
+                     lag_max_ms=0.5, client_ok=client_ok,
+                     passed=client_ok and p99 <= goal_ms)
+    return measure
+
+
+def test_search_finds_the_rate_where_p99_meets_the_goal() -> None:
+    goal = 60.0
+    # p99 = goal at capacity - 4600 / (goal - base) = 400 - 92 = 308 q/s
+    true_rate = 400.0 - 4.6e3 / (goal - 10.0)
+    calls: list[float] = []
+    res = search_rate(_synthetic(goal, calls=calls), start_qps=20.0, rel_tol=0.02,
+                      max_trials=20)
+    assert res.best is not None and res.best.passed
+    assert true_rate * 0.98 <= res.best.rate_qps <= true_rate
+    assert calls[:5] == [20.0, 40.0, 80.0, 160.0, 320.0]          # coarse: doubling
+    assert all(calls[i] < 320.0 for i in range(5, len(calls)))   # then bisect below the fail
+    assert not res.client_limited and "bracketed" in res.stop_reason
+
+
+def test_search_goes_down_when_the_first_trial_fails() -> None:
+    res = search_rate(_synthetic(60.0), start_qps=1000.0, rel_tol=0.05, max_trials=20)
+    assert res.trials[0].rate_qps == 1000.0 and not res.trials[0].passed
+    assert res.trials[1].rate_qps == 500.0
+    assert res.best is not None and 290.0 <= res.best.rate_qps <= 308.0
+
+
+def test_search_flags_a_client_limited_bound() -> None:
+    res = search_rate(_synthetic(60.0, client_max=100.0), start_qps=20.0, rel_tol=0.05)
+    assert res.client_limited
+    assert res.best is not None and res.best.rate_qps <= 100.0
+
+
+def test_search_reports_when_nothing_passes() -> None:
+    res = search_rate(_synthetic(5.0), start_qps=8.0, min_qps=1.0)
+    assert res.best is None and "no rate" in res.stop_reason
+    assert [t.rate_qps for t in res.trials] == [8.0, 4.0, 2.0, 1.0]
+
+
+# --- FLOPs -------------------------------------------------------------------------------
+
+def test_flops_formula_matches_torchs_counter_for_a_small_mlp() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sizes = [13, 32, 16, 1]
+    layers = list(itertools.pairwise(sizes))
+    assert dense_flops_per_pair(layers) == 2 * (13 * 32 + 32 * 16 + 16 * 1) == 1888
+    mlp = torch.nn.Sequential(*[torch.nn.Linear(i, o) for i, o in layers])
+    with FlopCounterMode(display=False) as fc:
+        mlp(torch.randn(5, 13))
+    assert fc.get_total_flops() == 5 * dense_flops_per_pair(layers)
+
+
+def test_flops_interactions() -> None:
+    # dot: V = 3 vectors of D = 4: 3 dots of 8 FLOPs
+    assert dense_flops_per_pair([], interaction="dot", num_vectors=3, dim=4) == 24
+    # one low-rank cross layer, d 6, r 2: V (2x6) and W (6x2) matmuls + 3 elementwise ops
+    assert dense_flops_per_pair([], interaction="dcn", cross_layers=1, cross_rank=2,
+                                cross_width=6) == 4 * 6 * 2 + 3 * 6
+    with pytest.raises(ValueError, match="interaction 'x'"):
+        dense_flops_per_pair([], interaction="x")
+
+
+def test_dlrm_v2_flops_per_pair() -> None:
+    """MLPerf DLRM-v2's dense part: 13-512-256-128, 3 cross layers (d 27 x 128, r 512),
+    3456-1024-1024-512-256-1: about 32.09 MFLOP per pair."""
+    bottom = [(13, 512), (512, 256), (256, 128)]
+    top = [(3456, 1024), (1024, 1024), (1024, 512), (512, 256), (256, 1)]
+    f = dense_flops_per_pair(bottom + top, interaction="dcn", cross_layers=3, cross_rank=512,
+                             cross_width=27 * 128)
+    assert f == 2 * (170_496 + 5_243_136) + 3 * (4 * 3456 * 512 + 3 * 3456) == 32_092_032
+
+
+# --- the results document -----------------------------------------------------------------
+
+def _doc() -> dict:
+    run = {"model": "small", "queries_per_s": 50.0, "pairs_per_s": 13_500.0,
+           "pairs_per_s_per_core": 6750.0, "p99_ms": 55.0, "in_process_pairs_per_s": 40_000.0,
+           "p50_ms": 20.0, "failed": 0}
+    return {"runs": [run], "meta": {"cores": 2}, "command": "python -m bench.bench_slo"}
+
+
+def test_results_schema() -> None:
+    assert validate_results(_doc()) == []
+    assert set(REQUIRED_RUN_KEYS) == {"model", "queries_per_s", "pairs_per_s",
+                                      "pairs_per_s_per_core", "p99_ms",
+                                      "in_process_pairs_per_s"}
+    bad = _doc()
+    del bad["runs"][0]["p99_ms"]
+    bad["runs"][0]["pairs_per_s"] = "fast"
+    del bad["command"]
+    assert validate_results(bad) == ["runs[0]['pairs_per_s'] = 'fast' is not a number",
+                                     "runs[0] lacks 'p99_ms'",
+                                     "document lacks 'command'"]
+    assert validate_results({"runs": []}) == ["'runs' must be a non-empty list"]
+    # no rate met the goal: zero rates and no p99 is a valid (honest) answer ...
+    none = _doc()
+    none["runs"][0] |= {"queries_per_s": 0.0, "pairs_per_s": 0.0, "p99_ms": None}
+    assert validate_results(none) == []
+    # ... but a p99 is missing only then
+    none["runs"][0]["queries_per_s"] = 5.0
+    assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number"]
+
+
+def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_slo.main(["--help"])
+    assert e.value.code == 0 and "--min-duration-s" in capsys.readouterr().out
+    assert bench_slo.main(["--models", "huge"]) == 2
+    assert "use any of small, dlrm-v2" in capsys.readouterr().err
+    assert bench_slo.main(["--models", "small,dlrm-v2", "--version", "x"]) == 2
+    assert bench_slo.main(["--models", "small", "--url", "http://10.0.0.1:8080"]) == 2
+
+
+# --- the real thing, briefly ----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
+    """Own TorchServe + sidecar on free ports, a few 1.5 s trials: the document is whole,
+    nothing failed at the rate found, and the state measured is declared."""
+    out = tmp_path / "slo.json"
+    rc = bench_slo.main(["--models", "small", "--version", tiny_build.version,
+                         "--model-store", str(tiny_build.repository),
+                         "--min-duration-s", "1.5", "--min-queries", "10", "--start-qps", "4",
+                         "--max-trials", "3", "--pool", "8", "--inprocess-s", "0.5",
+                         "--gemm-s", "0.1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert validate_results(doc) == []
+    run = doc["runs"][0]
+    assert run["model"] == "small" and run["version"] == tiny_build.version
+    assert run["in_process_pairs_per_s"] > 0 and run["cores"] >= 1
+    assert run["trials"] and all(t["queries"] >= 10 for t in run["trials"])
+    if run["queries_per_s"] > 0:
+        assert run["failed"] == 0 and run["p99_ms"] <= 60.0
+    st = run["state"]
+    assert st["version"] == tiny_build.version and st["workers"] >= 1
+    assert set(st["batching"]) == {"batch_size", "max_batch_delay_ms"}
+    assert doc["meta"]["gemm"]["peak"]["fp32"] > 0
+    assert "--min-duration-s 1.5" in doc["command"]
+
+
+def test_flops_read_from_an_exported_dcn_artifact() -> None:
+    """A tiny DLRM_DCN exported as the importer exports it: the shapes the benchmark reads
+    from the program give the formula's count (and match torch's own counter)."""
+    from types import SimpleNamespace
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from torchrec.models.dlrm import DLRM_DCN
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from bench.bench_slo import artifact_dense_flops
+    from serve.model.export import export_dense, model_schema
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=10,
+                                 feature_names=[f"f{i}"]) for i in range(3)]
+    model = DLRM_DCN(embedding_bag_collection=EmbeddingBagCollection(tables=tables),
+                     dense_in_features=5, dense_arch_layer_sizes=[16, 8],
+                     over_arch_layer_sizes=[12, 1], dcn_num_layers=2, dcn_low_rank_dim=4).eval()
+    schema = model_schema(model, 5)
+    got = artifact_dense_flops(SimpleNamespace(schema=schema, dense=export_dense(model, schema)))
+    d = 4 * 8                                   # (F + 1) * D
+    want = dense_flops_per_pair([(5, 16), (16, 8), (d, 12), (12, 1)], interaction="dcn",
+                                cross_layers=2, cross_rank=4, cross_width=d)
+    assert got["flops_per_pair"] == want
+    assert got["interaction"] == {"cross_layers": 2, "rank": 4, "width": d}
+    # torch's counter sees the matmuls only (no bias, no elementwise): 4 d r per layer
+    with FlopCounterMode(display=False) as fc:
+        model.over_arch(model.inter_arch(model.dense_arch(torch.randn(1, 5)),
+                                         torch.randn(1, 3, 8)))
+    assert fc.get_total_flops() == want - 2 * 3 * d
