@@ -325,3 +325,26 @@ def test_metrics_mirror_the_tuner():
     assert values[("dlrm_tuner_decisions_total", (("reason", "seed"),))] == 1.0
     with pytest.raises(ValueError, match="tuner phase 'bogus'"):
         sm.set_tuner("bogus", None)
+
+
+def test_p99_estimate_counts_the_batch_fill_delay_once():
+    """Batches that never fill make every request wait the max delay: a fixed time, not
+    a queueing tail, so the estimate adds it once and doubles only the rest."""
+    n = len(REQUEST_DURATION_BUCKETS) + 1
+    a = Counters(0.0, 0, 0, 0.0, (0,) * n, 0, {"v": 0.0}, {"v": 0})
+    # 1000 requests in 1000 batches (fill 1 of 2), mean handler 2 ms, mean e2e 5 ms
+    b = Counters(10.0, 1000, 1000, 2.0, (0,) * 3 + (1000,) * (n - 3), 1000,
+                 {"v": 5e6}, {"v": 1000})
+    plain = Traffic.between(a, b, 2.0)
+    filled = Traffic.between(a, b, 2.0, Setting(2, 2))
+    assert plain is not None and filled is not None and plain.handler_p99_ms is not None
+    assert plain.wait_ms == pytest.approx(3.0)
+    assert plain.p99_ms == pytest.approx(plain.handler_p99_ms + 6.0)
+    assert filled.p99_ms == pytest.approx(plain.handler_p99_ms + 2.0 + 2.0 * 1.0)
+    # full batches: no fill delay, the whole wait is queueing
+    full = Counters(10.0, 1000, 1000, 2.0, b.handler_buckets, 500, {"v": 5e6}, {"v": 1000})
+    t = Traffic.between(a, full, 2.0, Setting(2, 2))
+    assert t is not None and t.p99_ms == pytest.approx(plain.p99_ms)
+    # a delay longer than the wait itself is capped at the wait
+    long = Traffic.between(a, b, 2.0, Setting(2, 50))
+    assert long is not None and long.p99_ms == pytest.approx(plain.handler_p99_ms + 3.0)

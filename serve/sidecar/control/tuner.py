@@ -300,6 +300,16 @@ def _series_delta(now: Mapping[str, float], before: Mapping[str, float]) -> floa
     return total
 
 
+def _fill_delay_ms(serving: Setting | None, fill: float | None, wait_ms: float) -> float:
+    """The mean wait (ms) a window's requests spent for batches to fill, at most
+    ``wait_ms``: ``max_batch_delay_ms`` x the share of the batch left empty (0 when
+    batches fill, or the setting or the fill is unknown)."""
+    if serving is None or fill is None or serving.batch_size <= 1:
+        return 0.0
+    empty = min(1.0, max(0.0, (serving.batch_size - fill) / (serving.batch_size - 1)))
+    return min(wait_ms, serving.max_batch_delay_ms * empty)
+
+
 @dataclass(frozen=True)
 class Traffic:
     """What one window saw.
@@ -325,9 +335,20 @@ class Traffic:
     requests_per_batch: float | None
 
     @classmethod
-    def between(cls, a: Counters, b: Counters, wait_factor: float) -> Traffic | None:
+    def between(cls, a: Counters, b: Counters, wait_factor: float,
+                serving: Setting | None = None) -> Traffic | None:
         """The window from ``a`` to ``b``; None when it is empty or a counter went back
-        (the workers' counters restarted: judge nothing)."""
+        (the workers' counters restarted: judge nothing).
+
+        p99 estimate = handler p99 + the batch-fill delay + ``wait_factor`` x the rest of
+        the mean wait. The batch-fill delay is the part of the wait that is not queueing:
+        a batch that does not fill waits ``serving.max_batch_delay_ms`` for every request
+        in it, a fixed time, not a tail, so it is counted once. Its share is how far the
+        mean batch falls short of ``serving.batch_size`` ((size - fill) / (size - 1)).
+        Measured with 2/2 batching, one closed-loop user of single-instance requests
+        (batches never fill): doubling the whole 3.1 ms wait gave 8.1 ms against the
+        clients' 6.3 ms p99 (+28%); counting the 2 ms delay once, 6.1 ms (-3%).
+        """
         dt = b.t - a.t
         dreq, dinst = b.requests - a.requests, b.instances - a.instances
         if dt <= 0 or dreq <= 0 or dinst < 0 or b.batches < a.batches:
@@ -344,10 +365,12 @@ class Traffic:
         if ts_req > 0 and lat_us > 0:
             concurrency = lat_us / 1e6 / dt
             wait = max(0.0, lat_us / ts_req / 1000.0 - mean_handler_ms)
+        dbatches = b.batches - a.batches
         p99 = None
         if handler_p99 is not None:
-            p99 = handler_p99 + wait_factor * (wait or 0.0)
-        dbatches = b.batches - a.batches
+            fill = dreq / dbatches if dbatches > 0 else None
+            delay = _fill_delay_ms(serving, fill, wait or 0.0)
+            p99 = handler_p99 + delay + wait_factor * max(0.0, (wait or 0.0) - delay)
         return cls(seconds=dt, requests=round(dreq), instances=round(dinst),
                    rate_rps=dreq / dt, instances_per_s=dinst / dt,
                    instances_per_request=dinst / dreq, concurrency=concurrency,
@@ -542,7 +565,8 @@ class BatchTuner:
                  and counters.requests - self._window.requests >= self.config.quick_requests)
         if span < self.config.window_s and not quick:
             return None
-        traffic = Traffic.between(self._window, counters, self.config.wait_factor)
+        traffic = Traffic.between(self._window, counters, self.config.wait_factor,
+                                  self.serving)
         self._window = counters
         return traffic
 
