@@ -6,7 +6,8 @@ contract, the metrics, the tools and the load test all import them from here.
   embedding = row lookup + pooling, dense = MLPs + interaction).
 - ``CACHE_POLICIES``: eviction policies of the embedding cache (``lru``, ``lfu``).
 - ``DENSE_PRECISIONS``: arithmetic of the built-in DLRM's dense part (``fp32`` exact, the
-  lossy ``bf16`` and ``int8`` levers), and ``DENSE_MAX_AUC_DROP``, the build's gate on them.
+  lossy ``bf16`` and ``int8`` levers), and ``DENSE_MAX_AUC_DROP``, the build's gate on them
+  (``DENSE_MAX_PROB_DIFF``: an import's, which has no labels).
 - ``P99_SLO_MS``: the service's p99 latency goal (the tuner, ``make capacity``, the load
   test and the alerts all judge against it).
 - ``GUARD_*``: the rollout guards' default limits (``serve.state.Guards``, the declared
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_SIDECAR_PORT",
     "DEFAULT_SIDECAR_WRITE_PORT",
     "DENSE_MAX_AUC_DROP",
+    "DENSE_MAX_PROB_DIFF",
     "DENSE_PRECISIONS",
     "GUARD_CONFIDENCE",
     "GUARD_FAILURE_LIMIT",
@@ -60,6 +62,9 @@ DENSE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")
 #: A lossy dense precision must keep the held-out AUC within this of the same artifact's
 #: fp32 dense AUC (the int8 tables' bar, MLPerf's 99.9%, on the same rows).
 DENSE_MAX_AUC_DROP = 0.001
+#: An import has no held-out labels, so its bf16 gate bounds the probabilities instead:
+#: the largest |p_bf16 - p_fp32| over the import's check batch (DLRM-v2 example: 0.0015).
+DENSE_MAX_PROB_DIFF = 0.01
 
 #: The artifact's file name inside a model archive (.mar) and the folder TorchServe
 #: unpacks it into; a rollout's candidate artifact sits beside it.

@@ -344,3 +344,58 @@ def test_the_archive_admits_the_models_largest_max_ids(tmp_path: Path, ranker_ck
     with zipfile.ZipFile(out["archive"]) as z:
         cfg = yaml.safe_load(z.read("model-config.yaml"))
     assert cfg["handler"]["max_ids_per_feature"] == 100
+
+
+def test_import_with_dense_bf16_is_gated_recorded_and_served(tmp_path: Path,
+                                                            ranker_ckpt: Path) -> None:
+    """--dense-precision bf16: the exact fp32 check still runs; the bf16 gate bounds
+    |p_bf16 - p_fp32| on the check batch; the archive serves bf16."""
+    import zipfile
+
+    import yaml
+
+    lines: list[str] = []
+    out = import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, version="own-bf16",
+                            dense_precision="bf16"), say=lines.append)
+    assert out["max_abs_diff"] <= 1e-6   # the fp32 artifact is still TorchRec's, exactly
+    rep = ModelRepository([tmp_path / "store"]).report("own-bf16")["dense_precision"]
+    assert rep["precision"] == "bf16" and rep["tolerance"] == 0.01
+    assert 0.0 < rep["max_abs_diff_vs_fp32"] <= 0.01
+    assert any("dense bf16: max |p_bf16 - p_fp32|" in ln for ln in lines)
+    with zipfile.ZipFile(out["archive"]) as z:
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    assert cfg["handler"]["dense_precision"] == "bf16"
+    # fp32 imports keep the handler config they had
+    fp = import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, version="own-fp32"),
+                      say=lambda m: None)
+    with zipfile.ZipFile(fp["archive"]) as z:
+        assert "dense_precision" not in yaml.safe_load(z.read("model-config.yaml"))["handler"]
+    assert "dense_precision" not in ModelRepository([tmp_path / "store"]).report("own-fp32")
+
+
+def test_dense_bf16_gate_refuses_past_its_tolerance_and_bad_options(tmp_path: Path,
+                                                                   ranker_ckpt: Path) -> None:
+    with pytest.raises(ArtifactError, match=r"dense bf16 moves the probabilities by .* > 0 "
+                                            r"\(--dense-tolerance\); nothing was written"):
+        import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt, dense_precision="bf16",
+                          dense_tolerance=0.0), say=lambda m: None)
+    assert not (tmp_path / "store").exists() or ModelRepository([tmp_path / "store"]).versions() == []
+    with pytest.raises(ConfigError, match=r"--dense-precision 'int8' must be fp32 or bf16"):
+        _cfg(tmp_path, "make_ranker", ranker_ckpt, dense_precision="int8")
+    with pytest.raises(ConfigError, match=r"--dense-tolerance -1.0 must be a float >= 0"):
+        _cfg(tmp_path, "make_ranker", ranker_ckpt, dense_tolerance=-1.0)
+
+
+def test_exported_dense_runs_in_bf16_close_to_fp32_and_refuses_int8(ranker_ckpt: Path) -> None:
+    art, _ = _own_artifact(ranker_ckpt)
+    dense, values, lengths = generated_batch(art.schema, 64, seed=1)
+    p = {}
+    for prec in ("fp32", "bf16"):
+        rt = Runtime(art, RuntimeConfig(device="cpu", cache_load_factor=1.0, dense_precision=prec))
+        p[prec] = rt.predict(dense, SparseBatch(values, lengths))
+        assert p[prec].dtype == torch.float32
+        rt.close()
+    diff = float((p["bf16"] - p["fp32"]).abs().max())
+    assert 0.0 < diff < 0.01
+    with pytest.raises(ConfigError, match="'int8' applies to the built-in DLRM only"):
+        Runtime(art, RuntimeConfig(device="cpu", dense_precision="int8"))

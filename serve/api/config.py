@@ -152,7 +152,7 @@ class HandlerConfig:
             "fp32" (default, exact against TorchRec) or a lossy lever, "bf16" or "int8",
             that a build sets only after its AUC gate (``--dense-precision``,
             :mod:`serve.model.precision`); an imported model's exported dense part runs
-            in fp32 only (the worker refuses another value at load).
+            in fp32 or bf16 (``--dense-precision`` of the import; the worker refuses int8).
         rollout: a rollout's candidate loaded beside the stable model
             (:class:`RolloutWiring`); None (the default) serves the stable model alone.
     """

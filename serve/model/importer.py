@@ -50,6 +50,7 @@ from torch import nn
 
 from serve.common.clilog import setup_cli_logging
 from serve.common.validate import is_int, positive_int
+from serve.constants import DENSE_MAX_PROB_DIFF
 from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema
 
@@ -86,9 +87,19 @@ class ImportConfig:
     mar_batch_size: int = 2
     mar_max_batch_delay_ms: int = 2
     mar_workers: int = 2
+    # The dense part's arithmetic when served: fp32 (exact) or bf16, admitted only when
+    # its probabilities stay within dense_tolerance of fp32's on the check batch.
+    dense_precision: str = "fp32"
+    dense_tolerance: float = DENSE_MAX_PROB_DIFF
 
     def __post_init__(self) -> None:
         from serve.store.rowformat import DTYPES
+
+        if self.dense_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--dense-precision {self.dense_precision!r} must be fp32 or bf16 "
+                              "(an imported model's exported dense part)")
+        if not (isinstance(self.dense_tolerance, float) and self.dense_tolerance >= 0):
+            raise ConfigError(f"--dense-tolerance {self.dense_tolerance!r} must be a float >= 0")
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
@@ -99,6 +110,7 @@ class ImportConfig:
         if not (isinstance(self.tolerance, float) and self.tolerance >= 0):
             raise ConfigError(f"--tolerance {self.tolerance!r} must be a float >= 0")
         positive_int("--check-batch", self.check_batch)
+        positive_int("--workers", self.mar_workers)
         if self.num_dense is not None and self.num_dense < 0:
             raise ConfigError(f"--num-dense {self.num_dense} must be >= 0")
 
@@ -305,9 +317,10 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
 
     t = time.perf_counter()
     check = _check(cfg, art, qmodel, say)
+    lossy = _check_dense_precision(cfg, art, say) if cfg.dense_precision != "fp32" else None
     seconds["check"] = round(time.perf_counter() - t, 3)
 
-    stored = _store(cfg, repo, art, _Provenance(model, check, kind), seconds)
+    stored = _store(cfg, repo, art, _Provenance(model, check, kind, lossy), seconds)
     say(f"[store] added version {cfg.version}: {stored}")
     return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
             "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
@@ -397,6 +410,44 @@ def _check(cfg: ImportConfig, art: Artifact, qmodel: nn.Module,
     return check
 
 
+def dense_precision_diff(artifact: Any, precision: str, *, batch: int, seed: int) -> float:
+    """Largest |p_precision - p_fp32| of our runtime on :func:`generated_batch` (the same
+    artifact, dense part in fp32 and in ``precision``)."""
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+
+    dense, values, lengths = generated_batch(artifact.schema, batch, seed)
+    out = []
+    for p in ("fp32", precision):
+        rt = Runtime(artifact, RuntimeConfig(device="cpu", cache_load_factor=1.0,
+                                             dense_precision=p))
+        try:
+            out.append(rt.predict(dense, SparseBatch(values, lengths)))
+        finally:
+            rt.close()
+    return float((out[1] - out[0]).abs().max()) if batch else 0.0
+
+
+def _check_dense_precision(cfg: ImportConfig, art: Artifact,
+                           say: Callable[[str], None]) -> dict[str, Any]:
+    """The lossy dense precision's gate: an import has no held-out labels, so it bounds
+    the probabilities (``cfg.dense_tolerance``) on the check batch instead of the AUC.
+
+    Raises:
+        ArtifactError: they move by more than the tolerance.
+    """
+    diff = dense_precision_diff(art, cfg.dense_precision, batch=cfg.check_batch, seed=cfg.seed)
+    say(f"[check] dense {cfg.dense_precision}: max |p_{cfg.dense_precision} - p_fp32| = "
+        f"{diff:.3g} over {cfg.check_batch} samples; tolerance {cfg.dense_tolerance:g}")
+    if diff > cfg.dense_tolerance:
+        raise ArtifactError(
+            f"dense {cfg.dense_precision} moves the probabilities by {diff:.3g} > "
+            f"{cfg.dense_tolerance:g} (--dense-tolerance); nothing was written. Import it "
+            "with --dense-precision fp32")
+    return {"precision": cfg.dense_precision, "max_abs_diff_vs_fp32": diff,
+            "tolerance": cfg.dense_tolerance, "batch": cfg.check_batch,
+            "gate": "probabilities on the check batch (an import has no held-out labels)"}
+
+
 @dataclass(frozen=True)
 class _Provenance:
     """What the version's report says of where the artifact came from."""
@@ -404,6 +455,7 @@ class _Provenance:
     model: nn.Module            # the imported (float) model
     check: CheckResult          # the check against TorchRec's quantized forward
     kind: str                   # the dense part's kind
+    dense_precision: dict[str, Any] | None = None   # the lossy precision's gate, if any
 
 
 def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Provenance,
@@ -420,6 +472,10 @@ def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Prove
         save_artifact(art, path)
         seconds["archive"] = round(time.perf_counter() - t, 3)
         report = _report(cfg, prov.model, art, prov.check, prov.kind, seconds)
+        handler: dict[str, Any] = {"max_ids_per_feature": max(DEFAULT_MAX_IDS, *art.schema.max_ids)}
+        if prov.dense_precision is not None:
+            report["dense_precision"] = prov.dense_precision
+            handler["dense_precision"] = cfg.dense_precision
         stored: Path = add_version(repo, path, cfg.version, report,
                                    Path(tmp), batch_size=cfg.mar_batch_size,
                                    max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
@@ -427,8 +483,7 @@ def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Prove
                                    # The handler's own cap on ids per feature must not
                                    # undercut the model's (DLRM-v2 takes 100 ids in one
                                    # feature).
-                                   handler_config={"max_ids_per_feature":
-                                                   max(DEFAULT_MAX_IDS, *art.schema.max_ids)})
+                                   handler_config=handler)
     return stored
 
 
@@ -478,6 +533,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-store", type=Path, default=Path("model_store"),
                     help="the repository folder (default model_store/)")
     ap.add_argument("--model-name", default="dlrm", help="TorchServe's model name (dlrm)")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="TorchServe workers the version declares (default 2; threads per "
+                         "worker = the pod's CPUs / workers: 1 worker x 2 threads halves a "
+                         "large model's per-request latency on 2 cores)")
+    ap.add_argument("--dense-precision", default="fp32", choices=("fp32", "bf16"),
+                    help="the dense part's arithmetic when served: fp32 (default, exact) or "
+                         "bf16 (AMX/AVX-512 BF16 CPUs, GPUs: several times the dense speed), "
+                         "admitted only if the probabilities stay within --dense-tolerance "
+                         "of fp32's on the check batch")
+    ap.add_argument("--dense-tolerance", type=float, default=DENSE_MAX_PROB_DIFF,
+                    help=f"bf16's bound on |p_bf16 - p_fp32| (default {DENSE_MAX_PROB_DIFF:g})")
     return ap
 
 
@@ -492,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             max_ids=_pairs(args.max_ids, "--max-ids", int),
             default_max_ids=args.default_max_ids, tolerance=args.tolerance,
             check_batch=args.check_batch, seed=args.seed, model_store=args.model_store,
-            model_name=args.model_name)
+            model_name=args.model_name, mar_workers=args.workers,
+            dense_precision=args.dense_precision,
+            dense_tolerance=args.dense_tolerance)
         out = import_model(cfg, say=lambda m: print(m, flush=True))
     except ServeError as e:
         print(f"import failed: {e.message}", file=sys.stderr)

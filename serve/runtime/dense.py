@@ -81,17 +81,26 @@ class ExportedDenseModule(nn.Module):
     (:class:`serve.runtime.artifact.ExportedDense`), loaded with stock PyTorch.
 
     ``forward(dense (B, N), pooled (B, sum_f D_f) or (B, F, D)) -> logits (B,)``.
+
+    ``precision`` "bf16" casts the program's weights and its inputs to bfloat16 (the
+    lossy lever an import admits only through its check, ``--dense-precision``); the
+    logits come back float32 either way. "int8" is not offered for an exported program.
     """
 
-    def __init__(self, program: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, program: torch.Tensor, device: torch.device,
+                 precision: str = "fp32") -> None:
         super().__init__()
+        if precision not in ("fp32", "bf16"):
+            raise ConfigError(f"dense_precision {precision!r}: an exported dense part runs in "
+                              "fp32 or bf16 only")
         ep = torch.export.load(io.BytesIO(program.numpy().tobytes()))
-        self.program = ep.module().to(device)
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.program = ep.module().to(device=device, dtype=self.dtype)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         if pooled.dim() == 3:
             pooled = pooled.reshape(pooled.shape[0], -1)
-        out: torch.Tensor = self.program(dense, pooled)
+        out: torch.Tensor = self.program(dense.to(self.dtype), pooled.to(self.dtype))
         return out.reshape(-1).float()
 
 

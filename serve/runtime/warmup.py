@@ -90,4 +90,8 @@ def warm_up(runtime: Runtime, batches: int, seed: int = 0) -> float:
         if cap is not None:
             size = min(size, cap)
         runtime.predict_arrays(*warmup_batch(runtime, size, rng))
+    # Padded dense shapes (bf16 on CPU): each one's kernels, built once here, not on the
+    # first request of that size.
+    for size in runtime.dense_shapes():
+        runtime.predict_arrays(*warmup_batch(runtime, size, rng))
     return time.perf_counter() - t0
