@@ -161,6 +161,11 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(sidecar):
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /v2/models/dlrm/infer HTTP/1.1\r\nHost: x\r\n"
                   b"Content-Length: 67108864\r\n\r\n{")
-        answer = s.recv(65536).decode("latin-1")
+        # The answer may come in several segments (headers, then body); the server
+        # closes the connection after it ("connection: close").
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        answer = b"".join(chunks).decode("latin-1")
     assert answer.startswith("HTTP/1.1 413"), answer[:200]
     assert '{"error":"body: 67108864 bytes is over the 8388608-byte limit' in answer
