@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.parse
 import zipfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -234,29 +235,38 @@ def inprocess_samples_per_s(artifact: Path, handler_cfg: dict[str, Any], batch: 
     import torch
 
     from serve.api.protocol import HandlerConfig, example_request, parse_body
-    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+    from serve.runtime.engine import Runtime, SparseBatch
+    from serve.worker import runtime_config
 
     cfg = HandlerConfig.from_dict(handler_cfg)
     torch.set_num_threads(threads)
-    rt = Runtime.from_artifact(artifact, RuntimeConfig(
-        device="cpu", cache_load_factor=cfg.cache_load_factor, cache_bytes=cfg.cache_bytes,
-        cache_policy=cfg.cache_policy, num_threads=threads))
+    rt = Runtime.from_artifact(artifact, runtime_config(cfg, device="cpu", threads=threads))
     batches = []
     for i in range(8):
         p = parse_body(orjson.dumps(example_request(batch, seed=batch + i)), cfg)
         batches.append((torch.from_numpy(p.dense),
                         SparseBatch(torch.from_numpy(p.values), torch.from_numpy(p.lengths))))
+    return best_predict_rate(rt, batches, windows=5, window_s=max(0.4, seconds / 5))
+
+
+def best_predict_rate(rt: Any, batches: Sequence[tuple[Any, Any]], *, windows: int,
+                      window_s: float) -> float:
+    """Samples/s of ``rt.predict`` cycling over ``batches`` ((dense (B, N), SparseBatch)),
+    after two warm-up predicts: the best of ``windows`` windows of at least ``window_s``
+    seconds and 3 predicts each (on a shared machine the max is the least disturbed
+    estimate)."""
     for d, s in batches[:2]:
         rt.predict(d, s)
-    # best of 5 windows: on a shared machine the max is the least disturbed estimate
     best = 0.0
-    for _ in range(5):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < max(0.4, seconds / 5) or n < 3:
+    for _ in range(windows):
+        n = samples = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < window_s or n < 3:
             d, s = batches[n % len(batches)]
             rt.predict(d, s)
+            samples += d.shape[0]
             n += 1
-        best = max(best, n * batch / (time.perf_counter() - t0))
+        best = max(best, samples / (time.perf_counter() - t0))
     return best
 
 

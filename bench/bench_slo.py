@@ -300,37 +300,24 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
                           bodies: Sequence[tuple[bytes, int]], content_type: str, threads: int,
                           seconds: float) -> float:
     """``Runtime.predict`` alone over the same bodies (parsed up front), one predict per
-    query, ``threads`` torch threads; best of 3 windows (the least disturbed on a shared
-    machine)."""
+    query, ``threads`` torch threads, the worker's runtime settings; best of 3 windows (the
+    least disturbed on a shared machine)."""
     import torch
 
+    from bench.bench_e2e import best_predict_rate
     from serve.api.protocol import HandlerConfig, parse_body
-    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+    from serve.runtime.engine import Runtime, SparseBatch
+    from serve.worker import runtime_config
 
     cfg = HandlerConfig.from_dict(handler_cfg)
     torch.set_num_threads(threads)
-    rt = Runtime.from_artifact(artifact_path, RuntimeConfig(
-        device="cpu", cache_load_factor=cfg.cache_load_factor, cache_bytes=cfg.cache_bytes,
-        cache_policy=cfg.cache_policy, num_threads=threads,
-        dense_precision=cfg.dense_precision))
+    rt = Runtime.from_artifact(artifact_path, runtime_config(cfg, device="cpu", threads=threads))
     batches = []
     for body, _ in bodies:
         p = parse_body(body, cfg, content_type, schema=schema)
         batches.append((torch.from_numpy(p.dense),
                         SparseBatch(torch.from_numpy(p.values), torch.from_numpy(p.lengths))))
-    for d, s in batches[:2]:
-        rt.predict(d, s)
-    best = 0.0
-    for _ in range(3):
-        n = pairs = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < max(0.3, seconds / 3) or n < 3:
-            d, s = batches[n % len(batches)]
-            rt.predict(d, s)
-            pairs += d.shape[0]
-            n += 1
-        best = max(best, pairs / (time.perf_counter() - t0))
-    return best
+    return best_predict_rate(rt, batches, windows=3, window_s=max(0.3, seconds / 3))
 
 
 # --- the open-loop client --------------------------------------------------------------

@@ -13,16 +13,16 @@ nothing is written.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from serve.ops.gendoc import generator_main, is_current, write_file
+
 __all__ = ["DOC_PATH", "check", "main", "openapi_schema", "render", "write"]
 
-_REPO = Path(__file__).resolve().parents[2]
 #: The generated file, relative to the repository root.
 DOC_PATH = Path("docs") / "sidecar-api.md"
 _METHODS = ("get", "put", "post", "delete", "patch")
@@ -215,42 +215,20 @@ def render(schema: Mapping[str, Any] | None = None) -> str:
 
 def check(root: Path | None = None) -> bool:
     """Whether ``root``'s docs/sidecar-api.md is what :func:`render` gives."""
-    path = (root or _REPO) / DOC_PATH
-    return path.is_file() and path.read_text() == render()
+    return is_current(root, DOC_PATH, render())
 
 
 def write(root: Path | None = None) -> bool:
     """Write docs/sidecar-api.md under ``root``; whether it changed."""
-    path = (root or _REPO) / DOC_PATH
-    text = render()
-    changed = not (path.is_file() and path.read_text() == text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return changed
+    return write_file(root, DOC_PATH, render())
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m serve.ops.apidoc",
+    return generator_main(
+        argv, prog="serve.ops.apidoc", doc_path=DOC_PATH, render=render,
         description="Render docs/sidecar-api.md (every route of the sidecar, its status "
                     "codes and bodies) from the sidecar's OpenAPI schema, so the API "
                     "reference cannot drift from the code.")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="(re)write the file")
-    mode.add_argument("--check", action="store_true",
-                      help="exit 1 when the file is missing or differs: CI runs it")
-    p.add_argument("--root", type=Path, default=_REPO,
-                   help="repository root holding docs/ (default: this checkout)")
-    args = p.parse_args(argv)
-    if args.write:
-        changed = write(args.root)
-        print(f"wrote {DOC_PATH}" if changed else f"{DOC_PATH} was up to date")
-        return 0
-    if check(args.root):
-        return 0
-    print(f"{DOC_PATH} differs from what serve/ops/apidoc.py renders; run "
-          "python -m serve.ops.apidoc --write", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ file on disk is not what this renders.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from typing import Any
 from serve import settings
 from serve.common.flags import Option, options
 from serve.constants import P99_SLO_MS
+from serve.ops.gendoc import generator_main, is_current, write_file
 from serve.settings import EnvVar
 from serve.sidecar.config import cli_options
 from serve.state import Guards
@@ -30,7 +30,6 @@ from serve.store.predlog import PredictionLogConfig
 
 __all__ = ["DOC_PATH", "check", "linked_options", "main", "render", "write"]
 
-_REPO = Path(__file__).resolve().parents[2]
 #: The generated file, relative to the repository root.
 DOC_PATH = Path("docs") / "configuration.md"
 _MIB = 1024 * 1024
@@ -141,41 +140,20 @@ def render() -> str:
 
 def check(root: Path | None = None) -> bool:
     """Whether ``root``'s docs/configuration.md is what :func:`render` gives."""
-    path = (root or _REPO) / DOC_PATH
-    return path.is_file() and path.read_text() == render()
+    return is_current(root, DOC_PATH, render())
 
 
 def write(root: Path | None = None) -> bool:
     """Write docs/configuration.md under ``root``; whether it changed."""
-    path = (root or _REPO) / DOC_PATH
-    changed = not check(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render())
-    return changed
+    return write_file(root, DOC_PATH, render())
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m serve.ops.configdoc",
+    return generator_main(
+        argv, prog="serve.ops.configdoc", doc_path=DOC_PATH, render=render,
         description="Render docs/configuration.md (every environment variable, every "
                     "sidecar flag, the p99 goal and the guards' defaults) from "
                     "serve/settings.py and the config dataclasses.")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="(re)write the file")
-    mode.add_argument("--check", action="store_true",
-                      help="exit 1 when the file is missing or differs: CI runs it")
-    p.add_argument("--root", type=Path, default=_REPO,
-                   help="repository root holding docs/ (default: this checkout)")
-    args = p.parse_args(argv)
-    if args.write:
-        changed = write(args.root)
-        print(f"wrote {DOC_PATH}" if changed else f"{DOC_PATH} was up to date")
-        return 0
-    if check(args.root):
-        return 0
-    print(f"{DOC_PATH} differs from what serve/ops/configdoc.py renders; run "
-          "python -m serve.ops.configdoc --write", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from serve.worker.messages import (
     WorkerRequest,
     WorkerResponse,
 )
-from serve.worker.worker import Worker, model_version, worker_device
+from serve.worker.worker import Worker, model_version, runtime_config, worker_device
 
 __all__ = [
     "BATCH_INSTANCES_HEADER",
@@ -27,5 +27,6 @@ __all__ = [
     "WorkerRequest",
     "WorkerResponse",
     "model_version",
+    "runtime_config",
     "worker_device",
 ]

@@ -105,7 +105,7 @@ from serve.worker.messages import (
     WorkerResponse,
 )
 
-__all__ = ["Worker", "model_version", "worker_device"]
+__all__ = ["Worker", "model_version", "runtime_config", "worker_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,17 @@ class _CacheTotals:
     wrapped: tuple[int, ...]
     fallback: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+
+
+def runtime_config(cfg: HandlerConfig, *, device: str | torch.device, threads: int,
+                   cache_on_cpu: bool = False) -> RuntimeConfig:
+    """The runtime settings a worker serves an archive's handler config ``cfg`` with: what
+    the in-process references of the benchmarks must use too."""
+    return RuntimeConfig(
+        device=str(device), cache_load_factor=cfg.cache_load_factor,
+        cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
+        num_threads=threads, max_forward_instances=cfg.max_forward_instances,
+        cache_on_cpu=cache_on_cpu, dense_precision=cfg.dense_precision)
 
 
 def _set_torch_threads(workers: int, cfg: HandlerConfig, env: Mapping[str, str]) -> int:
@@ -281,11 +292,8 @@ class Worker:
         """
         env = os.environ if environ is None else environ
         threads = _set_torch_threads(workers, cfg, env)
-        runtime_cfg = RuntimeConfig(
-            device=str(device), cache_load_factor=cfg.cache_load_factor,
-            cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
-            num_threads=threads, max_forward_instances=cfg.max_forward_instances,
-            cache_on_cpu=cache_on_cpu_from_env(env), dense_precision=cfg.dense_precision)
+        runtime_cfg = runtime_config(cfg, device=device, threads=threads,
+                                     cache_on_cpu=cache_on_cpu_from_env(env))
         deltas = DeltaWiring.from_env(env)
         store = DeltaStore(deltas.directory) if deltas is not None else None
         slowdown = candidate_slowdown_from_env(env, cfg.debug_candidate_slowdown)
