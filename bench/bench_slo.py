@@ -10,13 +10,22 @@ a rate R (queries/s); each query ranks B user-item pairs, B drawn from the load 
 law (:class:`loadtest.traffic.InstancesDistribution`: 100-700 pairs, mean 270, with
 ``--single-fraction`` single-pair queries mixed in, 0 by default as in MLPerf). A trial
 sends at R until it has lasted ``--min-duration-s`` *and* sent ``--min-queries``
-(LoadGen's two minimums). The search starts at half the rate the in-process reference
-could sustain. A trial passes when every query was answered 200, its p99 latency
+(LoadGen's two minimums). The search starts below both half the rate the in-process
+reference could sustain and 0.7 x what the workers answer one query at a time at the
+unloaded latency. A trial passes when every query was answered 200, its p99 latency
 (measured from the query's *scheduled* time, so a late send is charged to the latency,
 not hidden) is <= ``--p99-goal-ms``, and the client kept to its schedule. The search
-(:func:`search_rate`) doubles R from the start until a trial fails (halving if the
-first one fails), then bisects between the best passing and the lowest failing rate
-until they are within ``--rel-tol``.
+(:func:`search_rate`) multiplies R by ``--growth`` (1.5) from the start until a trial
+fails (dividing if the first one fails), then bisects between the best passing and the
+lowest failing rate until they are within ``--rel-tol``.
+
+A trial over capacity stops early, failed, with its verdict already certain: once more
+than 1% of its planned queries are known to be late (answered late, refused, or still
+unanswered past the goal) its p99 cannot pass; and once ``--max-in-flight`` queries
+(TorchServe's ``job_queue_size``) are unanswered, the service is about to refuse
+requests, which would fail it too. So overload trials end before the service sheds a
+request: 0 failed requests in every trial is a property of a healthy run, and
+``failed_all_trials`` in the results says whether it held.
 
 The client must never be the bottleneck: one asyncio loop with ``httpx.AsyncClient`` sends
 each query at its scheduled time without waiting for earlier answers (open loop). Its own
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -49,6 +59,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -121,6 +132,14 @@ def query_sizes(n: int, seed: int, single_fraction: float = 0.0) -> np.ndarray:
     return law.stratified(np.random.default_rng([seed, 32]), n)
 
 
+#: Connections a trial opens before its first query (:func:`_open_loop`).
+WARM_CONNECTIONS = 32
+
+#: Why a trial stopped before its planned queries (:func:`_open_loop`).
+STOP_REASONS = {"late": "over the goal for sure",
+                "in_flight": "the service's queue about to overflow"}
+
+
 @dataclass(frozen=True)
 class Trial:
     """One trial at an offered rate. Latencies in ms from the scheduled send time."""
@@ -138,6 +157,9 @@ class Trial:
     passed: bool
     first_error: str | None = None
     wall_s: float = 0.0         # first scheduled send to last answer
+    stopped_early: str | None = None  # why it ended before its planned queries: "late"
+                                      # (over the goal for sure) or "in_flight" (the
+                                      # service's queue about to overflow)
 
     @property
     def queries_per_s(self) -> float:
@@ -324,20 +346,40 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
 
 async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.ndarray,
                      picks: np.ndarray, content_type: str, timeout_s: float,
-                     max_connections: int) -> dict[str, Any]:
+                     max_connections: int, late_s: float = math.inf,
+                     max_late: int | None = None,
+                     max_in_flight: int | None = None) -> dict[str, Any]:
+    """Send query i at ``offsets[i]`` without waiting for earlier answers.
+
+    Early stop (no further query is sent; the ones in flight are awaited):
+
+    - ``late``: once more than ``max_late`` queries are known to miss ``late_s``
+      (answered late or not 200, or still unanswered ``late_s`` after their scheduled
+      time), the trial's p99 is over the goal whatever comes next;
+    - ``in_flight``: once ``max_in_flight`` queries are unanswered, the service's queue
+      is about to overflow, and a refused query fails the trial anyway.
+
+    Either way an overloaded trial ends before the server has to refuse requests.
+    Result: per query sent ``lag``, ``lat`` (s), ``ok``; ``sent``; ``stopped``: None,
+    ``"late"`` or ``"in_flight"``."""
     import httpx
 
     n = len(offsets)
     lag = np.zeros(n)
     lat = np.full(n, np.nan)
     ok = np.zeros(n, dtype=bool)
+    done = np.zeros(n, dtype=bool)
+    counted = np.zeros(n, dtype=bool)      # already counted as late
     errors: list[str] = []
+    late = answered = 0
+    stopped: str | None = None
     limits = httpx.Limits(max_connections=max_connections,
                           max_keepalive_connections=max_connections)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False,
                                  headers={"Content-Type": content_type}) as client:
 
         async def one(i: int, due: float) -> None:
+            nonlocal late, answered
             lag[i] = time.perf_counter() - due
             body = bodies[picks[i]][0]
             try:
@@ -349,18 +391,45 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
                 if len(errors) < 3:
                     errors.append(f"{type(e).__name__}: {e}")
             lat[i] = time.perf_counter() - due
+            done[i] = True
+            answered += 1
+            if (lat[i] > late_s or not ok[i]) and not counted[i]:
+                counted[i] = True
+                late += 1
 
+        # Open the connections a trial keeps in flight before it starts, as a long-lived
+        # client has them: connecting (TorchServe's accept, TCP set-up) inside the first
+        # queries would charge the client's start-up to the service's tail.
+        root = url.split("/predictions/")[0]
+        with contextlib.suppress(httpx.HTTPError):
+            await asyncio.gather(*(client.get(f"{root}/ping")
+                                   for _ in range(min(WARM_CONNECTIONS, max_connections))))
         tasks = []
         t0 = time.perf_counter() + 0.05
+        overdue = 0          # queries before this one were due more than late_s ago
         for i in range(n):
+            now = time.perf_counter()
+            while overdue < i and t0 + offsets[overdue] < now - late_s:
+                if not done[overdue] and not counted[overdue]:
+                    counted[overdue] = True      # unanswered past the goal: late for sure
+                    late += 1
+                overdue += 1
+            if max_late is not None and late > max_late:
+                stopped = "late"
+                break
+            if max_in_flight is not None and i - answered >= max_in_flight:
+                stopped = "in_flight"
+                break
             due = t0 + float(offsets[i])
-            delay = due - time.perf_counter()
+            delay = due - now
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i, due)))
         await asyncio.gather(*tasks)
         end = time.perf_counter()
-    return {"lag": lag, "lat": lat, "ok": ok, "errors": errors, "seconds": end - t0}
+    sent = len(tasks)
+    return {"lag": lag[:sent], "lat": lat[:sent], "ok": ok[:sent], "errors": errors,
+            "seconds": end - t0, "sent": sent, "stopped": stopped}
 
 
 def unloaded_latency_ms(url: str, bodies: Sequence[tuple[bytes, int]], n: int,
@@ -386,14 +455,23 @@ def unloaded_latency_ms(url: str, bodies: Sequence[tuple[bytes, int]], n: int,
 def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
               min_duration_s: float, min_queries: int, p99_goal_ms: float,
               max_client_lag_ms: float, content_type: str, seed: int = 0,
-              timeout_s: float = 30.0, max_connections: int = 1024) -> Trial:
-    """One open-loop trial at ``rate_qps`` (see the module docstring)."""
+              timeout_s: float = 30.0, max_connections: int = 1024,
+              max_in_flight: int | None = None) -> Trial:
+    """One open-loop trial at ``rate_qps`` (see the module docstring). It stops early
+    (failed) once more than 1% of its planned queries are known to miss ``p99_goal_ms``
+    (its p99 can no longer pass), or once ``max_in_flight`` queries are unanswered (the
+    service's queue is about to overflow, and a refused query fails it anyway): running
+    on would only push the service into refusing requests for a verdict already known."""
     n = trial_queries(rate_qps, min_duration_s, min_queries)
     rng = np.random.default_rng([seed, int(rate_qps * 1000)])
     offsets = poisson_schedule(rate_qps, n, rng)
     picks = rng.integers(0, len(bodies), size=n)
+    max_late = None if math.isinf(p99_goal_ms) else int(0.01 * n)
     r = asyncio.run(_open_loop(url, bodies, offsets, picks, content_type, timeout_s,
-                               max_connections))
+                               max_connections, late_s=p99_goal_ms / 1e3, max_late=max_late,
+                               max_in_flight=max_in_flight))
+    sent = r["sent"]
+    offsets, picks = offsets[:sent], picks[:sent]
     lat_ms = r["lat"] * 1e3
     lag_ms = r["lag"] * 1e3
     failed = int((~r["ok"]).sum())
@@ -401,12 +479,13 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
     p99 = float(np.percentile(lat_ms, 99))
     lag_p99 = float(np.percentile(lag_ms, 99))
     client_ok = lag_p99 <= max_client_lag_ms
-    return Trial(rate_qps=round(rate_qps, 3), queries=n, seconds=float(offsets[-1]),
+    return Trial(rate_qps=round(rate_qps, 3), queries=sent, seconds=float(offsets[-1]),
                  wall_s=r["seconds"], failed=failed,
                  pairs=pairs, p50_ms=float(np.percentile(lat_ms, 50)), p99_ms=p99,
                  lag_p99_ms=lag_p99, lag_max_ms=float(lag_ms.max()), client_ok=client_ok,
-                 passed=client_ok and failed == 0 and p99 <= p99_goal_ms,
-                 first_error=r["errors"][0] if r["errors"] else None)
+                 passed=client_ok and failed == 0 and p99 <= p99_goal_ms and sent == n,
+                 first_error=r["errors"][0] if r["errors"] else None,
+                 stopped_early=r["stopped"])
 
 
 # --- bodies, state, one model ----------------------------------------------------------
@@ -497,33 +576,43 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         # In process first (the service idle): it also sets where the search starts.
         inproc_before = inprocess_pairs_per_s(artifact_path, handler_cfg, schema, bodies,
                                               JSON_MEDIA_TYPE, total_threads, args.inprocess_s)
-        start_qps = args.start_qps or max(0.5, 0.5 * inproc_before / mean_pairs)
-        print(f"  [{name}] in process {inproc_before:.0f} pairs/s ({total_threads} threads); "
-              f"search starts at {start_qps:.1f} queries/s", flush=True)
-        run_trial(url, bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
-                  min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
-                  content_type=JSON_MEDIA_TYPE, seed=args.seed + 1)   # warm-up, not judged
-
         floor = unloaded_latency_ms(url, bodies, args.probe_queries, JSON_MEDIA_TYPE)
+        floor_p50 = float(np.percentile(floor, 50))
         floor_p99 = float(np.percentile(floor, 99))
         print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
-              f"{np.percentile(floor, 50):.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
+              f"{floor_p50:.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
+        # Where the search starts: below both the in-process rate and what the workers can
+        # answer one query at a time at the unloaded latency (a start far above capacity
+        # would only overload the service, and teach the tuner a traffic that never comes).
+        start_qps = args.start_qps or max(0.5, min(
+            0.5 * inproc_before / mean_pairs, 0.7 * workers * 1e3 / max(floor_p50, 1e-3)))
+        print(f"  [{name}] in process {inproc_before:.0f} pairs/s ({total_threads} threads); "
+              f"search starts at {start_qps:.1f} queries/s", flush=True)
+        warm = run_trial(url, bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
+                         min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
+                         content_type=JSON_MEDIA_TYPE, seed=args.seed + 1,
+                         max_in_flight=args.max_in_flight)   # warm-up, not judged
+        if warm.failed:
+            print(f"  [{name}] warm-up: {warm.failed} of {warm.queries} failed "
+                  f"({warm.first_error})", flush=True)
 
         def measure(rate: float) -> Trial:
             t = run_trial(url, bodies, rate, min_duration_s=args.min_duration_s,
                           min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
                           max_client_lag_ms=args.max_client_lag_ms,
-                          content_type=JSON_MEDIA_TYPE, seed=args.seed)
+                          content_type=JSON_MEDIA_TYPE, seed=args.seed,
+                          max_in_flight=args.max_in_flight)
             verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
                                                else "fail")
-            print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s, "
+            print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s"
+                  + (f" (stopped early: {STOP_REASONS[t.stopped_early]})"
+                     if t.stopped_early else "") + ", "
                   f"{t.pairs_per_s:9.0f} pairs/s, p50 {t.p50_ms:7.1f} ms, p99 {t.p99_ms:7.1f} ms, "
                   f"failed {t.failed}, client lag p99 {t.lag_p99_ms:.1f} ms -> {verdict}"
                   + (f" ({t.first_error})" if t.first_error else ""), flush=True)
             return t
 
         t0 = time.perf_counter()
-        floor_p50 = float(np.percentile(floor, 50))
         if floor_p50 > args.p99_goal_ms:
             # Half the queries miss the goal with no queueing at all: no rate can meet it.
             # (Not the probe's p99: of --probe-queries queries it is their maximum, and one
@@ -533,7 +622,7 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
                 "can pass (one query at a time already misses it)"))
             print(f"  [{name}] {found.stop_reason}", flush=True)
         else:
-            found = search_rate(measure, start_qps, rel_tol=args.rel_tol,
+            found = search_rate(measure, start_qps, growth=args.growth, rel_tol=args.rel_tol,
                                 max_trials=args.max_trials)
         search_s = time.perf_counter() - t0
         state_after = read_state(sidecar_url)
@@ -558,6 +647,11 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         "p50_ms": round(best.p50_ms, 2) if best else None,
         "p99_ms": round(best.p99_ms, 2) if best else None,
         "failed": best.failed if best else None,
+        # every trial's, overload trials included (they stop early, before the server's
+        # queue fills, so this stays 0 unless something else went wrong)
+        "failed_all_trials": sum(t.failed for t in found.trials),
+        "warmup_failed": warm.failed,
+        "trials_stopped_early": sum(t.stopped_early is not None for t in found.trials),
         "client_lag_p99_ms": round(best.lag_p99_ms, 2) if best else None,
         "in_process_pairs_per_s": round(inproc, 1),
         "in_process_threads": total_threads,
@@ -666,6 +760,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rel-tol", type=float, default=0.05,
                     help="stop bisecting when the failing rate is within this of the passing one")
     ap.add_argument("--max-trials", type=int, default=10, help="trials per model at most")
+    ap.add_argument("--growth", type=float, default=1.5,
+                    help="coarse search: multiply the rate by this while trials pass (> 1)")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="stop a trial (failed) once this many queries are unanswered "
+                         "(default: TorchServe's job_queue_size in config.properties, where "
+                         "it starts refusing requests)")
     ap.add_argument("--max-client-lag-ms", type=float, default=10.0,
                     help="a trial whose client sent its p99 query later than this past the "
                          "schedule is invalid (the client, not the service, was the limit)")
@@ -696,6 +796,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --version replaces the version of one model: name it alone in --models",
               file=sys.stderr)
         return 2
+    if not args.growth > 1 or (args.max_in_flight is not None and args.max_in_flight < 1):
+        print(f"error: --growth {args.growth} must be > 1 and --max-in-flight "
+              f"{args.max_in_flight} >= 1", file=sys.stderr)
+        return 2
+    if args.max_in_flight is None:
+        from serve.ops.faults import shipped_queue_size
+
+        args.max_in_flight = shipped_queue_size()
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the service this run started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     versions = {m: args.version or MODELS[m][0] for m in names}
     if args.url is not None:
         if len(names) != 1:

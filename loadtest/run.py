@@ -43,8 +43,9 @@ import httpx
 
 from loadtest import plan, stats, traffic
 from serve import settings
-from serve.constants import P99_SLO_MS
+from serve.constants import DEFAULT_SIDECAR_PORT, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
+from serve.ops.state_client import describe_served, served_state
 from serve.profiles import PROFILES, get_profile
 
 __all__ = [
@@ -123,6 +124,7 @@ class RunConfig:
     think_ms: float = 0.0
     locust_log_level: str = "INFO"
     model_store: Path | None = None  # for `serve.ops.launcher up` (None: its default)
+    sidecar: str | None = None       # sidecar read URL for the served state (None: not read)
 
     def __post_init__(self) -> None:
         if not self.model or "/" in self.model:
@@ -169,6 +171,27 @@ def _launcher(command: str, host: str, model_store: Path | None = None
     log.info("running %s", " ".join(cmd))
     return subprocess.run(cmd, check=False, cwd=REPO, text=True, capture_output=True,
                           timeout=600)
+
+
+def default_sidecar(host: str, loopback: bool) -> str | None:
+    """``$LOADTEST_SIDECAR``, else for a loopback target the sidecar's read port on the
+    same host, else None (a remote target's sidecar is not guessed)."""
+    env = settings.LOADTEST_SIDECAR.get()
+    if env:
+        return env.rstrip("/")
+    if not loopback:
+        return None
+    hostname = urllib.parse.urlsplit(host).hostname or "127.0.0.1"
+    if ":" in hostname:
+        hostname = f"[{hostname}]"
+    return f"http://{hostname}:{DEFAULT_SIDECAR_PORT}"
+
+
+def _served(cfg: RunConfig) -> dict[str, Any]:
+    """The served state (:func:`serve.ops.state_client.served_state`), or why not."""
+    if cfg.sidecar is None:
+        return {"error": "no sidecar to ask (--sidecar or $LOADTEST_SIDECAR)"}
+    return served_state(cfg.sidecar)
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -341,6 +364,12 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
     for c in summary["thresholds"]["checks"]:
         print(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} "
               f"(limit {c['limit']})", file=file)
+    served = summary.get("served") or {}
+    if served:
+        before, after = served.get("before") or {}, served.get("after") or {}
+        print(f"served before: {describe_served(before)}", file=file)
+        if after != before:
+            print(f"served after:  {describe_served(after)}", file=file)
     print(f"verdict: {'PASSED' if summary['passed'] else 'FAILED'}", file=file)
 
 
@@ -371,11 +400,14 @@ def run(cfg: RunConfig) -> int:
         if cfg.preflight:
             _preflight(cfg)
             log.info("preflight predict OK")
+        served_before = _served(cfg)
+        log.info("served: %s", describe_served(served_before))
         log.info("running %s shape for %.0fs against %s; results in %s",
                  cfg.shape.shape, cfg.shape.duration_s, cfg.host, cfg.out)
         t0 = time.monotonic()
         rc = _run_locust(cfg)
         wall = time.monotonic() - t0
+        served_after = _served(cfg)
         if not (cfg.out / "stages.json").is_file():
             log.error("locust exited with %d and wrote no stages.json; see %s", rc,
                       cfg.out / "locust.log")
@@ -383,7 +415,9 @@ def run(cfg: RunConfig) -> int:
         summary = evaluate(cfg.out, cfg.thresholds, cfg.summary_json,
                            extra={"host": cfg.host, "locust_exit_code": rc,
                                   "wall_s": round(wall, 1),
-                                  "command": " ".join(sys.argv)})
+                                  "command": " ".join(sys.argv),
+                                  "served": {"before": served_before,
+                                             "after": served_after}})
         print_summary(summary)
         print(f"results: {cfg.out}")
         if rc == -9:
@@ -453,6 +487,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the request pool")
     ap.add_argument("--think-ms", type=float, default=0.0,
                     help="pause between a user's requests (0: each user keeps one in flight)")
+    ap.add_argument("--sidecar", default=None,
+                    help="sidecar read URL to record the served state (version, batching, "
+                         "workers, tuner) before and after the run (default "
+                         f"${settings.LOADTEST_SIDECAR}, else port {DEFAULT_SIDECAR_PORT} on a "
+                         "loopback target's host, else not read)")
     ap.add_argument("--no-start", action="store_true",
                     help="never start the service; fail when nothing answers")
     ap.add_argument("--model-store", type=Path, default=None,
@@ -491,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
                         model=args.model, thresholds=thresholds, out=out,
                         summary_json=args.summary_json, start_service=not args.no_start,
                         preflight=not args.no_preflight, think_ms=args.think_ms,
-                        model_store=args.model_store)
+                        model_store=args.model_store,
+                        sidecar=(args.sidecar.rstrip("/") if args.sidecar
+                                 else default_sidecar(host, loopback)))
     except ServeError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return EXIT_USAGE

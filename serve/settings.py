@@ -90,6 +90,7 @@ __all__ = [
     "GRPC_MANAGEMENT_PORT",
     "LAUNCHER",
     "LOADTEST_HOST",
+    "LOADTEST_SIDECAR",
     "LOAD_DURATION",
     "LOAD_SHAPE",
     "LOAD_TEST",
@@ -435,6 +436,12 @@ LOADTEST_HOST = _var(
     "LOADTEST_HOST",
     "The service root the load test aims at when -H/--host is not given; unset: "
     "TorchServe on loopback at TS_INFERENCE_PORT.", LOAD_TEST)
+LOADTEST_SIDECAR = _var(
+    "LOADTEST_SIDECAR",
+    "The sidecar (read port) the load test asks for the served state (version, batching, "
+    "workers, tuner) before and after a run, to record it beside the figures; unset: the "
+    "sidecar on the target's loopback host at DEFAULT_SIDECAR_PORT, none for a remote "
+    "target.", LOAD_TEST)
 LOAD_SHAPE = _var("LOAD_SHAPE", "The load test's --shape default (steady, step, spike, soak).",
                   LOAD_TEST, default="step")
 LOAD_DURATION = _var("LOAD_DURATION", "The load test's --duration default (40s, 5m, 1h).",

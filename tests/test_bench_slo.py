@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import pytest
@@ -202,6 +203,96 @@ def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "use any of small, dlrm-v2" in capsys.readouterr().err
     assert bench_slo.main(["--models", "small,dlrm-v2", "--version", "x"]) == 2
     assert bench_slo.main(["--models", "small", "--url", "http://10.0.0.1:8080"]) == 2
+
+
+# --- the open-loop client's early stop --------------------------------------------------
+
+class _SlowServer:
+    """A double of the service for the client alone: a loopback HTTP server that answers
+    every POST 200 after ``delay_s`` (many at once, like a server with a deep queue), and
+    counts what it received."""
+
+    def __init__(self, delay_s: float) -> None:
+        import http.server
+        import socketserver
+        import threading
+
+        self.received = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.received += 1
+                import time as _t
+                _t.sleep(delay_s)
+                body = b'{"probabilities": [0.5]}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+            request_queue_size = 256     # the stdlib's 5 would refuse a burst of sends
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/predictions/dlrm"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_trial_over_the_goal_stops_early_and_sends_no_more() -> None:
+    """Every answer takes 120 ms against a 60 ms goal: once more than 1% of the planned
+    queries are known to be late (answered late, or unanswered past the goal) the trial
+    stops sending, fails, and says why; the queries it sent are all answered (none
+    refused), far fewer than planned."""
+    bodies = [(b'{"x": 1}', 270)]
+    with _SlowServer(0.12) as srv:
+        t = bench_slo.run_trial(srv.url, bodies, 200.0, min_duration_s=5.0, min_queries=1000,
+                                p99_goal_ms=60.0, max_client_lag_ms=math.inf,
+                                content_type="application/json", seed=3)
+    assert t.stopped_early == "late" and not t.passed
+    assert t.failed == 0 and t.p99_ms > 60.0
+    # unanswered queries count as late once past the goal: the stop comes before the
+    # first 11 late answers are even in (about 60 ms of sends after the first is overdue)
+    assert 10 < t.queries < 100 and srv.received == t.queries
+
+
+def test_trial_stops_before_the_services_queue_would_overflow() -> None:
+    """A goal the server meets (1 s) but more in flight than its queue holds: the trial
+    stops at ``max_in_flight`` unanswered queries instead of pushing on into 503s."""
+    bodies = [(b'{"x": 1}', 270)]
+    with _SlowServer(0.5) as srv:
+        t = bench_slo.run_trial(srv.url, bodies, 200.0, min_duration_s=2.0, min_queries=100,
+                                p99_goal_ms=1000.0, max_client_lag_ms=math.inf,
+                                content_type="application/json", seed=3, max_in_flight=20)
+    assert t.stopped_early == "in_flight" and not t.passed
+    assert t.queries == srv.received == 20 and t.failed == 0
+
+
+def test_trial_within_the_goal_sends_every_query() -> None:
+    bodies = [(b'{"x": 1}', 270)]
+    with _SlowServer(0.002) as srv:
+        t = bench_slo.run_trial(srv.url, bodies, 100.0, min_duration_s=0.5, min_queries=60,
+                                p99_goal_ms=1000.0, max_client_lag_ms=math.inf,
+                                content_type="application/json", seed=3)
+    assert t.stopped_early is None and t.passed
+    assert t.queries == srv.received == trial_queries(100.0, 0.5, 60)
+    assert t.pairs == 270 * t.queries
 
 
 # --- the real thing, briefly ----------------------------------------------------------------

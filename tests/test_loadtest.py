@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -476,6 +477,33 @@ def test_unreachable_service_with_no_start_exits_3(tmp_path):
     rc = lrun.main(["--shape", "steady", "--duration", "5s", "--no-start",
                     "-H", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "o")])
     assert rc == lrun.EXIT_UNREACHABLE
+
+
+def test_served_state_recorded_beside_the_figures(tmp_path, monkeypatch):
+    """The load test asks the sidecar on a loopback target's host (or the one named) for
+    what it serves, and prints it with the verdict; a remote target's is not guessed, and
+    a sidecar that does not answer is recorded as unknown, not fatal."""
+    from serve.ops.state_client import describe_served, served_state
+
+    monkeypatch.delenv("LOADTEST_SIDECAR", raising=False)
+    assert lrun.default_sidecar("http://127.0.0.1:8080", True) == "http://127.0.0.1:8090"
+    assert lrun.default_sidecar("http://[::1]:8080", True) == "http://[::1]:8090"
+    assert lrun.default_sidecar("http://10.0.0.5:8080", False) is None
+    monkeypatch.setenv("LOADTEST_SIDECAR", "http://127.0.0.1:9999/")
+    assert lrun.default_sidecar("http://10.0.0.5:8080", False) == "http://127.0.0.1:9999"
+    down = served_state(f"http://127.0.0.1:{free_port()}", timeout_s=2)
+    assert set(down) == {"error"} and "GET http://127.0.0.1:" in down["error"]
+    assert describe_served(down).startswith("unknown (GET ")
+    summary = stats.summarize("steady", [], stats.Thresholds(60.0, 0.0, 0.05), {"served": {
+        "before": {"version": "v1", "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
+                   "workers": 2, "converged": True, "tuner_enabled": True},
+        "after": {"version": "v1", "batching": {"batch_size": 4, "max_batch_delay_ms": 3},
+                  "workers": 2, "converged": True, "tuner_enabled": True}}})
+    buf = io.StringIO()
+    lrun.print_summary(summary, file=buf)
+    text = buf.getvalue()
+    assert "served before: version v1, batching 2 / 2 ms, 2 workers, tuner on" in text
+    assert "served after:  version v1, batching 4 / 3 ms, 2 workers, tuner on" in text
 
 
 def test_cli_help():

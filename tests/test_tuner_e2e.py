@@ -110,3 +110,18 @@ def test_a_batching_set_by_hand_pins_it(served: Served) -> None:
     assert served.state()["observed"]["batching"] == {"batch_size": 3, "max_batch_delay_ms": 1}
     r = httpx.put(f"{served.sidecar_write_url}/tuner", json={"enabled": True}, headers=auth)
     assert r.status_code == 200 and r.json()["enabled"] is True
+
+
+def test_served_state_is_what_the_sidecar_declares(served: Served) -> None:
+    """What the load test and the benchmarks record beside their figures, read from the
+    real sidecar: the version, batching, workers and tuner it declares."""
+    from serve.ops.state_client import describe_served, served_state
+
+    got = served_state(served.sidecar_url)
+    st = served.state()
+    assert got["version"] == "tiny-a" == st["desired"]["model"]["version"]
+    assert got["batching"] == st["desired"]["batching"]
+    assert got["workers"] == st["desired"]["workers"] and got["converged"] is st["converged"]
+    assert got["tuner_enabled"] is _tuner(served)["enabled"]
+    line = describe_served(got)
+    assert line.startswith("version tiny-a, batching ") and "tuner o" in line, line

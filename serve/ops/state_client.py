@@ -29,7 +29,7 @@ from serve.common.net import wait_until
 from serve.errors import UpstreamUnavailable
 from serve.settings import DLRM_SIDECAR_TOKEN
 
-__all__ = ["StateClient", "sidecar_token", "tuner_paused"]
+__all__ = ["StateClient", "describe_served", "served_state", "sidecar_token", "tuner_paused"]
 
 
 def sidecar_token(token_file: str | os.PathLike[str] | None) -> str | None:
@@ -42,6 +42,34 @@ def sidecar_token(token_file: str | os.PathLike[str] | None) -> str | None:
     if token_file is not None and Path(token_file).is_file():
         return Path(token_file).read_text().strip()
     return None
+
+
+def served_state(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """What the sidecar at ``url`` declares served, for a measurement to print and record
+    beside its figures: ``{"version", "batching", "workers", "converged",
+    "tuner_enabled"}``, or ``{"error": ...}`` when it cannot be read (a measurement still
+    runs; it says it could not tell)."""
+    client = StateClient(url, timeout_s=timeout_s)
+    try:
+        st = client.state()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": f"GET {client.url}/state: {type(e).__name__}: {e}"}
+    desired = st.get("desired") or {}
+    return {"version": (desired.get("model") or {}).get("version"),
+            "batching": desired.get("batching"), "workers": desired.get("workers"),
+            "converged": st.get("converged"), "tuner_enabled": client.tuner_on()}
+
+
+def describe_served(s: dict[str, Any]) -> str:
+    """One line of :func:`served_state`'s result."""
+    if "error" in s:
+        return f"unknown ({s['error']})"
+    b = s.get("batching") or {}
+    on = s.get("tuner_enabled")
+    tuner = "absent" if on is None else ("on" if on else "off")
+    return (f"version {s.get('version')}, batching {b.get('batch_size')} / "
+            f"{b.get('max_batch_delay_ms')} ms, {s.get('workers')} workers, tuner {tuner}"
+            + ("" if s.get("converged") else " (not converged)"))
 
 
 class StateClient:
