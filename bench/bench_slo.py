@@ -17,7 +17,14 @@ unloaded latency. A trial passes when every query was answered 200, its p99 late
 not hidden) is <= ``--p99-goal-ms``, and the client kept to its schedule. The search
 (:func:`search_rate`) multiplies R by ``--growth`` (1.5) from the start until a trial
 fails (dividing if the first one fails), then bisects between the best passing and the
-lowest failing rate until they are within ``--rel-tol``.
+lowest failing rate until they are within ``--rel-tol``. The service idles ``--settle-s``
+before each trial.
+
+Where a query's CPU goes: each trial splits the machine's CPU time between the client,
+TorchServe's frontend, its workers, the sidecar and the rest (:mod:`bench.cpu_account`,
+from the service's process groups), per query answered; beside the in-process
+reference's CPU per query (``in_process_cpu_ms_per_query``), it shows what the serving
+path adds. ``--body binary`` sends the same queries in the binary columnar form.
 
 A trial over capacity stops early, failed, with its verdict already certain: once more
 than 1% of its planned queries are known to be late (answered late, refused, or still
@@ -160,6 +167,9 @@ class Trial:
     stopped_early: str | None = None  # why it ended before its planned queries: "late"
                                       # (over the goal for sure) or "in_flight" (the
                                       # service's queue about to overflow)
+    # CPU ms per query answered by part (bench.cpu_account.GROUPS, "total", "busy_cores");
+    # None when not measured
+    cpu_ms_per_query: dict[str, float] | None = None
 
     @property
     def queries_per_s(self) -> float:
@@ -456,20 +466,35 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
               min_duration_s: float, min_queries: int, p99_goal_ms: float,
               max_client_lag_ms: float, content_type: str, seed: int = 0,
               timeout_s: float = 30.0, max_connections: int = 1024,
-              max_in_flight: int | None = None) -> Trial:
+              max_in_flight: int | None = None,
+              watch: Callable[[], dict[int, str]] | None = None) -> Trial:
     """One open-loop trial at ``rate_qps`` (see the module docstring). It stops early
     (failed) once more than 1% of its planned queries are known to miss ``p99_goal_ms``
     (its p99 can no longer pass), or once ``max_in_flight`` queries are unanswered (the
     service's queue is about to overflow, and a refused query fails it anyway): running
-    on would only push the service into refusing requests for a verdict already known."""
+    on would only push the service into refusing requests for a verdict already known.
+
+    ``watch``: the processes whose CPU to account (pid -> part, see
+    :func:`bench.cpu_account.service_processes`), asked before and after the trial (the
+    tuner may restart workers in between); the trial then carries ``cpu_ms_per_query``."""
+    from bench import cpu_account
+
     n = trial_queries(rate_qps, min_duration_s, min_queries)
     rng = np.random.default_rng([seed, int(rate_qps * 1000)])
     offsets = poisson_schedule(rate_qps, n, rng)
     picks = rng.integers(0, len(bodies), size=n)
     max_late = None if math.isinf(p99_goal_ms) else int(0.01 * n)
+    pids = watch() if watch is not None else {}
+    cpu0 = cpu_account.snapshot(pids) if watch is not None else None
+    w0 = time.perf_counter()
     r = asyncio.run(_open_loop(url, bodies, offsets, picks, content_type, timeout_s,
                                max_connections, late_s=p99_goal_ms / 1e3, max_late=max_late,
                                max_in_flight=max_in_flight))
+    cpu = None
+    if watch is not None and cpu0 is not None and r["sent"]:
+        pids = {**pids, **watch()}      # workers started during the trial count from 0
+        cpu = cpu_account.cpu_ms_per_query(pids, cpu0, cpu_account.snapshot(pids), r["sent"],
+                                           time.perf_counter() - w0)
     sent = r["sent"]
     offsets, picks = offsets[:sent], picks[:sent]
     lat_ms = r["lat"] * 1e3
@@ -485,7 +510,7 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
                  lag_p99_ms=lag_p99, lag_max_ms=float(lag_ms.max()), client_ok=client_ok,
                  passed=client_ok and failed == 0 and p99 <= p99_goal_ms and sent == n,
                  first_error=r["errors"][0] if r["errors"] else None,
-                 stopped_early=r["stopped"])
+                 stopped_early=r["stopped"], cpu_ms_per_query=cpu)
 
 
 # --- bodies, state, one model ----------------------------------------------------------
@@ -517,6 +542,30 @@ def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
             for i, b in enumerate(sizes.tolist())]
 
 
+def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any) -> list[tuple[bytes, int]]:
+    """The same queries as binary columnar bodies (``application/x-dlrm-columnar``,
+    :func:`serve.api.binary.encode_binary`): they parse to exactly what the JSON ones do."""
+    from serve.api.binary import encode_binary
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
+    from serve.api.protocol import JSON_MEDIA_TYPE
+
+    cfg = HandlerConfig.from_dict({})
+    out = []
+    for body, pairs in bodies:
+        p = parse_body(body, cfg, JSON_MEDIA_TYPE, schema=schema)
+        out.append((encode_binary(p.dense, p.lengths, p.values, schema=schema), pairs))
+    return out
+
+
+def _cpu_line(cpu: Mapping[str, float]) -> str:
+    """One trial's CPU split as a line: ms per query by part, total, busy cores."""
+    from bench.cpu_account import GROUPS
+
+    return (", ".join(f"{g} {cpu[g]:.2f}" for g in GROUPS) + f" = {cpu['total']:.2f} ms; "
+            f"machine {cpu['busy_cores']:.2f} cores busy")
+
+
 def read_state(sidecar_url: str) -> dict[str, Any]:
     """What is served, from the sidecar: version, batching, workers, tuner on/off."""
     from serve.ops.state_client import StateClient
@@ -539,13 +588,17 @@ def _served(state: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], int]:
 
 
 def measure_model(name: str, version: str, store: Path, args: argparse.Namespace,
-                  infer_url: str, sidecar_url: str, peak: dict[str, Any]) -> dict[str, Any]:
-    """Search one served model's rate; the in-process reference and FLOPs beside it."""
+                  infer_url: str, sidecar_url: str, peak: dict[str, Any],
+                  run_dir: Path | None = None) -> dict[str, Any]:
+    """Search one served model's rate; the in-process reference and FLOPs beside it.
+    ``run_dir``: the service's run folder (its ``pids.json``), for the CPU split per
+    query (:mod:`bench.cpu_account`); None: only the client's and the machine's CPU."""
     import zipfile
 
     import yaml
 
-    from serve.api.protocol import JSON_MEDIA_TYPE
+    from bench import cpu_account
+    from serve.api.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
     from serve.common.cpu import choose_threads
     from serve.runtime.artifact import load_artifact
     from serve.schema import schema_from_report
@@ -555,6 +608,11 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     report = repo.report(version)
     schema = schema_from_report(report)
     bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
+    ctype = JSON_MEDIA_TYPE
+    if args.body == "binary":
+        bodies, ctype = as_binary(bodies, schema), BINARY_MEDIA_TYPE
+    watch = ((lambda: cpu_account.service_processes(run_dir))
+             if Path("/proc/stat").exists() else None)
     mean_pairs = sum(b for _, b in bodies) / len(bodies)
     state = read_state(sidecar_url)
     served_version, batching, workers = _served(state)
@@ -575,8 +633,8 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         url = f"{infer_url}/predictions/dlrm"
         # In process first (the service idle): it also sets where the search starts.
         inproc_before = inprocess_pairs_per_s(artifact_path, handler_cfg, schema, bodies,
-                                              JSON_MEDIA_TYPE, total_threads, args.inprocess_s)
-        floor = unloaded_latency_ms(url, bodies, args.probe_queries, JSON_MEDIA_TYPE)
+                                              ctype, total_threads, args.inprocess_s)
+        floor = unloaded_latency_ms(url, bodies, args.probe_queries, ctype)
         floor_p50 = float(np.percentile(floor, 50))
         floor_p99 = float(np.percentile(floor, 99))
         print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
@@ -590,18 +648,21 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
               f"search starts at {start_qps:.1f} queries/s", flush=True)
         warm = run_trial(url, bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
                          min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
-                         content_type=JSON_MEDIA_TYPE, seed=args.seed + 1,
+                         content_type=ctype, seed=args.seed + 1,
                          max_in_flight=args.max_in_flight)   # warm-up, not judged
         if warm.failed:
             print(f"  [{name}] warm-up: {warm.failed} of {warm.queries} failed "
                   f"({warm.first_error})", flush=True)
 
         def measure(rate: float) -> Trial:
+            # The service idle for a moment first: what an overloaded trial left behind
+            # (queued work, a busy tuner window) is not charged to the next one.
+            time.sleep(args.settle_s)
             t = run_trial(url, bodies, rate, min_duration_s=args.min_duration_s,
                           min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
                           max_client_lag_ms=args.max_client_lag_ms,
-                          content_type=JSON_MEDIA_TYPE, seed=args.seed,
-                          max_in_flight=args.max_in_flight)
+                          content_type=ctype, seed=args.seed,
+                          max_in_flight=args.max_in_flight, watch=watch)
             verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
                                                else "fail")
             print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s"
@@ -610,6 +671,9 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
                   f"{t.pairs_per_s:9.0f} pairs/s, p50 {t.p50_ms:7.1f} ms, p99 {t.p99_ms:7.1f} ms, "
                   f"failed {t.failed}, client lag p99 {t.lag_p99_ms:.1f} ms -> {verdict}"
                   + (f" ({t.first_error})" if t.first_error else ""), flush=True)
+            if t.cpu_ms_per_query:
+                print(f"  [{name}] {'':8s}   CPU per query: {_cpu_line(t.cpu_ms_per_query)}",
+                      flush=True)
             return t
 
         t0 = time.perf_counter()
@@ -633,10 +697,13 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
                   "more than one state", flush=True)
         # and again after (the service idle again): the higher is the least disturbed
         inproc = max(inproc_before, inprocess_pairs_per_s(
-            artifact_path, handler_cfg, schema, bodies, JSON_MEDIA_TYPE, total_threads,
+            artifact_path, handler_cfg, schema, bodies, ctype, total_threads,
             args.inprocess_s))
     cores = os.cpu_count() or 1
     best = found.best
+    # Runtime.predict's CPU per query in process: total_threads busy for the time one
+    # query's pairs take at the in-process rate (the floor of what serving one costs)
+    inproc_cpu_ms = total_threads * 1e3 * mean_pairs / inproc if inproc else None
     run: dict[str, Any] = {
         "model": name, "version": version,
         "queries_per_s": round(best.queries_per_s, 2) if best else 0.0,
@@ -655,6 +722,11 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         "client_lag_p99_ms": round(best.lag_p99_ms, 2) if best else None,
         "in_process_pairs_per_s": round(inproc, 1),
         "in_process_threads": total_threads,
+        # where the CPU of a query goes at the rate found (bench.cpu_account), beside what
+        # the forward alone costs in process
+        "cpu_ms_per_query": best.cpu_ms_per_query if best else None,
+        "in_process_cpu_ms_per_query": round(inproc_cpu_ms, 3) if inproc_cpu_ms else None,
+        "body": args.body,
         "service_vs_in_process": round(best.pairs_per_s / inproc, 3) if best and inproc else None,
         "mean_pairs_per_query": round(mean_pairs, 1),
         "client_limited": found.client_limited, "stop_reason": found.stop_reason,
@@ -769,11 +841,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-client-lag-ms", type=float, default=10.0,
                     help="a trial whose client sent its p99 query later than this past the "
                          "schedule is invalid (the client, not the service, was the limit)")
+    ap.add_argument("--settle-s", type=float, default=2.0,
+                    help="seconds the service idles before each trial, so that one trial's "
+                         "backlog is not the next one's")
     ap.add_argument("--single-fraction", type=float, default=0.0,
                     help="single-pair queries mixed in (the load test mixes 0.1; MLPerf none)")
     ap.add_argument("--probe-queries", type=int, default=50,
                     help="queries sent one at a time before the search: if even their p99 "
                          "misses the goal, no rate can meet it and the search is skipped")
+    ap.add_argument("--body", choices=("json", "binary"), default="json",
+                    help="request bodies: columnar JSON (what most clients send) or the binary "
+                         "columnar form (application/x-dlrm-columnar: no JSON to parse)")
+    ap.add_argument("--run-dir", default=".run",
+                    help="with --url: the service's run folder, whose pids.json names its "
+                         "processes for the CPU split per query")
     ap.add_argument("--pool", type=int, default=128, help="distinct request bodies per model")
     ap.add_argument("--inprocess-s", type=float, default=6.0,
                     help="seconds of the in-process Runtime.predict reference per model")
@@ -799,6 +880,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.growth > 1 or (args.max_in_flight is not None and args.max_in_flight < 1):
         print(f"error: --growth {args.growth} must be > 1 and --max-in-flight "
               f"{args.max_in_flight} >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.settle_s <= 600:
+        print(f"error: --settle-s {args.settle_s} must be between 0 and 600 seconds",
+              file=sys.stderr)
         return 2
     if args.max_in_flight is None:
         from serve.ops.faults import shipped_queue_size
@@ -842,8 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         version = versions[name]
         if args.url is not None:
+            run_dir = Path(args.run_dir)
             runs.append(measure_model(name, version, store, args, args.url.rstrip("/"),
-                                      args.sidecar_url.rstrip("/"), peak))
+                                      args.sidecar_url.rstrip("/"), peak,
+                                      run_dir if run_dir.is_absolute() else REPO / run_dir))
             continue
         from serve.ops.launcher import running_service
 
@@ -852,14 +939,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"serving {version} ...", flush=True)
             with running_service(Path(root), store, version) as (cfg, _client):
                 runs.append(measure_model(name, version, store, args, cfg.inference_url,
-                                          cfg.sidecar_url, peak))
+                                          cfg.sidecar_url, peak, cfg.path(cfg.run_dir)))
     doc = {
         "runs": runs,
         "meta": {"p99_goal_ms": args.p99_goal_ms, "min_duration_s": args.min_duration_s,
                  "min_queries": args.min_queries, "rel_tol": args.rel_tol,
                  "max_client_lag_ms": args.max_client_lag_ms,
                  "sizes": InstancesDistribution(single_fraction=args.single_fraction).spec(),
-                 "single_fraction": args.single_fraction, "body_form": "columnar JSON",
+                 "single_fraction": args.single_fraction,
+                 "body_form": ("columnar JSON" if args.body == "json"
+                               else "binary columnar (application/x-dlrm-columnar)"),
                  "cores": cores, "cores_note": "os.cpu_count() of this machine/pod",
                  "available_cpus": available_cpus(), "gemm": peak,
                  "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
@@ -881,6 +970,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"highest rate with p99 <= {args.p99_goal_ms:g} ms (trials >= {args.min_duration_s:g} s "
           f"and >= {args.min_queries} queries; cores = os.cpu_count() = {cores})")
     print(_table(runs))
+    for r in runs:
+        if r.get("cpu_ms_per_query"):
+            print(f"{r['model']}: CPU per query at that rate (ms; {r['body']} bodies): "
+                  f"{_cpu_line(r['cpu_ms_per_query'])}; Runtime.predict in process: "
+                  f"{r['in_process_cpu_ms_per_query']:.2f} ms")
     for r in runs:
         if not r["met_goal"]:
             print(f"{r['model']}: no rate met the goal ({r['stop_reason']})")

@@ -203,6 +203,10 @@ def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "use any of small, dlrm-v2" in capsys.readouterr().err
     assert bench_slo.main(["--models", "small,dlrm-v2", "--version", "x"]) == 2
     assert bench_slo.main(["--models", "small", "--url", "http://10.0.0.1:8080"]) == 2
+    assert bench_slo.main(["--models", "small", "--settle-s", "-1"]) == 2
+    assert "--settle-s -1.0 must be between 0 and 600" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_slo.main(["--models", "small", "--body", "xml"])
 
 
 # --- the open-loop client's early stop --------------------------------------------------
@@ -293,6 +297,45 @@ def test_trial_within_the_goal_sends_every_query() -> None:
     assert t.stopped_early is None and t.passed
     assert t.queries == srv.received == trial_queries(100.0, 0.5, 60)
     assert t.pairs == 270 * t.queries
+    assert t.cpu_ms_per_query is None           # not asked for
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux /proc")
+def test_trial_splits_its_cpu_per_query_when_asked() -> None:
+    """With ``watch`` (here: the client alone, no service run dir) the trial carries the
+    CPU split; the double's server threads live in this process, so it is all "client"."""
+    from bench.cpu_account import GROUPS, service_processes
+
+    bodies = [(b'{"x": 1}', 270)]
+    with _SlowServer(0.002) as srv:
+        t = bench_slo.run_trial(srv.url, bodies, 200.0, min_duration_s=0.5, min_queries=100,
+                                p99_goal_ms=1000.0, max_client_lag_ms=math.inf,
+                                content_type="application/json", seed=3,
+                                watch=lambda: service_processes(None))
+    cpu = t.cpu_ms_per_query
+    assert cpu is not None and set(cpu) == set(GROUPS) | {"total", "busy_cores"}
+    assert cpu["client"] > 0 and cpu["frontend"] == cpu["workers"] == cpu["sidecar"] == 0
+    assert cpu["total"] >= cpu["client"] and cpu["busy_cores"] > 0
+
+
+def test_binary_bodies_parse_to_what_the_json_ones_do() -> None:
+    import orjson
+
+    from serve.api.binary import BINARY_MEDIA_TYPE
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
+    from serve.api.json_body import example_request
+    from serve.api.protocol import JSON_MEDIA_TYPE
+
+    cfg = HandlerConfig.from_dict({})
+    bodies = [(orjson.dumps(example_request(n, seed=n, form="columnar")), n) for n in (1, 7, 300)]
+    out = bench_slo.as_binary(bodies, None)
+    assert [n for _, n in out] == [1, 7, 300]
+    for (j, _), (b, _) in zip(bodies, out, strict=True):
+        pj = parse_body(j, cfg, JSON_MEDIA_TYPE)
+        pb = parse_body(b, cfg, BINARY_MEDIA_TYPE)
+        for f in ("dense", "lengths", "values"):
+            assert np.array_equal(getattr(pj, f), getattr(pb, f))
 
 
 # --- the real thing, briefly ----------------------------------------------------------------
@@ -315,6 +358,11 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     assert run["model"] == "small" and run["version"] == tiny_build.version
     assert run["in_process_pairs_per_s"] > 0 and run["cores"] >= 1
     assert run["trials"] and all(t["queries"] >= 10 for t in run["trials"])
+    # the CPU split per query, from the service's own process groups (its pids.json)
+    for t in run["trials"]:
+        cpu = t["cpu_ms_per_query"]
+        assert cpu["workers"] > 0 and cpu["frontend"] > 0 and cpu["client"] > 0, cpu
+    assert run["in_process_cpu_ms_per_query"] > 0 and run["body"] == "json"
     if run["queries_per_s"] > 0:
         assert run["failed"] == 0 and run["p99_ms"] <= 60.0
     st = run["state"]
