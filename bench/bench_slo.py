@@ -485,13 +485,12 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
     picks = rng.integers(0, len(bodies), size=n)
     max_late = None if math.isinf(p99_goal_ms) else int(0.01 * n)
     pids = watch() if watch is not None else {}
-    cpu0 = cpu_account.snapshot(pids) if watch is not None else None
-    w0 = time.perf_counter()
+    cpu0, w0 = cpu_account.snapshot(pids), time.perf_counter()
     r = asyncio.run(_open_loop(url, bodies, offsets, picks, content_type, timeout_s,
                                max_connections, late_s=p99_goal_ms / 1e3, max_late=max_late,
                                max_in_flight=max_in_flight))
     cpu = None
-    if watch is not None and cpu0 is not None and r["sent"]:
+    if watch is not None and r["sent"]:
         pids = {**pids, **watch()}      # workers started during the trial count from 0
         cpu = cpu_account.cpu_ms_per_query(pids, cpu0, cpu_account.snapshot(pids), r["sent"],
                                            time.perf_counter() - w0)
@@ -611,8 +610,8 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     ctype = JSON_MEDIA_TYPE
     if args.body == "binary":
         bodies, ctype = as_binary(bodies, schema), BINARY_MEDIA_TYPE
-    watch = ((lambda: cpu_account.service_processes(run_dir))
-             if Path("/proc/stat").exists() else None)
+    def watch() -> dict[int, str]:
+        return cpu_account.service_processes(run_dir)
     mean_pairs = sum(b for _, b in bodies) / len(bodies)
     state = read_state(sidecar_url)
     served_version, batching, workers = _served(state)

@@ -16,11 +16,10 @@ machine's CPU time over one window (a benchmark trial) between:
 The service's processes are found through the process groups the launcher records in
 ``<run dir>/pids.json`` (``{"torchserve": pgid, "sidecar": pgid}``, see
 :func:`serve.ops.launcher.start`): the TorchServe group holds the Java frontend and its
-workers, told apart by their command lines. Times come from ``/proc/<pid>/stat``
-(utime + stime, clock ticks) and ``/proc/stat``'s first line; a process that ends within
-the window loses its last ticks (it is a benchmark, not an audit).
-
-Linux only. ``proc`` is injectable so tests can point it at a fake ``/proc``.
+workers, told apart by their command lines. Times come from psutil (the project's
+process library: per process user + system time, and the machine's
+``psutil.cpu_times()``); a process that ends within the window is not counted in it (it is
+a benchmark, not an audit).
 """
 from __future__ import annotations
 
@@ -29,6 +28,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 __all__ = ["GROUPS", "CpuSnapshot", "cpu_ms_per_query", "service_processes", "snapshot"]
 
@@ -47,78 +48,57 @@ class CpuSnapshot:
     machine_busy_s: float
 
 
-def _ticks() -> int:
-    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _stat_fields(proc: Path, pid: int) -> list[str] | None:
-    """Fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces and
-    parentheses), or None when the process is gone."""
+def _recorded_groups(run_dir: Path | None) -> dict[int, str]:
+    """pgid -> group of the service's process groups in ``run_dir/pids.json`` (empty
+    without one)."""
+    if run_dir is None:
+        return {}
     try:
-        text = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
+        recorded = json.loads((run_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {recorded[name]: group
+            for name, group in (("torchserve", "frontend"), ("sidecar", "sidecar"))
+            if isinstance(recorded.get(name), int)}
 
 
-def _cmdline(proc: Path, pid: int) -> str:
-    try:
-        return (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return ""
-
-
-def service_processes(run_dir: Path | None, *, proc: Path = Path("/proc"),
-                      self_pid: int | None = None) -> dict[int, str]:
+def service_processes(run_dir: Path | None, *, self_pid: int | None = None) -> dict[int, str]:
     """pid -> group (:data:`GROUPS`) of the processes to watch: this process as the
     ``client`` and, when ``run_dir/pids.json`` names the service's process groups, every
     live process of those groups (``frontend``, ``workers``, ``sidecar``). Without a run
     dir, or for a service elsewhere, only the client is watched (the rest is ``other``).
     """
     out = {self_pid if self_pid is not None else os.getpid(): "client"}
-    pgids: dict[int, str] = {}
-    if run_dir is not None:
-        try:
-            recorded = json.loads((run_dir / "pids.json").read_text())
-        except (OSError, ValueError):
-            recorded = {}
-        if isinstance(recorded, dict):
-            for name, group in (("torchserve", "frontend"), ("sidecar", "sidecar")):
-                if isinstance(recorded.get(name), int):
-                    pgids[recorded[name]] = group
+    pgids = _recorded_groups(run_dir)
     if not pgids:
         return out
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            found = pgids.get(os.getpgid(p.pid))
+        except OSError:             # gone since the listing
             continue
-        pid = int(entry.name)
-        fields = _stat_fields(proc, pid)
-        if fields is None or len(fields) < 13:
+        if found is None or p.pid in out:
             continue
-        found = pgids.get(int(fields[2]))        # field 5 of stat: the process group
-        if found is None or pid in out:
-            continue
-        out[pid] = ("workers" if found == "frontend" and _WORKER in _cmdline(proc, pid)
-                    else found)
+        cmd = " ".join(p.info["cmdline"] or ())
+        out[p.pid] = "workers" if found == "frontend" and _WORKER in cmd else found
     return out
 
 
-def snapshot(pids: Mapping[int, str], *, proc: Path = Path("/proc")) -> CpuSnapshot:
-    """CPU seconds so far of each of ``pids`` (0 for one that is gone) and of the machine."""
-    tick = _ticks()
+def snapshot(pids: Mapping[int, str]) -> CpuSnapshot:
+    """CPU seconds so far of each of ``pids`` that is alive, and of the machine."""
     by_pid = {}
     for pid in pids:
-        fields = _stat_fields(proc, pid)
-        # utime, stime: fields 14 and 15 of stat, 11 and 12 after the name
-        by_pid[pid] = (int(fields[11]) + int(fields[12])) / tick if fields else 0.0
-    first = (proc / "stat").read_text().splitlines()[0].split()
-    if first[0] != "cpu":
-        raise ValueError(f"{proc / 'stat'}: first line starts {first[0]!r}, not 'cpu'")
-    vals = [int(v) for v in first[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    # guest time is already inside user time: count the first 8 fields only
-    return CpuSnapshot(by_pid, (sum(vals[:8]) - idle) / tick)
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:        # gone: not counted in this window
+            continue
+        by_pid[pid] = t.user + t.system
+    m = psutil.cpu_times()
+    # busy = all but idle and iowait; guest time is already inside user time
+    not_busy = m.idle + sum(getattr(m, k, 0.0) for k in ("iowait", "guest", "guest_nice"))
+    return CpuSnapshot(by_pid, sum(m) - not_busy)
 
 
 def cpu_ms_per_query(pids: Mapping[int, str], before: CpuSnapshot, after: CpuSnapshot,

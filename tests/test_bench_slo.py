@@ -300,7 +300,6 @@ def test_trial_within_the_goal_sends_every_query() -> None:
     assert t.cpu_ms_per_query is None           # not asked for
 
 
-@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux /proc")
 def test_trial_splits_its_cpu_per_query_when_asked() -> None:
     """With ``watch`` (here: the client alone, no service run dir) the trial carries the
     CPU split; the double's server threads live in this process, so it is all "client"."""
