@@ -541,15 +541,18 @@ def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
             for i, b in enumerate(sizes.tolist())]
 
 
-def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any) -> list[tuple[bytes, int]]:
+def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any,
+              handler_cfg: Mapping[str, Any] | None = None) -> list[tuple[bytes, int]]:
     """The same queries as binary columnar bodies (``application/x-dlrm-columnar``,
-    :func:`serve.api.binary.encode_binary`): they parse to exactly what the JSON ones do."""
+    :func:`serve.api.binary.encode_binary`): they parse to exactly what the JSON ones do.
+    ``handler_cfg``: the version's ``handler`` settings (its limits, e.g. ids per
+    feature of a multi-hot model); None: the defaults."""
     from serve.api.binary import encode_binary
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
     from serve.api.protocol import JSON_MEDIA_TYPE
 
-    cfg = HandlerConfig.from_dict({})
+    cfg = HandlerConfig.from_dict(dict(handler_cfg or {}))
     out = []
     for body, pairs in bodies:
         p = parse_body(body, cfg, JSON_MEDIA_TYPE, schema=schema)
@@ -608,8 +611,6 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     schema = schema_from_report(report)
     bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
     ctype = JSON_MEDIA_TYPE
-    if args.body == "binary":
-        bodies, ctype = as_binary(bodies, schema), BINARY_MEDIA_TYPE
     def watch() -> dict[int, str]:
         return cpu_account.service_processes(run_dir)
     mean_pairs = sum(b for _, b in bodies) / len(bodies)
@@ -622,6 +623,8 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         z.extract("artifact.pt", tmp)
         handler_cfg = (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
         artifact_path = Path(tmp) / "artifact.pt"
+        if args.body == "binary":
+            bodies, ctype = as_binary(bodies, schema, handler_cfg), BINARY_MEDIA_TYPE
         threads = choose_threads(workers, handler_cfg.get("num_threads")).threads
         total_threads = workers * threads
         flops = artifact_dense_flops(load_artifact(artifact_path))

@@ -337,6 +337,25 @@ def test_binary_bodies_parse_to_what_the_json_ones_do() -> None:
             assert np.array_equal(getattr(pj, f), getattr(pb, f))
 
 
+def test_binary_bodies_keep_the_versions_limits() -> None:
+    """``as_binary`` parses under the version's own ``handler`` limits, not the defaults:
+    a feature of 30 ids converts under the defaults (64) and is refused by a version whose
+    handler allows 16 (DLRM-v2's multi-hot bodies need its own, larger limits)."""
+    import orjson
+
+    from serve.api.json_body import example_request
+    from serve.errors import InvalidInput
+
+    doc = example_request(2, seed=3, form="columnar")
+    first = next(iter(doc["sparse"]))
+    doc["sparse"][first] = {"values": list(range(40)), "lengths": [30, 10]}
+    bodies = [(orjson.dumps(doc), 2)]
+    out = bench_slo.as_binary(bodies, None)
+    assert len(out) == 1 and out[0][1] == 2
+    with pytest.raises(InvalidInput, match="30 ids"):
+        bench_slo.as_binary(bodies, None, {"max_ids_per_feature": 16})
+
+
 # --- the real thing, briefly ----------------------------------------------------------------
 
 @pytest.mark.slow

@@ -781,19 +781,21 @@ def running_service(root: Path, model_store: Path, version: str,
                     extra_env: dict[str, str] | None = None, ready_timeout_s: float = 300
                     ) -> Iterator[tuple[LaunchConfig, Any]]:
     """A service of its own (TorchServe + sidecar, shipped defaults, every port free on
-    127.0.0.1, state and run files under ``root``) serving ``version`` and converged,
+    127.0.0.1, state and run files under ``root``) serving ``version`` with its declared
+    batching and workers (:func:`default_state`, as ``make up``) and converged,
     stopped on exit: what the benchmarks that must not touch ``make up``'s service
     (``bench.rollout_trials``, ``bench.delta_compare``) run against. Yields the launch
     config (its URLs and token file) and a :class:`serve.ops.state_client.StateClient`."""
     from serve.ops.state_client import StateClient
-    from serve.state import parse_state
 
     root.mkdir(parents=True, exist_ok=True)
-    write_state(root / "state.yaml", parse_state({"model": {"version": version}}))
     cfg = LaunchConfig(
         **free_port_settings(), model_store=model_store, state_file=root / "state.yaml",
         run_dir=root / "run", log_dir=root / "logs", sidecar=True,
         ready_timeout_s=ready_timeout_s, extra_env=dict(extra_env or {}))
+    # Declared as `make up` declares it: the version's own batching and workers (its
+    # report), so a benchmark measures what the version ships with.
+    write_state(root / "state.yaml", default_state(cfg.repository(), version))
     svc = start(cfg)
     try:
         client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
