@@ -130,7 +130,7 @@ docs: venv  ## build the documentation site docs/ -> site/ with MkDocs, strict (
 	if [ -n "$$ext" ]; then echo "make docs: the site loads from the internet:" >&2; echo "$$ext" >&2; exit 1; fi; \
 	echo "make docs: site/ built, nothing loaded from the internet"
 
-delta-compare: venv java  ## modulo vs managed id spaces: build both (small, small-half: tables half the id universe), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~15 min)
+delta-compare: venv java  ## modulo vs managed id spaces: build both (small; small-hashed: its ids as 63-bit hashes, as raw logs carry them; small-half: tables half the id universe), each day-1 delta applied live under load, day-1 AUC before/after -> bench/results/delta_compare.json (~25 min)
 	$(PY) -m bench.delta_compare
 
 bench-runtime: venv  ## in-process runtime vs TorchRec throughput and cache hit ratios -> bench/results/runtime.json

@@ -1,13 +1,15 @@
 """Modulo vs managed id spaces on a later day: the same model built both ways, each
 refreshed live by its day-D embedding delta, measured on day D's held-out rows.
 
-    python -m bench.delta_compare                   # make delta-compare: small and small-half, day 1
+    python -m bench.delta_compare                   # make delta-compare: small, small-hashed, small-half; day 1
     python -m bench.delta_compare --profiles tiny   # a quick run
 
 ``small`` has a row for every id of its click logs (ids 0..rows-1 on day 0), so modulo
-collides only the new ids of later days; ``small-half`` serves the same click logs with
-tables of half as many rows, the production regime (more ids than rows), where modulo
-folds two ids into every row from day 0 on. For each profile and each mapping (``modulo``: row = id % rows; ``managed``: the id map of
+collides only the new ids of later days; ``small-hashed`` is the same click logs with
+every id a 63-bit hash of it, as raw logs carry ids (:func:`serve.model.data.hash_ids`),
+so ``id % rows`` folds ids at random from day 0 on (tables as large as the id space);
+``small-half`` serves small's click logs with tables of half as many rows, the production
+regime (more ids than rows), where modulo folds two ids into every row from day 0 on. For each profile and each mapping (``modulo``: row = id % rows; ``managed``: the id map of
 :mod:`serve.runtime.idmap`, admission and eviction decided by training):
 
 1. build the day-0 version (``python -m serve.model.pipeline --mapping M``; skipped when
@@ -20,8 +22,8 @@ folds two ids into every row from day 0 on. For each profile and each mapping (`
    serve.ops.evaluate``'s measurement: held-out rows through the inference API), the
    delta POSTed while closed-loop clients send requests, the AUC after;
 4. ``unknown_ratio``: the share of day D's held-out lookups that have no row of their
-   own after the delta: for modulo, ids >= the table's rows (they share the row of
-   another id); for managed, ids outside the version's id map after the delta (they read
+   own after the delta: for modulo, ids whose row ``id % rows`` another id of those rows
+   also reads; for managed, ids outside the version's id map after the delta (they read
    the fallback row). Counted offline from the data and the delta's rebuilt artifact.
 
 Writes ``bench/results/delta_compare.json``::
@@ -59,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.delta_compare",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profiles", default="small,small-half",
-                    help="model profiles, comma-separated (default small,small-half)")
+    ap.add_argument("--profiles", default="small,small-hashed,small-half",
+                    help="model profiles, comma-separated (default small,small-hashed,small-half)")
     ap.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     ap.add_argument("--day", type=int, default=1, help="the later day (default 1)")
     ap.add_argument("--model-store", type=Path, default=REPO / "model_store")
@@ -138,8 +140,18 @@ def unknown_ratio(artifact_path: Path, profile: str, day: int) -> float:
             _, found = art.id_maps[spec.name].lookup_with_hits(torch.from_numpy(v))
             unknown += int((~found).sum())
         else:
-            unknown += int((v >= spec.rows).sum())
+            unknown += shared_row_lookups(v, spec.rows)
     return unknown / max(total, 1)
+
+
+def shared_row_lookups(ids: np.ndarray, rows: int) -> int:
+    """Lookups of ``ids`` (int64 (k,), >= 0) without a row of their own under modulo: the
+    id's row ``id % rows`` is also the row of another id among ``ids`` (dense ids: the
+    ids beyond the table and the ids they fold onto; hashed ids: any two with equal
+    ``id % rows``)."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    _, row_of, per_row = np.unique(uniq % rows, return_inverse=True, return_counts=True)
+    return int((per_row[row_of] > 1)[inverse].sum())
 
 
 def measure(args: argparse.Namespace, profile: str, mapping: str, version: str,

@@ -56,6 +56,12 @@ class Profile:
             tables are smaller than the id universe, as in production, where user and
             item ids outnumber the rows memory allows: then ``mapping`` decides which
             ids share a row (modulo) or get one (managed, :mod:`serve.runtime.idmap`).
+        hashed_ids: the click logs carry each id as a 63-bit hash of it
+            (:func:`serve.model.data.hash_ids`, a per-feature bijection), as production
+            logs carry user and item ids and Criteo its categories (32-bit hashes),
+            instead of 0..n-1. ``id % rows`` then folds ids into rows at random from day
+            0 on (about 37% of a table's ids share their row when it has as many rows as
+            ids), where dense ids fill a table exactly.
     """
 
     name: str
@@ -74,6 +80,7 @@ class Profile:
     seed: int = 0
     feature_names: tuple[str, ...] = field(default=SPARSE_FEATURES)
     id_cardinalities: tuple[int, ...] | None = None
+    hashed_ids: bool = False
 
     def __post_init__(self) -> None:
         if len(self.cardinalities) != len(self.feature_names):
@@ -144,6 +151,16 @@ PROFILES: dict[str, Profile] = {
             cardinalities=tuple(max(1, (min(c, 100_000) + 1) // 2)
                                 for c in CRITEO_KAGGLE_CARDINALITIES),
             id_cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
+            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
+            train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
+            learning_rate=0.1, large_table_rows=50_000,
+        ),
+        # small's click logs with every id a 63-bit hash of it (as raw logs carry them):
+        # modulo folds ids at random from day 0 on; bench.delta_compare compares on it.
+        Profile(
+            name="small-hashed",
+            cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
+            hashed_ids=True,
             embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
             train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
             learning_rate=0.1, large_table_rows=50_000,

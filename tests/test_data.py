@@ -175,7 +175,7 @@ def test_cli_unknown_profile_fails_with_the_choices(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "serve.model.data", "--profile", "huge", "--out",
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
-    assert "error: profile 'huge' does not exist; choose one of: tiny, small, small-half, criteo-kaggle" in proc.stderr
+    assert "error: profile 'huge' does not exist; choose one of: tiny, small, small-half, small-hashed, criteo-kaggle" in proc.stderr
 
 
 def test_cli_help():

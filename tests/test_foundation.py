@@ -18,7 +18,7 @@ from serve.runtime.artifact import (
 
 def test_unknown_profile_names_the_choices():
     with pytest.raises(UnknownProfileError,
-                       match=r"profile 'huge' does not exist; choose one of: tiny, small, small-half, criteo-kaggle"):
+                       match=r"profile 'huge' does not exist; choose one of: tiny, small, small-half, small-hashed, criteo-kaggle"):
         get_profile("huge")
 
 

@@ -282,7 +282,7 @@ def test_unknown_profile_exits_nonzero_with_choices(tmp_path):
     proc = _run("--profile", "huge", "--workdir", str(tmp_path / "w"))
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
-        "error: profile 'huge' does not exist; choose one of: tiny, small, small-half, criteo-kaggle")
+        "error: profile 'huge' does not exist; choose one of: tiny, small, small-half, small-hashed, criteo-kaggle")
     assert not (tmp_path / "w").exists()
 
 

@@ -36,6 +36,13 @@ later, deterministic in (seed, d) and cumulative (day d = day d-1 plus one more 
   Day 0's ids stay < card (and its files byte for byte what they were); on day >= 1 ids
   reach ``card + new ids``, and the id dtype is chosen to hold them.
 
+Hashed ids (a profile with ``hashed_ids``, e.g. ``small-hashed``): the files carry each id
+as :func:`hash_ids` of it, a per-feature bijection onto [0, 2**63), as production logs
+carry user and item ids (and Criteo its categories, as 32-bit hashes). The planted model
+and the day drift are the same; only the ids written change, so ``id % rows`` folds them
+at random from day 0 on. :func:`unhash_ids` inverts it (new ids are then again ids >= the
+feature's id space, :func:`new_id_share`).
+
 The dense weights and the pairwise interactions stay, so retraining only the embedding
 rows can recover what drifted (and learn the new ids, once they have rows of their own). Day d's splits draw from random streams of their own.
 ``ensure_day_data(profile, d)`` keeps one folder per day, ``build/<profile>-data/day<d>``.
@@ -80,8 +87,10 @@ __all__ = [
     "iter_batches",
     "load_split",
     "main",
+    "hash_ids",
     "make_loader",
     "new_id_share",
+    "unhash_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,6 +119,63 @@ _NEW_ID_STREAM = 0x9E1D
 _NEW_ID_SHARE = 0.004        # ranks given a brand-new id, per table and day
 _NEW_ID_POOL = 0.025         # ... drawn among this share of the highest free ranks
 _NEW_ID_MIN_ROWS = 8         # tables smaller than this get no new ids
+
+
+# Hashed ids: a splitmix64-style mix restricted to 63 bits, so it is a bijection of
+# [0, 2**63): add a per-feature salt, then xor-shift / multiply by an odd constant /
+# xor-shift / multiply / xor-shift, each step invertible on 63-bit words (uint64 products
+# wrap mod 2**64, whose low 63 bits are the product mod 2**63). Consecutive ids land at
+# random, so ``id % rows`` collides them as it would random 64-bit ids (a plain
+# multiplicative hash folds consecutive ids into a lattice with too few collisions).
+_HASH_BITS = 63
+_HASH_MASK = (1 << _HASH_BITS) - 1
+_HASH_MULS = (0xBF58476D1CE4E5B9 & _HASH_MASK, 0x94D049BB133111EB & _HASH_MASK)   # odd
+_HASH_INVS = tuple(pow(m, -1, 1 << _HASH_BITS) for m in _HASH_MULS)
+_HASH_SHIFTS = (30, 27, 31)
+_HASH_SALT = 0x9E3779B97F4A7C15
+
+
+def _salt(feature: int) -> np.uint64:
+    return np.uint64((_HASH_SALT * (feature + 1)) & _HASH_MASK)
+
+
+def _unxorshift(y: np.ndarray, k: int) -> np.ndarray:
+    """x from y = x ^ (x >> k) on 63-bit words."""
+    x, shift = y.copy(), k
+    while shift < _HASH_BITS:
+        x ^= y >> np.uint64(shift)
+        shift += k
+    return x
+
+
+def hash_ids(feature: int, ids: np.ndarray) -> np.ndarray:
+    """Feature ``feature``'s ids (int64, >= 0, any shape) as the click logs of a
+    ``hashed_ids`` profile carry them: int64 in [0, 2**63), a bijection per feature
+    (:func:`unhash_ids` inverts it)."""
+    mask = np.uint64(_HASH_MASK)
+    x = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x + _salt(feature)) & mask
+        x ^= x >> np.uint64(_HASH_SHIFTS[0])
+        x = (x * np.uint64(_HASH_MULS[0])) & mask
+        x ^= x >> np.uint64(_HASH_SHIFTS[1])
+        x = (x * np.uint64(_HASH_MULS[1])) & mask
+        x ^= x >> np.uint64(_HASH_SHIFTS[2])
+    return x.astype(np.int64)
+
+
+def unhash_ids(feature: int, raw: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`hash_ids`: the ids behind feature ``feature``'s hashed ids."""
+    mask = np.uint64(_HASH_MASK)
+    x = np.asarray(raw, dtype=np.int64).astype(np.uint64) & mask
+    with np.errstate(over="ignore"):
+        x = _unxorshift(x, _HASH_SHIFTS[2])
+        x = (x * np.uint64(_HASH_INVS[1])) & mask
+        x = _unxorshift(x, _HASH_SHIFTS[1])
+        x = (x * np.uint64(_HASH_INVS[0])) & mask
+        x = _unxorshift(x, _HASH_SHIFTS[0])
+        x = (x - _salt(feature)) & mask
+    return x.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -250,6 +316,8 @@ class _Planted:
 def _id_dtype(profile: Profile, max_id: int | None = None) -> np.dtype:
     """int32 when every id fits (``max_id``: the largest id drawn; default the largest
     table's last row, as on day 0), else int64."""
+    if profile.hashed_ids:
+        return np.dtype(np.int64)
     top = max(profile.id_space) if max_id is None else max_id
     return np.dtype(np.int32 if top <= np.iinfo(np.int32).max else np.int64)
 
@@ -291,6 +359,11 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
         if m > 1:  # ids beyond a sample's length are padding: store 0, never read
             ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
         logit = planted.logit(z, ids, lengths)
+        if p.hashed_ids:   # the labels come from the ids; the files carry their hashes
+            for j in range(f):
+                ids[:, j, :] = hash_ids(j, ids[:, j, :])
+            if m > 1:
+                ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
         labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.uint8)
         # Criteo dense features are counts; ours are softplus(z) so they are >= 0 and
         # skewed like log1p(count) while staying a monotone function of z.
@@ -336,6 +409,8 @@ def generate(cfg: DataConfig, out: str | os.PathLike, progress: bool = True) -> 
                    "labels": "uint8", "lengths": "uint8"},
         "splits": splits, "seconds": round(time.perf_counter() - t0, 3),
     }
+    if p.hashed_ids:   # only then: other profiles' meta stays byte for byte as it was
+        meta["hashed_ids"] = True
     if cfg.day > 0:  # day 0's meta stays as it was
         meta["new_id_share"] = _NEW_ID_SHARE
         meta["new_ids"] = {name: int(planted.new_ids[j].shape[0])
@@ -442,15 +517,19 @@ def load_split(data_dir: str | os.PathLike, split: str = "train") -> DataSplit:
 
 def new_id_share(data_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:
     """Per feature, the share of a split's lookups (valid ids) that are brand-new ids,
-    i.e. ids >= the feature's table rows (0.0 on day 0). Reads the whole split."""
+    i.e. ids >= the feature's id space (0.0 on day 0; hashed ids are unhashed first).
+    Reads the whole split."""
     d = load_split(data_dir, split)
     card = np.asarray(d.meta["cardinalities"], dtype=np.int64)
+    hashed = bool(d.meta.get("hashed_ids"))
     out: dict[str, float] = {}
     for j, name in enumerate(d.feature_names):
         ids = np.asarray(d.sparse[:, j, :], dtype=np.int64)
         if d.lengths is not None:
             valid = np.arange(ids.shape[1])[None, :] < np.asarray(d.lengths[:, j])[:, None]
             ids = ids[valid]
+        if hashed:
+            ids = unhash_ids(j, ids)
         out[name] = float((ids >= card[j]).mean()) if ids.size else 0.0
     return out
 
