@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -183,6 +184,8 @@ def measure(args: argparse.Namespace, profile: str, mapping: str, version: str,
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the service a measurement started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     profiles = [p for p in args.profiles.split(",") if p]
     state = {"profiles": profiles, "seed": args.seed, "day": args.day,

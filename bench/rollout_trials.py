@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -176,6 +177,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the service of a trial is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     store = Path(args.model_store)
     bodies, mean = _bodies(args.clients)
     # good and bad interleaved: drift of the machine over the run hits both kinds alike
