@@ -5,6 +5,7 @@ Shapes used across the package: B = batch size, F = number of sparse features
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from serve.errors import ConfigError, UnknownProfileError
@@ -125,6 +126,17 @@ class Profile:
                              dtype, NUM_DENSE, max_ids)
 
 
+_SMALL = Profile(
+    name="small",
+    cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
+    embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
+    # batch 4096 / lr 0.1: 2.4x the rows/s of batch 1024 on 2 CPU ranks (the MLP
+    # GEMMs amortise per-step overhead), AUC 0.877 vs 0.878; trains in ~70 s.
+    train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
+    learning_rate=0.1, large_table_rows=50_000,
+)
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -135,36 +147,16 @@ PROFILES: dict[str, Profile] = {
             train_samples=20_000, eval_samples=4_000, batch_size=256, epochs=1,
             learning_rate=0.05, large_table_rows=400,
         ),
-        Profile(
-            name="small",
-            cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
-            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
-            # batch 4096 / lr 0.1: 2.4x the rows/s of batch 1024 on 2 CPU ranks (the MLP
-            # GEMMs amortise per-step overhead), AUC 0.877 vs 0.878; trains in ~70 s.
-            train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
-            learning_rate=0.1, large_table_rows=50_000,
-        ),
+        _SMALL,
         # small's click logs, tables of half as many rows: the regime managed ids are for
         # (bench.delta_compare compares modulo and managed on it and on small).
-        Profile(
-            name="small-half",
-            cardinalities=tuple(max(1, (min(c, 100_000) + 1) // 2)
-                                for c in CRITEO_KAGGLE_CARDINALITIES),
-            id_cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
-            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
-            train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
-            learning_rate=0.1, large_table_rows=50_000,
-        ),
+        dataclasses.replace(
+            _SMALL, name="small-half",
+            cardinalities=tuple(max(1, (c + 1) // 2) for c in _SMALL.cardinalities),
+            id_cardinalities=_SMALL.cardinalities),
         # small's click logs with every id a 63-bit hash of it (as raw logs carry them):
         # modulo folds ids at random from day 0 on; bench.delta_compare compares on it.
-        Profile(
-            name="small-hashed",
-            cardinalities=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
-            hashed_ids=True,
-            embedding_dim=64, dense_arch=(512, 256, 64), over_arch=(512, 256, 1),
-            train_samples=1_000_000, eval_samples=100_000, batch_size=4096, epochs=1,
-            learning_rate=0.1, large_table_rows=50_000,
-        ),
+        dataclasses.replace(_SMALL, name="small-hashed", hashed_ids=True),
         Profile(
             name="criteo-kaggle",
             cardinalities=CRITEO_KAGGLE_CARDINALITIES,

@@ -356,14 +356,12 @@ def _generate_split(cfg: DataConfig, planted: _Planted, cdfs: list, out: Path, s
         for j, card in enumerate(p.id_space):
             ranks = zipf_ranks(rng, rows * m, card, cfg.alpha, cdfs[j]).reshape(rows, m)
             ids[:, j, :] = planted.rank_ids[j][ranks]
-        if m > 1:  # ids beyond a sample's length are padding: store 0, never read
-            ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
-        logit = planted.logit(z, ids, lengths)
+        logit = planted.logit(z, ids, lengths)      # reads only ids within the lengths
         if p.hashed_ids:   # the labels come from the ids; the files carry their hashes
             for j in range(f):
                 ids[:, j, :] = hash_ids(j, ids[:, j, :])
-            if m > 1:
-                ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
+        if m > 1:  # ids beyond a sample's length are padding: store 0, never read
+            ids[np.arange(m)[None, None, :] >= lengths[:, :, None]] = 0
         labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.uint8)
         # Criteo dense features are counts; ours are softplus(z) so they are >= 0 and
         # skewed like log1p(count) while staying a monotone function of z.
