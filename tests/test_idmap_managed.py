@@ -17,7 +17,15 @@ from serve.errors import ArtifactError, ConfigError, InvalidDelta
 from serve.runtime.artifact import Artifact, load_artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
-from serve.runtime.idmap import FALLBACK_ROW, IdMap
+from serve.runtime.idmap import (
+    FALLBACK_ROW,
+    IdMap,
+    MapIndex,
+    cuckoo_place,
+    hash_slots,
+    multipliers,
+    slot_bits,
+)
 from serve.schema import TableSpec
 from serve.store.delta_files import (
     Delta,
@@ -109,6 +117,99 @@ def test_managed_map_refuses_malformed_arrays():
 
 
 # -- the artifact -------------------------------------------------------------------------
+
+
+# -- the map's hash index (MapIndex) ------------------------------------------------------
+
+def test_managed_hash_slots_agree_between_numpy_and_torch_for_collision():
+    """The build places ids with numpy (hash_slots), lookups recompute slots with torch
+    int64 ops: wrapping multiply, arithmetic shift. They must agree on every id, extremes
+    included, or an admitted id would be looked for in the wrong slot."""
+    g = np.random.default_rng(7)
+    ids = np.concatenate([[0, 1, 2**31, 2**32 - 1, 2**62, MAX - 1, MAX],
+                          g.integers(0, MAX, 5000, dtype=np.int64)])
+    t = torch.from_numpy(ids)
+    for bits in (1, 3, 17, 30):
+        for attempt in (0, 5):
+            mult = multipliers(attempt)[1]
+            want = hash_slots(ids, bits, mult)
+            got = (((t ^ (t >> 29)) * mult) >> (64 - bits)) + (1 << (bits - 1))
+            assert np.array_equal(got.numpy(), want)
+            assert want.min() >= 0 and want.max() < 1 << bits
+
+
+def test_managed_cuckoo_places_full_tables_and_reports_the_impossible_for_collision():
+    g = np.random.default_rng(3)
+    for rows in (2, 3, 4, 5, 64, 65, 1000, 4096):      # full: rows - 1 ids, load up to 0.4
+        for ids in (np.arange(1, rows, dtype=np.int64),
+                    g.choice(MAX, rows - 1, replace=False).astype(np.int64)):
+            at = cuckoo_place(ids, slot_bits(rows), multipliers(0))
+            assert at is not None
+            placed = np.sort(at[at >= 0])
+            assert np.array_equal(placed, np.arange(ids.size))
+            for k in range(ids.size):       # each id in one of its two slots
+                slots = [hash_slots(ids[k:k + 1], slot_bits(rows), m)[0]
+                         for m in multipliers(0)]
+                assert k in (at[slots[0]], at[slots[1]])
+    # three ids, two slots: no placement, and the caller learns it (None, not a loop)
+    assert cuckoo_place(np.array([1, 2, 3], dtype=np.int64), 1, multipliers(0)) is None
+
+
+_CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("fallback_rows", [1, 3])
+def test_managed_map_index_equals_the_sorted_map_after_admits_and_evictions(fallback_rows,
+                                                                             device):
+    """MapIndex (hash probe, all features at once, and per segment) returns exactly what
+    IdMap.lookup (binary search, on the CPU) returns, for admitted ids, ids never seen, ids
+    evicted a moment ago and 2**63 - 1, before and after a change of the map; on CUDA the
+    region and the probe live on the device."""
+    g = torch.Generator().manual_seed(11)
+    tables = {0: 50, 2: 7, 5: 300}
+    index = MapIndex(tables, device=device, fallback={t: fallback_rows for t in tables})
+    maps = {}
+    for t, rows in tables.items():
+        n = rows - fallback_rows
+        ids = torch.randperm(2**20, generator=g)[:n] * 2**40 + 5    # multiples of 2**40
+        maps[t] = IdMap.from_arrays(ids, torch.randperm(n, generator=g) + fallback_rows,
+                                    rows, fallback_rows)
+        index.write(t, maps[t])
+
+    def check(order: tuple[int, ...]) -> None:
+        cols = []
+        for t in order:
+            known = maps[t].ids[torch.randint(0, maps[t].size, (40,), generator=g)]
+            cols.append(torch.cat([known, torch.tensor([0, MAX, 2**40 + 4, 12345]),
+                                   evicted[t]]))
+        vals = torch.stack(cols)
+        rows, found = index.lookup_features(vals.to(device), order)
+        assert rows.device.type == device
+        rows, found = rows.cpu(), found.cpu()
+        for i, t in enumerate(order):
+            want, hit = maps[t].lookup_with_hits(vals[i])
+            assert torch.equal(rows[i], want) and torch.equal(found[i], hit)
+        flat = vals.reshape(-1)
+        segs = [(t, i * vals.shape[1], (i + 1) * vals.shape[1]) for i, t in enumerate(order)]
+        r2, f2 = index.lookup(flat.to(device), segs)
+        assert torch.equal(r2.cpu(), rows.reshape(-1)) and torch.equal(f2.cpu(), found.reshape(-1))
+        for t in tables:
+            assert index.map(t).equal(maps[t])
+
+    evicted = {t: torch.tensor([1, 2], dtype=torch.int64) for t in tables}
+    check((0, 2, 5))
+    check((5, 5, 0))
+    for t, m in maps.items():      # evict a third of each map, admit fresh ids to its rows
+        cut = max(2, m.size // 3)
+        ev, freed = m.ids[:cut], m.rows[:cut]
+        fresh = torch.arange(ev.numel(), dtype=torch.int64) * 3 + 1
+        maps[t] = m.apply(fresh, freed, evict_ids=ev)
+        index.write(t, maps[t])
+        evicted[t] = ev[:2]
+    check((2, 0, 5))
+
 
 def test_managed_artifact_round_trip(managed, base, tmp_path):
     save_artifact(managed, tmp_path / "m.pt")
@@ -329,7 +430,10 @@ def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
     shared = SharedTables(store.folder(VERSION) / "tables.bin")
     assert shared.sequence() == 1
     table_bytes = sum(t.data.numel() for t in managed.tables)
-    maps = 8 * (len(MANAGED) + 2 * sum(managed.schema.tables[t].rows for t in MANAGED))
+    rows = [managed.schema.tables[t].rows for t in MANAGED]
+    # counts and multipliers, the sorted maps, the hash slots (2**b >= 2.5 x rows each)
+    maps = 8 * (3 * len(MANAGED) + 2 * sum(rows) + 2 * sum(1 << slot_bits(r) for r in rows))
+    assert all(2.5 * r <= 1 << slot_bits(r) < 5 * r for r in rows)
     assert shared.path.stat().st_size == table_bytes + (-table_bytes % 8) + maps
 
 

@@ -10,12 +10,13 @@ seen, not admitted yet, evicted a moment ago, or 2**63 - 1) gets it, and trainin
 it on exactly those ids, so it holds the "unknown id" embedding.
 
 Layout: ``ids`` int64 (n,) sorted ascending and unique, ``rows`` int64 (n,) in the same
-order. A lookup of k ids is one ``torch.searchsorted`` (O(k log n), no hashing, no
-collisions: equality of int64 keys decides) and two gathers, on whatever device the
-map's tensors live (the runtime moves them to its own). Why a sorted array rather than
-a hash table: it is exact by construction, has no load factor or probe limit, is a
-single stock-PyTorch op on CPU and CUDA, and its update (a delta's admissions and
-evictions) is one merge of sorted arrays, milliseconds for a million ids.
+order. :meth:`IdMap.lookup` of k ids is one ``torch.searchsorted`` (O(k log n), exact:
+equality of int64 keys decides) and two gathers. The sorted arrays are the map's record:
+exact by construction, no load factor, and a delta's admissions and evictions are one
+merge of sorted arrays (milliseconds for a million ids). What the runtime probes per
+batch is :class:`MapIndex`, which keeps beside each sorted map a cuckoo hash of the same
+ids (two candidate slots per id, keys compared whole): a binary search is ~17 dependent
+cache misses per id, the probe two independent ones, at the same exactness.
 
 Changes come as (assign ids -> rows, evict ids) (:meth:`IdMap.apply`; what a delta
 carries, :func:`IdMap.diff` computes it from two maps): the evictions first, then the
@@ -239,26 +240,102 @@ class IdMap:
         return ni[stay].astype(np.int64), nrow[stay].astype(np.int64), evict
 
 
+# -- the hash index of a MapIndex ---------------------------------------------------------
+#: Hash slots per table row, before rounding up to a power of two: at most 1/2.5 = 0.4 of
+#: a table's slots hold an id (a table admits at most rows - 1), safely below 0.5, where
+#: two-choice cuckoo hashing stops finding places for every key.
+SLOTS_PER_ROW = 2.5
+#: Multiplier pairs tried, in order, until every id of a table has one of its two slots
+#: (below load 0.5 the first pair almost always does; each retry is independent).
+HASH_ATTEMPTS = 16
+_ROUNDS = 2000        # placement rounds per attempt (load <= 0.4 needs tens)
+_MIX = 29             # x ^ (x >> 29): high id bits reach the multiplier's low bits
+
+
+def slot_bits(rows: int) -> int:
+    """b: a table of ``rows`` rows has 2**b hash slots (>= SLOTS_PER_ROW * rows)."""
+    return max(1, int(np.ceil(np.log2(np.ceil(rows * SLOTS_PER_ROW)))))
+
+
+def multipliers(attempt: int) -> tuple[int, int]:
+    """Attempt ``attempt``'s two odd 64-bit multipliers, as signed int64 values (fixed,
+    so every worker and every build computes the same slots)."""
+    out = []
+    for k in (2 * attempt, 2 * attempt + 1):
+        z = (k + 1) * 0x9E3779B97F4A7C15 % 2**64      # splitmix64 of k + 1
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+        z = (z ^ (z >> 31)) | 1
+        out.append(z - 2**64 if z >= 2**63 else z)
+    return out[0], out[1]
+
+
+def hash_slots(ids: np.ndarray, bits: int, mult: int) -> np.ndarray:
+    """Slots 0..2**bits-1 of int64 ``ids`` (>= 0) under ``mult``: the top ``bits`` bits of
+    ``(x ^ x >> 29) * mult`` mod 2**64, made non-negative. :meth:`MapIndex.lookup` computes
+    the same with torch int64 ops (wrapping multiply, arithmetic shift)."""
+    x = ids ^ (ids >> _MIX)
+    h = (x.view(np.uint64) * np.uint64(mult % 2**64)).view(np.int64)
+    out: np.ndarray = (h >> (64 - bits)) + (1 << (bits - 1))
+    return out
+
+
+def cuckoo_place(ids: np.ndarray, bits: int, mults: tuple[int, int]) -> np.ndarray | None:
+    """Two-choice cuckoo placement of int64 ``ids`` (n,) in 2**bits slots: ``at`` int64
+    (2**bits,), the index into ``ids`` of the id in each slot or -1, such that every id
+    sits in one of its two slots (:func:`hash_slots` under each multiplier); None when
+    :data:`_ROUNDS` rounds did not place them all (try other multipliers).
+
+    Placement runs in rounds, all pending ids at once: each writes itself into its
+    current slot (one of several writing the same slot wins, the others retry), and an id
+    it pushes out moves to its other slot in the next round."""
+    n = ids.shape[0]
+    at = np.full(1 << bits, -1, dtype=np.int64)
+    if n == 0:
+        return at
+    slots = np.stack([hash_slots(ids, bits, mults[0]), hash_slots(ids, bits, mults[1])])
+    choice = np.zeros(n, dtype=np.int64)
+    pending = np.arange(n, dtype=np.int64)
+    for _ in range(_ROUNDS):
+        if pending.size == 0:
+            return at
+        s = slots[choice[pending], pending]
+        before = at[s]
+        at[s] = pending
+        lost = at[s] != pending
+        pushed = np.unique(before[before >= 0])
+        choice[pushed] ^= 1
+        pending = np.concatenate((pending[lost], pushed))
+    return None
+
 
 class MapIndex:
     """Several managed tables' maps in one int64 region, for one lookup over many features.
 
-    A lookup per feature through :meth:`IdMap.lookup` is about ten small tensor ops; at
-    26 features their fixed cost came close to the model's forward. Here a batch costs one
-    ``searchsorted`` (and one add) per feature segment, then a single gather, compare and
-    select for all of them.
+    A lookup is a hash probe, not a search: each table keeps, beside its sorted map (what
+    :meth:`map` returns, what deltas diff and apply), a two-choice cuckoo hash of its ids
+    (:func:`cuckoo_place`): every admitted id sits in one of two slots computed from the id
+    alone (:func:`hash_slots`), so a batch's ids are resolved by a fixed dozen of
+    elementwise ops and three gathers over all features at once, whatever the table size,
+    on CPU and CUDA alike. Exact: a slot holds the whole int64 id, and an id is found only
+    where a slot's key equals it (empty slots hold -1, and ids are >= 0). A binary search
+    (``searchsorted`` per feature, what this replaced) takes about 17 dependent cache
+    misses per id on a 100k-id table; the probe takes two independent ones.
 
     Layout of the region, int64, fixed by the tables' rows (so it can live in a file every
     worker of the pod maps, :meth:`serve.runtime.shared.SharedTables.open`, and change in
     place when a delta lands)::
 
-        counts  (T,)            ids admitted per table, n_t
-        ids     (sum_t rows_t,) table t's slots at offsets[t]: its n_t ids sorted, then -1
-        rows    (sum_t rows_t,) the rows of those ids, then FALLBACK_ROW
+        counts  (T,)             ids admitted per table, n_t
+        mults   (2T,)            table t's two hash multipliers (:func:`multipliers`)
+        ids     (sum_t rows_t,)  table t's sorted map at offsets[t]: its n_t ids, then -1
+        rows    (sum_t rows_t,)  the rows of those ids, then FALLBACK_ROW
+        keys    (sum_t S_t,)     table t's hash slots at slot_offsets[t] (S_t = 2**b_t,
+                                 :func:`slot_bits`): the id in each slot, or -1
+        slot_rows (sum_t S_t,)   the row of that id (FALLBACK_ROW in empty slots)
 
-    A table has ``rows_t`` slots and at most ``rows_t - 1`` ids, so slot ``n_t`` always holds
-    the sentinel -1, which no query equals (ids are >= 0): a search past the last id lands
-    on it and finds nothing.
+    Memory: 16 B per slot, 2.5-5 slots per table row (40-80 B per row) besides the sorted
+    map's 16 B: the price of one probe per id at a load of at most 0.4.
 
     Ids outside a map read ``id % k_t`` (k_t: the table's fallback rows, fixed by its
     schema, so not in the region).
@@ -277,54 +354,50 @@ class MapIndex:
         self.fallback = {t: (fallback or {}).get(t, 1) for t in self.tables}
         self._hashed = any(k > 1 for k in self.fallback.values())
         self.order = {t: i for i, t in enumerate(self.tables)}
+        self.bits = {t: slot_bits(rows) for t, rows in self.tables.items()}
         self.offsets: dict[int, int] = {}
-        at = 0
+        self.slot_offsets: dict[int, int] = {}
+        at = sat = 0
         for t, rows in self.tables.items():
-            self.offsets[t] = at
+            self.offsets[t], self.slot_offsets[t] = at, sat
             at += rows
-        slots, nt = at, len(self.tables)
+            sat += 1 << self.bits[t]
+        rows_total, slots, nt = at, sat, len(self.tables)
+        size = self.size(self.tables)
         if region is None:
-            region = torch.empty(self.size(self.tables), dtype=torch.int64, device=device)
+            region = torch.empty(size, dtype=torch.int64, device=device)
             region[:nt] = 0
-            region[nt:nt + slots] = -1
-            region[nt + slots:] = FALLBACK_ROW
-        if region.dtype != torch.int64 or region.numel() != self.size(self.tables):
+            first = multipliers(0)
+            region[nt:3 * nt:2] = first[0]
+            region[nt + 1:3 * nt:2] = first[1]
+            region[3 * nt:3 * nt + rows_total] = -1
+            region[3 * nt + rows_total:3 * nt + 2 * rows_total] = FALLBACK_ROW
+            region[3 * nt + 2 * rows_total:3 * nt + 2 * rows_total + slots] = -1
+            region[3 * nt + 2 * rows_total + slots:] = FALLBACK_ROW
+        if region.dtype != torch.int64 or region.numel() != size:
             raise ConfigError(f"an id map region for tables {self.tables} is int64 "
-                              f"({self.size(self.tables)},), got {region.dtype} "
-                              f"{tuple(region.shape)}")
+                              f"({size},), got {region.dtype} {tuple(region.shape)}")
         self.region = region
-        self.counts = region[:nt]
-        self.ids = region[nt:nt + slots]
-        self.rows = region[nt + slots:]
-        # On CUDA the counts are mirrored on the host (reading them would sync the device
-        # every batch); on CPU they are read from the region, which another worker may
-        # have changed (a shared file).
+        cut = [nt, 2 * nt, rows_total, rows_total, slots, slots]
+        (self.counts, self.mults, self.ids, self.rows, self.keys,
+         self.slot_rows) = torch.split(region, cut)
+        # On CUDA the counts are mirrored on the host (reading them would sync the device);
+        # on CPU they are read from the region, which another worker may have changed.
+        # Lookups never read them: only map() does.
         self._host_counts: list[int] | None = (self.counts.tolist()
                                                if region.device.type != "cpu" else None)
-        # Per-call costs are dispatcher calls (~5-10 us each on a server CPU), so what
-        # does not change between batches is made once: each table's view of its ids
-        # (remade when a count changes) and, per feature layout, the offsets.
-        self._views: dict[int, torch.Tensor] = {}
-        self._views_counts: list[int] | None = None
-        self._offs: dict[tuple[int, ...], torch.Tensor] = {}
-        self._ks: dict[tuple[int, ...], torch.Tensor] = {}
+        # Per feature layout, what does not change between batches (each tensor op is a
+        # dispatcher call, ~5-10 us on a server CPU): table positions, shifts, bases, ks.
+        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     @staticmethod
     def size(tables: dict[int, int]) -> int:
         """int64 elements of the region of ``tables`` (table -> rows)."""
-        return len(tables) + 2 * sum(tables.values())
+        return (3 * len(tables) + 2 * sum(tables.values())
+                + 2 * sum(1 << slot_bits(r) for r in tables.values()))
 
     def _counts(self) -> list[int]:
         return self._host_counts if self._host_counts is not None else self.counts.tolist()
-
-    def _sorted(self) -> dict[int, torch.Tensor]:
-        """Each table's sorted ids (views of the region), remade when a count changed."""
-        counts = self._counts()
-        if counts != self._views_counts:
-            self._views = {t: self.ids[self.offsets[t]:self.offsets[t] + counts[k]]
-                           for t, k in self.order.items()}
-            self._views_counts = list(counts)
-        return self._views
 
     def map(self, table: int) -> IdMap:
         """Table ``table``'s map: views of the region (valid until the next write)."""
@@ -333,20 +406,65 @@ class MapIndex:
                      self.fallback[table])
 
     def write(self, table: int, m: IdMap) -> None:
-        """Make ``m`` table ``table``'s map, in place (the caller holds whatever lock keeps
-        lookups out meanwhile)."""
+        """Make ``m`` table ``table``'s map, in place: its sorted map and its hash slots
+        (placed on the host first, so the region is written in a few copies; the caller
+        holds whatever lock keeps lookups out meanwhile).
+
+        Raises:
+            ConfigError: ``m`` is not of this table's layout, or no multiplier pair of
+                :data:`HASH_ATTEMPTS` places its ids (not seen at load <= 0.4).
+        """
         if (m.table_rows, m.fallback_rows) != (self.tables.get(table), self.fallback.get(table)):
             raise ConfigError(f"table {table} has no id map slots for {m.table_rows} rows "
                               f"with {m.fallback_rows} fallback rows")
         k, off, rows = self.order[table], self.offsets[table], self.tables[table]
+        bits, soff = self.bits[table], self.slot_offsets[table]
+        ids, row_of = m.to_numpy()
+        for attempt in range(HASH_ATTEMPTS):
+            mults = multipliers(attempt)
+            at = cuckoo_place(ids, bits, mults)
+            if at is not None:
+                break
+        else:
+            raise ConfigError(f"the {ids.shape[0]} ids of table {table} found no cuckoo "
+                              f"placement in {1 << bits} slots under {HASH_ATTEMPTS} hash "
+                              "multiplier pairs; report this map (it should not happen "
+                              f"below load {1 / SLOTS_PER_ROW:.1f})")
+        used = at >= 0
+        keys = np.full(at.shape[0], -1, dtype=np.int64)
+        slot_rows = np.full(at.shape[0], FALLBACK_ROW, dtype=np.int64)
+        keys[used], slot_rows[used] = ids[at[used]], row_of[at[used]]
+        dev = self.region.device
         n = m.size
-        self.ids[off:off + n] = m.ids.to(self.ids.device)
-        self.rows[off:off + n] = m.rows.to(self.rows.device)
+        self.ids[off:off + n] = m.ids.to(dev)
+        self.rows[off:off + n] = m.rows.to(dev)
         self.ids[off + n:off + rows] = -1
         self.rows[off + n:off + rows] = FALLBACK_ROW
+        self.keys[soff:soff + (1 << bits)] = torch.from_numpy(keys).to(dev)
+        self.slot_rows[soff:soff + (1 << bits)] = torch.from_numpy(slot_rows).to(dev)
+        self.mults[2 * k:2 * k + 2] = torch.tensor(mults, dtype=torch.int64, device=dev)
         self.counts[k] = n
         if self._host_counts is not None:
             self._host_counts[k] = n
+
+    def _layout(self, tables: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """(positions (M,), shifts (M, 1), bases (M, 1), ks (M, 1)) of a feature layout:
+        each feature's table position in the region, ``64 - b``, its slots' first index
+        plus ``2**(b-1)`` (the arithmetic shift's result is signed), its fallback rows."""
+        got = self._layouts.get(tables)
+        if got is None:
+            dev = self.region.device
+
+            def col(xs: list[int]) -> torch.Tensor:
+                return torch.tensor(xs, dtype=torch.int64, device=dev).unsqueeze(1)
+
+            got = (torch.tensor([self.order[t] for t in tables], dtype=torch.int64,
+                                device=dev),
+                   col([64 - self.bits[t] for t in tables]),
+                   col([self.slot_offsets[t] + (1 << (self.bits[t] - 1)) for t in tables]),
+                   col([self.fallback[t] for t in tables]))
+            self._layouts[tables] = got
+        return got
 
     def lookup(self, values: torch.Tensor, segments: list[tuple[int, int, int]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,49 +472,43 @@ class MapIndex:
         ``values[lo:hi]`` are of ``table``; together the segments cover ``values``):
         ``(rows int64 (k,), found bool (k,))`` on ``values``' device, FALLBACK_ROW where
         not found."""
-        views = self._sorted()
-        pos = torch.empty_like(values)
+        x = values ^ (values >> _MIX)
+        s1, s2 = torch.empty_like(values), torch.empty_like(values)
         ks = torch.ones_like(values) if self._hashed else None
         for t, lo, hi in segments:
-            if hi > lo:
-                torch.searchsorted(views[t], values[lo:hi], out=pos[lo:hi])
-                pos[lo:hi] += self.offsets[t]
-                if ks is not None:
-                    ks[lo:hi] = self.fallback[t]
-        return self._resolve(values, pos, ks)
+            if hi <= lo:
+                continue
+            k, bits = self.order[t], self.bits[t]
+            base = self.slot_offsets[t] + (1 << (bits - 1))
+            for s, j in ((s1, 2 * k), (s2, 2 * k + 1)):
+                torch.mul(x[lo:hi], self.mults[j:j + 1], out=s[lo:hi])
+                s[lo:hi] >>= 64 - bits
+                s[lo:hi] += base
+            if ks is not None:
+                ks[lo:hi] = self.fallback[t]
+        return self._probe(values, s1, s2, ks)
 
     def lookup_features(self, values: torch.Tensor, tables: tuple[int, ...]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """One id per (feature, sample): ``values`` int64 (M, B), row i of managed table
-        ``tables[i]`` -> ``(rows int64 (M, B), found bool (M, B))``. One ``searchsorted``
-        per feature and nothing else per feature (the one-hot path of every batch)."""
-        views = self._sorted()
-        pos = torch.empty_like(values)
-        for t, v, p in zip(tables, values.unbind(0), pos.unbind(0), strict=True):
-            torch.searchsorted(views[t], v, out=p)
-        offs = self._offs.get(tables)
-        if offs is None:
-            offs = torch.tensor([self.offsets[t] for t in tables], dtype=torch.int64,
-                                device=values.device).unsqueeze(1)
-            self._offs[tables] = offs
-        pos += offs
-        ks = None
-        if self._hashed:
-            ks = self._ks.get(tables)
-            if ks is None:
-                ks = torch.tensor([self.fallback[t] for t in tables], dtype=torch.int64,
-                                  device=values.device).unsqueeze(1)
-                self._ks[tables] = ks
-            ks = ks.expand_as(values).reshape(-1)
-        rows, found = self._resolve(values.reshape(-1), pos.view(-1), ks)
+        ``tables[i]`` -> ``(rows int64 (M, B), found bool (M, B))``. The same ops for every
+        feature at once (the one-hot path of every batch)."""
+        pos, shifts, bases, ks = self._layout(tables)
+        mults = self.mults.view(-1, 2).index_select(0, pos)          # (M, 2)
+        x = values ^ (values >> _MIX)
+        s1 = ((x * mults[:, :1]) >> shifts) + bases
+        s2 = ((x * mults[:, 1:]) >> shifts) + bases
+        rows, found = self._probe(values.reshape(-1), s1.view(-1), s2.view(-1),
+                                  ks.expand_as(values).reshape(-1) if self._hashed else None)
         return rows.view_as(values), found.view_as(values)
 
-    def _resolve(self, values: torch.Tensor, pos: torch.Tensor, ks: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global slots ``pos`` of ``values`` (both (k,)) -> (rows, found); ids not found
-        read row ``value % ks`` (``ks`` None: every table has one fallback row, 0)."""
-        found = self.ids.index_select(0, pos) == values
+    def _probe(self, values: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+               ks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both slots ``s1``, ``s2`` of ``values`` (all (k,)) -> (rows, found); ids in
+        neither read row ``value % ks`` (``ks`` None: every table has one fallback row, 0)."""
+        in1 = self.keys.index_select(0, s1) == values
+        found = in1 | (self.keys.index_select(0, s2) == values)
+        got = self.slot_rows.index_select(0, torch.where(in1, s1, s2))
         fallback = (values % ks if ks is not None
                     else torch.zeros((), dtype=torch.int64, device=values.device))
-        rows = torch.where(found, self.rows.index_select(0, pos), fallback)
-        return rows, found
+        return torch.where(found, got, fallback), found
