@@ -185,7 +185,7 @@ def _remap_cost(art: Any, inputs: dict[int, tuple], batches: tuple[int, ...],
     (every table managed and full, :func:`bench.gpu_check.managed_twin`) fed the raw ids of
     the very rows the modulo runtime is fed, at the batch closest to 512. Same rows, so
     the probabilities must be equal (checked with ``torch.equal``); the difference in
-    time is the map lookup (a ``searchsorted`` per managed feature)."""
+    time is the map lookup (:class:`serve.runtime.idmap.MapIndex`: a hash probe per id)."""
     from bench.gpu_check import managed_twin
 
     b = min(batches, key=lambda x: abs(x - 512))

@@ -509,6 +509,6 @@ class MapIndex:
         in1 = self.keys.index_select(0, s1) == values
         found = in1 | (self.keys.index_select(0, s2) == values)
         got = self.slot_rows.index_select(0, torch.where(in1, s1, s2))
-        fallback = (values % ks if ks is not None
-                    else torch.zeros((), dtype=torch.int64, device=values.device))
-        return torch.where(found, got, fallback), found
+        if ks is None:      # one fallback row, row 0: a product is cheaper than a select
+            return got.mul_(found), found
+        return torch.where(found, got, values % ks), found
