@@ -346,6 +346,39 @@ def test_managed_follower_refuses_a_change_the_map_refuses(managed, tmp_path):
     assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
 
 
+def test_managed_follower_hashes_maps_before_the_lock_and_refuses_a_map_it_cannot_place(
+        managed, tmp_path, monkeypatch):
+    """The changed maps are hashed before batches stop (the write under the lock is only
+    copies); a map that finds no placement refuses the delta whole, like any id conflict,
+    and the worker keeps serving the version as it was."""
+    from serve.runtime import idmap
+
+    d = id_delta(managed, 7)
+    rt = Runtime.from_artifact(managed, RuntimeConfig())
+    ref = Runtime.from_artifact(managed, RuntimeConfig())
+    f = DeltaFollower(_store_with(tmp_path, d), VERSION, rt, threading.Lock())
+    monkeypatch.setattr(idmap, "HASH_ATTEMPTS", 0)       # no multiplier pair to try
+    assert f.catch_up() == 0 and f.applied == 0
+    dense, sparse = traffic(managed, d, 3, 64, multi_hot=True)
+    assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
+    monkeypatch.undo()
+    maps = f.id_maps(f.load(1))
+    assert maps and all("placement" not in m.__dict__ for m in maps.values())
+    placed_when_written = []
+    write = rt.set_id_map
+
+    def spy(table: int, m: IdMap) -> None:     # runs under the follower's locks
+        placed_when_written.append("placement" in m.__dict__)
+        write(table, m)
+
+    monkeypatch.setattr(rt, "set_id_map", spy)
+    f.apply(f.load(1), maps)
+    assert placed_when_written and all(placed_when_written)
+    assert f.applied == 1
+    rebuilt = Runtime.from_artifact(with_delta_rows(managed, d), RuntimeConfig())
+    assert torch.equal(rt.predict(dense, sparse), rebuilt.predict(dense, sparse))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cache", [None, "lru", "lfu"])

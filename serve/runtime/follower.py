@@ -176,11 +176,27 @@ class DeltaFollower:
                                     "map", reason="id_map") from e
         return out
 
+    @staticmethod
+    def _place(maps: dict[int, IdMap]) -> None:
+        """Hash the changed maps (:attr:`IdMap.placement`, cached on each map) before
+        batches are stopped: under the write lock, writing them is only copies.
+
+        Raises:
+            DeltaConflict: a map without a placement (not seen at the maps' load).
+        """
+        for table, id_map in maps.items():
+            try:
+                _ = id_map.placement
+            except ServeError as e:
+                raise DeltaConflict("tables", f"table {table}: {e.message}",
+                                    reason="id_map") from e
+
     def apply(self, delta: Delta, id_maps: dict[int, IdMap] | None = None) -> float:
         """Write ``delta``'s id changes and rows between two batches; return the seconds
         the write took (not the wait for the running batch). ``id_maps``: from
         :meth:`id_maps` (computed here when None)."""
         maps = self.id_maps(delta) if id_maps is None else id_maps
+        self._place(maps)
         prepared = [(t.table, _int64(t.ids), torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
                     for t in delta.tables]
         shared = self.runtime.shared
@@ -221,6 +237,7 @@ class DeltaFollower:
             try:
                 delta = self.load(seq)
                 maps = self.id_maps(delta)
+                self._place(maps)
             except (ServeError, OSError) as e:
                 if self._failed != seq:
                     log.error("delta %s #%d not applied: %s", self.version, seq, e)

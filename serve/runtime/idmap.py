@@ -31,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +158,35 @@ class IdMap:
         """What an artifact stores: ``{"ids", "rows"}`` CPU tensors (the rows count is the
         schema's)."""
         return {"ids": self.ids.cpu(), "rows": self.rows.cpu()}
+
+    @functools.cached_property
+    def placement(self) -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
+        """``(multipliers, keys, slot_rows)``: this map's cuckoo hash as :class:`MapIndex`
+        stores it (int64 (2**b,) each, b = :func:`slot_bits` of the table's rows; -1 and
+        FALLBACK_ROW in empty slots). Computed once per map, so a delta can place its maps
+        before it takes the lock that stops batches (:meth:`serve.runtime.follower.
+        DeltaFollower.apply`), and the write under it is only copies.
+
+        Raises:
+            ConfigError: no multiplier pair of :data:`HASH_ATTEMPTS` places the ids (not
+                seen at load <= 0.4).
+        """
+        ids, row_of = self.to_numpy()
+        bits = slot_bits(self.table_rows)
+        for attempt in range(HASH_ATTEMPTS):
+            mults = multipliers(attempt)
+            at = cuckoo_place(ids, bits, mults)
+            if at is not None:
+                break
+        else:
+            raise ConfigError(f"{ids.shape[0]} ids found no cuckoo placement in {1 << bits} "
+                              f"slots under {HASH_ATTEMPTS} hash multiplier pairs; report "
+                              f"this map (it should not happen below load {1 / SLOTS_PER_ROW:.1f})")
+        used = at >= 0
+        keys = np.full(at.shape[0], -1, dtype=np.int64)
+        slot_rows = np.full(at.shape[0], FALLBACK_ROW, dtype=np.int64)
+        keys[used], slot_rows[used] = ids[at[used]], row_of[at[used]]
+        return mults, keys, slot_rows
 
     def equal(self, other: IdMap) -> bool:
         """Same ids, same rows, same table (``torch.equal``)."""
@@ -407,33 +437,18 @@ class MapIndex:
 
     def write(self, table: int, m: IdMap) -> None:
         """Make ``m`` table ``table``'s map, in place: its sorted map and its hash slots
-        (placed on the host first, so the region is written in a few copies; the caller
-        holds whatever lock keeps lookups out meanwhile).
+        (:attr:`IdMap.placement`, computed on the host, once per map: here only copies;
+        the caller holds whatever lock keeps lookups out meanwhile).
 
         Raises:
-            ConfigError: ``m`` is not of this table's layout, or no multiplier pair of
-                :data:`HASH_ATTEMPTS` places its ids (not seen at load <= 0.4).
+            ConfigError: ``m`` is not of this table's layout, or it has no placement.
         """
         if (m.table_rows, m.fallback_rows) != (self.tables.get(table), self.fallback.get(table)):
             raise ConfigError(f"table {table} has no id map slots for {m.table_rows} rows "
                               f"with {m.fallback_rows} fallback rows")
         k, off, rows = self.order[table], self.offsets[table], self.tables[table]
         bits, soff = self.bits[table], self.slot_offsets[table]
-        ids, row_of = m.to_numpy()
-        for attempt in range(HASH_ATTEMPTS):
-            mults = multipliers(attempt)
-            at = cuckoo_place(ids, bits, mults)
-            if at is not None:
-                break
-        else:
-            raise ConfigError(f"the {ids.shape[0]} ids of table {table} found no cuckoo "
-                              f"placement in {1 << bits} slots under {HASH_ATTEMPTS} hash "
-                              "multiplier pairs; report this map (it should not happen "
-                              f"below load {1 / SLOTS_PER_ROW:.1f})")
-        used = at >= 0
-        keys = np.full(at.shape[0], -1, dtype=np.int64)
-        slot_rows = np.full(at.shape[0], FALLBACK_ROW, dtype=np.int64)
-        keys[used], slot_rows[used] = ids[at[used]], row_of[at[used]]
+        mults, keys, slot_rows = m.placement
         dev = self.region.device
         n = m.size
         self.ids[off:off + n] = m.ids.to(dev)
