@@ -310,6 +310,14 @@ def hash_slots(ids: np.ndarray, bits: int, mult: int) -> np.ndarray:
     return out
 
 
+def _slots(mixed: torch.Tensor, mult: torch.Tensor | int, shift: torch.Tensor | int,
+           base: torch.Tensor | int) -> torch.Tensor:
+    """:func:`hash_slots` in torch, from ``mixed = x ^ (x >> 29)`` (computed once for both
+    multipliers), with ``shift = 64 - b`` and ``base`` = the table's first slot in the
+    region + 2**(b-1) (the centring :func:`hash_slots` adds); all broadcast."""
+    return ((mixed * mult) >> shift) + base
+
+
 def cuckoo_place(ids: np.ndarray, bits: int, mults: tuple[int, int]) -> np.ndarray | None:
     """Two-choice cuckoo placement of int64 ``ids`` (n,) in 2**bits slots: ``at`` int64
     (2**bits,), the index into ``ids`` of the id in each slot or -1, such that every id
@@ -392,25 +400,23 @@ class MapIndex:
             self.offsets[t], self.slot_offsets[t] = at, sat
             at += rows
             sat += 1 << self.bits[t]
-        rows_total, slots, nt = at, sat, len(self.tables)
-        size = self.size(self.tables)
+        nt, size = len(self.tables), self.size(self.tables)
+        fresh = region is None
         if region is None:
             region = torch.empty(size, dtype=torch.int64, device=device)
-            region[:nt] = 0
-            first = multipliers(0)
-            region[nt:3 * nt:2] = first[0]
-            region[nt + 1:3 * nt:2] = first[1]
-            region[3 * nt:3 * nt + rows_total] = -1
-            region[3 * nt + rows_total:3 * nt + 2 * rows_total] = FALLBACK_ROW
-            region[3 * nt + 2 * rows_total:3 * nt + 2 * rows_total + slots] = -1
-            region[3 * nt + 2 * rows_total + slots:] = FALLBACK_ROW
         if region.dtype != torch.int64 or region.numel() != size:
             raise ConfigError(f"an id map region for tables {self.tables} is int64 "
                               f"({size},), got {region.dtype} {tuple(region.shape)}")
         self.region = region
-        cut = [nt, 2 * nt, rows_total, rows_total, slots, slots]
         (self.counts, self.mults, self.ids, self.rows, self.keys,
-         self.slot_rows) = torch.split(region, cut)
+         self.slot_rows) = torch.split(region, [nt, 2 * nt, at, at, sat, sat])
+        if fresh:     # empty maps: no ids, every slot empty
+            self.counts.zero_()
+            self.mults.copy_(torch.tensor(multipliers(0) * nt, dtype=torch.int64))
+            self.ids.fill_(-1)
+            self.keys.fill_(-1)
+            self.rows.fill_(FALLBACK_ROW)
+            self.slot_rows.fill_(FALLBACK_ROW)
         # On CUDA the counts are mirrored on the host (reading them would sync the device);
         # on CPU they are read from the region, which another worker may have changed.
         # Lookups never read them: only map() does.
@@ -496,9 +502,7 @@ class MapIndex:
             k, bits = self.order[t], self.bits[t]
             base = self.slot_offsets[t] + (1 << (bits - 1))
             for s, j in ((s1, 2 * k), (s2, 2 * k + 1)):
-                torch.mul(x[lo:hi], self.mults[j:j + 1], out=s[lo:hi])
-                s[lo:hi] >>= 64 - bits
-                s[lo:hi] += base
+                s[lo:hi] = _slots(x[lo:hi], self.mults[j:j + 1], 64 - bits, base)
             if ks is not None:
                 ks[lo:hi] = self.fallback[t]
         return self._probe(values, s1, s2, ks)
@@ -511,8 +515,8 @@ class MapIndex:
         pos, shifts, bases, ks = self._layout(tables)
         mults = self.mults.view(-1, 2).index_select(0, pos)          # (M, 2)
         x = values ^ (values >> _MIX)
-        s1 = ((x * mults[:, :1]) >> shifts) + bases
-        s2 = ((x * mults[:, 1:]) >> shifts) + bases
+        s1 = _slots(x, mults[:, :1], shifts, bases)
+        s2 = _slots(x, mults[:, 1:], shifts, bases)
         rows, found = self._probe(values.reshape(-1), s1.view(-1), s2.view(-1),
                                   ks.expand_as(values).reshape(-1) if self._hashed else None)
         return rows.view_as(values), found.view_as(values)
