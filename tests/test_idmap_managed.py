@@ -470,6 +470,68 @@ def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
     assert shared.path.stat().st_size == table_bytes + (-table_bytes % 8) + maps
 
 
+def test_managed_second_worker_maps_the_region_without_hashing_a_map(managed, tmp_path,
+                                                                     monkeypatch):
+    """The worker that writes the pod's shared file builds the id map region (hashing
+    every admitted id); a worker that finds the file of the same build maps it as it is,
+    and serves the same predictions. A file whose region another layout wrote (an older
+    REGION_LAYOUT) is written afresh."""
+    from serve.runtime import idmap
+    from serve.runtime import shared as shared_mod
+    from serve.runtime.shared import SharedTables
+
+    art_path = tmp_path / "artifact.pt"
+    save_artifact(managed, art_path)
+    path = tmp_path / "deltas" / VERSION / "tables.bin"
+    first = Runtime.from_artifact(load_artifact(art_path), RuntimeConfig(),
+                                  shared=SharedTables(path))
+    written = path.stat().st_ino
+    dense, sparse = traffic(managed, id_delta(managed, 9), 1, 64, multi_hot=True)
+    expected = first.predict(dense, sparse)
+
+    hashed: list[int] = []
+    real = IdMap.placement.func
+
+    def counted(self):
+        hashed.append(self.size)
+        return real(self)
+
+    monkeypatch.setattr(IdMap, "placement", property(counted))
+    second = Runtime.from_artifact(load_artifact(art_path), RuntimeConfig(),
+                                   shared=SharedTables(path))
+    assert hashed == [], "the second worker hashed maps the file already holds"
+    assert path.stat().st_ino == written
+    assert torch.equal(second.predict(dense, sparse), expected)
+
+    writes: list[str] = []
+    monkeypatch.setattr(shared_mod.log, "info", lambda msg, *a: writes.append(msg % a))
+    monkeypatch.setattr(idmap, "REGION_LAYOUT", idmap.REGION_LAYOUT + "-next")
+    third = Runtime.from_artifact(load_artifact(art_path), RuntimeConfig(),
+                                  shared=SharedTables(path))
+    assert len(hashed) == len(MANAGED) and any("another build" in w for w in writes), writes
+    assert torch.equal(third.predict(dense, sparse), expected)
+
+
+#: The digest of the region that one fixed map gives, per REGION_LAYOUT. A change to the
+#: layout or the hash changes it: give the layout a new tag (and record its digest here),
+#: so that pods never read a shared file written with the old one as the new.
+LAYOUT_DIGESTS = {"cuckoo2:1": "c149238698d975a7"}
+
+
+def test_managed_region_layout_is_named_by_its_tag():
+    import hashlib
+
+    from serve.runtime.idmap import REGION_LAYOUT, MapIndex
+
+    m = IdMap.from_arrays([MAX, 7, 0, 2**40, 123456789], [3, 1, 4, 2, 5], table_rows=8)
+    index = MapIndex({2: 8, 5: 8})
+    index.write(2, m)
+    digest = hashlib.sha256(index.region.numpy().tobytes()).hexdigest()[:16]
+    assert LAYOUT_DIGESTS.get(REGION_LAYOUT) == digest, (
+        f"the region of a fixed map is now {digest} under REGION_LAYOUT {REGION_LAYOUT!r}; "
+        "if its layout or hash changed, give REGION_LAYOUT a new tag and record it here")
+
+
 def test_managed_warm_up_reads_admitted_ids_and_leaves_the_fallback_count(managed):
     from serve.runtime.warmup import warm_up
 

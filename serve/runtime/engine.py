@@ -64,7 +64,7 @@ from serve.runtime.cache import (
 )
 from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, convert_precision
 from serve.runtime.idmap import IdMap, MapIndex
-from serve.runtime.shared import SharedTables
+from serve.runtime.shared import IdRegion, SharedTables
 from serve.schema import ModelSchema
 from serve.store.rowformat import row_bytes
 
@@ -422,18 +422,31 @@ class Runtime:
                      else cap < self.total_rows)
         # The managed tables' maps: written into a region of their own here (on the
         # device), or, with the pod-wide shared tables, into the shared file beside them.
-        maps = MapIndex(self._managed, fallback=self._fallback_rows)
-        for i, t in enumerate(self.schema.tables):
-            if i in self._managed:
-                maps.write(i, artifact.id_maps[t.name])
+        def fresh_maps() -> MapIndex:
+            maps = MapIndex(self._managed, fallback=self._fallback_rows)
+            for i, t in enumerate(self.schema.tables):
+                if i in self._managed:
+                    maps.write(i, artifact.id_maps[t.name])
+            return maps
+
         if not use_cache and self.device.type == "cpu" and shared is not None:
-            # One copy for every worker of the pod (serve.runtime.shared).
+            # One copy for every worker of the pod (serve.runtime.shared); the region is
+            # built (every id hashed) only by the worker that writes the file.
             self.shared = shared
-            table = shared.open(_widen(tables), maps.region if self._managed else None)
+            region = None
+            if self._managed:
+                names = {i: self.schema.tables[i].name for i in self._managed}
+                region = IdRegion(
+                    MapIndex.size(self._managed),
+                    MapIndex.identity(self._managed,
+                                      {i: artifact.id_maps[n] for i, n in names.items()}),
+                    lambda: fresh_maps().region)
+            table = shared.open(_widen(tables), region)
             self._map_index = (MapIndex(self._managed, shared.id_region,
                                         fallback=self._fallback_rows)
-                               if shared.id_region is not None else maps)
+                               if shared.id_region is not None else fresh_maps())
             return None, table
+        maps = fresh_maps()
         self._map_index = (maps if self.device.type == "cpu"
                            else MapIndex(self._managed, maps.region.to(self.device),
                                          fallback=self._fallback_rows))

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +280,15 @@ SLOTS_PER_ROW = 2.5
 #: (below load 0.5 the first pair almost always does; each retry is independent).
 HASH_ATTEMPTS = 16
 _ROUNDS = 2000        # placement rounds per attempt (load <= 0.4 needs tens)
+#: Names the region's layout and hash (:class:`MapIndex`, :func:`hash_slots`,
+#: :func:`multipliers`). A pod's shared table file is recognised by an identity that
+#: includes it (:meth:`MapIndex.identity`), not by its bytes: change it with any change to
+#: what a region holds for the same maps, or a file an older build of this code wrote
+#: would be read with the new layout (``test_managed_region_layout_is_named_by_its_tag``
+#: fails until it is changed).
+REGION_LAYOUT = "cuckoo2:1"
+#: Ids and rows per map that :meth:`MapIndex.identity` reads (evenly spread).
+IDENTITY_IDS = 256
 _MIX = 29             # x ^ (x >> 29): high id bits reach the multiplier's low bits
 
 
@@ -431,6 +441,24 @@ class MapIndex:
         """int64 elements of the region of ``tables`` (table -> rows)."""
         return (3 * len(tables) + 2 * sum(tables.values())
                 + 2 * sum(1 << slot_bits(r) for r in tables.values()))
+
+    @staticmethod
+    def identity(tables: dict[int, int], maps: dict[int, IdMap]) -> str:
+        """Names the region that ``maps`` (table -> its map) give ``tables`` (table ->
+        rows), without building it: :data:`REGION_LAYOUT`, each table's rows and fallback
+        rows, and each map's size and up to :data:`IDENTITY_IDS` evenly spread (id, row)
+        pairs (two builds differ in their maps' sizes or ids; the region is a function of
+        the maps). Microseconds, where building the region hashes every id."""
+        h = hashlib.sha256(f"{REGION_LAYOUT};".encode())
+        for t, rows in tables.items():
+            m = maps[t]
+            h.update(f"{t}:{rows}:{m.fallback_rows}:{m.size};".encode())
+            if m.size:
+                k = min(m.size, IDENTITY_IDS)
+                picks = torch.linspace(0, m.size - 1, k).round().long()
+                h.update(m.ids.cpu().index_select(0, picks).numpy().tobytes())
+                h.update(m.rows.cpu().index_select(0, picks).numpy().tobytes())
+        return h.hexdigest()[:32]
 
     def _counts(self) -> list[int]:
         return self._host_counts if self._host_counts is not None else self.counts.tolist()

@@ -27,12 +27,16 @@ that they see it (each worker's view gets every delta exactly once).
 
 ``tables.id`` names the build the file was written from (:func:`tables_identity`: a
 digest of the shapes and of up to 256 evenly spread rows of every table of the
-artifact). A version name can come back with other weights (``make clean-models`` and a
+artifact, and of the id maps' own identity, :class:`IdRegion`). A version name can come back with other weights (``make clean-models`` and a
 rebuild, a store restored from elsewhere) while the delta folder survives: a file of
 the right size but another build's rows would serve those rows under the new dense
 layers, a silent wrong answer. So a file whose identity is missing or differs is
 written afresh (and its deltas re-applied by the followers, from sequence 0). Deltas
 change the file's rows, never the identity it was written for.
+
+The id map region is built only by the worker that writes the file
+(:attr:`IdRegion.build`: hashing every admitted id into its slots, seconds per worker at
+criteo scale); the others map what it wrote, recognised by the identity.
 """
 from __future__ import annotations
 
@@ -41,32 +45,44 @@ import fcntl
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from serve.errors import ArtifactError
 
-__all__ = ["SharedTables", "tables_identity"]
+__all__ = ["IdRegion", "SharedTables", "tables_identity"]
 
 #: Rows per table that :func:`tables_identity` hashes (evenly spread, first and last).
 IDENTITY_ROWS = 256
 
 
-def tables_identity(tables: list[torch.Tensor], id_region: torch.Tensor | None = None) -> str:
+@dataclass(frozen=True)
+class IdRegion:
+    """The managed tables' id map region that the file holds after the rows.
+
+    Attributes:
+        size: its int64 elements.
+        identity: names its content, without building it (the build's maps and the
+            region's layout: :func:`serve.runtime.idmap.MapIndex.identity`).
+        build: the region, int64 (size,); called only when the file is written.
+    """
+    size: int
+    identity: str
+    build: Callable[[], torch.Tensor]
+
+
+def tables_identity(tables: list[torch.Tensor], id_region: IdRegion | None = None) -> str:
     """A digest naming the build ``tables`` come from: the shape of each uint8
     (rows_t, row_bytes) table and up to :data:`IDENTITY_ROWS` evenly spread rows of each
-    (the first and last included). Two trainings differ in every row, so a sample tells
-    builds apart; reading it costs microseconds where hashing every row of a 2 GB table
-    would cost seconds per worker."""
+    (the first and last included), and ``id_region``'s identity. Two trainings differ in
+    every row, so a sample tells builds apart; reading it costs microseconds where hashing
+    every row of a 2 GB table would cost seconds per worker."""
     h = hashlib.sha256()
     if id_region is not None:   # the build's id maps: part of what the file holds
-        h.update(f"maps{int(id_region.numel())};".encode())
-        k = min(int(id_region.numel()), 4 * IDENTITY_ROWS)
-        if k:
-            spread = torch.linspace(0, id_region.numel() - 1, k).long()
-            h.update(id_region.index_select(0, spread).contiguous().numpy().tobytes())
+        h.update(f"maps{id_region.size};{id_region.identity};".encode())
     for t in tables:
         rows = int(t.shape[0])
         h.update(f"{rows}x{int(t.shape[1])};".encode())
@@ -161,15 +177,24 @@ class SharedTables:
         tmp.write_text(ident)
         os.replace(tmp, self._id_path)
 
+    @staticmethod
+    def _region_bytes(id_region: IdRegion) -> memoryview:
+        region = id_region.build()
+        if region.dtype != torch.int64 or region.numel() != id_region.size:
+            raise ArtifactError(f"the id map region built is {region.dtype} "
+                                f"({region.numel()},), its layout says int64 "
+                                f"({id_region.size},)")
+        return region.cpu().contiguous().numpy().data
+
     # -- the mapping -------------------------------------------------------------------
-    def open(self, tables: list[torch.Tensor], id_region: torch.Tensor | None = None
+    def open(self, tables: list[torch.Tensor], id_region: IdRegion | None = None
              ) -> torch.Tensor:
         """The shared table, uint8 (R, row_bytes), mapped ``MAP_SHARED``.
 
         The first caller writes the file from ``tables`` (each uint8 (rows_t, row_bytes),
         in feature order; typically memory-mapped from the artifact) and ``id_region``
-        (the build's id maps, int64 (m,); then :attr:`id_region` is its view in the file);
-        later callers map it. A file whose size does not match, or that claims a delta
+        (the build's id maps, built only then; :attr:`id_region` is its view in the
+        file); later callers map it. A file whose size does not match, or that claims a delta
         newer than ``max_sequence``, is written afresh.
 
         Raises:
@@ -182,7 +207,7 @@ class SharedTables:
         rows = sum(int(t.shape[0]) for t in tables)
         table_bytes = rows * rb
         pad = -table_bytes % 8 if id_region is not None else 0
-        nmaps = int(id_region.numel()) if id_region is not None else 0
+        nmaps = id_region.size if id_region is not None else 0
         nbytes = table_bytes + pad + 8 * nmaps
         ident = tables_identity(tables, id_region)
         with self.write():
@@ -198,13 +223,17 @@ class SharedTables:
                 log.info("shared tables %s: writing %d rows x %d bytes (%s)", self.path, rows,
                          rb, why)
                 tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-                with open(tmp, "wb") as f:
-                    # memoryviews of the (memory-mapped) tables: no second copy in memory
-                    f.writelines(t.contiguous().numpy().data for t in tables)
-                    if id_region is not None:
-                        f.write(b"\0" * pad)
-                        f.write(id_region.cpu().contiguous().numpy().data)
-                os.replace(tmp, self.path)
+                try:
+                    with open(tmp, "wb") as f:
+                        # memoryviews of the (memory-mapped) tables: no second copy
+                        f.writelines(t.contiguous().numpy().data for t in tables)
+                        if id_region is not None:
+                            f.write(b"\0" * pad)
+                            f.write(self._region_bytes(id_region))
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
                 self.set_sequence(0)
                 self._set_identity(ident)
             storage = torch.UntypedStorage.from_file(os.fspath(self.path), shared=True,
