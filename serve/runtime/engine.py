@@ -422,25 +422,21 @@ class Runtime:
                      else cap < self.total_rows)
         # The managed tables' maps: written into a region of their own here (on the
         # device), or, with the pod-wide shared tables, into the shared file beside them.
+        id_maps = {i: artifact.id_maps[self.schema.tables[i].name] for i in self._managed}
+
         def fresh_maps() -> MapIndex:
             maps = MapIndex(self._managed, fallback=self._fallback_rows)
-            for i, t in enumerate(self.schema.tables):
-                if i in self._managed:
-                    maps.write(i, artifact.id_maps[t.name])
+            for i, m in id_maps.items():
+                maps.write(i, m)
             return maps
 
         if not use_cache and self.device.type == "cpu" and shared is not None:
             # One copy for every worker of the pod (serve.runtime.shared); the region is
             # built (every id hashed) only by the worker that writes the file.
             self.shared = shared
-            region = None
-            if self._managed:
-                names = {i: self.schema.tables[i].name for i in self._managed}
-                region = IdRegion(
-                    MapIndex.size(self._managed),
-                    MapIndex.identity(self._managed,
-                                      {i: artifact.id_maps[n] for i, n in names.items()}),
-                    lambda: fresh_maps().region)
+            region = (IdRegion(MapIndex.size(self._managed),
+                               MapIndex.identity(self._managed, id_maps),
+                               lambda: fresh_maps().region) if self._managed else None)
             table = shared.open(_widen(tables), region)
             self._map_index = (MapIndex(self._managed, shared.id_region,
                                         fallback=self._fallback_rows)

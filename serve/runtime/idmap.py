@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from serve.errors import ConfigError
+from serve.runtime.shared import spread_sample
 
 __all__ = ["FALLBACK_ROW", "IdMap"]
 
@@ -453,11 +454,8 @@ class MapIndex:
         for t, rows in tables.items():
             m = maps[t]
             h.update(f"{t}:{rows}:{m.fallback_rows}:{m.size};".encode())
-            if m.size:
-                k = min(m.size, IDENTITY_IDS)
-                picks = torch.linspace(0, m.size - 1, k).round().long()
-                h.update(m.ids.cpu().index_select(0, picks).numpy().tobytes())
-                h.update(m.rows.cpu().index_select(0, picks).numpy().tobytes())
+            h.update(spread_sample(m.ids.cpu(), IDENTITY_IDS))
+            h.update(spread_sample(m.rows.cpu(), IDENTITY_IDS))
         return h.hexdigest()[:32]
 
     def _counts(self) -> list[int]:

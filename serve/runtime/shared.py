@@ -27,8 +27,9 @@ that they see it (each worker's view gets every delta exactly once).
 
 ``tables.id`` names the build the file was written from (:func:`tables_identity`: a
 digest of the shapes and of up to 256 evenly spread rows of every table of the
-artifact, and of the id maps' own identity, :class:`IdRegion`). A version name can come back with other weights (``make clean-models`` and a
-rebuild, a store restored from elsewhere) while the delta folder survives: a file of
+artifact, and of the id maps' own identity, :class:`IdRegion`). A version name can come
+back with other weights (``make clean-models`` and a rebuild, a store restored from
+elsewhere) while the delta folder survives: a file of
 the right size but another build's rows would serve those rows under the new dense
 layers, a silent wrong answer. So a file whose identity is missing or differs is
 written afresh (and its deltas re-applied by the followers, from sequence 0). Deltas
@@ -53,7 +54,7 @@ import torch
 
 from serve.errors import ArtifactError
 
-__all__ = ["IdRegion", "SharedTables", "tables_identity"]
+__all__ = ["IdRegion", "SharedTables", "spread_sample", "tables_identity"]
 
 #: Rows per table that :func:`tables_identity` hashes (evenly spread, first and last).
 IDENTITY_ROWS = 256
@@ -84,14 +85,22 @@ def tables_identity(tables: list[torch.Tensor], id_region: IdRegion | None = Non
     if id_region is not None:   # the build's id maps: part of what the file holds
         h.update(f"maps{id_region.size};{id_region.identity};".encode())
     for t in tables:
-        rows = int(t.shape[0])
-        h.update(f"{rows}x{int(t.shape[1])};".encode())
-        if rows:
-            k = min(rows, IDENTITY_ROWS)
-            picks = sorted({round(i * (rows - 1) / max(k - 1, 1)) for i in range(k)})
-            h.update(t.index_select(0, torch.tensor(picks, dtype=torch.long))
-                     .contiguous().numpy().tobytes())
+        h.update(f"{int(t.shape[0])}x{int(t.shape[1])};".encode())
+        h.update(spread_sample(t, IDENTITY_ROWS))
     return h.hexdigest()[:32]
+
+
+def spread_sample(t: torch.Tensor, k: int) -> bytes:
+    """The bytes of up to ``k`` evenly spread rows (along dim 0) of CPU tensor ``t``, the
+    first and last included: what an identity digest reads of an array too large to hash
+    whole."""
+    n = int(t.shape[0])
+    if not n:
+        return b""
+    k = min(n, k)
+    picks = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+    return (t.index_select(0, torch.tensor(picks, dtype=torch.long))
+            .contiguous().numpy().tobytes())
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +203,8 @@ class SharedTables:
         The first caller writes the file from ``tables`` (each uint8 (rows_t, row_bytes),
         in feature order; typically memory-mapped from the artifact) and ``id_region``
         (the build's id maps, built only then; :attr:`id_region` is its view in the
-        file); later callers map it. A file whose size does not match, or that claims a delta
-        newer than ``max_sequence``, is written afresh.
+        file); later callers map it. A file whose size does not match, or that claims a
+        delta newer than ``max_sequence``, is written afresh.
 
         Raises:
             ArtifactError: the tables have different row widths.
