@@ -203,10 +203,11 @@ def _remap_cost(art: Any, inputs: dict[int, tuple], batches: tuple[int, ...],
                                   lambda: managed.predict(dense, raw_sb), min_seconds)
     out = {"batch": b, "modulo_samples_per_s": b / t_mod, "managed_samples_per_s": b / t_man,
            "remap_cost": t_man / t_mod - 1.0, "equal": equal,
+           "probe": managed.id_probe,
            "ids_per_table": [int(m.size) for m in twin.id_maps.values()]}
     print(f"  id map (managed, every table full) batch {b}: modulo {out['modulo_samples_per_s']:,.0f}/s"
           f"  managed {out['managed_samples_per_s']:,.0f}/s  cost {out['remap_cost']:+.1%}"
-          f"  torch.equal {equal}", flush=True)
+          f"  torch.equal {equal}  probe {out['probe']}", flush=True)
     return out
 
 

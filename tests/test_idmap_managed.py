@@ -159,17 +159,22 @@ _CUDA = pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
 
-@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("device,probe", [
+    ("cpu", "auto"), ("cpu", "ops"),
+    pytest.param("cuda", "auto", marks=_CUDA.marks, id="cuda-auto")])
 @pytest.mark.parametrize("fallback_rows", [1, 3])
 def test_managed_map_index_equals_the_sorted_map_after_admits_and_evictions(fallback_rows,
-                                                                             device):
+                                                                             device, probe):
     """MapIndex (hash probe, all features at once, and per segment) returns exactly what
     IdMap.lookup (binary search, on the CPU) returns, for admitted ids, ids never seen, ids
-    evicted a moment ago and 2**63 - 1, before and after a change of the map; on CUDA the
-    region and the probe live on the device."""
+    evicted a moment ago and 2**63 - 1, before and after a change of the map: the compiled
+    loop (host memory) and the tensor ops alike; on CUDA the region and the probe (tensor
+    ops) live on the device."""
     g = torch.Generator().manual_seed(11)
     tables = {0: 50, 2: 7, 5: 300}
-    index = MapIndex(tables, device=device, fallback={t: fallback_rows for t in tables})
+    index = MapIndex(tables, device=device, fallback={t: fallback_rows for t in tables},
+                     probe=probe)
+    assert index.probe == ("compiled" if probe == "auto" and device == "cpu" else "ops")
     maps = {}
     for t, rows in tables.items():
         n = rows - fallback_rows
@@ -209,6 +214,48 @@ def test_managed_map_index_equals_the_sorted_map_after_admits_and_evictions(fall
         index.write(t, maps[t])
         evicted[t] = ev[:2]
     check((2, 0, 5))
+
+
+@pytest.mark.parametrize("fallback_rows", [1, 5])
+def test_managed_compiled_probe_equals_the_tensor_ops_for_any_int64(fallback_rows):
+    """The compiled loop and the tensor ops give the same rows and hits, bit for bit, for
+    ids over the whole int64 range (negative ones too, though the runtime refuses them
+    before a lookup), both extremes, admitted ids and their neighbours, per feature and
+    per segment, over tables of very different slot counts (b = 2..17)."""
+    g = torch.Generator().manual_seed(23)
+    tables = {0: 2, 1: 9, 3: 4000, 4: 50_000}
+    kw = {"fallback": {t: min(fallback_rows, r - 1) for t, r in tables.items()}}
+    fast, ops = MapIndex(tables, **kw), MapIndex(tables, probe="ops", **kw)
+    assert (fast.probe, ops.probe) == ("compiled", "ops")
+    admitted = {}
+    for t, rows in tables.items():
+        k = kw["fallback"][t]
+        n = rows - k
+        ids = torch.randint(-2**63, 2**63 - 1, (n,), generator=g, dtype=torch.int64).abs()
+        ids = torch.unique(ids)
+        m = IdMap.from_arrays(ids, torch.randperm(rows - k, generator=g)[:ids.numel()] + k,
+                              rows, k)
+        fast.write(t, m)
+        ops.write(t, m)
+        admitted[t] = m.ids
+    b = 700
+    cols = []
+    for t in (4, 0, 3, 1, 4):
+        pick = admitted[t][torch.randint(0, admitted[t].numel(), (b // 2,), generator=g)]
+        rand = torch.randint(-2**63, 2**63 - 1, (b // 2 - 6,), generator=g, dtype=torch.int64)
+        edge = torch.tensor([MAX, -MAX - 1, 0, -1, 1, int(pick[0]) + 1])
+        cols.append(torch.cat([pick, rand, edge])[torch.randperm(b, generator=g)])
+    vals = torch.stack(cols)
+    order = (4, 0, 3, 1, 4)
+    got, want = fast.lookup_features(vals, order), ops.lookup_features(vals, order)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert 0 < int(got[1].sum()) < got[1].numel()
+    segs = [(4, 0, 10), (1, 10, 10), (3, 10, 2000), (0, 2000, vals.numel())]
+    flat = vals.reshape(-1)
+    got, want = fast.lookup(flat, segs), ops.lookup(flat, segs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ConfigError, match="probe 'fast' is not one of"):
+        MapIndex(tables, probe="fast")
 
 
 def test_managed_artifact_round_trip(managed, base, tmp_path):

@@ -425,7 +425,10 @@ class Runtime:
         id_maps = {i: artifact.id_maps[self.schema.tables[i].name] for i in self._managed}
 
         def fresh_maps() -> MapIndex:
-            maps = MapIndex(self._managed, fallback=self._fallback_rows)
+            # built on the host; on CUDA only its region is used (copied to the device,
+            # probed there with tensor ops), so it needs no compiled probe
+            maps = MapIndex(self._managed, fallback=self._fallback_rows,
+                            probe="auto" if self.device.type == "cpu" else "ops")
             for i, m in id_maps.items():
                 maps.write(i, m)
             return maps
@@ -558,6 +561,12 @@ class Runtime:
         """The managed tables' maps (table index -> map; views, valid until the next
         change)."""
         return {t: self._map_index.map(t) for t in self._managed}
+
+    @property
+    def id_probe(self) -> str | None:
+        """How the managed maps are probed (:attr:`serve.runtime.idmap.MapIndex.probe`:
+        ``"compiled"`` or ``"ops"``); None without managed tables."""
+        return self._map_index.probe if self._managed else None
 
     @property
     def row_bytes(self) -> int:

@@ -291,6 +291,10 @@ REGION_LAYOUT = "cuckoo2:1"
 #: Ids and rows per map that :meth:`MapIndex.identity` reads (evenly spread).
 IDENTITY_IDS = 256
 _MIX = 29             # x ^ (x >> 29): high id bits reach the multiplier's low bits
+#: How a :class:`MapIndex` probes: ``"auto"`` runs the compiled loop
+#: (:func:`compiled_probe`) where the region is in host memory and the tensor ops on
+#: CUDA; ``"ops"`` runs the tensor ops everywhere (the reference the tests compare with).
+PROBES = ("auto", "ops")
 
 
 def slot_bits(rows: int) -> int:
@@ -358,15 +362,65 @@ def cuckoo_place(ids: np.ndarray, bits: int, mults: tuple[int, int]) -> np.ndarr
     return None
 
 
+def _probe_loop(values: np.ndarray, los: np.ndarray, his: np.ndarray, pos: np.ndarray,
+                shifts: np.ndarray, bases: np.ndarray, ks: np.ndarray, mults: np.ndarray,
+                keys: np.ndarray, slot_rows: np.ndarray, rows_out: np.ndarray,
+                found_out: np.ndarray) -> None:   # pragma: no cover - runs compiled
+    """The probe of :meth:`MapIndex._probe` as one loop over the ids (compiled by
+    :func:`compiled_probe`): segment s is ``values[los[s]:his[s]]``, ids of the table at
+    region position ``pos[s]`` with ``shifts[s] = 64 - b``, ``bases[s]`` (its first slot +
+    2**(b-1)) and ``ks[s]`` fallback rows. Writes ``rows_out``/``found_out`` (same length
+    as ``values``). The same int64 arithmetic as :func:`_slots` (wrapping multiply,
+    arithmetic shift), so the same slots; the slot index is always inside the table's
+    2**b slots (the shifted product lies in [-2**(b-1), 2**(b-1))), whatever the id."""
+    for s in range(los.shape[0]):
+        m1 = mults[2 * pos[s]]
+        m2 = mults[2 * pos[s] + 1]
+        sh = shifts[s]
+        base = bases[s]
+        k = ks[s]
+        for i in range(los[s], his[s]):
+            v = values[i]
+            x = v ^ (v >> _MIX)
+            s1 = ((x * m1) >> sh) + base
+            if keys[s1] == v:
+                rows_out[i] = slot_rows[s1]
+                found_out[i] = True
+                continue
+            s2 = ((x * m2) >> sh) + base
+            if keys[s2] == v:
+                rows_out[i] = slot_rows[s2]
+                found_out[i] = True
+            else:
+                rows_out[i] = v % k
+                found_out[i] = False
+
+
+@functools.cache
+def compiled_probe() -> Any:
+    """:func:`_probe_loop` compiled by numba for its one signature (int64 arrays, a bool
+    output), once per process, on the first call (~0.4 s), not at import. Why: the tensor
+    ops of the probe are ~15 dispatcher calls of 6-8 us each over the batch's ids plus
+    three gathers; one loop reads each id once and its slots in place (on ``small``,
+    batch 512 x 26 features: ~45 us against ~190 us warm, docs/deltas.md). ``nogil``: a
+    worker's other threads run meanwhile."""
+    import numba  # heavy (LLVM): imported only once a host-memory MapIndex needs it
+
+    i64 = numba.int64[::1]
+    sig = numba.void(*([i64] * 11), numba.boolean[::1])
+    return numba.njit(sig, nogil=True, boundscheck=False, cache=False)(_probe_loop)
+
+
 class MapIndex:
     """Several managed tables' maps in one int64 region, for one lookup over many features.
 
     A lookup is a hash probe, not a search: each table keeps, beside its sorted map (what
     :meth:`map` returns, what deltas diff and apply), a two-choice cuckoo hash of its ids
     (:func:`cuckoo_place`): every admitted id sits in one of two slots computed from the id
-    alone (:func:`hash_slots`), so a batch's ids are resolved by a fixed dozen of
-    elementwise ops and three gathers over all features at once, whatever the table size,
-    on CPU and CUDA alike. Exact: a slot holds the whole int64 id, and an id is found only
+    alone (:func:`hash_slots`), so a batch's ids are resolved over all features at once,
+    whatever the table size: in host memory by one compiled loop (:func:`compiled_probe`),
+    on CUDA by a fixed dozen of elementwise ops and three gathers (the same arithmetic,
+    the same rows). Exact: a slot holds the whole int64 id, and an id is found only
     where a slot's key equals it (empty slots hold -1, and ids are >= 0). A binary search
     (``searchsorted`` per feature, what this replaced) takes about 17 dependent cache
     misses per id on a 100k-id table; the probe takes two independent ones.
@@ -394,11 +448,15 @@ class MapIndex:
         region: the int64 region (:meth:`size`), already written (a shared file another
             worker filled), or None: a fresh one on ``device`` holding empty maps.
         fallback: managed table index -> its fallback rows k_t (default 1 each).
+        probe: one of :data:`PROBES`: the compiled loop in host memory (``"auto"``) or
+            the tensor ops (``"ops"``). Both give the same rows, bit for bit.
     """
 
     def __init__(self, tables: dict[int, int], region: torch.Tensor | None = None,
                  device: torch.device | str = "cpu",
-                 fallback: dict[int, int] | None = None) -> None:
+                 fallback: dict[int, int] | None = None, probe: str = "auto") -> None:
+        if probe not in PROBES:
+            raise ConfigError(f"probe {probe!r} is not one of {PROBES}")
         self.tables = dict(tables)
         self.fallback = {t: (fallback or {}).get(t, 1) for t in self.tables}
         self._hashed = any(k > 1 for k in self.fallback.values())
@@ -436,6 +494,18 @@ class MapIndex:
         # Per feature layout, what does not change between batches (each tensor op is a
         # dispatcher call, ~5-10 us on a server CPU): table positions, shifts, bases, ks.
         self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        # The compiled loop reads the region through numpy views of the same memory (a
+        # delta's write() changes them in place); its per-feature layouts as numpy.
+        self._loop: Any = (compiled_probe() if probe == "auto" and self.tables
+                           and region.device.type == "cpu" else None)
+        self._np = ((self.mults.numpy(), self.keys.numpy(), self.slot_rows.numpy())
+                    if self._loop is not None else ())
+        self._np_layouts: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+
+    @property
+    def probe(self) -> str:
+        """What runs a lookup: ``"compiled"`` (:func:`compiled_probe`) or ``"ops"``."""
+        return "compiled" if self._loop is not None else "ops"
 
     @staticmethod
     def size(tables: dict[int, int]) -> int:
@@ -519,6 +589,10 @@ class MapIndex:
         ``values[lo:hi]`` are of ``table``; together the segments cover ``values``):
         ``(rows int64 (k,), found bool (k,))`` on ``values``' device, FALLBACK_ROW where
         not found."""
+        if self._loop is not None:
+            segs = [(t, lo, hi) for t, lo, hi in segments if hi > lo]
+            return self._run_loop(values, [t for t, _, _ in segs], [lo for _, lo, _ in segs],
+                                  [hi for _, _, hi in segs])
         x = values ^ (values >> _MIX)
         s1, s2 = torch.empty_like(values), torch.empty_like(values)
         ks = torch.ones_like(values) if self._hashed else None
@@ -538,6 +612,12 @@ class MapIndex:
         """One id per (feature, sample): ``values`` int64 (M, B), row i of managed table
         ``tables[i]`` -> ``(rows int64 (M, B), found bool (M, B))``. The same ops for every
         feature at once (the one-hot path of every batch)."""
+        if self._loop is not None:
+            b = values.shape[1]
+            rows, found = self._run_loop(values.reshape(-1), tables,
+                                         range(0, b * len(tables), b),
+                                         range(b, b * len(tables) + 1, b))
+            return rows.view(values.shape), found.view(values.shape)
         pos, shifts, bases, ks = self._layout(tables)
         mults = self.mults.view(-1, 2).index_select(0, pos)          # (M, 2)
         x = values ^ (values >> _MIX)
@@ -546,6 +626,27 @@ class MapIndex:
         rows, found = self._probe(values.reshape(-1), s1.view(-1), s2.view(-1),
                                   ks.expand_as(values).reshape(-1) if self._hashed else None)
         return rows.view_as(values), found.view_as(values)
+
+    def _run_loop(self, values: torch.Tensor, tables: Sequence[int], los: Sequence[int],
+                  his: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled probe of ``values`` int64 (k,) in host memory, ids
+        ``values[los[s]:his[s]]`` of table ``tables[s]`` -> ``(rows int64 (k,), found bool
+        (k,))``, as :meth:`_probe` would return them."""
+        key = tuple(tables)
+        lay = self._np_layouts.get(key)
+        if lay is None:
+            lay = (np.array([self.order[t] for t in key], np.int64),
+                   np.array([64 - self.bits[t] for t in key], np.int64),
+                   np.array([self.slot_offsets[t] + (1 << (self.bits[t] - 1)) for t in key],
+                            np.int64),
+                   np.array([self.fallback[t] for t in key], np.int64))
+            self._np_layouts[key] = lay
+        v = values.contiguous()
+        rows = torch.empty_like(v)
+        found = torch.empty(v.shape, dtype=torch.bool)
+        self._loop(v.numpy(), np.asarray(los, np.int64), np.asarray(his, np.int64), *lay,
+                   *self._np, rows.numpy(), found.numpy())
+        return rows, found
 
     def _probe(self, values: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
                ks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
