@@ -80,7 +80,7 @@ import orjson
 from serve.api.protocol import example_request
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
-from serve.ops.capacity import machine_info
+from serve.ops.machine import machine_info
 
 __all__ = ["Setting", "WrkResult", "best_static", "main", "parse_settings"]
 

@@ -43,6 +43,7 @@ from serve.api.protocol import (
     parse_body,
 )
 from serve.api.request import _spec_of
+from serve.ops.machine import announce
 from serve.profiles import SPARSE_FEATURES
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
 
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = HandlerConfig()
     forms = ("rows", "columnar", "rows-multihot", "columnar-multihot", "binary",
              "custom-rows", "custom-columnar", "custom-binary")
+    machine = announce()
     rows = []
     print(f"{'form':<18} {'instances':>9} {'before_ms':>10} {'after_ms':>9} {'speedup':>8} "
           f"{'loads_ms':>9}")
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['after_ms']:>9.4f} {_cell(r['speedup'], '.2f'):>8} "
                   f"{_cell(r['loads_ms'], '.4f'):>9}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"rows": rows, "machine": machine}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -52,6 +52,7 @@ from serve.common.net import free_ports
 from serve.constants import P99_SLO_MS
 from serve.errors import CapacityError
 from serve.ops.knee import find_knee
+from serve.ops.machine import announce
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench_e2e")
@@ -376,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
               "to measure (columnar and binary skip 1-instance requests)", file=sys.stderr)
         return 2
 
+    machine = announce()
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store
     from serve.store.repository import ModelRepository
@@ -479,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     goal = args.p99_goal_ms if math.isfinite(args.p99_goal_ms) else None
     out.write_text(json.dumps({"quick": args.quick, "url": args.url, "mar": str(mar),
-                               "p99_goal_ms": goal, "rows": rows}, indent=2))
+                               "p99_goal_ms": goal, "rows": rows, "machine": machine},
+                              indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -34,6 +34,7 @@ import psutil
 
 from serve import settings
 from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.ops.machine import announce
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state
 
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="512-instance requests sent before measuring (default 64)")
     ap.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT})")
     args = ap.parse_args(argv)
+    machine = announce()
     rows = []
     for w in args.workers:
         for shared in (False, True):
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("| " + " | ".join(str(r[k]) for k in hdr) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"rows": rows, "machine": machine}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 

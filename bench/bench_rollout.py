@@ -36,6 +36,7 @@ from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import BackgroundLoad
+from serve.ops.machine import machine_info
 from serve.ops.state_client import StateClient
 
 __all__ = ["main"]
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"clients": args.clients, "instances": args.instances, "seconds": args.seconds,
            "rounds": args.rounds,
            "weight": args.weight, "stable": v0, "candidate": good, "bad": bad, "rows": rows,
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(f"-> {args.out}")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from serve.ops.machine import announce
 from serve.profiles import CRITEO_KAGGLE_CARDINALITIES, get_profile
 from serve.runtime.cache import LFU_DECAY_PER_ROW, EmbeddingCache, capacity_for
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     threads = args.threads or torch.get_num_threads()
+    machine = announce()
     if args.quick:
         tp, levers, remap = throughput("tiny", (1, 64, 512), 0.05, threads)
         hr = hit_ratios(sim_rows=2000, batches=10, warmup=5, batch=128)
@@ -292,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         tp, levers, remap = throughput("small", BATCHES, 0.5, threads)
         hr = hit_ratios(sim_rows=20_000, batches=300, warmup=300, batch=512)
     result = {"throughput": tp, "levers": levers, "remap": remap, "hit_ratio": hr,
-              "quick": args.quick, "torch": torch.__version__, "threads": threads}
+              "quick": args.quick, "torch": torch.__version__, "threads": threads,
+              "machine": machine}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("\n| batch | TorchRec samples/s | runtime samples/s | ratio |\n|---:|---:|---:|---:|")

@@ -64,7 +64,6 @@ import json
 import logging
 import math
 import os
-import platform
 import shlex
 import signal
 import sys
@@ -921,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     # One peak for every model: the service's largest thread count is the CPU budget.
     gemm_threads = max(1, available_cpus())
+    from serve.ops.machine import announce
+
+    machine = announce()
     print(f"GEMM peak: torch.matmul fp32/bf16, {gemm_threads} threads ...", flush=True)
     peak = gemm_peak(gemm_threads, seconds=args.gemm_s)
     print("  " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak["peak"].items()),
@@ -953,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                                else "binary columnar (application/x-dlrm-columnar)"),
                  "cores": cores, "cores_note": "os.cpu_count() of this machine/pod",
                  "available_cpus": available_cpus(), "gemm": peak,
-                 "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                 "torch": torch.__version__, "machine": machine,
                  "service": "own (started per model)" if args.url is None else args.url,
                  "mlperf_anchor": MLPERF_ANCHOR,
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},

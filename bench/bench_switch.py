@@ -40,6 +40,7 @@ from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_reques
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
+from serve.ops.machine import machine_info
 from serve.ops.state_client import StateClient, tuner_paused
 
 __all__ = ["main"]
@@ -178,7 +179,7 @@ def _run(args: argparse.Namespace, svc: Service, start: dict[str, Any], v0: str,
     print(f"fixed input: {h0} vs {probe.get('version')}: max |Δp| = "
           f"{probe.get('max_abs_diff', float('nan')):.4g}")
     doc = {"clients": args.clients, "instances": args.instances, "state": declared, "rows": rows,
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(f"-> {args.out}")

@@ -32,6 +32,7 @@ from serve.api.config import HandlerConfig
 from serve.api.json_body import example_request
 from serve.api.request import JSON_MEDIA_TYPE
 from serve.metrics import HandlerMetrics
+from serve.ops.machine import announce
 from serve.worker.messages import WorkerRequest
 from serve.worker.worker import Worker
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = HandlerConfig(num_threads=1, max_instances=4096)
     w = Worker.load(args.model_dir, cfg, model_version="bench", device="cpu", workers=2,
                     environ={}, metrics=HandlerMetrics(CollectorRegistry()), freeze_gc=False)
+    machine = announce()
     rng = np.random.default_rng(0)
     rows = []
     for name, make in _mixes(rng).items():
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['per_instance_us']:8.2f} us/instance  "
               f"({row['instances_per_request']:.1f} instances/request)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"rows": rows, "machine": machine}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

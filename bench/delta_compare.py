@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
              "service": "shipped defaults: batching 2/2 ms, 2 workers, tuner on, cache off (CPU)",
              "load": f"{args.clients} closed-loop clients x {args.instances} instances"}
     print(f"delta-compare: {state}", flush=True)
+    from serve.ops.machine import announce
+
+    machine = announce()
     runs, gains = [], {}
     for profile in profiles:
         built = {m: build(args, profile, m) for m in MAPPINGS}
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = {f"managed_gain_{p}": g >= args.min_gain for p, g in gains.items()}
     checks["no_failed_requests"] = all(r["failed"] == 0 and r["served"] > 0 for r in runs)
     checks["posts_applied"] = all(r["post_status"] == 200 for r in runs)
-    result = {"runs": runs, "state": state, "managed_minus_modulo_auc_after": gains,
+    result = {"runs": runs, "state": state, "machine": machine,
+              "managed_minus_modulo_auc_after": gains,
               "checks": checks, "ok": all(checks.values()),
               "seconds": round(time.time() - t0, 1),
               "command": "python -m bench.delta_compare " + " ".join(argv or sys.argv[1:])}

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from serve.ops.machine import machine_info
 from serve.profiles import NUM_DENSE, get_profile
 from serve.runtime.artifact import Artifact, QuantTable, load_artifact, quantize_rows_reference
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t_start = time.perf_counter()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if on_cuda
-                              else "cpu (dry run)", "torch": torch.__version__}
+                              else "cpu (dry run)", "torch": torch.__version__,
+                              "machine": machine_info()}
     print(f"gpu-check on {result['device']} (torch {torch.__version__})", flush=True)
     probe = result["miss_paths"] = _probe_phase(args.device, on_cuda)
     print("1/4 exactness vs CPU on the carried tiny artifact ...", flush=True)

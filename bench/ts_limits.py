@@ -39,6 +39,7 @@ import orjson
 import psutil
 
 from serve.api.json_body import example_request
+from serve.ops.machine import machine_info
 
 __all__ = ["LimitsRun", "main", "run", "service_pids"]
 
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                      seconds=args.seconds, big_clients=args.big_clients, body_mib=args.body_mib)
     finally:
         svc.stop()
-    doc = {**result.as_dict(), "version": version, "state": state,
+    doc = {**result.as_dict(), "version": version, "state": state, "machine": machine_info(),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "ts_config": "config.properties as shipped"}
     print_table(doc)

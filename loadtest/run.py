@@ -45,6 +45,8 @@ from loadtest import plan, stats, traffic
 from serve import settings
 from serve.constants import DEFAULT_SIDECAR_PORT, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
+from serve.ops.machine import describe as describe_machine
+from serve.ops.machine import machine_info
 from serve.ops.state_client import describe_served, served_state
 from serve.profiles import PROFILES, get_profile
 
@@ -364,6 +366,8 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
     for c in summary["thresholds"]["checks"]:
         print(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} "
               f"(limit {c['limit']})", file=file)
+    if summary.get("machine"):
+        print(f"machine (load generator): {describe_machine(summary['machine'])}", file=file)
     served = summary.get("served") or {}
     if served:
         before, after = served.get("before") or {}, served.get("after") or {}
@@ -416,6 +420,8 @@ def run(cfg: RunConfig) -> int:
                            extra={"host": cfg.host, "locust_exit_code": rc,
                                   "wall_s": round(wall, 1),
                                   "command": " ".join(sys.argv),
+                                  # Where locust ran (the service too, on loopback).
+                                  "machine": machine_info(),
                                   "served": {"before": served_before,
                                              "after": served_after}})
         print_summary(summary)

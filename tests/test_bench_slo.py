@@ -25,6 +25,7 @@ from bench.bench_slo import (
     validate_results,
 )
 from loadtest.traffic import InstancesDistribution
+from serve.ops.machine import machine_info
 
 # --- the schedule ---------------------------------------------------------------------
 
@@ -387,6 +388,9 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     assert st["version"] == tiny_build.version and st["workers"] >= 1
     assert set(st["batching"]) == {"batch_size", "max_batch_delay_ms"}
     assert doc["meta"]["gemm"]["peak"]["fp32"] > 0
+    # where it ran: this machine's CPU, as serve.ops.machine reads it
+    assert doc["meta"]["machine"]["cpu_model"] == machine_info()["cpu_model"]
+    assert doc["meta"]["machine"]["logical_cores"] == run["cores"]
     assert "--min-duration-s 1.5" in doc["command"]
 
 

@@ -13,11 +13,11 @@ from serve.ops.capacity import (
     capacity_document,
     derive_target,
     format_quantity,
-    machine_info,
     main,
 )
 from serve.ops.hpa_sim import parse_quantity
 from serve.ops.knee import find_knee
+from serve.ops.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 

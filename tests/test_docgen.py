@@ -89,7 +89,9 @@ def test_a_result_becomes_a_dated_page_with_its_command(tmp_path: Path):
     result = {"measured_at": "2026-12-01T10:00:00Z",
               "rows": [{"form": "rows", "instances": 512, "after_ms": 5.14},
                        {"form": "binary", "instances": 512, "after_ms": 0.068}],
-              "machine": {"cores": 2}}
+              "machine": {"cpu_model": "AMD EPYC", "cpu_flags": ["avx2", "avx512_bf16"],
+                          "logical_cores": 2, "usable_cores": 2, "torch": "2.13.0+cpu",
+                          "cores": 2}}
     (root / "bench" / "results" / "decode.json").write_text(json.dumps(result))
     changed = benchdoc.write(root)
     page = root / "docs" / "benchmarks" / "2026-12-01-decode.md"
@@ -101,6 +103,8 @@ def test_a_result_becomes_a_dated_page_with_its_command(tmp_path: Path):
     assert "2026-12-01T10:00:00Z (from the result's `measured_at`)" in text
     assert "| form | instances | after_ms |" in text and "| binary | 512 | 0.068 |" in text
     assert "| `cores` | 2 |" in text
+    assert ("- **Machine:** AMD EPYC, 2 cores (2 usable), avx2 avx512_bf16, no AMX, "
+            "torch 2.13.0+cpu\n") in text
     index = (root / "docs" / "benchmarks" / "index.md").read_text()
     assert ("| 2026-12-01 | [Request decoding](2026-12-01-decode.md) "
             "| `python -m bench.bench_decode` |") in index
@@ -122,6 +126,7 @@ def test_a_result_without_a_date_takes_the_file_time_and_says_so(tmp_path: Path)
     assert "| `t_s` | 100 values, min 0, max 99, first 0, last 99 |" in text
     assert "| `few` | [1,2] |" in text
     assert "the result file's modification time: the result records no date" in text
+    assert "- **Machine:** not recorded by this result" in text
 
 
 def test_committed_pages_stay_listed_without_their_result_files(tmp_path: Path):

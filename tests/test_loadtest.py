@@ -546,6 +546,9 @@ def test_smoke_run_against_real_torchserve(torchserve, tmp_path):
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "report.html").stat().st_size > 0
     assert [s["name"] for s in summary["steps"]] == ["ramp", "hold"]
+    # where the load generator (and, on loopback, the service) ran
+    assert summary["machine"]["logical_cores"] >= 1 and summary["machine"]["cpu_model"]
+    assert "machine (load generator): " in res.stdout
     # The columnar form is answered as well (one checked request; the run used rows).
     pool = traffic.RequestPool(traffic.TrafficConfig(
         profile=get_profile("tiny"), body_format="columnar", pool_size=1,

@@ -190,6 +190,19 @@ def _section(doc: Any, depth: int, title: str | None) -> Iterable[str]:
             yield from _section(value, depth + 1, f"`{key}`")
 
 
+def _machine(doc: Any) -> str:
+    """The result's machine block (``machine``, or ``meta.machine``) as one line."""
+    from serve.ops.machine import describe
+
+    found = doc.get("machine") if isinstance(doc, Mapping) else None
+    meta = doc.get("meta") if isinstance(doc, Mapping) else None
+    if found is None and isinstance(meta, Mapping):
+        found = meta.get("machine")
+    if not isinstance(found, Mapping):
+        return "not recorded by this result (compare it only with runs of the same day)"
+    return describe(found)
+
+
 def render_page(name: str, doc: Any, when: str, source: str, command: str) -> str:
     """The text of one result's page."""
     meta = {"name": name, "title": _title(name), "date": when, "command": command}
@@ -199,6 +212,7 @@ def render_page(name: str, doc: Any, when: str, source: str, command: str) -> st
              f"bench/results/{name}.json; do not edit -->"), "",
              f"- **Command:** `{command}`",
              f"- **Measured:** {when} (from {source})",
+             f"- **Machine:** {_machine(doc)}",
              (f"- **Result file:** `bench/results/{name}.json` (not in git; this page keeps "
              "its figures)"), "",
              ("What the figures mean and how they compare with earlier runs: "

@@ -37,8 +37,6 @@ import datetime as _dt
 import json
 import logging
 import math
-import os
-import platform
 import re
 import subprocess
 import sys
@@ -60,6 +58,7 @@ from serve.constants import (
 )
 from serve.errors import CapacityError, ConfigError, ServeError
 from serve.ops.knee import Knee, find_knee
+from serve.ops.machine import machine_info
 from serve.ops.state_client import StateClient, sidecar_token, tuner_paused
 
 __all__ = [
@@ -67,7 +66,6 @@ __all__ = [
     "capacity_document",
     "derive_target",
     "format_quantity",
-    "machine_info",
     "main",
 ]
 
@@ -133,45 +131,6 @@ def format_quantity(value: float) -> str:
     12.5 -> "12.5" (never an exponent, which Kubernetes would misread)."""
     v = round(value, 1)
     return str(int(v)) if v == int(v) else f"{v:.1f}"
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the measurement ran: CPU model, cores, memory, accelerator, versions."""
-    cpu_model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "cpu_model": cpu_model,
-        "logical_cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-    try:
-        import psutil
-
-        info["memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:
-        pass
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        info["gpu"] = None
-    try:
-        from importlib.metadata import version
-
-        info["torchserve"] = version("torchserve")
-    except Exception as e:  # noqa: BLE001 - optional detail, never fatal
-        _log.debug("no torchserve version: %s", e)
-    return info
 
 
 def capacity_document(knee: Knee, cfg: CapacityConfig, target: float,
