@@ -258,6 +258,33 @@ def test_a_window_closes_early_on_fast_traffic_only():
     assert slow.last is not None and slow.last.seconds == pytest.approx(10.0)
 
 
+def test_light_load_is_left_alone_unless_it_misses_the_goal():
+    # Poisson ranking queries at 40/s on 2 workers: 0.7 requests in flight. Every setting
+    # serves that alike (the table says 1/2 would do 20% more: arrival noise), so no
+    # switch, and the reason says why.
+    light = Shape(250, 0.7, {S(2, 2): 40, S(1, 2): 48})
+    decisions = []
+    tuner = BatchTuner(FAST, on_decision=decisions.append)
+    plant = Plant(light)
+    assert drive(tuner, plant, S(2, 2), 120) == S(2, 2)
+    assert decisions == [] and tuner.phase == "observing"
+    assert ("0.70 requests in flight on average over 2 worker(s) (0.35 per worker, under 0.5)"
+            in tuner.why)
+    # the same requests in flight over one worker are not light: searched
+    assert drive(BatchTuner(FAST), Plant(light), S(2, 2), 120, workers=1) == S(1, 2)
+    # the same load once its p99 misses the goal (handler 90 ms): searched too
+    slow = Shape(250, 0.7, {S(2, 2): 40, S(1, 2): 48}, handler_s=0.09)
+    tuner = BatchTuner(FAST)
+    drive(tuner, Plant(slow), S(2, 2), 60)
+    assert tuner.decisions and tuner.decisions[0].reason == "seed"
+    # more in flight (the load grew): searched as before
+    plant.shape = Shape(250, 4.0, light.rps)
+    drive(tuner := BatchTuner(FAST), plant, S(2, 2), 60)
+    assert tuner.decisions and tuner.decisions[0].reason == "seed"
+    with pytest.raises(ConfigError, match="min_queue_per_worker=-1 must be a finite number"):
+        TunerConfig(min_queue_per_worker=-1)
+
+
 def test_too_little_traffic_judges_nothing():
     quiet = Shape(1, 0.1, {}, default_rps=2.0)
     tuner = BatchTuner(FAST)

@@ -29,6 +29,9 @@ The model behind it (see docs/tuner.md for the measurements):
 3. **Dwell.** The winner is kept at least ``min_dwell_s``; a new search starts only when
    the traffic moves past the ``shape_change`` factor (instances per request or
    concurrency), and no two switches are closer than ``min_switch_interval_s``.
+4. **Light load is left alone.** With fewer than ``min_queue_per_worker`` requests in
+   flight per worker and the goal met, no search starts: batches cannot form, and each
+   switch reloads the workers beside the traffic.
 
 Why not a table from ``make capacity``: it is per machine and per traffic shape, and goes
 stale when the model or the pod size changes; the seed needs no table and the search
@@ -151,6 +154,14 @@ class TunerConfig:
         (60.6 vs 52 ms: the seed 1/2 was dropped for 2/2, whose real p99 was 96 ms).
     shape_change: a new search starts when instances per request or concurrency moved by
         more than this factor since the search that chose the serving setting.
+    min_queue_per_worker: no search starts while fewer requests than this are in flight
+        per worker on average and the serving setting meets the p99 goal. So light a load
+        rarely queues two requests for one worker: every setting then serves it alike,
+        and a search would rank arrival noise (under open-loop traffic a window's
+        instances/s is the clients' rate, not the setting's) while each of its switches
+        reloads the workers beside the traffic (measured on 2 cores, Poisson ranking
+        queries at 40/s, 0.7 in flight over 2 workers: two switches in one minute and a
+        p99 of 67 ms against the goal of 60).
     fill: the seed batch is ``fill x`` the requests queued per worker.
     smaller: the search's smaller neighbour is ``smaller x`` the seed batch (a batch that
         waits for the very last request in flight can stall on it).
@@ -189,6 +200,7 @@ class TunerConfig:
     hysteresis: float = 0.05
     seed_margin: float = 0.15
     shape_change: float = 1.5
+    min_queue_per_worker: float = 0.5
     fill: float = 1.0
     smaller: float = 0.75
     max_batch_instances: int = 512
@@ -206,7 +218,7 @@ class TunerConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"tuner {name}={v!r} must be a finite number > 0")
         for name in ("settle_s", "quick_window_s", "min_dwell_s", "min_switch_interval_s",
-                     "hysteresis", "seed_margin", "wait_factor"):
+                     "hysteresis", "seed_margin", "wait_factor", "min_queue_per_worker"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"tuner {name}={v!r} must be a finite number >= 0")
@@ -608,6 +620,13 @@ class BatchTuner:
         broken = (traffic.p99_ms is not None and traffic.p99_ms > self.config.p99_goal_ms)
         if not new and not broken:
             self.why = f"keeping {serving}: the traffic has not moved"
+            return None
+        light = self.config.min_queue_per_worker * max(workers, 1)
+        if not broken and traffic.concurrency is not None and traffic.concurrency < light:
+            self.why = (f"keeping {serving}: {traffic.concurrency:.2f} requests in flight on "
+                        f"average over {workers} worker(s) ({traffic.concurrency / max(workers, 1):.2f}"
+                        f" per worker, under {self.config.min_queue_per_worker:g}): batches "
+                        "rarely hold two requests, so no setting serves this load better")
             return None
         # The dwell holds against load moving (requests in flight); a different kind of
         # request (single items after ranking) is searched for at once.
