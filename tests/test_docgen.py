@@ -129,6 +129,18 @@ def test_a_result_without_a_date_takes_the_file_time_and_says_so(tmp_path: Path)
     assert "- **Machine:** not recorded by this result" in text
 
 
+
+def test_a_date_in_the_results_meta_is_its_date(tmp_path: Path):
+    root = _root(tmp_path)
+    (root / "bench" / "results" / "slo.json").write_text(json.dumps(
+        {"runs": [{"model": "small", "queries_per_s": 61.1}],
+         "meta": {"created_at": "2026-12-06T04:21:20Z", "machine": {"cpu_model": "AMD EPYC"}}}))
+    benchdoc.write(root)
+    text = (root / "docs" / "benchmarks" / "2026-12-06-slo.md").read_text()
+    assert "- **Measured:** 2026-12-06T04:21:20Z (from the result's `meta.created_at`)" in text
+    assert "- **Machine:** AMD EPYC, " in text
+
+
 def test_committed_pages_stay_listed_without_their_result_files(tmp_path: Path):
     root = _root(tmp_path)
     results = root / "bench" / "results"

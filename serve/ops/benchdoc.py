@@ -90,15 +90,19 @@ class Page:
 
 
 def _when(doc: Any, path: Path) -> tuple[str, str]:
-    """(ISO date-time, where it came from) of a result."""
-    if isinstance(doc, Mapping):
+    """(ISO date-time, where it came from) of a result: its own date, at the top or in
+    its ``meta``, else the file's modification time."""
+    meta = doc.get("meta") if isinstance(doc, Mapping) else None
+    for where, part in (("", doc), ("meta.", meta)):
+        if not isinstance(part, Mapping):
+            continue
         for key in _DATE_KEYS:
-            value = doc.get(key)
+            value = part.get(key)
             if isinstance(value, str) and re.match(r"\d{4}-\d{2}-\d{2}", value):
-                return value, f"the result's `{key}`"
+                return value, f"the result's `{where}{key}`"
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 stamp = _dt.datetime.fromtimestamp(value, _dt.UTC)
-                return stamp.isoformat(timespec="seconds"), f"the result's `{key}`"
+                return stamp.isoformat(timespec="seconds"), f"the result's `{where}{key}`"
     stamp = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC)
     return (stamp.isoformat(timespec="seconds"),
             "the result file's modification time: the result records no date")
