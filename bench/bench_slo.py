@@ -37,11 +37,10 @@ request: 0 failed requests in every trial is a property of a healthy run, and
 The client must never be the bottleneck: one asyncio loop sends each query at its
 scheduled time without waiting for earlier answers (open loop), over kept-alive HTTP/1.1
 connections (:class:`bench.http1.Http1Pool`: request heads built once, answers read by
-length). It shares the cores with the service, so its CPU is the service's loss: ~0.5 ms
-per query against ~2.8 ms for ``httpx.AsyncClient``, which it replaced (2-core machine,
-2026-12-06). Its own
-lag (actual - scheduled send time) is reported; a trial whose p99 lag exceeds
-``--max-client-lag-ms`` is invalid (it counts as failed and is flagged: the rate found is
+length): it shares the cores with the service, so every millisecond of CPU it spends is
+the service's loss (docs/benchmarks-slo.md compares it with the ``httpx`` client it
+replaced). Its own lag (actual - scheduled send time) is reported; a trial whose p99 lag
+exceeds ``--max-client-lag-ms`` is invalid (it counts as failed and is flagged: the rate found is
 then a lower bound set by the client, not by the service).
 
 Beside the HTTP figures, in the same run: ``Runtime.predict`` in process on the same
