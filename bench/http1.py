@@ -84,7 +84,7 @@ class Http1Pool:
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """Send one request; (status, body) of its answer. Raises :class:`Http1Error`."""
         async with self._slots:
-            conn = self._idle.pop() if self._idle else None
+            conn = self._reusable()
             try:
                 if conn is None:
                     conn = await asyncio.wait_for(
@@ -107,6 +107,17 @@ class Http1Pool:
             else:
                 conn[1].close()
             return status, payload
+
+    def _reusable(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """An idle connection the server has not closed meanwhile (else None: open one).
+        A server may close a kept-alive connection without saying so (an idle timeout,
+        an error answer); writing into it would fail a request the server never saw."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not (reader.at_eof() or writer.is_closing()):
+                return reader, writer
+            writer.close()
+        return None
 
     @staticmethod
     async def _exchange(reader: asyncio.StreamReader,

@@ -42,6 +42,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/close":
             self.close_connection = True
             self._send(200, b"bye", {"Connection": "close"})
+        elif self.path == "/silent-close":   # closes after answering, without saying so
+            self.close_connection = True
+            self._send(200, b"gone")
         elif self.path == "/slow":
             time.sleep(0.5)
             self._send(200, b"late")
@@ -107,6 +110,17 @@ def test_chunked_close_and_error_answers(server: str) -> None:
 
     assert _run(go()) == [(200, b"hello chunked world"), (200, b"bye"),
                           (404, b'{"error": "no such path"}')]
+    assert len(_Handler.connections) == 2
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused(server: str) -> None:
+    async def go() -> list[tuple[int, bytes]]:
+        async with Http1Pool(server, max_connections=1, timeout_s=5) as pool:
+            first = await pool.request("GET", "/silent-close")
+            await asyncio.sleep(0.2)          # the server's FIN arrives meanwhile
+            return [first, await pool.request("POST", "/p", b"after")]
+
+    assert _run(go()) == [(200, b"gone"), (200, b"|after")]
     assert len(_Handler.connections) == 2
 
 
