@@ -71,9 +71,11 @@ def test_raw_burst_reads_every_answer_from_one_thread() -> None:
     """raw_burst (the burst case's load) against a stdlib server that queues 3 and
     answers the rest 503 at once: every request gets its status, with its latency."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler
 
     from serve.ops.faults import raw_burst
+    from tests.fakes.http_peer import local_http_server
 
     admitted = []
     lock = threading.Lock()
@@ -94,14 +96,8 @@ def test_raw_burst_reads_every_answer_from_one_thread() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        results = raw_burst("127.0.0.1", server.server_address[1], "/p", b"x" * 100_000, 20,
-                            "application/octet-stream", timeout_s=30)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with local_http_server(Handler) as url:
+        results = raw_burst("127.0.0.1", urllib.parse.urlsplit(url).port, "/p",
+                            b"x" * 100_000, 20, "application/octet-stream", timeout_s=30)
     assert sorted(s for s, _ in results if isinstance(s, int)) == [200] * 3 + [503] * 17
     assert all(0 < d < 30 for _, d in results)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
 
 from bench.http1 import Http1Error, Http1Pool
+from tests.fakes.http_peer import local_http_server
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -61,15 +61,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture()
 def server() -> Iterator[str]:
     _Handler.connections = set()
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with local_http_server(_Handler) as url:
+        yield url
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -30,6 +30,7 @@ from loadtest import run as lrun
 from serve.common.net import free_port
 from serve.errors import ConfigError
 from serve.profiles import get_profile
+from tests.fakes.http_peer import local_http_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -676,15 +677,8 @@ class _BrokenHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def broken_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenHandler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        t.join(timeout=10)
+    with local_http_server(_BrokenHandler) as url:
+        yield url
 
 
 @pytest.mark.integration
