@@ -89,13 +89,18 @@ class Page:
     command: str
 
 
+def _levels(doc: Any) -> list[tuple[str, Mapping[str, Any]]]:
+    """Where a result keeps what describes the run, in the order looked at: its top
+    level, then its ``meta`` (each with the prefix that names it)."""
+    top = doc if isinstance(doc, Mapping) else {}
+    meta = top.get("meta")
+    return [("", top)] + ([("meta.", meta)] if isinstance(meta, Mapping) else [])
+
+
 def _when(doc: Any, path: Path) -> tuple[str, str]:
     """(ISO date-time, where it came from) of a result: its own date, at the top or in
     its ``meta``, else the file's modification time."""
-    meta = doc.get("meta") if isinstance(doc, Mapping) else None
-    for where, part in (("", doc), ("meta.", meta)):
-        if not isinstance(part, Mapping):
-            continue
+    for where, part in _levels(doc):
         for key in _DATE_KEYS:
             value = part.get(key)
             if isinstance(value, str) and re.match(r"\d{4}-\d{2}-\d{2}", value):
@@ -198,13 +203,11 @@ def _machine(doc: Any) -> str:
     """The result's machine block (``machine``, or ``meta.machine``) as one line."""
     from serve.ops.machine import describe
 
-    found = doc.get("machine") if isinstance(doc, Mapping) else None
-    meta = doc.get("meta") if isinstance(doc, Mapping) else None
-    if found is None and isinstance(meta, Mapping):
-        found = meta.get("machine")
-    if not isinstance(found, Mapping):
-        return "not recorded by this result (compare it only with runs of the same day)"
-    return describe(found)
+    for _, part in _levels(doc):
+        found = part.get("machine")
+        if isinstance(found, Mapping):
+            return describe(found)
+    return "not recorded by this result (compare it only with runs of the same day)"
 
 
 def render_page(name: str, doc: Any, when: str, source: str, command: str) -> str:

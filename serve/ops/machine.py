@@ -56,25 +56,33 @@ def _read(cpuinfo: Path) -> str:
         return ""
 
 
+def _model_in(text: str) -> str:
+    return _cpuinfo_field(text, "model name") or platform.processor() or platform.machine()
+
+
+def _flags_in(text: str) -> list[str]:
+    have = set((_cpuinfo_field(text, "flags") or "").split())
+    return [f for f in ISA_FLAGS if f in have]
+
+
 def cpu_model(cpuinfo: Path = _CPUINFO) -> str:
     """The CPU's model name (``/proc/cpuinfo``'s ``model name``); else what
     :func:`platform.processor` or :func:`platform.machine` says."""
-    return (_cpuinfo_field(_read(cpuinfo), "model name") or platform.processor()
-            or platform.machine())
+    return _model_in(_read(cpuinfo))
 
 
 def cpu_flags(cpuinfo: Path = _CPUINFO) -> list[str]:
     """Which of :data:`ISA_FLAGS` the CPU has (in that order); [] where unknown."""
-    have = set((_cpuinfo_field(_read(cpuinfo), "flags") or "").split())
-    return [f for f in ISA_FLAGS if f in have]
+    return _flags_in(_read(cpuinfo))
 
 
 def machine_info(cpuinfo: Path = _CPUINFO) -> dict[str, Any]:
     """Where the measurement ran: CPU model and flags, cores, memory, accelerator and the
     versions of torch and TorchServe (each None where it cannot be read)."""
+    text = _read(cpuinfo)
     info: dict[str, Any] = {
-        "cpu_model": cpu_model(cpuinfo),
-        "cpu_flags": cpu_flags(cpuinfo),
+        "cpu_model": _model_in(text),
+        "cpu_flags": _flags_in(text),
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "platform": platform.platform(),
