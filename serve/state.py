@@ -10,7 +10,7 @@ The file::
       version: small-s0-1a2b3c4d      # a version in the model repository (model_store/)
     batching:
       batch_size: 2                   # requests TorchServe merges into one handler call
-      max_batch_delay_ms: 2           # longest wait for a batch to fill, ms
+      max_batch_delay_ms: 0           # longest wait for a batch to fill, ms (0: only what is queued)
     workers: 2                        # worker processes
     rollout: null                     # or a canary / shadow rollout of a candidate:
     # rollout:
@@ -72,7 +72,10 @@ from serve.errors import ConfigError, describe_field_errors, shown
 __all__ = [
     "ALLOWED_FIELDS",
     "BATCH_SIZE_MAX",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_BATCH_DELAY_MS",
     "DEFAULT_STATE_FILE",
+    "DEFAULT_WORKERS",
     "LOCAL_STATE_FILE",
     "MAX_BATCH_DELAY_MS_MAX",
     "ROLLOUT_MODES",
@@ -103,6 +106,15 @@ LOCAL_STATE_FILE = ".run/state.yaml"
 BATCH_SIZE_MAX = 4096
 MAX_BATCH_DELAY_MS_MAX = 10_000
 WORKERS_MAX = 64
+# The shipped batching and workers: what a new state declares, what a build writes into
+# its archive, what `make up` falls back to. Two requests per handler call suits ranking
+# requests of 100-700 instances (more starves the other worker); delay 0 merges a second
+# request only when one is already queued (TorchServe's pollBatch polls the queue with no
+# wait), so a light load never waits for a batch to fill, and a busy pod still merges.
+# Measured A/B on 2 cores: docs/tuner.md#the-shipped-default.
+DEFAULT_BATCH_SIZE = 2
+DEFAULT_MAX_BATCH_DELAY_MS = 0
+DEFAULT_WORKERS = 2
 # Letters, digits, '.' and '-': safe in URLs, file names and TorchServe's version paths.
 # No '_': it separates the model version from the batching suffix of a serving version.
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,63}$"
@@ -126,9 +138,9 @@ class ModelRef(_Strict):
 
 
 class Batching(_Strict):
-    batch_size: int = Field(2, ge=1, le=BATCH_SIZE_MAX,
+    batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, le=BATCH_SIZE_MAX,
                             description="Most requests TorchServe merges into one handler call.")
-    max_batch_delay_ms: int = Field(2, ge=0, le=MAX_BATCH_DELAY_MS_MAX,
+    max_batch_delay_ms: int = Field(DEFAULT_MAX_BATCH_DELAY_MS, ge=0, le=MAX_BATCH_DELAY_MS_MAX,
                                     description="Longest wait (ms) for a batch to fill.")
 
 
@@ -230,8 +242,9 @@ class DesiredState(_Strict):
     """What every pod should serve; ``rollout`` optionally tries a candidate beside it."""
 
     model: ModelRef
-    batching: Batching = Field(default_factory=lambda: Batching(batch_size=2, max_batch_delay_ms=2))
-    workers: int = Field(2, ge=1, le=WORKERS_MAX, description="Worker processes.")
+    batching: Batching = Field(default_factory=lambda: Batching(
+        batch_size=DEFAULT_BATCH_SIZE, max_batch_delay_ms=DEFAULT_MAX_BATCH_DELAY_MS))
+    workers: int = Field(DEFAULT_WORKERS, ge=1, le=WORKERS_MAX, description="Worker processes.")
     rollout: Rollout | None = None
 
     @field_validator("rollout")

@@ -13,7 +13,7 @@ from serve.model.data import (
     new_id_share,
 )
 from serve.profiles import get_profile
-from tests.test_delta_build import DAY0_GOLDEN, _digest
+from tests.test_delta_build import _digest, day0_golden
 
 TINY = get_profile("tiny")
 
@@ -25,7 +25,7 @@ def _gen(tmp_path, name, day, samples=3000):
 
 def test_day0_unchanged_and_has_no_new_ids_for_admission(tmp_path):
     d0 = _gen(tmp_path, "d0", 0)
-    assert _digest(d0) == DAY0_GOLDEN
+    assert _digest(d0) == day0_golden()
     meta = json.loads((d0 / "meta.json").read_text())
     assert "new_ids" not in meta and meta["dtypes"]["sparse"] == "int32"
     assert set(new_id_share(d0).values()) == {0.0}

@@ -61,12 +61,12 @@ def test_absent_state_declares_the_given_version_with_its_reports_batching(store
     assert load_state(path) == state
 
 
-def test_report_without_batching_falls_back_to_2_2_2(tmp_path: Path):
+def test_report_without_batching_falls_back_to_the_shipped_2_0_2(tmp_path: Path):
     s = tmp_path / "model_store"
     _add(s, "old-v1", "2026-12-01T09:00:00+00:00", mar_batch_size="8")  # wrong type: ignored
     state = default_state(ModelRepository([s]), "old-v1")
     assert state.model.version == "old-v1"
-    assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (2, 2, 2)
+    assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (2, 0, 2)
 
 
 def test_existing_state_is_left_alone(store: Path, tmp_path: Path):

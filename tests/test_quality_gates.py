@@ -41,7 +41,7 @@ from serve.store.predlog import Prediction, PredictionLogConfig, PredictionLogWr
 from tests.test_rollout import Workers, traffic
 
 STABLE, CANDIDATE = "small-int8-s0", "small-int8-s7"
-SERVING = f"{STABLE}_b2d2w2_c{CANDIDATE}"
+SERVING = f"{STABLE}_b2d0w2_c{CANDIDATE}"
 SEEDS = range(100)
 
 

@@ -32,7 +32,7 @@ from serve.state import DesiredState, parse_state
 from serve.store.routing import read_control
 
 STABLE, CANDIDATE = "small-int8-s0", "small-int8-s7"
-SERVING = f"{STABLE}_b2d2w2_c{CANDIDATE}"
+SERVING = f"{STABLE}_b2d0w2_c{CANDIDATE}"
 
 
 class Clock:
@@ -436,6 +436,6 @@ def test_bake_starts_only_when_the_two_arm_registration_serves(rig):
     d = desired()
     ctl.declare(d)
     # a pass that began before the rollout was declared converged on the stable version
-    assert ctl.on_serving(d, f"{STABLE}_b2d2w2") is False
-    assert not ctl.status().serving and not (tmp / f"{STABLE}_b2d2w2.control.json").exists()
+    assert ctl.on_serving(d, f"{STABLE}_b2d0w2") is False
+    assert not ctl.status().serving and not (tmp / f"{STABLE}_b2d0w2.control.json").exists()
     assert ctl.on_serving(d, SERVING) is True

@@ -34,7 +34,8 @@ def test_round_trip_through_yaml(tmp_path: Path) -> None:
 
 def test_defaults_fill_batching_and_workers() -> None:
     state = parse_state({"model": {"version": "v1"}})
-    assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (2, 2, 2)
+    # the shipped batching: two requests, merged only when both are already queued
+    assert (state.batching.batch_size, state.batching.max_batch_delay_ms, state.workers) == (2, 0, 2)
 
 
 @pytest.mark.parametrize("body,match", [

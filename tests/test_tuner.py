@@ -71,7 +71,7 @@ class Plant:
 
 
 SINGLE = Shape(1, 64.0, {S(2, 2): 1000, S(24, 5): 4800, S(32, 5): 4000, S(32, 2): 3000})
-RANKING = Shape(250, 4.0, {S(2, 2): 180, S(2, 5): 170, S(24, 5): 40, S(32, 5): 30})
+RANKING = Shape(250, 4.0, {S(2, 0): 200, S(2, 2): 180, S(2, 5): 170, S(24, 5): 40, S(32, 5): 30})
 FAST = TunerConfig(interval_s=1.0, window_s=4.0, settle_s=2.0, min_dwell_s=20.0,
                    min_switch_interval_s=6.0, min_requests=50)
 
@@ -125,11 +125,15 @@ def test_seed_candidates_follow_the_traffic_shape():
     single = Traffic(10, 44000, 44000, 4400, 4400, 1.0, 64.0, 5.0, 10.0, 25.0, 20.0)
     assert seed_candidates(single, 2, TunerConfig()) == [S(32, 5), S(24, 5), S(32, 2)]
     ranking = Traffic(10, 1800, 450000, 180, 45000, 250.0, 4.0, 20.0, 5.0, 30.0, 2.0)
-    # 512 instances per batch at most: batch 2 for 250-instance requests
-    assert seed_candidates(ranking, 2, TunerConfig()) == [S(2, 2), S(2, 5)]
+    # 512 instances per batch at most: two 250-instance requests fill it, so the
+    # zero-wait merge only (two requests only when both are already queued)
+    assert seed_candidates(ranking, 2, TunerConfig()) == [S(2, 0)]
     big = Traffic(10, 1800, 720000, 180, 72000, 400.0, 8.0, 20.0, 5.0, 30.0, 2.0)
-    # batch 1 never waits: no trial of the other delay (it would only measure noise)
-    assert seed_candidates(big, 2, TunerConfig()) == [S(1, 2)]
+    assert seed_candidates(big, 2, TunerConfig()) == [S(2, 0)]
+    # medium requests (100 instances: 5 fit) are searched with a waiting batch
+    medium = replace(ranking, instances_per_request=100.0)
+    assert seed_candidates(medium, 2, TunerConfig()) == [S(2, 2), S(2, 5)]
+    assert seed_candidates(big, 2, TunerConfig(max_batch_size=1)) == [S(1, 0)]
     idle = Traffic(10, 300, 300, 30, 30, 1.0, 0.2, 2.0, 1.0, 4.0, 1.0)
     assert seed_candidates(idle, 2, TunerConfig())[0] == S(1, 5)
 
@@ -172,10 +176,10 @@ def test_dwell_holds_against_load_but_a_new_kind_of_request_is_searched_at_once(
     n, t_change = len(tuner.decisions), plant.t
     plant.shape = RANKING  # another kind of request: no dwell, confirmed over 2 windows
     serving = drive(tuner, plant, serving, 3 * FAST.window_s + 2)
-    assert tuner.decisions[n].reason == "seed" and tuner.decisions[n].to == S(2, 2)
+    assert tuner.decisions[n].reason == "seed" and tuner.decisions[n].to == S(2, 0)
     assert tuner.decisions[n].at_s - t_change <= 3 * FAST.window_s + 2
     serving = drive(tuner, plant, serving, 120)
-    assert serving == S(2, 2)
+    assert serving == S(2, 0)
     # stable traffic: no more decisions, however long
     m = len(tuner.decisions)
     drive(tuner, plant, serving, 300)
@@ -260,9 +264,9 @@ def test_a_window_closes_early_on_fast_traffic_only():
 
 def test_light_load_is_left_alone_unless_it_misses_the_goal():
     # Poisson ranking queries at 40/s on 2 workers: 0.7 requests in flight. Every setting
-    # serves that alike (the table says 1/2 would do 20% more: arrival noise), so no
+    # serves that alike (the table says 2/0 would do 20% more: arrival noise), so no
     # switch, and the reason says why.
-    light = Shape(250, 0.7, {S(2, 2): 40, S(1, 2): 48})
+    light = Shape(250, 0.7, {S(2, 2): 40, S(2, 0): 48})
     decisions = []
     tuner = BatchTuner(FAST, on_decision=decisions.append)
     plant = Plant(light)
@@ -271,9 +275,9 @@ def test_light_load_is_left_alone_unless_it_misses_the_goal():
     assert ("0.70 requests in flight on average over 2 worker(s) (0.35 per worker, under 0.5)"
             in tuner.why)
     # the same requests in flight over one worker are not light: searched
-    assert drive(BatchTuner(FAST), Plant(light), S(2, 2), 120, workers=1) == S(1, 2)
+    assert drive(BatchTuner(FAST), Plant(light), S(2, 2), 120, workers=1) == S(2, 0)
     # the same load once its p99 misses the goal (handler 90 ms): searched too
-    slow = Shape(250, 0.7, {S(2, 2): 40, S(1, 2): 48}, handler_s=0.09)
+    slow = Shape(250, 0.7, {S(2, 2): 40, S(2, 0): 48}, handler_s=0.09)
     tuner = BatchTuner(FAST)
     drive(tuner, Plant(slow), S(2, 2), 60)
     assert tuner.decisions and tuner.decisions[0].reason == "seed"

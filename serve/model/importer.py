@@ -53,6 +53,7 @@ from serve.common.validate import is_int, positive_int
 from serve.constants import DENSE_MAX_PROB_DIFF
 from serve.errors import ArtifactError, CheckpointError, ConfigError, ServeError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema
+from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS
 
 if TYPE_CHECKING:  # imported where used: the runtime and the store load late
     from serve.runtime.artifact import Artifact
@@ -84,9 +85,9 @@ class ImportConfig:
     model_store: Path = Path("model_store")
     model_name: str = "dlrm"
     # The archive's TorchServe settings (what `make up` declares for it by default).
-    mar_batch_size: int = 2
-    mar_max_batch_delay_ms: int = 2
-    mar_workers: int = 2
+    mar_batch_size: int = DEFAULT_BATCH_SIZE
+    mar_max_batch_delay_ms: int = DEFAULT_MAX_BATCH_DELAY_MS
+    mar_workers: int = DEFAULT_WORKERS
     # The dense part's arithmetic when served: fp32 (exact) or bf16, admitted only when
     # its probabilities stay within dense_tolerance of fp32's on the check batch.
     dense_precision: str = "fp32"
@@ -533,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-store", type=Path, default=Path("model_store"),
                     help="the repository folder (default model_store/)")
     ap.add_argument("--model-name", default="dlrm", help="TorchServe's model name (dlrm)")
-    ap.add_argument("--workers", type=int, default=2,
+    ap.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                     help="TorchServe workers the version declares (default 2; threads per "
                          "worker = the pod's CPUs / workers: 1 worker x 2 threads halves a "
                          "large model's per-request latency on 2 cores)")

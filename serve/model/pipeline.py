@@ -90,7 +90,7 @@ from serve.errors import ConfigError, ServeError
 from serve.model.admission import DEFAULT_FALLBACK_SHARE
 from serve.profiles import PROFILES, Profile, get_profile
 from serve.schema import MAPPINGS
-from serve.state import VERSION_RE
+from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS, VERSION_RE
 from serve.store.repository import (
     DEFAULT_PROFILE,
     MANAGED_SUFFIX,
@@ -180,14 +180,12 @@ class PipelineConfig:
     learning_rate: float | None = None
     threads: int = 1
     num_workers: int = 1
-    # Ranking requests carry ~100-700 instances each, so a forward is already large:
-    # batching more than 2 requests per worker starves the other worker (measured on 2
-    # cores, step load test: knee 118 req/s with batch 8 / 5 ms, 277 req/s with 2 / 2 ms).
-    mar_batch_size: int = 2
-    mar_max_batch_delay_ms: int = 2
+    # The shipped batching (serve.state says why: 2 requests, merged only when queued).
+    mar_batch_size: int = DEFAULT_BATCH_SIZE
+    mar_max_batch_delay_ms: int = DEFAULT_MAX_BATCH_DELAY_MS
     # Workers x threads must fit the cores: one thread per worker lets one worker parse
     # JSON while another runs a forward (2 x 1 beat 1 x 2 by ~2x at 512 instances/request).
-    mar_workers: int = 2
+    mar_workers: int = DEFAULT_WORKERS
     handler_config: dict[str, Any] = field(default_factory=dict)
     force: bool = False
     check_quality: bool = True
@@ -718,11 +716,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=None, help="global training batch")
     ap.add_argument("--lr", type=float, default=None, help="embedding learning rate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per training rank")
-    ap.add_argument("--mar-batch-size", type=int, default=2,
+    ap.add_argument("--mar-batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                     help="TorchServe batch_size written into the .mar (requests per batch)")
-    ap.add_argument("--mar-max-batch-delay-ms", type=int, default=2,
-                    help="TorchServe max_batch_delay written into the .mar")
-    ap.add_argument("--mar-workers", type=int, default=2,
+    ap.add_argument("--mar-max-batch-delay-ms", type=int, default=DEFAULT_MAX_BATCH_DELAY_MS,
+                    help="TorchServe max_batch_delay written into the .mar (0: merge only "
+                         "requests already queued)")
+    ap.add_argument("--mar-workers", type=int, default=DEFAULT_WORKERS,
                     help="TorchServe workers in the .mar (default 2: one per core on a 2-core pod, "
                          "each with cores/workers torch threads; use 1 per GPU on GPU pods)")
     ap.add_argument("--force", action="store_true",

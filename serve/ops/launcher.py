@@ -65,7 +65,17 @@ from serve.constants import (
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
 from serve.settings import EnvVar
-from serve.state import LOCAL_STATE_FILE, Batching, DesiredState, ModelRef, load_state, write_state
+from serve.state import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_BATCH_DELAY_MS,
+    DEFAULT_WORKERS,
+    LOCAL_STATE_FILE,
+    Batching,
+    DesiredState,
+    ModelRef,
+    load_state,
+    write_state,
+)
 from serve.store.repository import DEFAULT_PROFILE, ModelRepository, default_version
 
 __all__ = [
@@ -106,9 +116,6 @@ _LOOPBACK_ONLY = frozenset({"management_address", "grpc_inference_address",
                             "grpc_management_address"})
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
               "grpc_management_port": "grpc_management_port"}
-# Batching and workers declared when the declared version's report does not say (reports
-# from before the report carried them): the .mar defaults of serve.model.pipeline.
-_FALLBACK_BATCH_SIZE, _FALLBACK_DELAY_MS, _FALLBACK_WORKERS = 2, 2, 2
 
 
 @dataclass(frozen=True)
@@ -326,7 +333,8 @@ def default_state(repo: ModelRepository, version: str) -> DesiredState:
     newest file, which may be a shuffled-label experiment), with its ``.mar``'s batching.
 
     Batching and workers come from the version's report (``mar_batch_size``,
-    ``mar_max_batch_delay_ms``, ``mar_workers``), else 2 / 2 ms / 2.
+    ``mar_max_batch_delay_ms``, ``mar_workers``), else the shipped defaults
+    (:data:`serve.state.DEFAULT_BATCH_SIZE` and the two beside it).
 
     Raises:
         ConfigError: ``version`` is not in the repository (the message lists what is).
@@ -346,9 +354,9 @@ def default_state(repo: ModelRepository, version: str) -> DesiredState:
 
     return DesiredState(
         model=ModelRef(version=version),
-        batching=Batching(batch_size=pick("mar_batch_size", _FALLBACK_BATCH_SIZE),
-                          max_batch_delay_ms=pick("mar_max_batch_delay_ms", _FALLBACK_DELAY_MS)),
-        workers=pick("mar_workers", _FALLBACK_WORKERS))
+        batching=Batching(batch_size=pick("mar_batch_size", DEFAULT_BATCH_SIZE),
+                          max_batch_delay_ms=pick("mar_max_batch_delay_ms", DEFAULT_MAX_BATCH_DELAY_MS)),
+        workers=pick("mar_workers", DEFAULT_WORKERS))
 
 
 def ensure_state(path: Path, repo: ModelRepository, version: str) -> tuple[DesiredState, bool]:

@@ -15,6 +15,10 @@ The model behind it (see docs/tuner.md for the measurements):
    ``C / W`` requests, so the seed batch is ``C / W``, capped so a batch holds at most
    ``max_batch_instances`` instances (the forward's latency grows with them). The delay
    is short for big requests (they fill a batch alone) and longer for small ones.
+   Requests so big that at most two fit the cap (ranking queries of 100-700 instances)
+   get 2 / 0 ms: a batch with no delay never waits (TorchServe's pollBatch polls its
+   queue once with no wait and stops), it merges a second request only when one is
+   already queued, so a busy pod saves a worker call and an idle one adds nothing.
 2. **A bounded online search.** The seed and at most two neighbours (0.75 x the seed
    batch: a batch that waits for the very last request in flight can stall on it; the
    other delay) are each served for one measurement window; the one with the
@@ -25,7 +29,7 @@ The model behind it (see docs/tuner.md for the measurements):
    setting meets the goal, the most instances/s wins. The search
    costs ``3 x (switch + settle + window)``: ~45 s for single-instance traffic (its
    windows close early: thousands of requests in 3 s); ranking traffic of 100-700
-   instances (seed batch 1, no neighbours) needs one switch and a full 10-s window.
+   instances (seed 2 / 0 ms, the shipped default, no neighbours) needs no switch.
 3. **Dwell.** The winner is kept at least ``min_dwell_s``; a new search starts only when
    the traffic moves past the ``shape_change`` factor (instances per request or
    concurrency), and no two switches are closer than ``min_switch_interval_s``.
@@ -166,7 +170,8 @@ class TunerConfig:
     smaller: the search's smaller neighbour is ``smaller x`` the seed batch (a batch that
         waits for the very last request in flight can stall on it).
     max_batch_instances: a batch holds at most this many instances (the forward at 512
-        instances takes ~13 ms on one core; two ranking requests fill it).
+        instances takes ~13 ms on one core; two ranking requests fill it); when at
+        most two requests fit, the seed is the zero-wait merge 2 / 0 ms instead.
     small_request_instances: requests below this many instances get
         ``small_delay_ms``, others ``large_delay_ms``.
     wait_factor: p99 estimate = handler p99 + wait_factor x mean wait outside the handler.
@@ -408,7 +413,10 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
     """The settings a search measures, best guess first: the queueing seed
     (``fill x C / W``), a smaller batch (``smaller x`` it), and the seed with the other
     delay (duplicates dropped; none with batch 1: a batch of one never waits, so its
-    delay changes nothing and a trial of it would only measure noise)."""
+    delay changes nothing and a trial of it would only measure noise). Requests so big
+    that at most two fit ``max_batch_instances`` get only 2 / 0 ms: it merges two only
+    when both are already queued (it beat 1 / 2 and 2 / 2 ms at every load measured in
+    docs/tuner.md, so a trial of them would only measure noise)."""
     m = max(traffic.instances_per_request, 1.0)
     c = traffic.concurrency if traffic.concurrency is not None else traffic.rate_rps * (
         (traffic.handler_p99_ms or 0.0) / 1000.0)
@@ -417,6 +425,9 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
 
     def batch(x: float) -> int:
         return max(1, min(cap, round(x)))
+
+    if cap <= 2:
+        return [Setting(min(2, cfg.max_batch_size), 0)]
 
     small = m < cfg.small_request_instances
     delay = cfg.small_delay_ms if small else cfg.large_delay_ms
