@@ -357,6 +357,20 @@ def test_binary_bodies_keep_the_versions_limits() -> None:
         bench_slo.as_binary(bodies, None, {"max_ids_per_feature": 16})
 
 
+def test_gemm_peak_skips_larger_sizes_once_one_product_outlasts_a_window() -> None:
+    # a window of 0 s: the first product already outlasts it, so it stands for its size
+    # and the larger ones are skipped (a CPU with no fast bf16 kernel would otherwise
+    # spend minutes on 2048 squares)
+    slow = bench_slo.gemm_peak(1, sizes=(32, 64, 128), dtypes=("fp32",), seconds=0.0)
+    assert list(slow["by_size"]) == ["fp32_32"] and slow["by_size"]["fp32_32"] > 0
+    assert slow["skipped"] == ["fp32_64", "fp32_128"]
+    assert slow["peak"]["fp32"] == slow["by_size"]["fp32_32"]
+    # fast products: every size measured over its windows, nothing skipped
+    fast = bench_slo.gemm_peak(1, sizes=(8, 16), dtypes=("fp32",), seconds=0.03)
+    assert list(fast["by_size"]) == ["fp32_8", "fp32_16"] and fast["skipped"] == []
+    assert fast["peak"]["fp32"] == max(fast["by_size"].values())
+
+
 # --- the real thing, briefly ----------------------------------------------------------------
 
 @pytest.mark.slow
