@@ -415,7 +415,7 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
     delay (duplicates dropped; none with batch 1: a batch of one never waits, so its
     delay changes nothing and a trial of it would only measure noise). Requests so big
     that at most two fit ``max_batch_instances`` get only 2 / 0 ms: it merges two only
-    when both are already queued (it beat 1 / 2 and 2 / 2 ms at every load measured in
+    when both are already queued (it matched or beat 1 / 2 and 2 / 2 ms at every load in
     docs/tuner.md, so a trial of them would only measure noise)."""
     m = max(traffic.instances_per_request, 1.0)
     c = traffic.concurrency if traffic.concurrency is not None else traffic.rate_rps * (
