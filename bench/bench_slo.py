@@ -327,13 +327,9 @@ def gemm_peak(threads: int, sizes: Sequence[int] = (512, 1024, 2048),
             t0 = time.perf_counter()
             torch.matmul(a, b)
             once = time.perf_counter() - t0
-            if once > window:
-                out["by_size"][f"{name}_{n}"] = 2.0 * n ** 3 / once
-                best_of_dtype = max(best_of_dtype, out["by_size"][f"{name}_{n}"])
-                out["skipped"].extend(f"{name}_{m}" for m in sizes[i + 1:])
-                break
-            best = 0.0
-            for _ in range(3):
+            slow = once > window
+            best = 2.0 * n ** 3 / once if slow else 0.0
+            for _ in range(0 if slow else 3):
                 k, t0 = 0, time.perf_counter()
                 while k < 2 or time.perf_counter() - t0 < window:
                     torch.matmul(a, b)
@@ -341,6 +337,9 @@ def gemm_peak(threads: int, sizes: Sequence[int] = (512, 1024, 2048),
                 best = max(best, 2.0 * n ** 3 * k / (time.perf_counter() - t0))
             out["by_size"][f"{name}_{n}"] = best
             best_of_dtype = max(best_of_dtype, best)
+            if slow:
+                out["skipped"].extend(f"{name}_{m}" for m in sizes[i + 1:])
+                break
         out["peak"][name] = best_of_dtype
     return out
 

@@ -418,16 +418,15 @@ def seed_candidates(traffic: Traffic, workers: int, cfg: TunerConfig) -> list[Se
     when both are already queued (it matched or beat 1 / 2 and 2 / 2 ms at every load in
     docs/tuner.md, so a trial of them would only measure noise)."""
     m = max(traffic.instances_per_request, 1.0)
+    cap = max(1, min(cfg.max_batch_size, int(cfg.max_batch_instances // m)))
+    if cap <= 2:
+        return [Setting(min(2, cfg.max_batch_size), 0)]
     c = traffic.concurrency if traffic.concurrency is not None else traffic.rate_rps * (
         (traffic.handler_p99_ms or 0.0) / 1000.0)
     per_worker = max(c, 1.0) / max(workers, 1)
-    cap = max(1, min(cfg.max_batch_size, int(cfg.max_batch_instances // m)))
 
     def batch(x: float) -> int:
         return max(1, min(cap, round(x)))
-
-    if cap <= 2:
-        return [Setting(min(2, cfg.max_batch_size), 0)]
 
     small = m < cfg.small_request_instances
     delay = cfg.small_delay_ms if small else cfg.large_delay_ms
