@@ -77,7 +77,7 @@ from typing import Any
 import httpx
 import orjson
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE, P99_SLO_MS
 from serve.errors import ConfigError, ServeError, UpstreamUnavailable
 from serve.ops.machine import machine_info

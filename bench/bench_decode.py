@@ -9,7 +9,7 @@ Writes ``bench/results/decode.json``:
 Bodies are ``orjson.dumps(example_request(n, form=...))`` (one-hot, seed 0) and, as
 ``rows-multihot`` / ``columnar-multihot``, the same instances with 0..3 ids per feature
 (seed 1). "before" is what ``parse_body`` did before the fast path: orjson, then the
-validating parse (``_parse_doc``), with the garbage collector paused as ``parse_body``
+validating parse (``parse_doc``), with the garbage collector paused as ``parse_body``
 does. "after" is ``parse_body`` itself. ``loads_ms`` is ``orjson.loads`` alone, the floor
 both share. The ``binary`` rows (``example_binary``, no JSON) are for reference: they have
 no "before" (null). The ``custom-*`` rows decode against a small non-Criteo schema
@@ -33,16 +33,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-# The underscored decoding steps are timed from the modules that hold them.
-from serve.api.json_body import _gc_paused, _load_json, _parse_doc
-from serve.api.protocol import (
-    BINARY_MEDIA_TYPE,
-    HandlerConfig,
-    example_binary,
-    example_request,
-    parse_body,
-)
-from serve.api.request import _spec_of
+from serve.api.binary import example_binary
+from serve.api.config import HandlerConfig
+from serve.api.decode import parse_body
+
+# The decoding steps are timed from the modules that hold them.
+from serve.api.json_body import example_request, gc_paused, load_json, parse_doc
+from serve.api.request import BINARY_MEDIA_TYPE
+from serve.api.spec import spec_of
 from serve.ops.machine import announce
 from serve.profiles import SPARSE_FEATURES
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
@@ -75,8 +73,8 @@ def _multi_hot(n: int, form: str, seed: int = 1) -> dict[str, Any]:
 
 
 def _slow(body: bytes, cfg: HandlerConfig, schema: ModelSchema | None = None) -> Any:
-    with _gc_paused():
-        return _parse_doc(_load_json(body, cfg), cfg, _spec_of(schema))
+    with gc_paused():
+        return parse_doc(load_json(body, cfg), cfg, spec_of(schema))
 
 
 def _per_call(fn: Callable[[], Any], calls: int) -> float:

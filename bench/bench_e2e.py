@@ -119,13 +119,14 @@ FORMS = ("rows", "columnar", "binary")
 
 
 def _content_type(form: str) -> str:
-    from serve.api.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
+    from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
 
     return BINARY_MEDIA_TYPE if form == "binary" else JSON_MEDIA_TYPE
 
 
 def _bodies(instances: int, count: int, seed: int, form: str = "rows") -> list[bytes]:
-    from serve.api.protocol import example_binary, example_request
+    from serve.api.binary import example_binary
+    from serve.api.json_body import example_request
 
     # ids spread over a large range; the runtime wraps them modulo table rows
     if form == "binary":
@@ -235,7 +236,9 @@ def inprocess_samples_per_s(artifact: Path, handler_cfg: dict[str, Any], batch: 
     """Runtime.predict alone on parsed tensors, same settings as the worker."""
     import torch
 
-    from serve.api.protocol import HandlerConfig, example_request, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
+    from serve.api.json_body import example_request
     from serve.runtime.engine import Runtime, SparseBatch
     from serve.worker import runtime_config
 
@@ -415,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             artifact, mcfg = _mar_contents(mar, Path(tmp))
             handler_cfg = mcfg.get("handler", {})
             workers = int(mcfg.get("maxWorkers", 1))
-            from serve.api.protocol import default_num_threads
+            from serve.api.config import default_num_threads
 
             threads = handler_cfg.get("num_threads") or default_num_threads(workers)
             # the in-process reference gets the same cores the service uses in all

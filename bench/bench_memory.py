@@ -33,7 +33,8 @@ import httpx
 import psutil
 
 from serve import settings
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.api.binary import example_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.ops.machine import announce
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.api.binary import example_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import BackgroundLoad

@@ -353,7 +353,8 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
     import torch
 
     from bench.bench_e2e import best_predict_rate
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
     from serve.runtime.engine import Runtime, SparseBatch
     from serve.worker import runtime_config
 
@@ -573,7 +574,7 @@ def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any,
     from serve.api.binary import encode_binary
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
-    from serve.api.protocol import JSON_MEDIA_TYPE
+    from serve.api.request import JSON_MEDIA_TYPE
 
     cfg = HandlerConfig.from_dict(dict(handler_cfg or {}))
     out = []
@@ -623,7 +624,7 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     import yaml
 
     from bench import cpu_account
-    from serve.api.protocol import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
+    from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
     from serve.common.cpu import choose_threads
     from serve.runtime.artifact import load_artifact
     from serve.schema import schema_from_report

@@ -36,7 +36,9 @@ from typing import Any
 
 import httpx
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.api.binary import example_binary
+from serve.api.json_body import example_request
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT, DEFAULT_TOKEN_FILE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad

@@ -1,4 +1,4 @@
-"""Splitting a batch between a rollout's arms (serve.api.batch.handle_batch with a Split),
+"""Splitting a batch between a rollout's arms (serve.worker.arms.handle_batch with a Split),
 the worker's wiring of it (serve.worker.Worker on fake runtimes), the TorchServe adapter
 (handlers/dlrm_handler.py with a fake context) and the rollout section of HandlerConfig.
 Fast: fake predict callables, no model."""
@@ -13,7 +13,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serve.api.batch import MergedBatch, Split, handle_batch, merge_requests
+from serve.api.batch import MergedBatch, merge_requests
 from serve.api.config import HandlerConfig, RolloutWiring
 from serve.api.decode import parse_body
 from serve.api.json_body import example_request
@@ -30,6 +30,7 @@ from serve.store.routing import (
     write_control,
 )
 from serve.worker import Worker, WorkerRequest
+from serve.worker.arms import Split, handle_batch
 
 CFG = HandlerConfig(max_instances=16, max_ids_per_feature=4)
 JSON = "application/json"

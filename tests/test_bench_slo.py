@@ -321,11 +321,10 @@ def test_trial_splits_its_cpu_per_query_when_asked() -> None:
 def test_binary_bodies_parse_to_what_the_json_ones_do() -> None:
     import orjson
 
-    from serve.api.binary import BINARY_MEDIA_TYPE
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
     from serve.api.json_body import example_request
-    from serve.api.protocol import JSON_MEDIA_TYPE
+    from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
 
     cfg = HandlerConfig.from_dict({})
     bodies = [(orjson.dumps(example_request(n, seed=n, form="columnar")), n) for n in (1, 7, 300)]

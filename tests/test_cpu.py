@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.api.protocol import default_num_threads
+from serve.api.config import default_num_threads
 from serve.common.cpu import (
     ThreadChoice,
     available_cpus,

@@ -287,7 +287,7 @@ def test_refuse_mode_answers_where_to_publish_and_still_follows_the_volume(
 
 
 def test_deltas_post_setting_is_checked_and_parsed() -> None:
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
     kw = {"token": TOKEN, "delta_dir": Path("/tmp/d")}
     assert SidecarConfig(**kw).deltas_post == "store"  # type: ignore[arg-type]
@@ -296,8 +296,8 @@ def test_deltas_post_setting_is_checked_and_parsed() -> None:
     with pytest.raises(ConfigError, match="would take embedding deltas neither by POST nor "
                                           "from the model volume"):
         SidecarConfig(deltas_post="refuse", delta_sync_s=0, **kw)  # type: ignore[arg-type]
-    assert _parser().parse_args(["--deltas-post", "refuse"]).deltas_post == "refuse"
-    assert _parser().parse_args([]).deltas_post == "store"
+    assert build_parser().parse_args(["--deltas-post", "refuse"]).deltas_post == "refuse"
+    assert build_parser().parse_args([]).deltas_post == "store"
 
 
 def test_refusal_reasons_are_bounded() -> None:
@@ -314,14 +314,14 @@ def test_the_deployment_refuses_posts_so_deltas_go_on_the_volume() -> None:
     ``--deltas-post refuse`` and the volume sync on (the default 5 s)."""
     import yaml
 
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
     path = Path(__file__).resolve().parents[1] / "k8s" / "deployment.yaml"
     (deploy,) = [d for d in yaml.safe_load_all(path.read_text())
                  if d and d.get("kind") == "Deployment"]
     (sidecar,) = [c for c in deploy["spec"]["template"]["spec"]["containers"]
                   if c["name"] == "sidecar"]
-    ns, _ = _parser().parse_known_args(sidecar["args"][3:])
+    ns, _ = build_parser().parse_known_args(sidecar["args"][3:])
     assert ns.deltas_post == "refuse" and ns.delta_dir is not None
 
 

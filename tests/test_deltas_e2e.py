@@ -21,7 +21,8 @@ import orjson
 import pytest
 import torch
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
+from serve.api.binary import encode_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
@@ -239,7 +240,8 @@ def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
     assert state["embeddings"][VERSION]["applied_sequence"] == 1
     scores = []
     ref = Runtime.from_artifact(with_delta_rows(served.artifact, _delta(served.artifact, 1, seed=11)))
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
 
     cfg = HandlerConfig(max_instances=1024)
     for _, _, body in binary_bodies(data_dir, "eval", rows, 500):

@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 import serve.store.delta_files
 from serve.common.net import free_port, wait_until
 from serve.profiles import get_profile
-from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.config import SidecarConfig
+from serve.sidecar.http.app import create_app
 from serve.sidecar.services.embedding_deltas import DeltaService
 from serve.state import Batching, DesiredState, ModelRef, write_state
 from serve.store.delta_files import (
@@ -393,13 +394,13 @@ def test_without_delta_dir_post_is_409_and_state_has_no_embeddings(tmp_path: Pat
 
 def test_cli_delta_dir_and_its_env_default(monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
     monkeypatch.delenv("DLRM_DELTA_DIR", raising=False)
-    assert _parser().parse_args([]).delta_dir is None
+    assert build_parser().parse_args([]).delta_dir is None
     monkeypatch.setenv("DLRM_DELTA_DIR", str(tmp_path / "env"))
-    assert _parser().parse_args([]).delta_dir == str(tmp_path / "env")
-    assert _parser().parse_args(["--delta-dir", "/x"]).delta_dir == "/x"
+    assert build_parser().parse_args([]).delta_dir == str(tmp_path / "env")
+    assert build_parser().parse_args(["--delta-dir", "/x"]).delta_dir == "/x"
     assert SidecarConfig(delta_dir="d").delta_dir == Path("d")  # type: ignore[arg-type]
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.config import SidecarConfig
+from serve.sidecar.http.app import create_app
 from tests.fixtures.sidecar import dead_port, start_sidecar
 from tests.fixtures.tools import require_tool
 

@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.ops import feedback_check
 from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from serve import settings
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state

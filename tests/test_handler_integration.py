@@ -13,13 +13,9 @@ import orjson
 import pytest
 import torch
 
-from serve.api.protocol import (
-    BINARY_MEDIA_TYPE,
-    INT64_MAX,
-    encode_binary,
-    example_binary,
-    example_request,
-)
+from serve.api.binary import encode_binary, example_binary
+from serve.api.json_body import example_request
+from serve.api.request import BINARY_MEDIA_TYPE, INT64_MAX
 from serve.profiles import SPARSE_FEATURES
 from tests.fixtures.torchserve import HANDLER_MAX_BODY, TS_MAX_REQUEST
 
@@ -63,7 +59,8 @@ def _to_columnar(body: dict) -> dict:
 
 
 def _reference(runtime, body: dict) -> np.ndarray:
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
     from serve.runtime.engine import SparseBatch
 
     p = parse_body(orjson.dumps(body), HandlerConfig(max_instances=10_000, max_ids_per_feature=64))

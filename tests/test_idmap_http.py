@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from bench.gpu_check import build_random_artifact
-from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
+from serve.api.binary import encode_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch

@@ -246,7 +246,8 @@ def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
                                                               ranker_ckpt: Path) -> None:
     """``make up`` waits for a real predict: for an imported version the built-in request
     is a 400, so the probe asks again in the schema of the version that answered."""
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
     from serve.ops.launcher import LaunchConfig, _example_for
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
@@ -320,7 +321,8 @@ def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
                                                              ranker_ckpt: Path) -> None:
     import types
 
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
     from serve.ops.launcher import LaunchConfig, Service, _banner, ensure_state
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)

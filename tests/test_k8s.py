@@ -653,7 +653,8 @@ def test_pod_log_config_is_the_repo_file_and_torchserve_reads_it(docs):
 
 
 def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
-    from serve.sidecar.http import app as sidecar
+    from serve.sidecar.config import SidecarConfig
+    from serve.sidecar.http.app import build_parser
 
     for var in ("DLRM_SIDECAR_PORT", "TS_INFERENCE_URL", "TS_MANAGEMENT_URL", "TS_METRICS_URL"):
         monkeypatch.delenv(var, raising=False)
@@ -664,8 +665,8 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
                         "ts-metrics": _port(repo["metrics_address"])}
     # Management has no containerPort: it is never exposed.
     assert _port(pod["management_address"]) not in ts_ports.values()
-    defaults = sidecar.SidecarConfig()
-    sidecar_port = sidecar._parser().get_default("port")
+    defaults = SidecarConfig()
+    sidecar_port = build_parser().get_default("port")
     assert {p["name"]: p["containerPort"] for p in sc["ports"]} == \
         {"sidecar": sidecar_port, "write": WRITE_PORT, "oip": OIP_PORT}
     assert int(arg_value(sc["args"], "--port")) == sidecar_port
@@ -943,13 +944,13 @@ def test_torchserve_starts_empty(docs):
 def test_sidecar_accepts_the_deployments_args(docs):
     """Every flag the Deployment passes is one the real sidecar parses, with the values
     the Deployment means (catches a renamed or missing flag before a pod crash-loops)."""
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
     from serve.state import DEFAULT_STATE_FILE
 
     args = container(docs, "sidecar")["args"]
     assert args[:3] == ["python", "-m", "serve.sidecar"]
     try:
-        ns, unknown = _parser().parse_known_args(args[3:])
+        ns, unknown = build_parser().parse_known_args(args[3:])
     except SystemExit:
         pytest.fail(f"python -m serve.sidecar rejects the Deployment's args {args[3:]} "
                     "(see the argparse error above): a flag k8s/deployment.yaml passes does "
@@ -966,10 +967,10 @@ def test_sidecar_accepts_the_deployments_args(docs):
 def test_rollout_deadline_covers_the_first_registration(docs):
     """A new pod is Ready only once the sidecar registered the declared version: the
     rollout's deadline must outlast the sidecar's own registration timeout."""
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
     deadline = one(docs, "Deployment")["spec"]["progressDeadlineSeconds"]
-    assert deadline > _parser().get_default("register_timeout")
+    assert deadline > build_parser().get_default("register_timeout")
     # TorchServe's probes do not wait for the model (/ping is Healthy while it is empty
     # and while a version loads); the sidecar's liveness never depends on TorchServe.
     sc = container(docs, "sidecar")
@@ -1072,7 +1073,7 @@ def _metric_sample_names(text: str) -> dict[str, list[dict]]:
 def test_hpa_metric_comes_from_what_the_real_sidecar_exports(docs, torchserve, sidecar):
     """One real predict through TorchServe, then the sidecar's real /metrics: the adapter
     rule must turn a series it exports into exactly the HPA's metric name."""
-    from serve.api.protocol import example_request
+    from serve.api.json_body import example_request
 
     r = httpx.post(f"{torchserve.inference_url}/predictions/{torchserve.model_name}",
                    json=example_request(3, seed=1), timeout=60)

@@ -135,7 +135,8 @@ def test_dense_features_match_the_training_distribution():
 
 @pytest.mark.parametrize("multi_hot", [1, 3])
 def test_pool_bodies_parse_with_the_real_protocol_in_both_forms(multi_hot):
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
 
     p = dataclasses.replace(get_profile("tiny"), max_ids_per_feature=multi_hot)
     cfg = {"profile": p, "instances": traffic.InstancesDistribution.parse("1-40:10", 0.2),
@@ -202,7 +203,7 @@ def test_check_response(status, body, n, want):
 
 
 def test_check_response_accepts_the_handlers_encoding():
-    from serve.api.protocol import encode_predictions
+    from serve.api.batch import encode_predictions
 
     body = encode_predictions(np.array([0.25, 0.5, 1.0], dtype=np.float32))
     assert traffic.check_response(200, body, 3) is None

@@ -27,7 +27,8 @@ from serve.api.oip import (
 from serve.api.request import BINARY_MEDIA_TYPE, INT64_MAX
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
-from serve.sidecar.http.app import SidecarConfig, by_port, create_app, create_oip_app
+from serve.sidecar.config import SidecarConfig
+from serve.sidecar.http.app import by_port, create_app, create_oip_app
 
 CFG = HandlerConfig()
 # An imported model's schema (as tests/test_protocol.py's): its own names, N = 3, one

@@ -29,7 +29,9 @@ import pytest
 import yaml
 
 from serve import settings
-from serve.api.protocol import BINARY_MEDIA_TYPE, HandlerConfig, example_request
+from serve.api.config import HandlerConfig
+from serve.api.json_body import example_request
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.common.net import free_ports
 from serve.ops import monitoring
 from serve.ops.feedback_check import label_triples, post_labels

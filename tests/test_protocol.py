@@ -1,5 +1,5 @@
-"""serve.api (request, json_body, binary, decode, batch; the protocol facade): parsing,
-validation wording, merging, and one-forward batches (no server)."""
+"""serve.api (request, spec, json_body, binary, decode, batch) and serve.worker.arms's
+handle_batch: parsing, validation wording, merging, and one-forward batches (no server)."""
 from __future__ import annotations
 
 import copy
@@ -10,8 +10,9 @@ import numpy as np
 import orjson
 import pytest
 
-from serve.api import json_body, protocol, request
-from serve.api.batch import handle_batch, merge_requests
+from serve.api import json_body, request
+from serve.api import spec as api_spec
+from serve.api.batch import merge_requests
 from serve.api.binary import encode_binary, example_binary
 from serve.api.config import HandlerConfig, default_num_threads
 from serve.api.decode import parse_body
@@ -22,6 +23,7 @@ from serve.api.request import (
     JSON_MEDIA_TYPE,
     check_content_type,
 )
+from serve.api.spec import spec_of
 from serve.errors import (
     ConfigError,
     InvalidInput,
@@ -33,6 +35,7 @@ from serve.model.archive import build_mar, model_config
 from serve.ops.launcher import LaunchConfig, render_ts_config
 from serve.profiles import SPARSE_FEATURES, get_profile
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
+from serve.worker.arms import handle_batch
 
 CFG = HandlerConfig(max_instances=4, max_ids_per_feature=3, max_body_bytes=100_000)
 
@@ -589,7 +592,7 @@ def test_binary_and_json_requests_merge_into_one_forward(tiny_runtime):
 
 # ----------------------------------------------------------------------------- JSON fast path
 # parse_body tries a fast path first (json_body._fast_parse) and falls back to the
-# validating parse (json_body._parse_doc) for anything it cannot prove valid. The fast path
+# validating parse (json_body.parse_doc) for anything it cannot prove valid. The fast path
 # must build bit-identical arrays for what it accepts and accept nothing the validating
 # parse refuses; the validating parse is called directly as the reference.
 
@@ -661,7 +664,7 @@ def test_fast_path_equals_the_validating_parse(form, one_hot, n):
         body = encode(dense, lengths, ids)
         fast = json_body._fast_parse(orjson.loads(body), BIG_CFG)
         assert fast is not None, f"seed {seed}: the fast path refused a valid body"
-        slow = json_body._parse_doc(orjson.loads(body), BIG_CFG)
+        slow = json_body.parse_doc(orjson.loads(body), BIG_CFG)
         _assert_identical(fast, slow)
         _assert_identical(parse_body(body, BIG_CFG), slow)
         assert slow.lengths.tolist() == lengths.tolist()
@@ -675,7 +678,7 @@ def test_fast_path_takes_bodies_without_any_id(form):
                                                           [[] for _ in range(26)])
     fast = json_body._fast_parse(orjson.loads(body), CFG)
     assert fast is not None and fast.values.shape == (0,)
-    _assert_identical(fast, json_body._parse_doc(orjson.loads(body), CFG))
+    _assert_identical(fast, json_body.parse_doc(orjson.loads(body), CFG))
 
 
 def _rows2(f) -> bytes:
@@ -836,7 +839,7 @@ def test_fast_path_refuses_and_errors_are_the_validating_parse_s(name, body, cfg
     doc = orjson.loads(body)
     assert json_body._fast_parse(doc, cfg) is None
     with pytest.raises(ServeError) as want:
-        json_body._parse_doc(orjson.loads(body), cfg)
+        json_body.parse_doc(orjson.loads(body), cfg)
     with pytest.raises(ServeError) as got:
         parse_body(body, cfg)
     assert type(got.value) is type(want.value) and type(want.value) in (InvalidInput,
@@ -887,7 +890,7 @@ def test_randomly_broken_bodies_get_the_validating_parse_s_result_or_error():
                 c.append(1)
         body = orjson.dumps(doc)
         got = _outcome(lambda b: parse_body(b, CFG), body)
-        assert got == _outcome(lambda b: json_body._parse_doc(orjson.loads(b), CFG), body), body
+        assert got == _outcome(lambda b: json_body.parse_doc(orjson.loads(b), CFG), body), body
         accepted += isinstance(got[0], tuple)
     assert 150 < accepted < 450  # both outcomes well represented
 
@@ -938,10 +941,10 @@ def test_custom_schema_bodies_parse_feature_major_in_schema_order(form):
         doc = CUSTOM_ROWS if form == "rows" else CUSTOM_COLUMNAR
         body = orjson.dumps(doc)
         assert json_body._fast_parse(orjson.loads(body), WIDE_CFG,
-                                    request._spec_of(CUSTOM)) is not None
+                                    spec_of(CUSTOM)) is not None
         p = parse_body(body, WIDE_CFG, schema=CUSTOM)
-        _assert_identical(p, json_body._parse_doc(orjson.loads(body), WIDE_CFG,
-                                                 request._spec_of(CUSTOM)))
+        _assert_identical(p, json_body.parse_doc(orjson.loads(body), WIDE_CFG,
+                                                 spec_of(CUSTOM)))
     _check_custom(p)
 
 
@@ -1023,7 +1026,7 @@ BAD_CUSTOM = [
 
 @pytest.mark.parametrize("name,cfg,body,match", BAD_CUSTOM, ids=[b[0] for b in BAD_CUSTOM])
 def test_custom_schema_errors_name_the_feature_and_the_rule(name, cfg, body, match):
-    spec = request._spec_of(CUSTOM)
+    spec = spec_of(CUSTOM)
     assert json_body._fast_parse(orjson.loads(body), cfg, spec) is None
     with pytest.raises(InvalidInput, match=match):
         parse_body(body, cfg, schema=CUSTOM)
@@ -1074,14 +1077,14 @@ def test_custom_schema_binary_caps_under_a_tighter_handler_cap():
 @pytest.mark.parametrize("multi_hot", [False, True], ids=["one-hot", "multi-hot"])
 @pytest.mark.parametrize("form", ["rows", "columnar"])
 def test_custom_schema_fast_path_equals_the_validating_parse(form, multi_hot, n):
-    spec = request._spec_of(CUSTOM)
+    spec = spec_of(CUSTOM)
     for seed in range(8):
         doc = example_request(n, seed=seed, form=form, schema=CUSTOM, multi_hot=multi_hot,
                               max_id=INT64_MAX)
         body = orjson.dumps(doc)
         fast = json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec)
         assert fast is not None, f"seed {seed}: the fast path refused a valid body"
-        slow = json_body._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        slow = json_body.parse_doc(orjson.loads(body), WIDE_CFG, spec)
         _assert_identical(fast, slow)
         _assert_identical(parse_body(body, WIDE_CFG, schema=CUSTOM), slow)
         assert slow.dense.shape == (n, 3) and slow.lengths.shape == (3, n)
@@ -1128,7 +1131,7 @@ CUSTOM_FAST_BAD = _custom_fast_bad(1) + _custom_fast_bad(30)
 
 @pytest.mark.parametrize("name,body", CUSTOM_FAST_BAD, ids=[b[0] for b in CUSTOM_FAST_BAD])
 def test_custom_schema_fast_path_refuses_what_exceeds_a_feature_s_cap(name, body):
-    spec = request._spec_of(CUSTOM)
+    spec = spec_of(CUSTOM)
     assert json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec) is None
     with pytest.raises(InvalidInput, match=r"the model accepts at most (1 id|20 ids) in "):
         parse_body(body, WIDE_CFG, schema=CUSTOM)
@@ -1161,17 +1164,17 @@ def test_the_default_schema_is_the_built_in_model_s():
     # other tables (rows, dims, dtype), the same requests: one set of decoder helpers
     tiny = get_profile("tiny").schema("int4")
     assert tiny != request.DEFAULT_SCHEMA and not tiny.request_differences(request.DEFAULT_SCHEMA)
-    assert request._spec_of(None) is request._spec_of(tiny)
+    assert spec_of(None) is spec_of(tiny)
     with pytest.raises(TypeError, match=r"^schema must be a serve.schema.ModelSchema or None"):
         parse_body(body, CFG, schema={"dense": 13})  # type: ignore[arg-type]
 
 
 def test_feature_names_in_messages_are_listed_in_order():
-    assert request._names_text(SPARSE_FEATURES) == "C1..C26"
-    assert request._names_text(("f1", "f2", "f3")) == "f1..f3"
-    assert request._names_text(("f1", "f3", "f2")) == "f1, f3, f2"
-    assert request._names_text(("a1", "a2")) == "a1, a2"
-    assert request._names_text(("user_id", "item_id", "history")) == CUSTOM_NAMES
+    assert api_spec._names_text(SPARSE_FEATURES) == "C1..C26"
+    assert api_spec._names_text(("f1", "f2", "f3")) == "f1..f3"
+    assert api_spec._names_text(("f1", "f3", "f2")) == "f1, f3, f2"
+    assert api_spec._names_text(("a1", "a2")) == "a1, a2"
+    assert api_spec._names_text(("user_id", "item_id", "history")) == CUSTOM_NAMES
 
 
 ONE_FEATURE = ModelSchema(dense=0, tables=(TableSpec("t", rows=10, dim=4),),
@@ -1182,13 +1185,13 @@ ONE_FEATURE = ModelSchema(dense=0, tables=(TableSpec("t", rows=10, dim=4),),
 @pytest.mark.parametrize("n", [1, 3, 80])
 def test_one_feature_and_no_dense_features(multi_hot, n):
     """F = 1 (no tuple from a one-key itemgetter) and N = 0 (empty dense rows)."""
-    spec = request._spec_of(ONE_FEATURE)
+    spec = spec_of(ONE_FEATURE)
     for form in ("rows", "columnar"):
         body = orjson.dumps(example_request(n, seed=n, form=form, schema=ONE_FEATURE,
                                             multi_hot=multi_hot))
         fast = json_body._fast_parse(orjson.loads(body), WIDE_CFG, spec)
         assert fast is not None
-        slow = json_body._parse_doc(orjson.loads(body), WIDE_CFG, spec)
+        slow = json_body.parse_doc(orjson.loads(body), WIDE_CFG, spec)
         _assert_identical(fast, slow)
         assert slow.dense.shape == (n, 0) and slow.lengths.shape == (1, n)
         binary = parse_body(example_binary(n, seed=n, schema=ONE_FEATURE, multi_hot=multi_hot),
@@ -1203,6 +1206,7 @@ def test_one_feature_and_no_dense_features(multi_hot, n):
         parse_body(b'{"instances": [{"dense": [], "sparse": []}]}', WIDE_CFG, schema=ONE_FEATURE)
 
 
+#: The names the former ``serve.api.protocol`` facade exported: each keeps one home.
 PROTOCOL_NAMES = [
     "BINARY_MEDIA_TYPE", "BINARY_VERSION", "DEFAULT_SCHEMA", "INT64_MAX", "JSON_MEDIA_TYPE",
     "ArmRun", "DeltaWiring", "HandlerConfig", "MergedBatch", "Outcome", "ParsedRequest", "RolloutWiring", "Split", "cache_on_cpu_from_env",
@@ -1211,14 +1215,22 @@ PROTOCOL_NAMES = [
     "merge_requests", "parse_body"]
 
 
-def test_the_protocol_facade_keeps_its_names_as_the_modules_objects():
-    """``serve.api.protocol`` re-exports what it always exported; each name is the very
-    object of the module that holds it (one definition, no copies)."""
-    from serve.api import batch, binary, config, decode
+def test_the_protocol_names_each_live_in_one_module():
+    """What the deleted ``serve.api.protocol`` facade re-exported is importable from
+    exactly one module's ``__all__`` (the codec in ``serve.api``, the arms in
+    ``serve.worker.arms``), which defines it: one definition, no copies, no re-exports."""
+    import importlib
+    import pkgutil
 
-    assert protocol.__all__ == PROTOCOL_NAMES
-    modules = (config, request, json_body, binary, decode, batch)
+    import serve.api
+    from serve.worker import arms
+
+    assert importlib.util.find_spec("serve.api.protocol") is None
+    modules = [importlib.import_module(f"serve.api.{m.name}")
+               for m in pkgutil.iter_modules(serve.api.__path__)] + [arms]
     for name in PROTOCOL_NAMES:
-        holders = [m for m in modules if name in m.__all__]
-        assert holders, f"{name} is in no module's __all__"
-        assert all(getattr(protocol, name) is getattr(m, name) for m in holders), name
+        holders = [m for m in modules if name in getattr(m, "__all__", ())]
+        assert len(holders) == 1, (name, holders)
+        obj = getattr(holders[0], name)
+        if callable(obj):
+            assert obj.__module__ == holders[0].__name__, name

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.config import SidecarConfig
+from serve.sidecar.http.app import create_app
 from serve.sidecar.root import Sidecar
 from serve.state import Batching, DesiredState, ModelRef, Rollout, write_state
 from serve.store.repository import ModelRepository

@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import pytest
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.ops.feedback_check import label_triples, post_labels
 from serve.ops.heldout import score_split
 from serve.ops.loadgen import BackgroundLoad

@@ -29,11 +29,12 @@ from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.model_schemas import SchemaCache, check_rollout_schema
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient
+from serve.sidecar.config import DEFAULT_STATE_FILE, SidecarConfig
 from serve.sidecar.control import reconciler as reconciler_module
 from serve.sidecar.control import state_file as state_file_module
 from serve.sidecar.control.reconciler import Reconciler, assess
 from serve.sidecar.control.switch import VersionSwitch
-from serve.sidecar.http.app import DEFAULT_STATE_FILE, SidecarConfig, create_app
+from serve.sidecar.http.app import create_app
 from serve.state import ALLOWED_FIELDS, Batching, DesiredState, ModelRef, write_state
 from serve.store.repository import ModelRepository
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, dead_port, toy_mar
@@ -690,23 +691,23 @@ def test_put_state_needs_the_token(tmp_path, repo, state_file):
 
 def test_the_documented_default_state_file():
     assert DEFAULT_STATE_FILE == "/etc/dlrm/state/state.yaml"
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
-    assert _parser().parse_args(["--state-file", DEFAULT_STATE_FILE]).state_file == \
+    assert build_parser().parse_args(["--state-file", DEFAULT_STATE_FILE]).state_file == \
         DEFAULT_STATE_FILE
 
 
 def test_cli_flags_and_env(monkeypatch, tmp_path):
-    from serve.sidecar.http.app import _parser
+    from serve.sidecar.http.app import build_parser
 
     monkeypatch.delenv(DLRM_STATE_FILE.name, raising=False)
     monkeypatch.delenv(settings.DLRM_REPOSITORY.name, raising=False)
-    args = _parser().parse_args([])
+    args = build_parser().parse_args([])
     assert (args.state_file, args.repository, args.reconcile_interval, args.drain_timeout,
             args.cgroup_root) == (None, (), 1.0, 60.0, "/sys/fs/cgroup")
     monkeypatch.setenv(DLRM_STATE_FILE.name, "/x/state.yaml")
-    assert _parser().parse_args([]).state_file == "/x/state.yaml"
-    args = _parser().parse_args(["--repository", "a", "--repository", "b"])
+    assert build_parser().parse_args([]).state_file == "/x/state.yaml"
+    args = build_parser().parse_args(["--repository", "a", "--repository", "b"])
     assert args.repository == ["a", "b"]
 
 

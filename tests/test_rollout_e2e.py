@@ -25,7 +25,7 @@ import orjson
 import pytest
 import torch
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state

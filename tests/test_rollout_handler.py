@@ -12,7 +12,9 @@ import orjson
 import pytest
 import torch
 
-from serve.api.protocol import HandlerConfig, example_request, parse_body
+from serve.api.config import HandlerConfig
+from serve.api.decode import parse_body
+from serve.api.json_body import example_request
 from serve.constants import CANDIDATE_ARTIFACT
 from serve.store.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS, key_point, write_control
 from tests.fixtures.torchserve import HANDLER_CONFIG, start_torchserve

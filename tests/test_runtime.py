@@ -431,7 +431,7 @@ def test_forward_cap_with_a_cache_is_cached_equals_uncached(tiny_models):
 
 
 def test_forward_cap_default_matches_the_handler_config():
-    from serve.api.protocol import HandlerConfig
+    from serve.api.config import HandlerConfig
     from serve.runtime.engine import DEFAULT_MAX_FORWARD_INSTANCES
 
     assert RuntimeConfig().max_forward_instances == DEFAULT_MAX_FORWARD_INSTANCES == 8192

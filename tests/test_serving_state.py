@@ -19,7 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary, example_request
+from serve.api.binary import example_binary
+from serve.api.json_body import example_request
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.errors import UpstreamUnavailable
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.ops.state_client import StateClient

@@ -29,7 +29,7 @@ from serve.constants import (
 from serve.errors import ConfigError, InvalidDelta
 from serve.ops import configdoc
 from serve.sidecar.config import ServerOptions, SidecarConfig, cli_options
-from serve.sidecar.http.app import _parser
+from serve.sidecar.http.app import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("serve", "handlers", "loadtest", "bench")
@@ -160,13 +160,13 @@ def test_the_registry_is_light():
 
 
 def test_every_existing_sidecar_flag_still_parses():
-    help_text = _parser({}).format_help()
+    help_text = build_parser({}).format_help()
     for flag in SIDECAR_FLAGS:
         assert flag in help_text, flag
 
 
 def test_the_generated_parser_defaults_are_the_dataclass_defaults():
-    parser = _parser({})
+    parser = build_parser({})
     opts = cli_options()
     assert {o.spec.name for o in opts if o.spec.name} == set(SIDECAR_FLAGS)
     for opt in opts:
@@ -182,15 +182,15 @@ def test_the_generated_parser_defaults_are_the_dataclass_defaults():
 def test_a_variable_sets_a_flags_default_and_the_flag_wins():
     env = {"DLRM_TUNE_WINDOW_S": "7", "DLRM_AUTOTUNE": "0", "DLRM_REPOSITORY": "/a:/b",
            "DLRM_MEMORY_LIMIT_BYTES": "1000000", "DLRM_PREDICTION_LOG_DIR": "/logs"}
-    cfg = build(SidecarConfig, _parser(env).parse_args([]))
+    cfg = build(SidecarConfig, build_parser(env).parse_args([]))
     assert (cfg.tuner.window_s, cfg.tuner.enabled, cfg.repositories, cfg.memory_limit_bytes,
             cfg.feedback.log_dir) == (7.0, False, (Path("/a"), Path("/b")), 1_000_000,
                                       Path("/logs"))
-    cfg = build(SidecarConfig, _parser(env).parse_args(
+    cfg = build(SidecarConfig, build_parser(env).parse_args(
         ["--tune-window-s", "5", "--autotune", "on", "--repository", "/c"]))
     assert (cfg.tuner.window_s, cfg.tuner.enabled, cfg.repositories) == (5.0, True, (Path("/c"),))
     with pytest.raises(ConfigError, match=r"^DLRM_FEEDBACK_WINDOW_S='long' is not a number"):
-        _parser({"DLRM_FEEDBACK_WINDOW_S": "long"})
+        build_parser({"DLRM_FEEDBACK_WINDOW_S": "long"})
 
 
 def test_sidecar_help_lists_every_flag_with_its_default_and_variable():

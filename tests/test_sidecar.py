@@ -14,18 +14,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.common.net import wait_until
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
-from serve.sidecar.http.app import (
-    SidecarConfig,
-    create_app,
-    ensure_dev_token,
-    load_token,
-    rewrite_mar,
-)
+from serve.sidecar.adapters.archives import rewrite_mar
+from serve.sidecar.adapters.tokens import ensure_dev_token, load_token
+from serve.sidecar.config import SidecarConfig
+from serve.sidecar.http.app import create_app
 from tests.fixtures.sidecar import (
     SESSION_VERSION,
     add_versions,

@@ -30,8 +30,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from serve.constants import SIDECAR_TOKEN_MIN_BYTES, SIDECAR_TOKEN_PLACEHOLDER
 from serve.errors import ConfigError
+from serve.sidecar.adapters.tokens import ensure_dev_token
 from serve.sidecar.config import ServerOptions, SidecarConfig
-from serve.sidecar.http.app import create_app, ensure_dev_token
+from serve.sidecar.http.app import create_app
 from serve.sidecar.http.guard import (
     SMALL_BODY_BYTES,
     WRITE_ROUTES,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 
 REPO = Path(__file__).resolve().parents[1]
 # Loggers that write a line per request or per batch in TorchServe 0.12's frontend.

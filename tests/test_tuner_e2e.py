@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from serve.api.protocol import example_request
+from serve.api.json_body import example_request
 from serve.ops.loadgen import BackgroundLoad
 from serve.store.repository import ModelRepository
 from tests.fixtures.torchserve import service_config

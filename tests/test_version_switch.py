@@ -27,8 +27,9 @@ from serve.errors import ConfigError, InsufficientMemory, UpstreamUnavailable
 from serve.metrics import SWITCH_PHASES, SidecarMetrics
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
+from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.switch import SwitchPhase, SwitchPlan, VersionSwitch
-from serve.sidecar.http.app import SidecarConfig, create_app
+from serve.sidecar.http.app import create_app
 from serve.sidecar.http.schemas import BatchingState
 from serve.state import Batching, DesiredState, ModelRef, write_state
 from serve.store.repository import ModelRepository

@@ -136,7 +136,7 @@ def test_warm_up_changes_no_answer_through_a_cache_that_evicts(model_dir, tmp_pa
 def test_the_candidate_slowdown_spins_the_rest_of_its_forward(model_dir, tmp_path,
                                                              monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr("serve.worker.worker._spin", slept.append)
+    monkeypatch.setattr("serve.worker.arms._spin", slept.append)
     w = _load(model_dir, _cfg(tmp_path, warmup_batches=0),
               {"DLRM_DEBUG_CANDIDATE_SLOWDOWN": "2.5"})
     assert w.candidate_slowdown == 2.5

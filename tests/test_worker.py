@@ -248,13 +248,13 @@ def test_canary_arms_take_turns_at_running_first(model_dir, tmp_path, monkeypatc
                         rollout=RolloutWiring(CANDIDATE, CANDIDATE_ARTIFACT, str(control)))
     w = _load(model_dir, cfg)
     order: list[str] = []
-    real = w._forward
+    real = w.arms.forward
 
     def forward(runtime, batch):
         order.append("candidate" if runtime is w.candidate else "stable")
         return real(runtime, batch)
 
-    monkeypatch.setattr(w, "_forward", forward)
+    monkeypatch.setattr(w.arms, "forward", forward)
     keys = [f"user-{i}" for i in range(16)]
     requests = [WorkerRequest(orjson.dumps(example_request(1, seed=i)), JSON_MEDIA_TYPE, k)
                 for i, k in enumerate(keys)]

@@ -23,30 +23,20 @@ and the response are shared. Rules as for JSON: B >= 1 (more than ``max_instance
 aligned only when 20 + 4*B*(N+F) is a multiple of 8 (built in: odd B); otherwise it is
 copied (a memcpy: 3 us for the 13k ids of 512 one-hot instances, whose whole parse takes
 ~35 us). Not worth it for a few instances per request, where decoding is not the limit:
-use JSON there (readable, curl-able). Names with a leading underscore are private to
-``serve.api``.
+use JSON there (readable, curl-able). :func:`parse_binary` decodes a body
+(:mod:`serve.api.decode` calls it after the size check).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from serve.api.config import HandlerConfig
-from serve.api.request import (
-    _DEFAULT_SPEC,
-    BINARY_MEDIA_TYPE,
-    INT64_MAX,
-    JSON_MEDIA_TYPE,
-    ParsedRequest,
-    _cap_rule,
-    _example_arrays,
-    _id_problem,
-    _Spec,
-    _spec_of,
-)
+from serve.api.request import INT64_MAX, JSON_MEDIA_TYPE, ParsedRequest
+from serve.api.spec import DEFAULT_SPEC, Spec, cap_rule, example_arrays, id_problem, spec_of
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
-__all__ = ["BINARY_MEDIA_TYPE", "BINARY_VERSION", "encode_binary", "example_binary"]
+__all__ = ["BINARY_VERSION", "encode_binary", "example_binary", "parse_binary"]
 
 
 BINARY_VERSION = 1
@@ -73,8 +63,8 @@ def _binary_array(buf: memoryview, dtype: str, count: int, offset: int) -> np.nd
     return native
 
 
-def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
-                  spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
+def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
+                 spec: Spec = DEFAULT_SPEC) -> ParsedRequest:
     """The binary columnar form (layout in the module docstring) -> ParsedRequest; F and
     N must be ``spec``'s schema's."""
     buf = memoryview(body).cast("B")
@@ -118,7 +108,7 @@ def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
     if over is not None:
         f, s = map(int, np.argwhere(over)[0])
         raise InvalidInput(f"binary body: lengths[{spec.names[f]}][{s}] is "
-                           f"{int(lengths[f, s])}; {_cap_rule(caps, f, spec)}")
+                           f"{int(lengths[f, s])}; {cap_rule(caps, f, spec)}")
     nnz = int(lengths.sum(dtype=np.int64))
     want = values_at + 8 * nnz
     if size != want:
@@ -136,7 +126,7 @@ def _parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
         ends = np.cumsum(lengths.reshape(-1), dtype=np.int64)
         f, s = divmod(int(np.searchsorted(ends, k, side="right")), b)
         raise InvalidInput(f"binary body: values[{k}] ({spec.names[f]}, sample {s}): "
-                           f"{_id_problem(int(values[k]))}")
+                           f"{id_problem(int(values[k]))}")
     return ParsedRequest(dense, lengths, values)
 
 
@@ -167,7 +157,7 @@ def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray, *,
     d = np.asarray(dense)
     ln = np.asarray(lengths)
     v = np.asarray(values)
-    spec = _spec_of(schema)
+    spec = spec_of(schema)
     nf, nd = spec.nf, spec.nd
     if d.ndim != 2 or d.shape[1] != nd:
         raise ValueError(f"dense has shape {d.shape}; it must be (B, {nd})")
@@ -199,6 +189,6 @@ def example_binary(n: int = 1, *, seed: int = 0, max_id: int = 2**31,
     Parses to exactly the same ParsedRequest as the JSON forms (send it with
     ``Content-Type: application/x-dlrm-columnar``).
     """
-    spec = _spec_of(schema)
-    dense, lengths, ids = _example_arrays(n, seed, max_id, spec, multi_hot)
+    spec = spec_of(schema)
+    dense, lengths, ids = example_arrays(n, seed, max_id, spec, multi_hot)
     return encode_binary(dense, lengths, ids, schema=schema)

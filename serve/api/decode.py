@@ -2,6 +2,8 @@
 
 The request's Content-Type picks the decoder (:func:`~serve.api.request.check_content_type`):
 JSON (:mod:`serve.api.json_body`) or binary columnar (:mod:`serve.api.binary`).
+:func:`parse_body` decodes a body whose media type is known; :func:`decode_request` one
+request of a TorchServe batch (body, Content-Type, route key), as the worker does.
 """
 from __future__ import annotations
 
@@ -9,23 +11,21 @@ from typing import Any
 
 import orjson
 
-from serve.api.binary import _parse_binary
+from serve.api.binary import parse_binary
 from serve.api.config import HandlerConfig
-from serve.api.json_body import _gc_paused, _parse_body
+from serve.api.json_body import gc_paused, parse_json_body
 from serve.api.request import (
     BINARY_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
     ParsedRequest,
-    _check_size,
-    _Spec,
-    _spec_of,
     check_content_type,
     check_route_key,
 )
+from serve.api.spec import Spec, check_size, spec_of
 from serve.errors import InvalidInput
 from serve.schema import ModelSchema
 
-__all__ = ["parse_body"]
+__all__ = ["decode_request", "parse_body"]
 
 
 def parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
@@ -47,28 +47,35 @@ def parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
         ValueError: ``media_type`` is neither JSON_MEDIA_TYPE nor BINARY_MEDIA_TYPE.
         TypeError: ``schema`` is not a ModelSchema.
     """
-    return _parse_any(body, cfg, media_type, _spec_of(schema))
+    return _parse_any(body, cfg, media_type, spec_of(schema))
 
 
 def _parse_any(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
-               media_type: str, spec: _Spec) -> ParsedRequest:
+               media_type: str, spec: Spec) -> ParsedRequest:
     """:func:`parse_body` with the schema's helpers resolved."""
     if media_type == BINARY_MEDIA_TYPE:
         if isinstance(body, str):
             raise InvalidInput("binary body: arrived as text; send the raw bytes from "
                                "encode_binary")
-        _check_size(memoryview(body).nbytes, cfg)
-        return _parse_binary(body, cfg, spec)
+        check_size(memoryview(body).nbytes, cfg)
+        return parse_binary(body, cfg, spec)
     if media_type != JSON_MEDIA_TYPE:
         raise ValueError(f"media_type {media_type!r} must be {JSON_MEDIA_TYPE!r} or "
                          f"{BINARY_MEDIA_TYPE!r}")
-    with _gc_paused():
-        return _parse_body(body, cfg, spec)
+    with gc_paused():
+        return parse_json_body(body, cfg, spec)
 
 
-def _decode(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig,
-            spec: _Spec) -> ParsedRequest:
-    """One request of a batch -> ParsedRequest (raises a ServeError for a bad one)."""
+def decode_request(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig,
+                   spec: Spec) -> ParsedRequest:
+    """One request of a batch -> ParsedRequest: its route key checked, its Content-Type
+    picking the form (a body TorchServe already decoded from JSON is re-encoded and
+    checked by the same rules), ``spec`` from :func:`serve.api.spec.spec_of`.
+
+    Raises:
+        ServeError: a bad request (its 4xx: InvalidInput, PayloadTooLarge,
+            UnsupportedMediaType), with the message it answers.
+    """
     check_route_key(key)
     media = check_content_type(ctype)
     if media == BINARY_MEDIA_TYPE:

@@ -19,9 +19,10 @@ nothing goes through float). Dense values are finite JSON numbers that fit float
 
 A body is decoded by orjson, then by the fast path (``_fast_parse``: proves the common
 valid body in few passes) and, for anything it cannot prove, by the validating parse
-(``_parse_doc``), the one place errors and their wording come from.
-:func:`example_request` builds valid bodies. Names with a leading underscore are private
-to ``serve.api``.
+(``parse_doc``), the one place errors and their wording come from.
+:func:`parse_json_body` runs both (``load_json``, then the fast path, then
+:func:`parse_doc`); :mod:`serve.api.decode` calls it inside :class:`gc_paused`.
+:func:`example_request` builds valid bodies.
 """
 from __future__ import annotations
 
@@ -36,25 +37,25 @@ import numpy as np
 import orjson
 
 from serve.api.config import HandlerConfig
-from serve.api.request import (
-    _DEFAULT_SPEC,
-    _ID_RULE,
-    ParsedRequest,
-    _cap_rule,
-    _Caps,
-    _check_size,
-    _example_arrays,
-    _id_problem,
-    _json_type,
-    _not_a,
-    _show,
-    _Spec,
-    _spec_of,
+from serve.api.request import ParsedRequest
+from serve.api.spec import (
+    DEFAULT_SPEC,
+    ID_RULE,
+    Caps,
+    Spec,
+    cap_rule,
+    check_size,
+    example_arrays,
+    id_problem,
+    json_type,
+    not_a,
+    show,
+    spec_of,
 )
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
-__all__ = ["example_request"]
+__all__ = ["example_request", "gc_paused", "load_json", "parse_doc", "parse_json_body"]
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -63,7 +64,7 @@ _COLUMN_KEYS = frozenset(("values", "lengths"))
 _DENSE_RULE = "dense values must be finite JSON numbers within float32 range"
 
 
-class _gc_paused:  # lower case: used like a function, ``with _gc_paused():``
+class gc_paused:  # lower case: used like a function, ``with gc_paused():``
     """Pause Python's cyclic garbage collector while a request is decoded.
 
     A 512-instance body becomes ~15k lists and dicts; every 700 container allocations
@@ -85,19 +86,26 @@ class _gc_paused:  # lower case: used like a function, ``with _gc_paused():``
             gc.enable()
 
 
-def _parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
-                spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
-    doc = _load_json(body, cfg)
+def parse_json_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
+                    spec: Spec = DEFAULT_SPEC) -> ParsedRequest:
+    """One JSON body (rows or columnar) -> ParsedRequest (dense float32 (B, N), lengths
+    int32 (F, B), values int64 (nnz,) feature-major), validated against ``spec``.
+
+    Raises:
+        PayloadTooLarge: over ``cfg.max_body_bytes`` or ``cfg.max_instances``.
+        InvalidInput: anything else wrong, with the field path in the message.
+    """
+    doc = load_json(body, cfg)
     # The common valid body takes the fast path; anything it does not prove valid goes
     # through the validating parse, which raises the precise error (or accepts it).
     parsed = _fast_parse(doc, cfg, spec)
-    return parsed if parsed is not None else _parse_doc(doc, cfg, spec)
+    return parsed if parsed is not None else parse_doc(doc, cfg, spec)
 
 
-def _load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> Any:
+def load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -> Any:
     """The body's JSON value (size and syntax checked; nothing else)."""
     size = len(body)
-    _check_size(size, cfg)
+    check_size(size, cfg)
     if size == 0:
         raise InvalidInput("body is empty; send a JSON object "
                            '{"instances": [...]} or {"dense": [...], "sparse": {...}}')
@@ -108,13 +116,13 @@ def _load_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig) -
                            "are not JSON numbers)") from None
 
 
-def _parse_doc(doc: Any, cfg: HandlerConfig, spec: _Spec = _DEFAULT_SPEC) -> ParsedRequest:
+def parse_doc(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC) -> ParsedRequest:
     """The validating parse of a decoded body against ``spec``'s schema: checks every rule
     in order and raises the first violation with its field path. The reference for
     :func:`_fast_parse`."""
     if not isinstance(doc, dict):
         raise InvalidInput(
-            f"body is a JSON {_json_type(doc)}; expected an object "
+            f"body is a JSON {json_type(doc)}; expected an object "
             '{"instances": [...]} (rows) or {"dense": [...], "sparse": {...}} (columnar)')
     keys = set(doc)
     if "instances" in doc:
@@ -145,7 +153,7 @@ def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
     if types != {list}:
         for i, r in enumerate(rows):
             if not isinstance(r, list):
-                raise InvalidInput(f"{path(i)}: is a JSON {_json_type(r)}; expected an array "
+                raise InvalidInput(f"{path(i)}: is a JSON {json_type(r)}; expected an array "
                                    f"of {nd} numbers (the model's dense features)")
     lens = set(map(len, rows))
     if lens != {nd}:
@@ -158,7 +166,7 @@ def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
         for i, r in enumerate(rows):
             for j, v in enumerate(r):
                 if type(v) not in (int, float):
-                    raise InvalidInput(f"{path(i)}[{j}]: {_not_a(v, 'number')}; {_DENSE_RULE}")
+                    raise InvalidInput(f"{path(i)}[{j}]: {not_a(v, 'number')}; {_DENSE_RULE}")
     try:
         wide = np.array(rows, dtype=np.float64)
     except OverflowError:  # an integer beyond float64: cannot happen via orjson, kept safe
@@ -167,7 +175,7 @@ def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
     bad = ~(np.abs(wide) <= _F32_MAX)  # also catches NaN (comparison is False)
     if bad.any():
         i, j = map(int, np.argwhere(bad)[0])
-        raise InvalidInput(f"{path(i)}[{j}]: {_show(rows[i][j])} is outside float32 range; "
+        raise InvalidInput(f"{path(i)}[{j}]: {show(rows[i][j])} is outside float32 range; "
                            f"{_DENSE_RULE}")
     return wide.astype(np.float32)
 
@@ -187,32 +195,32 @@ def _ids_array(vals: list[Any], where: Callable[[int], str]) -> np.ndarray:
         if arr is not None and arr.min() >= 0:
             return arr
     for k, v in enumerate(vals):  # slow path: find and describe the first offender
-        msg = _id_problem(v)
+        msg = id_problem(v)
         if msg:
             raise InvalidInput(f"{where(k)}: {msg}")
-    raise InvalidInput(f"{where(0)}: ids are invalid; {_ID_RULE}")  # unreachable in practice
+    raise InvalidInput(f"{where(0)}: ids are invalid; {ID_RULE}")  # unreachable in practice
 
 
-def _lengths_cap(lengths: np.ndarray, caps: _Caps, spec: _Spec,
+def _lengths_cap(lengths: np.ndarray, caps: Caps, spec: Spec,
                  where: Callable[[int, int], str]) -> None:
     """lengths (F, B): every entry within its feature's cap, else InvalidInput at (f, b)."""
     over = caps.exceeded(lengths)
     if over is not None:
         f, b = map(int, np.argwhere(over)[0])
         raise InvalidInput(f"{where(f, b)}: has {int(lengths[f, b])} ids; "
-                           f"{_cap_rule(caps, f, spec)}")
+                           f"{cap_rule(caps, f, spec)}")
 
 
-def _parse_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedRequest:
+def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest:
     if not isinstance(instances, list):
-        raise InvalidInput(f"instances: is a JSON {_json_type(instances)}; expected an array "
+        raise InvalidInput(f"instances: is a JSON {json_type(instances)}; expected an array "
                            "of objects {\"dense\": [...], \"sparse\": {...}}")
     n = len(instances)
     _check_count(n, "instances", cfg)
     if set(map(type, instances)) != {dict}:
         for i, inst in enumerate(instances):
             if not isinstance(inst, dict):
-                raise InvalidInput(f"instances[{i}]: is a JSON {_json_type(inst)}; expected an "
+                raise InvalidInput(f"instances[{i}]: is a JSON {json_type(inst)}; expected an "
                                    'object {"dense": [...], "sparse": {...}}')
     for i, inst in enumerate(instances):
         if inst.keys() != _INSTANCE_KEYS:
@@ -223,7 +231,7 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedReques
     # features this one takes, not only that its dense count is off.
     for i, sp in enumerate(sparse):
         if not isinstance(sp, dict):
-            raise InvalidInput(f"instances[{i}].sparse: is a JSON {_json_type(sp)}; expected an "
+            raise InvalidInput(f"instances[{i}].sparse: is a JSON {json_type(sp)}; expected an "
                                f"object {spec.sparse_example('[ids]')}")
         if sp.keys() != spec.name_set:
             _feature_error(f"instances[{i}].sparse", set(sp), spec)
@@ -237,7 +245,7 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedReques
             if not isinstance(c, list):
                 f, b = divmod(k, n)
                 raise InvalidInput(f"instances[{b}].sparse.{names[f]}: is a JSON "
-                                   f"{_json_type(c)}; expected an array of ids, e.g. [42]")
+                                   f"{json_type(c)}; expected an array of ids, e.g. [42]")
     lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells)).reshape(spec.nf, n)
     _lengths_cap(lengths, spec.caps(cfg.max_ids_per_feature), spec,
                  lambda f, b: f"instances[{b}].sparse.{names[f]}")
@@ -255,15 +263,15 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedReques
 
 
 def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig,
-                    spec: _Spec) -> ParsedRequest:
+                    spec: Spec) -> ParsedRequest:
     if not isinstance(dense_rows, list):
-        raise InvalidInput(f"dense: is a JSON {_json_type(dense_rows)}; expected an array of "
+        raise InvalidInput(f"dense: is a JSON {json_type(dense_rows)}; expected an array of "
                            f"B arrays of {spec.nd} numbers")
     n = len(dense_rows)
     _check_count(n, "dense", cfg)
     # Feature names before the dense values, as in the row form.
     if not isinstance(sparse, dict):
-        raise InvalidInput(f"sparse: is a JSON {_json_type(sparse)}; expected an object "
+        raise InvalidInput(f"sparse: is a JSON {json_type(sparse)}; expected an object "
                            f'{{"{spec.names[0]}": {{"values": [...], "lengths": [...]}}, ...}}')
     if sparse.keys() != spec.name_set:
         _feature_error("sparse", set(sparse), spec)
@@ -275,27 +283,27 @@ def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig,
         col = sparse[f]
         p = f"sparse.{f}"
         if not isinstance(col, dict):
-            raise InvalidInput(f"{p}: is a JSON {_json_type(col)}; expected an object "
+            raise InvalidInput(f"{p}: is a JSON {json_type(col)}; expected an object "
                                '{"values": [ids...], "lengths": [B counts]}')
         if col.keys() != _COLUMN_KEYS:
             _key_error(p, set(col), _COLUMN_KEYS)
         lens, vals = col["lengths"], col["values"]
         for name, v in (("lengths", lens), ("values", vals)):
             if not isinstance(v, list):
-                raise InvalidInput(f"{p}.{name}: is a JSON {_json_type(v)}; expected an array")
+                raise InvalidInput(f"{p}.{name}: is a JSON {json_type(v)}; expected an array")
         if len(lens) != n:
             raise InvalidInput(f"{p}.lengths: has {len(lens)} entries; it must have one per "
                                f"dense row ({n})")
         if set(map(type, lens)) != {int} or min(lens) < 0:
             for b, v in enumerate(lens):
                 if type(v) is not int or v < 0:
-                    raise InvalidInput(f"{p}.lengths[{b}]: {_show(v)} is not a count; lengths "
+                    raise InvalidInput(f"{p}.lengths[{b}]: {show(v)} is not a count; lengths "
                                        "must be integers >= 0")
         cap = int(caps.arr[fi])
         if max(lens) > cap:
             b = next(b for b, v in enumerate(lens) if v > cap)
             raise InvalidInput(f"{p}.lengths[{b}]: has {lens[b]} ids; "
-                               f"{_cap_rule(caps, fi, spec)}")
+                               f"{cap_rule(caps, fi, spec)}")
         total = sum(lens)
         if total != len(vals):
             raise InvalidInput(f"{p}: lengths sum to {total} but values has {len(vals)} ids; "
@@ -320,7 +328,7 @@ def _key_error(path: str, got: set[str], want: frozenset[str]) -> None:
     raise InvalidInput(f"{path}: {'; '.join(parts)}; expected exactly {sorted(want)}")
 
 
-def _feature_error(path: str, got: set[str], spec: _Spec) -> None:
+def _feature_error(path: str, got: set[str], spec: Spec) -> None:
     """Name the missing and unknown features at ``path`` and list the model's, in order."""
     missing = [f for f in spec.names if f not in got]
     unknown = sorted(map(str, got - spec.name_set))
@@ -350,7 +358,7 @@ _NOT_FAST = (KeyError, TypeError, ValueError, OverflowError)
 _PY_REDUCE_MAX = 64
 
 
-def _fast_parse(doc: Any, cfg: HandlerConfig, spec: _Spec = _DEFAULT_SPEC
+def _fast_parse(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC
                 ) -> ParsedRequest | None:
     """A valid body (either JSON form) for ``spec``'s schema -> its ParsedRequest, or None:
     not proven valid."""
@@ -366,7 +374,7 @@ def _fast_parse(doc: Any, cfg: HandlerConfig, spec: _Spec = _DEFAULT_SPEC
     return None
 
 
-def _fast_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedRequest | None:
+def _fast_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest | None:
     """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`)."""
     if type(instances) is not list or not 0 < len(instances) <= cfg.max_instances:
         return None
@@ -396,7 +404,7 @@ def _fast_rows(instances: Any, cfg: HandlerConfig, spec: _Spec) -> ParsedRequest
     return ParsedRequest(dense, np.ones((nf, n), dtype=np.int32), values)
 
 
-def _fast_rows_multi_hot(dense: np.ndarray, sparse: list[Any], cfg: HandlerConfig, spec: _Spec
+def _fast_rows_multi_hot(dense: np.ndarray, sparse: list[Any], cfg: HandlerConfig, spec: Spec
                          ) -> ParsedRequest | None:
     """The row form with any number of ids per cell (``sparse``: B objects of F keys)."""
     n = len(sparse)
@@ -424,7 +432,7 @@ def _fast_rows_multi_hot(dense: np.ndarray, sparse: list[Any], cfg: HandlerConfi
     return ParsedRequest(dense, lengths, values)
 
 
-def _within_caps(lengths: np.ndarray, top: int, caps: _Caps) -> bool:
+def _within_caps(lengths: np.ndarray, top: int, caps: Caps) -> bool:
     """Whether lengths (F, B), whose max is ``top``, keeps every feature's cap: a scalar
     check unless ``top`` falls between the smallest and the largest cap."""
     if top <= caps.lo:
@@ -434,7 +442,7 @@ def _within_caps(lengths: np.ndarray, top: int, caps: _Caps) -> bool:
     return not bool((lengths > caps.arr[:, None]).any())
 
 
-def _within_caps_py(lens: list[int], top: int, caps: _Caps, n: int) -> bool:
+def _within_caps_py(lens: list[int], top: int, caps: Caps, n: int) -> bool:
     """:func:`_within_caps` of a small request's lengths as a Python list (F*n,),
     feature-major: Python's reductions beat numpy's fixed cost there."""
     if top <= caps.lo:
@@ -444,7 +452,7 @@ def _within_caps_py(lens: list[int], top: int, caps: _Caps, n: int) -> bool:
     return all(map(operator.le, lens, caps.per_cell(n)))
 
 
-def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: _Spec
+def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec
                    ) -> ParsedRequest | None:
     """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`)."""
     if type(dense_rows) is not list or not 0 < len(dense_rows) <= cfg.max_instances:
@@ -548,8 +556,8 @@ def example_request(n: int = 1, *, seed: int = 0, form: str = "rows", max_id: in
             0..``schema.max_ids[f]`` ids in feature f (valid when the handler's
             ``max_ids_per_feature`` is no lower).
     """
-    spec = _spec_of(schema)
-    dense_arr, lengths_arr, ids_arr = _example_arrays(n, seed, max_id, spec, multi_hot)
+    spec = spec_of(schema)
+    dense_arr, lengths_arr, ids_arr = example_arrays(n, seed, max_id, spec, multi_hot)
     dense, ids = dense_arr.tolist(), ids_arr.tolist()
     names = spec.names
     if form not in ("rows", "columnar"):

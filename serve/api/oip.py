@@ -42,7 +42,8 @@ import orjson
 
 from serve.api.binary import encode_binary
 from serve.api.config import HandlerConfig
-from serve.api.request import INT64_MAX, ParsedRequest, _cap_rule, _Spec, _spec_of
+from serve.api.request import INT64_MAX, ParsedRequest
+from serve.api.spec import Spec, cap_rule, spec_of
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
@@ -91,7 +92,7 @@ class InferRequest:
     binary_output: bool
 
 
-def _inputs_text(spec: _Spec) -> str:
+def _inputs_text(spec: Spec) -> str:
     return (f"{DENSE_INPUT} FP32 [B, {spec.nd}], INT64 {spec.names_text} ([B] one id per "
             f"instance, or [nnz] with <feature>{LENGTHS_SUFFIX} INT32 [B] for multi-hot)")
 
@@ -105,7 +106,7 @@ def model_metadata(schema: ModelSchema | None, *, name: str, versions: list[str]
     INT32 ``[-1]``, listed after it), then ``probabilities`` FP32 ``[-1]``.
     ``schema`` None: the built-in DLRM.
     """
-    spec = _spec_of(schema)
+    spec = spec_of(schema)
     inputs: list[dict[str, Any]] = [{"name": DENSE_INPUT, "datatype": "FP32",
                                      "shape": [-1, spec.nd]}]
     for fname, max_ids in zip(spec.names, spec.max_ids, strict=True):
@@ -272,7 +273,7 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
         PayloadTooLarge: more than ``cfg.max_instances`` instances.
     """
     cfg = cfg or HandlerConfig()
-    spec = _spec_of(schema)
+    spec = spec_of(schema)
     buf = memoryview(body).cast("B")
     split = buf.nbytes if header_length is None else header_length
     head = _load_header(buf[:split])
@@ -334,7 +335,7 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
     return InferRequest(parsed, rid, binary_output)
 
 
-def _assemble(tensors: dict[str, np.ndarray], spec: _Spec, cfg: HandlerConfig) -> ParsedRequest:
+def _assemble(tensors: dict[str, np.ndarray], spec: Spec, cfg: HandlerConfig) -> ParsedRequest:
     missing = [n for n in (DENSE_INPUT, *spec.names) if n not in tensors]
     if missing:
         raise InvalidInput(f"missing inputs {', '.join(missing[:8])}"
@@ -385,7 +386,7 @@ def _assemble(tensors: dict[str, np.ndarray], spec: _Spec, cfg: HandlerConfig) -
         if int(lengths[f].max()) > int(caps.arr[f]):
             s = int(np.argmax(lengths[f] > caps.arr[f]))
             raise InvalidInput(f"input {name}{LENGTHS_SUFFIX}: data[{s}] is "
-                               f"{int(lengths[f, s])}; {_cap_rule(caps, f, spec)}")
+                               f"{int(lengths[f, s])}; {cap_rule(caps, f, spec)}")
         if ids.size and int(ids.min()) < 0:
             k = int(np.argmax(ids < 0))
             raise InvalidInput(f"input {name}: data[{k}] is {int(ids[k])}; ids must be "
@@ -433,7 +434,7 @@ def oip_inputs(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray,
     """Our arrays (dense (B, N), lengths (F, B), values (nnz,) feature-major) as OIP input
     tensors by name. ``multi_hot`` None: a feature gets ``<feature>.lengths`` only when
     some instance has other than one id."""
-    spec = _spec_of(schema)
+    spec = spec_of(schema)
     d = np.asarray(dense, dtype=np.float32)
     ln = np.asarray(lengths)
     v = np.asarray(values, dtype=np.int64)

@@ -26,7 +26,7 @@ while 2 threads use all of it and are throttled for at most (2 - 1.5) / 2 of eac
 The JVM (container support) and Go (GOMAXPROCS from the CPU limit) round up the same
 way. The Deployment's limits are whole CPUs, where both roundings agree.
 
-No torch import: this module is shared ground (the handler, ``serve.api.protocol``,
+No torch import: this module is shared ground (the handler, ``serve.api.config``,
 benchmarks), and the caller applies the result (``torch.set_num_threads``).
 """
 from __future__ import annotations

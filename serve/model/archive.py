@@ -3,7 +3,7 @@
 The archive holds: ``handlers/dlrm_handler.py`` (the entry point), the artifact
 (``artifact.pt``, the manifest's serialized file) and ``model-config.yaml`` carrying
 TorchServe's batching/worker settings plus a ``handler:`` section that the handler
-reads into a :class:`serve.api.protocol.HandlerConfig` (cache and validation limits).
+reads into a :class:`serve.api.config.HandlerConfig` (cache and validation limits).
 
 It is stored uncompressed (``--archive-format zip-store``): int8 tables barely
 compress, and deflating hundreds of MB costs build time and then TorchServe's unpack
@@ -53,10 +53,10 @@ def model_config(*, batch_size: int = 8, max_batch_delay_ms: int = 5,
     """The ``model-config.yaml`` content (TorchServe keys + our ``handler:`` section).
 
     Validates every value (``ConfigError`` names the field and the rule); the handler
-    section is validated by :class:`serve.api.protocol.HandlerConfig`, the same class the
+    section is validated by :class:`serve.api.config.HandlerConfig`, the same class the
     handler loads it with, so a bad value fails here at build time, not in a worker.
     """
-    from serve.api.protocol import HandlerConfig  # light: no torch, no TorchServe
+    from serve.api.config import HandlerConfig  # light: no torch, no TorchServe
 
     for name, value, lo in (("batch_size", batch_size, 1), ("max_batch_delay_ms", max_batch_delay_ms, 0),
                             ("min_workers", min_workers, 0), ("max_workers", max_workers, 1),
@@ -89,7 +89,7 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
             (``torch-model-archiver --version``; the pipeline passes the model version).
         file_name: the archive's file name (default ``{model_name}.mar``).
         batch_size / max_batch_delay_ms: TorchServe batching (requests per batch, ms to wait).
-        handler_config: keys of :class:`serve.api.protocol.HandlerConfig` (cache_load_factor,
+        handler_config: keys of :class:`serve.api.config.HandlerConfig` (cache_load_factor,
             cache_policy, max_instances, max_ids_per_feature, ...).
         min_workers / max_workers / response_timeout_s: TorchServe worker settings.
 

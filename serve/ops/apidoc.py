@@ -50,7 +50,8 @@ def openapi_schema() -> dict[str, Any]:
     """The sidecar's OpenAPI document, as ``GET /openapi.json`` serves it."""
     # Imported here: the sidecar pulls in FastAPI and the controllers, which the --help
     # of this module does not need.
-    from serve.sidecar.http.app import SidecarConfig, create_app
+    from serve.sidecar.config import SidecarConfig
+    from serve.sidecar.http.app import create_app
 
     return create_app(SidecarConfig()).openapi()
 

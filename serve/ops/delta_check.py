@@ -36,7 +36,8 @@ from typing import Any
 
 import httpx
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.api.binary import example_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.constants import DEFAULT_SIDECAR_WRITE_PORT
 from serve.errors import ServeError
 from serve.ops.evaluate import predict_url

@@ -63,7 +63,8 @@ from typing import Any
 import httpx
 import psutil
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+from serve.api.binary import example_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.common.net import free_ports, wait_until
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.ops.loadgen import Answer, BackgroundLoad, PacedLoad

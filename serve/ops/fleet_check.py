@@ -75,7 +75,7 @@ def _registered(management_url: str) -> list[str]:
 
 
 def _bodies(n: int = 4) -> list[bytes]:
-    from serve.api.protocol import example_request
+    from serve.api.json_body import example_request
 
     return [json.dumps(example_request(4, seed=s)).encode() for s in range(n)]
 

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from serve.api.protocol import BINARY_MEDIA_TYPE, encode_binary
+from serve.api.binary import encode_binary
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.errors import ConfigError, UpstreamUnavailable
 
 __all__ = ["ScoredRequest", "binary_bodies", "columnar_rows", "score_split"]

@@ -512,7 +512,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     """Start ``python -m serve.sidecar`` (own process group) unless ``cfg.sidecar`` is off."""
     if not cfg.sidecar:
         return None
-    from serve.sidecar.http.app import ensure_dev_token
+    from serve.sidecar.adapters.tokens import ensure_dev_token
 
     ensure_dev_token(str(cfg.token_file))
     log_dir = cfg.path(cfg.log_dir)
@@ -544,7 +544,7 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
 
     Raises UpstreamUnavailable if a process exits or ``timeout_s`` passes.
     """
-    from serve.api.protocol import example_request
+    from serve.api.json_body import example_request
 
     timeout_s = timeout_s or cfg.ready_timeout_s
     where = log_hint or cfg.path(cfg.log_dir)
@@ -582,7 +582,8 @@ def wait_ready(cfg: LaunchConfig, procs: list[subprocess.Popen], timeout_s: floa
 
 def _example_for(cfg: LaunchConfig, version: str | None) -> bytes | None:
     """A one-instance JSON request for ``version``'s schema (None: unknown version)."""
-    from serve.api.protocol import DEFAULT_SCHEMA, example_request
+    from serve.api.json_body import example_request
+    from serve.api.request import DEFAULT_SCHEMA
 
     schema = _schema_of(cfg, version)
     if schema is DEFAULT_SCHEMA:
@@ -862,7 +863,7 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
 
 def _schema_of(cfg: LaunchConfig, version: str | None) -> ModelSchema:
     """``version``'s request schema from its build report (the built-in one if unknown)."""
-    from serve.api.protocol import DEFAULT_SCHEMA
+    from serve.api.request import DEFAULT_SCHEMA
     from serve.schema import schema_from_report
 
     if version:

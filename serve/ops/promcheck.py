@@ -84,7 +84,8 @@ def simulate_hit_ratio(artifact: Path, bodies: Sequence[bytes], content_type: st
     worker: an in-process runtime with the same cache runs them ``cycles`` times; the last
     cycle's per-body counts are the steady state (LRU/LFU on a repeated sequence settle
     after one pass). Returns one pair per body of the last cycle."""
-    from serve.api.protocol import HandlerConfig, parse_body
+    from serve.api.config import HandlerConfig
+    from serve.api.decode import parse_body
     from serve.runtime.engine import Runtime, RuntimeConfig
 
     rt = Runtime.from_artifact(str(artifact), RuntimeConfig(
@@ -223,7 +224,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from serve.api.protocol import BINARY_MEDIA_TYPE, example_binary
+    from serve.api.binary import example_binary
+    from serve.api.request import BINARY_MEDIA_TYPE
 
     bodies = [example_binary(args.instances, seed=s) for s in range(16)]
     try:

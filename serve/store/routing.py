@@ -2,7 +2,7 @@
 
 A rollout serves two model versions from ONE TorchServe registration: every worker holds
 the ``stable`` version and a ``candidate`` (``handler.rollout`` in the archive's
-model-config.yaml, :class:`serve.api.protocol.RolloutWiring`). How requests are split is
+model-config.yaml, :class:`serve.api.config.RolloutWiring`). How requests are split is
 not in the archive: the sidecar writes it into a small JSON *control file* and rewrites
 it (atomically) while the workers run; each worker re-reads it when it changed, at most
 once per TorchServe batch (:class:`ControlWatcher`)::

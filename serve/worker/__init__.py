@@ -1,8 +1,12 @@
 """What runs in a TorchServe worker process, without TorchServe.
 
-* :mod:`~serve.worker.worker`: :class:`Worker` owns the runtimes (stable and a rollout's
-  candidate), the rollout split, the delta followers, the prediction log and the
-  metrics; ``Worker.load`` once per process, ``Worker.handle`` once per batch.
+* :mod:`~serve.worker.worker`: :class:`Worker` composes the parts below;
+  ``Worker.load`` once per process, ``Worker.handle`` once per batch.
+* :mod:`~serve.worker.arms`: :class:`~serve.worker.arms.Arms`, the runtimes (stable and a
+  rollout's candidate) and the rollout split; ``handle_batch`` decodes a batch with
+  :mod:`serve.api` and runs ONE merged forward per arm.
+* :mod:`~serve.worker.recording`: the handler metrics and the prediction log of each batch.
+* :mod:`~serve.worker.deltas`: the batch guard and the delta followers.
 * :mod:`~serve.worker.messages`: :class:`WorkerRequest` in, :class:`WorkerResponse` out,
   and the ``X-DLRM-*`` headers every response carries.
 

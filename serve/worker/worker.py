@@ -1,8 +1,11 @@
 """The serving worker: everything one TorchServe worker process owns, without TorchServe.
 
-A :class:`Worker` holds the stable model's :class:`~serve.runtime.engine.Runtime` and, in
-a rollout, the candidate's; the rollout's control file and split; the delta followers
-and the batch lock they apply deltas under; the prediction log; and the handler metrics.
+A :class:`Worker` composes the parts that own a worker's state: the models and the
+rollout split (:class:`~serve.worker.arms.Arms`: the stable model's
+:class:`~serve.runtime.engine.Runtime` and, in a rollout, the candidate's, with the
+control file), the batch guard and the delta followers (:mod:`serve.worker.deltas`), and
+the recorders of the handler metrics and the prediction log
+(:mod:`serve.worker.recording`).
 :meth:`Worker.handle` answers one batch: :class:`~serve.worker.messages.WorkerRequest` in,
 :class:`~serve.worker.messages.WorkerResponse` out, in order.
 
@@ -17,7 +20,7 @@ and the batch lock they apply deltas under; the prediction log; and the handler 
   do not pay first-call costs. The warm-up counts in no metric.
 * :meth:`Worker.handle`: each body is parsed and validated on its own (a bad one gets
   its own 4xx JSON; the others go on), the good ones run as ONE forward, and the
-  probabilities are split back in order (:func:`serve.api.batch.handle_batch`). Each
+  probabilities are split back in order (:func:`serve.worker.arms.handle_batch`). Each
   response carries ``X-DLRM-Batch-Instances`` / ``X-DLRM-Batch-Requests`` (samples and
   requests of the merged forward) and ``X-DLRM-TorchServe-Batch`` (requests handed over
   together, bad ones included): observable batching. Every response, errors included,
@@ -65,16 +68,13 @@ import gc
 import logging
 import os
 import random
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from serve.api.batch import BatchInfo, MergedBatch, Outcome, Split, encode_error, handle_batch
+from serve.api.batch import Outcome, encode_error
 from serve.api.config import (
     CANDIDATE_SLOWDOWN_MAX,
     DeltaWiring,
@@ -94,8 +94,10 @@ from serve.runtime.warmup import warm_up
 from serve.settings import PROMETHEUS_MULTIPROC_DIR
 from serve.state import parse_serving_version
 from serve.store.delta_files import DeltaStore
-from serve.store.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
-from serve.store.routing import ARM_HEADER, ControlWatcher, takes_candidate
+from serve.store.predlog import PredictionLogConfig, PredictionLogWriter
+from serve.store.routing import ARM_HEADER, ControlWatcher
+from serve.worker.arms import Arms, BatchInfo
+from serve.worker.deltas import BatchGuard, DeltaFollowers
 from serve.worker.messages import (
     BATCH_INSTANCES_HEADER,
     BATCH_REQUESTS_HEADER,
@@ -104,27 +106,11 @@ from serve.worker.messages import (
     WorkerRequest,
     WorkerResponse,
 )
+from serve.worker.recording import BatchRecorder, PredictionRecorder
 
 __all__ = ["Worker", "model_version", "runtime_config", "worker_device"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _CacheTotals:
-    """Cache statistics summed over the runtimes (stable + candidate), in the shape
-    :meth:`HandlerMetrics.set_cache` reads, plus ``wrapped`` per feature (for
-    ``set_wrapped``) and each runtime's ``fallback`` per feature by model version (for
-    ``set_fallback``); sums of cumulative counts stay cumulative."""
-
-    hits: int
-    misses: int
-    evictions: int
-    device_bytes: int
-    host_bytes: int
-    wrapped: tuple[int, ...]
-    fallback: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
 
 
 def runtime_config(cfg: HandlerConfig, *, device: str | torch.device, threads: int,
@@ -222,6 +208,10 @@ class Worker:
         clock: seconds for durations; wall: epoch seconds for the prediction log.
         candidate_slowdown: TESTS AND BENCHMARKS ONLY: the candidate's forwards take this
             many times their time (>= 1); default ``cfg.debug_candidate_slowdown``.
+
+    Its parts, each owning its state: :attr:`arms` (the runtimes and the split),
+    :attr:`guard` (the batch lock), :attr:`deltas` (the followers), :attr:`recorder` (the
+    metrics) and :attr:`prediction_log` (None without one).
     """
 
     def __init__(self, runtime: Runtime, cfg: HandlerConfig, *, model_version: str,
@@ -232,33 +222,22 @@ class Worker:
                  clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time,
                  candidate_slowdown: float | None = None) -> None:
-        if (candidate is None) != (candidate_version is None) or (
-                candidate is not None and watcher is None):
-            raise ValueError("Worker: a rollout needs candidate, candidate_version and "
-                             "watcher together; give all three or none")
-        self.runtime = runtime
-        self.candidate = candidate
-        self.candidate_version = candidate_version
-        self.watcher = watcher
-        self.cfg = cfg
-        self.model_version = model_version
-        self.predlog = predlog
-        self.metrics = metrics if metrics is not None else HandlerMetrics()
-        self.followers: list[DeltaFollower] = []
-        self._rng = rng if rng is not None else random.Random(0)
-        self._clock, self._wall = clock, wall
-        self._batches = 0  # batches split between the arms (their forward order alternates)
-        self.candidate_slowdown = (cfg.debug_candidate_slowdown if candidate_slowdown is None
-                                   else float(candidate_slowdown))
-        number_in_range("candidate_slowdown", self.candidate_slowdown, 1,
+        slowdown = (cfg.debug_candidate_slowdown if candidate_slowdown is None
+                    else float(candidate_slowdown))
+        self.arms = Arms(runtime, model_version, candidate=candidate,
+                         candidate_version=candidate_version, watcher=watcher, rng=rng,
+                         debug_delay_ms=cfg.debug_delay_ms, candidate_slowdown=slowdown)
+        number_in_range("candidate_slowdown", slowdown, 1,
                         CANDIDATE_SLOWDOWN_MAX, then=" (1.0 = off)", error=ValueError)
-        # Held for each batch; a delta is applied between two batches under it.
-        self._batch_lock = threading.Lock()
-        self._last_stages = self._stage_seconds()
-        #: Per version, the features of managed tables: they get fallback-row series.
-        self._managed = self._managed_features()
-        # The series exist (at 0) before the first fallback, so rate() works from the start.
-        self._record_fallback(self._cache_stats(), count=False)
+        self.cfg = cfg
+        self.metrics = metrics if metrics is not None else HandlerMetrics()
+        self.prediction_log = (
+            PredictionRecorder(predlog, self.arms.version_of, self.metrics, wall)
+            if predlog is not None else None)
+        self.guard = BatchGuard(self.arms.runtimes())
+        self.deltas = DeltaFollowers()
+        self.recorder = BatchRecorder(self.arms, self.metrics)
+        self._clock = clock
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str], cfg: HandlerConfig, *,
@@ -285,7 +264,7 @@ class Worker:
             freeze_gc: move everything allocated so far (torch, the model) out of the
                 cyclic collector's reach (``gc.freeze``): it lives as long as the worker
                 process, and collections stay cheap (see
-                ``serve.api.json_body._gc_paused`` for the measured cost). Off in tests
+                ``serve.api.json_body.gc_paused`` for the measured cost). Off in tests
                 that load workers in a longer-lived process.
         Raises:
             ConfigError: a setting in ``cfg`` or ``environ`` breaks its rule.
@@ -321,7 +300,7 @@ class Worker:
         if store is not None and deltas is not None:
             worker.follow_deltas(store, deltas)
         worker.warm_up(cfg.warmup_batches)
-        worker._last_stages = worker._stage_seconds()
+        worker.recorder.restart_stages()
         if freeze_gc:
             gc.collect()
             gc.freeze()
@@ -330,22 +309,38 @@ class Worker:
                     runtime_cfg.device, threads, cfg, os.getpid())
         return worker
 
+
+    @property
+    def runtime(self) -> Runtime:
+        """The stable model."""
+        return self.arms.stable
+
+    @property
+    def candidate(self) -> Runtime | None:
+        """A rollout's candidate model (None: no rollout)."""
+        return self.arms.candidate
+
+    @property
+    def candidate_version(self) -> str | None:
+        return self.arms.candidate_version
+
+    @property
+    def model_version(self) -> str:
+        return self.arms.model_version
+
+    @property
+    def candidate_slowdown(self) -> float:
+        return self.arms.candidate_slowdown
+
+    @property
+    def followers(self) -> list[DeltaFollower]:
+        return self.deltas.followers
+
     def follow_deltas(self, store: DeltaStore, wiring: DeltaWiring) -> None:
         """One follower per served version (stable, candidate): every delta already in
         the store is applied before the first batch, later ones between batches by a
         background thread (serve.runtime.follower)."""
-        pairs = [(self.model_version, self.runtime)]
-        if self.candidate is not None and self.candidate_version is not None:
-            pairs.append((self.candidate_version, self.candidate))
-        for version, rt in pairs:
-            f = DeltaFollower(store, version, rt, self._batch_lock)
-            n = f.catch_up()
-            f.write_status()
-            f.start(wiring.poll_s)
-            self.followers.append(f)
-            logger.info("deltas: following %s in %s (%d applied at start, sequence %d, "
-                        "shared tables %s)", version, store.folder(version), n, f.applied,
-                        rt.shared.path if rt.shared is not None else "off")
+        self.deltas.follow(store, wiring, self.arms.versions(), self.guard.lock)
 
     def warm_up(self, batches: int) -> float:
         """``batches`` forwards of generated batches through each runtime (stable, then
@@ -356,14 +351,11 @@ class Worker:
             return 0.0
         t0 = time.perf_counter()
         each = []
-        with self._batch_guard():
-            for rt in self._runtimes():
+        with self.guard.hold():
+            for rt in self.arms.runtimes():
                 each.append(warm_up(rt, batches))
         seconds = time.perf_counter() - t0
-        self._last_stages = self._stage_seconds()
-        stats = self._cache_stats()
-        self.metrics.skip_cache(stats, self.runtime.feature_names, stats.wrapped)
-        self._record_fallback(stats, count=False)
+        self.recorder.start_here()
         logger.info("warm-up: %d forwards per runtime in %.3f s (%s)", batches, seconds,
                     ", ".join(f"{v}: {t:.3f} s" for v, t in zip(
                         (self.model_version, self.candidate_version), each, strict=False)))
@@ -372,8 +364,7 @@ class Worker:
     def close(self) -> None:
         """Stop the delta followers' threads (TorchServe never calls it: a worker ends
         with its process)."""
-        for f in self.followers:
-            f.stop()
+        self.deltas.close()
 
     def handle(self, requests: Sequence[WorkerRequest]) -> list[WorkerResponse]:
         """Answer one batch: one response per request, in order (see the module
@@ -381,26 +372,22 @@ class Worker:
         metrics or the prediction log failing touch no response."""
         t0 = self._clock()
         try:
-            with self._batch_guard():
-                # The stable model's request schema; a rollout's candidate is served with
-                # it (the sidecar refuses one that differs).
-                outcomes, info = handle_batch(
-                    [r.body for r in requests], [r.content_type for r in requests],
-                    self._predict, self.cfg, route_keys=[r.route_key for r in requests],
-                    split=self._split(), schema=self.runtime.schema)
+            with self.guard.hold():
+                outcomes, info = self.arms.run(requests, self.cfg)
         except Exception:  # a bug, not bad input: answer 500 JSON, keep the worker alive
             logger.exception("DLRM handler failed on a batch of %d requests", len(requests))
             err = ServeError("internal error while predicting; see the TorchServe model log")
             outcomes, info = [Outcome(500, encode_error(err)) for _ in requests], None
         seconds = self._clock() - t0
         responses = [self._response(out, info, len(requests)) for out in outcomes]
-        self._record(outcomes, info, seconds)
-        if info is not None and self.predlog is not None:
-            self._log_predictions(info, [r.request_id for r in requests])
+        self.recorder.record(outcomes, info, seconds)
+        if info is not None and self.prediction_log is not None:
+            self.prediction_log.record(info, [r.request_id for r in requests])
         return responses
 
     def _response(self, out: Outcome, info: BatchInfo | None, batch: int) -> WorkerResponse:
-        headers = {TS_BATCH_HEADER: str(batch), MODEL_VERSION_HEADER: self._version_of(out.arm)}
+        headers = {TS_BATCH_HEADER: str(batch),
+                   MODEL_VERSION_HEADER: self.arms.version_of(out.arm)}
         if out.arm is not None:
             headers[ARM_HEADER] = out.arm
         if info is not None:
@@ -410,190 +397,6 @@ class Worker:
             headers[BATCH_INSTANCES_HEADER] = str(instances)
             headers[BATCH_REQUESTS_HEADER] = str(requests)
         return WorkerResponse(out.status, out.body, headers)
-
-    @contextlib.contextmanager
-    def _batch_guard(self) -> Iterator[None]:
-        """A batch's hold on the tables: the worker's batch lock, and the read side of
-        each shared table (no delta lands in any worker while this batch runs)."""
-        with self._batch_lock, contextlib.ExitStack() as stack:
-            for rt in self._runtimes():
-                if rt.shared is not None:
-                    stack.enter_context(rt.shared.read())
-            yield
-
-    def _forward(self, runtime: Runtime, batch: MergedBatch) -> np.ndarray:
-        if self.cfg.debug_delay_ms:  # tests only: a slow model, so the queue fills up
-            time.sleep(self.cfg.debug_delay_ms / 1000.0)
-        return runtime.predict_arrays(batch.dense, batch.values, batch.lengths)
-
-    def _predict(self, batch: MergedBatch) -> np.ndarray:
-        """The stable model: MergedBatch -> float32 (B,) probabilities."""
-        return self._forward(self.runtime, batch)
-
-    def _predict_candidate(self, batch: MergedBatch) -> np.ndarray:
-        """The rollout's candidate: MergedBatch -> float32 (B,) probabilities."""
-        if self.candidate is None:
-            raise RuntimeError("no rollout candidate is loaded")
-        if self.candidate_slowdown == 1.0:
-            return self._forward(self.candidate, batch)
-        t0 = time.perf_counter()
-        out = self._forward(self.candidate, batch)
-        # TESTS ONLY (debug_candidate_slowdown): a model this many times slower.
-        _spin((self.candidate_slowdown - 1.0) * (time.perf_counter() - t0))
-        return out
-
-    def _split(self) -> Split | None:
-        """This batch's split: the control read once (None without a rollout)."""
-        if self.watcher is None or self.candidate is None:
-            return None
-        control = self.watcher.current()
-        rng, weight = self._rng, control.weight
-        # Canary: the arms take turns at running first (the second forward runs warm).
-        self._batches += 1
-        return Split(mode=control.mode, candidate=self._predict_candidate,
-                     choose=lambda key: takes_candidate(key, weight, rng),
-                     candidate_first=self._batches % 2 == 0)
-
-    def _log_predictions(self, info: BatchInfo, request_ids: Sequence[str | None]) -> None:
-        """Every scored request of the batch (answered, or shadow-scored: arm
-        ``candidate``) into the prediction log, keyed by its request id. Never fails a
-        prediction: logged."""
-        try:
-            now, preds = self._wall(), []
-            for run in info.arms.values():
-                if run.scores is None:
-                    continue
-                version, start = self._version_of(run.arm), 0
-                for idx, size in zip(run.indices, run.sizes, strict=True):
-                    rid = request_ids[idx]
-                    if rid:
-                        preds.append(Prediction(str(rid), version, run.arm, now,
-                                                run.scores[start:start + size]))
-                    start += size
-            written = self.predlog.write(preds) if self.predlog is not None else 0
-            if written:
-                self.metrics.observe_logged(written)
-        except Exception:  # the log must never fail a prediction
-            logger.exception("writing the prediction log failed")
-
-    def _version_of(self, arm: str | None) -> str:
-        """The model version of an arm (the stable version for no arm)."""
-        if arm == "candidate" and self.candidate_version is not None:
-            return self.candidate_version
-        return self.model_version
-
-    def _runtimes(self) -> list[Runtime]:
-        return [r for r in (self.runtime, self.candidate) if r is not None]
-
-    def _stage_seconds(self) -> dict[str, float]:
-        """Cumulative seconds per stage, summed over the worker's runtimes."""
-        total: dict[str, float] = {}
-        for rt in self._runtimes():
-            for k, v in rt.stats().stage_seconds.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
-
-    def _cache_stats(self) -> _CacheTotals:
-        """Cache statistics summed over the runtimes (stable + candidate)."""
-        names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
-        total = dict.fromkeys(names, 0)
-        wrapped = [0] * len(self.runtime.feature_names)
-        fallback: dict[str, tuple[int, ...]] = {}
-        for version, rt in self._versions():
-            st = rt.stats()
-            for name in names:
-                total[name] += int(getattr(st, name))
-            for i, n in enumerate(st.wrapped):
-                wrapped[i] += n
-            if self._managed.get(version):
-                fallback[version] = st.fallback
-        return _CacheTotals(**total, wrapped=tuple(wrapped), fallback=fallback)
-
-    def _versions(self) -> list[tuple[str, Runtime]]:
-        """(model version, runtime) of the stable model and a rollout's candidate."""
-        out = [(self.model_version, self.runtime)]
-        if self.candidate is not None and self.candidate_version is not None:
-            out.append((self.candidate_version, self.candidate))
-        return out
-
-    def _managed_features(self) -> dict[str, frozenset[str]]:
-        """Per model version, the features that read a managed table
-        (serve.runtime.idmap): the ones with ``dlrm_embedding_ids_fallback_total``
-        series (a version without any is left out)."""
-        out: dict[str, frozenset[str]] = {}
-        for version, rt in self._versions():
-            tables = rt.schema.tables
-            names = frozenset(f.name for f, t in zip(rt.schema.features,
-                                                     rt.schema.feature_tables, strict=True)
-                              if tables[t].mapping == "managed")
-            if names:
-                out[version] = names
-        return out
-
-    def _record_fallback(self, stats: _CacheTotals, *, count: bool = True) -> None:
-        """Each runtime's fallback lookups under its model version (``count=False``: the
-        starting point, after the warm-up)."""
-        for version, fallback in stats.fallback.items():
-            self.metrics.set_fallback(version, self.runtime.feature_names, fallback,
-                                      self._managed[version], count=count)
-
-    def _record(self, outcomes: list[Outcome], info: BatchInfo | None, seconds: float) -> None:
-        try:
-            # The batch's time once (every request's histogram sample repeats it): the
-            # work the HPA's utilization signal counts, failed batches included.
-            self.metrics.observe_work(seconds)
-            if info is not None:
-                self.runtime.record_stage("decode", info.decode_s)
-            by_status: dict[int, list[int]] = {}  # status -> [requests, instances]
-            for out in outcomes:
-                tally = by_status.setdefault(out.status, [0, 0])
-                tally[0] += 1
-                tally[1] += out.instances
-            for status, (requests, instances) in by_status.items():
-                self.metrics.observe_requests(status, requests, instances, seconds)
-            if info is None:
-                return
-            self._record_arms(info)
-            if info.requests:
-                self.metrics.observe_batch(info.instances, info.requests)
-                now = self._stage_seconds()
-                self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
-                                             for k, v in now.items()})
-                self._last_stages = now
-                stats = self._cache_stats()
-                self.metrics.set_cache(stats)
-                self.metrics.set_wrapped(self.runtime.feature_names, stats.wrapped)
-                self._record_fallback(stats)
-        except Exception:  # metrics must never fail a prediction
-            logger.exception("recording DLRM metrics failed")
-
-    def _record_arms(self, info: BatchInfo) -> None:
-        """Per-arm series: each arm that ran a forward, with its model version; every
-        request of a failed forward is an error of its arm. Seconds per request = the
-        batch's decode time + the arm's forward time; forward seconds per instance (what
-        the rollout's latency guard compares) = the arm's forward time / its instances,
-        for forwards that succeeded."""
-        try:
-            for run in info.arms.values():
-                per_instance = (run.forward_s / run.instances
-                                if not run.failed and run.instances else None)
-                self.metrics.observe_arm(
-                    run.arm, self._version_of(run.arm), run.requests,
-                    run.requests if run.failed else 0, info.decode_s + run.forward_s,
-                    run.scores, forward_seconds_per_instance=per_instance)
-            if info.shadow_diff is not None and self.candidate_version is not None:
-                self.metrics.observe_shadow_diff(self.candidate_version, info.shadow_diff)
-        except Exception:  # metrics must never fail a prediction
-            logger.exception("recording the per-arm DLRM metrics failed")
-
-
-def _spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` (the test-only candidate slowdown). Not ``time.sleep``: a
-    slower model keeps its core busy, and on a loaded machine a sleeping thread wakes up
-    late (measured: a 1.5x slowdown by sleep read as 2.4x on 2 shared cores)."""
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        pass
 
 
 def _clean_metric_files(environ: Mapping[str, str]) -> None:

@@ -59,7 +59,7 @@ merged forwards than the stable (fewer requests per batch), so an equal model ma
 somewhat slower (measured negligible at ranking sizes: ``small`` s7 beside s0 in a 0.2
 canary of 100-700-instance requests read 1.00, lower bound 0.95). And the second forward
 of a batch runs warm (0.85-0.88x per instance, whichever model): the worker alternates
-which arm runs first (``serve.api.batch.Split.candidate_first``). ``max_latency_ratio``
+which arm runs first (``serve.worker.arms.Split.candidate_first``). ``max_latency_ratio``
 (1.3 by default) leaves room for what remains.
 
 Example::

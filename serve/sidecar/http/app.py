@@ -64,9 +64,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve import settings
 from serve.common.flags import add_options, build
 from serve.errors import ConfigError
-from serve.sidecar.adapters.archives import rewrite_mar
 from serve.sidecar.adapters.tokens import ensure_dev_token, load_optional_token, load_token
-from serve.sidecar.config import DEFAULT_STATE_FILE, ServerOptions, SidecarConfig, cli_options
+from serve.sidecar.config import ServerOptions, SidecarConfig, cli_options
 from serve.sidecar.http import (
     routes_batching,
     routes_deltas,
@@ -84,24 +83,15 @@ from serve.sidecar.http.errors import (
 )
 from serve.sidecar.http.guard import EdgeGuard, check_write_routes
 from serve.sidecar.http.middleware import count_requests
-from serve.sidecar.http.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.root import Sidecar
 
 __all__ = [
-    "DEFAULT_STATE_FILE",
-    "BatchingState",
-    "BatchingUpdate",
-    "BatchingUpdateResult",
-    "ServerOptions",
-    "SidecarConfig",
+    "build_parser",
     "by_port",
     "create_app",
     "create_oip_app",
-    "ensure_dev_token",
-    "load_token",
+    "listen_socket",
     "main",
-    "register_exception_handlers",
-    "rewrite_mar",
 ]
 
 _log = logging.getLogger(__name__)
@@ -204,7 +194,7 @@ def by_port(default: ASGIApp, apps: Mapping[int, ASGIApp]) -> ASGIApp:
 # --------------------------------------------------------------------------- CLI
 
 
-def _parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The command line, generated from the config dataclasses (:mod:`serve.common.flags`);
     the environment (``environ``, default ``os.environ``) sets the defaults it names."""
     p = argparse.ArgumentParser(
@@ -271,7 +261,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m serve.sidecar --help``."""
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         opts = build(ServerOptions, args)
         logging.basicConfig(level=opts.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
