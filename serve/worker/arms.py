@@ -63,12 +63,12 @@ class Split:
             no response.
         candidate: the candidate's forward: MergedBatch -> float32 (B,) probabilities.
         choose: route key (None when the request sent none) -> whether the request takes
-            the candidate. Called once per request that parsed, in request order (the
-            worker binds :func:`serve.store.routing.takes_candidate` to the control's weight
-            and the worker's rng).
+            the candidate. Called once per request that parsed, in request order
+            (:meth:`Arms.split` binds :func:`serve.store.routing.takes_candidate` to the
+            control's weight and the worker's rng).
         candidate_first: canary only: run the candidate's forward before the stable's.
             The second forward of a batch runs warm (measured ~12-15% less time per
-            instance on CPU, whichever model it is), so the worker alternates the order
+            instance on CPU, whichever model it is), so :class:`Arms` alternates the order
             per batch and neither arm's forward time is favoured (the rollout's latency
             guard compares them). Shadow always runs the stable forward first.
     """
@@ -216,15 +216,15 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
     Args:
         bodies: the raw body of each request (bytes; a JSON str is encoded as UTF-8).
         content_types: each request's Content-Type header (None if absent); it selects
-            JSON or binary columnar decoding (:func:`check_content_type`).
+            JSON or binary columnar decoding (:func:`serve.api.request.check_content_type`).
         predict: the stable model's forward: MergedBatch -> float32 (B,) probabilities.
         route_keys: each request's ``X-DLRM-Route-Key`` (None: no header); checked by
-            :func:`check_route_key` whether or not a rollout runs. None: no keys at all.
+            :func:`serve.api.request.check_route_key` whether or not a rollout runs. None: no keys at all.
         split: a rollout's split (:class:`Split`); None: every good request is answered
             by ``predict`` (one forward).
         schema: the served model's schema every body is decoded against (a rollout's
             candidate shares the stable model's request schema); None:
-            :data:`DEFAULT_SCHEMA`.
+            :data:`serve.api.request.DEFAULT_SCHEMA`.
     Returns:
         (one Outcome per request in order, :class:`BatchInfo`).
 
