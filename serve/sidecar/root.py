@@ -50,7 +50,7 @@ from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner
-from serve.sidecar.control.tuning import TuningLoop
+from serve.sidecar.control.tuner_loop import TuningLoop
 from serve.sidecar.services.embedding_deltas import DeltaService, model_versions
 from serve.sidecar.services.feedback import FeedbackService
 from serve.store.delta_files import DeltaStore

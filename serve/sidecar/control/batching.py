@@ -19,7 +19,7 @@ from serve.errors import Conflict
 from serve.metrics import SidecarMetrics
 from serve.sidecar.adapters.torchserve import TorchServeClient, batching_state
 from serve.sidecar.control.reconciler import Reconciler, SwitchFailed
-from serve.sidecar.control.tuning import TuningLoop
+from serve.sidecar.control.tuner_loop import TuningLoop
 from serve.sidecar.control.views import BatchingUpdate, BatchingUpdateResult
 from serve.state import Batching, DesiredState
 

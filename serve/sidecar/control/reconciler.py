@@ -34,7 +34,7 @@ event loop while the pass evaluated it on a thread.
 
 The parts: :mod:`~serve.sidecar.control.state_file` (the file),
 :mod:`~serve.sidecar.control.assessment` (desired vs observed, pure),
-:mod:`~serve.sidecar.control.switching` (the switch, clean-up and back-off).
+:mod:`~serve.sidecar.control.switch_runner` (the switch, clean-up and back-off).
 
 Status is data: :meth:`Reconciler.status` is GET /state; ``dlrm_state_converged``,
 ``dlrm_reconcile_total{result}`` and ``dlrm_switch_phase`` mirror it.
@@ -66,7 +66,7 @@ from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
-from serve.sidecar.control.switching import SwitchRunner
+from serve.sidecar.control.switch_runner import SwitchRunner
 from serve.sidecar.control.views import FleetStatus, RolloutStatus, StateStatus, SwitchRecord
 from serve.state import Batching, DesiredState, dump_state
 from serve.store.repository import ModelRepository
@@ -161,7 +161,7 @@ class Reconciler:
         self._passed = asyncio.Event()
         self._pass_lock = asyncio.Lock()
         self.paused: str | None = None
-        # The batching tuner's choice (serve.sidecar.control.tuning); None: the declared
+        # The batching tuner's choice (serve.sidecar.control.tuner_loop); None: the declared
         # batching. Set by the tuner's loop, which then wakes the reconciler.
         self.batching_override: Batching | None = None
 
