@@ -78,11 +78,11 @@ from serve.sidecar.http import (
     routes_tuner,
 )
 from serve.sidecar.http.docs import mount_docs
+from serve.sidecar.http.edge import EdgeGuard, check_write_routes
 from serve.sidecar.http.errors import (
     register_exception_handlers,
     register_oip_exception_handlers,
 )
-from serve.sidecar.http.edge import EdgeGuard, check_write_routes
 from serve.sidecar.http.middleware import count_requests
 from serve.sidecar.http.schemas import BatchingState, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.root import Sidecar
