@@ -68,6 +68,7 @@ from prometheus_client.metrics_core import Metric
 
 from serve import settings
 from serve.common.flags import flag
+from serve.common.histograms import histogram_quantile
 from serve.constants import P99_SLO_MS
 from serve.errors import ConfigError
 from serve.metrics import (
@@ -78,7 +79,6 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     TUNER_REASONS,
 )
-from serve.sidecar.control.guards import histogram_quantile
 from serve.sidecar.control.phases import TunerPhase
 from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
 
