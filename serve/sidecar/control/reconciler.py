@@ -60,10 +60,10 @@ from serve.metrics import SidecarMetrics
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.assessment import Assessment, assess, observed_state
+from serve.sidecar.control.assessment import Action, Assessment, assess, observed_state
 from serve.sidecar.control.fleet import Fleet
 from serve.sidecar.control.phases import ReconcileResult
-from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.rollout import RolloutController, Transition
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.switch_runner import SwitchRunner
@@ -334,7 +334,7 @@ class Reconciler:
                 _log.exception("recording the rollout's decision failed; retrying next pass")
                 adopted = None
             transition = transition or adopted
-        if transition in ("promoted", "rolled_back"):
+        if transition in (Transition.PROMOTED, Transition.ROLLED_BACK):
             self.wake()
         self.settle_rollout()
 
@@ -394,7 +394,7 @@ class Reconciler:
         a = assess(desired, observed)
         acted = False
         runner = self.runner
-        if a.action == "switch" and desired is not None:
+        if a.action is Action.SWITCH and desired is not None:
             if runner.retry_wait() > 0:
                 return ReconcileResult.WAITING, None, None, observed
             error = await runner.run(desired, observed)
@@ -405,7 +405,7 @@ class Reconciler:
             acted = True
             observed = await observe(self.ts)
             a = assess(desired, observed)
-        if a.action == "cleanup" and a.target is not None:
+        if a.action is Action.CLEANUP and a.target is not None:
             cleanup_error = await runner.cleanup(observed, a.target)
             runner.close_record(cleanup_error)
             if cleanup_error is not None:
@@ -438,7 +438,7 @@ class Reconciler:
             parts.append(f"the desired-state file is not usable ({self.file_error}); {keep}")
         if not a.converged and self.desired is not None and a.reason:
             parts.append(a.reason)
-        if a.action == "switch" and self.runner.failures:
+        if a.action is Action.SWITCH and self.runner.failures:
             wait = self.runner.retry_wait()
             parts.append(f"the last switch failed ({self.runner.failed_error}); "
                          + (f"retrying in {wait:.0f} s" if wait > 0 else "retrying now"))
@@ -491,7 +491,7 @@ class Reconciler:
                         "while this change was being applied; GET /state shows the target now")
                 if p.desired_hash == digest and p.switch_error is not None:
                     raise SwitchFailed(p.switch_error)
-                if p.desired_hash == digest and p.result == "unavailable":
+                if p.desired_hash == digest and p.result is ReconcileResult.UNAVAILABLE:
                     raise UpstreamUnavailable(
                         f"{p.reason}; the change stays declared in {self.path} and is "
                         f"applied once TorchServe answers (GET /state)")

@@ -51,7 +51,7 @@ Example::
     ctl.declare(desired)                     # the reconciler's pass, after reading the file
     effective = ctl.effective(desired)       # what the reconciler converges to (pure)
     ctl.on_serving(desired, effective.serving_version())  # a pass found it serving
-    transition = ctl.tick()                  # "stepped", "promoted", "rolled_back" or None
+    transition = ctl.tick()                  # a Transition (stepped, promoted, rolled_back) or None
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 
 from prometheus_client.metrics_core import Metric
@@ -88,14 +89,24 @@ from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
 
-__all__ = ["IMMEDIATE_GUARDS", "RolloutController", "RolloutPhase", "RolloutRun", "limits_of",
-           "quality_limits_of", "rollout_key"]
+__all__ = ["IMMEDIATE_GUARDS", "RolloutController", "RolloutPhase", "RolloutRun", "Transition",
+           "limits_of", "quality_limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
 
 #: Guards whose first breach rolls back (not ``failure_limit`` in a row): failed requests
 #: reach users, and ``error_ratio`` judges a Wilson lower bound, evidence already.
 IMMEDIATE_GUARDS: frozenset[str] = frozenset({"error_ratio"})
+
+
+class Transition(StrEnum):
+    """What a guard period (:meth:`RolloutController.tick`) or the fleet's decision did to
+    a baking run: ``stepped`` to its next weight, ``promoted``, ``rolled_back`` (the last
+    two are also :class:`RolloutPhase` values)."""
+
+    STEPPED = "stepped"
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
 
 
 def rollout_key(stable: str, spec: Rollout) -> str:
@@ -341,11 +352,10 @@ class RolloutController:
         self._mirror()
         return run.guards
 
-    def advance(self) -> str | None:
+    def advance(self) -> Transition | None:
         """After an evaluation: roll back on a guard breached ``failure_limit`` times in a
         row (:data:`IMMEDIATE_GUARDS`: once); at the end of a bake with every guard ok, the
-        next weight or promotion. Returns the transition (``stepped``, ``promoted``,
-        ``rolled_back``) or None."""
+        next weight or promotion. Returns the :class:`Transition`, or None."""
         run = self.run
         if run is None or run.phase is not RolloutPhase.BAKING or run.step_started is None:
             return None
@@ -356,7 +366,7 @@ class RolloutController:
         if final:
             self.rollback("guard " + "; guard ".join(
                 f"{g.name} breached{self._times(run, g.name)}: {g.detail}" for g in final))
-            return "rolled_back"
+            return Transition.ROLLED_BACK
         if bad:
             run.reason = "; ".join(
                 f"guard {g.name} breached {run.consecutive.get(g.name, 0)} of {limit} times "
@@ -373,17 +383,17 @@ class RolloutController:
             return None
         if run.step + 1 < len(run.spec.weights()):
             self._start_step(run, run.step + 1)
-            return "stepped"
+            return Transition.STEPPED
         self.promote(f"every guard held through {len(run.spec.weights())} weight(s) of "
                      f"{run.spec.bake_s:g} s each")
-        return "promoted"
+        return Transition.PROMOTED
 
     @staticmethod
     def _times(run: RolloutRun, name: str) -> str:
         n = run.consecutive.get(name, 0)
         return f" {n} times in a row" if n > 1 else ""
 
-    def tick(self) -> str | None:
+    def tick(self) -> Transition | None:
         """One guard period: evaluate and advance when due (the reconciler calls it every
         pass). Returns the transition, if any."""
         if not self.due():
@@ -468,11 +478,12 @@ class RolloutController:
         self._mirror()
         return True
 
-    def sync_decision(self, note: str | None = None) -> str | None:
+    def sync_decision(self, note: str | None = None) -> Transition | None:
         """Record the current run's outcome in the store (first writer wins), then adopt
         what the store holds for it (every reconcile pass, and after a POST). Without a
         store the outcome is stamped as this controller's own. Returns the phase adopted
-        now when the run's phase changed (another pod decided), else None."""
+        now, as a :class:`Transition`, when the run's phase changed (another pod
+        decided), else None."""
         run = self.run
         if run is None:
             return None
@@ -492,7 +503,7 @@ class RolloutController:
                 recorded = self.decisions.record(own)
         before = run.phase
         if recorded is not None and self.adopt(recorded) and run.phase is not before:
-            return recorded.phase
+            return Transition(recorded.phase)
         return None
 
     def mark_settled(self) -> None:

@@ -81,7 +81,7 @@ from serve.sidecar.adapters.torchserve import (
 )
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.phases import SwitchPhase
-from serve.state import DesiredState
+from serve.state import DesiredState, RolloutMode
 from serve.store.repository import ModelRepository
 from serve.store.routing import write_control
 
@@ -110,7 +110,7 @@ class SwitchPlan:
     dst: Path
     old: Registered | None = None
     candidate: CandidateArchive | None = None
-    mode: str = "canary"
+    mode: RolloutMode = RolloutMode.CANARY
 
 
 def _error_text(e: BaseException) -> str:
@@ -212,7 +212,8 @@ class VersionSwitch:
                 control_file=control_path(store, self._model, target))
         return SwitchPlan(new=new, src=src, dst=mar_path(store, self._model, target),
                           old=observed.serving, candidate=candidate,
-                          mode=desired.rollout.mode if desired.rollout else "canary")
+                          mode=(RolloutMode(desired.rollout.mode) if desired.rollout
+                                else RolloutMode.CANARY))
 
     async def check_memory(self, plan: SwitchPlan, observed: Observed) -> MemoryCheck | None:
         """Refuse a switch whose new workers would not fit beside the ones running.
