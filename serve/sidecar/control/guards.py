@@ -83,18 +83,11 @@ from typing import Any
 
 import numpy as np
 from prometheus_client.metrics_core import Metric
+from pydantic import Field
 
 from serve.common.histograms import histogram_quantile, monotonic, psi
-from serve.common.validate import int_at_least, nonneg_number, positive_int
-from serve.constants import (
-    GUARD_CONFIDENCE,
-    GUARD_MAX_ERROR_RATIO,
-    GUARD_MAX_LATENCY_RATIO,
-    GUARD_MAX_SCORE_PSI,
-    GUARD_MIN_FORWARDS,
-    GUARD_MIN_INSTANCES,
-    GUARD_MIN_REQUESTS,
-)
+from serve.common.validate import int_at_least, positive_int
+from serve.constants import GUARD_CONFIDENCE
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
     ARM_FORWARD_SECONDS_PER_INSTANCE,
@@ -108,6 +101,7 @@ from serve.metrics import (
     SCORE_DIFF_BUCKETS,
     SHADOW_SCORE_DIFF,
 )
+from serve.state import Guards
 
 __all__ = [
     "GUARD_STATUSES",
@@ -614,53 +608,25 @@ def ratio_bounds(bounds: Sequence[float], reference_bins: Sequence[int],
 
 # --- the guards -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class GuardLimits:
-    """Thresholds of the rollout guards (the defaults; a rollout spec may override them).
+class GuardLimits(Guards):
+    """What judges the metric guards: the declared guards (:class:`serve.state.Guards`,
+    the one declaration of every limit's field, bounds and default; this module reads
+    ``max_error_ratio``, ``max_latency_ratio``, ``max_score_psi``, ``min_requests``,
+    ``min_forwards`` and ``min_instances``) plus ``confidence``, which no state declares.
 
     Attributes:
-        max_error_ratio: highest acceptable candidate error probability (0..1), judged
-            against its Wilson lower bound.
-        max_latency_ratio: highest acceptable candidate / stable forward seconds per
-            instance (dimensionless; 1.3 = the candidate's model may be 30% slower),
-            judged against the ratio's lower confidence bound.
-        max_score_psi: highest acceptable PSI of the candidate's score distribution against
-            the stable's (dimensionless; < 0.1 no shift, 0.1-0.25 moderate, > 0.25 major).
-        min_requests: requests the candidate needs in the window before ``error_ratio``
-            is judged.
-        min_forwards: timed forwards each arm needs in the window before
-            ``latency_ratio`` is judged.
-        min_instances: scored instances each arm needs in the window before ``score_psi``
-            is judged.
         confidence: of the lower bounds of ``error_ratio`` and ``latency_ratio``
             (one-sided; 0.99: a bound above the truth 1 time in 100).
 
     A guard is breached when its value is strictly greater than its threshold.
 
     Raises:
-        ValueError: a ratio limit that is negative or not finite, ``max_error_ratio`` above
-            1, ``max_latency_ratio`` not > 0, a minimum that is not an integer >= 1,
-            ``confidence`` outside [0.5, 1).
+        pydantic.ValidationError (a ValueError naming the field): a limit outside the
+            bounds of :class:`serve.state.Guards`, ``confidence`` outside [0.5, 1).
     """
 
-    max_error_ratio: float = GUARD_MAX_ERROR_RATIO  # defaults: serve.constants, as the
-    max_latency_ratio: float = GUARD_MAX_LATENCY_RATIO  # declared state's (state.Guards)
-    max_score_psi: float = GUARD_MAX_SCORE_PSI
-    min_requests: int = GUARD_MIN_REQUESTS
-    min_instances: int = GUARD_MIN_INSTANCES
-    min_forwards: int = GUARD_MIN_FORWARDS
-    confidence: float = GUARD_CONFIDENCE
-
-    def __post_init__(self) -> None:
-        for name in ("max_error_ratio", "max_latency_ratio", "max_score_psi"):
-            nonneg_number(name, getattr(self, name), error=ValueError)
-        if self.max_error_ratio > 1:
-            raise ValueError(f"max_error_ratio={self.max_error_ratio!r} is a ratio: 0..1")
-        if self.max_latency_ratio <= 0:
-            raise ValueError(f"max_latency_ratio={self.max_latency_ratio!r} must be > 0")
-        for name in ("min_requests", "min_instances", "min_forwards"):
-            positive_int(name, getattr(self, name), error=ValueError)
-        _z(self.confidence)
+    confidence: float = Field(default=GUARD_CONFIDENCE, ge=0.5, lt=1,
+                              description="One-sided confidence of the lower bounds.")
 
 
 @dataclass(frozen=True)

@@ -116,19 +116,13 @@ def rollout_key(stable: str, spec: Rollout) -> str:
 
 
 def limits_of(spec: Rollout) -> GuardLimits:
-    """The guard limits of a rollout spec."""
-    g = spec.guards
-    return GuardLimits(max_error_ratio=g.max_error_ratio,
-                       max_latency_ratio=g.max_latency_ratio,
-                       max_score_psi=g.max_score_psi, min_requests=g.min_requests,
-                       min_instances=g.min_instances, min_forwards=g.min_forwards)
+    """The guard limits of a rollout spec: its declared guards, at the default confidence."""
+    return GuardLimits(**spec.guards.model_dump())
 
 
 def quality_limits_of(spec: Rollout) -> QualityLimits:
-    """The click-quality gates' limits of a rollout spec."""
-    g = spec.guards
-    return QualityLimits(max_ne_increase=g.max_ne_increase,
-                         max_calibration_gap=g.max_calibration_gap, min_labels=g.min_labels)
+    """The click-quality gates' limits of a rollout spec: its declared guards."""
+    return QualityLimits(**spec.guards.model_dump())
 
 
 def _iso(wall: float | None) -> str | None:
@@ -548,13 +542,12 @@ class RolloutController:
         if run is None:
             self.metrics.set_rollout("none", 0.0, [])
             return
-        limits = limits_of(run.spec)
-        quality = quality_limits_of(run.spec)
-        thresholds = {"error_ratio": limits.max_error_ratio,
-                      "latency_ratio": limits.max_latency_ratio,
-                      "score_psi": limits.max_score_psi,
-                      "ne_increase": quality.max_ne_increase,
-                      "calibration_gap": quality.max_calibration_gap}
+        g = run.spec.guards
+        thresholds = {"error_ratio": g.max_error_ratio,
+                      "latency_ratio": g.max_latency_ratio,
+                      "score_psi": g.max_score_psi,
+                      "ne_increase": g.max_ne_increase,
+                      "calibration_gap": g.max_calibration_gap}
         values = {g.name: g.value for g in run.guards}
         self.metrics.set_rollout(run.phase.value, run.weight,
                                  [(name, values.get(name), thresholds[name])
