@@ -71,8 +71,8 @@ class SwitchRunner:
     async def run(self, desired: DesiredState, observed: Observed) -> ServeError | None:
         """Plan and run the switch to ``desired``; the error (recorded, retried later)."""
         self._switch_t0 = t0 = self.clock()
-        if self.switch.tracker is not None:
-            self.switch.tracker.reset()
+        if self.switch.memory.tracker is not None:
+            self.switch.memory.tracker.reset()
         check: MemoryCheck | None = None
         plan: SwitchPlan | None = None
         try:
@@ -108,8 +108,8 @@ class SwitchRunner:
             except ServeError:
                 continue
             for r in found:
-                self.switch.live_pids.update(r.pids)
-            self.switch.sample()
+                self.switch.memory.live_pids.update(r.pids)
+            self.switch.memory.sample()
 
     # ------------------------------------------------------------------ the clean-up
 
@@ -150,7 +150,7 @@ class SwitchRunner:
 
     def _record(self, observed: Observed, desired: DesiredState, t0: float,
                 error: ServeError | None, check: MemoryCheck | None) -> None:
-        tracker, memory = self.switch.tracker, self.switch.memory
+        tracker, memory = self.switch.memory.tracker, self.switch.memory.probe
         self.last_switch = SwitchRecord.model_validate({
             "from": observed.default, "to": desired.serving_version(), "ok": error is None,
             "seconds": round(self.clock() - t0, 3), "error": error.message if error else None,
@@ -167,7 +167,7 @@ class SwitchRunner:
         record, t0 = self.last_switch, self._switch_t0
         if record is None or t0 is None or not record.ok:
             return
-        tracker = self.switch.tracker
+        tracker = self.switch.memory.tracker
         self.last_switch = record.model_copy(update={
             "seconds": round(self.clock() - t0, 3), "error": cleanup_error,
             "peak_memory_bytes": tracker.peak_bytes if tracker else None,
