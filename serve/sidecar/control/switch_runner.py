@@ -2,7 +2,8 @@
 failure.
 
 :class:`SwitchRunner` is what a reconcile pass (:mod:`serve.sidecar.control.reconciler`)
-calls when it decided to ``switch`` or ``cleanup``: it plans and runs the switch
+acts through (:meth:`SwitchRunner.act`): when :func:`~serve.sidecar.control.assessment.assess`
+says ``switch`` or ``cleanup``, it plans and runs the switch
 (:class:`~serve.sidecar.control.switch.VersionSwitch`) while sampling memory, records
 it (:class:`~serve.sidecar.control.views.SwitchRecord`: duration, peak memory), drains
 and unregisters the versions left over, deletes derived archives nobody uses, and keeps
@@ -17,11 +18,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from serve.errors import ServeError
+from serve.errors import InsufficientMemory, ServeError
 from serve.sidecar.adapters.archives import control_path, is_sidecar_archive
 from serve.sidecar.adapters.memory import MemoryCheck
-from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient
+from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
+from serve.sidecar.control.assessment import Action, assess
+from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.switch import SwitchPlan, VersionSwitch
 from serve.sidecar.control.views import SwitchRecord
 from serve.state import DesiredState
@@ -65,6 +68,45 @@ class SwitchRunner:
         self.failed_error: str | None = None
         self._retry_at = 0.0
         self._switch_t0: float | None = None
+
+    # ------------------------------------------------------------------ one pass's actions
+
+    async def act(self, desired: DesiredState | None
+                  ) -> tuple[ReconcileResult, ServeError | None, str | None, Observed | None]:
+        """This pass's actions toward ``desired`` (the effective desired state): the
+        switch when :func:`assess` says ``switch`` (unless the back-off waits), then the
+        clean-up when it says ``cleanup``. Returns (result, switch error, clean-up error,
+        what TorchServe serves now or None when an action may have changed it).
+
+        Raises:
+            UpstreamUnavailable: TorchServe did not answer.
+        """
+        observed = await observe(self.ts)
+        a = assess(desired, observed)
+        acted = False
+        if a.action is Action.SWITCH and desired is not None:
+            if self.retry_wait() > 0:
+                return ReconcileResult.WAITING, None, None, observed
+            error = await self.run(desired, observed)
+            if error is not None:
+                result = (ReconcileResult.REFUSED if isinstance(error, InsufficientMemory)
+                          else ReconcileResult.FAILED)
+                return result, error, None, None
+            acted = True
+            observed = await observe(self.ts)
+            a = assess(desired, observed)
+        if a.action is Action.CLEANUP and a.target is not None:
+            cleanup_error = await self.cleanup(observed, a.target)
+            self.close_record(cleanup_error)
+            if cleanup_error is not None:
+                return ReconcileResult.FAILED, None, cleanup_error, None
+            acted = True
+        if acted:
+            self.close_record(None)
+            self.switch.idle()
+            return ReconcileResult.APPLIED, None, None, None
+        converged = ReconcileResult.CONVERGED if a.converged else ReconcileResult.WAITING
+        return converged, None, None, observed
 
     # ------------------------------------------------------------------ the switch
 
