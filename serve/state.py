@@ -160,11 +160,12 @@ class Guards(_Strict):
     """When a rollout's candidate is rolled back (a limit exceeded, strictly, on
     ``failure_limit`` evaluations in a row), and how much traffic it needs before each
     guard judges. See ``serve.sidecar.control.guards``; the defaults are
-    ``serve.constants.GUARD_*`` (why each: there). The one declaration of every limit's
-    field, bounds and default: the controllers judge with subclasses of it that add only
-    their statistical settings (``guards.GuardLimits``, ``quality_gates.QualityLimits``).
-    ``max_p99_ratio`` (a point estimate of request p99s) is gone: it is refused with a
-    message naming its successor."""
+    ``serve.constants.GUARD_*`` (why each: there). ``max_p99_ratio`` (a point estimate
+    of request p99s) is gone: it is refused with a message naming its successor."""
+
+    # The one declaration of every limit's field, bounds and default: the controllers
+    # judge with subclasses that add only their statistical settings
+    # (serve.sidecar.control.guards.GuardLimits, quality_gates.QualityLimits).
 
     max_error_ratio: float = Field(default=GUARD_MAX_ERROR_RATIO, ge=0, le=1,
                                    description="Candidate errors / candidate requests "
