@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from serve.common.histograms import psi
 from serve.metrics import SCORE_BUCKETS
 from serve.profiles import get_profile
-from serve.sidecar.control.guards import psi
 from serve.store.repository import SHUFFLED_SUFFIX, ModelRepository
 
 __all__ = ["main"]

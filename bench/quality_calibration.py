@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +103,8 @@ def replay(y: np.ndarray, stable: np.ndarray, candidate: np.ndarray, labels: int
     ll_s, ll_c = logloss(y, stable), logloss(y, candidate)
     values: dict[str, list[float]] = {"ne_increase": [], "calibration_gap": []}
     breached = dict.fromkeys(values, 0)
-    limits = replace(limits, min_labels=labels)  # judge at exactly this many labels
+    # judge at exactly this many labels
+    limits = QualityLimits(**{**limits.model_dump(), "min_labels": labels})
     for seed in range(seeds):
         idx = np.random.default_rng(seed).choice(y.shape[0], size=2 * labels, replace=False)
         a, b = idx[:labels], idx[labels:]

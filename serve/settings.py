@@ -246,7 +246,7 @@ DLRM_SIDECAR_TOKEN = _var(
     "too. In Kubernetes it comes from the Secret dlrm-sidecar-token.", SIDECAR, TOOLS)
 DLRM_SIDECAR_TOKEN_FILE = _var("DLRM_SIDECAR_TOKEN_FILE",
                                "The file holding the write token.", SIDECAR)
-# The edge: the write port and the scoped tokens (serve.sidecar.http.guard).
+# The edge: the write port and the scoped tokens (serve.sidecar.http.edge).
 DLRM_SIDECAR_WRITE_PORT = _var(
     "DLRM_SIDECAR_WRITE_PORT", "The sidecar's write port (every write; reads too).", SIDECAR)
 DLRM_SIDECAR_OIP_PORT = _var(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import re
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,6 +88,7 @@ __all__ = [
     "Guards",
     "ModelRef",
     "Rollout",
+    "RolloutMode",
     "describe_validation_error",
     "dump_state",
     "load_state",
@@ -120,7 +122,17 @@ DEFAULT_WORKERS = 2
 VERSION_RE = r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,63}$"
 _SERVING_RE = re.compile(r"^(?P<v>[A-Za-z0-9][A-Za-z0-9.\-]{0,63})_b(?P<b>\d+)d(?P<d>\d+)w(?P<w>\d+)"
                          r"(?:_c(?P<c>[A-Za-z0-9][A-Za-z0-9.\-]{0,63}))?$")
-ROLLOUT_MODES = ("canary", "shadow")
+
+
+class RolloutMode(StrEnum):
+    """How a rollout's candidate serves: ``canary``, it answers its share of requests;
+    ``shadow``, the stable version answers all and the candidate scores its share unseen."""
+
+    CANARY = "canary"
+    SHADOW = "shadow"
+
+
+ROLLOUT_MODES = tuple(m.value for m in RolloutMode)
 ALLOWED_FIELDS = ("model.version, batching.batch_size, batching.max_batch_delay_ms, workers, "
                   "rollout.candidate, rollout.mode, rollout.weight, rollout.steps, "
                   "rollout.bake_s, rollout.guards.{max_error_ratio, max_latency_ratio, "
@@ -150,6 +162,10 @@ class Guards(_Strict):
     guard judges. See ``serve.sidecar.control.guards``; the defaults are
     ``serve.constants.GUARD_*`` (why each: there). ``max_p99_ratio`` (a point estimate
     of request p99s) is gone: it is refused with a message naming its successor."""
+
+    # The one declaration of every limit's field, bounds and default: the controllers
+    # judge with subclasses that add only their statistical settings
+    # (serve.sidecar.control.guards.GuardLimits, quality_gates.QualityLimits).
 
     max_error_ratio: float = Field(default=GUARD_MAX_ERROR_RATIO, ge=0, le=1,
                                    description="Candidate errors / candidate requests "

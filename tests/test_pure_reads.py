@@ -89,17 +89,21 @@ def test_reads_change_nothing(tmp_path: Path) -> None:
             assert run is not None and run.spec.weights() == [0.1]
             # The file changes on disk; nothing wakes the reconciler.
             write_state(state_file, _declared(0.5))
-            before = (dump(reconciler), dump(reconciler.rollouts), asyncio.all_tasks())
+            before = (dump(reconciler), dump(reconciler.rollouts), asyncio.all_tasks(),
+                      dump(reconciler.passes), dump(reconciler.runner))
             transport = httpx.ASGITransport(app=app)
             responses, served = [], []
             async with httpx.AsyncClient(transport=transport, base_url="http://sc") as c:
                 for _ in range(3):
                     responses += [await c.get(url) for url in ("/state", "/metrics", "/tuner")]
                     served.append(sidecar.served_versions())
-            after = (dump(reconciler), dump(reconciler.rollouts), asyncio.all_tasks())
+            after = (dump(reconciler), dump(reconciler.rollouts), asyncio.all_tasks(),
+                     dump(reconciler.passes), dump(reconciler.runner))
             assert after[0] == before[0]
             assert after[1] == before[1]
             assert after[2] == before[2], "a read started a task"
+            assert after[3] == before[3]  # the passes' record (PassLog)
+            assert after[4] == before[4]  # the back-off and the last switch (SwitchRunner)
             assert reconciler.rollouts.run is run
             assert [r.status_code for r in responses] == [200] * 9, responses[0].text
             # What the last pass read: the file's change waits for the next pass.

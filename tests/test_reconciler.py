@@ -487,7 +487,7 @@ def test_a_writer_waiting_for_its_change_learns_the_outcome(tmp_path, repo, stat
 
     async def write_and_wait(state: DesiredState, timeout_s: float = 5.0):
         after, digest = w.rec.write(state)
-        waiter = asyncio.create_task(w.rec.wait_serving(after, digest, timeout_s))
+        waiter = asyncio.create_task(w.rec.passes.wait_serving(after, digest, timeout_s))
         await asyncio.sleep(0)
         await w.rec.tick()
         return await waiter

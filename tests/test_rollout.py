@@ -439,3 +439,40 @@ def test_bake_starts_only_when_the_two_arm_registration_serves(rig):
     assert ctl.on_serving(d, f"{STABLE}_b2d0w2") is False
     assert not ctl.status().serving and not (tmp / f"{STABLE}_b2d0w2.control.json").exists()
     assert ctl.on_serving(d, SERVING) is True
+
+
+def test_a_run_judges_its_own_evaluations():
+    """RolloutRun.record and RolloutRun.judge alone (no controller, no I/O): breaches in a
+    row roll back at failure_limit (error_ratio at once); a bake ends with the next weight
+    or promotion only when every blocking guard is ok."""
+    from serve.sidecar.control.guards import GuardResult
+    from serve.sidecar.control.rollout import RolloutRun, Transition
+
+    spec = desired(steps=[0.5], guards={"interval_s": 5, "failure_limit": 2}).rollout
+    assert spec is not None
+    run = RolloutRun(key="k", stable=STABLE, spec=spec, started_wall=0.0)
+
+    def judged(status: str, name: str = "score_psi", blocking: bool = True) -> GuardResult:
+        return GuardResult(name, None if status == "insufficient_data" else 0.7, 0.5, status,
+                           "detail", blocking)
+
+    run.record([judged("breached")], now=1.0)
+    assert (run.consecutive, run.last_eval, run.evaluations) == ({"score_psi": 1}, 1.0, 1)
+    verdict, reason = run.judge(elapsed=60.0)
+    assert verdict is None and reason is not None and "breached 1 of 2 times" in reason
+    run.record([judged("breached")], now=2.0)
+    verdict, reason = run.judge(elapsed=60.0)
+    assert verdict is Transition.ROLLED_BACK and reason == (
+        "guard score_psi breached 2 times in a row: detail")
+    run.record([judged("ok")], now=3.0)
+    assert run.consecutive == {"score_psi": 0} and run.judge(elapsed=1.0) == (None, None)
+    run.record([judged("insufficient_data")], now=4.0)
+    verdict, reason = run.judge(elapsed=60.0)
+    assert verdict is None and reason is not None and reason.startswith("bake time is over")
+    run.record([judged("insufficient_data", blocking=False)], now=5.0)
+    assert run.judge(elapsed=60.0) == (Transition.STEPPED, None)
+    run.step = 1
+    assert run.judge(elapsed=60.0) == (
+        Transition.PROMOTED, "every guard held through 2 weight(s) of 30 s each")
+    run.record([judged("breached", name="error_ratio")], now=6.0)
+    assert run.judge(elapsed=60.0)[0] is Transition.ROLLED_BACK  # at once

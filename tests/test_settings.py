@@ -47,7 +47,7 @@ SIDECAR_FLAGS = (
     "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level",
-    # the edge (serve/sidecar/http/guard.py): the write port and the scoped tokens
+    # the edge (serve/sidecar/http/edge.py): the write port and the scoped tokens
     "--write-port", "--oip-port", "--delta-token-file", "--feedback-token-file",
     # embedding deltas in a fleet: POSTs refused, the model volume followed
     "--deltas-post",

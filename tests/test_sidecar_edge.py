@@ -1,4 +1,4 @@
-"""The sidecar's edge (serve/sidecar/http/guard.py): every write authenticated, scoped and
+"""The sidecar's edge (serve/sidecar/http/edge.py): every write authenticated, scoped and
 size-bounded before a byte of its body is read; the tokens refused at start; the write
 API on its own port.
 
@@ -33,7 +33,7 @@ from serve.errors import ConfigError
 from serve.sidecar.adapters.tokens import ensure_dev_token
 from serve.sidecar.config import ServerOptions, SidecarConfig
 from serve.sidecar.http.app import create_app
-from serve.sidecar.http.guard import (
+from serve.sidecar.http.edge import (
     SMALL_BODY_BYTES,
     WRITE_ROUTES,
     check_write_routes,

@@ -20,6 +20,7 @@ from serve.sidecar.control.tuner import (
     Counters,
     Setting,
     Traffic,
+    TrafficWindow,
     Trial,
     TunerConfig,
     counters_from,
@@ -380,3 +381,26 @@ def test_p99_estimate_counts_the_batch_fill_delay_once():
     # a delay longer than the wait itself is capped at the wait
     long = Traffic.between(a, b, 2.0, Setting(2, 50))
     assert long is not None and long.p99_ms == pytest.approx(plain.handler_p99_ms + 3.0)
+
+
+def test_the_traffic_window_rolls_after_window_s_or_a_quick_window():
+    """TrafficWindow alone: nothing before ``measure_from``; the first observation opens
+    the window; a Traffic once ``window_s`` passed (or ``quick_window_s`` with
+    ``quick_requests``), and the next window begins there; restart drops the start."""
+    plant, cfg = Plant(SINGLE), replace(FAST, quick_window_s=2.0, quick_requests=10_000)
+    window = TrafficWindow()
+    window.restart(measure_from=1.5)
+    assert window.roll(plant.advance(S(2, 2), 1.0), cfg, S(2, 2)) is None  # t=1 < 1.5
+    assert window.start is None
+    assert window.roll(plant.advance(S(2, 2), 1.0), cfg, S(2, 2)) is None  # opens at t=2
+    assert window.start is not None and window.start.t == 2.0
+    assert window.roll(plant.advance(S(2, 2), 3.0), cfg, S(2, 2)) is None  # 3 s < window_s
+    traffic = window.roll(plant.advance(S(2, 2), 1.0), cfg, S(2, 2))     # 4 s: a window
+    assert traffic is not None and traffic.seconds == pytest.approx(4.0)
+    assert traffic.rate_rps == pytest.approx(1000.0) and window.start.t == 6.0
+    # 2 s and >= 10000 requests close a quick window (the table's 4800/s for 24/5)
+    quick = window.roll(plant.advance(S(24, 5), 2.5), cfg, S(24, 5))
+    assert quick is not None and quick.seconds == pytest.approx(2.5)
+    window.restart()
+    assert window.start is None and window.measure_from == 1.5
+    assert window.roll(plant.advance(S(24, 5), 5.0), cfg, S(24, 5)) is None  # reopens

@@ -173,7 +173,7 @@ def test_wait_ready_polls_until_the_workers_are_ready(ts, repo):
     run(switch.wait_ready(plan))
     assert clock.sleeps == [0.2, 0.2, 0.2]
     assert phases[-1] == "waiting_ready"
-    assert switch.live_pids >= set(ts.versions[TARGET]["pids"])  # its memory is sampled
+    assert switch.memory.live_pids >= set(ts.versions[TARGET]["pids"])  # its memory is sampled
 
 
 def test_wait_ready_gives_up_at_the_register_timeout(ts, repo):
@@ -430,7 +430,7 @@ def test_check_memory_estimates_from_the_serving_workers_rss(ts, repo, tmp_path)
     probe = MemoryProbe(cgroup(tmp_path, str(2048 * MiB), 900 * MiB), rss=rss.get)
     switch, _, _ = make_switch(ts, memory=probe)
     observed = seen(switch, ts)
-    switch.watch(observed)
+    switch.memory.watch(observed)
     plan = switch.plan(observed, desired(workers=1), repo)
     check = run(switch.check_memory(plan, observed))
     assert check is not None and check.fits
@@ -473,7 +473,7 @@ def test_an_explicit_limit_counts_the_workers_rss_not_the_sidecars_cgroup(ts, re
                         limit_bytes=1000 * MiB, rss=lambda pid: None)
     switch, _, _ = make_switch(ts, memory=probe)
     observed = seen(switch, ts)
-    switch.watch(observed)
+    switch.memory.watch(observed)
     check = run(switch.check_memory(switch.plan(observed, desired(), repo), observed))
     assert check is not None
     assert (check.usage_bytes, check.need_bytes, check.limit_source) == \
@@ -502,13 +502,13 @@ def test_the_peak_is_sampled_over_every_registered_versions_workers(ts, repo, tm
         plan = switch.plan(observed, desired(), repo)
         await switch.switch(plan, observed)   # the new worker (pid 101) is sampled too
         current.write_text(str(1800 * MiB))   # e.g. the page cache of the copy
-        switch.sample()
+        switch.memory.sample()
         current.write_text(str(1200 * MiB))
         await switch.retire(observed.get("1.0"))
 
     run(go())
-    assert switch.tracker.peak_rss_bytes == 1200 * MiB
-    assert switch.tracker.peak_bytes == 1800 * MiB
+    assert switch.memory.tracker.peak_rss_bytes == 1200 * MiB
+    assert switch.memory.tracker.peak_bytes == 1800 * MiB
 
 
 # ------------------------------------------------------------------ through the app

@@ -7,4 +7,6 @@
 * :mod:`~serve.common.quality`: ROC AUC and calibration (numpy only).
 * :mod:`~serve.common.validate`: the shared checks of settings and values (one message shape).
 * :mod:`~serve.common.durable`: atomic writes that survive a crash (fsync of file and folder).
+* :mod:`~serve.common.histograms`: Prometheus' ``histogram_quantile`` and the PSI of two
+  binned distributions.
 """

@@ -4,16 +4,19 @@ changes. Run it with ``python -m serve.sidecar --help``.
 Layers, from the edge inwards (imports only point down the list):
 
 * ``http/``: :mod:`~serve.sidecar.http.app` (``create_app`` and ``main``), the
-  ``routes_*`` modules (thin: parse, call, answer), :mod:`~serve.sidecar.http.auth` (the
+  ``routes_*`` modules (thin: parse, call, answer), :mod:`~serve.sidecar.http.edge` (the
+  edge guard: tokens, scopes, body limits), :mod:`~serve.sidecar.http.auth` (the
   write token), :mod:`~serve.sidecar.http.errors` (the one error mapping),
   :mod:`~serve.sidecar.http.middleware`, :mod:`~serve.sidecar.http.docs`,
   :mod:`~serve.sidecar.http.schemas` (bodies).
 * ``services/``: :mod:`~serve.sidecar.services.embedding_deltas`,
   :mod:`~serve.sidecar.services.feedback`.
 * ``control/``: :mod:`~serve.sidecar.control.reconciler` (the one writer of TorchServe's
-  registrations), :mod:`~serve.sidecar.control.switch`,
+  registrations; it acts through :mod:`~serve.sidecar.control.switch_runner` and
+  :mod:`~serve.sidecar.control.rollout_stepper`), :mod:`~serve.sidecar.control.switch`,
   :mod:`~serve.sidecar.control.rollout`, :mod:`~serve.sidecar.control.guards`,
-  :mod:`~serve.sidecar.control.tuner`, :mod:`~serve.sidecar.control.drain`.
+  :mod:`~serve.sidecar.control.tuner` (driven by :mod:`~serve.sidecar.control.tuner_loop`),
+  :mod:`~serve.sidecar.control.drain`.
 * ``adapters/``: :mod:`~serve.sidecar.adapters.torchserve`,
   :mod:`~serve.sidecar.adapters.archives`, :mod:`~serve.sidecar.adapters.memory`,
   :mod:`~serve.sidecar.adapters.gpu`, :mod:`~serve.sidecar.adapters.tokens`,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import httpx
 from fastapi import Depends, Request
@@ -50,7 +50,7 @@ from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner
-from serve.sidecar.control.tuning import TuningLoop
+from serve.sidecar.control.tuner_loop import TuningLoop
 from serve.sidecar.services.embedding_deltas import DeltaService, model_versions
 from serve.sidecar.services.feedback import FeedbackService
 from serve.store.delta_files import DeltaStore
@@ -61,6 +61,8 @@ _log = logging.getLogger(__name__)
 _CLEAN_INTERVAL_S = 5.0
 
 __all__ = ["Sidecar", "SidecarDep", "get_sidecar"]
+
+_T = TypeVar("_T")
 
 
 async def stop_task(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
@@ -320,18 +322,12 @@ class Sidecar:
     @property
     def torchserve(self) -> TorchServeClient:
         """The TorchServe client; only while the app runs."""
-        if self._torchserve is None:
-            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
-                               "with its lifespan (uvicorn, TestClient as a context manager)")
-        return self._torchserve
+        return _connected(self._torchserve)
 
     @property
     def drainer(self) -> Drainer:
         """The shutdown drain (POST /drain); only while the app runs."""
-        if self._drainer is None:
-            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
-                               "with its lifespan (uvicorn, TestClient as a context manager)")
-        return self._drainer
+        return _connected(self._drainer)
 
     @property
     def draining(self) -> bool:
@@ -342,10 +338,7 @@ class Sidecar:
         """PUT /batching's service, or 409 explaining that ``what`` needs a
         desired-state file; only while the app runs."""
         self.require_reconciler(what)
-        if self._batching is None:
-            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
-                               "with its lifespan (uvicorn, TestClient as a context manager)")
-        return self._batching
+        return _connected(self._batching)
 
     @property
     def tuning(self) -> TuningLoop | None:
@@ -370,10 +363,16 @@ class Sidecar:
     @property
     def switch(self) -> VersionSwitch:
         """The version switch behind PUT /batching; only while the app runs."""
-        if self._switch is None:
-            raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
-                               "with its lifespan (uvicorn, TestClient as a context manager)")
-        return self._switch
+        return _connected(self._switch)
+
+
+def _connected(part: _T | None) -> _T:
+    """``part`` of a running app; RuntimeError while the app is not running (the parts
+    that talk to TorchServe are built by its lifespan)."""
+    if part is None:
+        raise RuntimeError("the sidecar is not connected to TorchServe; run the app "
+                           "with its lifespan (uvicorn, TestClient as a context manager)")
+    return part
 
 
 def fleet_families(fleet: Fleet | None, own: Callable[[], Iterable[Metric]]

@@ -6,25 +6,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from serve.sidecar.adapters.torchserve import Observed
 from serve.sidecar.control.views import ObservedBatching, ObservedModel, ObservedState
 from serve.state import DesiredState, parse_serving_version, serving_candidate
 
-__all__ = ["Assessment", "assess", "observed_state"]
+__all__ = ["Action", "Assessment", "assess", "observed_state"]
+
+
+class Action(StrEnum):
+    """The reconciler's next step toward the desired state: ``none`` (converged),
+    ``switch`` (to the target serving version), ``cleanup`` (the target serves; drain and
+    unregister the others) or ``wait`` (workers loading, or no valid desired state)."""
+
+    NONE = "none"
+    SWITCH = "switch"
+    CLEANUP = "cleanup"
+    WAIT = "wait"
 
 
 @dataclass(frozen=True)
 class Assessment:
     """Desired vs observed: converged, or the next action and why not.
 
-    ``action``: ``none`` (converged), ``switch``, ``cleanup`` or ``wait``; ``serving``:
-    the target is the default version with all its workers READY.
+    ``action``: an :class:`Action`; ``serving``: the target is the default version with
+    all its workers READY.
     """
 
     converged: bool
-    action: str
+    action: Action
     reason: str | None
     target: str | None
     serving: bool = False
@@ -33,23 +45,23 @@ class Assessment:
 def assess(desired: DesiredState | None, observed: Observed) -> Assessment:
     """The next step from ``observed`` toward ``desired`` (no I/O)."""
     if desired is None:
-        return Assessment(False, "wait", "there is no valid desired state", None)
+        return Assessment(False, Action.WAIT, "there is no valid desired state", None)
     target = desired.serving_version()
     current = observed.get(target)
     if observed.default == target and current is not None:
         if current.ready < desired.workers:
-            return Assessment(False, "wait", f"{current.ready} of {desired.workers} workers of "
+            return Assessment(False, Action.WAIT, f"{current.ready} of {desired.workers} workers of "
                               f"{target} are READY; TorchServe is starting them", target)
         others = [v for v in observed.names() if v != target]
         if others:
-            return Assessment(False, "cleanup", f"{target} serves; {', '.join(others)} still "
+            return Assessment(False, Action.CLEANUP, f"{target} serves; {', '.join(others)} still "
                               "registered (being drained and unregistered)", target, True)
-        return Assessment(True, "none", None, target, True)
+        return Assessment(True, Action.NONE, None, target, True)
     if observed.default is None:
         why = f"nothing is registered in TorchServe; {target} is to be registered"
     else:
         why = f"TorchServe serves {observed.default}; the desired state is {target}"
-    return Assessment(False, "switch", why, target)
+    return Assessment(False, Action.SWITCH, why, target)
 
 
 def observed_state(observed: Observed,

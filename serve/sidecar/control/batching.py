@@ -19,7 +19,7 @@ from serve.errors import Conflict
 from serve.metrics import SidecarMetrics
 from serve.sidecar.adapters.torchserve import TorchServeClient, batching_state
 from serve.sidecar.control.reconciler import Reconciler, SwitchFailed
-from serve.sidecar.control.tuning import TuningLoop
+from serve.sidecar.control.tuner_loop import TuningLoop
 from serve.sidecar.control.views import BatchingUpdate, BatchingUpdateResult
 from serve.state import Batching, DesiredState
 
@@ -58,7 +58,7 @@ async def apply_batching(reconciler: Reconciler, ts: TorchServeClient, update: B
     after_pass, digest = reconciler.write(new)
     timeout = ts.config.register_timeout_s + ts.config.drain_timeout_s
     try:
-        served = await reconciler.wait_serving(after_pass, digest, timeout)
+        served = await reconciler.passes.wait_serving(after_pass, digest, timeout)
     except SwitchFailed as e:
         reconciler.revert(new, base)
         raise e.error from None

@@ -45,7 +45,8 @@ label ``version``). The sidecar reads them summed over workers
     it breaches.
 ``score_psi``
     population stability index of the candidate's score distribution against the
-    stable's, over the fixed bins :data:`~serve.metrics.SCORE_BUCKETS` (:func:`psi`).
+    stable's, over the fixed bins :data:`~serve.metrics.SCORE_BUCKETS`
+    (:func:`~serve.common.histograms.psi`).
 
 A guard is ``breached`` when its value is strictly greater than its threshold, and
 ``insufficient_data`` (value ``None``) until the window holds enough requests, forwards or
@@ -82,17 +83,11 @@ from typing import Any
 
 import numpy as np
 from prometheus_client.metrics_core import Metric
+from pydantic import Field
 
-from serve.common.validate import int_at_least, nonneg_number, positive_int
-from serve.constants import (
-    GUARD_CONFIDENCE,
-    GUARD_MAX_ERROR_RATIO,
-    GUARD_MAX_LATENCY_RATIO,
-    GUARD_MAX_SCORE_PSI,
-    GUARD_MIN_FORWARDS,
-    GUARD_MIN_INSTANCES,
-    GUARD_MIN_REQUESTS,
-)
+from serve.common.histograms import histogram_quantile, monotonic, psi
+from serve.common.validate import int_at_least, positive_int
+from serve.constants import GUARD_CONFIDENCE
 from serve.metrics import (
     ARM_ERRORS_TOTAL,
     ARM_FORWARD_SECONDS_PER_INSTANCE,
@@ -106,11 +101,11 @@ from serve.metrics import (
     SCORE_DIFF_BUCKETS,
     SHADOW_SCORE_DIFF,
 )
+from serve.state import Guards
 
 __all__ = [
     "GUARD_STATUSES",
     "P99",
-    "PSI_EPS",
     "RATIO_POINTS_PER_BUCKET",
     "ArmCounts",
     "GuardLimits",
@@ -119,8 +114,6 @@ __all__ = [
     "Snapshot",
     "breaches",
     "evaluate",
-    "histogram_quantile",
-    "psi",
     "ratio_bounds",
     "snapshot",
     "wilson_lower",
@@ -128,8 +121,6 @@ __all__ = [
 
 #: Outcomes of a guard: ``ok``, ``breached`` (value > threshold), ``insufficient_data``.
 GUARD_STATUSES: tuple[str, ...] = ("ok", "breached", "insufficient_data")
-#: Floor of each bin's fraction in :func:`psi`, so that an empty bin gives a finite term.
-PSI_EPS = 1e-4
 #: The quantile of :meth:`ArmCounts.p99_seconds` (request latency; no guard judges it).
 P99 = 0.99
 #: Points each bucket's count is spread over (evenly in log space) by
@@ -159,20 +150,9 @@ def _check_sum(what: str, value: float) -> None:
         raise ValueError(f"{what} must be finite, got {value!r}")
 
 
-def _monotonic(cumulative: Sequence[float]) -> list[float]:
-    # Prometheus' ensureMonotonic: a cumulative count lower than the one before it (buckets
-    # of a window across a worker restart, a scrape racing a write) is raised to it.
-    out: list[float] = []
-    top = 0.0
-    for c in cumulative:
-        top = max(top, float(c))
-        out.append(top)
-    return out
-
-
 def _bins(cumulative: Sequence[int]) -> tuple[int, ...]:
     """Per-bin counts from cumulative ``le`` counts (made monotonic first, so >= 0)."""
-    mono = _monotonic(cumulative)
+    mono = monotonic(cumulative)
     return tuple(int(c - p) for c, p in zip(mono, [0.0, *mono[:-1]], strict=True))
 
 
@@ -240,8 +220,9 @@ class ArmCounts:
         return _bins(self.score_buckets)
 
     def p99_seconds(self) -> float | None:
-        """The p99 request latency in seconds (:func:`histogram_quantile`), ``None``
-        without observations."""
+        """The p99 request latency in seconds
+        (:func:`~serve.common.histograms.histogram_quantile`), ``None`` without
+        observations."""
         return histogram_quantile(P99, REQUEST_DURATION_BUCKETS, self.latency_buckets)
 
     def minus(self, base: ArmCounts) -> ArmCounts:
@@ -323,8 +304,8 @@ class Snapshot:
         the window free of negative counts, but such a window under-counts, so a caller
         seeing :meth:`decreased_since` should take the new snapshot as its base. After
         clamping, a histogram's cumulative buckets may be non-monotonic; the consumers
-        (:func:`histogram_quantile`, :func:`psi` via :attr:`ArmCounts.score_bins`) make
-        them monotonic as Prometheus does. A histogram's sum moves with its count: when
+        (:mod:`serve.common.histograms`' quantile, and PSI via :attr:`ArmCounts.score_bins`)
+        make them monotonic as Prometheus does. A histogram's sum moves with its count: when
         the count went down the window's sum is 0, otherwise ``self - base`` (clamped at 0
         for latencies and scores, which are never negative; a score difference may be).
 
@@ -509,111 +490,6 @@ def _finite(what: str, value: float) -> float:
 
 # --- the statistics ---------------------------------------------------------------------
 
-def histogram_quantile(q: float, bounds: Sequence[float],
-                       cumulative_counts: Sequence[float]) -> float | None:
-    """The ``q``-quantile of a histogram, exactly as Prometheus' ``histogram_quantile``.
-
-    Args:
-        q: the quantile, 0..1 (0.99 for a p99).
-        bounds: the finite upper bounds (``le``) of the buckets, strictly increasing, in
-            the unit of the observations (seconds for latencies).
-        cumulative_counts: observations ``<= bounds[i]`` for each bound, then the ``+Inf``
-            bucket (the total): ``len(bounds) + 1`` values.
-
-    Returns:
-        The quantile in the unit of ``bounds``, or ``None`` for an empty histogram (where
-        Prometheus returns NaN).
-
-    The rules, as Prometheus applies them: cumulative counts that decrease are raised to
-    the previous one (its ``ensureMonotonic``); the rank is ``q * total``; the quantile
-    lies in the first bucket whose cumulative count is >= the rank and is interpolated
-    linearly inside it, between the bucket's lower bound (the previous bound, or 0 for the
-    first bucket) and its upper bound. If it falls in the ``+Inf`` bucket, the highest
-    finite bound is returned (the histogram cannot say more). If the first bound is <= 0
-    and the quantile falls in the first bucket, that bound is returned. One deviation: for
-    a rank on the lower edge of an empty first bucket (``q = 0``) Prometheus computes
-    0/0 = NaN; this returns the bucket's lower bound, 0.
-
-    Raises:
-        ValueError: ``q`` outside 0..1 (Prometheus would return -Inf/+Inf), no finite
-            bound, bounds not strictly increasing or not finite, counts of the wrong length,
-            negative or not finite.
-    """
-    if not 0.0 <= q <= 1.0:  # also rejects NaN
-        raise ValueError(f"quantile q={q!r} must be within 0..1")
-    if not bounds:
-        raise ValueError("histogram_quantile needs at least one finite bucket bound")
-    if len(cumulative_counts) != len(bounds) + 1:
-        raise ValueError(f"{len(cumulative_counts)} cumulative counts for {len(bounds)} "
-                         "bounds; expected one per bound plus the +Inf bucket")
-    if any(not math.isfinite(b) for b in bounds) or any(
-            b >= c for b, c in pairwise(bounds)):
-        raise ValueError(f"bucket bounds must be finite and strictly increasing: {bounds!r}")
-    if any(not math.isfinite(c) or c < 0 for c in cumulative_counts):
-        raise ValueError(f"cumulative counts must be finite and >= 0: {cumulative_counts!r}")
-    counts = _monotonic(cumulative_counts)
-    total = counts[-1]
-    if total == 0:
-        return None
-    rank = q * total
-    # The first finite bucket holding the rank, else the +Inf bucket (Go's sort.Search
-    # over all buckets but the last).
-    b = next((i for i, c in enumerate(counts[:-1]) if c >= rank), len(bounds))
-    if b == len(bounds):
-        return float(bounds[-1])
-    if b == 0 and bounds[0] <= 0:
-        return float(bounds[0])
-    start = float(bounds[b - 1]) if b > 0 else 0.0
-    end = float(bounds[b])
-    count = counts[b]
-    if b > 0:
-        count -= counts[b - 1]
-        rank -= counts[b - 1]
-    if count == 0:
-        return start
-    return start + (end - start) * (rank / count)
-
-
-def psi(expected_counts: Sequence[float], actual_counts: Sequence[float],
-        eps: float = PSI_EPS) -> float:
-    """Population stability index of ``actual`` against ``expected`` (dimensionless, >= 0).
-
-    ``PSI = sum_i (a_i - e_i) * ln(a_i / e_i)`` over the bins, ``a_i`` and ``e_i`` the
-    fraction of each distribution's count in bin ``i``. An empty bin would make a term
-    infinite, so each fraction is floored at ``eps`` (the floored fractions are not
-    renormalised: with ``eps = 1e-4`` the error is negligible next to the thresholds).
-    The index is symmetric in its two arguments and 0 for identical distributions. Rule of
-    thumb: below 0.1 no shift, 0.1 to 0.25 a moderate shift, above 0.25 a major one.
-
-    Args:
-        expected_counts: per-bin counts (not cumulative) of the reference (stable).
-        actual_counts: per-bin counts of the compared distribution (candidate), same bins.
-        eps: the floor of a bin's fraction, 0 < eps < 1.
-
-    Raises:
-        ValueError: different or zero numbers of bins, a negative or non-finite count, a
-            distribution without any count, ``eps`` outside (0, 1).
-    """
-    if not 0.0 < eps < 1.0:
-        raise ValueError(f"eps={eps!r} must be within (0, 1)")
-    if len(expected_counts) != len(actual_counts) or not expected_counts:
-        raise ValueError(f"PSI needs the same non-zero number of bins on both sides, got "
-                         f"{len(expected_counts)} and {len(actual_counts)}")
-    for what, counts in (("expected", expected_counts), ("actual", actual_counts)):
-        if any(not math.isfinite(c) or c < 0 for c in counts):
-            raise ValueError(f"{what} counts must be finite and >= 0: {list(counts)!r}")
-        if sum(counts) <= 0:
-            raise ValueError(f"{what} counts are all 0: PSI needs observations on both sides")
-    e_total = float(sum(expected_counts))
-    a_total = float(sum(actual_counts))
-    value = 0.0
-    for e, a in zip(expected_counts, actual_counts, strict=True):
-        ef = max(e / e_total, eps)
-        af = max(a / a_total, eps)
-        value += (af - ef) * math.log(af / ef)
-    return value
-
-
 def _z(confidence: float) -> float:
     if not 0.5 <= confidence < 1.0:  # also rejects NaN
         raise ValueError(f"confidence={confidence!r} must be within [0.5, 1) (one-sided; "
@@ -732,53 +608,25 @@ def ratio_bounds(bounds: Sequence[float], reference_bins: Sequence[int],
 
 # --- the guards -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class GuardLimits:
-    """Thresholds of the rollout guards (the defaults; a rollout spec may override them).
+class GuardLimits(Guards):
+    """What judges the metric guards: the declared guards (:class:`serve.state.Guards`,
+    the one declaration of every limit's field, bounds and default; this module reads
+    ``max_error_ratio``, ``max_latency_ratio``, ``max_score_psi``, ``min_requests``,
+    ``min_forwards`` and ``min_instances``) plus ``confidence``, which no state declares.
 
     Attributes:
-        max_error_ratio: highest acceptable candidate error probability (0..1), judged
-            against its Wilson lower bound.
-        max_latency_ratio: highest acceptable candidate / stable forward seconds per
-            instance (dimensionless; 1.3 = the candidate's model may be 30% slower),
-            judged against the ratio's lower confidence bound.
-        max_score_psi: highest acceptable PSI of the candidate's score distribution against
-            the stable's (dimensionless; < 0.1 no shift, 0.1-0.25 moderate, > 0.25 major).
-        min_requests: requests the candidate needs in the window before ``error_ratio``
-            is judged.
-        min_forwards: timed forwards each arm needs in the window before
-            ``latency_ratio`` is judged.
-        min_instances: scored instances each arm needs in the window before ``score_psi``
-            is judged.
         confidence: of the lower bounds of ``error_ratio`` and ``latency_ratio``
             (one-sided; 0.99: a bound above the truth 1 time in 100).
 
     A guard is breached when its value is strictly greater than its threshold.
 
     Raises:
-        ValueError: a ratio limit that is negative or not finite, ``max_error_ratio`` above
-            1, ``max_latency_ratio`` not > 0, a minimum that is not an integer >= 1,
-            ``confidence`` outside [0.5, 1).
+        pydantic.ValidationError (a ValueError naming the field): a limit outside the
+            bounds of :class:`serve.state.Guards`, ``confidence`` outside [0.5, 1).
     """
 
-    max_error_ratio: float = GUARD_MAX_ERROR_RATIO  # defaults: serve.constants, as the
-    max_latency_ratio: float = GUARD_MAX_LATENCY_RATIO  # declared state's (state.Guards)
-    max_score_psi: float = GUARD_MAX_SCORE_PSI
-    min_requests: int = GUARD_MIN_REQUESTS
-    min_instances: int = GUARD_MIN_INSTANCES
-    min_forwards: int = GUARD_MIN_FORWARDS
-    confidence: float = GUARD_CONFIDENCE
-
-    def __post_init__(self) -> None:
-        for name in ("max_error_ratio", "max_latency_ratio", "max_score_psi"):
-            nonneg_number(name, getattr(self, name), error=ValueError)
-        if self.max_error_ratio > 1:
-            raise ValueError(f"max_error_ratio={self.max_error_ratio!r} is a ratio: 0..1")
-        if self.max_latency_ratio <= 0:
-            raise ValueError(f"max_latency_ratio={self.max_latency_ratio!r} must be > 0")
-        for name in ("min_requests", "min_instances", "min_forwards"):
-            positive_int(name, getattr(self, name), error=ValueError)
-        _z(self.confidence)
+    confidence: float = Field(default=GUARD_CONFIDENCE, ge=0.5, lt=1,
+                              description="One-sided confidence of the lower bounds.")
 
 
 @dataclass(frozen=True)
@@ -898,7 +746,7 @@ def evaluate(window: Snapshot, limits: GuardLimits) -> list[GuardResult]:
       seconds per instance (:func:`ratio_bounds` over
       :data:`~serve.metrics.ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS`); judged from
       ``min_forwards`` timed forwards per arm.
-    * ``score_psi`` = :func:`psi` of the candidate's score bins against the stable's
+    * ``score_psi`` = :func:`~serve.common.histograms.psi` of the candidate's score bins against the stable's
       (:attr:`ArmCounts.score_bins`); judged from ``min_instances`` scored instances per
       arm.
 

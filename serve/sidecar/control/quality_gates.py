@@ -66,16 +66,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
+from pydantic import Field
 
 from serve.common.quality import entropy
 from serve.common.validate import int_at_least, nonneg_number
-from serve.constants import (
-    QUALITY_MAX_CALIBRATION_GAP,
-    QUALITY_MAX_NE_INCREASE,
-    QUALITY_MIN_LABELS,
-    QUALITY_MIN_LABELS_TO_JUDGE,
-    QUALITY_Z,
-)
+from serve.constants import QUALITY_MIN_LABELS_TO_JUDGE, QUALITY_Z
 from serve.metrics import (
     ONLINE_CLICKS_TOTAL,
     ONLINE_LOGLOSS_NATS_TOTAL,
@@ -84,6 +79,7 @@ from serve.metrics import (
     ONLINE_SCORE_TOTAL,
 )
 from serve.sidecar.control.guards import GuardResult
+from serve.state import Guards
 
 __all__ = [
     "QualityCounts",
@@ -244,40 +240,33 @@ def _counts(sums: dict[str, float], arm: str) -> QualityCounts:
                          ll_sq_sum=sums.get("ll_sq_sum", 0.0))
 
 
-@dataclass(frozen=True)
-class QualityLimits:
-    """Thresholds of the click-quality gates (defaults: ``serve.constants.QUALITY_*``,
-    as the declared state's, :class:`serve.state.Guards`).
+class QualityLimits(Guards):
+    """What judges the click-quality gates: the declared guards
+    (:class:`serve.state.Guards`, the one declaration of every limit's field, bounds and
+    default; this module reads ``max_ne_increase``, ``max_calibration_gap`` and
+    ``min_labels``) plus two statistical settings no state declares.
 
     Attributes:
-        max_ne_increase: highest acceptable lower bound of candidate NE - stable NE
-            (dimensionless; NE of a useful CTR model is ~0.6-0.9).
-        max_calibration_gap: highest acceptable lower bound of |ln cal_c| - |ln cal_s|
-            (log-ratio units; 0.1 ~ 10% further from calibrated).
-        min_labels: labels each arm needs before the gates judge; > 0 makes them blocking
-            (no promotion before they judge ok), 0 judges from ``labels_to_judge`` and
-            never blocks.
         z: the normal quantile of the one-sided confidence bounds (2.326: 99%).
         labels_to_judge_unblocking: labels per arm before non-blocking gates judge.
 
+    ``max_ne_increase`` is the highest acceptable lower bound of candidate NE - stable NE
+    (dimensionless; NE of a useful CTR model is ~0.6-0.9), ``max_calibration_gap`` that of
+    |ln cal_c| - |ln cal_s| (log-ratio units; 0.1 ~ 10% further from calibrated);
+    ``min_labels`` > 0 makes the gates blocking (no promotion before they judge ok), 0
+    judges from ``labels_to_judge_unblocking`` and never blocks.
+
     Raises:
-        ValueError: a limit that is negative or not finite, ``min_labels`` not an integer
-            >= 0, ``z`` negative, ``labels_to_judge_unblocking`` < 1.
+        pydantic.ValidationError (a ValueError naming the field): a limit outside the
+            bounds of :class:`serve.state.Guards`, ``z`` negative or not finite,
+            ``labels_to_judge_unblocking`` < 1.
     """
 
-    max_ne_increase: float = QUALITY_MAX_NE_INCREASE
-    max_calibration_gap: float = QUALITY_MAX_CALIBRATION_GAP
-    min_labels: int = QUALITY_MIN_LABELS
-    z: float = QUALITY_Z
-    labels_to_judge_unblocking: int = QUALITY_MIN_LABELS_TO_JUDGE
-
-    def __post_init__(self) -> None:
-        for name in ("max_ne_increase", "max_calibration_gap", "z"):
-            nonneg_number(name, getattr(self, name), error=ValueError)
-        int_at_least("min_labels", self.min_labels, 0, then=" (labels per arm)",
-                     error=ValueError)
-        int_at_least("labels_to_judge_unblocking", self.labels_to_judge_unblocking, 1,
-                     then=" (labels per arm)", error=ValueError)
+    z: float = Field(default=QUALITY_Z, ge=0, allow_inf_nan=False,
+                     description="Normal quantile of the one-sided bounds.")
+    labels_to_judge_unblocking: int = Field(
+        default=QUALITY_MIN_LABELS_TO_JUDGE, ge=1,
+        description="Labels per arm before non-blocking gates judge.")
 
     @property
     def blocking(self) -> bool:

@@ -34,7 +34,9 @@ event loop while the pass evaluated it on a thread.
 
 The parts: :mod:`~serve.sidecar.control.state_file` (the file),
 :mod:`~serve.sidecar.control.assessment` (desired vs observed, pure),
-:mod:`~serve.sidecar.control.switching` (the switch, clean-up and back-off).
+:mod:`~serve.sidecar.control.switch_runner` (the pass's actions: the switch, clean-up and
+back-off), :mod:`~serve.sidecar.control.rollout_stepper` (the pass's calls into the
+rollout controller) and :class:`PassLog` (the passes' record, and waiting for one).
 
 Status is data: :meth:`Reconciler.status` is GET /state; ``dlrm_state_converged``,
 ``dlrm_reconcile_total{result}`` and ``dlrm_switch_phase`` mirror it.
@@ -55,24 +57,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve.errors import ConfigError, Conflict, InsufficientMemory, ServeError, UpstreamUnavailable
+from serve.errors import ConfigError, Conflict, ServeError, UpstreamUnavailable
 from serve.metrics import SidecarMetrics
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.assessment import Assessment, assess, observed_state
+from serve.sidecar.control.assessment import Action, Assessment, assess, observed_state
 from serve.sidecar.control.fleet import Fleet
 from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
+from serve.sidecar.control.rollout_stepper import RolloutStepper
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch
-from serve.sidecar.control.switching import SwitchRunner
+from serve.sidecar.control.switch_runner import SwitchRunner
 from serve.sidecar.control.views import FleetStatus, RolloutStatus, StateStatus, SwitchRecord
 from serve.state import Batching, DesiredState, dump_state
 from serve.store.repository import ModelRepository
 
-__all__ = ["Assessment", "PassResult", "ReconcileResult", "Reconciler", "SwitchFailed", "assess",
-           "observed_state"]
+__all__ = ["Assessment", "PassLog", "PassResult", "ReconcileResult", "Reconciler", "SwitchFailed",
+           "assess", "observed_state"]
 
 _log = logging.getLogger(__name__)
 
@@ -99,6 +102,72 @@ class SwitchFailed(Exception):
     def __init__(self, error: ServeError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class PassLog:
+    """The reconcile passes' record: how many began (``seq``), the last one's result
+    (``last``), and waiting for a later one (a writer waits for its change to serve).
+
+    Args:
+        file: the desired-state file (a wait ends when someone else rewrote it).
+        clock: monotonic seconds (the wait's deadline).
+    """
+
+    def __init__(self, file: DesiredStateFile, clock: Callable[[], float]) -> None:
+        self.file = file
+        self.clock = clock
+        self.seq = 0
+        self.last: PassResult | None = None
+        self._passed = asyncio.Event()
+
+    def begin(self) -> int:
+        """A pass begins: its number."""
+        self.seq += 1
+        return self.seq
+
+    def finish(self, p: PassResult) -> None:
+        """A pass ended with ``p``: wake those waiting."""
+        self.last = p
+        passed, self._passed = self._passed, asyncio.Event()
+        passed.set()
+
+    async def wait_serving(self, after: int, digest: str, timeout_s: float) -> PassResult:
+        """Until a pass begun after pass ``after`` that read the content ``digest`` finds
+        its target serving (converged, or serving with an old version that would not
+        drain).
+
+        Raises:
+            SwitchFailed: the switch to it failed (rolled back).
+            Conflict: the file was changed by someone else meanwhile.
+            UpstreamUnavailable: TorchServe did not answer, or not converged within
+                ``timeout_s``.
+        """
+        deadline = self.clock() + timeout_s
+        while True:
+            p = self.last
+            if p is not None and p.seq > after:
+                if p.desired_hash != digest and self.file.digest() != digest:
+                    raise Conflict(
+                        f"the desired state in {self.file.path} was changed by another writer "
+                        "while this change was being applied; GET /state shows the target now")
+                if p.desired_hash == digest and p.switch_error is not None:
+                    raise SwitchFailed(p.switch_error)
+                if p.desired_hash == digest and p.result is ReconcileResult.UNAVAILABLE:
+                    raise UpstreamUnavailable(
+                        f"{p.reason}; the change stays declared in {self.file.path} and is "
+                        f"applied once TorchServe answers (GET /state)")
+                if p.desired_hash == digest and (p.converged or (p.serving and p.cleanup_error)):
+                    return p
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                why = p.reason if p is not None else "no reconcile pass finished"
+                raise UpstreamUnavailable(
+                    f"TorchServe did not converge to the new desired state within "
+                    f"{timeout_s:.0f} s ({why}); it stays declared in {self.file.path} and the "
+                    f"reconciler keeps going: GET /state shows its progress")
+            passed = self._passed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(passed.wait(), remaining)
 
 
 class Reconciler:
@@ -154,14 +223,14 @@ class Reconciler:
         self.desired: DesiredState | None = None
         self.file_error: str | None = None
         self.last_error: str | None = None
-        self.last_pass: PassResult | None = None
+        self.passes = PassLog(self.file, clock)
         self._hash: str | None = None
-        self._seq = 0
         self._wake = asyncio.Event()
-        self._passed = asyncio.Event()
         self._pass_lock = asyncio.Lock()
         self.paused: str | None = None
-        # The batching tuner's choice (serve.sidecar.control.tuning); None: the declared
+        self.stepper = None if rollouts is None else RolloutStepper(
+            rollouts, self.file, desired=lambda: self.desired, wake=self.wake, fleet=fleet)
+        # The batching tuner's choice (serve.sidecar.control.tuner_loop); None: the declared
         # batching. Set by the tuner's loop, which then wakes the reconciler.
         self.batching_override: Batching | None = None
 
@@ -178,6 +247,11 @@ class Reconciler:
     def path(self) -> Path:
         """The desired-state file."""
         return self.file.path
+
+    @property
+    def last_pass(self) -> PassResult | None:
+        """The last pass's result (None before the first ended)."""
+        return self.passes.last
 
     @property
     def last_switch(self) -> SwitchRecord | None:
@@ -225,7 +299,7 @@ class Reconciler:
         self._declare(desired, written)
         self.runner.reset_retry()  # asked again: retry a failed target at once
         self.wake()
-        return self._seq, written
+        return self.passes.seq, written
 
     def _declare(self, desired: DesiredState, written: str) -> None:
         """The write path's update of the snapshot: what was written is what the next
@@ -248,16 +322,15 @@ class Reconciler:
 
     async def tick(self) -> PassResult:
         """One pass: read, observe, decide, act; see the module docstring."""
-        self._seq += 1
-        seq = self._seq
+        seq = self.passes.begin()
         read_hash = self._read_desired()
         declared = self.desired
-        if self.rollouts is not None:
-            await self._declare_rollout(declared)
+        if self.stepper is not None:
+            await self.stepper.declare(declared)
         desired = self.effective()
         target = desired.serving_version() if desired else None
         try:
-            result, switch_error, cleanup_error, observed = await self._act(desired)
+            result, switch_error, cleanup_error, observed = await self.runner.act(desired)
             if observed is None:  # something changed: look again
                 observed = await observe(self.ts)
         except UpstreamUnavailable as e:
@@ -270,8 +343,8 @@ class Reconciler:
             result = ReconcileResult.INVALID
         error = (switch_error.message if switch_error else cleanup_error) or self.file_error
         converged = a.converged and self.file_error is None
-        if converged:
-            await self._rollout_step(declared, a.target)
+        if converged and self.stepper is not None:
+            await self.stepper.step(declared, a.target)
         return self._finish(PassResult(
             seq, read_hash, target, result, converged, a.serving,
             self._reason(a), switch_error, cleanup_error), error)
@@ -289,136 +362,20 @@ class Reconciler:
             desired = desired.model_copy(update={"batching": override})
         return desired
 
-    async def _declare_rollout(self, declared: DesiredState | None) -> None:
-        """The one place a rollout is declared. With a fleet: renew the lease, and adopt
-        the decision recorded for the declared rollout (a pod started after it was
-        decided is born decided: the store is read before anything is served)."""
-        ctl, fleet = self.rollouts, self.fleet
-        if ctl is None:
-            return
-        if fleet is None:
-            ctl.declare(declared)
-            return
-        await asyncio.to_thread(fleet.elect)  # never raises: an unreachable lease follows
-        try:
-            await asyncio.to_thread(ctl.declare, declared)
-            await asyncio.to_thread(ctl.sync_decision)
-        except Exception as e:  # noqa: BLE001 - an unreachable store: retry next pass
-            _log.warning("reading the fleet's rollout decision failed (%s); a new rollout's "
-                         "candidate is held back until it answers; retrying next pass", e)
-
-    def _judged(self) -> str | None:
-        fleet = self.fleet
-        if fleet is None or not fleet.leading or fleet.families is None:
-            return None
-        return fleet.families.describe()
-
-    async def _rollout_step(self, desired: DesiredState | None, serving: str | None) -> None:
-        """After a pass that converged on ``desired``: start the bake once the two-arm
-        registration serves, evaluate the guards when due, write an outcome into the
-        file."""
-        ctl = self.rollouts
-        if ctl is None or desired is None:
-            return
-        ctl.on_serving(desired, serving)
-        transition = None
-        if self.fleet is None or self.fleet.leading:  # one judge per fleet
-            try:
-                transition = await asyncio.to_thread(ctl.tick)
-            except Exception:  # noqa: BLE001 - a metrics read must not stop reconciling
-                _log.exception("evaluating the rollout's guards failed; retrying next period")
-        if self.fleet is not None:
-            try:
-                adopted = await asyncio.to_thread(ctl.sync_decision, self._judged())
-            except Exception:  # noqa: BLE001 - an unreachable store: retry next pass
-                _log.exception("recording the rollout's decision failed; retrying next pass")
-                adopted = None
-            transition = transition or adopted
-        if transition in ("promoted", "rolled_back"):
-            self.wake()
-        self.settle_rollout()
-
-    def settle_rollout(self) -> None:
-        """Write a rollout's outcome into the desired-state file where it is writable
-        (promoted: the candidate is the model version; both: ``rollout: null``), so a
-        restart keeps it; where read-only, the outcome holds in memory (GET /state)."""
-        ctl, desired, fleet = self.rollouts, self.desired, self.fleet
-        if ctl is None or desired is None:
-            return
-        if fleet is not None and not fleet.leading:
-            return  # the leader settles; this pod serves the adopted decision meanwhile
-        settled = ctl.settled_state(desired)
-        if settled is None:
-            return
-        ctl.mark_settled()
-        if self.file.write_outcome(settled):
-            self.wake()
-        elif fleet is not None and fleet.publish_state is not None:
-            try:  # read-only here (a ConfigMap mount): settle the declared state itself
-                fleet.publish_state(dump_state(settled))
-            except Exception:  # noqa: BLE001 - the decision holds in the store anyway
-                _log.exception("publishing the settled desired state failed")
-
     def end_rollout(self, promote: bool, reason: str) -> RolloutStatus:
         """Promote or roll back the baking rollout by hand (POST
-        /state/rollout/promote|rollback): the outcome is written into the file where it
-        is writable and the reconciler is woken to serve it. Returns its status.
+        /state/rollout/promote|rollback): :meth:`RolloutStepper.end`.
 
         Raises:
             Conflict: no rollout controller, or no rollout is baking.
         """
-        ctl = self.rollouts
-        if ctl is None:
+        if self.stepper is None:
             action = "promote" if promote else "rollback"
             raise Conflict(f"POST /state/rollout/{action}: this sidecar runs no rollout "
                            "controller")
-        if promote:
-            ctl.promote(reason)
-        else:
-            ctl.rollback(reason)
-        if self.fleet is not None:  # first writer wins: the store's decision is adopted
-            ctl.sync_decision(f"by POST on {self.fleet.identity}")
-        self.settle_rollout()
-        self.wake()
-        status = ctl.status()
-        if status is None:  # pragma: no cover - promote()/rollback() raised without a run
-            raise Conflict("no rollout")
-        return status
-
-    async def _act(self, desired: DesiredState | None
-                   ) -> tuple[ReconcileResult, ServeError | None, str | None, Observed | None]:
-        """(result, switch error, clean-up error, what TorchServe serves now or None when
-        an action may have changed it) of this pass's actions toward ``desired`` (the
-        effective desired state)."""
-        observed = await observe(self.ts)
-        a = assess(desired, observed)
-        acted = False
-        runner = self.runner
-        if a.action == "switch" and desired is not None:
-            if runner.retry_wait() > 0:
-                return ReconcileResult.WAITING, None, None, observed
-            error = await runner.run(desired, observed)
-            if error is not None:
-                result = (ReconcileResult.REFUSED if isinstance(error, InsufficientMemory)
-                          else ReconcileResult.FAILED)
-                return result, error, None, None
-            acted = True
-            observed = await observe(self.ts)
-            a = assess(desired, observed)
-        if a.action == "cleanup" and a.target is not None:
-            cleanup_error = await runner.cleanup(observed, a.target)
-            runner.close_record(cleanup_error)
-            if cleanup_error is not None:
-                return ReconcileResult.FAILED, None, cleanup_error, None
-            acted = True
-        if acted:
-            runner.close_record(None)
-            self.switch.idle()
-            return ReconcileResult.APPLIED, None, None, None
-        return (ReconcileResult.CONVERGED if a.converged else ReconcileResult.WAITING), None, None, observed
+        return self.stepper.end(promote, reason)
 
     def _finish(self, p: PassResult, error: str | None) -> PassResult:
-        self.last_pass = p
         if error is not None:
             self.last_error = error
         elif p.converged:
@@ -426,8 +383,7 @@ class Reconciler:
         if self.metrics is not None:
             self.metrics.observe_reconcile(p.result)
             self.metrics.set_converged(p.converged if self.desired is not None else None)
-        passed, self._passed = self._passed, asyncio.Event()
-        passed.set()
+        self.passes.finish(p)
         return p
 
     def _reason(self, a: Assessment) -> str | None:
@@ -438,7 +394,7 @@ class Reconciler:
             parts.append(f"the desired-state file is not usable ({self.file_error}); {keep}")
         if not a.converged and self.desired is not None and a.reason:
             parts.append(a.reason)
-        if a.action == "switch" and self.runner.failures:
+        if a.action is Action.SWITCH and self.runner.failures:
             wait = self.runner.retry_wait()
             parts.append(f"the last switch failed ({self.runner.failed_error}); "
                          + (f"retrying in {wait:.0f} s" if wait > 0 else "retrying now"))
@@ -470,44 +426,6 @@ class Reconciler:
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval_s)
             self._wake.clear()
 
-    async def wait_serving(self, after: int, digest: str, timeout_s: float) -> PassResult:
-        """Until a pass begun after pass ``after`` that read the content ``digest`` finds
-        its target serving (converged, or serving with an old version that would not
-        drain).
-
-        Raises:
-            SwitchFailed: the switch to it failed (rolled back).
-            Conflict: the file was changed by someone else meanwhile.
-            UpstreamUnavailable: TorchServe did not answer, or not converged within
-                ``timeout_s``.
-        """
-        deadline = self.clock() + timeout_s
-        while True:
-            p = self.last_pass
-            if p is not None and p.seq > after:
-                if p.desired_hash != digest and self.file.digest() != digest:
-                    raise Conflict(
-                        f"the desired state in {self.path} was changed by another writer "
-                        "while this change was being applied; GET /state shows the target now")
-                if p.desired_hash == digest and p.switch_error is not None:
-                    raise SwitchFailed(p.switch_error)
-                if p.desired_hash == digest and p.result == "unavailable":
-                    raise UpstreamUnavailable(
-                        f"{p.reason}; the change stays declared in {self.path} and is "
-                        f"applied once TorchServe answers (GET /state)")
-                if p.desired_hash == digest and (p.converged or (p.serving and p.cleanup_error)):
-                    return p
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                why = p.reason if p is not None else "no reconcile pass finished"
-                raise UpstreamUnavailable(
-                    f"TorchServe did not converge to the new desired state within "
-                    f"{timeout_s:.0f} s ({why}); it stays declared in {self.path} and the "
-                    f"reconciler keeps going: GET /state shows its progress")
-            passed = self._passed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(passed.wait(), remaining)
-
     # ------------------------------------------------------------------ GET /state
 
     async def status(self) -> StateStatus:
@@ -522,7 +440,7 @@ class Reconciler:
         a = assess(self.effective(), observed)
         versions = await asyncio.to_thread(self.repository.versions)
         reason = f"TorchServe did not answer: {down}" if down else self._reason(a)
-        if self._seq == 0 and reason is None:
+        if self.passes.seq == 0 and reason is None:
             reason = ("the reconciler has not read the desired-state file yet (its first "
                       "pass is starting)")
         if self.paused is not None:

@@ -51,7 +51,7 @@ Example::
     ctl.declare(desired)                     # the reconciler's pass, after reading the file
     effective = ctl.effective(desired)       # what the reconciler converges to (pure)
     ctl.on_serving(desired, effective.serving_version())  # a pass found it serving
-    transition = ctl.tick()                  # "stepped", "promoted", "rolled_back" or None
+    transition = ctl.tick()                  # a Transition (stepped, promoted, rolled_back) or None
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 
 from prometheus_client.metrics_core import Metric
@@ -88,14 +89,24 @@ from serve.sidecar.control.views import GuardStatus, RolloutStatus
 from serve.state import DesiredState, ModelRef, Rollout
 from serve.store.routing import write_control
 
-__all__ = ["IMMEDIATE_GUARDS", "RolloutController", "RolloutPhase", "RolloutRun", "limits_of",
-           "quality_limits_of", "rollout_key"]
+__all__ = ["IMMEDIATE_GUARDS", "RolloutController", "RolloutPhase", "RolloutRun", "Transition",
+           "limits_of", "mirror", "quality_limits_of", "rollout_key"]
 
 _log = logging.getLogger(__name__)
 
 #: Guards whose first breach rolls back (not ``failure_limit`` in a row): failed requests
 #: reach users, and ``error_ratio`` judges a Wilson lower bound, evidence already.
 IMMEDIATE_GUARDS: frozenset[str] = frozenset({"error_ratio"})
+
+
+class Transition(StrEnum):
+    """What a guard period (:meth:`RolloutController.tick`) or the fleet's decision did to
+    a baking run: ``stepped`` to its next weight, ``promoted``, ``rolled_back`` (the last
+    two are also :class:`RolloutPhase` values)."""
+
+    STEPPED = "stepped"
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
 
 
 def rollout_key(stable: str, spec: Rollout) -> str:
@@ -105,19 +116,13 @@ def rollout_key(stable: str, spec: Rollout) -> str:
 
 
 def limits_of(spec: Rollout) -> GuardLimits:
-    """The guard limits of a rollout spec."""
-    g = spec.guards
-    return GuardLimits(max_error_ratio=g.max_error_ratio,
-                       max_latency_ratio=g.max_latency_ratio,
-                       max_score_psi=g.max_score_psi, min_requests=g.min_requests,
-                       min_instances=g.min_instances, min_forwards=g.min_forwards)
+    """The guard limits of a rollout spec: its declared guards, at the default confidence."""
+    return GuardLimits(**spec.guards.model_dump())
 
 
 def quality_limits_of(spec: Rollout) -> QualityLimits:
-    """The click-quality gates' limits of a rollout spec."""
-    g = spec.guards
-    return QualityLimits(max_ne_increase=g.max_ne_increase,
-                         max_calibration_gap=g.max_calibration_gap, min_labels=g.min_labels)
+    """The click-quality gates' limits of a rollout spec: its declared guards."""
+    return QualityLimits(**spec.guards.model_dump())
 
 
 def _iso(wall: float | None) -> str | None:
@@ -158,6 +163,114 @@ class RolloutRun:
         if self.phase is RolloutPhase.ROLLED_BACK or self.serving_version is None:
             return 0.0
         return self.spec.weights()[self.step]
+
+    def applied_to(self, desired: DesiredState) -> DesiredState:
+        """``desired`` (which declares this run) with the run's outcome applied: the
+        stable version alone when rolled back (and while the fleet's store has not
+        answered), the candidate alone when promoted; as it is while baking."""
+        if not self.checked or self.phase is RolloutPhase.ROLLED_BACK:
+            return desired.model_copy(update={"rollout": None})
+        if self.phase is RolloutPhase.BAKING:
+            return desired
+        return desired.model_copy(update={"rollout": None,
+                                          "model": ModelRef(version=self.spec.candidate)})
+
+    def status(self, now: float) -> RolloutStatus:
+        """``rollout`` of GET /state at monotonic time ``now``."""
+        elapsed = None if self.step_started is None else round(now - self.step_started, 3)
+        ago = None if self.last_eval is None or not self.evaluations else round(
+            now - self.last_eval, 3)
+        reason = self.reason
+        if not self.checked:
+            reason = ("the fleet's decision store did not answer: the candidate is held "
+                      "back (stable version alone) until it does")
+        elif self.phase is RolloutPhase.BAKING and self.serving_version is None \
+                and reason is None:
+            reason = "loading the candidate beside the stable version (weight 0 until it serves)"
+        return RolloutStatus(
+            phase=self.phase.value, stable=self.stable, candidate=self.spec.candidate,
+            mode=self.spec.mode, weight=self.weight, weights=self.spec.weights(),
+            step=self.step, bake_s=self.spec.bake_s, bake_elapsed_s=elapsed,
+            serving=self.serving_version is not None and self.phase is RolloutPhase.BAKING,
+            serving_version=self.serving_version,
+            guards=[GuardStatus(**g.to_json(), consecutive_breaches=self.consecutive.get(
+                g.name, 0)) for g in self.guards],
+            guard_interval_s=self.spec.guards.interval_s, evaluations=self.evaluations,
+            last_evaluated_s_ago=ago, reason=reason, started_at=_iso(self.started_wall),
+            finished_at=_iso(self.finished_wall), spec=self.spec,
+            revision=self.revision, decided_by=self.decided_by)
+
+    def decision(self, identity: str, note: str | None, now_wall: float
+                 ) -> RolloutDecision | None:
+        """This run's outcome as a decision ``identity`` records (None while it bakes);
+        ``note`` is appended to the reason; decided at ``finished_wall``, else
+        ``now_wall`` (Unix s)."""
+        if self.phase is RolloutPhase.BAKING:
+            return None
+        reason = self.reason or ""
+        if note:
+            reason = f"{reason} [{note}]" if reason else note
+        decided_at = self.finished_wall if self.finished_wall is not None else now_wall
+        return RolloutDecision.make(key=self.key, stable=self.stable,
+                                    candidate=self.spec.candidate, phase=self.phase.value,
+                                    reason=reason, decided_by=identity, decided_at=decided_at)
+
+    def adopt(self, decision: RolloutDecision) -> None:
+        """Take ``decision`` (of this run): its phase, reason, revision, who decided."""
+        phase = RolloutPhase(decision.phase)
+        if self.phase is not phase:
+            self.settled = False  # another outcome than the one written (if any)
+            _log.warning("rollout of %s: adopting the fleet's decision %s (%s by %s): %s",
+                         self.spec.candidate, decision.revision, decision.phase,
+                         decision.decided_by, decision.reason)
+        self.phase, self.reason = phase, decision.reason
+        self.revision, self.decided_by = decision.revision, decision.decided_by
+        self.finished_wall = decision.decided_at
+
+    def record(self, results: list[GuardResult], now: float) -> None:
+        """An evaluation's results: each guard's breaches in a row (an ``ok`` resets its
+        count, ``insufficient_data`` leaves it), at monotonic time ``now``."""
+        self.guards = results
+        for g in results:
+            if g.status == "breached":
+                self.consecutive[g.name] = self.consecutive.get(g.name, 0) + 1
+            elif g.status == "ok":
+                self.consecutive[g.name] = 0
+        self.last_eval = now
+        self.evaluations += 1
+
+    def judge(self, elapsed: float) -> tuple[Transition | None, str | None]:
+        """The verdict after an evaluation, ``elapsed`` seconds into the current weight,
+        and why: ``rolled_back`` on a guard breached ``failure_limit`` times in a row
+        (:data:`IMMEDIATE_GUARDS`: once); at the end of a bake with every blocking guard
+        ok, ``stepped`` to the next weight or ``promoted``; else None (baking on) and the
+        reason to show (None: nothing to say)."""
+        limit = self.spec.guards.failure_limit
+        bad = breaches(self.guards)
+        final = [g for g in bad if g.name in IMMEDIATE_GUARDS
+                 or self.consecutive.get(g.name, 0) >= limit]
+        if final:
+            return Transition.ROLLED_BACK, "guard " + "; guard ".join(
+                f"{g.name} breached{self.times(g.name)}: {g.detail}" for g in final)
+        if bad:
+            return None, "; ".join(
+                f"guard {g.name} breached {self.consecutive.get(g.name, 0)} of {limit} times "
+                f"in a row (rolls back at {limit}): {g.detail}" for g in bad)
+        if elapsed < self.spec.bake_s:
+            return None, None
+        waiting = [g for g in self.guards if g.status != "ok" and g.blocking]
+        if waiting:
+            return None, ("bake time is over but not every guard could judge yet; "
+                          "baking on: " + "; ".join(f"{g.name}: {g.detail}" for g in waiting))
+        if self.step + 1 < len(self.spec.weights()):
+            return Transition.STEPPED, None
+        return Transition.PROMOTED, (f"every guard held through {len(self.spec.weights())} "
+                                     f"weight(s) of {self.spec.bake_s:g} s each")
+
+    def times(self, name: str) -> str:
+        """`` N times in a row`` for a guard breached more than once in a row, else ""."""
+        n = self.consecutive.get(name, 0)
+        return f" {n} times in a row" if n > 1 else ""
 
 
 class RolloutController:
@@ -234,14 +347,7 @@ class RolloutController:
         if desired is None or desired.rollout is None:
             return desired
         run = self._run_for(desired)
-        if run is not None and not run.checked:
-            return desired.model_copy(update={"rollout": None})  # until the store answers
-        if run is None or run.phase is RolloutPhase.BAKING:
-            return desired
-        if run.phase is RolloutPhase.ROLLED_BACK:
-            return desired.model_copy(update={"rollout": None})
-        return desired.model_copy(update={"rollout": None,
-                                          "model": ModelRef(version=run.spec.candidate)})
+        return desired if run is None else run.applied_to(desired)
 
     def settled_state(self, desired: DesiredState) -> DesiredState | None:
         """The desired state to write once the declared rollout has an outcome (None when
@@ -330,60 +436,29 @@ class RolloutController:
         if run.quality_base is not None:
             results += evaluate_quality(quality.minus(run.quality_base),
                                         quality_limits_of(run.spec))
-        run.guards = results
-        for g in results:
-            if g.status == "breached":
-                run.consecutive[g.name] = run.consecutive.get(g.name, 0) + 1
-            elif g.status == "ok":
-                run.consecutive[g.name] = 0
-        run.last_eval = self.clock()
-        run.evaluations += 1
+        run.record(results, self.clock())
         self._mirror()
         return run.guards
 
-    def advance(self) -> str | None:
-        """After an evaluation: roll back on a guard breached ``failure_limit`` times in a
-        row (:data:`IMMEDIATE_GUARDS`: once); at the end of a bake with every guard ok, the
-        next weight or promotion. Returns the transition (``stepped``, ``promoted``,
-        ``rolled_back``) or None."""
+    def advance(self) -> Transition | None:
+        """After an evaluation, act on :meth:`RolloutRun.judge`: roll back, start the next
+        weight, promote, or bake on (its reason shown). Returns the :class:`Transition`,
+        or None."""
         run = self.run
         if run is None or run.phase is not RolloutPhase.BAKING or run.step_started is None:
             return None
-        limit = run.spec.guards.failure_limit
-        bad = breaches(run.guards)
-        final = [g for g in bad if g.name in IMMEDIATE_GUARDS
-                 or run.consecutive.get(g.name, 0) >= limit]
-        if final:
-            self.rollback("guard " + "; guard ".join(
-                f"{g.name} breached{self._times(run, g.name)}: {g.detail}" for g in final))
-            return "rolled_back"
-        if bad:
-            run.reason = "; ".join(
-                f"guard {g.name} breached {run.consecutive.get(g.name, 0)} of {limit} times "
-                f"in a row (rolls back at {limit}): {g.detail}" for g in bad)
-            return None
-        elapsed = self.clock() - run.step_started
-        if elapsed < run.spec.bake_s:
-            run.reason = None
-            return None
-        waiting = [g for g in run.guards if g.status != "ok" and g.blocking]
-        if waiting:
-            run.reason = ("bake time is over but not every guard could judge yet; "
-                          "baking on: " + "; ".join(f"{g.name}: {g.detail}" for g in waiting))
-            return None
-        if run.step + 1 < len(run.spec.weights()):
+        transition, reason = run.judge(self.clock() - run.step_started)
+        if transition is Transition.ROLLED_BACK:
+            self.rollback(reason or "")
+        elif transition is Transition.STEPPED:
             self._start_step(run, run.step + 1)
-            return "stepped"
-        self.promote(f"every guard held through {len(run.spec.weights())} weight(s) of "
-                     f"{run.spec.bake_s:g} s each")
-        return "promoted"
+        elif transition is Transition.PROMOTED:
+            self.promote(reason or "")
+        else:
+            run.reason = reason
+        return transition
 
-    @staticmethod
-    def _times(run: RolloutRun, name: str) -> str:
-        n = run.consecutive.get(name, 0)
-        return f" {n} times in a row" if n > 1 else ""
-
-    def tick(self) -> str | None:
+    def tick(self) -> Transition | None:
         """One guard period: evaluate and advance when due (the reconciler calls it every
         pass). Returns the transition, if any."""
         if not self.due():
@@ -435,16 +510,9 @@ class RolloutController:
     def decision_of(self, note: str | None = None) -> RolloutDecision | None:
         """The current run's outcome as a decision to record (None while it bakes);
         ``note`` is appended to the reason (e.g. the pods judged)."""
-        run = self.run
-        if run is None or run.phase is RolloutPhase.BAKING:
+        if self.run is None:
             return None
-        reason = run.reason or ""
-        if note:
-            reason = f"{reason} [{note}]" if reason else note
-        decided_at = run.finished_wall if run.finished_wall is not None else self.wall_clock()
-        return RolloutDecision.make(key=run.key, stable=run.stable, candidate=run.spec.candidate,
-                                    phase=run.phase.value, reason=reason,
-                                    decided_by=self.identity, decided_at=decided_at)
+        return self.run.decision(self.identity, note, self.wall_clock())
 
     def adopt(self, decision: RolloutDecision) -> bool:
         """Take the fleet's recorded ``decision`` for the current run (its phase, reason,
@@ -454,25 +522,18 @@ class RolloutController:
         run = self.run
         if run is None or run.key != decision.key or run.revision == decision.revision:
             return False
-        phase = RolloutPhase(decision.phase)
-        if phase is RolloutPhase.ROLLED_BACK and run.serving_version is not None:
+        if decision.phase == RolloutPhase.ROLLED_BACK and run.serving_version is not None:
             self._write_weight(run, 0.0)
-        if run.phase is not phase:
-            run.settled = False  # another outcome than the one written (if any)
-            _log.warning("rollout of %s: adopting the fleet's decision %s (%s by %s): %s",
-                         run.spec.candidate, decision.revision, decision.phase,
-                         decision.decided_by, decision.reason)
-        run.phase, run.reason = phase, decision.reason
-        run.revision, run.decided_by = decision.revision, decision.decided_by
-        run.finished_wall = decision.decided_at
+        run.adopt(decision)
         self._mirror()
         return True
 
-    def sync_decision(self, note: str | None = None) -> str | None:
+    def sync_decision(self, note: str | None = None) -> Transition | None:
         """Record the current run's outcome in the store (first writer wins), then adopt
         what the store holds for it (every reconcile pass, and after a POST). Without a
         store the outcome is stamped as this controller's own. Returns the phase adopted
-        now when the run's phase changed (another pod decided), else None."""
+        now, as a :class:`Transition`, when the run's phase changed (another pod
+        decided), else None."""
         run = self.run
         if run is None:
             return None
@@ -492,7 +553,7 @@ class RolloutController:
                 recorded = self.decisions.record(own)
         before = run.phase
         if recorded is not None and self.adopt(recorded) and run.phase is not before:
-            return recorded.phase
+            return Transition(recorded.phase)
         return None
 
     def mark_settled(self) -> None:
@@ -504,47 +565,23 @@ class RolloutController:
 
     def status(self) -> RolloutStatus | None:
         """``rollout`` of GET /state: the current or last rollout; None if there was none."""
-        run = self.run
-        if run is None:
-            return None
-        now = self.clock()
-        elapsed = None if run.step_started is None else round(now - run.step_started, 3)
-        ago = None if run.last_eval is None or not run.evaluations else round(
-            now - run.last_eval, 3)
-        reason = run.reason
-        if not run.checked:
-            reason = ("the fleet's decision store did not answer: the candidate is held "
-                      "back (stable version alone) until it does")
-        elif run.phase is RolloutPhase.BAKING and run.serving_version is None and reason is None:
-            reason = "loading the candidate beside the stable version (weight 0 until it serves)"
-        return RolloutStatus(
-            phase=run.phase.value, stable=run.stable, candidate=run.spec.candidate,
-            mode=run.spec.mode, weight=run.weight, weights=run.spec.weights(), step=run.step,
-            bake_s=run.spec.bake_s, bake_elapsed_s=elapsed,
-            serving=run.serving_version is not None and run.phase is RolloutPhase.BAKING,
-            serving_version=run.serving_version,
-            guards=[GuardStatus(**g.to_json(), consecutive_breaches=run.consecutive.get(
-                g.name, 0)) for g in run.guards],
-            guard_interval_s=run.spec.guards.interval_s, evaluations=run.evaluations,
-            last_evaluated_s_ago=ago, reason=reason, started_at=_iso(run.started_wall),
-            finished_at=_iso(run.finished_wall), spec=run.spec,
-            revision=run.revision, decided_by=run.decided_by)
+        return None if self.run is None else self.run.status(self.clock())
 
     def _mirror(self) -> None:
-        if self.metrics is None:
-            return
-        run = self.run
-        if run is None:
-            self.metrics.set_rollout("none", 0.0, [])
-            return
-        limits = limits_of(run.spec)
-        quality = quality_limits_of(run.spec)
-        thresholds = {"error_ratio": limits.max_error_ratio,
-                      "latency_ratio": limits.max_latency_ratio,
-                      "score_psi": limits.max_score_psi,
-                      "ne_increase": quality.max_ne_increase,
-                      "calibration_gap": quality.max_calibration_gap}
-        values = {g.name: g.value for g in run.guards}
-        self.metrics.set_rollout(run.phase.value, run.weight,
-                                 [(name, values.get(name), thresholds[name])
-                                  for name in thresholds])
+        if self.metrics is not None:
+            mirror(self.metrics, self.run)
+
+
+def mirror(metrics: SidecarMetrics, run: RolloutRun | None) -> None:
+    """Mirror ``run`` in the rollout gauges: its phase and weight, and each guard's value
+    (None before it judged) and threshold (the spec's); ``none`` without a run."""
+    if run is None:
+        metrics.set_rollout("none", 0.0, [])
+        return
+    g = run.spec.guards
+    thresholds = {"error_ratio": g.max_error_ratio, "latency_ratio": g.max_latency_ratio,
+                  "score_psi": g.max_score_psi, "ne_increase": g.max_ne_increase,
+                  "calibration_gap": g.max_calibration_gap}
+    values = {r.name: r.value for r in run.guards}
+    metrics.set_rollout(run.phase.value, run.weight,
+                        [(name, values.get(name), thresholds[name]) for name in thresholds])

@@ -41,8 +41,8 @@ old one stays registered (no queued request is failed) until a later pass retrie
 
 :attr:`VersionSwitch.phase` is the current step (a :class:`SwitchPhase`), mirrored by the
 ``dlrm_switch_phase`` gauge, GET /state and GET /batching; :attr:`VersionSwitch.last_error`
-says why the last switch failed. :attr:`VersionSwitch.tracker` holds the memory peak of
-the running switch. One switch at a time: only the reconciler calls it.
+says why the last switch failed. :attr:`VersionSwitch.memory` (a :class:`MemoryWatch`)
+holds the live workers and the memory peak of the running switch. One switch at a time: only the reconciler calls it.
 
 Example::
 
@@ -57,7 +57,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,11 +81,11 @@ from serve.sidecar.adapters.torchserve import (
 )
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.phases import SwitchPhase
-from serve.state import DesiredState
+from serve.state import DesiredState, RolloutMode
 from serve.store.repository import ModelRepository
 from serve.store.routing import write_control
 
-__all__ = ["SwitchPhase", "SwitchPlan", "VersionSwitch"]
+__all__ = ["MemoryWatch", "SwitchPhase", "SwitchPlan", "VersionSwitch", "plan_switch"]
 
 _log = logging.getLogger(__name__)
 
@@ -110,11 +110,107 @@ class SwitchPlan:
     dst: Path
     old: Registered | None = None
     candidate: CandidateArchive | None = None
-    mode: str = "canary"
+    mode: RolloutMode = RolloutMode.CANARY
 
 
 def _error_text(e: BaseException) -> str:
     return e.message if isinstance(e, ServeError) else repr(e)
+
+
+def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepository, *,
+                store: Path, model: str) -> SwitchPlan | None:
+    """The switch to ``desired``'s serving version of ``model`` (archives in the model
+    ``store``); None when it is the default with all its workers READY.
+
+    Raises:
+        ConfigError: the model version is not in ``repository`` (names the ones there).
+    """
+    target = desired.serving_version()
+    current = observed.get(target)
+    if observed.default == target and current is not None \
+            and current.ready >= desired.workers:
+        return None
+    new = BatchingState(batch_size=desired.batching.batch_size,
+                        max_batch_delay_ms=desired.batching.max_batch_delay_ms,
+                        workers=desired.workers, model_version=target)
+    if current is not None:  # registered already (e.g. a pass that stopped half-way)
+        url = current.url or mar_path(store, model, target).name
+        dst = Path(url) if os.path.isabs(url) else store / url
+        return SwitchPlan(new=new, src=None, dst=dst, old=observed.serving)
+    src = repository.archive(desired.model.version)
+    candidate = None
+    if desired.rollout is not None:
+        candidate = CandidateArchive(
+            version=desired.rollout.candidate,
+            src=repository.archive(desired.rollout.candidate),
+            control_file=control_path(store, model, target))
+    return SwitchPlan(new=new, src=src, dst=mar_path(store, model, target),
+                      old=observed.serving, candidate=candidate,
+                      mode=(RolloutMode(desired.rollout.mode) if desired.rollout
+                            else RolloutMode.CANARY))
+
+
+class MemoryWatch:
+    """Memory while a switch runs: the live workers' pids (every registered version's),
+    the memory TorchServe reports for them (bytes by pid), the peak over the switch, and
+    the check that the new version's workers fit.
+
+    Args:
+        probe: the memory limit, usage and RSS; None: no check, no peak.
+    """
+
+    def __init__(self, probe: MemoryProbe | None) -> None:
+        self.probe = probe
+        self.tracker = PeakTracker(probe) if probe is not None else None
+        self.live_pids: set[int] = set()
+        self.reported: dict[int, int] = {}
+
+    def watch(self, observed: Observed) -> None:
+        """Sample from now on over the workers of every version in ``observed``."""
+        self.live_pids = set(observed.pids())
+        self.reported = {p: m for r in observed.versions for p, m in r.memory_by_pid}
+        self.sample()
+
+    def add(self, registered: Registered) -> None:
+        """Sample a (new) version's workers too, then sample."""
+        self.live_pids.update(registered.pids)
+        self.reported.update(registered.memory_by_pid)
+        self.sample()
+
+    def forget(self, pids: Iterable[int]) -> None:
+        """Workers that are gone (their version unregistered), then sample."""
+        self.live_pids.difference_update(pids)
+        self.sample()
+
+    def sample(self) -> None:
+        """One memory sample over the live workers (cheap: /proc reads)."""
+        if self.tracker is not None:
+            self.tracker.sample(sorted(self.live_pids), self.reported)
+
+    async def check(self, plan: SwitchPlan, observed: Observed,
+                    headroom: float) -> MemoryCheck | None:
+        """Refuse a switch whose new workers would not fit beside the ones running
+        (:func:`~serve.sidecar.adapters.memory.check_fits`, within ``headroom`` of the
+        limit).
+
+        Returns the numbers (None without a memory limit, or when the target is
+        registered already: nothing new loads).
+
+        Raises:
+            InsufficientMemory: with the numbers and what to do.
+        """
+        if self.probe is None or plan.src is None:
+            return None
+        old = plan.old
+        per_worker = self.probe.worker_bytes(old.pids, self.reported) if old else []
+        def archives_size() -> int:
+            paths = [plan.src] + ([plan.candidate.src] if plan.candidate else [])
+            return sum(p.stat().st_size for p in paths if p is not None)
+
+        size = await asyncio.to_thread(archives_size)
+        return check_fits(self.probe, target=plan.new.model_version, pids=observed.pids(),
+                          per_worker=per_worker, archive_bytes=size, workers=plan.new.workers,
+                          headroom=headroom, reported=self.reported)
 
 
 class VersionSwitch:
@@ -147,14 +243,11 @@ class VersionSwitch:
         self.sleep = sleep
         self.on_phase = on_phase
         self.forget_workers = forget_workers
-        self.memory = memory
-        self.tracker = PeakTracker(memory) if memory is not None else None
+        self.memory = MemoryWatch(memory)
         self.poll_interval_s = poll_interval_s
         self.drain_interval_s = drain_interval_s
         self.phase = SwitchPhase.IDLE
         self.last_error: str | None = None
-        self.live_pids: set[int] = set()
-        self._reported: dict[int, int] = {}
 
     def _enter(self, phase: SwitchPhase) -> None:
         self.phase = phase
@@ -169,72 +262,22 @@ class VersionSwitch:
     def _model(self) -> str:
         return self.config.model_name
 
-    def watch(self, observed: Observed) -> None:
-        """Sample memory from now on over the workers of every version in ``observed``."""
-        self.live_pids = set(observed.pids())
-        self._reported = {p: m for r in observed.versions for p, m in r.memory_by_pid}
-        self.sample()
-
-    def sample(self) -> None:
-        """One memory sample over the live workers (cheap: /proc reads)."""
-        if self.tracker is not None:
-            self.tracker.sample(sorted(self.live_pids), self._reported)
-
     # ------------------------------------------------------------------ the steps
 
     def plan(self, observed: Observed, desired: DesiredState,
              repository: ModelRepository) -> SwitchPlan | None:
-        """The switch to ``desired``'s serving version; None when it is the default with
-        all its workers READY.
-
-        Raises:
-            ConfigError: the model version is not in ``repository`` (names the ones there).
-        """
-        target = desired.serving_version()
-        current = observed.get(target)
-        if observed.default == target and current is not None \
-                and current.ready >= desired.workers:
-            return None
-        new = BatchingState(batch_size=desired.batching.batch_size,
-                            max_batch_delay_ms=desired.batching.max_batch_delay_ms,
-                            workers=desired.workers, model_version=target)
-        store = self.config.model_store
-        if current is not None:  # registered already (e.g. a pass that stopped half-way)
-            url = current.url or mar_path(store, self._model, target).name
-            dst = Path(url) if os.path.isabs(url) else store / url
-            return SwitchPlan(new=new, src=None, dst=dst, old=observed.serving)
-        src = repository.archive(desired.model.version)
-        candidate = None
-        if desired.rollout is not None:
-            candidate = CandidateArchive(
-                version=desired.rollout.candidate,
-                src=repository.archive(desired.rollout.candidate),
-                control_file=control_path(store, self._model, target))
-        return SwitchPlan(new=new, src=src, dst=mar_path(store, self._model, target),
-                          old=observed.serving, candidate=candidate,
-                          mode=desired.rollout.mode if desired.rollout else "canary")
+        """:func:`plan_switch` for this switch's model and store."""
+        return plan_switch(observed, desired, repository, store=self.config.model_store,
+                           model=self._model)
 
     async def check_memory(self, plan: SwitchPlan, observed: Observed) -> MemoryCheck | None:
-        """Refuse a switch whose new workers would not fit beside the ones running.
-
-        Returns the numbers (None without a memory limit, or when the target is
-        registered already: nothing new loads).
+        """Refuse a switch whose new workers would not fit beside the ones running
+        (:meth:`MemoryWatch.check`, with ``memory_headroom``).
 
         Raises:
             InsufficientMemory: with the numbers and what to do.
         """
-        if self.memory is None or plan.src is None:
-            return None
-        old = plan.old
-        per_worker = self.memory.worker_bytes(old.pids, self._reported) if old else []
-        def archives_size() -> int:
-            paths = [plan.src] + ([plan.candidate.src] if plan.candidate else [])
-            return sum(p.stat().st_size for p in paths if p is not None)
-
-        size = await asyncio.to_thread(archives_size)
-        return check_fits(self.memory, target=plan.new.model_version, pids=observed.pids(),
-                          per_worker=per_worker, archive_bytes=size, workers=plan.new.workers,
-                          headroom=self.config.memory_headroom, reported=self._reported)
+        return await self.memory.check(plan, observed, self.config.memory_headroom)
 
     async def copy(self, plan: SwitchPlan) -> Path | None:
         """Write the new version's archive (atomically; a second run rewrites it).
@@ -254,7 +297,7 @@ class VersionSwitch:
             rewrite_mar, plan.src, plan.dst, version=new.model_version,
             batch_size=new.batch_size, max_batch_delay_ms=new.max_batch_delay_ms,
             workers=new.workers, candidate=plan.candidate)
-        self.sample()
+        self.memory.sample()
         return dst
 
     async def register(self, plan: SwitchPlan) -> None:
@@ -271,7 +314,7 @@ class VersionSwitch:
             "url": plan.dst.name, "model_name": self._model, "batch_size": new.batch_size,
             "max_batch_delay": new.max_batch_delay_ms, "initial_workers": new.workers,
             "synchronous": "false"}, timeout=self.config.register_timeout_s)
-        self.sample()
+        self.memory.sample()
 
     async def wait_ready(self, plan: SwitchPlan) -> None:
         """Until the new version has ``plan.new.workers`` READY workers.
@@ -291,10 +334,7 @@ class VersionSwitch:
                     raise
                 await self.sleep(self.poll_interval_s)
                 continue
-            new = Registered.from_description(desc)
-            self.live_pids.update(new.pids)
-            self._reported.update(new.memory_by_pid)
-            self.sample()
+            self.memory.add(Registered.from_description(desc))
             if ready_workers(desc) >= want:
                 return
             if self.clock() > deadline:
@@ -335,7 +375,7 @@ class VersionSwitch:
                 pending = pending_requests(await self.ts.describe(version))
             except NotRegistered:
                 return
-            self.sample()
+            self.memory.sample()
             now = self.clock()
             if pending is None:  # TorchServe < 0.9: only the settle time can tell
                 _log.warning("TorchServe does not report jobQueueStatus; draining version %s "
@@ -367,8 +407,7 @@ class VersionSwitch:
             _log.info("old version %s was already unregistered", old.version)
         if self.forget_workers is not None:
             self.forget_workers(list(old.pids))
-        self.live_pids.difference_update(old.pids)
-        self.sample()
+        self.memory.forget(old.pids)
         store = self.config.model_store
         src = Path(old.url) if os.path.isabs(old.url) else store / old.url
         if old.url and is_sidecar_archive(src, store, self._model):
@@ -409,7 +448,7 @@ class VersionSwitch:
         """
         self.last_error = None
         self._enter(SwitchPhase.IDLE)  # a new switch: a past failure is no longer current
-        self.watch(observed)
+        self.memory.watch(observed)
         try:
             check = await self.check_memory(plan, observed)
         except Exception as e:

@@ -68,6 +68,7 @@ from prometheus_client.metrics_core import Metric
 
 from serve import settings
 from serve.common.flags import flag
+from serve.common.histograms import histogram_quantile
 from serve.constants import P99_SLO_MS
 from serve.errors import ConfigError
 from serve.metrics import (
@@ -78,7 +79,6 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     TUNER_REASONS,
 )
-from serve.sidecar.control.guards import histogram_quantile
 from serve.sidecar.control.phases import TunerPhase
 from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
 
@@ -90,6 +90,7 @@ __all__ = [
     "Decision",
     "Setting",
     "Traffic",
+    "TrafficWindow",
     "TunerConfig",
     "TunerPhase",
     "counters_from",
@@ -473,6 +474,38 @@ class Decision:
                 "to": asdict(self.to), "reason": self.reason, "detail": self.detail}
 
 
+@dataclass
+class TrafficWindow:
+    """The tuner's measurement window: the counters where it began (``start``), and from
+    when (monotonic s, after a switch's settle time) it may begin (``measure_from``)."""
+
+    start: Counters | None = None
+    measure_from: float = -math.inf
+
+    def restart(self, measure_from: float | None = None) -> None:
+        """Begin anew at the next observation from ``measure_from`` (None: as before)."""
+        self.start = None
+        if measure_from is not None:
+            self.measure_from = measure_from
+
+    def roll(self, counters: Counters, cfg: TunerConfig, serving: Setting | None) -> Traffic | None:
+        """A Traffic once ``window_s`` has passed since the window began (or
+        ``quick_window_s`` with ``quick_requests``); the next window begins here."""
+        start = self.start
+        if counters.t < self.measure_from:
+            return None
+        if start is None:
+            self.start = counters
+            return None
+        span = counters.t - start.t
+        quick = (span >= cfg.quick_window_s
+                 and counters.requests - start.requests >= cfg.quick_requests)
+        if span < cfg.window_s and not quick:
+            return None
+        self.start = counters
+        return Traffic.between(start, counters, cfg.wait_factor, serving)
+
+
 class BatchTuner:
     """The tuner's state machine (see the module docstring). Not thread-safe: one task
     drives it. Every method but :meth:`step` is a step of it, testable alone.
@@ -504,8 +537,7 @@ class BatchTuner:
         self.avoid: set[Setting] = set()         # settings whose switch never served
         self.last_switch_at = -math.inf
         self.settled_at = -math.inf
-        self._window: Counters | None = None
-        self._measure_from = -math.inf
+        self.window = TrafficWindow()
         self._deferred: tuple[Setting, str, str] | None = None  # held by the interval
         self._confirm: Traffic | None = None  # a new traffic seen once, to be confirmed
         self._after_switch: TunerPhase = TunerPhase.SETTLED
@@ -525,9 +557,8 @@ class BatchTuner:
 
     def _restart_search(self) -> None:
         self.trials, self.queue, self.shape, self.seed = [], [], None, None
-        self._window = None
-        self._deferred = None
-        self._confirm = None
+        self.window.restart()
+        self._deferred = self._confirm = None
 
     # ---- one observation ------------------------------------------------------------
 
@@ -551,7 +582,7 @@ class BatchTuner:
             if self.phase is TunerPhase.TRYING:  # a search cut short: start over afterwards
                 self._restart_search()
             self.phase = TunerPhase.PAUSED
-            self._window = None
+            self.window.restart()
             return None
         if self._deferred is not None:
             setting, reason, detail = self._deferred
@@ -559,11 +590,11 @@ class BatchTuner:
         if serving != self.serving:  # first look, or someone else changed it
             self.serving = serving
             self._restart_search()
-            self._measure_from = now + self.config.settle_s
+            self.window.restart(now + self.config.settle_s)
         if self.phase is TunerPhase.PAUSED:
             self.phase = TunerPhase.SETTLED if self.shape is not None else TunerPhase.OBSERVING
             self.why = "free again: measuring a window of traffic"
-        traffic = self._measure(counters)
+        traffic = self.window.roll(counters, self.config, self.serving)
         if traffic is None:
             return None
         self.last = traffic
@@ -575,23 +606,6 @@ class BatchTuner:
             return self.judge_trial(traffic, workers, now)
         return self.consider(traffic, workers, now)
 
-    def _measure(self, counters: Counters) -> Traffic | None:
-        """Roll the window: a Traffic once ``window_s`` has passed since it began."""
-        if counters.t < self._measure_from:
-            return None
-        if self._window is None:
-            self._window = counters
-            return None
-        span = counters.t - self._window.t
-        quick = (span >= self.config.quick_window_s
-                 and counters.requests - self._window.requests >= self.config.quick_requests)
-        if span < self.config.window_s and not quick:
-            return None
-        traffic = Traffic.between(self._window, counters, self.config.wait_factor,
-                                  self.serving)
-        self._window = counters
-        return traffic
-
     def _await_switch(self, serving: Setting | None, now: float) -> Setting | None:
         """A chosen setting is being applied: measure from when it serves (``serving``
         None: not known to serve yet)."""
@@ -600,8 +614,7 @@ class BatchTuner:
             return None
         if serving == pending:
             self.serving, self.pending = serving, None
-            self._window = None
-            self._measure_from = now + self.config.settle_s
+            self.window.restart(now + self.config.settle_s)
             self.phase = self._after_switch
             if self.phase is TunerPhase.SETTLED:
                 self.settled_at = now
@@ -666,7 +679,7 @@ class BatchTuner:
         if not self.queue:
             return self._finish(now)
         self.phase = TunerPhase.TRYING
-        return self._try_next(now, "seed", self._describe(traffic, workers))
+        return self._apply(now, self.queue.pop(0), "seed", self._describe(traffic, workers))
 
     def judge_trial(self, traffic: Traffic, workers: int, now: float) -> Setting | None:
         """A trial's window is in: record it, then the next trial or the winner."""
@@ -683,7 +696,8 @@ class BatchTuner:
             return self.consider(traffic, workers, now)
         self.trials.append(Trial(serving, traffic))
         if self.queue:
-            return self._try_next(now, "trial", f"measured {serving}: {self._score(traffic)}")
+            return self._apply(now, self.queue.pop(0), "trial",
+                               f"measured {serving}: {self._score(traffic)}")
         return self._finish(now)
 
     def best(self) -> Trial:
@@ -721,10 +735,6 @@ class BatchTuner:
             self.why = f"chose {winner.setting} (serving) of {summary}"
             return None
         return self._apply(now, winner.setting, "best", f"winner of {summary}")
-
-    def _try_next(self, now: float, reason: str, detail: str) -> Setting | None:
-        nxt = self.queue.pop(0)
-        return self._apply(now, nxt, reason, detail)
 
     def _apply(self, now: float, setting: Setting, reason: str, detail: str) -> Setting | None:
         """Ask for ``setting`` unless the last switch was too recent (then it waits, and

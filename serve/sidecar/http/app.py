@@ -29,7 +29,7 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
 Two ports (three with ``--oip-port``), one process: the public port (``--port``, 8090:
 metrics, probes, every read; a write there answers 403) and the write port
 (``--write-port``, 8091: every route).
-Every write passes the edge guard (:mod:`serve.sidecar.http.guard`) before a byte of its
+Every write passes the edge guard (:mod:`serve.sidecar.http.edge`) before a byte of its
 body is read: its token and the token's scope (operator, delta publisher, feedback
 producer: :mod:`serve.sidecar.http.auth`), and its body's size.
 
@@ -39,7 +39,7 @@ routes share, injected), :mod:`~serve.sidecar.adapters.torchserve` (the calls to
 :mod:`~serve.sidecar.control.switch` (the version switch), :mod:`~serve.sidecar.adapters.memory` (the
 memory guard and peak), :mod:`~serve.sidecar.adapters.archives` (derived archives),
 :mod:`~serve.sidecar.adapters.tokens`, :mod:`~serve.sidecar.http.auth`,
-:mod:`~serve.sidecar.http.guard` (the edge: tokens, scopes, body limits),
+:mod:`~serve.sidecar.http.edge` (the edge: tokens, scopes, body limits),
 :mod:`~serve.sidecar.http.errors` (the one error mapping) and
 :mod:`~serve.sidecar.http.middleware` (request counts). The names other code imports from
 here (``SidecarConfig``, ``ensure_dev_token``...) are re-exported.
@@ -77,11 +77,11 @@ from serve.sidecar.http import (
     routes_tuner,
 )
 from serve.sidecar.http.docs import mount_docs
+from serve.sidecar.http.edge import EdgeGuard, check_write_routes
 from serve.sidecar.http.errors import (
     register_exception_handlers,
     register_oip_exception_handlers,
 )
-from serve.sidecar.http.guard import EdgeGuard, check_write_routes
 from serve.sidecar.http.middleware import count_requests
 from serve.sidecar.root import Sidecar
 
@@ -102,7 +102,7 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
                clock: Callable[[], float] = time.monotonic,
                wall_clock: Callable[[], float] = time.time,
                write_port: int | None = None, oip_port: int | None = None) -> FastAPI:
-    """The sidecar app, behind its edge guard (:class:`~serve.sidecar.http.guard.EdgeGuard`).
+    """The sidecar app, behind its edge guard (:class:`~serve.sidecar.http.edge.EdgeGuard`).
 
     Args:
         config: see :class:`SidecarConfig`.

@@ -1,5 +1,5 @@
 """Who may write: the tokens, their scopes, and the one decision
-(:func:`authorize`), which the edge guard (:mod:`serve.sidecar.http.guard`) takes before a
+(:func:`authorize`), which the edge guard (:mod:`serve.sidecar.http.edge`) takes before a
 byte of the body is read.
 
 Three tokens, each with one scope:
@@ -114,5 +114,5 @@ async def require_token(request: Request, _: _Credentials) -> None:
     bug in how the app was built (500), never a silent pass."""
     if request.scope.get(AUTHORIZED) not in SCOPES:
         raise RuntimeError(f"{request.method} {request.url.path} reached its route without "
-                           f"the edge guard (serve.sidecar.http.guard); build the app with "
+                           f"the edge guard (serve.sidecar.http.edge); build the app with "
                            f"create_app")

@@ -20,7 +20,7 @@ __all__ = ["ANSWERED", "OTHER", "count_requests", "request_labels"]
 
 #: The label of every path or method the app does not declare.
 OTHER = "other"
-#: The ASGI scope key the edge guard (:mod:`serve.sidecar.http.guard`) sets once it has
+#: The ASGI scope key the edge guard (:mod:`serve.sidecar.http.edge`) sets once it has
 #: answered a request itself: it counted that answer, so :func:`count_requests` does not
 #: count what the route made of it (a dropped 400 after a body cut short).
 ANSWERED = "dlrm.edge_answered"

@@ -7,7 +7,7 @@ for an id this pod never logged, or whose log was rotated away, is counted, not 
 (feedback comes late, and from outside); a body that breaks the schema is a 400 naming
 the field and the rule.
 
-The body's size is the edge guard's to bound (:mod:`serve.sidecar.http.guard`, outermost in
+The body's size is the edge guard's to bound (:mod:`serve.sidecar.http.edge`, outermost in
 the app): it answers 413 from the Content-Length, or as soon as the bytes received pass
 ``FeedbackConfig.max_body_bytes`` (``--feedback-max-body-bytes``), so the route never holds
 more than that. The labels are then validated straight from those bytes (pydantic's JSON

@@ -134,7 +134,7 @@ def check_write_routes(routes: Iterable[BaseRoute],
               for m in (getattr(r, "methods", None) or ()) if m not in READ_METHODS}
     if served != declared:
         raise RuntimeError(
-            f"the edge guard's WRITE_ROUTES (serve/sidecar/http/guard.py) do not match the "
+            f"the edge guard's WRITE_ROUTES (serve/sidecar/http/edge.py) do not match the "
             f"app's write routes: not in the table {sorted(served - declared)}, served by "
             f"no route {sorted(declared - served)}; add or remove the entries")
 

@@ -2,7 +2,8 @@
 failure.
 
 :class:`SwitchRunner` is what a reconcile pass (:mod:`serve.sidecar.control.reconciler`)
-calls when it decided to ``switch`` or ``cleanup``: it plans and runs the switch
+acts through (:meth:`SwitchRunner.act`): when :func:`~serve.sidecar.control.assessment.assess`
+says ``switch`` or ``cleanup``, it plans and runs the switch
 (:class:`~serve.sidecar.control.switch.VersionSwitch`) while sampling memory, records
 it (:class:`~serve.sidecar.control.views.SwitchRecord`: duration, peak memory), drains
 and unregisters the versions left over, deletes derived archives nobody uses, and keeps
@@ -17,11 +18,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from serve.errors import ServeError
+from serve.errors import InsufficientMemory, ServeError
 from serve.sidecar.adapters.archives import control_path, is_sidecar_archive
 from serve.sidecar.adapters.memory import MemoryCheck
-from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient
+from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
+from serve.sidecar.control.assessment import Action, assess
+from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.switch import SwitchPlan, VersionSwitch
 from serve.sidecar.control.views import SwitchRecord
 from serve.state import DesiredState
@@ -66,13 +69,52 @@ class SwitchRunner:
         self._retry_at = 0.0
         self._switch_t0: float | None = None
 
+    # ------------------------------------------------------------------ one pass's actions
+
+    async def act(self, desired: DesiredState | None
+                  ) -> tuple[ReconcileResult, ServeError | None, str | None, Observed | None]:
+        """This pass's actions toward ``desired`` (the effective desired state): the
+        switch when :func:`assess` says ``switch`` (unless the back-off waits), then the
+        clean-up when it says ``cleanup``. Returns (result, switch error, clean-up error,
+        what TorchServe serves now or None when an action may have changed it).
+
+        Raises:
+            UpstreamUnavailable: TorchServe did not answer.
+        """
+        observed = await observe(self.ts)
+        a = assess(desired, observed)
+        acted = False
+        if a.action is Action.SWITCH and desired is not None:
+            if self.retry_wait() > 0:
+                return ReconcileResult.WAITING, None, None, observed
+            error = await self.run(desired, observed)
+            if error is not None:
+                result = (ReconcileResult.REFUSED if isinstance(error, InsufficientMemory)
+                          else ReconcileResult.FAILED)
+                return result, error, None, None
+            acted = True
+            observed = await observe(self.ts)
+            a = assess(desired, observed)
+        if a.action is Action.CLEANUP and a.target is not None:
+            cleanup_error = await self.cleanup(observed, a.target)
+            self.close_record(cleanup_error)
+            if cleanup_error is not None:
+                return ReconcileResult.FAILED, None, cleanup_error, None
+            acted = True
+        if acted:
+            self.close_record(None)
+            self.switch.idle()
+            return ReconcileResult.APPLIED, None, None, None
+        converged = ReconcileResult.CONVERGED if a.converged else ReconcileResult.WAITING
+        return converged, None, None, observed
+
     # ------------------------------------------------------------------ the switch
 
     async def run(self, desired: DesiredState, observed: Observed) -> ServeError | None:
         """Plan and run the switch to ``desired``; the error (recorded, retried later)."""
         self._switch_t0 = t0 = self.clock()
-        if self.switch.tracker is not None:
-            self.switch.tracker.reset()
+        if self.switch.memory.tracker is not None:
+            self.switch.memory.tracker.reset()
         check: MemoryCheck | None = None
         plan: SwitchPlan | None = None
         try:
@@ -108,8 +150,8 @@ class SwitchRunner:
             except ServeError:
                 continue
             for r in found:
-                self.switch.live_pids.update(r.pids)
-            self.switch.sample()
+                self.switch.memory.live_pids.update(r.pids)
+            self.switch.memory.sample()
 
     # ------------------------------------------------------------------ the clean-up
 
@@ -150,7 +192,7 @@ class SwitchRunner:
 
     def _record(self, observed: Observed, desired: DesiredState, t0: float,
                 error: ServeError | None, check: MemoryCheck | None) -> None:
-        tracker, memory = self.switch.tracker, self.switch.memory
+        tracker, memory = self.switch.memory.tracker, self.switch.memory.probe
         self.last_switch = SwitchRecord.model_validate({
             "from": observed.default, "to": desired.serving_version(), "ok": error is None,
             "seconds": round(self.clock() - t0, 3), "error": error.message if error else None,
@@ -167,7 +209,7 @@ class SwitchRunner:
         record, t0 = self.last_switch, self._switch_t0
         if record is None or t0 is None or not record.ok:
             return
-        tracker = self.switch.tracker
+        tracker = self.switch.memory.tracker
         self.last_switch = record.model_copy(update={
             "seconds": round(self.clock() - t0, 3), "error": cleanup_error,
             "peak_memory_bytes": tracker.peak_bytes if tracker else None,
