@@ -71,7 +71,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from serve.constants import STAGES
-from serve.sidecar.control.phases import ReconcileResult, RolloutPhase, SwitchPhase, TunerPhase
+from serve.phases import ReconcileResult, RolloutPhase, SwitchPhase, TunerPhase
 
 __all__ = [
     "ARMS",
@@ -218,7 +218,7 @@ TUNER_PHASE = "dlrm_tuner_phase"
 TUNER_BATCH_SIZE = "dlrm_tuner_batch_size"
 TUNER_MAX_BATCH_DELAY_SECONDS = "dlrm_tuner_max_batch_delay_seconds"
 TUNER_DECISIONS_TOTAL = "dlrm_tuner_decisions_total"
-#: The batching tuner's phases (serve.sidecar.control.phases.TunerPhase) and the reasons of
+#: The batching tuner's phases (serve.phases.TunerPhase) and the reasons of
 #: its decisions.
 TUNER_PHASES: tuple[str, ...] = tuple(p.value for p in TunerPhase)
 TUNER_REASONS = ("seed", "trial", "best", "failed")
@@ -289,7 +289,7 @@ EMBEDDING_DELTA_APPLY_SECONDS = "dlrm_embedding_delta_apply_seconds"
 
 #: The two arms of a rollout: ``stable`` answers unless routed to ``candidate``.
 ARMS: tuple[str, ...] = ("stable", "candidate")
-#: Phases of a rollout (``serve.sidecar.control.phases.RolloutPhase``); ``none`` when no
+#: Phases of a rollout (``serve.phases.RolloutPhase``); ``none`` when no
 #: rollout was declared.
 ROLLOUT_PHASES: tuple[str, ...] = ("none", *(p.value for p in RolloutPhase))
 #: Guards of a rollout judged on click labels (serve.sidecar.control.quality_gates), the
@@ -304,7 +304,7 @@ ROLLOUT_GUARDS: tuple[str, ...] = ("error_ratio", "latency_ratio", "score_psi", 
 #: request had fewer instances than the index.
 FEEDBACK_RESULTS: tuple[str, ...] = ("joined", "unknown", "expired", "duplicate", "bad_index")
 
-#: Phases of the sidecar's version switch (``serve.sidecar.control.phases.SwitchPhase``), in order;
+#: Phases of the sidecar's version switch (``serve.phases.SwitchPhase``), in order;
 #: ``failed`` stays until the next switch starts. A fixed set: the gauge's labels are bounded.
 SWITCH_PHASES: tuple[str, ...] = tuple(p.value for p in SwitchPhase)
 

@@ -19,13 +19,14 @@ POD_PACKAGES = ("serve/runtime", "serve/api", "serve/worker", "serve/sidecar", "
 FORBIDDEN = ("serve.model", "torchrec", "fbgemm_gpu")
 # Shared ground at the top of serve/ is imported by every layer, so it obeys the rule too.
 SHARED = ("serve/errors.py", "serve/profiles.py", "serve/metrics.py", "serve/constants.py",
-          "serve/schema.py", "serve/state.py", "serve/settings.py", "serve/store", "serve/common")
+          "serve/schema.py", "serve/state.py", "serve/settings.py", "serve/phases.py",
+          "serve/rowformat.py", "serve/store", "serve/common")
 # The sidecar's own layers, edge first: each may import only the layers after it.
 SIDECAR_LAYERS = ("http", "root", "services", "control", "adapters")
 # Only these modules may sit at the top of serve/ (the vocabulary every layer shares);
 # everything else belongs to a layer's package.
 TOP_OF_SERVE = {"__init__.py", "errors.py", "constants.py", "state.py", "schema.py",
-                "profiles.py", "metrics.py", "settings.py"}
+                "profiles.py", "metrics.py", "settings.py", "phases.py", "rowformat.py"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

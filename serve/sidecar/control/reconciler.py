@@ -57,12 +57,12 @@ from pathlib import Path
 
 from serve.errors import ConfigError, Conflict, InsufficientMemory, ServeError, UpstreamUnavailable
 from serve.metrics import SidecarMetrics
+from serve.phases import ReconcileResult
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Assessment, assess, observed_state
 from serve.sidecar.control.fleet import Fleet
-from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.state_file import DesiredStateFile, digest
 from serve.sidecar.control.switch import VersionSwitch

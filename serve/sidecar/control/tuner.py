@@ -78,8 +78,8 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     TUNER_REASONS,
 )
+from serve.phases import TunerPhase
 from serve.sidecar.control.guards import histogram_quantile
-from serve.sidecar.control.phases import TunerPhase
 from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
 
 __all__ = [

@@ -118,7 +118,8 @@ from serve.metrics import (
     embedding_delta_families,
     embedding_id_families,
 )
-from serve.schema import ModelSchema, schema_from_report
+from serve.profiles import schema_from_report
+from serve.schema import ModelSchema
 from serve.store import delta_files as delta_format
 from serve.store.delta_files import (
     Delta,
