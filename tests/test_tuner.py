@@ -15,13 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve.errors import ConfigError
 from serve.metrics import REQUEST_DURATION_BUCKETS, HandlerMetrics, SidecarMetrics
+from serve.sidecar.config import TunerConfig
 from serve.sidecar.control.tuner import (
     BatchTuner,
     Counters,
     Setting,
     Traffic,
     Trial,
-    TunerConfig,
     counters_from,
     seed_candidates,
 )
