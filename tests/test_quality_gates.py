@@ -25,8 +25,8 @@ from serve.metrics import (
     ONLINE_LOGLOSS_SQ_NATS2_TOTAL,
     ONLINE_ROWS_TOTAL,
     ONLINE_SCORE_TOTAL,
-    SidecarMetrics,
 )
+from serve.metrics.sidecar import SidecarMetrics
 from serve.sidecar.config import FeedbackConfig
 from serve.sidecar.control.quality_gates import (
     QualityCounts,

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.errors import ConfigError, Conflict, InsufficientMemory, ServeError, UpstreamUnavailable
-from serve.metrics import SidecarMetrics
+from serve.metrics.sidecar import SidecarMetrics
 from serve.phases import ReconcileResult
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe

@@ -67,7 +67,7 @@ from pathlib import Path
 from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict
-from serve.metrics import SidecarMetrics
+from serve.metrics.sidecar import SidecarMetrics
 from serve.phases import RolloutPhase
 from serve.sidecar.adapters.fleet_store import DecisionStore, RolloutDecision
 from serve.sidecar.control.guards import (
