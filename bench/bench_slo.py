@@ -626,8 +626,8 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     from bench import cpu_account
     from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
     from serve.common.cpu import choose_threads
+    from serve.profiles import schema_from_report
     from serve.runtime.artifact import load_artifact
-    from serve.schema import schema_from_report
     from serve.store.repository import ModelRepository
 
     repo = ModelRepository([store], "dlrm")

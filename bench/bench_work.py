@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from serve.api.config import HandlerConfig
 from serve.api.json_body import example_request
 from serve.api.request import JSON_MEDIA_TYPE
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.ops.machine import announce
 from serve.worker.messages import WorkerRequest
 from serve.worker.worker import Worker

@@ -45,7 +45,7 @@ from serve.constants import (
     QUALITY_MAX_NE_INCREASE,
     QUALITY_Z,
 )
-from serve.ops.heldout import columnar_rows
+from serve.model.data import columnar_rows
 from serve.sidecar.control.quality_gates import (
     QualityCounts,
     QualityLimits,

@@ -1,4 +1,5 @@
-"""Model/data profiles: typed, validated configs selected by name.
+"""Model/data profiles: typed, validated configs selected by name, and the schema of a
+version from its build report (:func:`schema_from_report`: the recorded one, else its profile's).
 
 Shapes used across the package: B = batch size, F = number of sparse features
 (26 here), D = embedding dim, N = number of dense features (13).
@@ -6,7 +7,9 @@ Shapes used across the package: B = batch size, F = number of sparse features
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve.errors import ConfigError, UnknownProfileError
 from serve.schema import DEFAULT_MAX_IDS, ModelSchema, criteo_schema
@@ -21,6 +24,7 @@ __all__ = [
     "SPARSE_FEATURES",
     "Profile",
     "get_profile",
+    "schema_from_report",
 ]
 
 NUM_DENSE = 13
@@ -175,3 +179,20 @@ def get_profile(name: str) -> Profile:
     except KeyError:
         raise UnknownProfileError(
             f"profile {name!r} does not exist; choose one of: {', '.join(PROFILES)}") from None
+
+
+def schema_from_report(report: Mapping[str, Any]) -> ModelSchema:
+    """The schema of a version from its build report: the ``schema`` it records (imports
+    and builds since format 2), else the built-in DLRM of its ``profile`` and
+    ``quantized_dtype`` (older builds).
+
+    Raises:
+        ConfigError: the report has neither (a foreign or broken build).
+    """
+    if "schema" in report:
+        return ModelSchema.from_dict(report["schema"])
+    try:
+        return get_profile(str(report["profile"])).schema(str(report["quantized_dtype"]))
+    except KeyError as e:
+        raise ConfigError(f"build report of version {report.get('version')!r} has no schema "
+                          f"and no {e} to derive it from; rebuild or re-import it") from e

@@ -29,10 +29,10 @@ from typing import Any
 
 from serve.common.validate import int_at_least
 from serve.errors import ConfigError
-from serve.store.rowformat import DTYPES
+from serve.rowformat import DTYPES
 
-__all__ = ["DEFAULT_MAX_IDS", "MAPPINGS", "POOLINGS", "FeatureSpec", "ModelSchema", "TableSpec", "criteo_schema",
-           "schema_from_report"]
+__all__ = ["DEFAULT_MAX_IDS", "MAPPINGS", "POOLINGS", "FeatureSpec", "ModelSchema", "TableSpec",
+           "criteo_schema"]
 
 POOLINGS = ("sum", "mean")
 #: How a table turns a raw id into a row: ``modulo`` (row = id % rows: ids beyond the
@@ -55,7 +55,7 @@ def _name(v: Any, what: str) -> str:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: rows x dim, stored as ``dtype`` (serve.store.rowformat), pooled by
+    """One embedding table: rows x dim, stored as ``dtype`` (serve.rowformat), pooled by
     ``pooling`` ("sum" or "mean"), its ids turned into rows by ``mapping`` (:data:`MAPPINGS`)."""
 
     name: str
@@ -255,22 +255,3 @@ def criteo_schema(feature_names: Sequence[str], cardinalities: Sequence[int], di
                    for f, r in zip(feature_names, cardinalities, strict=True))
     features = tuple(FeatureSpec(f, f"t_{f}", max_ids) for f in feature_names)
     return ModelSchema(num_dense, tables, features)
-
-
-def schema_from_report(report: Mapping[str, Any]) -> ModelSchema:
-    """The schema of a version from its build report: the ``schema`` it records (imports
-    and builds since format 2), else the built-in DLRM of its ``profile`` and
-    ``quantized_dtype`` (older builds).
-
-    Raises:
-        ConfigError: the report has neither (a foreign or broken build).
-    """
-    if "schema" in report:
-        return ModelSchema.from_dict(report["schema"])
-    from serve.profiles import get_profile
-
-    try:
-        return get_profile(str(report["profile"])).schema(str(report["quantized_dtype"]))
-    except KeyError as e:
-        raise ConfigError(f"build report of version {report.get('version')!r} has no schema "
-                          f"and no {e} to derive it from; rebuild or re-import it") from e

@@ -19,7 +19,7 @@ from serve.api.decode import parse_body
 from serve.api.json_body import example_request
 from serve.api.request import DEFAULT_SCHEMA
 from serve.errors import ConfigError, InvalidInput
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.profiles import SPARSE_FEATURES
 from serve.runtime.engine import Runtime, RuntimeStats
 from serve.store.routing import (

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import serve.store.delta_files
 from serve.common.net import free_port, wait_until
 from serve.profiles import get_profile
+from serve.rowformat import row_bytes
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.http.app import create_app
 from serve.sidecar.services.embedding_deltas import DeltaService
@@ -35,7 +36,6 @@ from serve.store.delta_files import (
     version_digest,
 )
 from serve.store.repository import ModelRepository
-from serve.store.rowformat import row_bytes
 from tests.fixtures.deltas import digest
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, toy_mar
 from tests.promtext import samples

@@ -19,8 +19,6 @@ from serve.sidecar.http.app import create_app
 from tests.fixtures.sidecar import dead_port, start_sidecar
 from tests.fixtures.tools import require_tool
 
-REPO = Path(__file__).resolve().parents[1]
-OUTPUT = REPO / "tests" / "output"
 TITLE = "DLRM serving sidecar"
 #: ``src``/``href`` attribute values in the page's tags.
 _URL_ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']([^"']*)["']""", re.IGNORECASE)
@@ -129,9 +127,7 @@ def test_real_sidecar_docs_render_in_headless_chromium(tmp_path: Path) -> None:
         assert {"/state", "/metrics", "/healthz"} <= paths, (paths, out[:5000])
         assert "Failed to load API definition" not in out
 
-        OUTPUT.mkdir(parents=True, exist_ok=True)
-        png = OUTPUT / "docs.png"
-        png.unlink(missing_ok=True)
+        png = tmp_path / "docs.png"
         shot = _run_chromium(exe, tmp_path / "profile-shot", f"--screenshot={png}",
                              "--window-size=1280,2000", url)
         assert shot.returncode == 0, shot.stderr[-3000:]

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serve.common.quality import calibration_ratio, roc_auc, summarize
 from serve.errors import ConfigError
 from serve.metrics import SCORE_BUCKETS
-from serve.sidecar.services.feedback import CalibrationWindow, FeedbackConfig, FeedbackService
+from serve.sidecar.config import FeedbackConfig
+from serve.sidecar.services.feedback import CalibrationWindow, FeedbackService
 from serve.store.predlog import (
     Prediction,
     PredictionLogConfig,

@@ -26,9 +26,9 @@ import numpy as np
 import orjson
 import pytest
 
-from serve.sidecar.config import SidecarConfig
+from serve.sidecar.config import FeedbackConfig, SidecarConfig
 from serve.sidecar.http.app import create_app
-from serve.sidecar.services.feedback import FeedbackConfig, FeedbackService
+from serve.sidecar.services.feedback import FeedbackService
 from serve.store.predlog import (
     MAGIC,
     SUFFIX,

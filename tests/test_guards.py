@@ -31,8 +31,8 @@ from serve.metrics import (
     SCORE_BUCKETS,
     SCORE_DIFF_BUCKETS,
     SHADOW_SCORE_DIFF,
-    HandlerAggregateCollector,
 )
+from serve.metrics.aggregate import HandlerAggregateCollector
 from serve.sidecar.control.guards import (
     GUARD_STATUSES,
     ArmCounts,

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from serve.errors import ConfigError
 from serve.metrics import ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS as BOUNDS
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.sidecar.control.guards import (
     GuardLimits,
     Snapshot,

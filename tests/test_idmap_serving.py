@@ -18,13 +18,10 @@ from bench.gpu_check import build_random_artifact
 from serve.api.binary import encode_binary
 from serve.api.config import HandlerConfig
 from serve.api.request import BINARY_MEDIA_TYPE
-from serve.metrics import (
-    EMBEDDING_IDS_FALLBACK_TOTAL,
-    HandlerMetrics,
-    IdMapGauge,
-    embedding_id_families,
-    feature_counts,
-)
+from serve.metrics import EMBEDDING_IDS_FALLBACK_TOTAL
+from serve.metrics.aggregate import feature_counts
+from serve.metrics.deltas import IdMapGauge, embedding_id_families
+from serve.metrics.worker import HandlerMetrics
 from serve.runtime.artifact import Artifact
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.idmap import FALLBACK_ROW

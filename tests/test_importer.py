@@ -24,9 +24,9 @@ from serve.model.importer import (
     load_factory,
     main,
 )
+from serve.profiles import schema_from_report
 from serve.runtime.artifact import FORMAT_VERSION, load_artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
-from serve.schema import schema_from_report
 from serve.store.repository import ModelRepository
 
 FIXTURE = Path(__file__).parent / "fixtures" / "own_models.py"

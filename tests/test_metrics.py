@@ -15,17 +15,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.metrics import (
-    BATCH_REQUESTS_BUCKETS,
-    REQUEST_DURATION_BUCKETS,
+from serve.metrics import BATCH_REQUESTS_BUCKETS, REQUEST_DURATION_BUCKETS
+from serve.metrics.aggregate import (
     HandlerAggregateCollector,
-    HandlerMetrics,
-    SidecarMetrics,
     cache_hit_ratio_family,
-    clean_dead_worker_files,
     torchserve_families,
     workers_family,
 )
+from serve.metrics.multiprocess import clean_dead_worker_files
+from serve.metrics.sidecar import SidecarMetrics
+from serve.metrics.worker import HandlerMetrics
 from tests.promtext import samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +126,7 @@ def test_two_instances_in_one_process_do_not_collide_by_default():
 _WORKER = textwrap.dedent("""
     import os, sys
     from dataclasses import dataclass
-    from serve.metrics import HandlerMetrics
+    from serve.metrics.worker import HandlerMetrics
     @dataclass
     class S:
         hits: int; misses: int; evictions: int; device_bytes: int; host_bytes: int
@@ -318,6 +317,7 @@ def test_observe_many_equals_a_loop_of_observe(buckets):
     from prometheus_client import Histogram
 
     import serve.metrics as sm
+    from serve.metrics.worker import observe_many
 
     bounds = getattr(sm, buckets)
     vals = _edge_values() + [float(b) for b in bounds] + [np.nextafter(b, 2.0) for b in bounds]
@@ -327,8 +327,8 @@ def test_observe_many_equals_a_loop_of_observe(buckets):
         h = Histogram("x_seconds", "help", ["arm"], buckets=bounds, registry=reg)
         plain = Histogram("y_seconds", "help", buckets=bounds, registry=reg)
         if bulk:
-            assert sm.observe_many(h.labels(arm="stable"), np.array(vals, np.float64)) == len(vals)
-            assert sm.observe_many(plain, np.array(vals, np.float32)) == len(vals)
+            assert observe_many(h.labels(arm="stable"), np.array(vals, np.float64)) == len(vals)
+            assert observe_many(plain, np.array(vals, np.float32)) == len(vals)
         else:
             for v in vals:
                 h.labels(arm="stable").observe(float(v))
@@ -343,7 +343,8 @@ def test_observe_many_on_random_scores_matches_up_to_the_float_sum():
     import numpy as np
     from prometheus_client import Histogram
 
-    from serve.metrics import SCORE_BUCKETS, observe_many
+    from serve.metrics import SCORE_BUCKETS
+    from serve.metrics.worker import observe_many
 
     vals = np.random.default_rng(3).random(5000).astype(np.float32)
     got = []
@@ -366,7 +367,7 @@ def test_observe_many_skips_nan_and_refuses_a_labelled_parent():
     import numpy as np
     from prometheus_client import Counter, Histogram
 
-    from serve.metrics import observe_many
+    from serve.metrics.worker import observe_many
 
     reg = CollectorRegistry()
     h = Histogram("h", "help", ["arm"], buckets=(1.0,), registry=reg)
@@ -429,7 +430,8 @@ _ARM_WORKER = textwrap.dedent("""
     import sys
     import numpy as np
     from prometheus_client import Histogram
-    from serve.metrics import HandlerMetrics, SCORE_BUCKETS, observe_many
+    from serve.metrics import SCORE_BUCKETS
+    from serve.metrics.worker import HandlerMetrics, observe_many
     vals = np.random.default_rng(int(sys.argv[1])).random(3000).astype(np.float32)
     m = HandlerMetrics()
     if sys.argv[2] == "bulk":
@@ -569,7 +571,7 @@ def test_cleaning_a_missing_directory_does_nothing(tmp_path):
 
 _CLEANER = textwrap.dedent("""
     import sys
-    from serve.metrics import clean_dead_worker_files
+    from serve.metrics.multiprocess import clean_dead_worker_files
     print(len(clean_dead_worker_files(sys.argv[1]).merged))
 """)
 

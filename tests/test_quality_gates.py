@@ -25,8 +25,9 @@ from serve.metrics import (
     ONLINE_LOGLOSS_SQ_NATS2_TOTAL,
     ONLINE_ROWS_TOTAL,
     ONLINE_SCORE_TOTAL,
-    SidecarMetrics,
 )
+from serve.metrics.sidecar import SidecarMetrics
+from serve.sidecar.config import FeedbackConfig
 from serve.sidecar.control.quality_gates import (
     QualityCounts,
     QualityLimits,
@@ -35,7 +36,7 @@ from serve.sidecar.control.quality_gates import (
     quality_snapshot,
 )
 from serve.sidecar.control.rollout import RolloutController, RolloutPhase
-from serve.sidecar.services.feedback import FeedbackConfig, FeedbackService, QualityTotals
+from serve.sidecar.services.feedback import FeedbackService, QualityTotals
 from serve.state import DesiredState, parse_state
 from serve.store.predlog import Prediction, PredictionLogConfig, PredictionLogWriter
 from tests.test_rollout import Workers, traffic

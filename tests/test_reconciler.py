@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from serve import settings
 from serve.errors import Conflict, UpstreamUnavailable
-from serve.metrics import RECONCILE_RESULTS, SidecarMetrics
+from serve.metrics import RECONCILE_RESULTS
+from serve.metrics.sidecar import SidecarMetrics
 from serve.profiles import get_profile
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
 from serve.settings import DLRM_STATE_FILE

@@ -25,8 +25,8 @@ from serve.metrics import (
     ROLLOUT_PHASE,
     ROLLOUT_WEIGHT,
     SCORE_BUCKETS,
-    SidecarMetrics,
 )
+from serve.metrics.sidecar import SidecarMetrics
 from serve.sidecar.control.rollout import RolloutController, RolloutPhase, limits_of, rollout_key
 from serve.state import DesiredState, parse_state
 from serve.store.routing import read_control

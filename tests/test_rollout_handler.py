@@ -97,7 +97,7 @@ def _got(r: httpx.Response) -> torch.Tensor:
 def _arm_samples(inst) -> dict[tuple[str, tuple], float]:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from serve.metrics import HandlerAggregateCollector
+    from serve.metrics.aggregate import HandlerAggregateCollector
     from tests.promtext import samples
 
     reg = CollectorRegistry()

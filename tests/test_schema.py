@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from serve.errors import ConfigError
-from serve.profiles import NUM_DENSE, get_profile
-from serve.schema import FeatureSpec, ModelSchema, TableSpec, criteo_schema, schema_from_report
+from serve.profiles import NUM_DENSE, get_profile, schema_from_report
+from serve.schema import FeatureSpec, ModelSchema, TableSpec, criteo_schema
 
 ITEM = TableSpec("t_item", rows=1000, dim=16)
 USER = TableSpec("t_user", rows=50, dim=8, pooling="mean", dtype="fp16")

@@ -251,7 +251,7 @@ def test_the_p99_goal_is_defined_once():
     from loadtest.stats import Thresholds
     from serve.ops import monitoring
     from serve.ops.capacity import CapacityConfig
-    from serve.sidecar.control.tuner import TunerConfig
+    from serve.sidecar.config import TunerConfig
 
     assert TunerConfig().p99_goal_ms == CapacityConfig().p99_goal_ms == \
         Thresholds().p99_goal_ms == P99_SLO_MS

@@ -31,14 +31,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serve.constants import SIDECAR_TOKEN_MIN_BYTES, SIDECAR_TOKEN_PLACEHOLDER
 from serve.errors import ConfigError
 from serve.sidecar.adapters.tokens import ensure_dev_token
-from serve.sidecar.config import ServerOptions, SidecarConfig
+from serve.sidecar.config import FeedbackConfig, ServerOptions, SidecarConfig
 from serve.sidecar.http.app import create_app
 from serve.sidecar.http.edge import (
     SMALL_BODY_BYTES,
     WRITE_ROUTES,
     check_write_routes,
 )
-from serve.sidecar.services.feedback import FeedbackConfig
 from tests.fixtures.sidecar import dead_port, start_sidecar
 from tests.promtext import samples
 

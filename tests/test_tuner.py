@@ -14,7 +14,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.errors import ConfigError
-from serve.metrics import REQUEST_DURATION_BUCKETS, HandlerMetrics, SidecarMetrics
+from serve.metrics import REQUEST_DURATION_BUCKETS
+from serve.metrics.sidecar import SidecarMetrics
+from serve.metrics.worker import HandlerMetrics
+from serve.sidecar.config import TunerConfig
 from serve.sidecar.control.tuner import (
     BatchTuner,
     Counters,
@@ -22,7 +25,6 @@ from serve.sidecar.control.tuner import (
     Traffic,
     TrafficWindow,
     Trial,
-    TunerConfig,
     counters_from,
     seed_candidates,
 )

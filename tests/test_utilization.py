@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from serve.metrics import CAPACITY_WORK_SECONDS_TOTAL, HandlerMetrics
+from serve.metrics import CAPACITY_WORK_SECONDS_TOTAL
+from serve.metrics.worker import HandlerMetrics
 from serve.sidecar.control.utilization import (
     BUSY_AT_KNEE,
     UTILIZATION_TARGET,

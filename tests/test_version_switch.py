@@ -24,7 +24,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from serve.errors import ConfigError, InsufficientMemory, UpstreamUnavailable
-from serve.metrics import SWITCH_PHASES, SidecarMetrics
+from serve.metrics import SWITCH_PHASES
+from serve.metrics.sidecar import SidecarMetrics
 from serve.sidecar.adapters.memory import CgroupMemory, MemoryProbe
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig

@@ -17,7 +17,7 @@ from serve.api.json_body import example_request
 from serve.api.request import JSON_MEDIA_TYPE
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ConfigError
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.warmup import WARMUP_SIZES, warm_up, warmup_batch
 from serve.store.routing import write_control

@@ -19,7 +19,7 @@ from serve.api.json_body import example_request
 from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ConfigError
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.runtime.artifact import load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta

@@ -81,6 +81,7 @@ __all__ = [
     "ClickLogDataset",
     "DataConfig",
     "DataSplit",
+    "columnar_rows",
     "day_data_dir",
     "ensure_day_data",
     "generate",
@@ -511,6 +512,25 @@ def load_split(data_dir: str | os.PathLike, split: str = "train") -> DataSplit:
         arrays[key] = np.memmap(path, dt, "r", shape=shape)
     return DataSplit(arrays["dense"], arrays["sparse"], arrays["labels"], arrays.get("lengths"),
                      list(meta["sparse_features"]), meta)
+
+
+def columnar_rows(data: DataSplit, start: int, stop: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``[start, stop)`` of a split (:func:`load_split`) in the columnar
+    form the runtime and the binary body take: float32 (B, N) dense, int64 ids feature by
+    feature, int32 (F, B) lengths."""
+    ids = np.asarray(data.sparse[start:stop])               # (B, F, M)
+    b, f = ids.shape[0], ids.shape[1]
+    if data.lengths is None:                                  # one-hot: M == 1
+        lengths = np.ones((f, b), dtype=np.int32)
+        values = ids[:, :, 0].T.reshape(-1)
+    else:
+        lens = np.asarray(data.lengths[start:stop]).astype(np.int32)  # (B, F)
+        lengths = lens.T.copy()
+        values = np.concatenate([ids[bi, fi, :lens[bi, fi]] for fi in range(f)
+                                 for bi in range(b)])
+    return (np.array(data.dense[start:stop], dtype=np.float32), values.astype(np.int64),
+            lengths)
 
 
 def new_id_share(data_dir: str | os.PathLike, split: str = "train") -> dict[str, float]:

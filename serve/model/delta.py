@@ -500,9 +500,9 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
         ServeError: dense layers changed, or rows changed that no training batch touched.
     """
     from serve.model.train import load_changed_rows
+    from serve.rowformat import row_bytes
     from serve.runtime.artifact import load_artifact
     from serve.store.delta_files import Delta, DeltaTable, encode_delta
-    from serve.store.rowformat import row_bytes
 
     t = time.perf_counter()
     old, new = load_artifact(plan.prev_art), load_artifact(plan.folder / "artifact.pt")

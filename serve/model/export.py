@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from serve.errors import ArtifactError, ConfigError
+from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 from serve.runtime.artifact import (
     Artifact,
     DLRMDense,
@@ -38,7 +39,6 @@ from serve.runtime.artifact import (
     row_bytes,
 )
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
-from serve.store.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 
 __all__ = ["TORCH_DTYPES", "artifact_from_float_dlrm", "artifact_from_quantized_dlrm",
            "collections", "dlrm_dense", "export_dense", "foreign_ops", "is_torchrec_dlrm",

@@ -94,7 +94,7 @@ class ImportConfig:
     dense_tolerance: float = DENSE_MAX_PROB_DIFF
 
     def __post_init__(self) -> None:
-        from serve.store.rowformat import DTYPES
+        from serve.rowformat import DTYPES
 
         if self.dense_precision not in ("fp32", "bf16"):
             raise ConfigError(f"--dense-precision {self.dense_precision!r} must be fp32 or bf16 "

@@ -63,8 +63,7 @@ def score_heldout(artifact: str | os.PathLike[str], data_dir: str | os.PathLike[
     scored by the serving runtime with its dense part in ``precision``."""
     import torch
 
-    from serve.model.data import load_split
-    from serve.ops.heldout import columnar_rows
+    from serve.model.data import columnar_rows, load_split
     from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
     rt = Runtime.from_artifact(artifact, RuntimeConfig(device="cpu", cache_load_factor=1.0,

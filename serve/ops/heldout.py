@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -23,7 +22,7 @@ from serve.api.binary import encode_binary
 from serve.api.request import BINARY_MEDIA_TYPE
 from serve.errors import ConfigError, UpstreamUnavailable
 
-__all__ = ["ScoredRequest", "binary_bodies", "columnar_rows", "score_split"]
+__all__ = ["ScoredRequest", "binary_bodies", "score_split"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ def binary_bodies(data_dir: str | os.PathLike, split: str = "eval", rows: int | 
     Raises:
         ConfigError: no data there (names the folder and how to make it).
     """
-    from serve.model.data import load_split  # the offline data format; not pod code
+    from serve.model.data import columnar_rows, load_split  # the offline data format; not pod code
 
     if batch < 1:
         raise ConfigError(f"batch={batch} must be >= 1 (instances per request)")
@@ -56,25 +55,6 @@ def binary_bodies(data_dir: str | os.PathLike, split: str = "eval", rows: int | 
         stop = min(start + batch, n)
         dense, values, lengths = columnar_rows(data, start, stop)
         yield start, stop, encode_binary(dense, lengths, values)
-
-
-def columnar_rows(data: Any, start: int, stop: int
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows ``[start, stop)`` of a split (``serve.model.data.load_split``) in the columnar
-    form the runtime and the binary body take: float32 (B, N) dense, int64 ids feature by
-    feature, int32 (F, B) lengths."""
-    ids = np.asarray(data.sparse[start:stop])               # (B, F, M)
-    b, f = ids.shape[0], ids.shape[1]
-    if data.lengths is None:                                  # one-hot: M == 1
-        lengths = np.ones((f, b), dtype=np.int32)
-        values = ids[:, :, 0].T.reshape(-1)
-    else:
-        lens = np.asarray(data.lengths[start:stop]).astype(np.int32)  # (B, F)
-        lengths = lens.T.copy()
-        values = np.concatenate([ids[bi, fi, :lens[bi, fi]] for fi in range(f)
-                                 for bi in range(b)])
-    return (np.array(data.dense[start:stop], dtype=np.float32), values.astype(np.int64),
-            lengths)
 
 
 def score_split(url: str, data_dir: str | os.PathLike, split: str = "eval",

@@ -864,7 +864,7 @@ def start(cfg: LaunchConfig, say: Callable[[str], None] = log.info) -> Service:
 def _schema_of(cfg: LaunchConfig, version: str | None) -> ModelSchema:
     """``version``'s request schema from its build report (the built-in one if unknown)."""
     from serve.api.request import DEFAULT_SCHEMA
-    from serve.schema import schema_from_report
+    from serve.profiles import schema_from_report
 
     if version:
         try:

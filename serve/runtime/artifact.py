@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from serve.errors import ArtifactError, ConfigError
+from serve.rowformat import DTYPES, row_bytes
+from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 from serve.runtime.idmap import IdMap
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
-from serve.store.rowformat import DTYPES, row_bytes
-from serve.store.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 
 __all__ = [
     "DTYPES",

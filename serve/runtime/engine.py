@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from serve.common.validate import number_in_range, positive_int
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
+from serve.rowformat import row_bytes
 from serve.runtime.artifact import Artifact, DLRMDense, dequantize_rows, load_artifact
 from serve.runtime.cache import (
     MISS_PATHS,
@@ -66,7 +67,6 @@ from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, conv
 from serve.runtime.idmap import IdMap, MapIndex
 from serve.runtime.shared import IdRegion, SharedTables
 from serve.schema import ModelSchema
-from serve.store.rowformat import row_bytes
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
            "RuntimeStats", "SparseBatch"]

@@ -1,29 +1,27 @@
 """The FastAPI sidecar (runs in the pod next to TorchServe): metrics, declared state, live
 changes. Run it with ``python -m serve.sidecar --help``.
 
-Layers, from the edge inwards (imports only point down the list):
+Layers, from the edge inwards; each imports only the layers after it (``tests/test_layers.py``
+checks every import, lazy ones included):
 
-* ``http/``: :mod:`~serve.sidecar.http.app` (``create_app`` and ``main``), the
-  ``routes_*`` modules (thin: parse, call, answer), :mod:`~serve.sidecar.http.edge` (the
-  edge guard: tokens, scopes, body limits), :mod:`~serve.sidecar.http.auth` (the
-  write token), :mod:`~serve.sidecar.http.errors` (the one error mapping),
-  :mod:`~serve.sidecar.http.middleware`, :mod:`~serve.sidecar.http.docs`,
-  :mod:`~serve.sidecar.http.schemas` (bodies).
-* ``services/``: :mod:`~serve.sidecar.services.embedding_deltas`,
-  :mod:`~serve.sidecar.services.feedback`.
-* ``control/``: :mod:`~serve.sidecar.control.reconciler` (the one writer of TorchServe's
-  registrations; it acts through :mod:`~serve.sidecar.control.switch_runner` and
-  :mod:`~serve.sidecar.control.rollout_stepper`), :mod:`~serve.sidecar.control.switch`,
-  :mod:`~serve.sidecar.control.rollout`, :mod:`~serve.sidecar.control.guards`,
-  :mod:`~serve.sidecar.control.tuner` (driven by :mod:`~serve.sidecar.control.tuner_loop`),
-  :mod:`~serve.sidecar.control.drain`.
-* ``adapters/``: :mod:`~serve.sidecar.adapters.torchserve`,
-  :mod:`~serve.sidecar.adapters.archives`, :mod:`~serve.sidecar.adapters.memory`,
-  :mod:`~serve.sidecar.adapters.gpu`, :mod:`~serve.sidecar.adapters.tokens`,
-  :mod:`~serve.sidecar.adapters.model_schemas`.
+* ``__main__``: ``python -m serve.sidecar`` runs :func:`serve.sidecar.http.app.main`.
+* ``http/``: the app (``create_app``, ``main``), the ``routes_*`` modules (thin: parse,
+  call, answer), the write token, the one error mapping, the middleware, the docs and the
+  request/response bodies.
+* :mod:`~serve.sidecar.root`: the composition root; it builds every part from the config
+  once and hands them to the routes as one dependency.
+* ``services/``: embedding deltas and click feedback. They import no controller: the root
+  hands them the controllers' reads as callables.
+* ``control/``: the controllers, each a state machine (the reconciler, the one writer of
+  TorchServe's registrations; the version switch; the rollout and its guards; the batching
+  tuner; PUT /batching's updates; the drain; the fleet's decisions).
+* ``adapters/``: what the sidecar talks to outside itself (TorchServe, archives, memory,
+  GPUs, the token file, model schemas, the fleet's stores).
+* :mod:`~serve.sidecar.config`: the settings and the flags they generate (with the tuner's
+  and the feedback join's), the lowest layer: it imports none of the others.
 
-:mod:`~serve.sidecar.root` is the composition root: it builds the parts from
-:mod:`~serve.sidecar.config` and hands them to the routes as one dependency.
+Below the sidecar it imports only the ground floor of ``serve/``, ``serve/store`` and
+``serve/api`` (the request contract its OIP route decodes).
 """
 
 __all__: list[str] = []

@@ -29,12 +29,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict, UpstreamUnavailable
-from serve.metrics import (
-    EMBEDDING_IDS_FALLBACK_TOTAL,
-    HandlerAggregateCollector,
-    SidecarMetrics,
-    feature_counts,
-)
+from serve.metrics import EMBEDDING_IDS_FALLBACK_TOTAL
+from serve.metrics.aggregate import HandlerAggregateCollector, feature_counts
+from serve.metrics.sidecar import SidecarMetrics
 from serve.settings import DLRM_STATE_FILE
 from serve.sidecar.adapters.archives import control_path
 from serve.sidecar.adapters.fleet_store import FileDecisionStore, FileLease, FilePeers

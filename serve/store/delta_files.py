@@ -234,7 +234,7 @@ class TableLayout:
 def layout_for_schema(schema: ModelSchema) -> TableLayout:
     """The delta layout of a model: a delta row of table t updates it for every feature
     that reads t (a shared table is written once)."""
-    from serve.store.rowformat import row_bytes
+    from serve.rowformat import row_bytes
 
     first: dict[str, str] = {}
     for f in schema.features:
@@ -256,7 +256,7 @@ def layout_for_report(report: dict[str, Any]) -> TableLayout:
     Raises:
         InvalidDelta: the report gives no schema (an old or foreign build).
     """
-    from serve.schema import schema_from_report
+    from serve.profiles import schema_from_report
 
     try:
         return layout_for_schema(schema_from_report(report))

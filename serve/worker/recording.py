@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from serve.api.batch import Outcome
-from serve.metrics import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics
 from serve.store.predlog import Prediction, PredictionLogWriter
 from serve.worker.arms import Arms, BatchInfo
 

@@ -86,7 +86,8 @@ from serve.common.cpu import choose_threads
 from serve.common.validate import number_in_range
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
-from serve.metrics import HandlerMetrics, clean_dead_worker_files
+from serve.metrics.multiprocess import clean_dead_worker_files
+from serve.metrics.worker import HandlerMetrics
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
@@ -401,8 +402,9 @@ class Worker:
 
 def _clean_metric_files(environ: Mapping[str, str]) -> None:
     """Before this worker's metrics start: fold the prometheus_client files of dead
-    workers in PROMETHEUS_MULTIPROC_DIR (serve.metrics.clean_dead_worker_files), so they
-    do not pile up in the pod's 64 MiB tmpfs. Never fails the worker: logged."""
+    workers in PROMETHEUS_MULTIPROC_DIR
+    (serve.metrics.multiprocess.clean_dead_worker_files), so they do not pile up in the
+    pod's 64 MiB tmpfs. Never fails the worker: logged."""
     mp_dir = PROMETHEUS_MULTIPROC_DIR.get(environ)
     if not mp_dir:
         return

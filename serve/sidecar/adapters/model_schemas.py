@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from serve.errors import ConfigError, Conflict
-from serve.schema import ModelSchema, schema_from_report
+from serve.profiles import schema_from_report
+from serve.schema import ModelSchema
 
 __all__ = ["ReportReader", "SchemaCache", "check_rollout_schema"]
 

@@ -3,6 +3,6 @@ the reconciler (the one writer of TorchServe's registrations; its parts: the
 desired-state file, the assessment, the switch runner, the rollout stepper), the version
 switch, the rollout and its guards, the batching tuner and its loop, PUT /batching's
 updates and the drain.
-Every phase is a ``StrEnum`` of :mod:`~serve.sidecar.control.phases`. Reads of a
+Every phase is a ``StrEnum`` of :mod:`~serve.phases`. Reads of a
 controller (its status) are pure: only its own step changes it. Imports adapters; never
 the HTTP edge."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from serve.errors import Conflict
-from serve.metrics import SidecarMetrics
+from serve.metrics.sidecar import SidecarMetrics
 from serve.sidecar.adapters.torchserve import TorchServeClient, batching_state
 from serve.sidecar.control.reconciler import Reconciler, SwitchFailed
 from serve.sidecar.control.tuner_loop import TuningLoop

@@ -41,10 +41,10 @@ import yaml
 
 from serve.common.durable import write_durably
 from serve.errors import ServeError, UpstreamUnavailable
+from serve.phases import DrainPhase
 from serve.sidecar.adapters.archives import POD_HANDLER
 from serve.sidecar.adapters.torchserve import BatchingState, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.phases import DrainPhase
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.switch import SwitchPlan, VersionSwitch
 

@@ -9,7 +9,7 @@ instances) and ``dlrm_arm_score`` (one observation per predicted probability), a
 labels ``arm`` and ``version``, and in
 shadow mode ``dlrm_shadow_score_diff`` (candidate minus stable score on the same instance,
 label ``version``). The sidecar reads them summed over workers
-(``serve.metrics.HandlerAggregateCollector(dir).collect()``) and:
+(``serve.metrics.aggregate.HandlerAggregateCollector(dir).collect()``) and:
 
 1. :func:`snapshot` picks the two arms' series out of those families: a :class:`Snapshot`
    of cumulative counts since the workers started;

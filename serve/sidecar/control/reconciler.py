@@ -58,13 +58,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.errors import ConfigError, Conflict, ServeError, UpstreamUnavailable
-from serve.metrics import SidecarMetrics
+from serve.metrics.sidecar import SidecarMetrics
+from serve.phases import ReconcileResult
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Action, Assessment, assess, observed_state
 from serve.sidecar.control.fleet import Fleet
-from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.rollout_stepper import RolloutStepper
 from serve.sidecar.control.state_file import DesiredStateFile, digest

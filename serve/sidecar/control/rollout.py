@@ -68,7 +68,8 @@ from pathlib import Path
 from prometheus_client.metrics_core import Metric
 
 from serve.errors import Conflict
-from serve.metrics import SidecarMetrics
+from serve.metrics.sidecar import SidecarMetrics
+from serve.phases import RolloutPhase
 from serve.sidecar.adapters.fleet_store import DecisionStore, RolloutDecision
 from serve.sidecar.control.guards import (
     GuardLimits,
@@ -78,7 +79,6 @@ from serve.sidecar.control.guards import (
     evaluate,
     snapshot,
 )
-from serve.sidecar.control.phases import RolloutPhase
 from serve.sidecar.control.quality_gates import (
     QualityLimits,
     QualitySnapshot,

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.errors import ServeError, UpstreamUnavailable
+from serve.phases import SwitchPhase
 from serve.sidecar.adapters.archives import (
     CandidateArchive,
     control_path,
@@ -80,7 +81,6 @@ from serve.sidecar.adapters.torchserve import (
     ready_workers,
 )
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.control.phases import SwitchPhase
 from serve.state import DesiredState, RolloutMode
 from serve.store.repository import ModelRepository
 from serve.store.routing import write_control

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serve.errors import InsufficientMemory, ServeError
+from serve.phases import ReconcileResult
 from serve.sidecar.adapters.archives import control_path, is_sidecar_archive
 from serve.sidecar.adapters.memory import MemoryCheck
 from serve.sidecar.adapters.torchserve import Observed, Registered, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Action, assess
-from serve.sidecar.control.phases import ReconcileResult
 from serve.sidecar.control.switch import SwitchPlan, VersionSwitch
 from serve.sidecar.control.views import SwitchRecord
 from serve.state import DesiredState

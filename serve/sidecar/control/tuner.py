@@ -66,11 +66,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from serve import settings
-from serve.common.flags import flag
 from serve.common.histograms import histogram_quantile
-from serve.constants import P99_SLO_MS
-from serve.errors import ConfigError
 from serve.metrics import (
     BATCH_REQUESTS,
     INSTANCES_TOTAL,
@@ -79,8 +75,9 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     TUNER_REASONS,
 )
-from serve.sidecar.control.phases import TunerPhase
-from serve.state import BATCH_SIZE_MAX, MAX_BATCH_DELAY_MS_MAX, Batching
+from serve.phases import TunerPhase
+from serve.sidecar.config import TunerConfig
+from serve.state import Batching
 
 __all__ = [
     "PHASES",
@@ -91,7 +88,6 @@ __all__ = [
     "Setting",
     "Traffic",
     "TrafficWindow",
-    "TunerConfig",
     "TunerPhase",
     "counters_from",
     "seed_candidates",
@@ -126,122 +122,6 @@ class Setting:
 
     def __str__(self) -> str:
         return f"{self.batch_size}/{self.max_batch_delay_ms}ms"
-
-
-@dataclass(frozen=True)
-class TunerConfig:
-    """How the tuner judges and how often it may act.
-
-    enabled: tune at all (``--autotune off`` / ``DLRM_AUTOTUNE=0`` turn it off; then the
-        declared batching serves).
-    p99_goal_ms: a setting whose estimated p99 exceeds it is not chosen (MLPerf DLRM-v2
-        server bound, as ``make capacity``).
-    interval_s: between two observations.
-    window_s: one measurement window, at most (a trial is judged on one window).
-    quick_window_s, quick_requests: a window closes early once it spans ``quick_window_s``
-        and holds ``quick_requests`` requests (fast traffic: a search of three trials then
-        ends within the first minute instead of after ~90 s; slow traffic keeps the full
-        window).
-    settle_s: skipped after a switch before measuring (new workers warm up, the old
-        version drains).
-    min_requests: a window with fewer requests judges nothing (too little traffic).
-    min_dwell_s: a chosen setting is kept at least this long.
-    min_switch_interval_s: no two switches of the tuner closer than this.
-    hysteresis: a search's winner displaces a setting that needs no switch (the one
-        serving, else the one from before the search) only when its instances/s is
-        higher by more than this fraction.
-    seed_margin: a neighbour displaces the seed only when its instances/s is higher by
-        more than this fraction, and the seed counts as meeting the p99 goal up to this
-        fraction over it. The seed is the queueing model's answer; the neighbours check
-        it, and one window is noisy here: the same setting's instances/s moved by 10-30%
-        between 3-s windows (trials picked 24/5 and 22/5 over the seed and then served
-        9-19% below static 32/5), and the p99 estimate was 16% over wrk's p99 for batch 1
-        (60.6 vs 52 ms: the seed 1/2 was dropped for 2/2, whose real p99 was 96 ms).
-    shape_change: a new search starts when instances per request or concurrency moved by
-        more than this factor since the search that chose the serving setting.
-    min_queue_per_worker: no search starts while fewer requests than this are in flight
-        per worker on average and the serving setting meets the p99 goal. So light a load
-        rarely queues two requests for one worker: every setting then serves it alike,
-        and a search would rank arrival noise (under open-loop traffic a window's
-        instances/s is the clients' rate, not the setting's) while each of its switches
-        reloads the workers beside the traffic (measured on 2 cores, Poisson ranking
-        queries at 40/s, 0.7 in flight over 2 workers: two switches in one minute and a
-        p99 of 67 ms against the goal of 60).
-    fill: the seed batch is ``fill x`` the requests queued per worker.
-    smaller: the search's smaller neighbour is ``smaller x`` the seed batch (a batch that
-        waits for the very last request in flight can stall on it).
-    max_batch_instances: a batch holds at most this many instances (the forward at 512
-        instances takes ~13 ms on one core; two ranking requests fill it); when at
-        most two requests fit, the seed is the zero-wait merge 2 / 0 ms instead.
-    small_request_instances: requests below this many instances get
-        ``small_delay_ms``, others ``large_delay_ms``.
-    wait_factor: p99 estimate = handler p99 + wait_factor x mean wait outside the handler.
-    history: decisions kept for GET /state.
-    """
-
-    enabled: bool = field(default=True, metadata=flag(
-        "--autotune", env=settings.DLRM_AUTOTUNE,
-        help="the batching tuner: picks batch size and max delay from the traffic and applies "
-             "them like PUT /batching (needs --state-file); off: the declared batching serves. "
-             "PUT /tuner turns it on or off live"))
-    p99_goal_ms: float = field(default=P99_SLO_MS, metadata=flag(
-        "--p99-goal-ms", env=settings.DLRM_P99_GOAL_MS, help="the tuner's p99 latency goal in ms"))
-    interval_s: float = 1.0
-    window_s: float = field(default=10.0, metadata=flag(
-        "--tune-window-s", env=settings.DLRM_TUNE_WINDOW_S,
-        help="seconds of traffic the tuner measures a setting on, at most (a window closes "
-             "after 3 s once it holds 2,000 requests)"))
-    quick_window_s: float = 3.0
-    quick_requests: int = 2000
-    settle_s: float = field(default=4.0, metadata=flag(
-        "--tune-settle-s", env=settings.DLRM_TUNE_SETTLE_S,
-        help="seconds skipped after a switch before measuring"))
-    min_requests: int = 200
-    min_dwell_s: float = field(default=30.0, metadata=flag(
-        "--tune-min-dwell-s", env=settings.DLRM_TUNE_MIN_DWELL_S,
-        help="seconds a setting the tuner chose is kept at least"))
-    min_switch_interval_s: float = field(default=10.0, metadata=flag(
-        "--tune-min-switch-interval-s", env=settings.DLRM_TUNE_MIN_SWITCH_INTERVAL_S,
-        help="seconds between two switches of the tuner, at least"))
-    hysteresis: float = 0.05
-    seed_margin: float = 0.15
-    shape_change: float = 1.5
-    min_queue_per_worker: float = 0.5
-    fill: float = 1.0
-    smaller: float = 0.75
-    max_batch_instances: int = 512
-    max_batch_size: int = 128
-    small_request_instances: float = 16.0
-    small_delay_ms: int = 5
-    large_delay_ms: int = 2
-    wait_factor: float = 2.0
-    history: int = 20
-
-    def __post_init__(self) -> None:
-        for name in ("p99_goal_ms", "interval_s", "window_s", "shape_change", "fill",
-                     "small_request_instances"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"tuner {name}={v!r} must be a finite number > 0")
-        for name in ("settle_s", "quick_window_s", "min_dwell_s", "min_switch_interval_s",
-                     "hysteresis", "seed_margin", "wait_factor", "min_queue_per_worker"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ConfigError(f"tuner {name}={v!r} must be a finite number >= 0")
-        if self.shape_change <= 1:
-            raise ConfigError(f"tuner shape_change={self.shape_change} must be > 1 (a factor)")
-        if self.fill > 1:
-            raise ConfigError(f"tuner fill={self.fill} must be in (0, 1]")
-        for name in ("min_requests", "quick_requests", "max_batch_instances", "history"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"tuner {name}={getattr(self, name)} must be >= 1")
-        if not 1 <= self.max_batch_size <= BATCH_SIZE_MAX:
-            raise ConfigError(f"tuner max_batch_size={self.max_batch_size} must be in "
-                              f"1..{BATCH_SIZE_MAX}")
-        for name in ("small_delay_ms", "large_delay_ms"):
-            if not 0 <= getattr(self, name) <= MAX_BATCH_DELAY_MS_MAX:
-                raise ConfigError(f"tuner {name}={getattr(self, name)} must be in "
-                                  f"0..{MAX_BATCH_DELAY_MS_MAX}")
 
 
 # --------------------------------------------------------------------------- signals

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client.metrics_core import Metric
 
-from serve.metrics import SidecarMetrics, torchserve_families
+from serve.metrics.aggregate import torchserve_families
+from serve.metrics.sidecar import SidecarMetrics
+from serve.phases import SwitchPhase
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
-from serve.sidecar.control.phases import SwitchPhase
 from serve.sidecar.control.reconciler import Reconciler
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner, Setting, counters_from

@@ -77,7 +77,7 @@ def _small(_: Sidecar) -> int:
 
 def _feedback(sidecar: Sidecar) -> int:
     """POST /feedback's limit: the feedback service's own
-    (:attr:`~serve.sidecar.services.feedback.FeedbackConfig.max_body_bytes`,
+    (:attr:`~serve.sidecar.config.FeedbackConfig.max_body_bytes`,
     ``--feedback-max-body-bytes``), which the route also enforces while it streams."""
     return sidecar.feedback.config.max_body_bytes
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from serve.phases import SwitchPhase
 from serve.sidecar.adapters.torchserve import batching_state
 from serve.sidecar.control.batching import apply_batching, edited
-from serve.sidecar.control.phases import SwitchPhase
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.schemas import BatchingStatus, BatchingUpdate, BatchingUpdateResult
 from serve.sidecar.root import SidecarDep

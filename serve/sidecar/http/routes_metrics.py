@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from serve.metrics import torchserve_families, workers_family
+from serve.metrics.aggregate import torchserve_families, workers_family
 from serve.sidecar.root import SidecarDep
 
 __all__ = ["router"]

@@ -59,8 +59,8 @@ tests inject their own source. When TorchServe does not answer, the last pids kn
 used (none before the first answer).
 
 The service is also the Prometheus collector of the delta gauges
-(:func:`serve.metrics.embedding_delta_families`), computed at scrape from the store and the
-live workers' status files; an unreadable file is skipped and never fails a scrape.
+(:func:`serve.metrics.deltas.embedding_delta_families`), computed at scrape from the store
+and the live workers' status files; an unreadable file is skipped and never fails a scrape.
 
 **Managed id maps** (tables with ``mapping="managed"``, :mod:`serve.runtime.idmap`).
 Deltas of such tables admit ids (assign them rows) and evict ids. The service counts them
@@ -110,7 +110,7 @@ from serve.errors import (
     PayloadTooLarge,
     ServeError,
 )
-from serve.metrics import (
+from serve.metrics.deltas import (
     EmbeddingDeltaGauges,
     IdMapGauge,
     delta_files_skipped_family,
@@ -118,7 +118,8 @@ from serve.metrics import (
     embedding_delta_families,
     embedding_id_families,
 )
-from serve.schema import ModelSchema, schema_from_report
+from serve.profiles import schema_from_report
+from serve.schema import ModelSchema
 from serve.store import delta_files as delta_format
 from serve.store.delta_files import (
     Delta,

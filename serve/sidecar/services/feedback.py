@@ -54,7 +54,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Self
 
@@ -63,11 +63,7 @@ import orjson
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from serve import settings
-from serve.common.flags import flag
 from serve.common.quality import ScoreSummary, logloss, summarize
-from serve.common.validate import positive_int
-from serve.errors import ConfigError
 from serve.metrics import (
     BASELINE_AUC,
     BASELINE_CALIBRATION_RATIO,
@@ -87,11 +83,11 @@ from serve.metrics import (
     ONLINE_SCORE_TOTAL,
     PREDICTION_LOG_BYTES,
 )
+from serve.sidecar.config import FeedbackConfig
 from serve.store.predlog import RecordReader, log_files, read_at
 
 __all__ = [
     "CalibrationWindow",
-    "FeedbackConfig",
     "FeedbackResult",
     "FeedbackService",
     "PredictionIndex",
@@ -100,51 +96,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FeedbackConfig:
-    """Bounds of the join (see the module docstring).
-
-    Attributes:
-        log_dir: the prediction log folder the workers write; None: no log, every label
-            is ``unknown``.
-        index_entries: request ids the index remembers (the newest).
-        window_s: seconds a labelled prediction stays in the window (from when its label
-            arrived).
-        window_pairs: labelled predictions a window keeps at most (the newest).
-        max_series: (version, arm) windows kept; the least recently labelled goes first.
-        max_labels: labels one POST may carry.
-        max_body_bytes: bytes one POST /feedback body may have (413 past it). The body is
-            read in the chunks the server delivers and never held beyond this.
-    """
-
-    log_dir: Path | None = field(default=None, metadata=flag(
-        "--prediction-log-dir", env=settings.DLRM_PREDICTION_LOG_DIR,
-        help="the prediction log folder TorchServe's workers write; POST /feedback joins "
-             "labels with it. Unset: no join (every label counts as unknown)"))
-    index_entries: int = field(default=200_000, metadata=flag(
-        "--feedback-index-entries", env=settings.DLRM_FEEDBACK_INDEX_ENTRIES,
-        help="logged request ids the join remembers (~160 bytes each, measured: the "
-             "default 200000 is ~32 MB); a restart reads only the newest this many records"))
-    window_s: float = field(default=3600.0, metadata=flag(
-        "--feedback-window-s", env=settings.DLRM_FEEDBACK_WINDOW_S,
-        help="seconds a labelled prediction counts in the online CTR, calibration and AUC"))
-    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag(
-        "--feedback-max-body-bytes", env=settings.DLRM_FEEDBACK_MAX_BODY_BYTES,
-        help="bytes one POST /feedback body may have: a longer one is refused with 413 as "
-             "soon as its Content-Length or the bytes received pass it, never buffered "
-             "(100,000 labels with UUID request ids are ~7 MB)"))
-    window_pairs: int = 500_000
-    max_series: int = 8
-    max_labels: int = 100_000
-
-    def __post_init__(self) -> None:
-        for name in ("index_entries", "window_pairs", "max_series", "max_labels",
-                     "max_body_bytes"):
-            positive_int(f"feedback {name}", getattr(self, name))
-        if not (isinstance(self.window_s, (int, float)) and self.window_s > 0):
-            raise ConfigError(f"feedback window_s={self.window_s!r} must be > 0 (seconds)")
 
 
 def label_keys(request_ids: Sequence[str], indices: Sequence[int]) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 The values are the label values of the phase gauges (``serve.metrics``: ``SWITCH_PHASES``,
 ``ROLLOUT_PHASES``, ``TUNER_PHASES``, ``RECONCILE_RESULTS`` are built from these enums)
-and what GET /state, GET /tuner and POST /drain show. A light module (it imports only
-:mod:`enum`) so that ``serve.metrics`` can import it without pulling in a controller.
+and what GET /state, GET /tuner and POST /drain show. Ground floor (it imports only
+:mod:`enum`): ``serve.metrics`` and the sidecar's controllers both import it.
 """
 from __future__ import annotations
 

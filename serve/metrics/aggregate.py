@@ -1,0 +1,171 @@
+"""What the sidecar re-exposes of others: the workers' multiprocess files summed over
+processes (:class:`HandlerAggregateCollector`, plus the derived ``dlrm_cache_hit_ratio``),
+the worker count by status (:func:`workers_family`) and TorchServe's own metrics
+(:func:`torchserve_families`). Names in :mod:`serve.metrics`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+from collections import Counter as _Tally
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from prometheus_client.metrics_core import (
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from serve.metrics import (
+    CACHE_HIT_RATIO,
+    CACHE_HITS_TOTAL,
+    CACHE_MISSES_TOTAL,
+    TORCHSERVE_PREFIX,
+    WORKERS,
+    strip_total,
+)
+
+__all__ = [
+    "HandlerAggregateCollector",
+    "cache_hit_ratio_family",
+    "feature_counts",
+    "torchserve_families",
+    "workers_family",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def _family_total(families: Iterable[Metric], name: str) -> float | None:
+    family = strip_total(name)
+    for metric in families:
+        if metric.name == family:
+            return sum(s.value for s in metric.samples if s.name == name)
+    return None
+
+
+def feature_counts(families: Iterable[Metric], name: str) -> dict[str, dict[str, int]]:
+    """The samples of counter ``name`` (e.g. :data:`EMBEDDING_IDS_FALLBACK_TOTAL`) in
+    ``families`` summed by their ``version`` and ``feature`` labels (the workers' files,
+    summed over processes: :meth:`HandlerAggregateCollector.collect`):
+    ``{version: {feature: count}}``."""
+    family = strip_total(name)
+    out: dict[str, dict[str, int]] = {}
+    for metric in families:
+        if metric.name != family:
+            continue
+        for s in metric.samples:
+            feature, version = s.labels.get("feature"), s.labels.get("version")
+            if s.name == name and feature is not None and version is not None:
+                per = out.setdefault(version, {})
+                per[feature] = per.get(feature, 0) + int(s.value)
+    return out
+
+
+def cache_hit_ratio_family(families: Iterable[Metric]) -> GaugeMetricFamily:
+    """``dlrm_cache_hit_ratio`` = hits / (hits + misses) summed over ``families``
+    (NaN before any lookup: 0/0 is unknown, not 0)."""
+    families = list(families)
+    hits = _family_total(families, CACHE_HITS_TOTAL) or 0.0
+    misses = _family_total(families, CACHE_MISSES_TOTAL) or 0.0
+    ratio = hits / (hits + misses) if hits + misses > 0 else math.nan
+    return GaugeMetricFamily(
+        CACHE_HIT_RATIO,
+        "Embedding cache hits / lookups over the lifetime of all workers (0..1); "
+        "computed by the sidecar from the summed counters.",
+        value=ratio)
+
+
+class HandlerAggregateCollector(Collector):
+    """The workers' metrics summed over processes, plus ``dlrm_cache_hit_ratio``.
+
+    Args:
+        multiproc_dir: the workers' ``PROMETHEUS_MULTIPROC_DIR``. A missing directory
+            yields no worker metrics (logged once) rather than failing the scrape.
+
+    :meth:`reap` removes the live-gauge files of workers that have gone, given the pids
+    TorchServe lists now. A pid is reaped only once it was seen alive and then vanished:
+    a just-started worker may write before TorchServe lists it, and deleting its file
+    would lose its gauges for good. Pids from TorchServe (not ``os.kill``) keep this
+    right when the sidecar runs in another container with its own pid namespace.
+    """
+
+    def __init__(self, multiproc_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(multiproc_dir)
+        self._seen: set[int] = set()
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def reap(self, live_pids: Iterable[int]) -> list[int]:
+        """Forget workers TorchServe no longer lists; returns the pids reaped."""
+        live = set(live_pids)
+        with self._lock:
+            gone = sorted(self._seen - live)
+            self._seen = (self._seen & live) | live
+        if self.path.is_dir():
+            for pid in gone:
+                mark_process_dead(pid, str(self.path))
+        return gone
+
+    def forget(self, pids: Iterable[int]) -> None:
+        """Drop the live gauges of workers known to be gone (an unregistered version's),
+        whether or not a scrape ever saw them."""
+        pids = set(pids)
+        with self._lock:
+            self._seen -= pids
+        if self.path.is_dir():
+            for pid in pids:
+                mark_process_dead(pid, str(self.path))
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.path.is_dir():
+            if not self._warned:
+                self._warned = True
+                _log.warning("multiprocess dir %s does not exist; no handler metrics",
+                             self.path)
+            families: list[Metric] = []
+        else:
+            families = list(MultiProcessCollector(None, path=str(self.path)).collect())
+        yield from families
+        yield cache_hit_ratio_family(families)
+
+
+def workers_family(statuses: Iterable[str]) -> GaugeMetricFamily:
+    """``dlrm_workers{status}``: TorchServe workers of all versions of the model, by
+    status (``READY``, ``WORKER_STARTED``, ...); a READY series is always present."""
+    tally = _Tally(str(s) for s in statuses)
+    tally.setdefault("READY", 0)
+    family = GaugeMetricFamily(
+        WORKERS, "TorchServe workers of the model (all versions), by status.",
+        labels=["status"])
+    for status, count in sorted(tally.items()):
+        family.add_metric([status], count)
+    return family
+
+
+_VALID_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metric]:
+    """TorchServe's Prometheus text (its metrics port) as families to re-expose.
+
+    Names lacking ``prefix`` get it, so nothing collides with ``dlrm_`` names.
+    Raises ``ValueError`` when ``text`` is not Prometheus exposition.
+    """
+    out: list[Metric] = []
+    for family in text_string_to_metric_families(text):
+        name = family.name if family.name.startswith(prefix) else prefix + family.name
+        if not _VALID_NAME.fullmatch(name):
+            continue
+        renamed = Metric(name, family.documentation, family.type, family.unit)
+        for s in family.samples:
+            renamed.add_sample(name + s.name[len(family.name):], s.labels, s.value,
+                               s.timestamp, s.exemplar)
+        out.append(renamed)
+    return out

@@ -1,0 +1,400 @@
+"""What a TorchServe worker records: :class:`HandlerMetrics` (one per worker process,
+writing prometheus_client's multiprocess files; names in :mod:`serve.metrics`), and
+:func:`observe_many`, a histogram's bulk observe for a batch's thousands of values.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serve.constants import STAGES
+from serve.metrics import (
+    ARM_ERRORS_TOTAL,
+    ARM_FORWARD_SECONDS_PER_INSTANCE,
+    ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS,
+    ARM_REQUEST_DURATION_SECONDS,
+    ARM_REQUESTS_TOTAL,
+    ARM_SCORE,
+    ARMS,
+    BATCH_INSTANCES,
+    BATCH_INSTANCES_BUCKETS,
+    BATCH_REQUESTS,
+    BATCH_REQUESTS_BUCKETS,
+    CACHE_DEVICE_BYTES,
+    CACHE_EVICTIONS_TOTAL,
+    CACHE_HITS_TOTAL,
+    CACHE_HOST_BYTES,
+    CACHE_MISSES_TOTAL,
+    CAPACITY_WORK_SECONDS_TOTAL,
+    EMBEDDING_IDS_FALLBACK_TOTAL,
+    EMBEDDING_IDS_WRAPPED_TOTAL,
+    INSTANCES_TOTAL,
+    PREDICTION_LOG_RECORDS_TOTAL,
+    REQUEST_DURATION_BUCKETS,
+    REQUEST_DURATION_SECONDS,
+    REQUESTS_TOTAL,
+    SCORE_BUCKETS,
+    SCORE_DIFF_BUCKETS,
+    SHADOW_SCORE_DIFF,
+    STAGE_DURATION_BUCKETS,
+    STAGE_DURATION_SECONDS,
+    strip_total,
+)
+
+__all__ = [
+    "CacheStats",
+    "HandlerMetrics",
+    "observe_many",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class CacheStats(Protocol):
+    """The part of ``serve.runtime.engine.RuntimeStats`` read here (cumulative since load)."""
+
+    hits: int
+    misses: int
+    evictions: int
+    device_bytes: int
+    host_bytes: int
+
+
+class HandlerMetrics:
+    """What a TorchServe worker records; safe to call from the handler's thread.
+
+    Args:
+        registry: where the metric objects register. In multiprocess mode the values go
+            to the mmap files in ``PROMETHEUS_MULTIPROC_DIR`` whatever the registry, so
+            the default (None) is a private registry: it keeps a second instance in the
+            same process (tests, a reloaded handler) from failing on duplicate names.
+            Pass a fresh ``CollectorRegistry`` to read values in a single process.
+
+    Do not use it in the sidecar: the sidecar reads the workers' files instead.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(
+            strip_total(REQUESTS_TOTAL),
+            "Prediction requests answered by the handler, by HTTP status code.",
+            ["code"], registry=r)
+        self._instances = Counter(
+            strip_total(INSTANCES_TOTAL),
+            "Instances (samples) received in prediction requests of any status.",
+            registry=r)
+        self._duration = Histogram(
+            REQUEST_DURATION_SECONDS,
+            "Handler time per prediction request, decode to response, in seconds.",
+            buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._batch_instances = Histogram(
+            BATCH_INSTANCES,
+            "Instances per merged forward pass (all requests of one TorchServe batch).",
+            buckets=BATCH_INSTANCES_BUCKETS, registry=r)
+        self._work = Counter(
+            strip_total(CAPACITY_WORK_SECONDS_TOTAL),
+            "Seconds of model work done: each batch's handler time (decode to response), "
+            "once per batch. rate() of it over the pod's capacity is the HPA's "
+            "dlrm_capacity_utilization_ratio.", registry=r)
+        self._batch_requests = Histogram(
+            BATCH_REQUESTS,
+            "Requests per forward pass: the TorchServe batch size actually formed.",
+            buckets=BATCH_REQUESTS_BUCKETS, registry=r)
+        self._logged = Counter(
+            strip_total(PREDICTION_LOG_RECORDS_TOTAL),
+            "Requests written to the prediction log (sampled) for joining click feedback.",
+            registry=r)
+        self._hits = Counter(strip_total(CACHE_HITS_TOTAL),
+                             "Embedding rows found in the device cache.", registry=r)
+        self._misses = Counter(strip_total(CACHE_MISSES_TOTAL),
+                               "Embedding rows fetched from host memory.", registry=r)
+        self._evictions = Counter(strip_total(CACHE_EVICTIONS_TOTAL),
+                                  "Embedding rows evicted from the device cache.", registry=r)
+        # livesum: the pod's total over live workers (the sidecar reaps dead ones).
+        self._device_bytes = Gauge(CACHE_DEVICE_BYTES,
+                                   "Embedding bytes held on the compute device.",
+                                   registry=r, multiprocess_mode="livesum")
+        self._host_bytes = Gauge(CACHE_HOST_BYTES,
+                                 "Embedding bytes held in host memory.",
+                                 registry=r, multiprocess_mode="livesum")
+        self._wrapped = Counter(
+            strip_total(EMBEDDING_IDS_WRAPPED_TOTAL),
+            "Sparse ids >= their table's rows, wrapped modulo rows, per feature: new ids "
+            "outgrowing a table.", ["feature"], registry=r)
+        self._fallback = Counter(
+            strip_total(EMBEDDING_IDS_FALLBACK_TOTAL),
+            "Lookups of a managed feature whose id has no row of its own (never admitted, "
+            "evicted, not admitted yet) and read the table's fallback row, per feature and "
+            "model version.", ["feature", "version"], registry=r)
+        self._stage = Histogram(
+            STAGE_DURATION_SECONDS,
+            "Time per pipeline stage of one forward pass, in seconds.",
+            ["stage"], buckets=STAGE_DURATION_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}
+        self._dropped_stages: set[str] = set()
+        self._init_arms(r)
+
+    def _init_arms(self, r: CollectorRegistry) -> None:
+        """The per-arm series of rollouts (serve.store.routing): one per (arm, version);
+        without a rollout the handler records everything as arm="stable" of its version."""
+        arm_labels = ["arm", "version"]
+        self._arm_requests = Counter(
+            strip_total(ARM_REQUESTS_TOTAL),
+            "Requests scored by each arm of a rollout (shadow candidate: scored, not "
+            "answered); requests whose body was refused belong to no arm.",
+            arm_labels, registry=r)
+        self._arm_errors = Counter(
+            strip_total(ARM_ERRORS_TOTAL),
+            "Requests of an arm whose forward raised (any exception of that model).",
+            arm_labels, registry=r)
+        self._arm_duration = Histogram(
+            ARM_REQUEST_DURATION_SECONDS,
+            "Seconds per request of an arm: the batch's decode time plus that arm's "
+            "forward time.",
+            arm_labels, buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._arm_forward = Histogram(
+            ARM_FORWARD_SECONDS_PER_INSTANCE,
+            "Forward seconds per instance of an arm: one observation per forward that "
+            "succeeded (its forward time / its instances; decode and queue excluded).",
+            arm_labels, buckets=ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS, registry=r)
+        self._arm_score = Histogram(
+            ARM_SCORE,
+            "Predicted click probabilities of each arm, one observation per instance.",
+            arm_labels, buckets=SCORE_BUCKETS, registry=r)
+        self._shadow_diff = Histogram(
+            SHADOW_SCORE_DIFF,
+            "Shadow mode: candidate minus stable predicted probability on the same "
+            "instance, one observation per instance.",
+            ["version"], buckets=SCORE_DIFF_BUCKETS, registry=r)
+
+    def observe_request(self, code: int, instances: int, seconds: float) -> None:
+        """One answered request: its HTTP ``code``, ``instances`` in it (0 when the body
+        did not parse) and the handler's time for it in ``seconds``."""
+        self.observe_requests(code, 1, instances, seconds)
+
+    def observe_requests(self, code: int, requests: int, instances: int,
+                         seconds: float) -> None:
+        """``requests`` answered requests of one batch with the same HTTP ``code``,
+        ``instances`` in all, each taking ``seconds`` of handler time: the same series as
+        that many :meth:`observe_request` calls, with one write per series (a batch of
+        32 single-instance requests made 96 locked mmap writes)."""
+        code = int(code)
+        if not 100 <= code <= 599:
+            raise ValueError(f"HTTP code {code} is outside 100..599; pass the status sent")
+        if requests < 1:
+            raise ValueError(f"requests={requests} must be >= 1")
+        if instances < 0 or seconds < 0:
+            raise ValueError(f"instances={instances} and seconds={seconds} must be >= 0")
+        self._requests.labels(code=str(code)).inc(requests)
+        if instances:
+            self._instances.inc(instances)
+        observe_many(self._duration, np.full(requests, float(seconds)))
+
+    def observe_work(self, seconds: float) -> None:
+        """One batch's handler time in ``seconds`` (the work it cost the worker, whatever
+        its requests' sizes or statuses): :data:`CAPACITY_WORK_SECONDS_TOTAL`."""
+        if not seconds >= 0:
+            raise ValueError(f"work seconds={seconds} must be >= 0; pass the batch's "
+                             "measured handler time")
+        self._work.inc(float(seconds))
+
+    def observe_batch(self, instances: int, requests: int) -> None:
+        """One merged forward pass over ``instances`` samples from ``requests`` requests."""
+        if instances < 0 or requests < 1:
+            raise ValueError(
+                f"instances={instances} must be >= 0 and requests={requests} >= 1")
+        self._batch_instances.observe(instances)
+        self._batch_requests.observe(requests)
+
+    def observe_stages(self, seconds: Mapping[str, float]) -> None:
+        """Per-forward stage times (deltas, seconds) keyed by ``"decode"``, ``"embedding"``,
+        ``"dense"``. Other keys are dropped (logged once) to keep labels bounded: a metrics
+        call must never fail a prediction."""
+        for stage, value in seconds.items():
+            if stage not in STAGES:
+                if stage not in self._dropped_stages:
+                    self._dropped_stages.add(stage)
+                    _log.warning("stage %r is not one of %s; not recorded", stage, STAGES)
+                continue
+            self._stage.labels(stage=stage).observe(max(0.0, float(value)))
+
+    def set_cache(self, stats: CacheStats) -> None:
+        """Record the runtime's cumulative cache statistics after a forward pass.
+
+        Counters move by the delta since the previous call; a value lower than the last
+        one means the runtime was rebuilt, and counts from zero again (as Prometheus
+        treats a counter reset).
+        """
+        with self._lock:
+            for key, counter in (("hits", self._hits), ("misses", self._misses),
+                                 ("evictions", self._evictions)):
+                self._advance(counter, key, int(getattr(stats, key)))
+            self._device_bytes.set(int(stats.device_bytes))
+            self._host_bytes.set(int(stats.host_bytes))
+
+    def skip_cache(self, stats: CacheStats, features: list[str],
+                   wrapped: tuple[int, ...]) -> None:
+        """Take the runtime's cumulative counts as the starting point without counting
+        them (the worker's warm-up forwards before it serves): the next :meth:`set_cache`
+        and :meth:`set_wrapped` count only what came after (:meth:`set_fallback` with
+        ``count=False`` does the same for the fallback counts)."""
+        with self._lock:
+            for key in ("hits", "misses", "evictions"):
+                self._last[key] = int(getattr(stats, key))
+            for name, value in zip(features, wrapped, strict=True):
+                self._last[f"wrapped:{name}"] = int(value)
+
+    def set_wrapped(self, features: list[str], wrapped: tuple[int, ...]) -> None:
+        """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
+        per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
+        with self._lock:
+            for name, value in zip(features, wrapped, strict=True):
+                self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
+
+    def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
+                     managed: frozenset[str] | None = None, *, count: bool = True) -> None:
+        """Record the cumulative fallback-row lookups of ``version``'s runtime
+        (``RuntimeStats.fallback``, one per feature in ``features`` order) as counter
+        increments, like :meth:`set_wrapped`. ``managed``: the features whose series
+        exist (those of managed tables; None: every feature); a modulo feature never reads
+        a fallback row, so it gets no series of zeros. ``count=False``: take the counts as
+        the starting point without counting them (warm-up), creating the series at 0."""
+        with self._lock:
+            for name, value in zip(features, fallback, strict=True):
+                if managed is not None and name not in managed:
+                    continue
+                child = self._fallback.labels(feature=name, version=version)
+                key = f"fallback:{version}:{name}"
+                if count:
+                    self._advance(child, key, int(value))
+                else:
+                    self._last[key] = int(value)
+
+    def _advance(self, counter: Counter, key: str, value: int) -> None:
+        """Move ``counter`` by ``value``'s increase since the last value seen under ``key``
+        (a lower value: the runtime was rebuilt and counts from zero again). Under _lock."""
+        last = self._last.get(key, 0)
+        self._last[key] = value
+        delta = value - last if value >= last else value
+        if delta:
+            counter.inc(delta)
+
+    def observe_logged(self, requests: int) -> None:
+        """``requests`` more requests written to the prediction log (serve.store.predlog)."""
+        if requests < 0:
+            raise ValueError(f"requests={requests} must be >= 0")
+        self._logged.inc(requests)
+
+    def observe_arm(self, arm: str, version: str, requests: int, errors: int,
+                    seconds_per_request: float, scores: np.ndarray | None = None, *,
+                    forward_seconds_per_instance: float | None = None) -> None:
+        """One arm's forward in a batch.
+
+        Args:
+            arm: ``stable`` or ``candidate`` (:data:`ARMS`).
+            version: the model version of that arm (label ``version``).
+            requests: requests the arm scored (answered, or shadow-scored).
+            errors: how many of them failed (all of them when its forward raised).
+            seconds_per_request: the batch's decode time + the arm's forward time, in
+                seconds; observed once per request in ``dlrm_arm_request_duration_seconds``.
+            scores: (n,) the predicted probabilities of the arm's instances, one
+                ``dlrm_arm_score`` observation each (None or empty: none).
+            forward_seconds_per_instance: the arm's forward seconds / its instances,
+                observed once in ``dlrm_arm_forward_seconds_per_instance`` (None: not
+                observed; pass None for a forward that failed).
+        Raises:
+            ValueError: an arm outside ARMS, an empty version, counts below 0 or errors
+                above requests, a negative or non-finite duration.
+
+        Both counters get their series even when they do not move, so that an error
+        ratio reads 0/n, not "no data".
+        """
+        _check_arm(arm, version)
+        if requests < 0 or not 0 <= errors <= requests:
+            raise ValueError(f"requests={requests} must be >= 0 and errors={errors} in "
+                             "0..requests")
+        for what, secs in (("seconds_per_request", seconds_per_request),
+                           ("forward_seconds_per_instance", forward_seconds_per_instance)):
+            if secs is not None and (not math.isfinite(secs) or secs < 0):
+                raise ValueError(f"{what}={secs} must be finite and >= 0")
+        self._arm_requests.labels(arm=arm, version=version).inc(requests)
+        self._arm_errors.labels(arm=arm, version=version).inc(errors)
+        if requests:
+            observe_many(self._arm_duration.labels(arm=arm, version=version),
+                         np.full(requests, float(seconds_per_request)))
+        if forward_seconds_per_instance is not None:
+            self._arm_forward.labels(arm=arm, version=version).observe(
+                float(forward_seconds_per_instance))
+        if scores is not None and np.size(scores):
+            observe_many(self._arm_score.labels(arm=arm, version=version), scores)
+
+    def observe_shadow_diff(self, version: str, diffs: np.ndarray) -> None:
+        """Shadow mode: ``diffs`` (n,) = candidate minus stable score per instance, for
+        the candidate ``version``; one ``dlrm_shadow_score_diff`` observation each."""
+        _check_arm("candidate", version)
+        if np.size(diffs):
+            observe_many(self._shadow_diff.labels(version=version), diffs)
+
+
+def _check_arm(arm: str, version: str) -> None:
+    if arm not in ARMS:
+        raise ValueError(f"arm {arm!r} is not one of {ARMS}")
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"version {version!r} must be a non-empty model version")
+
+
+def observe_many(histogram: Histogram, values: np.ndarray) -> int:
+    """Add each of ``values`` as one observation of ``histogram``, exactly as a loop of
+    ``histogram.observe(v)`` would, with one write per non-empty bucket instead of one
+    per value.
+
+    Why: a batch holds up to thousands of instances, and in multiprocess mode every
+    ``observe`` takes a lock and writes the mmap file. prometheus_client has no bulk
+    call, so this uses the internals ``Histogram.observe`` itself uses: the child's
+    ``_upper_bounds`` (the buckets, +Inf last), ``_buckets`` (one value per bucket,
+    counts NOT cumulative) and ``_sum``, plus ``_raise_if_not_observable``. Checked
+    against prometheus_client 0.26.0 (the version in .venv);
+    ``tests/test_metrics.py`` compares the exposition with a loop of ``observe()``, so an
+    upgrade that changes them fails there.
+
+    Binning: ``np.searchsorted(bounds, v, side="left")`` is the first bucket whose bound
+    is >= v: prometheus' ``le`` (v <= bound). NaN values are skipped: ``observe`` would
+    count them in no bucket and turn the sum into NaN for good.
+
+    Args:
+        histogram: a Histogram without labels, or a labelled child (``h.labels(...)``).
+        values: any shape (flattened), any real dtype.
+    Returns:
+        The number of observations added.
+    Raises:
+        TypeError: ``histogram`` is not a prometheus_client Histogram (or its internals
+            changed).
+        ValueError: ``histogram`` is a labelled parent (call ``.labels(...)`` first).
+    """
+    if not hasattr(histogram, "_upper_bounds") or not hasattr(histogram,
+                                                              "_raise_if_not_observable"):
+        raise TypeError(f"observe_many needs a prometheus_client Histogram (child), got "
+                        f"{type(histogram).__name__}")
+    histogram._raise_if_not_observable()
+    buckets, total = getattr(histogram, "_buckets", None), getattr(histogram, "_sum", None)
+    if buckets is None or total is None or len(buckets) != len(histogram._upper_bounds):
+        raise TypeError("observe_many: this prometheus_client's Histogram internals differ "
+                        "from 0.26.0 (_buckets/_sum); update observe_many")
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    v = v[~np.isnan(v)]
+    if not v.size:
+        return 0
+    bounds = np.asarray(histogram._upper_bounds, dtype=np.float64)
+    counts = np.bincount(np.searchsorted(bounds, v, side="left"), minlength=bounds.size)
+    for i in np.flatnonzero(counts):
+        buckets[i].inc(int(counts[i]))
+    total.inc(float(v.sum()))
+    return int(v.size)
