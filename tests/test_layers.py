@@ -311,8 +311,8 @@ def test_import_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("module", "source", "verdict"), [
     ("serve.store._probe", "def f():\n    from serve.sidecar import root\n",
      "imports serve.sidecar.root (serve.sidecar)"),
-    ("serve.runtime._probe", "from serve.api import protocol\n",
-     "imports serve.api.protocol (serve.api)"),
+    ("serve.runtime._probe", "from serve.api import decode\n",
+     "imports serve.api.decode (serve.api)"),
     ("serve.schema", "from serve.profiles import get_profile\n",
      "imports serve.profiles (serve.profiles)"),
     ("serve.metrics._probe", "from serve import settings\nfrom serve.schema import ModelSchema\n",
