@@ -17,8 +17,8 @@ from serve.errors import ConfigError, DeltaConflict, InvalidDelta
 from serve.metrics import DELTA_REFUSAL_REASONS, DELTA_SKIP_REASONS
 from serve.model.delta import DONE_FILE, delta_file_name, parent_digest
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.services.embedding_deltas import refusal_reason
-from serve.store.delta_files import (
+from serve.sidecar.services.deltas.intake import refusal_reason
+from serve.store.deltas.format import (
     DeltaStore,
     decode_delta,
     encode_delta,

@@ -1,4 +1,4 @@
-"""The sidecar's embedding-delta API (serve.sidecar.http.routes_deltas, serve.sidecar.services.embedding_deltas):
+"""The sidecar's embedding-delta API (serve.sidecar.http.routes_deltas, serve.sidecar.services.deltas.intake):
 the real app under uvicorn on 127.0.0.1 with a fake TorchServe management API, a model
 repository of ``tiny`` int8 versions, and worker statuses written by the test exactly as
 the workers write them (``DeltaStore.write_worker_status``)."""
@@ -19,13 +19,13 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
-import serve.store.delta_files
+import serve.store.deltas.format
 from serve.common.net import free_port, wait_until
 from serve.profiles import get_profile
 from serve.sidecar.http.app import SidecarConfig, create_app
-from serve.sidecar.services.embedding_deltas import DeltaService
+from serve.sidecar.services.deltas.intake import DeltaService
 from serve.state import Batching, DesiredState, ModelRef, write_state
-from serve.store.delta_files import (
+from serve.store.deltas.format import (
     Delta,
     DeltaStore,
     DeltaTable,
@@ -178,7 +178,7 @@ def post(c: httpx.Client, body: bytes | Iterable[bytes], wait_s: float | None = 
          ) -> httpx.Response:
     params = {} if wait_s is None else {"wait_s": wait_s}
     return c.post("/embeddings/deltas", content=body, params=params,
-                  headers={**AUTH, "Content-Type": serve.store.delta_files.DELTA_MEDIA_TYPE, **headers})
+                  headers={**AUTH, "Content-Type": serve.store.deltas.format.DELTA_MEDIA_TYPE, **headers})
 
 
 def refused(pod: Pod, c: httpx.Client, body: bytes | Iterable[bytes], status: int, field: str | None,
@@ -360,7 +360,7 @@ def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
         got = c.get("/embeddings/deltas").json()
         assert got == {"enabled": True, "delta_dir": str(pod.delta_dir),
                        "versions": {SERVED: expected}, "message": None, "damaged": [],
-                       "max_bytes": serve.store.delta_files.MAX_DELTA_BYTES}
+                       "max_bytes": serve.store.deltas.format.MAX_DELTA_BYTES}
         r = c.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)

@@ -27,7 +27,7 @@ from serve.runtime.idmap import (
     slot_bits,
 )
 from serve.schema import TableSpec
-from serve.store.delta_files import (
+from serve.store.deltas.format import (
     Delta,
     DeltaStore,
     check_layout,

@@ -28,8 +28,8 @@ from serve.metrics import (
 from serve.runtime.artifact import Artifact
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.idmap import FALLBACK_ROW
-from serve.sidecar.services.embedding_deltas import DeltaService
-from serve.store.delta_files import DeltaStore, WorkerStatus, version_digest
+from serve.sidecar.services.deltas.intake import DeltaService
+from serve.store.deltas.format import DeltaStore, WorkerStatus, version_digest
 from serve.worker import Worker, WorkerRequest
 from tests.fixtures.deltas import chained, with_delta_rows
 from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, raw_batch

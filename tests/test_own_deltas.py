@@ -21,7 +21,7 @@ from serve.runtime.artifact import quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable
+from serve.store.deltas.format import Delta, DeltaStore, DeltaTable
 from tests.fixtures.deltas import chained, with_delta_rows
 from tests.fixtures.own_models import random_artifact
 

@@ -22,7 +22,7 @@ from serve.errors import ConfigError
 from serve.metrics import HandlerMetrics
 from serve.runtime.artifact import load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
+from serve.store.deltas.format import Delta, DeltaStore, DeltaTable, encode_delta
 from serve.store.predlog import iter_log
 from serve.store.routing import key_point, write_control
 from serve.worker import Worker, WorkerRequest, model_version, worker_device

@@ -51,9 +51,9 @@ from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner
 from serve.sidecar.control.tuning import TuningLoop
-from serve.sidecar.services.embedding_deltas import DeltaService, model_versions
+from serve.sidecar.services.deltas.intake import DeltaService, model_versions
 from serve.sidecar.services.feedback import FeedbackService
-from serve.store.delta_files import DeltaStore
+from serve.store.deltas.format import DeltaStore
 from serve.store.repository import ModelRepository
 
 _log = logging.getLogger(__name__)

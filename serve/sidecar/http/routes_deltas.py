@@ -3,8 +3,8 @@ workers apply it; ``GET /embeddings/deltas``: per served version, the deltas sto
 what each live worker has applied.
 
 The body of the POST is the delta file as written by ``make delta`` (any Content-Type;
-:data:`serve.store.delta_files.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
-are in :mod:`serve.sidecar.services.embedding_deltas`: 413 too large, 400 damaged or not fitting the
+:data:`serve.store.deltas.format.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
+are in :mod:`serve.sidecar.services.deltas.intake`: 413 too large, 400 damaged or not fitting the
 version's tables (``field`` names the part), 409 for a version not served here or a
 sequence that is not the next one; nothing is stored on any of them. The body streams
 into a file of the store (never held in memory). The same bytes posted again are stored
@@ -44,14 +44,14 @@ from serve.sidecar.http.schemas import (
     EmbeddingsStatus,
 )
 from serve.sidecar.root import Sidecar, SidecarDep
-from serve.sidecar.services.embedding_deltas import (
+from serve.sidecar.services.deltas.intake import (
     WAIT_DEFAULT_S,
     WAIT_MAX_S,
     Accepted,
     DeltaService,
     refusal_reason,
 )
-from serve.store.delta_files import DELTA_MEDIA_TYPE
+from serve.store.deltas.format import DELTA_MEDIA_TYPE
 
 __all__ = ["router"]
 

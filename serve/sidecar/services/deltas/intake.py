@@ -7,20 +7,20 @@ changes, in this order, and any failure leaves the store as it was:
    it streams into a file in the store's folder (hashed on the way; the body is never
    held in memory);
 2. the file itself, read back in chunks with only its ids loaded
-   (:func:`serve.store.delta_files.scan_delta_file`: magic, header, sizes, checksum; 400
+   (:func:`serve.store.deltas.format.scan_delta_file`: magic, header, sizes, checksum; 400
    naming the field);
 3. its base version is one the pod serves now, the stable version or a rollout's
    candidate (409 naming both);
-4. it fits that version's tables (:func:`serve.store.delta_files.check_layout` against the build
+4. it fits that version's tables (:func:`serve.store.deltas.format.check_layout` against the build
    report's profile and dtype; 400 naming the field);
-5. its sequence is the version's next one (:meth:`serve.store.delta_files.DeltaStore.commit`;
+5. its sequence is the version's next one (:meth:`serve.store.deltas.format.DeltaStore.commit`;
    409 for a gap or other bytes under a stored sequence). The same bytes again are
    stored once (outcome ``unchanged``); other bytes for a stored sequence whose file is
    damaged replace it (``repaired``: the workers, which retry a damaged delta every poll,
    then apply it);
 6. it builds on what this pod holds (in the same step, under the store's lock): its
    ``parent_digest`` is the digest of the version's last stored delta, or for sequence 1
-   the version's identity (:func:`serve.store.delta_files.version_digest` of its build
+   the version's identity (:func:`serve.store.deltas.format.version_digest` of its build
    report); otherwise 409 ``DeltaConflict`` with ``reason`` ``parent_mismatch`` and both
    digests (``expected_parent_digest``: what this pod holds; ``parent_digest``: the
    delta's). A delta 1 written before the field existed is taken; a later one without it
@@ -46,7 +46,7 @@ once no live worker maps them.
 
 Then the TorchServe workers apply it: each worker follows ``<delta_dir>/<version>/``,
 applies new deltas in order between two batches and writes
-``<delta_dir>/<version>/workers/<pid>.json`` (:class:`serve.store.delta_files.WorkerStatus`) after
+``<delta_dir>/<version>/workers/<pid>.json`` (:class:`serve.store.deltas.format.WorkerStatus`) after
 each apply and once at start with sequence 0. The workers serving a version are the
 status files of that version whose pid TorchServe lists as a worker now (a rollout's
 worker serves both versions and writes one file for each); files of dead workers are
@@ -119,8 +119,8 @@ from serve.metrics import (
     embedding_id_families,
 )
 from serve.schema import ModelSchema, schema_from_report
-from serve.store import delta_files as delta_format
-from serve.store.delta_files import (
+from serve.store.deltas import format as delta_format
+from serve.store.deltas.format import (
     Delta,
     DeltaStore,
     Incoming,
@@ -244,7 +244,7 @@ class VersionSummary:
 
     ``head_digest`` is what the version's next delta must name as its ``parent_digest``:
     the sha256 of its last stored delta, or the version's identity
-    (:func:`serve.store.delta_files.version_digest`) while none is stored; None when not
+    (:func:`serve.store.deltas.format.version_digest`) while none is stored; None when not
     computed (a metric scrape) or the report cannot be read.
     """
 
@@ -290,7 +290,7 @@ class DeltaService(Collector):
         sleep: awaited between two polls (tests pass a fake clock's).
         pid_ttl_s: how long a read of the live pids is reused.
         max_bytes: the largest delta (default
-            :data:`serve.store.delta_files.MAX_DELTA_BYTES`; the sidecar passes
+            :data:`serve.store.deltas.format.MAX_DELTA_BYTES`; the sidecar passes
             ``--max-delta-bytes``).
         max_store_bytes: the most bytes of deltas the store may hold, all versions and
             the body being received together (``--max-delta-store-bytes``); None: no
@@ -429,7 +429,7 @@ class DeltaService(Collector):
 
     def base_digest(self, version: str) -> str:
         """The identity of ``version`` that its delta 1 names as ``parent_digest``
-        (:func:`serve.store.delta_files.version_digest` of its build report)."""
+        (:func:`serve.store.deltas.format.version_digest` of its build report)."""
         return version_digest(self._report_of(version))
 
     def head_digest(self, version: str) -> str | None:
@@ -681,7 +681,7 @@ class DeltaService(Collector):
 
     def _stored_id_counts(self, version: str, sequence: int) -> _IdCounts:
         """A stored delta's id counts: kept from its commit, else read once from its file
-        (ids only, :func:`serve.store.delta_files.scan_delta_file`) and kept while the
+        (ids only, :func:`serve.store.deltas.format.scan_delta_file`) and kept while the
         file is unchanged. Raises OSError / ServeError for a file that cannot be read."""
         path = self.store.path(version, sequence)
         st = path.stat()
