@@ -280,7 +280,7 @@ EMBEDDING_IDS_EVICTED_TOTAL = "dlrm_embedding_ids_evicted_total"
 # (sidecar, from the build report and the stored deltas' headers).
 EMBEDDING_ID_MAP_OCCUPANCY_RATIO = "dlrm_embedding_id_map_occupancy_ratio"
 # ... and the rest of the delta pipeline's state per served {version} (sidecar,
-# serve.sidecar.services.deltas.intake): the last sequence stored, the one every live worker has applied,
+# serve.sidecar.services.embedding_deltas): the last sequence stored, the one every live worker has applied,
 # the rows those deltas wrote and the slowest worker's last apply time.
 EMBEDDING_DELTA_SEQUENCE = "dlrm_embedding_delta_sequence"
 EMBEDDING_DELTA_APPLIED_SEQUENCE = "dlrm_embedding_delta_applied_sequence"
@@ -845,7 +845,7 @@ def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metr
 
 @dataclass(frozen=True)
 class EmbeddingDeltaGauges:
-    """One served version's embedding-delta state at a scrape (``serve.sidecar.services.deltas.intake``).
+    """One served version's embedding-delta state at a scrape (``serve.sidecar.services.embedding_deltas``).
 
     ``None`` leaves that version's series out of the family: no live worker reports
     (``applied_sequence``, ``rows_updated``, ``apply_seconds``) or no delta applied by
@@ -908,7 +908,7 @@ class IdMapGauge:
 
 def embedding_id_families(admitted: Mapping[str, int], evicted: Mapping[str, int],
                           occupancy: Iterable[IdMapGauge]) -> list[Metric]:
-    """The sidecar's managed-id families (``serve.sidecar.services.deltas.intake``).
+    """The sidecar's managed-id families (``serve.sidecar.services.embedding_deltas``).
 
     * ``dlrm_embedding_ids_admitted_total{feature}`` / ``..._evicted_total{feature}``:
       ids the deltas this pod stored assigned a row / evicted (each delta counted once,

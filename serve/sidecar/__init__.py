@@ -8,7 +8,7 @@ Layers, from the edge inwards (imports only point down the list):
   write token), :mod:`~serve.sidecar.http.errors` (the one error mapping),
   :mod:`~serve.sidecar.http.middleware`, :mod:`~serve.sidecar.http.docs`,
   :mod:`~serve.sidecar.http.schemas` (bodies).
-* ``services/``: :mod:`~serve.sidecar.services.deltas.intake`,
+* ``services/``: :mod:`~serve.sidecar.services.deltas`,
   :mod:`~serve.sidecar.services.feedback`.
 * ``control/``: :mod:`~serve.sidecar.control.reconciler` (the one writer of TorchServe's
   registrations), :mod:`~serve.sidecar.control.switch`,

@@ -2,7 +2,7 @@
 
 * :mod:`~serve.store.repository`: immutable model versions (archive + build report).
 * :mod:`~serve.store.rowformat`: the stored row format of an embedding table (no torch).
-* :mod:`~serve.store.deltas.format`: the embedding-delta file format and the pod's delta store.
+* :mod:`~serve.store.deltas`: the embedding-delta file format and the pod's delta store.
 * :mod:`~serve.store.predlog`: the prediction log the workers write and the sidecar joins.
 * :mod:`~serve.store.routing`: the rollout's routing control file (which arm scores a
   request).
