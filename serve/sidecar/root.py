@@ -247,7 +247,6 @@ class Sidecar:
         deltas, folder = self.deltas, self.config.delta_dir
         if deltas is None or folder is None or not is_memory_backed(folder):
             return None
-        # less the shared tables of the served versions: counted in their workers' RSS
         return lambda: deltas.store.held_bytes(sorted(set(self.served_versions())))
 
     async def _worker_pids(self) -> Iterable[int]:
@@ -299,8 +298,9 @@ class Sidecar:
     async def clean_deltas(self) -> list[str]:
         """Delete the delta folders of versions neither served (desired state) nor
         registered with TorchServe, once no live worker reports in them
-        (:func:`~serve.sidecar.services.deltas.cleanup.clean_versions`). Nothing is deleted while TorchServe does not answer
-        (who maps what is unknown then) or during a drain. Returns the versions removed."""
+        (:func:`~serve.sidecar.services.deltas.cleanup.clean_versions`). Nothing is
+        deleted while TorchServe does not answer (who maps what is unknown then) or
+        during a drain. Returns the versions removed."""
         if self.deltas is None or self._torchserve is None or self.draining:
             return []
         try:

@@ -67,7 +67,7 @@ def _service(sidecar: Sidecar) -> DeltaParts:
     if sidecar.deltas is None:
         raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
     if sidecar.config.deltas_post == "refuse":
-        sidecar.deltas.intake.count_refusal("volume_only")
+        sidecar.deltas.intake.refused.add("volume_only")
         raise _volume_only(sidecar)
     return sidecar.deltas
 
@@ -99,7 +99,7 @@ async def _receive(request: Request, intake: DeltaIntake) -> Accepted:
         try:
             await asyncio.to_thread(intake.check_room, int(length))
         except ServeError as e:
-            intake.count_refusal(refusal_reason(e))
+            intake.refused.add(refusal_reason(e))
             raise
     return await intake.receive(request.stream())  # counts its own refusals
 

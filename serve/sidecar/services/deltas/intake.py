@@ -27,9 +27,9 @@ changes, in this order, and any failure leaves the store as it was:
    delta's). A delta 1 written before the field existed is taken; a later one without it
    is 400. Then the file is fsynced, renamed into place and its folder fsynced.
 
-Every refusal of a POST is counted by reason (:attr:`DeltaIntake.refused`, exported as
+Every refusal of a POST is counted by reason (``DeltaIntake.refused``, exported as
 ``dlrm_delta_posts_refused_total``, :data:`serve.metrics.DELTA_REFUSAL_REASONS`); a
-volume file not taken is counted in :attr:`DeltaIntake.skipped`
+volume file not taken is counted in ``DeltaIntake.skipped``
 (``dlrm_delta_files_skipped_total``, ``parent_mismatch`` among its reasons). A stored
 delta's id changes go to the intake's :class:`~serve.sidecar.services.deltas.idmaps.IdLedger`.
 """
@@ -62,7 +62,7 @@ from serve.store.deltas.format import (
 from serve.store.deltas.incoming import Incoming
 from serve.store.deltas.layout import check_layout, layout_for_report
 
-__all__ = ["Accepted", "DeltaIntake", "refusal_reason"]
+__all__ = ["Accepted", "DeltaIntake", "ReasonCounts", "refusal_reason"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ class Accepted:
 
 class DeltaIntake:
     """Checks a delta and commits it to the pod's store (module docstring); counts what
-    it refuses and skips. Its only state is those counts, under one threading lock; the
-    store serializes the commits itself.
+    it refuses and skips. Its only state is those counts (:class:`ReasonCounts`) and its
+    id ledger, each behind its own lock; the store serializes the commits itself.
 
     Args:
         store: the pod's delta store (``--delta-dir``), shared with the workers.
@@ -111,11 +111,13 @@ class DeltaIntake:
         self.max_store_bytes = max_store_bytes
         #: The id changes of the deltas this intake stored (read by the report).
         self.ids = IdLedger(store, self.max_bytes)
+        #: POSTed deltas refused, by reason (:func:`refusal_reason`).
+        self.refused = ReasonCounts()
+        #: Volume files not taken, each counted once, by reason (``too_large``,
+        #: ``invalid``, ``unreadable``, ``store_full``, ``parent_mismatch``).
+        self.skipped = ReasonCounts()
         self._versions = versions
         self._report_of = report_of
-        self._lock = threading.Lock()
-        self._refused: dict[str, int] = {}
-        self._skipped: dict[str, int] = {}
 
     # ------------------------------------------------------------------ checks
 
@@ -174,12 +176,12 @@ class DeltaIntake:
         Raises:
             PayloadTooLarge, InsufficientMemory, InvalidDelta, DeltaConflict: see the
             module docstring; nothing stays stored on any of them (each counted in
-            :attr:`refused`).
+            ``refused``).
         """
         try:
             return await self._receive(chunks)
         except ServeError as e:
-            self.count_refusal(refusal_reason(e))
+            self.refused.add(refusal_reason(e))
             raise
 
     async def _receive(self, chunks: AsyncIterator[bytes]) -> Accepted:
@@ -241,30 +243,24 @@ class DeltaIntake:
         return Accepted(delta.base_version, delta.sequence, delta.rows, incoming.size,
                         delta.created_at, stored.outcome)
 
-    # ------------------------------------------------------------------ counts
 
-    def count_refusal(self, reason: str) -> None:
-        """Count one refused POST (``reason``: :func:`refusal_reason`)."""
-        with self._lock:
-            self._refused[reason] = self._refused.get(reason, 0) + 1
+class ReasonCounts:
+    """Events counted by a bounded reason label (a Prometheus counter's samples).
+    Thread-safe: one lock over the counts."""
 
-    @property
-    def refused(self) -> dict[str, int]:
-        """POSTed deltas refused so far, by reason (:func:`refusal_reason`)."""
-        with self._lock:
-            return dict(self._refused)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
 
-    def count_skip(self, reason: str) -> None:
-        """Count one volume file not taken (``reason``: ``too_large``, ``invalid``,
-        ``unreadable``, ``store_full``, ``parent_mismatch``)."""
+    def add(self, reason: str) -> None:
+        """Count one event of ``reason``."""
         with self._lock:
-            self._skipped[reason] = self._skipped.get(reason, 0) + 1
+            self._counts[reason] = self._counts.get(reason, 0) + 1
 
-    @property
-    def skipped(self) -> dict[str, int]:
-        """Volume files not taken so far, by reason (each file counted once)."""
+    def counts(self) -> dict[str, int]:
+        """The counts so far, by reason (a copy)."""
         with self._lock:
-            return dict(self._skipped)
+            return dict(self._counts)
 
 
 def refusal_reason(error: ServeError) -> str:

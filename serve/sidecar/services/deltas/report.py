@@ -204,5 +204,5 @@ class DeltaReport(Collector):
         yield from embedding_delta_families(gauges)
         yield from embedding_id_families(self.intake.ids.admitted, self.intake.ids.evicted,
                                          occupancy)
-        yield delta_files_skipped_family(self.intake.skipped)
-        yield delta_posts_refused_family(self.intake.refused)
+        yield delta_files_skipped_family(self.intake.skipped.counts())
+        yield delta_posts_refused_family(self.intake.refused.counts())

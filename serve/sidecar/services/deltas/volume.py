@@ -129,6 +129,6 @@ class VolumeSync:
             if key in self._reported:
                 return
             self._reported.add(key)
-        self.intake.count_skip(reason)
+        self.intake.skipped.add(reason)
         _log.error("embedding delta %s from the model volume not taken (%s): %s", path,
                    reason, why)
