@@ -20,7 +20,7 @@ from serve.model.train import (
 )
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
-from serve.store.delta_files import decode_delta, file_sha256, version_digest
+from serve.store.deltas.format import decode_delta, file_sha256, version_digest
 from tests.fixtures.deltas import with_delta_rows
 
 TINY = get_profile("tiny")

@@ -17,15 +17,10 @@ from serve.errors import ConfigError, DeltaConflict, InvalidDelta
 from serve.metrics import DELTA_REFUSAL_REASONS, DELTA_SKIP_REASONS
 from serve.model.delta import DONE_FILE, delta_file_name, parent_digest
 from serve.sidecar.config import SidecarConfig
-from serve.sidecar.services.embedding_deltas import refusal_reason
-from serve.store.delta_files import (
-    DeltaStore,
-    decode_delta,
-    encode_delta,
-    scan_delta_file,
-    version_digest,
-)
-from tests.fixtures.deltas import digest
+from serve.sidecar.services.deltas.intake import refusal_reason
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import decode_delta, encode_delta, scan_delta_file, version_digest
+from tests.fixtures.deltas import digest, store_delta
 from tests.fixtures.sidecar import FakeClock
 from tests.promtext import samples
 from tests.test_deltas_sidecar import (
@@ -53,7 +48,7 @@ def _chain(n: int) -> list[bytes]:
 
 
 def _add(store: DeltaStore, blob: bytes) -> Path:
-    return store.add(blob, decode_delta(blob), base_digest=base_digest())
+    return store_delta(store, blob, decode_delta(blob), base_digest=base_digest())
 
 
 # ------------------------------------------------------------------ the file
@@ -137,7 +132,8 @@ def test_delta_1_of_another_build_of_the_version_is_409(tmp_path: Path) -> None:
         _add(store, make_delta(1, parent=other_build))
     assert snapshot(tmp_path) == {}
     # without a report to compare with (a tool's store), delta 1's parent is not checked
-    store.add(make_delta(1, parent=other_build), decode_delta(make_delta(1, parent=other_build)))
+    store_delta(store, make_delta(1, parent=other_build),
+                decode_delta(make_delta(1, parent=other_build)))
     assert store.sequences(SERVED) == [1]
 
 
@@ -231,18 +227,18 @@ def test_the_volume_sync_skips_and_counts_a_stray_delta(
     (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
     (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(make_delta(2, parent=OTHER_CHAIN))
     with caplog.at_level(logging.ERROR):
-        assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [1]
-        assert svc.sync([tmp_path / "repo"]) == []   # retried, counted once
+        assert [a.sequence for a in svc.volume.sync([tmp_path / "repo"])] == [1]
+        assert svc.volume.sync([tmp_path / "repo"]) == []   # retried, counted once
     assert svc.store.sequences(SERVED) == [1]
-    assert svc.skipped == {"parent_mismatch": 1}
+    assert svc.intake.skipped.counts() == {"parent_mismatch": 1}
     (logged,) = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
     assert "(parent_mismatch)" in logged and OTHER_CHAIN in logged and digest(one) in logged
-    fams = {f.name: f for f in svc.collect()}
+    fams = {f.name: f for f in svc.report.collect()}
     skipped = {s.labels["reason"]: s.value for s in fams["dlrm_delta_files_skipped"].samples
                if s.name.endswith("_total")}
     assert skipped["parent_mismatch"] == 1 and set(skipped) == set(DELTA_SKIP_REASONS)
     (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(two)   # the right one
-    assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [2]
+    assert [a.sequence for a in svc.volume.sync([tmp_path / "repo"])] == [2]
 
 
 # ------------------------------------------------------------------ --deltas-post refuse

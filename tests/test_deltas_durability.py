@@ -19,7 +19,9 @@ from serve.common.durable import write_durably
 from serve.common.net import wait_until
 from serve.sidecar.control.state_file import DesiredStateFile
 from serve.state import DesiredState, ModelRef
-from serve.store.delta_files import DeltaStore, decode_delta
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import decode_delta
+from tests.fixtures.deltas import store_delta
 from tests.promtext import samples
 from tests.test_deltas_sidecar import AUTH, OTHER, SERVED, make_delta, post, start_pod, status
 
@@ -43,7 +45,7 @@ def test_fsync_of_the_file_and_its_folder(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(os, "fsync", spy)
     blob = make_delta(1)
-    final = DeltaStore(tmp_path / "deltas").add(blob, decode_delta(blob))
+    final = store_delta(DeltaStore(tmp_path / "deltas"), blob, decode_delta(blob))
     assert any(".incoming." in p for p in synced)          # the body, before the rename
     assert str(final.parent) in synced and str(tmp_path / "deltas") in synced
     synced.clear()
@@ -105,7 +107,7 @@ def test_a_2_gib_file_on_the_volume_is_skipped_once_and_readiness_holds(
     volume.mkdir(parents=True)
     big = volume / f"dlrm-{SERVED}-00000001.delta"
     subprocess.run(["truncate", "-s", "2G", str(big)], check=True)
-    caplog.set_level(logging.ERROR, logger="serve.sidecar.services.embedding_deltas")
+    caplog.set_level(logging.ERROR, logger="serve.sidecar.services.deltas.volume")
     pod = start_pod(tmp_path, delta_sync_s=0.05)
     try:
         with pod.client() as c:

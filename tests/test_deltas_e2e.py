@@ -28,7 +28,7 @@ from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.state import parse_state, write_state
-from serve.store.delta_files import (
+from serve.store.deltas.format import (
     DELTA_MEDIA_TYPE,
     Delta,
     DeltaTable,

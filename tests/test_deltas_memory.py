@@ -21,7 +21,7 @@ import pytest
 
 from serve.common.net import free_port, free_ports, wait_until
 from serve.state import Batching, DesiredState, ModelRef, write_state
-from serve.store.delta_files import file_sha256, version_digest
+from serve.store.deltas.format import file_sha256, version_digest
 from serve.store.repository import ModelRepository
 from tests.fixtures.big_delta import (
     BIG_PROFILE,

@@ -22,8 +22,9 @@ from serve.runtime.artifact import Artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
-from tests.fixtures.deltas import chained, with_delta_rows
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta, DeltaTable, encode_delta
+from tests.fixtures.deltas import chained, store_delta, with_delta_rows
 
 F = 26
 VERSION = "tiny-int8-s0"
@@ -65,7 +66,7 @@ def _delta(art: Artifact, seed: int, sequence: int = 1, tables: tuple[int, ...] 
 def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
     for blob, d in chained(deltas):
-        store.add(blob, d)
+        store_delta(store, blob, d)
     return store
 
 
@@ -141,9 +142,9 @@ def test_follower_refuses_what_does_not_fit_and_keeps_serving(base, tmp_path):
 def test_store_refuses_repeats_and_gaps(base, tmp_path):
     store = _store_with(tmp_path, _delta(base, 1, 1))
     with pytest.raises(DeltaConflict, match="already applied"):
-        store.add(b"x", _delta(base, 2, 1))
+        store_delta(store, b"x", _delta(base, 2, 1))
     with pytest.raises(DeltaConflict, match="skips"):
-        store.add(b"x", _delta(base, 3, 3))
+        store_delta(store, b"x", _delta(base, 3, 3))
     assert store.sequences(VERSION) == [1]
 
 
@@ -171,7 +172,7 @@ def test_batches_see_all_of_a_delta_or_none(base, tmp_path):
     t.start()
     try:
         for blob, d in chained(deltas):
-            store.add(blob, d)
+            store_delta(store, blob, d)
             f.catch_up()
             time.sleep(0.02)
     finally:
@@ -232,7 +233,7 @@ def test_shared_tables_one_copy_two_processes(base, tmp_path):
     reader.start()
     assert q.get(timeout=120) == "ready"   # mapped the file, before any delta
     store = DeltaStore(folder)
-    store.add(encode_delta(d1), d1)
+    store_delta(store, encode_delta(d1), d1)
     writer = ctx.Process(target=_shared_worker, args=(str(art_path), str(folder), True, q))
     writer.start()
     outs = [q.get(timeout=120), q.get(timeout=120)]

@@ -1,4 +1,4 @@
-"""The sidecar's embedding-delta API (serve.sidecar.http.routes_deltas, serve.sidecar.services.embedding_deltas):
+"""The sidecar's embedding-delta API (serve.sidecar.http.routes_deltas, serve.sidecar.services.deltas):
 the real app under uvicorn on 127.0.0.1 with a fake TorchServe management API, a model
 repository of ``tiny`` int8 versions, and worker statuses written by the test exactly as
 the workers write them (``DeltaStore.write_worker_status``)."""
@@ -19,24 +19,19 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
-import serve.store.delta_files
+import serve.store.deltas.format
 from serve.common.net import free_port, wait_until
 from serve.profiles import get_profile
 from serve.rowformat import row_bytes
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.http.app import create_app
-from serve.sidecar.services.embedding_deltas import DeltaService
+from serve.sidecar.services.deltas.parts import DeltaParts
 from serve.state import Batching, DesiredState, ModelRef, write_state
-from serve.store.delta_files import (
-    Delta,
-    DeltaStore,
-    DeltaTable,
-    WorkerStatus,
-    encode_delta,
-    version_digest,
-)
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta, DeltaTable, encode_delta, version_digest
+from serve.store.deltas.status import WorkerStatus
 from serve.store.repository import ModelRepository
-from tests.fixtures.deltas import digest
+from tests.fixtures.deltas import delta_parts, digest
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, toy_mar
 from tests.promtext import samples
 
@@ -179,7 +174,7 @@ def post(c: httpx.Client, body: bytes | Iterable[bytes], wait_s: float | None = 
          ) -> httpx.Response:
     params = {} if wait_s is None else {"wait_s": wait_s}
     return c.post("/embeddings/deltas", content=body, params=params,
-                  headers={**AUTH, "Content-Type": serve.store.delta_files.DELTA_MEDIA_TYPE, **headers})
+                  headers={**AUTH, "Content-Type": serve.store.deltas.format.DELTA_MEDIA_TYPE, **headers})
 
 
 def refused(pod: Pod, c: httpx.Client, body: bytes | Iterable[bytes], status: int, field: str | None,
@@ -361,7 +356,7 @@ def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
         got = c.get("/embeddings/deltas").json()
         assert got == {"enabled": True, "delta_dir": str(pod.delta_dir),
                        "versions": {SERVED: expected}, "message": None, "damaged": [],
-                       "max_bytes": serve.store.delta_files.MAX_DELTA_BYTES}
+                       "max_bytes": serve.store.deltas.format.MAX_DELTA_BYTES}
         r = c.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)
@@ -408,7 +403,7 @@ def test_cli_delta_dir_and_its_env_default(monkeypatch: pytest.MonkeyPatch,
 
 
 def _service(tmp_path: Path, pids: list[int], clock: FakeClock,
-             on_sleep: Any = None) -> DeltaService:
+             on_sleep: Any = None) -> DeltaParts:
     async def live() -> list[int]:
         return pids
 
@@ -417,10 +412,10 @@ def _service(tmp_path: Path, pids: list[int], clock: FakeClock,
         if on_sleep is not None:
             on_sleep(clock.now)
 
-    return DeltaService(DeltaStore(tmp_path), versions=lambda: [SERVED],
-                        report_of=lambda v: REPORTS[v],
-                        live_pids=live, clock=clock, wall_clock=lambda: NOW, sleep=sleep,
-                        pid_ttl_s=0.0)
+    return delta_parts(DeltaStore(tmp_path), versions=lambda: [SERVED],
+                       report_of=lambda v: REPORTS[v],
+                       live_pids=live, clock=clock, wall_clock=lambda: NOW, sleep=sleep,
+                       pid_ttl_s=0.0)
 
 
 def test_wait_polls_every_50_ms_until_the_slowest_live_worker_reports(tmp_path: Path) -> None:
@@ -436,7 +431,7 @@ def test_wait_polls_every_50_ms_until_the_slowest_live_worker_reports(tmp_path: 
             store.write_worker_status(status(2, 3))
 
     svc = _service(tmp_path, [1, 2], clock, workers)
-    res = asyncio.run(svc.wait_applied(SERVED, 3, wait_s=30))
+    res = asyncio.run(svc.progress.wait_applied(SERVED, 3, wait_s=30))
     assert res.applied and res.waited_s == pytest.approx(0.3)
     assert clock.sleeps == pytest.approx([0.05] * 6)
     assert [(w.pid, w.sequence) for w in res.workers] == [(1, 3), (2, 3)]
@@ -446,15 +441,15 @@ def test_wait_gives_up_at_wait_s_and_zero_looks_once(tmp_path: Path) -> None:
     clock = FakeClock()
     DeltaStore(tmp_path).write_worker_status(status(1, 0))
     svc = _service(tmp_path, [1], clock)
-    res = asyncio.run(svc.wait_applied(SERVED, 1, wait_s=0.12))
+    res = asyncio.run(svc.progress.wait_applied(SERVED, 1, wait_s=0.12))
     assert not res.applied and res.waited_s == pytest.approx(0.12)
     assert clock.sleeps == pytest.approx([0.05, 0.05, 0.02])
     clock.sleeps.clear()
-    res = asyncio.run(svc.wait_applied(SERVED, 1, wait_s=0))
+    res = asyncio.run(svc.progress.wait_applied(SERVED, 1, wait_s=0))
     assert not res.applied and res.waited_s == 0 and clock.sleeps == []
     # no live worker reporting: never applied (pid 1's file, but pid 1 is not live)
     svc = _service(tmp_path, [7], FakeClock())
-    assert asyncio.run(svc.wait_applied(SERVED, 0, wait_s=0)).applied is False
+    assert asyncio.run(svc.progress.wait_applied(SERVED, 0, wait_s=0)).applied is False
 
 
 def test_collect_survives_garbage_and_uses_the_last_known_pids(tmp_path: Path) -> None:
@@ -463,9 +458,9 @@ def test_collect_survives_garbage_and_uses_the_last_known_pids(tmp_path: Path) -
     (store.folder(SERVED) / "workers" / "2.json").write_bytes(b"\x00\xff not json")
     (store.folder(SERVED) / "workers" / "3.json").write_text('{"pid": 3}')
     svc = _service(tmp_path, [1, 2, 3], FakeClock())
-    asyncio.run(svc.live_pids())  # what a request would have read
+    asyncio.run(svc.progress.live_pids())  # what a request would have read
     registry = CollectorRegistry()
-    registry.register(svc)
+    registry.register(svc.report)
     m = samples(generate_latest(registry).decode())
     v = (("version", SERVED),)
     assert m[("dlrm_embedding_delta_sequence", v)] == 0
@@ -488,16 +483,16 @@ def test_sync_takes_the_volumes_deltas_in_order_through_the_same_checks(tmp_path
     (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
     (volume / f"dlrm-{SERVED}-00000003.delta").write_bytes(make_delta(3, parent=digest(two)))
     (volume / "notes.txt").write_text("not a delta")
-    got = svc.sync([tmp_path / "empty-root", tmp_path / "repo"])
+    got = svc.volume.sync([tmp_path / "empty-root", tmp_path / "repo"])
     assert [a.sequence for a in got] == [1]          # 3 waits for 2
     assert svc.store.sequences(SERVED) == [1]
     bad = bytearray(two)
     bad[-1] ^= 1
     (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(bytes(bad))
-    assert svc.sync([tmp_path / "repo"]) == [] and svc.store.sequences(SERVED) == [1]
+    assert svc.volume.sync([tmp_path / "repo"]) == [] and svc.store.sequences(SERVED) == [1]
     (volume / f"dlrm-{SERVED}-00000002.delta").write_bytes(two)
-    assert [a.sequence for a in svc.sync([tmp_path / "repo"])] == [2, 3]
-    assert svc.sync([tmp_path / "repo"]) == []        # once
+    assert [a.sequence for a in svc.volume.sync([tmp_path / "repo"])] == [2, 3]
+    assert svc.volume.sync([tmp_path / "repo"]) == []        # once
     assert svc.store.sequences(SERVED) == [1, 2, 3]
 
 

@@ -36,7 +36,7 @@ from serve.runtime.artifact import Artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.idmap import FALLBACK_ROW
 from serve.state import parse_state, write_state
-from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, version_digest
+from serve.store.deltas.format import DELTA_MEDIA_TYPE, Delta, version_digest
 from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import chained, with_delta_rows
 from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, traffic

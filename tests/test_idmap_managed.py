@@ -27,16 +27,10 @@ from serve.runtime.idmap import (
     slot_bits,
 )
 from serve.schema import TableSpec
-from serve.store.delta_files import (
-    Delta,
-    DeltaStore,
-    check_layout,
-    decode_delta,
-    encode_delta,
-    layout_for_schema,
-    scan_delta_file,
-)
-from tests.fixtures.deltas import chained, with_delta_rows
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta, decode_delta, encode_delta, scan_delta_file
+from serve.store.deltas.layout import check_layout, layout_for_schema
+from tests.fixtures.deltas import chained, store_delta, with_delta_rows
 from tests.fixtures.idmaps import (
     MANAGED,
     MAX,
@@ -316,7 +310,7 @@ def test_managed_fallback_counted_per_feature_and_never_wrapped(managed):
 def _store_with(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
     for blob, d in chained(deltas):
-        store.add(blob, d)
+        store_delta(store, blob, d)
     return store
 
 
@@ -492,7 +486,7 @@ def test_managed_maps_shared_by_two_worker_processes(managed, tmp_path):
     assert q.get(timeout=120) == "ready"
     store = DeltaStore(folder)
     for blob, d in chained([d1]):
-        store.add(blob, d)
+        store_delta(store, blob, d)
     writer = ctx.Process(target=_shared_managed_worker, args=(str(art_path), str(folder), True, q))
     writer.start()
     outs = [q.get(timeout=120), q.get(timeout=120)]

@@ -25,10 +25,12 @@ from serve.metrics.worker import HandlerMetrics
 from serve.runtime.artifact import Artifact
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.idmap import FALLBACK_ROW
-from serve.sidecar.services.embedding_deltas import DeltaService
-from serve.store.delta_files import DeltaStore, WorkerStatus, version_digest
+from serve.sidecar.services.deltas.parts import DeltaParts
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import version_digest
+from serve.store.deltas.status import WorkerStatus
 from serve.worker import Worker, WorkerRequest
-from tests.fixtures.deltas import chained, with_delta_rows
+from tests.fixtures.deltas import add_delta, chained, delta_parts, with_delta_rows
 from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, raw_batch
 
 F = 26
@@ -142,11 +144,11 @@ def _report(art: Artifact, with_counts: bool = True) -> dict[str, Any]:
 
 
 def _service(tmp_path: Path, report: dict[str, Any],
-             fallback: dict[str, dict[str, int]] | None = None) -> DeltaService:
-    return DeltaService(DeltaStore(tmp_path / "deltas"), versions=lambda: [VERSION],
-                        report_of=lambda v: report,
-                        fallback_counts=(lambda: dict(fallback)) if fallback is not None
-                        else None)
+             fallback: dict[str, dict[str, int]] | None = None) -> DeltaParts:
+    return delta_parts(DeltaStore(tmp_path / "deltas"), versions=lambda: [VERSION],
+                       report_of=lambda v: report,
+                       fallback_counts=(lambda: dict(fallback)) if fallback is not None
+                       else None)
 
 
 def _two_deltas(art: Artifact) -> list[tuple[bytes, Any]]:
@@ -169,11 +171,11 @@ def test_managed_admitted_and_evicted_are_counted_once_per_stored_delta(managed,
     svc = _service(tmp_path, _report(managed))
     chain = _two_deltas(managed)
     for blob, _ in chain:
-        assert svc.add(blob).outcome == "stored"
-    assert svc.add(chain[0][0]).outcome == "unchanged"   # the same bytes again: not counted
+        assert add_delta(svc.intake, blob).outcome == "stored"
+    assert add_delta(svc.intake, chain[0][0]).outcome == "unchanged"   # the same bytes again: not counted
     deltas = [d for _, d in chain]
-    assert svc.admitted == _per_feature(deltas, "assign_ids") != {}
-    assert svc.evicted == _per_feature(deltas, "evict_ids") != {}
+    assert svc.intake.ids.admitted == _per_feature(deltas, "assign_ids") != {}
+    assert svc.intake.ids.evicted == _per_feature(deltas, "evict_ids") != {}
 
 
 def test_managed_id_maps_follow_the_deltas_every_worker_applied(managed, tmp_path):
@@ -181,13 +183,13 @@ def test_managed_id_maps_follow_the_deltas_every_worker_applied(managed, tmp_pat
     svc = _service(tmp_path, report, fallback={VERSION: {"C1": 17}, "other": {"C1": 5}})
     chain = _two_deltas(managed)
     for blob, _ in chain:
-        svc.add(blob)
+        add_delta(svc.intake, blob)
     deltas = [d for _, d in chain]
     schema = managed.schema
     for applied in (0, 1, 2):
         svc.store.write_worker_status(WorkerStatus(101, VERSION, applied, 0, 0.0, 0.0, 0.0))
         svc.store.write_worker_status(WorkerStatus(102, VERSION, 2, 0, 0.0, 0.0, 0.0))
-        got = svc.summary(VERSION, [101, 102], fallback={"C1": 17}).id_maps
+        got = svc.report.summary(VERSION, [101, 102], fallback={"C1": 17}).id_maps
         rebuilt = with_delta_rows(managed, *deltas[:applied])
         assert [m.feature for m in got] == [schema.features[t].name for t in MANAGED]
         for m, t in zip(got, MANAGED, strict=True):
@@ -201,26 +203,26 @@ def test_managed_id_maps_follow_the_deltas_every_worker_applied(managed, tmp_pat
             assert m.evicted == sum(int(x.evict_ids.shape[0]) for x in ts)
             assert m.fallback_lookups == (17 if m.feature == "C1" else 0)
     # GET /state's path: the version's own counts from {version: {feature: n}}
-    got = asyncio.run(svc.summaries())[VERSION].id_maps
+    got = asyncio.run(svc.report.summaries())[VERSION].id_maps
     assert [m.fallback_lookups for m in got] == [17 if m.feature == "C1" else 0 for m in got]
     # No worker reports: the stored deltas (what the workers will apply).
     fresh = _service(tmp_path, report)
-    maps = fresh.summary(VERSION, []).id_maps    # read from the files (a restarted sidecar)
+    maps = fresh.report.summary(VERSION, []).id_maps    # read from the files (a restarted sidecar)
     rebuilt = with_delta_rows(managed, *deltas)
     assert [m.ids for m in maps] == [rebuilt.id_maps[schema.tables[t].name].size
                                      for t in MANAGED]
     assert all(m.fallback_lookups is None and m.sequence == 2 for m in maps)
-    js = fresh.summary(VERSION, []).to_json()["id_maps"][0]
+    js = fresh.report.summary(VERSION, []).to_json()["id_maps"][0]
     assert set(js) == {"feature", "table", "capacity", "ids", "occupancy", "admitted",
                        "evicted", "sequence", "fallback_lookups"}
 
 
 def test_managed_id_maps_without_build_counts_say_null_not_zero(managed, tmp_path):
     svc = _service(tmp_path, _report(managed, with_counts=False))
-    maps = svc.summary(VERSION, []).id_maps
+    maps = svc.report.summary(VERSION, []).id_maps
     assert len(maps) == len(MANAGED)
     assert all(m.ids is None and m.occupancy is None and m.capacity > 0 for m in maps)
-    fams = {f.name: f for f in svc.collect()}
+    fams = {f.name: f for f in svc.report.collect()}
     assert fams["dlrm_embedding_id_map_occupancy_ratio"].samples == []
 
 
@@ -228,7 +230,7 @@ def test_managed_id_maps_are_empty_for_a_modulo_version(base, tmp_path):
     report = {"version": VERSION, "profile": "tiny", "quantized_dtype": "int8",
               "schema": base.schema.to_dict()}
     svc = _service(tmp_path, report)
-    summary = svc.summary(VERSION, [])
+    summary = svc.report.summary(VERSION, [])
     assert summary.id_maps == () and summary.to_json()["id_maps"] == []
 
 
@@ -236,15 +238,15 @@ def test_managed_occupancy_gauge_and_counters_at_scrape(managed, tmp_path):
     svc = _service(tmp_path, _report(managed))
     chain = _two_deltas(managed)
     for blob, _ in chain:
-        svc.add(blob)
+        add_delta(svc.intake, blob)
     svc.store.write_worker_status(WorkerStatus(7, VERSION, 2, 0, 0.0, 0.0, 0.0))
 
     async def pids() -> list[int]:
         return [7]
 
-    svc.set_live_pids(pids)
-    asyncio.run(svc.live_pids())
-    fams = {f.name: f for f in svc.collect()}
+    svc.progress.set_live_pids(pids)
+    asyncio.run(svc.progress.live_pids())
+    fams = {f.name: f for f in svc.report.collect()}
     rebuilt = with_delta_rows(managed, *[d for _, d in chain])
     occ = {s.labels["feature"]: s.value
            for s in fams["dlrm_embedding_id_map_occupancy_ratio"].samples}

@@ -29,7 +29,7 @@ from serve.model.train import RowMapper, TrainConfig
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
 from serve.runtime.idmap import FALLBACK_ROW, IdMap
-from serve.store.delta_files import decode_delta
+from serve.store.deltas.format import decode_delta
 from tests.fixtures.deltas import with_delta_rows
 from tests.fixtures.pipeline import build_tiny
 

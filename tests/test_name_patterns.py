@@ -11,7 +11,7 @@ import pytest
 from serve.errors import ConfigError, ServeError
 from serve.schema import _name
 from serve.state import parse_serving_version, parse_state
-from serve.store.delta_files import DeltaStore
+from serve.store.deltas.files import DeltaStore
 from serve.store.repository import ModelRepository
 
 BAD = ["v1\n", "v1\r\n", "v1\n\n"]

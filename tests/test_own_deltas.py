@@ -21,8 +21,9 @@ from serve.runtime.artifact import quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable
-from tests.fixtures.deltas import chained, with_delta_rows
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta, DeltaTable
+from tests.fixtures.deltas import chained, store_delta, with_delta_rows
 from tests.fixtures.own_models import random_artifact
 
 VERSION = "own-a"
@@ -52,7 +53,7 @@ def _item_delta(art, seed: int, name: str = "item_id", sequence: int = 1) -> Del
 def _store(tmp_path: Path, *deltas: Delta) -> DeltaStore:
     store = DeltaStore(tmp_path / "deltas")
     for blob, d in chained(deltas):
-        store.add(blob, d)
+        store_delta(store, blob, d)
     return store
 
 

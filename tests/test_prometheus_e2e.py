@@ -151,7 +151,7 @@ def _post_identity_delta(sidecar_url: str, token: str, artifact_path: Path, vers
     import numpy as np
 
     from serve.runtime.artifact import load_artifact
-    from serve.store.delta_files import Delta, DeltaTable, encode_delta
+    from serve.store.deltas.format import Delta, DeltaTable, encode_delta
 
     art = load_artifact(artifact_path)
     t = art.tables[0]

@@ -22,11 +22,12 @@ from serve.errors import ConfigError
 from serve.metrics.worker import HandlerMetrics
 from serve.runtime.artifact import load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
-from serve.store.delta_files import Delta, DeltaStore, DeltaTable, encode_delta
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta, DeltaTable, encode_delta
 from serve.store.predlog import iter_log
 from serve.store.routing import key_point, write_control
 from serve.worker import Worker, WorkerRequest, model_version, worker_device
-from tests.fixtures.deltas import with_delta_rows
+from tests.fixtures.deltas import store_delta, with_delta_rows
 from tests.fixtures.torchserve import tiny_random_artifact
 
 STABLE, CANDIDATE = "tiny-int8-s0", "tiny-int8-s7"
@@ -190,7 +191,7 @@ def test_deltas_in_the_store_are_applied_before_the_first_batch(model_dir, artif
                                                                  shared):
     store = DeltaStore(tmp_path / "deltas")
     delta = _delta(artifacts[STABLE], STABLE)
-    store.add(encode_delta(delta), delta)
+    store_delta(store, encode_delta(delta), delta)
     w = _load(model_dir, environ={"DLRM_DELTA_DIR": str(store.root),
                                   "DLRM_SHARED_TABLES": shared, "DLRM_DELTA_POLL_MS": "50"})
     try:

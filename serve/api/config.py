@@ -272,7 +272,7 @@ def candidate_slowdown_from_env(environ: Mapping[str, str], configured: float) -
 class DeltaWiring:
     """How a worker follows embedding deltas, from TorchServe's environment.
 
-    ``DLRM_DELTA_DIR``: the pod's delta store (serve.store.delta_files), shared with the sidecar;
+    ``DLRM_DELTA_DIR``: the pod's delta store (serve.store.deltas), shared with the sidecar;
     unset = no deltas, each worker keeps its own copy of the tables.
     ``DLRM_SHARED_TABLES``: "1" (default) = on CPU without a cache, the workers share one
     copy of the tables in ``<dir>/<version>/tables.bin`` (serve.runtime.shared); "0" = a

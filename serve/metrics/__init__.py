@@ -253,7 +253,7 @@ EMBEDDING_IDS_EVICTED_TOTAL = "dlrm_embedding_ids_evicted_total"
 # (sidecar, from the build report and the stored deltas' headers).
 EMBEDDING_ID_MAP_OCCUPANCY_RATIO = "dlrm_embedding_id_map_occupancy_ratio"
 # ... and the rest of the delta pipeline's state per served {version} (sidecar,
-# serve.sidecar.services.embedding_deltas): the last sequence stored, the one every live worker has applied,
+# serve.sidecar.services.deltas): the last sequence stored, the one every live worker has applied,
 # the rows those deltas wrote and the slowest worker's last apply time.
 EMBEDDING_DELTA_SEQUENCE = "dlrm_embedding_delta_sequence"
 EMBEDDING_DELTA_APPLIED_SEQUENCE = "dlrm_embedding_delta_applied_sequence"

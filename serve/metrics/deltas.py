@@ -1,5 +1,5 @@
 """The sidecar's embedding-delta families, computed at scrape from what the delta service
-holds (:mod:`serve.sidecar.services.embedding_deltas`): per served version the delta
+holds (:mod:`serve.sidecar.services.deltas`): per served version the delta
 gauges, the managed-id counters and occupancy, and the files and POSTs not taken, by
 bounded reason. Names in :mod:`serve.metrics`.
 """
@@ -41,7 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EmbeddingDeltaGauges:
-    """One served version's embedding-delta state at a scrape (``serve.sidecar.services.embedding_deltas``).
+    """One served version's embedding-delta state at a scrape (``serve.sidecar.services.deltas``).
 
     ``None`` leaves that version's series out of the family: no live worker reports
     (``applied_sequence``, ``rows_updated``, ``apply_seconds``) or no delta applied by
@@ -104,7 +104,7 @@ class IdMapGauge:
 
 def embedding_id_families(admitted: Mapping[str, int], evicted: Mapping[str, int],
                           occupancy: Iterable[IdMapGauge]) -> list[Metric]:
-    """The sidecar's managed-id families (``serve.sidecar.services.embedding_deltas``).
+    """The sidecar's managed-id families (``serve.sidecar.services.deltas``).
 
     * ``dlrm_embedding_ids_admitted_total{feature}`` / ``..._evicted_total{feature}``:
       ids the deltas this pod stored assigned a row / evicted (each delta counted once,

@@ -1,6 +1,6 @@
 """Build an embedding delta: continue a version's training on one more day of click logs.
 
-A delta (:mod:`serve.store.delta_files`) carries the embedding rows that embedding-only continued
+A delta (:mod:`serve.store.deltas.format`) carries the embedding rows that embedding-only continued
 training changed, quantized exactly as a full build would store them, for ONE base
 version. Deltas of a version form a chain, one folder per sequence number::
 
@@ -14,7 +14,7 @@ version. Deltas of a version form a chain, one folder per sequence number::
 Sequence n continues from sequence n-1's checkpoint and artifact (n = 1: the version's
 own build, ``<build_dir>/checkpoint`` and ``<build_dir>/artifact.pt``), and its file names
 what it builds on, ``parent_digest``: the sha256 of sequence n-1's delta file, or for
-n = 1 the version's identity (:func:`serve.store.delta_files.version_digest` of its build
+n = 1 the version's identity (:func:`serve.store.deltas.format.version_digest` of its build
 report), so a pod holding other deltas refuses it (409) instead of mixing two chains.
 done.json records both ``parent_digest`` and the file's own ``digest``. The steps:
 
@@ -73,7 +73,7 @@ from serve.errors import ConfigError, ServeError
 from serve.profiles import Profile, get_profile
 
 if TYPE_CHECKING:  # imported where used: loading the build steps is slow
-    from serve.store.delta_files import Delta
+    from serve.store.deltas.format import Delta
 
 __all__ = [
     "DONE_FILE",
@@ -305,7 +305,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         ServeError: the update changed dense layers or rows the training did not touch.
     """
     from serve.model.data import ensure_day_data
-    from serve.store.delta_files import file_sha256
+    from serve.store.deltas.format import file_sha256
 
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -391,13 +391,13 @@ def _plan_delta(cfg: DeltaConfig, say: Callable[[str], None]) -> _DeltaPlan:
 def parent_digest(report: dict[str, Any], work_root: Path, seq: int,
                   model_name: str = "dlrm") -> str:
     """What delta ``seq`` of the version whose build report is ``report`` builds on: for
-    seq 1 the version's identity (:func:`serve.store.delta_files.version_digest`), else the
+    seq 1 the version's identity (:func:`serve.store.deltas.format.version_digest`), else the
     sha256 of delta ``seq - 1``'s file in ``work_root`` (the one its done.json names).
 
     Raises:
         ConfigError: delta ``seq - 1``'s file is gone.
     """
-    from serve.store.delta_files import file_sha256, version_digest
+    from serve.store.deltas.format import file_sha256, version_digest
 
     if seq == 1:
         return version_digest(report)
@@ -502,7 +502,7 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
     from serve.model.train import load_changed_rows
     from serve.rowformat import row_bytes
     from serve.runtime.artifact import load_artifact
-    from serve.store.delta_files import Delta, DeltaTable, encode_delta
+    from serve.store.deltas.format import Delta, DeltaTable, encode_delta
 
     t = time.perf_counter()
     old, new = load_artifact(plan.prev_art), load_artifact(plan.folder / "artifact.pt")

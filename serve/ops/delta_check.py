@@ -43,7 +43,7 @@ from serve.errors import ServeError
 from serve.ops.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
 from serve.profiles import PROFILES, get_profile
-from serve.store.delta_files import DELTA_MEDIA_TYPE, Delta, decode_delta
+from serve.store.deltas.format import DELTA_MEDIA_TYPE, Delta, decode_delta
 
 __all__ = ["check_parent", "main", "run_check"]
 

@@ -221,7 +221,7 @@ class LaunchConfig:
 
     @property
     def delta_dir(self) -> Path:
-        """The pod's embedding-delta store (serve.store.delta_files): the sidecar adds posted deltas,
+        """The pod's embedding-delta store (serve.store.deltas): the sidecar adds posted deltas,
         the workers follow them and share their tables there. Kept across restarts (a
         restarted service serves the deltas it had); ``make clean`` removes it."""
         return self.path(self.run_dir) / "deltas"

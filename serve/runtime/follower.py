@@ -1,6 +1,6 @@
 """A worker follows its version's embedding deltas: in order, once, between two batches.
 
-The sidecar validates a posted delta and adds it to the pod's :class:`serve.store.delta_files.DeltaStore`
+The sidecar validates a posted delta and adds it to the pod's :class:`serve.store.deltas.files.DeltaStore`
 (``<delta_dir>/<version>/<seq>.delta``). Every worker runs one :class:`DeltaFollower` per
 version it serves (stable, and a rollout's candidate). Its steps, each a method:
 
@@ -41,14 +41,10 @@ from serve.errors import DeltaConflict, ServeError
 from serve.runtime.idmap import IdMap
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
-from serve.store.delta_files import (
-    Delta,
-    DeltaStore,
-    TableLayout,
-    WorkerStatus,
-    check_layout,
-    layout_for_schema,
-)
+from serve.store.deltas.files import DeltaStore
+from serve.store.deltas.format import Delta
+from serve.store.deltas.layout import TableLayout, check_layout, layout_for_schema
+from serve.store.deltas.status import WorkerStatus
 
 __all__ = ["DeltaFollower", "DeltaTarget", "runtime_layout"]
 

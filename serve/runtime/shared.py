@@ -3,7 +3,7 @@
 Each TorchServe worker is its own process. Without sharing, each copies the tables into
 its own memory (2 workers x 57 MB on ``small``, 2 x 2.3 GB at criteo-kaggle scale). Here
 the first worker writes the concatenated tables, uint8 (R, row_bytes), once into a file
-(``tables.bin`` in the version's delta folder, see :mod:`serve.store.delta_files`) and every worker
+(``tables.bin`` in the version's delta folder, see :mod:`serve.store.deltas`) and every worker
 maps it ``MAP_SHARED``: the pages live once, in the page cache (tmpfs or disk-backed),
 whatever the number of workers.
 

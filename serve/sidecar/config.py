@@ -44,7 +44,8 @@ from serve.state import (  # the limits are the desired state's: defined once th
     MAX_BATCH_DELAY_MS_MAX,
     WORKERS_MAX,
 )
-from serve.store.delta_files import MAX_DELTA_BYTES, MAX_DELTA_STORE_BYTES
+from serve.store.deltas.files import MAX_DELTA_STORE_BYTES
+from serve.store.deltas.format import MAX_DELTA_BYTES
 
 __all__ = [
     "BATCH_SIZE_MAX",
@@ -412,19 +413,19 @@ class SidecarConfig:
             and the page cache; an OOM kill would fail every request in flight).
         feedback: the prediction log folder the workers write and the bounds of the
             click-feedback join (:class:`FeedbackConfig`).
-        delta_dir: the pod's embedding-delta store (:class:`serve.store.delta_files.DeltaStore`), a
+        delta_dir: the pod's embedding-delta store (:class:`serve.store.deltas.files.DeltaStore`), a
             folder the TorchServe workers read too; POST /embeddings/deltas adds to it.
             None turns deltas off (POST /embeddings/deltas answers 409).
         delta_sync_s: every this many seconds, take the deltas published on the model
             volume (``<repository>/deltas/<version>/``) for the served versions
-            (:meth:`serve.sidecar.services.embedding_deltas.DeltaService.sync`); 0 = never.
+            (:meth:`serve.sidecar.services.deltas.volume.VolumeSync.sync`); 0 = never.
             The same loop deletes the delta folders of versions no longer served
-            (:meth:`~serve.sidecar.services.embedding_deltas.DeltaService.clean`; every 5 s
+            (:func:`~serve.sidecar.services.deltas.cleanup.clean_versions`; every 5 s
             when ``delta_sync_s`` is 0).
         max_delta_bytes: the largest embedding delta accepted (POST and the volume);
-            ``DeltaService.max_bytes``, also what the request guard allows that route.
+            ``DeltaIntake.max_bytes``, also what the request guard allows that route.
         max_delta_store_bytes: the most bytes of deltas the delta folder may hold
-            (``DeltaService.max_store_bytes``).
+            (``DeltaIntake.max_store_bytes``).
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`TunerConfig`; on by
@@ -432,7 +433,7 @@ class SidecarConfig:
         deltas_post: :data:`DELTAS_POST_MODES`: ``store`` (POST /embeddings/deltas adds to
             this pod's delta folder) or ``refuse`` (a pod of a fleet: the POST answers 409
             naming the model volume, ``<repository>/deltas/<version>/``, where deltas are
-            published once for every pod; :mod:`serve.sidecar.services.embedding_deltas`).
+            published once for every pod; :mod:`serve.sidecar.services.deltas.volume`).
         fleet: one rollout decision per fleet (:class:`FleetConfig`; off by default).
     """
 

@@ -48,9 +48,14 @@ from serve.sidecar.control.rollout import RolloutController
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.control.tuner import BatchTuner
 from serve.sidecar.control.tuner_loop import TuningLoop
-from serve.sidecar.services.embedding_deltas import DeltaService, model_versions
+from serve.sidecar.services.deltas.cleanup import clean_versions, model_versions
+from serve.sidecar.services.deltas.intake import DeltaIntake
+from serve.sidecar.services.deltas.parts import DeltaParts
+from serve.sidecar.services.deltas.progress import WorkerProgress
+from serve.sidecar.services.deltas.report import DeltaReport
+from serve.sidecar.services.deltas.volume import VolumeSync
 from serve.sidecar.services.feedback import FeedbackService
-from serve.store.delta_files import DeltaStore
+from serve.store.deltas.files import DeltaStore
 from serve.store.repository import ModelRepository
 
 _log = logging.getLogger(__name__)
@@ -96,8 +101,8 @@ class Sidecar:
         gpu: the GPUs' utilization and memory through NVML, registered in ``registry`` by
             :meth:`create` (disabled, exporting nothing, without an NVIDIA GPU/driver).
         wall_clock: unix seconds (the age of the newest embedding delta applied).
-        deltas: the embedding-delta service (POST /embeddings/deltas), registered in
-            ``registry``; None without ``config.delta_dir``.
+        deltas: the embedding-delta parts (POST /embeddings/deltas), their report
+            registered in ``registry``; None without ``config.delta_dir``.
         tuner: the batching tuner (:mod:`serve.sidecar.control.tuner`); it acts only with a
             desired-state file (through the reconciler).
         oip_port: the Open Inference Protocol's port (GET /state's ``endpoints``); None
@@ -117,7 +122,7 @@ class Sidecar:
         SidecarConfig().feedback))
     gpu: GpuCollector | None = None
     wall_clock: Callable[[], float] = time.time
-    deltas: DeltaService | None = None
+    deltas: DeltaParts | None = None
     tuner: BatchTuner | None = None
     write_port: int | None = None
     oip_port: int | None = None
@@ -163,14 +168,12 @@ class Sidecar:
         state.gpu = GpuCollector(nvml)  # one per state: its own registry
         registry.register(state.gpu)
         if config.delta_dir is not None:
-            state.deltas = DeltaService(DeltaStore(config.delta_dir),
+            state.deltas = _delta_parts(DeltaStore(config.delta_dir), config,
                                         versions=state.served_versions,
                                         report_of=repository.report, clock=clock,
                                         wall_clock=wall_clock,
-                                        max_bytes=config.max_delta_bytes,
-                                        max_store_bytes=config.max_delta_store_bytes,
                                         fallback_counts=_fallback_counts(handler_metrics))
-            registry.register(state.deltas)
+            registry.register(state.deltas.report)
         return state
 
     def rollout_families(self) -> Iterator[Metric]:
@@ -235,7 +238,7 @@ class Sidecar:
                                 reconciler=self._reconciler, clock=self.clock,
                                 marker=config.drain_marker)
         if self.deltas is not None:
-            self.deltas.set_live_pids(self._worker_pids)
+            self.deltas.progress.set_live_pids(self._worker_pids)
 
     def _delta_held_bytes(self) -> Callable[[], int] | None:
         """What a memory-backed delta folder holds beyond the workers' RSS (for the
@@ -243,7 +246,7 @@ class Sidecar:
         deltas, folder = self.deltas, self.config.delta_dir
         if deltas is None or folder is None or not is_memory_backed(folder):
             return None
-        return lambda: deltas.held_bytes(self.served_versions())
+        return lambda: deltas.store.held_bytes(sorted(set(self.served_versions())))
 
     async def _worker_pids(self) -> Iterable[int]:
         """The pids of every TorchServe worker of the model now (all versions)."""
@@ -285,7 +288,7 @@ class Sidecar:
         while True:
             try:
                 if self.deltas is not None and self.config.delta_sync_s > 0:
-                    await asyncio.to_thread(self.deltas.sync, roots)
+                    await asyncio.to_thread(self.deltas.volume.sync, roots)
                 await self.clean_deltas()
             except Exception:  # noqa: BLE001 - a bad volume must not stop the sidecar
                 _log.exception("picking up or cleaning embedding deltas (%s) failed", roots)
@@ -294,8 +297,9 @@ class Sidecar:
     async def clean_deltas(self) -> list[str]:
         """Delete the delta folders of versions neither served (desired state) nor
         registered with TorchServe, once no live worker reports in them
-        (:meth:`DeltaService.clean`). Nothing is deleted while TorchServe does not answer
-        (who maps what is unknown then) or during a drain. Returns the versions removed."""
+        (:func:`~serve.sidecar.services.deltas.cleanup.clean_versions`). Nothing is
+        deleted while TorchServe does not answer (who maps what is unknown then) or
+        during a drain. Returns the versions removed."""
         if self.deltas is None or self._torchserve is None or self.draining:
             return []
         try:
@@ -305,7 +309,8 @@ class Sidecar:
         keep = set(self.served_versions())
         for registered in observed.versions:
             keep.update(model_versions(registered.version))
-        return await asyncio.to_thread(self.deltas.clean, keep, list(observed.pids()))
+        return await asyncio.to_thread(clean_versions, self.deltas.store, keep,
+                                       list(observed.pids()))
 
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
@@ -434,3 +439,23 @@ def _fallback_counts(handler_metrics: HandlerAggregateCollector | None
         return None
     collector = handler_metrics
     return lambda: feature_counts(collector.collect(), EMBEDDING_IDS_FALLBACK_TOTAL)
+
+
+def _delta_parts(store: DeltaStore, config: SidecarConfig, *,
+                 versions: Callable[[], list[str]],
+                 report_of: Callable[[str], dict[str, Any]], clock: Callable[[], float],
+                 wall_clock: Callable[[], float],
+                 fallback_counts: Callable[[], dict[str, dict[str, int]]] | None
+                 ) -> DeltaParts:
+    """The embedding-delta parts around ``store``, wired: the volume sync goes through the
+    intake; the report reads the intake and the workers' progress. The live pids are
+    connected by :meth:`Sidecar.connect`."""
+    intake = DeltaIntake(store, versions=versions, report_of=report_of,
+                         max_bytes=config.max_delta_bytes,
+                         max_store_bytes=config.max_delta_store_bytes)
+    progress = WorkerProgress(store, versions=versions, clock=clock)
+    return DeltaParts(store=store, intake=intake, volume=VolumeSync(intake, versions),
+                      progress=progress,
+                      report=DeltaReport(intake, progress, versions=versions,
+                                         report_of=report_of, wall_clock=wall_clock,
+                                         fallback_counts=fallback_counts))

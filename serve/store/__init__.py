@@ -1,7 +1,7 @@
 """The files the layers hand each other, each format defined once.
 
 * :mod:`~serve.store.repository`: immutable model versions (archive + build report).
-* :mod:`~serve.store.delta_files`: the embedding-delta file format and the pod's delta store.
+* :mod:`~serve.store.deltas`: the embedding-delta file format and the pod's delta store.
 * :mod:`~serve.store.predlog`: the prediction log the workers write and the sidecar joins.
 * :mod:`~serve.store.routing`: the rollout's routing control file (which arm scores a
   request).

@@ -5,7 +5,7 @@
   lands only between two batches.
 * :class:`DeltaFollowers`: one :class:`~serve.runtime.follower.DeltaFollower` per served
   version (stable, a rollout's candidate), applying the store's deltas
-  (:mod:`serve.store.delta_files`) before the first batch and later ones between batches.
+  (:mod:`serve.store.deltas`) before the first batch and later ones between batches.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from serve.api.config import DeltaWiring
 from serve.runtime.engine import Runtime
 from serve.runtime.follower import DeltaFollower
-from serve.store.delta_files import DeltaStore
+from serve.store.deltas.files import DeltaStore
 
 __all__ = ["BatchGuard", "DeltaFollowers"]
 

@@ -53,7 +53,7 @@ environment, every scored request (sampled by a hash of its id) is appended ther
 the batch, keyed by its request id, with its version, arm and scores; the sidecar joins
 ``POST /feedback`` labels with it. Writing it never fails a prediction; nor do metrics.
 
-Deltas (:mod:`serve.store.delta_files`): with ``DLRM_DELTA_DIR`` in the environment, one
+Deltas (:mod:`serve.store.deltas`): with ``DLRM_DELTA_DIR`` in the environment, one
 :class:`~serve.runtime.follower.DeltaFollower` per served version applies the store's
 deltas before the first batch and later ones between batches (under the batch lock, and
 the write side of the pod's shared tables).
@@ -94,7 +94,7 @@ from serve.runtime.shared import SharedTables
 from serve.runtime.warmup import warm_up
 from serve.settings import PROMETHEUS_MULTIPROC_DIR
 from serve.state import parse_serving_version
-from serve.store.delta_files import DeltaStore
+from serve.store.deltas.files import DeltaStore
 from serve.store.predlog import PredictionLogConfig, PredictionLogWriter
 from serve.store.routing import ARM_HEADER, ControlWatcher
 from serve.worker.arms import Arms, BatchInfo

@@ -195,7 +195,7 @@ class FleetStatus(BaseModel):
 
 
 class WorkerDeltaStatus(BaseModel):
-    """What one live worker has applied for one version (``serve.store.delta_files.WorkerStatus``)."""
+    """What one live worker has applied for one version (``serve.store.deltas.status.WorkerStatus``)."""
 
     pid: int
     version: str
@@ -210,7 +210,7 @@ class WorkerDeltaStatus(BaseModel):
 
 class IdMapView(BaseModel):
     """One managed feature's id map in a served version (``serve.runtime.idmap``; computed
-    by ``serve.sidecar.services.embedding_deltas.DeltaService.id_maps``)."""
+    by ``serve.sidecar.services.deltas.idmaps.IdMaps``)."""
 
     feature: str = Field(description="The sparse feature (several may read one table).")
     table: str = Field(description="The managed table it reads.")

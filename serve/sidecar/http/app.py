@@ -15,7 +15,7 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
   (:mod:`serve.sidecar.http.routes_feedback`): click labels joined with the workers'
   prediction log; the online CTR, calibration and AUC per version and arm.
 * ``POST /embeddings/deltas`` (bearer token) and ``GET /embeddings/deltas``
-  (:mod:`serve.sidecar.http.routes_deltas`, :mod:`serve.sidecar.services.embedding_deltas`): embedding deltas
+  (:mod:`serve.sidecar.http.routes_deltas`, :mod:`serve.sidecar.services.deltas`): embedding deltas
   for a served version, stored in ``--delta-dir`` and applied by the workers.
 * ``GET /tuner`` and ``PUT /tuner`` (bearer token) (:mod:`serve.sidecar.http.routes_tuner`,
   :mod:`serve.sidecar.control.tuner`): the batching tuner, which picks batch size and max delay

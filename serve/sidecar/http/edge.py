@@ -41,7 +41,7 @@ from serve.sidecar.http.middleware import ANSWERED, OTHER
 from serve.sidecar.http.schemas import FEEDBACK_MAX_LABELS
 from serve.sidecar.root import Sidecar
 from serve.state import STATE_MAX_BYTES
-from serve.store import delta_files
+from serve.store.deltas.format import MAX_DELTA_BYTES
 
 __all__ = [
     "ANSWERED",
@@ -64,11 +64,11 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 def delta_body_limit(sidecar: Sidecar) -> int:
     """POST /embeddings/deltas' limit: the delta service's own
-    (:attr:`~serve.sidecar.services.embedding_deltas.DeltaService.max_bytes`,
+    (:attr:`~serve.sidecar.services.deltas.intake.DeltaIntake.max_bytes`,
     ``--max-delta-bytes``), read at each request, never copied; without a delta folder
     (deltas off: the route answers 409) the format's default."""
     deltas = sidecar.deltas
-    return deltas.max_bytes if deltas is not None else delta_files.MAX_DELTA_BYTES
+    return deltas.intake.max_bytes if deltas is not None else MAX_DELTA_BYTES
 
 
 def _small(_: Sidecar) -> int:

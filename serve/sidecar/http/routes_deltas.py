@@ -3,8 +3,8 @@ workers apply it; ``GET /embeddings/deltas``: per served version, the deltas sto
 what each live worker has applied.
 
 The body of the POST is the delta file as written by ``make delta`` (any Content-Type;
-:data:`serve.store.delta_files.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
-are in :mod:`serve.sidecar.services.embedding_deltas`: 413 too large, 400 damaged or not fitting the
+:data:`serve.store.deltas.format.DELTA_MEDIA_TYPE` is the proper one). The checks and their answers
+are in :mod:`serve.sidecar.services.deltas.intake`: 413 too large, 400 damaged or not fitting the
 version's tables (``field`` names the part), 409 for a version not served here or a
 sequence that is not the next one; nothing is stored on any of them. The body streams
 into a file of the store (never held in memory). The same bytes posted again are stored
@@ -44,14 +44,10 @@ from serve.sidecar.http.schemas import (
     EmbeddingsStatus,
 )
 from serve.sidecar.root import Sidecar, SidecarDep
-from serve.sidecar.services.embedding_deltas import (
-    WAIT_DEFAULT_S,
-    WAIT_MAX_S,
-    Accepted,
-    DeltaService,
-    refusal_reason,
-)
-from serve.store.delta_files import DELTA_MEDIA_TYPE
+from serve.sidecar.services.deltas.intake import Accepted, DeltaIntake, refusal_reason
+from serve.sidecar.services.deltas.parts import DeltaParts
+from serve.sidecar.services.deltas.progress import WAIT_DEFAULT_S, WAIT_MAX_S
+from serve.store.deltas.format import DELTA_MEDIA_TYPE
 
 __all__ = ["router"]
 
@@ -67,11 +63,11 @@ _OUTCOME = {"stored": "stored",
             "repaired": "stored in place of the damaged file of that sequence"}
 
 
-def _service(sidecar: Sidecar) -> DeltaService:
+def _service(sidecar: Sidecar) -> DeltaParts:
     if sidecar.deltas is None:
         raise Conflict(f"POST /embeddings/deltas: {_DISABLED}")
     if sidecar.config.deltas_post == "refuse":
-        sidecar.deltas.count_refusal("volume_only")
+        sidecar.deltas.intake.refused.add("volume_only")
         raise _volume_only(sidecar)
     return sidecar.deltas
 
@@ -93,19 +89,19 @@ def _volume_only(sidecar: Sidecar) -> DeltaConflict:
         reason="volume_only", details={"publish_to": where})
 
 
-async def _receive(request: Request, service: DeltaService) -> Accepted:
-    """Stream the body into the store (:meth:`DeltaService.receive`); never held in memory.
+async def _receive(request: Request, intake: DeltaIntake) -> Accepted:
+    """Stream the body into the store (:meth:`DeltaIntake.receive`); never held in memory.
     The edge guard has refused a Content-Length over the delta limit (413) before this
     runs; a declared length that the store's bound cannot hold is refused here (507)
     before a byte is read, and the service checks both bounds again as the body streams."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit():
         try:
-            await asyncio.to_thread(service.check_room, int(length))
+            await asyncio.to_thread(intake.check_room, int(length))
         except ServeError as e:
-            service.count_refusal(refusal_reason(e))
+            intake.refused.add(refusal_reason(e))
             raise
-    return await service.receive(request.stream())  # counts its own refusals
+    return await intake.receive(request.stream())  # counts its own refusals
 
 
 @router.post(
@@ -124,16 +120,16 @@ async def _receive(request: Request, service: DeltaService) -> Accepted:
                                     "pod's head (parent_mismatch), deltas are off, or this "
                                     "pod takes deltas from the model volume only "
                                     "(--deltas-post refuse)"},
-               413: {"description": "over --max-delta-bytes (DeltaService.max_bytes)"}})
+               413: {"description": "over --max-delta-bytes (DeltaIntake.max_bytes)"}})
 async def post_delta(
         request: Request, sidecar: SidecarDep,
         wait_s: Annotated[float, Query(
             ge=0, le=WAIT_MAX_S, description="Seconds to wait for the live workers to "
                                              "apply it (0: do not wait).")] = WAIT_DEFAULT_S,
 ) -> JSONResponse:
-    service = _service(sidecar)
-    accepted = await _receive(request, service)
-    result = await service.wait_applied(accepted.version, accepted.sequence, wait_s)
+    parts = _service(sidecar)
+    accepted = await _receive(request, parts.intake)
+    result = await parts.progress.wait_applied(accepted.version, accepted.sequence, wait_s)
     n = len(result.workers)
     stored = _OUTCOME[accepted.outcome]
     if result.applied:
@@ -158,15 +154,15 @@ async def post_delta(
             summary="Per served version: the embedding deltas stored and what each live "
                     "worker applied")
 async def get_deltas(sidecar: SidecarDep) -> DeltasStatus:
-    service = sidecar.deltas
-    if service is None:
+    parts = sidecar.deltas
+    if parts is None:
         return DeltasStatus(enabled=False, delta_dir=None, versions={}, message=_DISABLED)
-    summaries = await service.summaries()
-    damaged = await service.damaged()
+    summaries = await parts.report.summaries()
+    damaged = await parts.report.damaged()
     return DeltasStatus(
-        enabled=True, delta_dir=str(service.store.root),
+        enabled=True, delta_dir=str(parts.store.root),
         versions={v: EmbeddingsStatus.model_validate(s.to_json())
                   for v, s in summaries.items()},
         damaged=[DamagedDelta(version=v, file=name, reason=why)
                  for v, files in damaged.items() for name, why in files],
-        max_bytes=service.max_bytes)
+        max_bytes=parts.intake.max_bytes)

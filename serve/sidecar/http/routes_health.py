@@ -59,8 +59,9 @@ async def readiness(sidecar: Sidecar) -> dict[str, Any]:
             f"worker (statuses: {', '.join(statuses) or 'no workers'}); wait for it to load")
     await sidecar.torchserve.ping()  # READY workers are no use if inference does not answer
     if sidecar.deltas is not None:  # a new pod serves only once it has its version's deltas
-        behind = await sidecar.deltas.not_caught_up(
-            need_sync=sidecar.config.delta_sync_s > 0 and bool(sidecar.config.repository_roots))
+        need_sync = sidecar.config.delta_sync_s > 0 and bool(sidecar.config.repository_roots)
+        behind = await sidecar.deltas.progress.not_caught_up(
+            volume_read=not need_sync or sidecar.deltas.volume.synced)
         if behind is not None:
             raise UpstreamUnavailable(behind)
     return {"status": "ready", "model": model, "model_version": str(desc.get("modelVersion")),

@@ -23,7 +23,7 @@ GET's ``endpoints.oip_url`` is the Open Inference Protocol's base URL (``--oip-p
 by hand, one call each (409 when none is baking); GET /state's ``rollout`` shows it.
 
 With ``--delta-dir``, GET /state also has ``embeddings``: per served version, the last
-embedding delta stored and what the live workers applied (:mod:`serve.sidecar.services.embedding_deltas`).
+embedding delta stored and what the live workers applied (:mod:`serve.sidecar.services.deltas`).
 Its ``id_maps`` describe each managed feature's id map (:mod:`serve.runtime.idmap`):
 capacity, ids, occupancy, ids admitted and evicted by the applied deltas, fallback
 lookups; ``[]`` for a version whose tables are all modulo.
@@ -76,7 +76,7 @@ async def get_state(request: Request, sidecar: SidecarDep) -> StateStatus:
         "sidecar": SidecarEndpoints(write_port=sidecar.write_port),
         "endpoints": ServiceEndpoints(oip_url=_oip_url(request, sidecar))})
     if sidecar.deltas is not None:
-        summaries = await sidecar.deltas.summaries()
+        summaries = await sidecar.deltas.report.summaries()
         status = status.model_copy(update={"embeddings": {
             v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()}})
     return status
