@@ -9,11 +9,15 @@ Pipeline of one ``predict``:
 2. global row = table offset + the table's row of the id: ``id % rows`` for a modulo
    table (ids >= rows wrap, documented rule), the version's id map for a managed one
    (:mod:`serve.runtime.idmap`: admitted ids own a row, every other id reads the
-   fallback row 0, counted per feature in ``RuntimeStats.fallback``);
-3. embedding: either a direct gather from the tables on the device (no cache: every row
-   resident), or ``torch.unique`` -> :class:`serve.runtime.cache.EmbeddingCache` (hot rows on the
-   device, all rows pinned in host memory) -> dequantize the U rows once -> pool;
-4. dense part (:class:`serve.runtime.dense.DenseDLRM`, as TorchRec's DLRM) -> sigmoid.
+   fallback row 0, counted per feature in ``RuntimeStats.fallback``;
+   :mod:`serve.runtime.rowmap`);
+3. embedding, asked of the :class:`serve.runtime.tables.TableStore` (steps 2-3 are its
+   business): either a direct gather from the tables on the device (no cache: every row
+   resident), or ``torch.unique`` -> :class:`serve.runtime.cache.EmbeddingCache` (hot rows
+   on the device, all rows pinned in host memory) -> dequantize the U rows once -> pool;
+4. dense part (:class:`serve.runtime.dense.DenseDLRM`, as TorchRec's DLRM) -> sigmoid
+   (one-hot batches with ``cuda_graphs``: the whole predict as one replay,
+   :mod:`serve.runtime.graphs`).
 
 When the cache is used: on CUDA whenever its capacity is below the table rows; on CPU
 only with ``cache_on_cpu=True``, because there device memory *is* host memory and the
@@ -232,6 +236,51 @@ def _dense_part(artifact: Artifact, config: RuntimeConfig, dev: torch.device) ->
     return dense
 
 
+def _check_batch(dense: torch.Tensor, sparse: SparseBatch, feature_names: list[str],
+                 num_dense: int, table_rows: list[int],
+                 feature_tables: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """Validate a batch on the host: ``(lengths (F, B), B)``. ``table_rows``,
+    ``feature_tables``: rows per table, table of each feature (for the message of a
+    negative id).
+
+    Raises:
+        InvalidInput: shapes/dtypes off, lengths not matching values, negative ids.
+    """
+    nf = len(feature_names)
+    if not isinstance(dense, torch.Tensor) or dense.dim() != 2 \
+            or dense.shape[1] != num_dense:
+        shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
+        raise InvalidInput(f"dense must be a (B, {num_dense}) float tensor, got {shape}")
+    if not dense.is_floating_point():
+        raise InvalidInput(f"dense must hold floats, got {dense.dtype}")
+    b = dense.shape[0]
+    lengths, values = sparse.lengths, sparse.values
+    if lengths.dim() != 2 or tuple(lengths.shape) != (nf, b):
+        raise InvalidInput(f"sparse lengths must be ({nf}, B={b}) (one row per feature "
+                           f"{feature_names[0]}..{feature_names[-1]}), "
+                           f"got {tuple(lengths.shape)}")
+    if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+        raise InvalidInput(f"sparse values must be a 1-d int64 tensor, got {values.dtype} "
+                           f"{tuple(values.shape)}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        f = int((lengths < 0).any(1).nonzero()[0])
+        raise InvalidInput(f"sparse feature {feature_names[f]}: negative length; "
+                           "lengths count ids per sample and must be >= 0")
+    total = int(lengths.sum())
+    if total != values.numel():
+        raise InvalidInput(f"sparse lengths sum to {total} but values hold {values.numel()} "
+                           "ids; they must match")
+    if values.numel() and int(values.min()) < 0:
+        first = int((values < 0).nonzero()[0])
+        per_value = torch.cumsum(lengths.reshape(-1).long(), 0)
+        seg = int(torch.searchsorted(per_value, first, right=True))
+        f, s = divmod(seg, b)
+        raise InvalidInput(f"sparse feature {feature_names[f]}: id {int(values[first])} "
+                           f"(sample {s}) is negative; ids must be integers >= 0 (ids >= "
+                           f"the table's {table_rows[feature_tables[f]]} rows wrap modulo rows)")
+    return lengths, b
+
+
 def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
                  cap: int) -> list[tuple[torch.Tensor, SparseBatch]]:
     """Consecutive chunks of at most ``cap`` samples of a validated batch.
@@ -289,6 +338,9 @@ class Runtime:
                 policy=config.cache_policy, miss_path=config.cache_miss_path,
                 lfu_decay_every=config.lfu_decay_every)
             self.dense: torch.nn.Module = _dense_part(artifact, config, self.device)
+        #: The pod-wide shared tables when they serve the rows (the store's), else None:
+        #: the worker and the delta follower take their locks.
+        self.shared: SharedTables | None = self.store.shared
         self.graphs = GraphRunner(self.store, self.dense, self._dense_dtype, self.num_dense,
                                   self.device)
         self._graphed = config.cuda_graphs and self.device.type == "cuda"
@@ -332,11 +384,6 @@ class Runtime:
     def table(self) -> torch.Tensor | None:
         """uint8 (R, row_bytes) every row on the device, or None (served by the cache)."""
         return self.store.table
-
-    @property
-    def shared(self) -> SharedTables | None:
-        """The pod-wide shared tables when they serve the rows, else None."""
-        return self.store.shared
 
     @property
     def table_rows(self) -> list[int]:
@@ -416,39 +463,9 @@ class Runtime:
 
     # -- validation ----------------------------------------------------------------------
     def _check(self, dense: torch.Tensor, sparse: SparseBatch) -> tuple[torch.Tensor, int]:
-        nf = len(self.feature_names)
-        if not isinstance(dense, torch.Tensor) or dense.dim() != 2 \
-                or dense.shape[1] != self.num_dense:
-            shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
-            raise InvalidInput(f"dense must be a (B, {self.num_dense}) float tensor, got {shape}")
-        if not dense.is_floating_point():
-            raise InvalidInput(f"dense must hold floats, got {dense.dtype}")
-        b = dense.shape[0]
-        lengths, values = sparse.lengths, sparse.values
-        if lengths.dim() != 2 or tuple(lengths.shape) != (nf, b):
-            raise InvalidInput(f"sparse lengths must be ({nf}, B={b}) (one row per feature "
-                               f"{self.feature_names[0]}..{self.feature_names[-1]}), "
-                               f"got {tuple(lengths.shape)}")
-        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
-            raise InvalidInput(f"sparse values must be a 1-d int64 tensor, got {values.dtype} "
-                               f"{tuple(values.shape)}")
-        if lengths.numel() and int(lengths.min()) < 0:
-            f = int((lengths < 0).any(1).nonzero()[0])
-            raise InvalidInput(f"sparse feature {self.feature_names[f]}: negative length; "
-                               "lengths count ids per sample and must be >= 0")
-        total = int(lengths.sum())
-        if total != values.numel():
-            raise InvalidInput(f"sparse lengths sum to {total} but values hold {values.numel()} "
-                               "ids; they must match")
-        if values.numel() and int(values.min()) < 0:
-            first = int((values < 0).nonzero()[0])
-            per_value = torch.cumsum(lengths.reshape(-1).long(), 0)
-            seg = int(torch.searchsorted(per_value, first, right=True))
-            f, s = divmod(seg, b)
-            raise InvalidInput(f"sparse feature {self.feature_names[f]}: id {int(values[first])} "
-                               f"(sample {s}) is negative; ids must be integers >= 0 (ids >= "
-                               f"the table's {self.feature_rows[f]} rows wrap modulo rows)")
-        return lengths, b
+        """``(lengths (F, B), B)`` of a batch that :func:`_check_batch` accepts."""
+        return _check_batch(dense, sparse, self.feature_names, self.num_dense,
+                            self.store.table_rows, self.schema.feature_tables)
 
     # -- public --------------------------------------------------------------------------
     @torch.inference_mode()
