@@ -119,7 +119,6 @@ def resolve_decay_every(decay_every: int | None, total_rows: int) -> int:
                              f"for the default {LFU_DECAY_PER_ROW} x the table's rows")
 
 
-
 def capacity_for(total_rows: int, row_bytes: int, *, load_factor: float | None,
                  cache_bytes: int | None) -> int:
     """Slots for a cache: ``cache_bytes // row_bytes`` if given, else

@@ -453,19 +453,13 @@ class Runtime:
                        evict_ids: torch.Tensor) -> IdMap:
         """What :meth:`update_ids` would make the table's map, without changing it (so a
         delta's every change is checked before any is applied)."""
-        return self.store.changed_id_map(table, assign_ids, assign_rows, evict_ids)
+        return self.store.ids.changed_id_map(table, assign_ids, assign_rows, evict_ids)
 
     def set_id_map(self, table: int, id_map: IdMap) -> None:
         """Serve ``id_map`` for managed table ``table`` from the next predict on (written in
         place: with the pod-wide shared tables every worker sees it, so one writes it, under
         the shared write lock, like rows)."""
-        self.store.set_id_map(table, id_map)
-
-    # -- validation ----------------------------------------------------------------------
-    def _check(self, dense: torch.Tensor, sparse: SparseBatch) -> tuple[torch.Tensor, int]:
-        """``(lengths (F, B), B)`` of a batch that :func:`_check_batch` accepts."""
-        return _check_batch(dense, sparse, self.feature_names, self.num_dense,
-                            self.store.table_rows, self.schema.feature_tables)
+        self.store.ids.set_id_map(table, id_map)
 
     # -- public --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -480,7 +474,8 @@ class Runtime:
         Raises:
             InvalidInput: shapes/dtypes off, lengths not matching values, negative ids.
         """
-        lengths, b = self._check(dense, sparse)
+        lengths, b = _check_batch(dense, sparse, self.feature_names, self.num_dense,
+                                  self.store.table_rows, self.schema.feature_tables)
         if b == 0:
             return torch.zeros(0, dtype=torch.float32)
         cap = self.config.max_forward_instances

@@ -27,7 +27,7 @@ from serve.errors import ConfigError
 from serve.runtime.artifact import Artifact, dequantize_rows
 from serve.runtime.cache import EmbeddingCache, capacity_for
 from serve.runtime.hostmem import device_guard, page_exclusive_empty
-from serve.runtime.idmap import IdMap, MapIndex
+from serve.runtime.idmap import MapIndex
 from serve.runtime.rowmap import FeatureGroup, RowMapper
 from serve.runtime.shared import IdRegion, SharedTables
 from serve.store.rowformat import row_bytes
@@ -164,6 +164,7 @@ class TableStore:
             artifact, device, shared, load_factor=load_factor, cache_bytes=cache_bytes,
             cache_on_cpu=cache_on_cpu, policy=policy, miss_path=miss_path,
             lfu_decay_every=lfu_decay_every)
+        #: Ids -> global rows; owns the managed tables' id maps (deltas change them there).
         self.ids = RowMapper(self.schema, self.table_rows, self._offsets, maps, device)
         self._lookups = self._hits = 0
 
@@ -312,15 +313,6 @@ class TableStore:
             else:
                 t = self._table()
                 t.index_copy_(0, g.to(t.device), rows.to(t.device))
-
-    def changed_id_map(self, table: int, assign_ids: torch.Tensor, assign_rows: torch.Tensor,
-                       evict_ids: torch.Tensor) -> IdMap:
-        """:meth:`RowMapper.changed_id_map`."""
-        return self.ids.changed_id_map(table, assign_ids, assign_rows, evict_ids)
-
-    def set_id_map(self, table: int, id_map: IdMap) -> None:
-        """:meth:`RowMapper.set_id_map`."""
-        self.ids.set_id_map(table, id_map)
 
     # -- metrics -------------------------------------------------------------------------
     def counts(self) -> StoreCounts:
