@@ -214,14 +214,14 @@ def miss_path_probe(device: torch.device, table_rows: int = 8_000_000,
     points: list[dict[str, Any]] = []
     for m in (4096, 65536, 1 << 20):
         rows = torch.randint(0, table_rows, (m,), device=device)
-        same = torch.equal(host._fetch(rows), mapped._fetch(rows))
+        same = torch.equal(host.host.fetch(rows), mapped.host.fetch(rows))
         res: dict[str, Any] = {"rows": m, "equal": same}
         for name, cache in (("host", host), ("mapped", mapped)):
-            cache._fetch(rows)
+            cache.host.fetch(rows)
             torch.cuda.synchronize()
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < 0.5:
-                cache._fetch(rows)
+                cache.host.fetch(rows)
                 torch.cuda.synchronize()
                 n += 1
             res[f"{name}_rows_per_s"] = n * m / (time.perf_counter() - t0)

@@ -55,7 +55,7 @@ def test_lfu_admits_only_more_frequent_rows_by_hand():
     assert _resident(c) == [1, 3]
     _lookup(c, [2])             # 2:3 > 3:2: evicts row 3
     assert _resident(c) == [1, 2] and c.counters.evictions == 2
-    assert c.row_freq.tolist()[:5] == [0, 3, 3, 2, 1]
+    assert c.index.row_freq.tolist()[:5] == [0, 3, 3, 2, 1]
 
 
 def test_lru_and_lfu_differ_on_a_scan():
@@ -85,12 +85,12 @@ def test_random_sequences_return_exact_rows(policy, decay, capacity):
         rows, counts = torch.unique(ids, return_counts=True)
         assert torch.equal(cache.lookup(rows, counts), table[rows])
         # Invariants: map and slots agree; no more residents than slots.
-        res = cache.slot_to_row[cache.slot_to_row >= 0]
+        res = cache.index.slot_to_row[cache.index.slot_to_row >= 0]
         assert res.numel() <= capacity and res.unique().numel() == res.numel()
-        slots = cache.row_to_slot[res].long()
-        assert torch.equal(cache.slot_to_row[slots], res)
+        slots = cache.index.row_to_slot[res].long()
+        assert torch.equal(cache.index.slot_to_row[slots], res)
         assert torch.equal(cache.slots[slots], table[res])
-        assert int((cache.row_to_slot >= 0).sum()) == res.numel()
+        assert int((cache.index.row_to_slot >= 0).sum()) == res.numel()
     c = cache.counters
     assert c.lookups == 30 * 64 and c.hits + c.misses == c.lookups
     if capacity == 200:
@@ -125,7 +125,7 @@ def test_bytes_accounting():
 
 def test_dlpack_alias_reads_the_same_memory():
     """The capsule behind the zero-copy miss path (CUDA-labelled there), checked on CPU."""
-    from serve.runtime.cache import _alias_via_dlpack
+    from serve.runtime.hostmem import _alias_via_dlpack
 
     t = torch.randint(0, 256, (1000, 20), dtype=torch.uint8)
     view, keep = _alias_via_dlpack(t, 1, 0)   # kDLCPU
@@ -145,13 +145,13 @@ def test_bad_miss_path():
 
 def _check_invariants(cache: EmbeddingCache, table: torch.Tensor) -> None:
     cap = cache.capacity
-    res = cache.slot_to_row[:cap][cache.slot_to_row[:cap] >= 0]
+    res = cache.index.slot_to_row[:cap][cache.index.slot_to_row[:cap] >= 0]
     assert res.unique().numel() == res.numel() <= cap
-    slots = cache.row_to_slot[res].long()
-    assert torch.equal(cache.slot_to_row[slots], res)
+    slots = cache.index.row_to_slot[res].long()
+    assert torch.equal(cache.index.slot_to_row[slots], res)
     assert torch.equal(cache.slots[slots], table[res])
-    assert int((cache.row_to_slot[: cache.total_rows] >= 0).sum()) == res.numel()
-    assert int(cache.row_to_slot[-1]) == -1 and int(cache.slot_to_row[-1]) == -1  # dumps
+    assert int((cache.index.row_to_slot[: cache.total_rows] >= 0).sum()) == res.numel()
+    assert int(cache.index.row_to_slot[-1]) == -1 and int(cache.index.slot_to_row[-1]) == -1  # dumps
 
 
 def test_static_lookup_is_exact_and_consistent():
@@ -200,16 +200,16 @@ def test_lfu_count_near_the_int32_limit_does_not_wrap():
     limit = 2**31 - 1
     c = EmbeddingCache(_table(), capacity=2, policy="lfu", lfu_decay_every=0)
     _lookup(c, [0, 1])                          # both admitted (empty slots)
-    c.row_freq[0] = limit - 10
-    c.row_freq[1] = limit - 1
+    c.index.row_freq[0] = limit - 10
+    c.index.row_freq[1] = limit - 1
     _lookup(c, [0, 1], [100, 5])                # would wrap: saturate instead
-    assert c.row_freq.dtype == torch.int32
-    assert c.row_freq[:2].tolist() == [limit, limit]
+    assert c.index.row_freq.dtype == torch.int32
+    assert c.index.row_freq[:2].tolist() == [limit, limit]
     for _ in range(3):                          # cold rows keep missing: the hot ones stay
         _lookup(c, [2, 3], [1000, 1000])
         _lookup(c, [0], [2**20])                # saturated + more: still the maximum
     assert _resident(c) == [0, 1] and c.counters.evictions == 0
-    assert c.row_freq[:4].tolist() == [limit, limit, 3000, 3000]
+    assert c.index.row_freq[:4].tolist() == [limit, limit, 3000, 3000]
     before = c.counters.hits
     _lookup(c, [0, 1])                          # and they still hit
     assert c.counters.hits == before + 2
@@ -221,8 +221,8 @@ def test_lfu_saturated_counts_still_order_victims():
     limit = 2**31 - 1
     c = EmbeddingCache(_table(), capacity=3, policy="lfu", lfu_decay_every=0)
     _lookup(c, [0, 1, 2])
-    c.row_freq[0] = limit
-    c.row_freq[1] = limit
+    c.index.row_freq[0] = limit
+    c.index.row_freq[1] = limit
     _lookup(c, [5], [2])                        # 5 (2) beats row 2 (1), not 0 or 1
     assert _resident(c) == [0, 1, 5]
 
@@ -241,10 +241,10 @@ def test_lfu_aging_lets_a_formerly_hot_row_go():
 
     never, aged = run(0), run(100)
     assert _resident(never) == [0, 1]           # stuck with yesterday's rows
-    assert never.row_freq[:4].tolist() == [1000, 1000, 100, 100]
+    assert never.index.row_freq[:4].tolist() == [1000, 1000, 100, 100]
     assert _resident(aged) == [2, 3]
     assert aged.counters.evictions == 2 and aged.counters.lfu_decays == 22
-    f = aged.row_freq[:4].tolist()
+    f = aged.index.row_freq[:4].tolist()
     assert f[2] > f[0] and f[3] > f[1]
 
 
@@ -253,15 +253,15 @@ def test_lfu_decay_happens_on_schedule():
     across lookups; a lookup that crosses several periods shifts several times."""
     c = EmbeddingCache(_table(), capacity=4, policy="lfu", lfu_decay_every=100)
     _lookup(c, [0, 1, 2], [40, 30, 20])         # 90 ids: no decay yet
-    assert c.row_freq[:3].tolist() == [40, 30, 20] and c.counters.lfu_decays == 0
+    assert c.index.row_freq[:3].tolist() == [40, 30, 20] and c.counters.lfu_decays == 0
     _lookup(c, [0, 3], [21, 9])                 # 120 ids: one halving, 20 carried over
-    assert c.row_freq[:4].tolist() == [30, 15, 10, 4] and c.counters.lfu_decays == 1
+    assert c.index.row_freq[:4].tolist() == [30, 15, 10, 4] and c.counters.lfu_decays == 1
     # n_ids given by the caller (the runtime knows it on the host): 20 + 260 = 280 -> 2
     c.lookup(torch.tensor([1]), torch.tensor([260]), n_ids=260)
-    assert c.row_freq[:4].tolist() == [7, 68, 2, 1] and c.counters.lfu_decays == 3
+    assert c.index.row_freq[:4].tolist() == [7, 68, 2, 1] and c.counters.lfu_decays == 3
     _lookup(c, [5])                             # counts=None: 1 id, no decay (81 < 100)
-    assert c.counters.lfu_decays == 3 and int(c.row_freq[5]) == 1
-    assert torch.equal(c.slots[c.row_to_slot[torch.tensor([0, 1, 2, 3])].long()],
+    assert c.counters.lfu_decays == 3 and int(c.index.row_freq[5]) == 1
+    assert torch.equal(c.slots[c.index.row_to_slot[torch.tensor([0, 1, 2, 3])].long()],
                        _table()[[0, 1, 2, 3]])   # residents unchanged by aging
 
 
@@ -292,7 +292,7 @@ def test_page_exclusive_empty_owns_its_pages():
     import gc
     import mmap
 
-    from serve.runtime.cache import page_exclusive_empty
+    from serve.runtime.hostmem import page_exclusive_empty
 
     t = page_exclusive_empty(1000, 68)
     assert t.shape == (1000, 68) and t.dtype == torch.uint8 and t.is_contiguous()
@@ -322,7 +322,7 @@ class _FakeDriver:
 
 
 def test_host_registry_registers_in_place_once_per_storage():
-    from serve.runtime.cache import _HostRegistry, page_exclusive_empty
+    from serve.runtime.hostmem import _HostRegistry, page_exclusive_empty
 
     drv = _FakeDriver()
     reg = _HostRegistry(drv.register, drv.unregister)
@@ -344,7 +344,7 @@ def test_host_registry_copies_a_table_that_shares_a_page():
     into memory of its own pages and that copy is registered instead."""
     import mmap
 
-    from serve.runtime.cache import _HostRegistry
+    from serve.runtime.hostmem import _HostRegistry
 
     drv = _FakeDriver()
     reg = _HostRegistry(drv.register, drv.unregister)
@@ -364,7 +364,7 @@ def test_host_registry_copies_a_table_that_shares_a_page():
 
 
 def test_host_registry_reports_a_refused_registration():
-    from serve.runtime.cache import _HostRegistry, page_exclusive_empty
+    from serve.runtime.hostmem import _HostRegistry, page_exclusive_empty
 
     reg = _HostRegistry(_FakeDriver(fail=2).register, _FakeDriver().unregister)
     with pytest.raises(RuntimeError, match=r"^cudaHostRegister of the 400-byte host table "

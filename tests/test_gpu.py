@@ -48,8 +48,9 @@ import torch
 
 from serve.errors import ConfigError
 from serve.runtime.artifact import Artifact, dequantize_rows, load_artifact, row_bytes
-from serve.runtime.cache import EmbeddingCache, host_mapped_view, page_exclusive_empty
+from serve.runtime.cache import EmbeddingCache
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+from serve.runtime.hostmem import host_mapped_view, page_exclusive_empty
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "bench" / "gpu_fixture"
@@ -111,7 +112,7 @@ def cpu_ref(art: Artifact, batches: list[dict[str, torch.Tensor]]) -> list[dict[
     for bt in batches:
         sparse = _sparse(bt)
         with torch.inference_mode():
-            emb = rt._embed(sparse, sparse.lengths, bt["dense"].shape[0]).clone()
+            emb = rt.store.embed(sparse.values, sparse.lengths, bt["dense"].shape[0]).clone()
         out.append({"p": rt.predict(bt["dense"], sparse), "emb": emb,
                     "one_hot": bool((bt["lengths"] == 1).all())})
     return out
@@ -184,11 +185,11 @@ def test_host_miss_path_is_exact_through_its_staging_buffer(device):
     assert c.hits > 0 and c.evictions > 0 and c.hits + c.misses == c.lookups
     if cache.device.type == "cuda":
         _same_state(cache, ref)
-        assert cache.host_table.is_pinned()
-        assert len(cache._staging) == 2
-        assert all(b.is_pinned() and b.shape == (1000, 20) for b in cache._staging)
+        assert cache.host.table.is_pinned()
+        assert len(cache.host._staging) == 2
+        assert all(b.is_pinned() and b.shape == (1000, 20) for b in cache.host._staging)
     else:
-        assert cache._staging == []             # CPU: host memory is device memory
+        assert cache.host._staging == []             # CPU: host memory is device memory
 
 
 @pytest.mark.parametrize("device", CUDA_DEVICES)
@@ -204,7 +205,7 @@ def test_host_miss_path_waits_before_reusing_its_staging_buffer(device):
     outs = []
     for _ in range(4):
         rows = torch.randint(0, table.shape[0], (400_000,), generator=g)
-        outs.append((rows, cache._fetch(rows)))     # CPU rows: no device sync here
+        outs.append((rows, cache.host.fetch(rows)))     # CPU rows: no device sync here
     for rows, out in outs:
         assert out.device == cache.device
         assert torch.equal(out.cpu(), table[rows])
@@ -223,7 +224,7 @@ def test_host_table_is_page_locked_in_place(device):
     torch.cuda.init()
     before = _host_allocator_bytes()
     mapped = EmbeddingCache(table, capacity=256, policy="lru", device=device, miss_path="mapped")
-    assert mapped.host_table.data_ptr() == table.data_ptr()          # in place
+    assert mapped.host.table.data_ptr() == table.data_ptr()          # in place
     assert table.is_pinned() and mapped.pinned_bytes == table.numel() == 60_000_020
     if before is not None:
         assert _host_allocator_bytes() == before                     # not the caching allocator
@@ -256,8 +257,8 @@ def test_runtime_pins_exactly_its_table(art, batches, cpu_ref, device):
     before = _host_allocator_bytes()
     rt = Runtime.from_artifact(art, RuntimeConfig(device=device, cache_load_factor=0.2,
                                                   cache_miss_path="mapped"))
-    assert rt.cache is not None and rt.cache.miss_path == "mapped"
-    table = rt.cache.host_table
+    assert rt.cache is not None and rt.cache.host.miss_path == "mapped"
+    table = rt.cache.host.table
     assert table.is_pinned() and rt.cache.pinned_bytes == art.table_bytes == rt.stats().host_bytes
     if before is not None:
         assert _host_allocator_bytes() == before
@@ -283,8 +284,8 @@ def test_lfu_counts_and_aging_match_cpu(device):
         got = cache.lookup(rows.to(cache.device), counts.to(cache.device))
         assert torch.equal(got.cpu(), table[rows])
         ref.lookup(rows, counts)
-    assert cache.row_freq is not None and ref.row_freq is not None
-    assert torch.equal(cache.row_freq.cpu(), ref.row_freq)
+    assert cache.index.row_freq is not None and ref.index.row_freq is not None
+    assert torch.equal(cache.index.row_freq.cpu(), ref.index.row_freq)
     _same_state(cache, ref)
     assert cache.counters.lfu_decays == 20 * 300 // 500
 
@@ -300,9 +301,9 @@ def test_mapped_miss_path_reads_the_pinned_table_in_place(device):
     mapped = EmbeddingCache(table, capacity=64, policy="lru", device=device, miss_path="mapped")
     host = EmbeddingCache(table, capacity=64, policy="lru", device=device, miss_path="host")
     ref = EmbeddingCache(table, capacity=64, policy="lru", device="cpu")
-    assert mapped.miss_path == "mapped" and mapped._mapped is not None
-    assert mapped._mapped.device == mapped.device
-    assert mapped._mapped.data_ptr() == mapped.host_table.data_ptr()   # zero-copy alias
+    assert mapped.host.miss_path == "mapped" and mapped.host.mapped is not None
+    assert mapped.host.mapped.device == mapped.device
+    assert mapped.host.mapped.data_ptr() == mapped.host.table.data_ptr()   # zero-copy alias
     g = torch.Generator().manual_seed(5)
     for step in range(12):
         rows, counts = _zipf_rows(5000, 40 + 60 * step, g)
@@ -328,7 +329,7 @@ def test_mapped_miss_path_on_cpu_is_the_host_path():
     backs it refuses memory the GPU could not read."""
     table = _random_table(100, 8, seed=6)
     cache = EmbeddingCache(table, capacity=4, policy="lru", device="cpu", miss_path="mapped")
-    assert cache.miss_path == "host" and cache._mapped is None
+    assert cache.host.miss_path == "host" and cache.host.mapped is None
     rows = torch.tensor([3, 50, 99])
     assert torch.equal(cache.lookup(rows), table[rows])
     with pytest.raises(ConfigError, match=r"^host_mapped_view needs a pinned 2-d uint8 tensor$"):
@@ -362,12 +363,12 @@ def test_runtime_matches_cpu(art, batches, cpu_ref, device, config):
     where = rt.cache.slots if rt.cache is not None else rt.table
     assert where is not None and where.device == rt.device
     if rt.cache is not None and rt.device.type == "cuda":
-        assert rt.cache.miss_path == RUNTIME_CONFIGS[config].get("cache_miss_path", "host")
+        assert rt.cache.host.miss_path == RUNTIME_CONFIGS[config].get("cache_miss_path", "host")
     for _ in range(2):
         for bt, ref in zip(batches, cpu_ref, strict=True):
             sparse = _sparse(bt)
             with torch.inference_mode():
-                emb = rt._embed(sparse, sparse.lengths, bt["dense"].shape[0]).cpu()
+                emb = rt.store.embed(sparse.values, sparse.lengths, bt["dense"].shape[0]).cpu()
             if ref["one_hot"]:
                 assert torch.equal(emb, ref["emb"])
             else:
@@ -447,13 +448,13 @@ def test_mixed_dims_and_shared_table_match_cpu(mixed_art, device, config):
     nothing), within EMB_TOL / PROB_TOL on CUDA."""
     ref = Runtime(mixed_art, RuntimeConfig(cache_load_factor=1.0))
     rt = Runtime(mixed_art, RuntimeConfig(device=device, **RUNTIME_CONFIGS[config]))
-    assert len(rt._groups) == 3 and not rt._single
+    assert len(rt.store.ids.groups) == 3 and not rt.store.ids.single
     for _ in range(2):
         for b, seed in ((1, 1), (7, 2), (64, 3)):
             dense, sparse = _mixed_batch(b, seed)
             with torch.inference_mode():
-                want_emb = ref._embed(sparse, sparse.lengths, b).clone()
-                emb = rt._embed(sparse, sparse.lengths, b).cpu()
+                want_emb = ref.store.embed(sparse.values, sparse.lengths, b).clone()
+                emb = rt.store.embed(sparse.values, sparse.lengths, b).cpu()
             assert emb.shape == (b, 72)
             _assert_close_to_cpu(emb, want_emb, device, EMB_TOL)
             _assert_close_to_cpu(rt.predict(dense, sparse), ref.predict(dense, sparse), device,
@@ -486,11 +487,10 @@ def _graph_predict(rt: Runtime, dense: torch.Tensor, sparse: SparseBatch) -> tor
     b = dense.shape[0]
     if rt.device.type == "cuda":
         out = rt.predict(dense, sparse)
-        assert b in rt._graphs, "predict did not go through a CUDA graph"
+        assert b in rt.graphs.captured, "predict did not go through a CUDA graph"
         return out
     with torch.inference_mode():
-        return rt._graph_body(sparse.values, dense, rt._rows_d.repeat_interleave(b),
-                              rt._offsets_d.repeat_interleave(b), b)
+        return rt.graphs.body(sparse.values, dense, *rt.store.static_positions(b), b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -519,12 +519,12 @@ def test_cuda_graph_capture_and_replay_match_cpu(art, device, config):
                 assert mid.lookups - before.lookups == F * b
                 assert (after.lookups - mid.lookups, after.hits - mid.hits) == (F * b, F * b)
     if rt.device.type == "cuda":
-        assert sorted(rt._graphs) == [1, 7, 64]
+        assert sorted(rt.graphs.captured) == [1, 7, 64]
         multi = SparseBatch(torch.arange(2 * F), torch.full((F, 1), 2, dtype=torch.int32))
         dense = torch.randn(1, 13)
         _assert_close_to_cpu(rt.predict(dense, multi), ref.predict(dense, multi), device,
                              PROB_TOL)   # multi-hot: eager, no new graph
-        assert sorted(rt._graphs) == [1, 7, 64]
+        assert sorted(rt.graphs.captured) == [1, 7, 64]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -543,7 +543,7 @@ def test_forward_cap_splits_a_batch_on_the_device(art, device):
     st = rt.stats()
     assert (st.forwards, st.samples, st.lookups) == (4, 3 * 64 + 5, F * (3 * 64 + 5))
     if rt.device.type == "cuda":
-        assert sorted(rt._graphs) == [5, 64]
+        assert sorted(rt.graphs.captured) == [5, 64]
 
 
 # -- a second device --------------------------------------------------------------------
@@ -563,11 +563,11 @@ def test_runtime_on_cuda1_leaves_cuda0_alone(art, batches, cpu_ref, device):
         device=device, cache_load_factor=0.4, cache_miss_path="mapped", cuda_graphs=True))
     for rt in (host, graphs):
         assert rt.device == torch.device("cuda", 1) and rt.cache is not None
-        assert rt.cache.slots.device == rt.device and rt.cache.row_to_slot.device == rt.device
+        assert rt.cache.slots.device == rt.device and rt.cache.index.row_to_slot.device == rt.device
         for bt, ref in zip(batches, cpu_ref, strict=True):
             got = rt.predict(bt["dense"], _sparse(bt))
             _assert_close_to_cpu(got, ref["p"], device, PROB_TOL)
-    assert sorted(graphs._graphs) == [1, 64]     # the one-hot fixture batches
+    assert sorted(graphs.graphs.captured) == [1, 64]     # the one-hot fixture batches
     assert host.stats().forwards > len(batches)   # the batches of 64 and 256 were split
     for rt in (host, graphs):
         rt.close()

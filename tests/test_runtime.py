@@ -268,8 +268,7 @@ def test_graph_body_matches_predict_on_cpu(tiny_models):
     rt = Runtime.from_artifact(art)
     dense, sparse = _batch(9, 16, multi_hot=False)
     with torch.inference_mode():
-        out = rt._graph_body(sparse.values, dense, rt._rows_d.repeat_interleave(16),
-                             rt._offsets_d.repeat_interleave(16), 16)
+        out = rt.graphs.body(sparse.values, dense, *rt.store.static_positions(16), 16)
     # dequantize_rows and the runtime's in-place dequantization round alike (one mul, one
     # add per element); the dense part is the same module on the same batch.
     assert torch.equal(out, rt.predict(dense, sparse))
@@ -356,8 +355,7 @@ def test_cached_graph_body_matches_predict_on_cpu(tiny_models):
     with torch.inference_mode():
         for step in range(5):
             dense, sparse = _batch(40 + step, 8, multi_hot=False)
-            out = rt._graph_body(sparse.values, dense, rt._rows_d.repeat_interleave(8),
-                                 rt._offsets_d.repeat_interleave(8), 8)
+            out = rt.graphs.body(sparse.values, dense, *rt.store.static_positions(8), 8)
             assert torch.equal(out, plain.predict(dense, sparse)), step
     st = rt.stats()
     assert st.lookups == 5 * 8 * F and st.hits > 0

@@ -193,6 +193,10 @@ class DeltaFollower:
         :meth:`id_maps` (computed here when None)."""
         maps = self.id_maps(delta) if id_maps is None else id_maps
         self._place(maps)
+        return self._write(delta, maps)
+
+    def _write(self, delta: Delta, maps: dict[int, IdMap]) -> float:
+        """:meth:`apply` with ``maps`` already placed (:meth:`_place`)."""
         prepared = [(t.table, _int64(t.ids), torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
                     for t in delta.tables]
         shared = self.runtime.shared
@@ -239,7 +243,7 @@ class DeltaFollower:
                     log.error("delta %s #%d not applied: %s", self.version, seq, e)
                     self._failed = seq
                 break
-            seconds = self.apply(delta, maps)
+            seconds = self._write(delta, maps)   # placed above, once
             done += 1
             log.info("delta %s #%d applied: %d rows in %.2f ms", self.version, seq,
                      delta.rows, seconds * 1e3)
