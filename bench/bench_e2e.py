@@ -390,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     mar = repo.archive(version)  # ConfigError lists the versions there are
     service = None
     if not _alive(args.url):
-        from serve.ops.launcher import LaunchConfig, start
+        from serve.ops.launch_config import LaunchConfig
+        from serve.ops.launcher import start
 
         port = urllib.parse.urlsplit(args.url).port or 8080
         print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)

@@ -247,7 +247,8 @@ def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
     """``make up`` waits for a real predict: for an imported version the built-in request
     is a 400, so the probe asks again in the schema of the version that answered."""
     from serve.api.protocol import HandlerConfig, parse_body
-    from serve.ops.launcher import LaunchConfig, _example_for
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import _example_for
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store")
@@ -321,7 +322,9 @@ def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
     import types
 
     from serve.api.protocol import HandlerConfig, parse_body
-    from serve.ops.launcher import LaunchConfig, Service, _banner, ensure_state
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_state import ensure_state
+    from serve.ops.launcher import Service, _banner
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store", state_file=tmp_path / "state.yaml")

@@ -67,7 +67,8 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Observed]:
     from serve.model.archive import build_mar
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import start
     from serve.ops.state_client import StateClient
 
     require_tool("prometheus", "the pipeline test runs a real Prometheus",
