@@ -166,6 +166,7 @@ class LaunchConfig:
     def repository(self) -> ModelRepository:
         return ModelRepository(self.repository_dirs, self.model_name)
 
+
 def show_path(p: Path) -> str:
     """A path relative to the repository root when it lies inside it (shorter messages)."""
     try:

@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 
 _ADDRESS_KEYS = {"inference_address": "inference_port", "management_address": "management_port",
                  "metrics_address": "metrics_port"}
-
+# Addresses kept on LOOPBACK whatever --host says (why: serve.ops.launch_config.LOOPBACK).
 _LOOPBACK_ONLY = frozenset({"management_address", "grpc_inference_address",
                             "grpc_management_address"})
 _PORT_KEYS = {"grpc_inference_port": "grpc_inference_port",
               "grpc_management_port": "grpc_management_port"}
+
 
 def allowed_urls(store: Path, model_name: str) -> str:
     """TorchServe's ``allowed_urls`` (a Java regex, matched against the whole URL): only
@@ -90,6 +91,7 @@ def render_ts_config(text: str, cfg: LaunchConfig) -> str:
         out.append(line)
     out += [f"{k}={v}" for k, v in pending.items()]
     return "\n".join(out) + "\n"
+
 
 def without_blacklisted(env: dict[str, str], ts_config: str) -> dict[str, str]:
     """``env`` less the variables TorchServe's ``blacklist_env_vars`` (in ``ts_config``, a

@@ -83,6 +83,7 @@ class Service:
                 stop_group(proc.pid, proc)
         _pidfile(self.config).unlink(missing_ok=True)
 
+
 def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
     """POST JSON (a dict, or bytes sent as is); return (status, headers, body)."""
     data = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
@@ -152,6 +153,7 @@ def _registration_hint(cfg: LaunchConfig) -> str:
     return (f"TorchServe starts with no model: the sidecar registers the version declared in "
             f"{show_path(cfg.path(cfg.state_file))}. See {show_path(cfg.path(cfg.log_dir) / 'sidecar.out')} "
             f"and `curl -s {cfg.sidecar_url}/state` (desired vs observed state, phase, last error)")
+
 
 @contextlib.contextmanager
 def running_service(root: Path, model_store: Path, version: str,
