@@ -70,7 +70,7 @@ def fit_model(case: ModelCase, out_dir: Path, *, steps: int, seed: int = 0,
     """
     py = sys.executable
     if case.factory is None:
-        from serve.model.pipeline import PipelineConfig
+        from serve.model.pipeline_config import PipelineConfig
         from serve.profiles import get_profile
 
         factory = _builtin_factory(out_dir)
