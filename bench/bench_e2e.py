@@ -325,7 +325,7 @@ def _alive(url: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -357,7 +357,155 @@ def main(argv: list[str] | None = None) -> int:
                       help="no latency bound (the old behaviour): the knee is where throughput "
                            "stops rising, the in-process runtime's fair comparison")
     ap.add_argument("--out", default="bench/results/e2e.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _cases(args: argparse.Namespace) -> tuple[list[tuple[int, str]], str | None]:
+    """(instances per request, body form) to measure; or the error line to print."""
+    sizes = [int(x) for x in args.instances.split(",")]
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    if not forms or set(forms) - set(FORMS):
+        return [], f"error: --forms {args.forms!r}: use any of {', '.join(FORMS)}"
+    cases = [(n, f) for n in sizes for f in forms if not (f in ("columnar", "binary") and n == 1)]
+    if not cases:
+        return [], (f"error: --forms {args.forms!r} with --instances {args.instances!r} leaves "
+                    "nothing to measure (columnar and binary skip 1-instance requests)")
+    return cases, None
+
+
+def _service_for(args: argparse.Namespace, store: Path, mar: Path) -> tuple[Any, Path]:
+    """(the service started here, or None when one answers at ``--url``; the workers'
+    multiprocess metrics folder)."""
+    if _alive(args.url):
+        multiproc = Path(args.multiproc_dir)
+        return None, multiproc if multiproc.is_absolute() else REPO / multiproc
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import start
+
+    port = urllib.parse.urlsplit(args.url).port or 8080
+    print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
+    # its own run/log dirs and free side ports, so it never collides with `make up`
+    mgmt, met, side, side_w, gi, gm = free_ports(6)
+    cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
+                       sidecar_port=side, sidecar_write_port=side_w,
+                       grpc_inference_port=gi, grpc_management_port=gm,
+                       model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
+                       log_dir=Path("logs/bench-e2e"))
+    service = start(cfg)
+    print(f"ready in {service.ready_s:.1f} s", flush=True)
+    return service, cfg.multiproc_dir
+
+
+def _profile(before: dict[str, float], after: dict[str, float],
+             steps: list[Step]) -> dict[str, Any] | None:
+    """Where the handler's time went over the steps (its multiprocess metrics before and
+    after); None when the handler recorded no request."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    total_requests = sum(s.requests for s in steps)
+    if not delta.get("handler_n"):
+        return None
+    client_ms = (statistics.fmean([s.p50_ms for s in steps]))
+    return {
+        "handler_ms_per_request": round(1e3 * delta["handler_s"] / delta["handler_n"], 3),
+        "decode_ms_per_request": round(1e3 * delta.get("stage_decode_s", 0.0) / delta["handler_n"], 3),
+        "embedding_ms_per_forward": round(1e3 * delta.get("stage_embedding_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
+        "dense_ms_per_forward": round(1e3 * delta.get("stage_dense_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
+        "instances_per_forward": round(delta.get("forward_instances", 0.0) / max(1.0, delta.get("forwards", 0.0)), 1),
+        "client_p50_ms_mean_over_steps": round(client_ms, 3),
+        "requests_seen_by_handler": int(delta["handler_n"]),
+        "requests_sent": total_requests,
+    }
+
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every case of one run measures against: the service, the model, the steps."""
+
+    url: str
+    artifact: Path
+    handler_cfg: dict[str, Any]
+    inproc_threads: int
+    seconds: float
+    levels: list[int]
+    meter: CpuMeter
+    multiproc: Path
+
+
+def _measure_case(b: _Bench, n: int, form: str, args: argparse.Namespace
+                  ) -> dict[str, Any] | None:
+    """One row: the knee of ``n``-instance ``form`` requests beside the in-process rate;
+    None when there is no knee (said why)."""
+    # in-process before and after the HTTP steps (the service idle both times);
+    # the higher is the least disturbed by other load on the host
+    inproc_before = inprocess_samples_per_s(b.artifact, b.handler_cfg, n, b.inproc_threads,
+                                            min(b.seconds, 3.0))
+    before = _handler_snapshot(b.multiproc)
+    t0 = time.perf_counter()
+    try:
+        knee, steps = measure_knee(b.url, n, b.seconds, args.max_requests, b.levels, b.meter,
+                                   form, args.p99_goal_ms)
+    except CapacityError as e:
+        print(f"  -> {n} inst/req {form}: no knee: {e.message}", flush=True)
+        return None
+    after = _handler_snapshot(b.multiproc)
+    inproc = max(inproc_before, inprocess_samples_per_s(
+        b.artifact, b.handler_cfg, n, b.inproc_threads, min(b.seconds, 3.0)))
+    row: dict[str, Any] = {
+        "instances_per_request": n, "form": form, "samples_per_s": round(knee.samples_per_s, 1),
+        "p50_ms": round(knee.p50_ms, 3), "p99_ms": round(knee.p99_ms, 3),
+        "efficiency": round(knee.samples_per_s / inproc, 3),
+        "concurrency": knee.concurrency, "cpu_cores_at_knee": knee.cpu_cores, "requests_per_s": round(knee.requests_per_s, 1),
+        "inprocess_samples_per_s": round(inproc, 1), "inprocess_threads": b.inproc_threads, "errors": sum(s.errors for s in steps),
+        "steps": [asdict(s) for s in steps],
+    }
+    profile = _profile(before, after, steps)
+    if profile is not None:
+        row["profile"] = profile
+    print(f"  -> knee C={knee.concurrency}: {knee.samples_per_s:.0f} samples/s, "
+          f"in-process {inproc:.0f} samples/s, efficiency {row['efficiency']:.2f} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if "profile" in row:
+        print(f"     profile: {row['profile']}", flush=True)
+    return row
+
+
+def _measure_all(args: argparse.Namespace, mar: Path, cases: list[tuple[int, str]],
+                 url: str, seconds: float, levels: list[int], meter: CpuMeter,
+                 multiproc: Path) -> list[dict[str, Any]]:
+    """Every case's row against the model of ``mar``, in order."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact, mcfg = _mar_contents(mar, Path(tmp))
+        handler_cfg = mcfg.get("handler", {})
+        workers = int(mcfg.get("maxWorkers", 1))
+        from serve.api.config import default_num_threads
+
+        threads = handler_cfg.get("num_threads") or default_num_threads(workers)
+        # the in-process reference gets the same cores the service uses in all
+        inproc_threads = max(1, min(workers * threads, default_num_threads(1)))
+        print(f"model: {mar} (batchSize {mcfg.get('batchSize')}, maxBatchDelay "
+              f"{mcfg.get('maxBatchDelay')} ms, {workers} worker(s) x {threads} thread(s))")
+        bench = _Bench(url, artifact, handler_cfg, inproc_threads, seconds, levels, meter,
+                       multiproc)
+        for n, form in cases:
+            row = _measure_case(bench, n, form, args)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(f"{'inst/req':>8} {'form':>8} {'C':>3} {'samples/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'in-proc/s':>10} {'efficiency':>10}")
+    for r in rows:
+        print(f"{r['instances_per_request']:8d} {r['form']:>8} {r['concurrency']:3d} {r['samples_per_s']:10.0f} "
+              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['inprocess_samples_per_s']:10.0f} "
+              f"{r['efficiency']:10.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.no_p99_goal:
         args.p99_goal_ms = math.inf
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -369,15 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seconds = args.seconds or (1.5 if args.quick else 8.0)
     levels = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
-    sizes = [int(x) for x in args.instances.split(",")]
-    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
-    if not forms or set(forms) - set(FORMS):
-        print(f"error: --forms {args.forms!r}: use any of {', '.join(FORMS)}", file=sys.stderr)
-        return 2
-    cases = [(n, f) for n in sizes for f in forms if not (f in ("columnar", "binary") and n == 1)]
-    if not cases:
-        print(f"error: --forms {args.forms!r} with --instances {args.instances!r} leaves nothing "
-              "to measure (columnar and binary skip 1-instance requests)", file=sys.stderr)
+    cases, error = _cases(args)
+    if error is not None:
+        print(error, file=sys.stderr)
         return 2
 
     machine = announce()
@@ -391,94 +533,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no model version in {store}; run `make model`", file=sys.stderr)
         return 2
     mar = repo.archive(version)  # ConfigError lists the versions there are
-    service = None
-    if not _alive(args.url):
-        from serve.ops.launcher import LaunchConfig, start
-
-        port = urllib.parse.urlsplit(args.url).port or 8080
-        print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
-        # its own run/log dirs and free side ports, so it never collides with `make up`
-        mgmt, met, side, side_w, gi, gm = free_ports(6)
-        cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
-                           sidecar_port=side, sidecar_write_port=side_w,
-                           grpc_inference_port=gi, grpc_management_port=gm,
-                           model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
-                           log_dir=Path("logs/bench-e2e"))
-        service = start(cfg)
-        print(f"ready in {service.ready_s:.1f} s", flush=True)
-        multiproc = cfg.multiproc_dir
-    else:
-        multiproc = Path(args.multiproc_dir)
-        multiproc = multiproc if multiproc.is_absolute() else REPO / multiproc
+    service, multiproc = _service_for(args, store, mar)
     url = f"{args.url}/predictions/{args.model_name}"
     meter = CpuMeter(service.torchserve.pid if service is not None else _running_pid())
-    rows = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            artifact, mcfg = _mar_contents(mar, Path(tmp))
-            handler_cfg = mcfg.get("handler", {})
-            workers = int(mcfg.get("maxWorkers", 1))
-            from serve.api.config import default_num_threads
-
-            threads = handler_cfg.get("num_threads") or default_num_threads(workers)
-            # the in-process reference gets the same cores the service uses in all
-            inproc_threads = max(1, min(workers * threads, default_num_threads(1)))
-            print(f"model: {mar} (batchSize {mcfg.get('batchSize')}, maxBatchDelay "
-                  f"{mcfg.get('maxBatchDelay')} ms, {workers} worker(s) x {threads} thread(s))")
-            for n, form in cases:
-                # in-process before and after the HTTP steps (the service idle both times);
-                # the higher is the least disturbed by other load on the host
-                inproc_before = inprocess_samples_per_s(artifact, handler_cfg, n, inproc_threads,
-                                                        min(seconds, 3.0))
-                before = _handler_snapshot(multiproc)
-                t0 = time.perf_counter()
-                try:
-                    knee, steps = measure_knee(url, n, seconds, args.max_requests, levels, meter,
-                                               form, args.p99_goal_ms)
-                except CapacityError as e:
-                    print(f"  -> {n} inst/req {form}: no knee: {e.message}", flush=True)
-                    continue
-                after = _handler_snapshot(multiproc)
-                inproc = max(inproc_before, inprocess_samples_per_s(
-                    artifact, handler_cfg, n, inproc_threads, min(seconds, 3.0)))
-                row: dict[str, Any] = {
-                    "instances_per_request": n, "form": form, "samples_per_s": round(knee.samples_per_s, 1),
-                    "p50_ms": round(knee.p50_ms, 3), "p99_ms": round(knee.p99_ms, 3),
-                    "efficiency": round(knee.samples_per_s / inproc, 3),
-                    "concurrency": knee.concurrency, "cpu_cores_at_knee": knee.cpu_cores, "requests_per_s": round(knee.requests_per_s, 1),
-                    "inprocess_samples_per_s": round(inproc, 1), "inprocess_threads": inproc_threads, "errors": sum(s.errors for s in steps),
-                    "steps": [asdict(s) for s in steps],
-                }
-                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                total_requests = sum(s.requests for s in steps)
-                if delta.get("handler_n"):
-                    client_ms = (statistics.fmean([s.p50_ms for s in steps]))
-                    row["profile"] = {
-                        "handler_ms_per_request": round(1e3 * delta["handler_s"] / delta["handler_n"], 3),
-                        "decode_ms_per_request": round(1e3 * delta.get("stage_decode_s", 0.0) / delta["handler_n"], 3),
-                        "embedding_ms_per_forward": round(1e3 * delta.get("stage_embedding_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
-                        "dense_ms_per_forward": round(1e3 * delta.get("stage_dense_s", 0.0) / max(1.0, delta.get("forwards", 0.0)), 3),
-                        "instances_per_forward": round(delta.get("forward_instances", 0.0) / max(1.0, delta.get("forwards", 0.0)), 1),
-                        "client_p50_ms_mean_over_steps": round(client_ms, 3),
-                        "requests_seen_by_handler": int(delta["handler_n"]),
-                        "requests_sent": total_requests,
-                    }
-                rows.append(row)
-                print(f"  -> knee C={knee.concurrency}: {knee.samples_per_s:.0f} samples/s, "
-                      f"in-process {inproc:.0f} samples/s, efficiency {row['efficiency']:.2f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-                if "profile" in row:
-                    print(f"     profile: {row['profile']}", flush=True)
+        rows = _measure_all(args, mar, cases, url, seconds, levels, meter, multiproc)
     finally:
         if service is not None:
             service.stop()
-    print()
-    print(f"{'inst/req':>8} {'form':>8} {'C':>3} {'samples/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'in-proc/s':>10} {'efficiency':>10}")
-    for r in rows:
-        print(f"{r['instances_per_request']:8d} {r['form']:>8} {r['concurrency']:3d} {r['samples_per_s']:10.0f} "
-              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['inprocess_samples_per_s']:10.0f} "
-              f"{r['efficiency']:10.2f}")
+    _print_rows(rows)
     out = Path(args.out)
     out = out if out.is_absolute() else REPO / out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,9 @@ def measure_pod(ts_pid: int, sidecar_pid: int | None) -> dict[str, Any]:
 
 
 def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str, Any]:
-    from serve.ops.launcher import LaunchConfig, free_port_settings, start
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_ports import free_port_settings
+    from serve.ops.launcher import start
 
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         root = Path(tmp)

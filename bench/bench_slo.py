@@ -371,6 +371,53 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
 
 # --- the open-loop client --------------------------------------------------------------
 
+class _Tally:
+    """Per-query results of one open-loop trial (``lag``, ``lat`` in s, ``ok``) and its
+    count of queries known to miss ``late_s``."""
+
+    def __init__(self, n: int, late_s: float) -> None:
+        self.late_s = late_s
+        self.lag = np.zeros(n)
+        self.lat = np.full(n, np.nan)
+        self.ok = np.zeros(n, dtype=bool)
+        self.done = np.zeros(n, dtype=bool)
+        self.counted = np.zeros(n, dtype=bool)      # already counted as late
+        self.errors: list[str] = []
+        self.late = self.answered = 0
+        self.overdue = 0      # queries before this one were due more than late_s ago
+
+    def error(self, message: str) -> None:
+        if len(self.errors) < 3:
+            self.errors.append(message)
+
+    def answered_at(self, i: int, due: float) -> None:
+        """Query ``i`` (scheduled at ``due``) has its answer, or its error."""
+        self.lat[i] = time.perf_counter() - due
+        self.done[i] = True
+        self.answered += 1
+        if (self.lat[i] > self.late_s or not self.ok[i]) and not self.counted[i]:
+            self.counted[i] = True
+            self.late += 1
+
+    def count_overdue(self, i: int, t0: float, offsets: np.ndarray, now: float) -> None:
+        """Count as late the queries before ``i`` still unanswered ``late_s`` after their
+        scheduled time (``t0 + offsets``): late for sure."""
+        while self.overdue < i and t0 + offsets[self.overdue] < now - self.late_s:
+            if not self.done[self.overdue] and not self.counted[self.overdue]:
+                self.counted[self.overdue] = True
+                self.late += 1
+            self.overdue += 1
+
+    def stop_reason(self, i: int, max_late: int | None,
+                    max_in_flight: int | None) -> str | None:
+        """Why query ``i`` is not sent (see :func:`_open_loop`); None: send it."""
+        if max_late is not None and self.late > max_late:
+            return "late"
+        if max_in_flight is not None and i - self.answered >= max_in_flight:
+            return "in_flight"
+        return None
+
+
 async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.ndarray,
                      picks: np.ndarray, content_type: str, timeout_s: float,
                      max_connections: int, late_s: float = math.inf,
@@ -392,13 +439,7 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
     from bench.http1 import Http1Error, Http1Pool
 
     n = len(offsets)
-    lag = np.zeros(n)
-    lat = np.full(n, np.nan)
-    ok = np.zeros(n, dtype=bool)
-    done = np.zeros(n, dtype=bool)
-    counted = np.zeros(n, dtype=bool)      # already counted as late
-    errors: list[str] = []
-    late = answered = 0
+    tally = _Tally(n, late_s)
     stopped: str | None = None
     parts = urllib.parse.urlsplit(url)
     root, path = f"{parts.scheme}://{parts.netloc}", parts.path
@@ -406,23 +447,16 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
                          headers={"Content-Type": content_type}) as client:
 
         async def one(i: int, due: float) -> None:
-            nonlocal late, answered
-            lag[i] = time.perf_counter() - due
+            tally.lag[i] = time.perf_counter() - due
             body = bodies[picks[i]][0]
             try:
                 status, answer = await client.request("POST", path, body)
-                ok[i] = status == 200
-                if not ok[i] and len(errors) < 3:
-                    errors.append(f"HTTP {status}: {answer[:200].decode('utf-8', 'replace')}")
+                tally.ok[i] = status == 200
+                if not tally.ok[i]:
+                    tally.error(f"HTTP {status}: {answer[:200].decode('utf-8', 'replace')}")
             except Http1Error as e:
-                if len(errors) < 3:
-                    errors.append(str(e))
-            lat[i] = time.perf_counter() - due
-            done[i] = True
-            answered += 1
-            if (lat[i] > late_s or not ok[i]) and not counted[i]:
-                counted[i] = True
-                late += 1
+                tally.error(str(e))
+            tally.answered_at(i, due)
 
         # Open the connections a trial keeps in flight before it starts, as a long-lived
         # client has them: connecting (TorchServe's accept, TCP set-up) inside the first
@@ -432,19 +466,11 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
                                    for _ in range(min(WARM_CONNECTIONS, max_connections))))
         tasks = []
         t0 = time.perf_counter() + 0.05
-        overdue = 0          # queries before this one were due more than late_s ago
         for i in range(n):
             now = time.perf_counter()
-            while overdue < i and t0 + offsets[overdue] < now - late_s:
-                if not done[overdue] and not counted[overdue]:
-                    counted[overdue] = True      # unanswered past the goal: late for sure
-                    late += 1
-                overdue += 1
-            if max_late is not None and late > max_late:
-                stopped = "late"
-                break
-            if max_in_flight is not None and i - answered >= max_in_flight:
-                stopped = "in_flight"
+            tally.count_overdue(i, t0, offsets, now)
+            stopped = tally.stop_reason(i, max_late, max_in_flight)
+            if stopped is not None:
                 break
             due = t0 + float(offsets[i])
             delay = due - now
@@ -454,8 +480,8 @@ async def _open_loop(url: str, bodies: Sequence[tuple[bytes, int]], offsets: np.
         await asyncio.gather(*tasks)
         end = time.perf_counter()
     sent = len(tasks)
-    return {"lag": lag[:sent], "lat": lat[:sent], "ok": ok[:sent], "errors": errors,
-            "seconds": end - t0, "sent": sent, "stopped": stopped}
+    return {"lag": tally.lag[:sent], "lat": tally.lat[:sent], "ok": tally.ok[:sent],
+            "errors": tally.errors, "seconds": end - t0, "sent": sent, "stopped": stopped}
 
 
 def unloaded_latency_ms(url: str, bodies: Sequence[tuple[bytes, int]], n: int,
@@ -613,6 +639,128 @@ def _served(state: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], int]:
             int(d.get("workers") or 1))
 
 
+@dataclass
+class _Setup:
+    """One model's inputs to the search: its bodies and what the sidecar serves, how.
+    ``handler_cfg`` and ``threads`` come from the version's archive."""
+
+    name: str
+    version: str
+    schema: Any
+    bodies: list[tuple[bytes, int]]
+    ctype: str
+    mean_pairs: float
+    state: dict[str, Any]
+    served_version: str | None
+    batching: dict[str, Any]
+    workers: int
+    handler_cfg: dict[str, Any] = field(default_factory=dict)
+    threads: int = 1
+
+    @property
+    def total_threads(self) -> int:
+        return self.workers * self.threads
+
+
+def _setup(name: str, version: str, store: Path, args: argparse.Namespace,
+           sidecar_url: str) -> _Setup:
+    """The version's bodies (JSON) and the sidecar's state, which must serve ``version``."""
+    from serve.api.request import JSON_MEDIA_TYPE
+    from serve.profiles import schema_from_report
+    from serve.store.repository import ModelRepository
+
+    report = ModelRepository([store], "dlrm").report(version)
+    schema = schema_from_report(report)
+    bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
+    mean_pairs = sum(b for _, b in bodies) / len(bodies)
+    state = read_state(sidecar_url)
+    served_version, batching, workers = _served(state)
+    if served_version is not None and served_version != version:
+        raise RuntimeError(f"the sidecar at {sidecar_url} serves {served_version!r}, not "
+                           f"{version!r}: pass --models for what it serves")
+    return _Setup(name, version, schema, bodies, JSON_MEDIA_TYPE, mean_pairs, state,
+                  served_version, batching, workers)
+
+
+def _probe(s: _Setup, artifact_path: Path, url: str,
+           args: argparse.Namespace) -> tuple[float, np.ndarray, float]:
+    """In process first (the service idle), then one query at a time: (in-process
+    pairs/s, unloaded latencies in ms, the rate the search starts at)."""
+    name = s.name
+    inproc_before = inprocess_pairs_per_s(artifact_path, s.handler_cfg, s.schema, s.bodies,
+                                          s.ctype, s.total_threads, args.inprocess_s)
+    floor = unloaded_latency_ms(url, s.bodies, args.probe_queries, s.ctype)
+    floor_p50 = float(np.percentile(floor, 50))
+    floor_p99 = float(np.percentile(floor, 99))
+    print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
+          f"{floor_p50:.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
+    # Where the search starts: below both the in-process rate and what the workers can
+    # answer one query at a time at the unloaded latency (a start far above capacity
+    # would only overload the service, and teach the tuner a traffic that never comes).
+    start_qps = args.start_qps or max(0.5, min(
+        0.5 * inproc_before / s.mean_pairs, 0.7 * s.workers * 1e3 / max(floor_p50, 1e-3)))
+    print(f"  [{name}] in process {inproc_before:.0f} pairs/s ({s.total_threads} threads); "
+          f"search starts at {start_qps:.1f} queries/s", flush=True)
+    return inproc_before, floor, start_qps
+
+
+def _measurer(s: _Setup, url: str, args: argparse.Namespace,
+              watch: Callable[[], dict[int, str]]) -> Callable[[float], Trial]:
+    """One judged trial at a rate, printed as it ends."""
+    name = s.name
+
+    def measure(rate: float) -> Trial:
+        # The service idle for a moment first: what an overloaded trial left behind
+        # (queued work, a busy tuner window) is not charged to the next one.
+        time.sleep(args.settle_s)
+        t = run_trial(url, s.bodies, rate, min_duration_s=args.min_duration_s,
+                      min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
+                      max_client_lag_ms=args.max_client_lag_ms,
+                      content_type=s.ctype, seed=args.seed,
+                      max_in_flight=args.max_in_flight, watch=watch)
+        verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
+                                           else "fail")
+        print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s"
+              + (f" (stopped early: {STOP_REASONS[t.stopped_early]})"
+                 if t.stopped_early else "") + ", "
+              f"{t.pairs_per_s:9.0f} pairs/s, p50 {t.p50_ms:7.1f} ms, p99 {t.p99_ms:7.1f} ms, "
+              f"failed {t.failed}, client lag p99 {t.lag_p99_ms:.1f} ms -> {verdict}"
+              + (f" ({t.first_error})" if t.first_error else ""), flush=True)
+        if t.cpu_ms_per_query:
+            print(f"  [{name}] {'':8s}   CPU per query: {_cpu_line(t.cpu_ms_per_query)}",
+                  flush=True)
+        return t
+
+    return measure
+
+
+def _search(s: _Setup, url: str, args: argparse.Namespace, start_qps: float,
+            floor_p50: float, watch: Callable[[], dict[int, str]]
+            ) -> tuple[Trial, SearchResult, float]:
+    """A warm-up trial (not judged), then the search: (warm-up, result, seconds)."""
+    name = s.name
+    warm = run_trial(url, s.bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
+                     min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
+                     content_type=s.ctype, seed=args.seed + 1,
+                     max_in_flight=args.max_in_flight)   # warm-up, not judged
+    if warm.failed:
+        print(f"  [{name}] warm-up: {warm.failed} of {warm.queries} failed "
+              f"({warm.first_error})", flush=True)
+    t0 = time.perf_counter()
+    if floor_p50 > args.p99_goal_ms:
+        # Half the queries miss the goal with no queueing at all: no rate can meet it.
+        # (Not the probe's p99: of --probe-queries queries it is their maximum, and one
+        # slow query, a tuner switch, say, would skip a search that could pass.)
+        found = SearchResult(best=None, stop_reason=(
+            f"unloaded p50 {floor_p50:.1f} ms > goal {args.p99_goal_ms:g} ms: no rate "
+            "can pass (one query at a time already misses it)"))
+        print(f"  [{name}] {found.stop_reason}", flush=True)
+    else:
+        found = search_rate(_measurer(s, url, args, watch), start_qps, growth=args.growth,
+                            rel_tol=args.rel_tol, max_trials=args.max_trials)
+    return warm, found, time.perf_counter() - t0
+
+
 def measure_model(name: str, version: str, store: Path, args: argparse.Namespace,
                   infer_url: str, sidecar_url: str, peak: dict[str, Any],
                   run_dir: Path | None = None) -> dict[str, Any]:
@@ -624,114 +772,59 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     import yaml
 
     from bench import cpu_account
-    from serve.api.request import BINARY_MEDIA_TYPE, JSON_MEDIA_TYPE
+    from serve.api.request import BINARY_MEDIA_TYPE
     from serve.common.cpu import choose_threads
-    from serve.profiles import schema_from_report
     from serve.runtime.artifact import load_artifact
     from serve.store.repository import ModelRepository
 
-    repo = ModelRepository([store], "dlrm")
-    report = repo.report(version)
-    schema = schema_from_report(report)
-    bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
-    ctype = JSON_MEDIA_TYPE
+    s = _setup(name, version, store, args, sidecar_url)
+
     def watch() -> dict[int, str]:
         return cpu_account.service_processes(run_dir)
-    mean_pairs = sum(b for _, b in bodies) / len(bodies)
-    state = read_state(sidecar_url)
-    served_version, batching, workers = _served(state)
-    if served_version is not None and served_version != version:
-        raise RuntimeError(f"the sidecar at {sidecar_url} serves {served_version!r}, not "
-                           f"{version!r}: pass --models for what it serves")
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(repo.archive(version)) as z:
+
+    archive = ModelRepository([store], "dlrm").archive(version)
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(archive) as z:
         z.extract("artifact.pt", tmp)
-        handler_cfg = (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
+        s.handler_cfg = (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
         artifact_path = Path(tmp) / "artifact.pt"
         if args.body == "binary":
-            bodies, ctype = as_binary(bodies, schema, handler_cfg), BINARY_MEDIA_TYPE
-        threads = choose_threads(workers, handler_cfg.get("num_threads")).threads
-        total_threads = workers * threads
+            s.bodies, s.ctype = as_binary(s.bodies, s.schema, s.handler_cfg), BINARY_MEDIA_TYPE
+        s.threads = choose_threads(s.workers, s.handler_cfg.get("num_threads")).threads
         flops = artifact_dense_flops(load_artifact(artifact_path))
-        print(f"[{name}] {version}: {len(bodies)} bodies, {mean_pairs:.0f} pairs/query on "
-              f"average; serving {batching} x {workers} worker(s) x {threads} thread(s), tuner "
-              f"{'on' if state.get('tuner_enabled') else 'off'}; dense {flops['flops_per_pair'] / 1e6:.2f} "
-              f"MFLOP/pair ({flops['kind']})", flush=True)
+        print(f"[{name}] {version}: {len(s.bodies)} bodies, {s.mean_pairs:.0f} pairs/query on "
+              f"average; serving {s.batching} x {s.workers} worker(s) x {s.threads} thread(s), "
+              f"tuner {'on' if s.state.get('tuner_enabled') else 'off'}; dense "
+              f"{flops['flops_per_pair'] / 1e6:.2f} MFLOP/pair ({flops['kind']})", flush=True)
         url = f"{infer_url}/predictions/dlrm"
-        # In process first (the service idle): it also sets where the search starts.
-        inproc_before = inprocess_pairs_per_s(artifact_path, handler_cfg, schema, bodies,
-                                              ctype, total_threads, args.inprocess_s)
-        floor = unloaded_latency_ms(url, bodies, args.probe_queries, ctype)
-        floor_p50 = float(np.percentile(floor, 50))
-        floor_p99 = float(np.percentile(floor, 99))
-        print(f"  [{name}] unloaded (one query at a time, {args.probe_queries} queries): p50 "
-              f"{floor_p50:.1f} ms, p99 {floor_p99:.1f} ms", flush=True)
-        # Where the search starts: below both the in-process rate and what the workers can
-        # answer one query at a time at the unloaded latency (a start far above capacity
-        # would only overload the service, and teach the tuner a traffic that never comes).
-        start_qps = args.start_qps or max(0.5, min(
-            0.5 * inproc_before / mean_pairs, 0.7 * workers * 1e3 / max(floor_p50, 1e-3)))
-        print(f"  [{name}] in process {inproc_before:.0f} pairs/s ({total_threads} threads); "
-              f"search starts at {start_qps:.1f} queries/s", flush=True)
-        warm = run_trial(url, bodies, start_qps, min_duration_s=min(2.0, args.min_duration_s),
-                         min_queries=10, p99_goal_ms=math.inf, max_client_lag_ms=math.inf,
-                         content_type=ctype, seed=args.seed + 1,
-                         max_in_flight=args.max_in_flight)   # warm-up, not judged
-        if warm.failed:
-            print(f"  [{name}] warm-up: {warm.failed} of {warm.queries} failed "
-                  f"({warm.first_error})", flush=True)
-
-        def measure(rate: float) -> Trial:
-            # The service idle for a moment first: what an overloaded trial left behind
-            # (queued work, a busy tuner window) is not charged to the next one.
-            time.sleep(args.settle_s)
-            t = run_trial(url, bodies, rate, min_duration_s=args.min_duration_s,
-                          min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
-                          max_client_lag_ms=args.max_client_lag_ms,
-                          content_type=ctype, seed=args.seed,
-                          max_in_flight=args.max_in_flight, watch=watch)
-            verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
-                                               else "fail")
-            print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s"
-                  + (f" (stopped early: {STOP_REASONS[t.stopped_early]})"
-                     if t.stopped_early else "") + ", "
-                  f"{t.pairs_per_s:9.0f} pairs/s, p50 {t.p50_ms:7.1f} ms, p99 {t.p99_ms:7.1f} ms, "
-                  f"failed {t.failed}, client lag p99 {t.lag_p99_ms:.1f} ms -> {verdict}"
-                  + (f" ({t.first_error})" if t.first_error else ""), flush=True)
-            if t.cpu_ms_per_query:
-                print(f"  [{name}] {'':8s}   CPU per query: {_cpu_line(t.cpu_ms_per_query)}",
-                      flush=True)
-            return t
-
-        t0 = time.perf_counter()
-        if floor_p50 > args.p99_goal_ms:
-            # Half the queries miss the goal with no queueing at all: no rate can meet it.
-            # (Not the probe's p99: of --probe-queries queries it is their maximum, and one
-            # slow query, a tuner switch, say, would skip a search that could pass.)
-            found = SearchResult(best=None, stop_reason=(
-                f"unloaded p50 {floor_p50:.1f} ms > goal {args.p99_goal_ms:g} ms: no rate "
-                "can pass (one query at a time already misses it)"))
-            print(f"  [{name}] {found.stop_reason}", flush=True)
-        else:
-            found = search_rate(measure, start_qps, growth=args.growth, rel_tol=args.rel_tol,
-                                max_trials=args.max_trials)
-        search_s = time.perf_counter() - t0
+        inproc_before, floor, start_qps = _probe(s, artifact_path, url, args)
+        warm, found, search_s = _search(s, url, args, start_qps,
+                                        float(np.percentile(floor, 50)), watch)
         state_after = read_state(sidecar_url)
-        if _served(state_after)[1] != batching:
-            print(f"  [{name}] WARNING: batching changed during the search ({batching} -> "
+        if _served(state_after)[1] != s.batching:
+            print(f"  [{name}] WARNING: batching changed during the search ({s.batching} -> "
                   f"{_served(state_after)[1]}; the tuner is "
-                  f"{'on' if state.get('tuner_enabled') else 'off'}): the trials measured "
+                  f"{'on' if s.state.get('tuner_enabled') else 'off'}): the trials measured "
                   "more than one state", flush=True)
         # and again after (the service idle again): the higher is the least disturbed
         inproc = max(inproc_before, inprocess_pairs_per_s(
-            artifact_path, handler_cfg, schema, bodies, ctype, total_threads,
+            artifact_path, s.handler_cfg, s.schema, s.bodies, s.ctype, s.total_threads,
             args.inprocess_s))
+    run = _run_record(s, args, found, warm, inproc, floor, search_s, state_after)
+    run["dense_flops"] = flops | _flops_shares(flops, inproc, found.best, peak)
+    return run
+
+
+def _run_record(s: _Setup, args: argparse.Namespace, found: SearchResult, warm: Trial,
+                inproc: float, floor: np.ndarray, search_s: float,
+                state_after: Mapping[str, Any]) -> dict[str, Any]:
+    """One model's entry of ``runs`` (``dense_flops`` is added by the caller)."""
     cores = os.cpu_count() or 1
     best = found.best
     # Runtime.predict's CPU per query in process: total_threads busy for the time one
     # query's pairs take at the in-process rate (the floor of what serving one costs)
-    inproc_cpu_ms = total_threads * 1e3 * mean_pairs / inproc if inproc else None
-    run: dict[str, Any] = {
-        "model": name, "version": version,
+    inproc_cpu_ms = s.total_threads * 1e3 * s.mean_pairs / inproc if inproc else None
+    return {
+        "model": s.name, "version": s.version,
         "queries_per_s": round(best.queries_per_s, 2) if best else 0.0,
         "offered_queries_per_s": best.rate_qps if best else 0.0,
         "pairs_per_s": round(best.pairs_per_s, 1) if best else 0.0,
@@ -747,39 +840,45 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         "trials_stopped_early": sum(t.stopped_early is not None for t in found.trials),
         "client_lag_p99_ms": round(best.lag_p99_ms, 2) if best else None,
         "in_process_pairs_per_s": round(inproc, 1),
-        "in_process_threads": total_threads,
+        "in_process_threads": s.total_threads,
         # where the CPU of a query goes at the rate found (bench.cpu_account), beside what
         # the forward alone costs in process
         "cpu_ms_per_query": best.cpu_ms_per_query if best else None,
         "in_process_cpu_ms_per_query": round(inproc_cpu_ms, 3) if inproc_cpu_ms else None,
         "body": args.body,
         "service_vs_in_process": round(best.pairs_per_s / inproc, 3) if best and inproc else None,
-        "mean_pairs_per_query": round(mean_pairs, 1),
+        "mean_pairs_per_query": round(s.mean_pairs, 1),
         "client_limited": found.client_limited, "stop_reason": found.stop_reason,
         "met_goal": best is not None,
         "unloaded_p50_ms": round(float(np.percentile(floor, 50)), 2),
-        "unloaded_p99_ms": round(floor_p99, 2),
+        "unloaded_p99_ms": round(float(np.percentile(floor, 99)), 2),
         "search_seconds": round(search_s, 1),
-        "state": {"batching": batching, "workers": workers, "threads_per_worker": threads,
-                  "tuner_enabled": state.get("tuner_enabled"), "version": served_version,
+        "state": {"batching": s.batching, "workers": s.workers, "threads_per_worker": s.threads,
+                  "tuner_enabled": s.state.get("tuner_enabled"), "version": s.served_version,
                   "batching_after": _served(state_after)[1],
                   "tuner_enabled_after": state_after.get("tuner_enabled")},
-        "dense_flops": flops,
+        "dense_flops": None,
         "trials": [asdict(t) | {"queries_per_s": t.queries_per_s, "pairs_per_s": t.pairs_per_s}
                    for t in found.trials],
     }
+
+
+def _flops_shares(flops: Mapping[str, Any], inproc: float, best: Trial | None,
+                  peak: Mapping[str, Any]) -> dict[str, Any]:
+    """FLOP/s in process and at the rate found, and their shares of the GEMM peak."""
     fp32_peak = peak.get("peak", {}).get("fp32")
     in_flops = inproc * flops["flops_per_pair"]
-    run["dense_flops"] |= {"in_process_flops_per_s": in_flops,
-                           "in_process_share_of_fp32_peak": in_flops / fp32_peak if fp32_peak else None}
+    out: dict[str, Any] = {
+        "in_process_flops_per_s": in_flops,
+        "in_process_share_of_fp32_peak": in_flops / fp32_peak if fp32_peak else None}
     if best:
         achieved = best.pairs_per_s * flops["flops_per_pair"]
-        run["dense_flops"] |= {
+        out |= {
             "achieved_flops_per_s": achieved,
             "share_of_fp32_peak": achieved / peak["peak"]["fp32"] if peak.get("peak") else None,
             "share_of_bf16_peak": (achieved / peak["peak"]["bf16"]
                                    if peak.get("peak", {}).get("bf16") else None)}
-    return run
+    return out
 
 
 def validate_results(doc: Mapping[str, Any]) -> list[str]:
@@ -890,69 +989,35 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
+def _usage_error(args: argparse.Namespace, names: list[str]) -> str | None:
+    """What is wrong with the options, as the error line to print; None: nothing."""
     unknown = [m for m in names if m not in MODELS]
     if not names or unknown:
-        print(f"error: --models {args.models!r}: use any of {', '.join(MODELS)}", file=sys.stderr)
-        return 2
+        return f"error: --models {args.models!r}: use any of {', '.join(MODELS)}"
     if args.version is not None and len(names) != 1:
-        print("error: --version replaces the version of one model: name it alone in --models",
-              file=sys.stderr)
-        return 2
+        return "error: --version replaces the version of one model: name it alone in --models"
     if not args.growth > 1 or (args.max_in_flight is not None and args.max_in_flight < 1):
-        print(f"error: --growth {args.growth} must be > 1 and --max-in-flight "
-              f"{args.max_in_flight} >= 1", file=sys.stderr)
-        return 2
+        return (f"error: --growth {args.growth} must be > 1 and --max-in-flight "
+                f"{args.max_in_flight} >= 1")
     if not 0 <= args.settle_s <= 600:
-        print(f"error: --settle-s {args.settle_s} must be between 0 and 600 seconds",
-              file=sys.stderr)
-        return 2
-    if args.max_in_flight is None:
-        from serve.ops.faults import shipped_queue_size
+        return f"error: --settle-s {args.settle_s} must be between 0 and 600 seconds"
+    return None
 
-        args.max_in_flight = shipped_queue_size()
-    # `kill` (SIGTERM) unwinds like Ctrl-C, so the service this run started is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    versions = {m: args.version or MODELS[m][0] for m in names}
-    if args.url is not None:
-        if len(names) != 1:
-            print("error: --url measures the one model it serves: name it alone in --models",
-                  file=sys.stderr)
-            return 2
-        if urllib.parse.urlsplit(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
-            print(f"error: --url {args.url}: this load generator only targets loopback",
-                  file=sys.stderr)
-            return 2
-    store = Path(args.model_store)
-    store = store if store.is_absolute() else REPO / store
-    from serve.store.repository import ModelRepository
 
-    repo = ModelRepository([store], "dlrm")
-    missing = [f"{m} (version {versions[m]}: `{MODELS[m][1]}`)" for m in names
-               if not repo.exists(versions[m])]
-    if missing and args.url is None:
-        print(f"error: not in {store}: {', '.join(missing)}; build them first", file=sys.stderr)
-        return 2
+def _url_error(args: argparse.Namespace, names: list[str]) -> str | None:
+    """What is wrong with ``--url`` (one model, on loopback); None: nothing or no --url."""
+    if args.url is None:
+        return None
+    if len(names) != 1:
+        return "error: --url measures the one model it serves: name it alone in --models"
+    if urllib.parse.urlsplit(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        return f"error: --url {args.url}: this load generator only targets loopback"
+    return None
 
-    import torch
 
-    from serve.common.cpu import available_cpus
-
-    cores = os.cpu_count() or 1
-    # One peak for every model: the service's largest thread count is the CPU budget.
-    gemm_threads = max(1, available_cpus())
-    from serve.ops.machine import announce
-
-    machine = announce()
-    print(f"GEMM peak: torch.matmul fp32/bf16, {gemm_threads} threads ...", flush=True)
-    peak = gemm_peak(gemm_threads, seconds=args.gemm_s)
-    print("  " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak["peak"].items())
-          + (f" (skipped, one product outlasted a window: {', '.join(peak['skipped'])})"
-             if peak["skipped"] else ""), flush=True)
+def _measure_all(names: list[str], versions: Mapping[str, str], store: Path,
+                 args: argparse.Namespace, peak: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each model's run: against ``--url``, or a service of its own started per model."""
     runs: list[dict[str, Any]] = []
     for name in names:
         version = versions[name]
@@ -970,7 +1035,18 @@ def main(argv: list[str] | None = None) -> int:
             with running_service(Path(root), store, version) as (cfg, _client):
                 runs.append(measure_model(name, version, store, args, cfg.inference_url,
                                           cfg.sidecar_url, peak, cfg.path(cfg.run_dir)))
-    doc = {
+    return runs
+
+
+def _document(args: argparse.Namespace, argv: list[str] | None, runs: list[dict[str, Any]],
+              peak: dict[str, Any], machine: Any, cores: int) -> dict[str, Any]:
+    """The results document: ``runs``, ``meta`` (the run's settings and machine) and
+    ``command``."""
+    import torch
+
+    from serve.common.cpu import available_cpus
+
+    return {
         "runs": runs,
         "meta": {"p99_goal_ms": args.p99_goal_ms, "min_duration_s": args.min_duration_s,
                  "min_queries": args.min_queries, "rel_tol": args.rel_tol,
@@ -988,14 +1064,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.bench_slo " + shlex.join(argv if argv is not None
                                                              else sys.argv[1:]),
     }
-    problems = validate_results(doc)
-    if problems:
-        print("error: results malformed: " + "; ".join(problems), file=sys.stderr)
-        return 1
-    out = Path(args.out)
-    out = out if out.is_absolute() else REPO / out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
+
+
+def _print_summary(args: argparse.Namespace, runs: list[dict[str, Any]],
+                   peak: Mapping[str, Any], cores: int, out: Path) -> None:
     print()
     print(f"highest rate with p99 <= {args.p99_goal_ms:g} ms (trials >= {args.min_duration_s:g} s "
           f"and >= {args.min_queries} queries; cores = os.cpu_count() = {cores})")
@@ -1016,6 +1088,62 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLPerf anchor (Xeon 6980P socket, 128 cores, INT8 AMX, p99 < 50 ms): "
           f"{MLPERF_ANCHOR['pairs_per_s_per_core']:,.0f} pairs/s per core")
     print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    error = _usage_error(args, names)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    if args.max_in_flight is None:
+        from serve.ops.faults import shipped_queue_size
+
+        args.max_in_flight = shipped_queue_size()
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the service this run started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    versions = {m: args.version or MODELS[m][0] for m in names}
+    error = _url_error(args, names)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    store = Path(args.model_store)
+    store = store if store.is_absolute() else REPO / store
+    from serve.store.repository import ModelRepository
+
+    repo = ModelRepository([store], "dlrm")
+    missing = [f"{m} (version {versions[m]}: `{MODELS[m][1]}`)" for m in names
+               if not repo.exists(versions[m])]
+    if missing and args.url is None:
+        print(f"error: not in {store}: {', '.join(missing)}; build them first", file=sys.stderr)
+        return 2
+
+    from serve.common.cpu import available_cpus
+    from serve.ops.machine import announce
+
+    cores = os.cpu_count() or 1
+    # One peak for every model: the service's largest thread count is the CPU budget.
+    gemm_threads = max(1, available_cpus())
+    machine = announce()
+    print(f"GEMM peak: torch.matmul fp32/bf16, {gemm_threads} threads ...", flush=True)
+    peak = gemm_peak(gemm_threads, seconds=args.gemm_s)
+    print("  " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peak["peak"].items())
+          + (f" (skipped, one product outlasted a window: {', '.join(peak['skipped'])})"
+             if peak["skipped"] else ""), flush=True)
+    runs = _measure_all(names, versions, store, args, peak)
+    doc = _document(args, argv, runs, peak, machine, cores)
+    problems = validate_results(doc)
+    if problems:
+        print("error: results malformed: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out = out if out.is_absolute() else REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    _print_summary(args, runs, peak, cores, out)
     return 0
 
 

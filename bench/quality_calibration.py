@@ -134,7 +134,7 @@ def offline(y: np.ndarray, p: np.ndarray) -> dict[str, Any]:
             "calibration_ratio": round(s.calibration_ratio, 4)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.quality_calibration",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-store", type=Path, default=REPO / "model_store")
@@ -147,16 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="held-out rows (default all)")
     ap.add_argument("--seeds", type=int, default=500, help="random splits per point")
     ap.add_argument("--json", type=Path, default=OUT)
-    args = ap.parse_args(argv)
-    limits = QualityLimits()
-    data_dir = args.data_dir
-    if data_dir is None:
-        data_dir = next((d for d in (REPO / "build/small-s0/data",
-                                     Path("/work/main/build/small-s0/data"))
-                         if (d / "meta.json").is_file()), REPO / "build/small-s0/data")
-    t0 = time.perf_counter()
-    pairs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # name: y, stable, cand
-    models: dict[str, Any] = {}
+    return ap
+
+
+def _score_small(args: argparse.Namespace, data_dir: Path, models: dict[str, Any]
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The held-out labels (n,) and each small version's scores (n,) found in the model
+    store; their offline figures go into ``models``."""
     with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
         scored: dict[str, np.ndarray] = {}
         y = np.zeros(0, np.uint8)
@@ -168,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             y, scored[version] = score(_artifact(mar, Path(tmp)), data_dir, args.rows)
             models[version] = offline(y, scored[version])
             print(f"scored {version}: {models[version]}", file=sys.stderr, flush=True)
+    return y, scored
+
+
+def _pairs(args: argparse.Namespace, y: np.ndarray, scored: dict[str, np.ndarray],
+           models: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The (labels, stable, candidate) pairs to replay: A/A, the real candidates, the
+    synthetic ones made from the stable, and the tiny pair when given."""
+    pairs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # name: y, stable, cand
     stable = scored["small-int8-s0"]
     rng = np.random.default_rng(0)
     synthetic = {"permuted": rng.permutation(stable),
@@ -187,6 +192,42 @@ def main(argv: list[str] | None = None) -> int:
         models["tiny-int8-s0"], models["tiny-int8-s0-shuffled"] = offline(ty, ts), offline(ty, tb)
         pairs["A/A tiny-int8-s0"] = (ty, ts, ts)
         pairs["tiny-int8-s0-shuffled vs tiny s0"] = (ty, ts, tb)
+    return pairs
+
+
+def _print_tables(models: dict[str, Any], results: list[dict[str, Any]], seeds: int) -> None:
+    print(f"{'model':34} {'auc':>7} {'ne':>7} {'cal':>7}")
+    for name, m in models.items():
+        print(f"{name:34} {m['auc'] if m['auc'] is not None else float('nan'):7.4f} "
+              f"{m['ne']:7.4f} {m['calibration_ratio']:7.4f}")
+    print(f"\nbreach rates at the defaults (ne_increase > {QUALITY_MAX_NE_INCREASE}, "
+          f"calibration_gap > {QUALITY_MAX_CALIBRATION_GAP}) over {seeds} splits; "
+          "lb = the gate's lower bound, quantiles p01/median/p99; ne@ = breach rate at "
+          f"max_ne_increase {NE_GRID}")
+    print(f"{'pair':34} {'labels':>6} {'ne':>6} {'ne lb p01/med/p99':>26} {'ne@':>30} "
+          f"{'cal':>6} {'cal lb p01/med/p99':>26}")
+    for r in results:
+        ne, cal = r["ne_increase"], r["calibration_gap"]
+        at = "/".join(f"{x:.3f}" for x in ne["breach_rate_at"].values())
+        print(f"{r['pair']:34} {r['labels_per_arm']:6d} {ne['breach_rate']:6.3f} "
+              f"{ne['lower_bound_p01']:8.4f}/{ne['lower_bound_median']:.4f}/"
+              f"{ne['lower_bound_p99']:.4f} {at:>30} {cal['breach_rate']:6.3f} "
+              f"{cal['lower_bound_p01']:8.4f}/{cal['lower_bound_median']:.4f}/"
+              f"{cal['lower_bound_p99']:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    limits = QualityLimits()
+    data_dir = args.data_dir
+    if data_dir is None:
+        data_dir = next((d for d in (REPO / "build/small-s0/data",
+                                     Path("/work/main/build/small-s0/data"))
+                         if (d / "meta.json").is_file()), REPO / "build/small-s0/data")
+    t0 = time.perf_counter()
+    models: dict[str, Any] = {}
+    y, scored = _score_small(args, data_dir, models)
+    pairs = _pairs(args, y, scored, models)
     results: list[dict[str, Any]] = []
     for name, (py, ps, pc) in pairs.items():
         for labels in LABELS:
@@ -202,24 +243,7 @@ def main(argv: list[str] | None = None) -> int:
            if args.tiny_stable and args.tiny_shuffled else None,
            "models": models, "replay": results,
            "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"{'model':34} {'auc':>7} {'ne':>7} {'cal':>7}")
-    for name, m in models.items():
-        print(f"{name:34} {m['auc'] if m['auc'] is not None else float('nan'):7.4f} "
-              f"{m['ne']:7.4f} {m['calibration_ratio']:7.4f}")
-    print(f"\nbreach rates at the defaults (ne_increase > {QUALITY_MAX_NE_INCREASE}, "
-          f"calibration_gap > {QUALITY_MAX_CALIBRATION_GAP}) over {args.seeds} splits; "
-          "lb = the gate's lower bound, quantiles p01/median/p99; ne@ = breach rate at "
-          f"max_ne_increase {NE_GRID}")
-    print(f"{'pair':34} {'labels':>6} {'ne':>6} {'ne lb p01/med/p99':>26} {'ne@':>30} "
-          f"{'cal':>6} {'cal lb p01/med/p99':>26}")
-    for r in results:
-        ne, cal = r["ne_increase"], r["calibration_gap"]
-        at = "/".join(f"{x:.3f}" for x in ne["breach_rate_at"].values())
-        print(f"{r['pair']:34} {r['labels_per_arm']:6d} {ne['breach_rate']:6.3f} "
-              f"{ne['lower_bound_p01']:8.4f}/{ne['lower_bound_median']:.4f}/"
-              f"{ne['lower_bound_p99']:.4f} {at:>30} {cal['breach_rate']:6.3f} "
-              f"{cal['lower_bound_p01']:8.4f}/{cal['lower_bound_median']:.4f}/"
-              f"{cal['lower_bound_p99']:.4f}")
+    _print_tables(models, results, args.seeds)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\nwrote {args.json} ({doc['seconds']} s)")

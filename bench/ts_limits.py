@@ -204,7 +204,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from serve.common.net import free_ports
     from serve.ops.faults import stable_version
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import start
 
     args = _parser().parse_args(argv)
     if args.seconds <= 0 or args.big_clients < 1 or args.body_mib <= 0:

@@ -10,7 +10,8 @@ import torch
 from serve.errors import ConfigError
 from serve.model.data import DataConfig, _Planted, day_data_dir, ensure_day_data, generate
 from serve.model.delta import DONE_FILE, DeltaConfig, build_delta, next_sequence
-from serve.model.pipeline import PipelineConfig, _step_args, default_version, default_workdir
+from serve.model.pipeline import _step_args
+from serve.model.pipeline_config import PipelineConfig, default_workdir
 from serve.model.train import (
     CHANGED_ROWS_FILE,
     PLAN_FILE,
@@ -21,6 +22,7 @@ from serve.model.train import (
 from serve.profiles import get_profile
 from serve.runtime.artifact import load_artifact
 from serve.store.deltas.format import decode_delta, file_sha256, version_digest
+from serve.store.repository import default_version
 from tests.fixtures.deltas import with_delta_rows
 
 TINY = get_profile("tiny")

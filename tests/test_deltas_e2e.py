@@ -13,23 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 import pytest
 import torch
 
 from serve.api.binary import encode_binary
 from serve.api.request import BINARY_MEDIA_TYPE
 from serve.ops.loadgen import BackgroundLoad
-from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, load_artifact, quantize_rows_reference, row_bytes
 from serve.runtime.engine import Runtime, RuntimeConfig
-from serve.state import parse_state, write_state
 from serve.store.deltas.format import (
-    DELTA_MEDIA_TYPE,
     Delta,
     DeltaTable,
     encode_delta,
@@ -37,7 +32,8 @@ from serve.store.deltas.format import (
 )
 from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import with_delta_rows
-from tests.fixtures.torchserve import service_config, tiny_random_artifact
+from tests.fixtures.served import Served, serve_repository
+from tests.fixtures.torchserve import tiny_random_artifact
 from tests.promtext import samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,36 +46,18 @@ F, N = 26, 13
 
 
 @dataclass
-class Served:
-    cfg: Any
-    token: str
+class DeltaServed(Served):
+    """The service over one random tiny version, and that version's artifact."""
+
     artifact: Artifact
 
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return self.cfg.sidecar_write_url  # the write port serves the reads too
-
-    def post_delta(self, body: bytes, wait_s: float = 30) -> httpx.Response:
-        return httpx.post(f"{self.sidecar_url}/embeddings/deltas", content=body,
-                          params={"wait_s": wait_s}, timeout=60,
-                          headers={"Authorization": f"Bearer {self.token}",
-                                   "Content-Type": DELTA_MEDIA_TYPE})
-
     def predict(self, body: bytes) -> np.ndarray:
-        r = httpx.post(self.predict_url, content=body, timeout=30,
-                       headers={"Content-Type": BINARY_MEDIA_TYPE})
-        assert r.status_code == 200, r.text
-        return np.asarray(orjson.loads(r.content)["predictions"], dtype=np.float32)
+        return np.asarray(self.predictions(body), dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeltaServed]:
     from serve.model.archive import build_mar
-    from serve.ops.launcher import start
 
     root = tmp_path_factory.mktemp("deltas")
     art_path = tiny_random_artifact(root / "artifact.pt", seed=5)
@@ -89,17 +67,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                     min_workers=2, max_workers=2, file_name=f"{VERSION}.mar")
     repo = ModelRepository([root / "model_store"])
     repo.add(VERSION, mar, REPORT)
-    write_state(root / "state.yaml", parse_state({
-        "model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
-        "workers": 2}))
-    cfg = service_config(root)
-    svc = start(cfg)
-    token = cfg.token_file.read_text().strip()
-    try:
-        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
-        yield Served(cfg, token, load_artifact(art_path, mmap=False))
-    finally:
-        svc.stop()
+    state = {"model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
+             "workers": 2}
+    with serve_repository(root, state=state, kind=DeltaServed,
+                          fields={"artifact": load_artifact(art_path, mmap=False)}) as s:
+        yield s
 
 
 def _delta(art: Artifact, sequence: int, seed: int, base: str = VERSION,
@@ -133,7 +105,7 @@ def _requests(n: int, b: int, seed: int) -> list[tuple[bytes, tuple]]:
     return out
 
 
-def test_delta_under_load_is_exact_and_fails_nothing(served: Served) -> None:
+def test_delta_under_load_is_exact_and_fails_nothing(served: DeltaServed) -> None:
     reqs = _requests(16, 512, seed=1)
     fixed_body, fixed_arrays = reqs[0]
     before = served.predict(fixed_body)
@@ -160,28 +132,28 @@ def test_delta_under_load_is_exact_and_fails_nothing(served: Served) -> None:
         assert np.array_equal(got, ref.predict_arrays(*arrays))
     assert not np.array_equal(served.predict(fixed_body), before)
 
-    st = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()
+    st = httpx.get(f"{served.write_url}/state", timeout=10).json()
     emb = st["embeddings"][VERSION]
     assert emb["last_sequence"] == 1 and emb["applied_sequence"] == 1
     assert emb["rows_updated"] == d1.rows and len(emb["workers"]) == 2
-    m = samples(httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text)
+    m = samples(httpx.get(f"{served.write_url}/metrics", timeout=10).text)
     lab = (("version", VERSION),)
     assert m[("dlrm_embedding_delta_applied_sequence", lab)] == 1
     assert m[("dlrm_embedding_delta_created_timestamp_seconds", lab)] == pytest.approx(
         d1.created_at)
 
 
-def test_refused_deltas_change_nothing_and_the_service_keeps_serving(served: Served) -> None:
+def test_refused_deltas_change_nothing_and_the_service_keeps_serving(served: DeltaServed) -> None:
     body, _ = _requests(1, 64, seed=2)[0]
     before = served.predict(body)
-    last = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()["embeddings"][VERSION][
+    last = httpx.get(f"{served.write_url}/state", timeout=10).json()["embeddings"][VERSION][
         "last_sequence"]
     wrong_base = served.post_delta(encode_delta(_delta(served.artifact, last + 1, 3, "tiny-x")))
     repeated = served.post_delta(encode_delta(_delta(served.artifact, max(last, 1), 4)))
     damaged = bytearray(encode_delta(_delta(served.artifact, last + 1, 5)))
     damaged[-10] ^= 0x55
     bad_sum = served.post_delta(bytes(damaged))
-    head = httpx.get(f"{served.sidecar_url}/embeddings/deltas", timeout=10).json()[
+    head = httpx.get(f"{served.write_url}/embeddings/deltas", timeout=10).json()[
         "versions"][VERSION]["head_digest"]
     other_chain = served.post_delta(encode_delta(_delta(served.artifact, last + 1, 6,
                                                         parent="0" * 64)))
@@ -193,12 +165,12 @@ def test_refused_deltas_change_nothing_and_the_service_keeps_serving(served: Ser
     assert wrong_base.status_code == 409 and "tiny-x" in wrong_base.json()["message"]
     assert repeated.status_code == 409 and repeated.json()["field"] == "header.sequence"
     assert bad_sum.status_code == 400 and bad_sum.json()["field"] == "sha256"
-    after = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()["embeddings"][VERSION]
+    after = httpx.get(f"{served.write_url}/state", timeout=10).json()["embeddings"][VERSION]
     assert after["last_sequence"] == last
     assert np.array_equal(served.predict(body), before)
 
 
-def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
+def test_ids_beyond_a_table_are_counted_per_feature(served: DeltaServed) -> None:
     rows0 = served.artifact.tables[0].rows
     dense = np.zeros((3, N), dtype=np.float32)
     lengths = np.ones((F, 3), dtype=np.int32)
@@ -207,7 +179,7 @@ def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
     key = ("dlrm_embedding_ids_wrapped_total", (("feature", "C1"),))
 
     def wrapped() -> float:
-        return samples(httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text).get(key, 0.0)
+        return samples(httpx.get(f"{served.write_url}/metrics", timeout=10).text).get(key, 0.0)
 
     start = wrapped()
     served.predict(encode_binary(dense, lengths, values))
@@ -215,7 +187,7 @@ def test_ids_beyond_a_table_are_counted_per_feature(served: Served) -> None:
 
 
 def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
-        served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+        served: DeltaServed, capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m serve.ops.evaluate`` on a live endpoint: the last stdout line is JSON with
     auc and rows, and the AUC is that of the served model's scores on those rows (the
     same as an in-process runtime serving what the service serves now)."""
@@ -236,7 +208,7 @@ def test_evaluate_prints_the_auc_of_the_served_model_as_its_last_line(
     res = json.loads(out[-1])
     assert res["rows"] == rows and res["day"] == 1 and res["versions"] == {VERSION: 6}
     # The service now serves the artifact plus every delta accepted so far.
-    state = httpx.get(f"{served.sidecar_url}/state", timeout=10).json()
+    state = httpx.get(f"{served.write_url}/state", timeout=10).json()
     assert state["embeddings"][VERSION]["applied_sequence"] == 1
     scores = []
     ref = Runtime.from_artifact(with_delta_rows(served.artifact, _delta(served.artifact, 1, seed=11)))

@@ -21,7 +21,7 @@ import yaml
 from serve.api.config import HandlerConfig
 from serve.constants import DENSE_MAX_AUC_DROP
 from serve.errors import ConfigError, QualityError
-from serve.model.pipeline import PipelineConfig
+from serve.model.pipeline_config import PipelineConfig
 from serve.model.precision import dense_precision_gate, score_heldout
 from serve.profiles import get_profile
 from serve.store.repository import ModelRepository, default_version

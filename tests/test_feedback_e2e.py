@@ -5,7 +5,6 @@ build-time baseline in the version's report (the issue's bars: 0.01 and 0.05).""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,66 +16,39 @@ import pytest
 
 from serve.api.json_body import example_request
 from serve.ops import feedback_check
-from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository
-from tests.fixtures.torchserve import service_config
-from tests.promtext import samples
+from tests.fixtures.served import Served, serve_repository
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @dataclass
-class Served:
-    cfg: Any
+class FeedbackServed(Served):
+    """The service over the trained tiny version, its held-out data and build report."""
+
     version: str
     data_dir: Path
     repo_dir: Path
-    token: str
     report: dict[str, Any]
-
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return self.cfg.sidecar_write_url  # the write port serves the reads too
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        return samples(httpx.get(f"{self.sidecar_url}/metrics", timeout=10).text)
-
-    def post(self, body: Any, token: str | None = "default") -> httpx.Response:
-        headers = {} if token is None else {
-            "Authorization": f"Bearer {self.token if token == 'default' else token}"}
-        return httpx.post(f"{self.sidecar_url}/feedback", json=body, headers=headers, timeout=30)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Served]:
-    from serve.ops.launcher import start
-    from serve.ops.state_client import StateClient
-
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[FeedbackServed]:
     root = tmp_path_factory.mktemp("feedback")
     repo = ModelRepository([root / "model_store"])
     version = tiny_build.version
     repo.add(version, tiny_build.mar, dict(tiny_build.report))
-    state_file = root / "state.yaml"
-    write_state(state_file, parse_state({"model": {"version": version},
-                                         "batching": {"batch_size": 4, "max_batch_delay_ms": 5},
-                                         "workers": 1}))
-    cfg = service_config(root, extra_env={"OMP_NUM_THREADS": "1"})
-    svc = start(cfg)
-    token = cfg.token_file.read_text().strip()
-    try:
-        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
-        yield Served(cfg, version, tiny_build.data_dir, root / "model_store", token,
-                     dict(tiny_build.report))
-    finally:
-        svc.stop()
-        shutil.rmtree(root / "run", ignore_errors=True)
+    fields = {"version": version, "data_dir": tiny_build.data_dir,
+              "repo_dir": root / "model_store", "report": dict(tiny_build.report)}
+    with serve_repository(root, state={"model": {"version": version},
+                                       "batching": {"batch_size": 4, "max_batch_delay_ms": 5},
+                                       "workers": 1},
+                          kind=FeedbackServed, fields=fields,
+                          extra_env={"OMP_NUM_THREADS": "1"}) as s:
+        yield s
 
 
-def test_the_report_carries_the_baseline(served: Served) -> None:
+def test_the_report_carries_the_baseline(served: FeedbackServed) -> None:
     b = served.report["baseline"]
     assert b["rows"] == served.report["eval_rows"]
     assert b["auc"] == pytest.approx(served.report["auc_quantized"], abs=1e-12)
@@ -86,12 +58,12 @@ def test_the_report_carries_the_baseline(served: Served) -> None:
     assert m[("dlrm_baseline_auc", (("version", served.version),))] == pytest.approx(b["auc"])
 
 
-def test_held_out_labels_give_the_build_time_auc_and_calibration(served: Served,
+def test_held_out_labels_give_the_build_time_auc_and_calibration(served: FeedbackServed,
                                                                   tmp_path: Path) -> None:
     before = served.metrics()
     out = tmp_path / "feedback.json"
     rc = feedback_check.main([
-        "--url", served.predict_url, "--sidecar", served.sidecar_url,
+        "--url", served.predict_url, "--sidecar", served.write_url,
         "--token-file", str(served.cfg.token_file), "--repository", str(served.repo_dir),
         "--data-dir", str(served.data_dir), "--json", str(out), "--clients", "2"])
     res = json.loads(out.read_text())
@@ -115,8 +87,8 @@ def test_held_out_labels_give_the_build_time_auc_and_calibration(served: Served,
     assert after[("dlrm_prediction_log_bytes", ())] > 0
 
 
-def test_unknown_ids_are_counted_and_bad_bodies_get_400_naming_the_field(served: Served) -> None:
-    r = served.post({"labels": [{"request_id": "no-such-id", "index": 0, "label": 1}]})
+def test_unknown_ids_are_counted_and_bad_bodies_get_400_naming_the_field(served: FeedbackServed) -> None:
+    r = served.post_feedback({"labels": [{"request_id": "no-such-id", "index": 0, "label": 1}]})
     assert r.status_code == 200 and r.json()["unknown"] == 1
     bad = [
         ({"labels": [{"request_id": "a", "index": 0, "label": 2}]}, "labels.0.label"),
@@ -129,14 +101,14 @@ def test_unknown_ids_are_counted_and_bad_bodies_get_400_naming_the_field(served:
         ([1, 2], "body"),
     ]
     for body, field in bad:
-        r = served.post(body)
+        r = served.post_feedback(body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["type"] == "InvalidInput" and field in r.json()["message"], r.text
-    assert served.post({"labels": [{"request_id": "a", "index": 0, "label": 1}]},
-                       token=None).status_code == 401
-    assert served.post({"labels": [{"request_id": "a", "index": 0, "label": 1}]},
-                       token="wrong").status_code == 403
-    r = httpx.post(f"{served.sidecar_url}/feedback", content=b"{not json",
+    assert served.post_feedback({"labels": [{"request_id": "a", "index": 0, "label": 1}]},
+                                token=None).status_code == 401
+    assert served.post_feedback({"labels": [{"request_id": "a", "index": 0, "label": 1}]},
+                                token="wrong").status_code == 403
+    r = httpx.post(f"{served.write_url}/feedback", content=b"{not json",
                    headers={"Authorization": f"Bearer {served.token}",
                             "Content-Type": "application/json"}, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["message"]

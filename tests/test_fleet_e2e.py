@@ -12,7 +12,8 @@ import pytest
 from serve.errors import ConfigError
 from serve.ops.fleet import FleetPlan, pod_config, start_fleet, stop_fleet
 from serve.ops.fleet_check import _kill_and_restart, _registered, _wait_decision
-from serve.ops.launcher import REPO, check_ports
+from serve.ops.launch_config import REPO
+from serve.ops.launch_ports import check_ports
 from serve.sidecar.adapters.fleet_store import read_fleet_file
 from serve.state import Batching, DesiredState, ModelRef, write_state
 

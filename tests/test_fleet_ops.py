@@ -7,7 +7,8 @@ import pytest
 from serve.errors import ConfigError
 from serve.ops.fleet import FleetPlan, pod_config, table
 from serve.ops.fleet_check import newest_shuffled
-from serve.ops.launcher import planned_ports, sidecar_command
+from serve.ops.launch_ports import planned_ports
+from serve.ops.launch_processes import sidecar_command
 from tests.fixtures.sidecar import add_versions
 
 

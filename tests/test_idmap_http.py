@@ -31,17 +31,14 @@ import torch
 from bench.gpu_check import build_random_artifact
 from serve.api.binary import encode_binary
 from serve.api.request import BINARY_MEDIA_TYPE
-from serve.ops.state_client import StateClient
 from serve.runtime.artifact import Artifact, save_artifact
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.idmap import FALLBACK_ROW
-from serve.state import parse_state, write_state
-from serve.store.deltas.format import DELTA_MEDIA_TYPE, Delta, version_digest
+from serve.store.deltas.format import Delta, version_digest
 from serve.store.repository import ModelRepository
 from tests.fixtures.deltas import chained, with_delta_rows
 from tests.fixtures.idmaps import MANAGED, VERSION, id_delta, managed_copy, traffic
-from tests.fixtures.torchserve import service_config
-from tests.promtext import samples
+from tests.fixtures.served import Served, serve_repository
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -68,9 +65,10 @@ def _body(dense: torch.Tensor, sparse: SparseBatch) -> bytes:
 
 
 @dataclass
-class Served:
-    cfg: Any
-    token: str
+class ManagedServed(Served):
+    """The service over one managed version (cache policy ``policy``), the chained deltas
+    POSTed to it and the HTTP predictions after each."""
+
     policy: str
     managed: Artifact
     report: dict[str, Any]
@@ -80,28 +78,8 @@ class Served:
     after: list[list[tuple[bytes, torch.Tensor, SparseBatch, torch.Tensor]]] = field(
         default_factory=list)
 
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return self.cfg.sidecar_write_url
-
-    def post(self, body: bytes, content_type: str) -> httpx.Response:
-        return httpx.post(self.predict_url, content=body, timeout=30,
-                          headers={"Content-Type": content_type})
-
     def predict(self, body: bytes, content_type: str = BINARY_MEDIA_TYPE) -> torch.Tensor:
-        r = self.post(body, content_type)
-        assert r.status_code == 200, r.text
-        return torch.tensor(orjson.loads(r.content)["predictions"], dtype=torch.float32)
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        return samples(httpx.get(f"{self.sidecar_url}/metrics", timeout=10).text)
-
-    def state(self) -> dict[str, Any]:
-        return httpx.get(f"{self.sidecar_url}/state", timeout=10).json()
+        return torch.tensor(self.predictions(body, content_type), dtype=torch.float32)
 
     def rebuilt(self) -> Artifact:
         return with_delta_rows(self.managed, *self.deltas)
@@ -121,10 +99,7 @@ class Served:
         for step in range(4):   # the cache holds the rows the deltas evict and rewrite
             self.predict(_body(*traffic(self.managed, d1, step, 64, step % 2 == 1)))
         for blob, d in chained([d1, d2], parent=version_digest(self.report)):
-            r = httpx.post(f"{self.sidecar_url}/embeddings/deltas", content=blob,
-                           params={"wait_s": 60}, timeout=90,
-                           headers={"Authorization": f"Bearer {self.token}",
-                                    "Content-Type": DELTA_MEDIA_TYPE})
+            r = self.post_delta(blob, wait_s=60, timeout_s=90)
             self.posted.append(r)
             if r.status_code != 200:
                 return
@@ -139,9 +114,8 @@ class Served:
 
 @pytest.fixture(scope="module", params=["lru", "lfu"])
 def served(request: pytest.FixtureRequest,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServed]:
     from serve.model.archive import build_mar
-    from serve.ops.launcher import start
 
     policy = request.param
     root = tmp_path_factory.mktemp(f"idmap-{policy}")
@@ -155,18 +129,13 @@ def served(request: pytest.FixtureRequest,
                                     "cache_policy": policy, "cache_load_factor": 0.2},
                     min_workers=2, max_workers=2, file_name=f"{VERSION}.mar")
     ModelRepository([root / "model_store"]).add(VERSION, mar, report)
-    write_state(root / "state.yaml", parse_state({
-        "model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
-        "workers": 2}))
-    cfg = service_config(root, extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                                          "DLRM_CACHE_ON_CPU": "1"})
-    svc = start(cfg)
-    token = cfg.token_file.read_text().strip()
-    try:
-        StateClient(cfg.sidecar_write_url, token, timeout_s=30).wait_converged(timeout_s=180)
-        yield Served(cfg, token, policy, managed, report)
-    finally:
-        svc.stop()
+    state = {"model": {"version": VERSION}, "batching": {"batch_size": 2, "max_batch_delay_ms": 2},
+             "workers": 2}
+    with serve_repository(root, state=state, kind=ManagedServed,
+                          fields={"policy": policy, "managed": managed, "report": report},
+                          extra_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                     "DLRM_CACHE_ON_CPU": "1"}) as s:
+        yield s
 
 
 def _fallback_lookups(art: Artifact, sparse: SparseBatch) -> dict[str, int]:
@@ -196,7 +165,7 @@ def _fallback_counter(m: dict[tuple[str, tuple], float]) -> dict[str, float]:
 
 # -----------------------------------------------------------------------------------------
 
-def test_managed_admit_evict_deltas_over_http_equal_the_rebuilt_artifact(served: Served) -> None:
+def test_managed_admit_evict_deltas_over_http_equal_the_rebuilt_artifact(served: ManagedServed) -> None:
     served.ensure_deltas()
     for r in served.posted:
         assert r.status_code == 200, r.text
@@ -220,7 +189,7 @@ def test_managed_admit_evict_deltas_over_http_equal_the_rebuilt_artifact(served:
         assert torch.equal(served.predict(body), ref.predict(dense, sparse))
 
 
-def test_managed_any_int64_id_gets_its_row_or_the_fallback_never_a_5xx(served: Served) -> None:
+def test_managed_any_int64_id_gets_its_row_or_the_fallback_never_a_5xx(served: ManagedServed) -> None:
     """2**63-1 (admitted at build in C1's map), 2**63-2 and other never-seen ids, ids evicted by
     the last deltas: JSON and binary, all 200, equal to the rebuilt artifact, and the
     fallback counter moves by exactly the lookups that read the fallback row."""
@@ -265,7 +234,7 @@ def test_managed_any_int64_id_gets_its_row_or_the_fallback_never_a_5xx(served: S
 
 
 def test_managed_json_keeps_ids_up_to_2_63_minus_1_exact_and_refuses_2_63_naming_the_feature(
-        served: Served) -> None:
+        served: ManagedServed) -> None:
     rebuilt = served.rebuilt()
     ref = Runtime.from_artifact(rebuilt, RuntimeConfig())
     names = [f.name for f in rebuilt.schema.features]
@@ -303,7 +272,7 @@ def test_managed_json_keeps_ids_up_to_2_63_minus_1_exact_and_refuses_2_63_naming
 
 
 def test_managed_state_and_metrics_show_the_id_maps_after_admit_and_evict(
-        served: Served) -> None:
+        served: ManagedServed) -> None:
     served.ensure_deltas()
     rebuilt = served.rebuilt()
     emb = served.state()["embeddings"][VERSION]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from serve.ops.import_check import CheckConfig, format_table, run_check
+from serve.ops.import_check import format_table, run_check
+from serve.ops.import_check_config import CheckConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -248,7 +248,8 @@ def test_the_launchers_ready_probe_speaks_an_imported_schema(tmp_path: Path,
     is a 400, so the probe asks again in the schema of the version that answered."""
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
-    from serve.ops.launcher import LaunchConfig, _example_for
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import _example_for
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store")
@@ -323,7 +324,9 @@ def test_the_banner_curl_speaks_the_declared_versions_schema(tmp_path: Path,
 
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
-    from serve.ops.launcher import LaunchConfig, Service, _banner, ensure_state
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_state import ensure_state
+    from serve.ops.launcher import Service, _banner
 
     import_model(_cfg(tmp_path, "make_ranker", ranker_ckpt), say=lambda m: None)
     cfg = LaunchConfig(model_store=tmp_path / "store", state_file=tmp_path / "state.yaml")

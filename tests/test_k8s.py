@@ -879,8 +879,9 @@ def test_serving_state_configmap_parses_and_names_the_default_build():
     """The ConfigMap's state.yaml is a valid desired state, naming the version `make model`
     builds by default (so `make model image` bakes it) with the batching and workers its
     .mar ships with."""
-    from serve.model.pipeline import PipelineConfig, default_version
+    from serve.model.pipeline_config import PipelineConfig
     from serve.profiles import get_profile
+    from serve.store.repository import default_version
 
     docs = _load(K8S / "serving-state.yaml")
     state = _state(docs)

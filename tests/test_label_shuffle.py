@@ -16,16 +16,9 @@ import pytest
 
 from serve.errors import ConfigError
 from serve.model.data import ClickLogDataset, DataConfig, generate, load_split
-from serve.model.pipeline import (
-    STEPS,
-    PipelineConfig,
-    config_from_args,
-    default_version,
-    default_workdir,
-    run_pipeline,
-    step_fingerprints,
-)
+from serve.model.pipeline import STEPS, config_from_args, run_pipeline, step_fingerprints
 from serve.model.pipeline import _parser as pipeline_parser
+from serve.model.pipeline_config import PipelineConfig, default_workdir
 from serve.model.train import (
     PLAN_FILE,
     ShuffledLabelDataset,
@@ -37,7 +30,7 @@ from serve.model.train import (
 from serve.model.train import _parser as train_parser
 from serve.model.train import config_from_args as train_config_from_args
 from serve.profiles import get_profile
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, default_version
 from tests.fixtures.pipeline import REPO, run_in_group
 
 TINY = get_profile("tiny")

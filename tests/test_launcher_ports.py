@@ -12,7 +12,9 @@ import pytest
 
 from serve.errors import ConfigError
 from serve.ops import launcher
-from serve.ops.launcher import LaunchConfig, check_ports, free_port_settings, planned_ports, start
+from serve.ops.launch_config import LaunchConfig
+from serve.ops.launch_ports import check_ports, free_port_settings, planned_ports
+from serve.ops.launcher import start
 from serve.store.repository import ModelRepository
 
 

@@ -14,20 +14,11 @@ import pytest
 
 from serve.common.net import free_port
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.ops.launcher import (
-    REPO,
-    LaunchConfig,
-    Service,
-    _banner,
-    default_state,
-    ensure_state,
-    free_port_settings,
-    render_ts_config,
-    sidecar_command,
-    start,
-    torchserve_command,
-    wait_ready,
-)
+from serve.ops.launch_config import REPO, LaunchConfig
+from serve.ops.launch_ports import free_port_settings
+from serve.ops.launch_processes import render_ts_config, sidecar_command, torchserve_command
+from serve.ops.launch_state import default_state, ensure_state
+from serve.ops.launcher import Service, _banner, start, wait_ready
 from serve.state import LOCAL_STATE_FILE, load_state, parse_state, write_state
 from serve.store.repository import ModelRepository, default_version
 

@@ -16,14 +16,13 @@ from serve.model.admission import (
 )
 from serve.model.delta import DeltaConfig, build_delta
 from serve.model.pipeline import (
-    PipelineConfig,
     _parser,
     _step_args,
     config_from_args,
-    default_workdir,
     id_mapping_line,
     step_fingerprints,
 )
+from serve.model.pipeline_config import PipelineConfig, default_workdir
 from serve.model.quantize import _with_id_maps
 from serve.model.train import RowMapper, TrainConfig
 from serve.profiles import get_profile

@@ -16,13 +16,11 @@ import pytest
 import yaml
 
 import serve.metrics
-from serve.ops import monitoring
-from serve.ops.monitoring import (
-    MONITORING_DIR,
-    QPS_RECORD,
-    adapter_query,
-    dashboard_queries,
-)
+from serve.ops import monitoring, monitoring_dashboard, monitoring_rules
+from serve.ops.monitoring import MONITORING_DIR
+from serve.ops.monitoring_adapter import adapter_query
+from serve.ops.monitoring_dashboard import dashboard_queries
+from serve.ops.monitoring_rules import QPS_RECORD
 from tests.fixtures.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,10 +76,10 @@ def test_check_names_a_hand_edited_file(tmp_path, capsys):
 
 
 def test_generated_yaml_says_so_and_loads_back_to_the_source():
-    expected = {"recording.rules.yaml": monitoring.rule_file("recording"),
-                "alerts.rules.yaml": monitoring.rule_file("alerts"),
-                "prometheusrule.yaml": monitoring.prometheus_rule(),
-                "dashboard-configmap.yaml": monitoring.dashboard_configmap()}
+    expected = {"recording.rules.yaml": monitoring_rules.rule_file("recording"),
+                "alerts.rules.yaml": monitoring_rules.rule_file("alerts"),
+                "prometheusrule.yaml": monitoring_rules.prometheus_rule(),
+                "dashboard-configmap.yaml": monitoring_dashboard.dashboard_configmap()}
     for name, doc in expected.items():
         text = (MON / name).read_text()
         assert text.startswith(monitoring.GENERATED_HEADER), name
@@ -120,7 +118,7 @@ def test_qps_record_is_the_adapters_query():
 def test_utilization_record_is_the_adapters_query():
     """The utilization record is what the adapter computes for the HPA's primary metric:
     the work counter's 1 m rate over READY workers x BUSY_AT_KNEE."""
-    from serve.ops.monitoring import UTILIZATION_RECORD
+    from serve.ops.monitoring_rules import UTILIZATION_RECORD
     from serve.sidecar.control.utilization import BUSY_AT_KNEE
 
     want = ('sum(rate(dlrm_capacity_work_seconds_total{namespace!="",pod!=""}[1m])) '
@@ -164,7 +162,7 @@ def test_prometheusrule_holds_exactly_the_plain_files_groups():
 
 def test_p99_slo_is_the_goal_the_capacity_was_measured_at():
     capacity = json.loads((REPO / "loadtest" / "capacity.json").read_text())
-    assert pytest.approx(capacity["p99_goal_ms"] / 1000) == monitoring.P99_SLO_SECONDS
+    assert pytest.approx(capacity["p99_goal_ms"] / 1000) == monitoring_rules.P99_SLO_SECONDS
 
 
 def _metric_names() -> set[str]:

@@ -14,17 +14,10 @@ import pytest
 import torch
 
 from serve.errors import ConfigError
-from serve.model.pipeline import (
-    REPORT_KEYS,
-    STEPS,
-    PipelineConfig,
-    default_version,
-    default_workdir,
-    run_pipeline,
-    step_fingerprints,
-)
+from serve.model.pipeline import REPORT_KEYS, STEPS, run_pipeline, step_fingerprints
+from serve.model.pipeline_config import PipelineConfig, default_workdir
 from serve.profiles import get_profile
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, default_version
 from tests.fixtures.pipeline import run_in_group
 
 TINY = get_profile("tiny")

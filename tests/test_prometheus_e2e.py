@@ -33,7 +33,7 @@ from serve.api.config import HandlerConfig
 from serve.api.json_body import example_request
 from serve.api.request import BINARY_MEDIA_TYPE
 from serve.common.net import free_ports
-from serve.ops import monitoring
+from serve.ops import monitoring_adapter, monitoring_dashboard, monitoring_rules
 from serve.ops.feedback_check import label_triples, post_labels
 from serve.ops.heldout import binary_bodies, score_split
 from serve.ops.promcheck import run_load_and_check, simulate_hit_ratio
@@ -69,7 +69,8 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, tiny_build) -> Iterator[Observed]:
     from serve.model.archive import build_mar
-    from serve.ops.launcher import LaunchConfig, start
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launcher import start
     from serve.ops.state_client import StateClient
 
     require_tool("prometheus", "the pipeline test runs a real Prometheus",
@@ -179,8 +180,8 @@ def test_prometheus_values_match_what_the_load_generator_sent(observed: Observed
 
 def test_the_hpa_series_is_the_adapter_expression(observed: Observed) -> None:
     """The recording rule and the adapter's query give the same per-pod series."""
-    rec = observed.prom.query(monitoring.QPS_RECORD)
-    raw = observed.prom.query(monitoring.adapter_query())
+    rec = observed.prom.query(monitoring_rules.QPS_RECORD)
+    raw = observed.prom.query(monitoring_adapter.adapter_query())
     assert len(rec) == 1 and len(raw) == 1
     assert rec[0].labels["pod"] == raw[0].labels["pod"] == "dlrm-serve-0"
     assert rec[0].labels["namespace"] == "local"
@@ -199,7 +200,7 @@ def test_every_rule_loads_and_evaluates_without_error(observed: Observed) -> Non
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     dashboard = json.loads((REPO / "k8s" / "monitoring" / "dashboard.json").read_text())
-    queries = monitoring.dashboard_queries(dashboard)
+    queries = monitoring_dashboard.dashboard_queries(dashboard)
     assert len(queries) >= 12
     empty = [(title, expr) for title, expr in queries if not observed.prom.query(expr)]
     assert not empty, f"dashboard queries without data: {empty}"

@@ -32,7 +32,8 @@ from serve.errors import (
     UnsupportedMediaType,
 )
 from serve.model.archive import build_mar, model_config
-from serve.ops.launcher import LaunchConfig, render_ts_config
+from serve.ops.launch_config import LaunchConfig
+from serve.ops.launch_processes import render_ts_config
 from serve.profiles import SPARSE_FEATURES, get_profile
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
 from serve.worker.arms import handle_batch

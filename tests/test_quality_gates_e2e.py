@@ -19,7 +19,6 @@ while a background load keeps traffic on both arms: the bad candidate is rolled 
 """
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +33,8 @@ from serve.api.json_body import example_request
 from serve.ops.feedback_check import label_triples, post_labels
 from serve.ops.heldout import score_split
 from serve.ops.loadgen import BackgroundLoad
-from serve.ops.state_client import StateClient
-from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository
-from tests.fixtures.torchserve import service_config
+from tests.fixtures.served import Served, serve_repository
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,23 +45,15 @@ GUARDS = {"interval_s": 1, "min_requests": 20, "min_instances": 100, "max_score_
 
 
 @dataclass
-class Served:
-    cfg: Any
-    client: StateClient
-    token: str
+class QualityServed(Served):
+    """The service over the stable version and its two candidates (``good``: a copy of
+    the stable, ``bad``: trained on shuffled labels), and the held-out rows' labels."""
+
     stable: str
     good: str
     bad: str
     data_dir: Path
     labels: np.ndarray
-
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return self.cfg.sidecar_write_url
 
     def load(self) -> BackgroundLoad:
         bodies = [orjson.dumps(example_request(8, seed=i, max_id=1000)) for i in range(16)]
@@ -87,9 +76,8 @@ def _add(repo: ModelRepository, version: str, artifact: Path, report: dict[str, 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_build,
-           tiny_build_shuffled) -> Iterator[Served]:
+           tiny_build_shuffled) -> Iterator[QualityServed]:
     from serve.model.data import load_split
-    from serve.ops.launcher import start
 
     root = tmp_path_factory.mktemp("quality")
     repo = ModelRepository([root / "model_store"])
@@ -102,21 +90,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_build,
     shuffled = tiny_build_shuffled
     bad = _add(repo, shuffled.version, shuffled.artifact, dict(shuffled.report), work)
     good = _add(repo, f"{stable}-copy", tiny_build.artifact, report, work)
-    write_state(root / "state.yaml", parse_state({"model": {"version": stable},
-                                                  "batching": BATCHING, "workers": 1}))
-    cfg = service_config(root)
-    svc = start(cfg)
-    token = cfg.token_file.read_text().strip()
-    client = StateClient(cfg.sidecar_write_url, token, timeout_s=30)
-    try:
-        client.wait_converged(timeout_s=180)
-        yield Served(cfg, client, token, stable, good, bad, tiny_build.data_dir, labels)
-    finally:
-        svc.stop()
-        shutil.rmtree(root / "run", ignore_errors=True)
+    fields = {"stable": stable, "good": good, "bad": bad, "data_dir": tiny_build.data_dir,
+              "labels": labels}
+    with serve_repository(root, state={"model": {"version": stable}, "batching": BATCHING,
+                                       "workers": 1},
+                          kind=QualityServed, fields=fields) as s:
+        yield s
 
 
-def _rollout(s: Served, candidate: str, done: str) -> tuple[dict[str, Any], dict[str, int],
+def _rollout(s: QualityServed, candidate: str, done: str) -> tuple[dict[str, Any], dict[str, int],
                                                              BackgroundLoad]:
     """Declare a canary of ``candidate``, send the held-out rows and post their labels
     until the rollout is ``done`` (rolled_back / promoted); the last GET /state body, the
@@ -132,9 +114,9 @@ def _rollout(s: Served, candidate: str, done: str) -> tuple[dict[str, Any], dict
             for a in answers:
                 if a.arm in joined:
                     joined[a.arm] += a.stop - a.start
-            got = post_labels(s.sidecar_url, s.token, label_triples(answers, s.labels))
+            got = post_labels(s.write_url, s.token, label_triples(answers, s.labels))
             assert got["joined"] == len(s.labels), got
-            state = httpx.get(f"{s.sidecar_url}/state", timeout=10).json()["rollout"]
+            state = httpx.get(f"{s.write_url}/state", timeout=10).json()["rollout"]
             if state["phase"] != "baking" or min(joined.values()) >= 2 * MIN_LABELS:
                 break
         body = s.client.wait_rollout(phase=done, timeout_s=60)
@@ -144,7 +126,7 @@ def _rollout(s: Served, candidate: str, done: str) -> tuple[dict[str, Any], dict
     return body, joined, load
 
 
-def test_a_shuffled_label_candidate_is_rolled_back_by_a_quality_gate(served: Served) -> None:
+def test_a_shuffled_label_candidate_is_rolled_back_by_a_quality_gate(served: QualityServed) -> None:
     body, joined, load = _rollout(served, served.bad, "rolled_back")
     r = body["rollout"]
     guards = {g["name"]: g for g in r["guards"]}
@@ -159,7 +141,7 @@ def test_a_shuffled_label_candidate_is_rolled_back_by_a_quality_gate(served: Ser
     assert body["observed"]["candidate"] is None
 
 
-def test_a_good_candidate_is_promoted_with_both_gates_ok(served: Served) -> None:
+def test_a_good_candidate_is_promoted_with_both_gates_ok(served: QualityServed) -> None:
     body, joined, load = _rollout(served, served.good, "promoted")
     r = body["rollout"]
     guards = {g["name"]: g for g in r["guards"]}
@@ -170,5 +152,5 @@ def test_a_good_candidate_is_promoted_with_both_gates_ok(served: Served) -> None
     assert guards["ne_increase"]["status"] == "ok", guards["ne_increase"]
     assert guards["calibration_gap"]["status"] == "ok", guards["calibration_gap"]
     assert body["observed"]["model"]["version"] == served.good
-    metrics = httpx.get(f"{served.sidecar_url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{served.write_url}/metrics", timeout=10).text
     assert f'dlrm_online_rows_total{{arm="candidate",version="{served.good}"}}' in metrics

@@ -12,7 +12,6 @@ promoted last.
 """
 from __future__ import annotations
 
-import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -27,12 +26,9 @@ import torch
 
 from serve.api.json_body import example_request
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
-from serve.ops.state_client import StateClient
-from serve.state import parse_state, write_state
 from serve.store.repository import ModelRepository
 from serve.store.routing import ARM_HEADER, ROUTE_KEY_HEADER
-from tests.fixtures.torchserve import service_config
-from tests.promtext import samples
+from tests.fixtures.served import Served, serve_repository
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,26 +52,14 @@ class Versions:
 
 
 @dataclass
-class Served:
-    cfg: Any
-    svc: Any
-    client: StateClient
+class RolloutServed(Served):
+    """The service over the stable version and its two candidates, under a load."""
+
     versions: Versions
-
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return f"http://127.0.0.1:{self.cfg.sidecar_port}"
 
     def desired(self, stable: str, rollout: dict[str, Any] | None) -> dict[str, Any]:
         return {"model": {"version": stable}, "batching": BATCHING, "workers": 1,
                 "rollout": rollout}
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        return samples(httpx.get(f"{self.sidecar_url}/metrics", timeout=10).text)
 
     def load(self, seed: int = 0) -> BackgroundLoad:
         bodies = [orjson.dumps(example_request(LOAD_INSTANCES, seed=seed + i, max_id=10_000))
@@ -92,34 +76,24 @@ def _add(repo: ModelRepository, build: Any) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_build, tiny_build_seed7,
-           tiny_build_shuffled) -> Iterator[Served]:
-    from serve.ops.launcher import start
-
+           tiny_build_shuffled) -> Iterator[RolloutServed]:
     root = tmp_path_factory.mktemp("rollout")
     repo = ModelRepository([root / "model_store"])
     versions = Versions(stable=_add(repo, tiny_build), good=_add(repo, tiny_build_seed7),
                         bad=_add(repo, tiny_build_shuffled))
-    state_file = root / "state.yaml"
-    write_state(state_file, parse_state({"model": {"version": versions.stable},
-                                         "batching": BATCHING, "workers": 1}))
-    cfg = service_config(root, ts_overrides={"job_queue_size": "200"})
-    svc = start(cfg)
-    client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
-                         timeout_s=30)
-    try:
-        client.wait_converged(timeout_s=180)
-        yield Served(cfg, svc, client, versions)
-    finally:
-        svc.stop()
-        shutil.rmtree(root / "run", ignore_errors=True)
+    with serve_repository(root, state={"model": {"version": versions.stable},
+                                       "batching": BATCHING, "workers": 1},
+                          kind=RolloutServed, fields={"versions": versions},
+                          ts_overrides={"job_queue_size": "200"}) as s:
+        yield s
 
 
-def _declare(s: Served, stable: str, rollout: dict[str, Any] | None) -> None:
+def _declare(s: RolloutServed, stable: str, rollout: dict[str, Any] | None) -> None:
     r = s.client.put_state(s.desired(stable, rollout))
     assert r.status_code == 202, r.text
 
 
-def _end_by_hand(s: Served) -> None:
+def _end_by_hand(s: RolloutServed) -> None:
     r = s.client.rollout_action("rollback")
     assert r.status_code == 200, r.text
     assert r.json()["phase"] == "rolled_back"
@@ -127,7 +101,7 @@ def _end_by_hand(s: Served) -> None:
     assert body["observed"]["candidate"] is None, body
 
 
-def test_canary_routes_each_key_to_one_arm_at_the_declared_share(served: Served) -> None:
+def test_canary_routes_each_key_to_one_arm_at_the_declared_share(served: RolloutServed) -> None:
     s, v = served, served.versions
     _declare(s, v.stable, {"candidate": v.good, "mode": "canary", "weight": 0.2,
                            "bake_s": 3600, "guards": GUARDS})
@@ -160,7 +134,7 @@ def test_canary_routes_each_key_to_one_arm_at_the_declared_share(served: Served)
     _end_by_hand(s)
 
 
-def test_shadow_answers_bit_for_bit_as_stable_alone(served: Served) -> None:
+def test_shadow_answers_bit_for_bit_as_stable_alone(served: RolloutServed) -> None:
     s, v = served, served.versions
     bodies = [orjson.dumps(example_request(16, seed=100 + i, max_id=10_000)) for i in range(12)]
 
@@ -192,7 +166,7 @@ def test_shadow_answers_bit_for_bit_as_stable_alone(served: Served) -> None:
     _end_by_hand(s)
 
 
-def test_shuffled_label_candidate_is_rolled_back_by_the_score_guard(served: Served) -> None:
+def test_shuffled_label_candidate_is_rolled_back_by_the_score_guard(served: RolloutServed) -> None:
     s, v = served, served.versions
     with s.load(seed=1) as load:
         load.wait_for(20)
@@ -222,7 +196,7 @@ def test_shuffled_label_candidate_is_rolled_back_by_the_score_guard(served: Serv
     assert s.metrics()[("dlrm_rollout_phase", (("phase", "rolled_back"),))] == 1.0
 
 
-def test_good_candidate_is_promoted_after_bake_with_zero_failures(served: Served) -> None:
+def test_good_candidate_is_promoted_after_bake_with_zero_failures(served: RolloutServed) -> None:
     s, v = served, served.versions
     with s.load(seed=2) as load:
         load.wait_for(20)

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from serve.api.binary import example_binary
 from serve.api.json_body import example_request
 from serve.api.request import BINARY_MEDIA_TYPE
 from serve.errors import UpstreamUnavailable
-from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
-from serve.ops.state_client import StateClient
+from serve.ops.loadgen import BackgroundLoad
 from serve.store.repository import ModelRepository
-from tests.fixtures.torchserve import service_config, tiny_random_artifact
+from tests.fixtures.served import Served, serve_repository
+from tests.fixtures.torchserve import tiny_random_artifact
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,32 +51,8 @@ def _add_version(repo: ModelRepository, root: Path, version: str, seed: int, cre
                             "mar_batch_size": 2, "mar_max_batch_delay_ms": 2, "mar_workers": 1})
 
 
-@dataclass
-class Served:
-    """The running service and how to talk to it."""
-
-    cfg: Any
-    svc: Any
-    token: str
-
-    @property
-    def predict_url(self) -> str:
-        return f"{self.cfg.inference_url}/predictions/dlrm"
-
-    @property
-    def sidecar_url(self) -> str:
-        return f"http://127.0.0.1:{self.cfg.sidecar_port}"
-
-    @property
-    def sidecar_write_url(self) -> str:
-        return self.cfg.sidecar_write_url
-
-    @property
-    def client(self) -> StateClient:
-        return StateClient(self.sidecar_write_url, self.token)
-
-    def state(self) -> dict[str, Any]:
-        return self.client.state()
+class StateServed(Served):
+    """The service, and declaring a state on it."""
 
     def declare(self, version: str, batch_size: int = 2, delay_ms: int = 2) -> float:
         """PUT /state, wait until converged on it; return the seconds it took."""
@@ -98,11 +71,6 @@ class Served:
         assert obs.get("batching", {}).get("batch_size") == batch_size, st
         return time.monotonic() - t0
 
-    def predict(self, body: dict[str, Any]) -> tuple[list[float], str | None]:
-        r = httpx.post(self.predict_url, json=body, timeout=30)
-        assert r.status_code == 200, r.text
-        return list(r.json()["predictions"]), r.headers.get(VERSION_HEADER)
-
 
 @pytest.fixture(scope="module")
 def repo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -116,33 +84,25 @@ def repo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _launch(root: Path) -> Any:
-    return service_config(root, ts_overrides={"job_queue_size": "200"})
-
-
 @pytest.fixture(scope="module")
-def served(repo_root: Path) -> Iterator[Served]:
-    from serve.ops.launcher import start
-
-    cfg = _launch(repo_root)
-    holder = Served(cfg, start(cfg), "")
-    holder.token = cfg.token_file.read_text().strip()
-    try:
-        yield holder
-    finally:
-        holder.svc.stop()
+def served(repo_root: Path) -> Iterator[StateServed]:
+    # No state file: the launcher declares the newest version; not waited for, so the
+    # first test sees what `make up` leaves.
+    with serve_repository(repo_root, wait=False, kind=StateServed,
+                          ts_overrides={"job_queue_size": "200"}) as s:
+        yield s
 
 
-def test_make_up_serves_the_latest_version_declared_in_a_new_state_file(served: Served) -> None:
+def test_make_up_serves_the_latest_version_declared_in_a_new_state_file(served: StateServed) -> None:
     st = served.state()
     assert st["desired"]["model"]["version"] == "tiny-b"  # latest by created_at
     assert st["available_versions"] == ["slow-a", "slow-b", "tiny-a", "tiny-b"]
     assert st["converged"] is True, st
-    _, version = served.predict(example_request(1, seed=3))
+    _, version = served.predict_json(example_request(1, seed=3))
     assert version == "tiny-b"
 
 
-def test_batch_size_change_under_load_fails_nothing(served: Served) -> None:
+def test_batch_size_change_under_load_fails_nothing(served: StateServed) -> None:
     served.declare("tiny-a")
     bodies = [example_binary(512, seed=s) for s in range(4)]
     with BackgroundLoad(served.predict_url, bodies, clients=8,
@@ -160,10 +120,10 @@ def test_batch_size_change_under_load_fails_nothing(served: Served) -> None:
     assert obs["batching"] == {"batch_size": 4, "max_batch_delay_ms": 3}
 
 
-def test_version_switch_under_load_changes_answers_and_header(served: Served) -> None:
+def test_version_switch_under_load_changes_answers_and_header(served: StateServed) -> None:
     served.declare("tiny-a")
     probe = example_request(1, seed=11)
-    before, version = served.predict(probe)
+    before, version = served.predict_json(probe)
     assert version == "tiny-a"
     bodies = [example_binary(512, seed=s) for s in range(4)]
     with BackgroundLoad(served.predict_url, bodies, clients=8,
@@ -179,28 +139,25 @@ def test_version_switch_under_load_changes_answers_and_header(served: Served) ->
     # Once converged, the old version is drained and gone: everything is the new one.
     # (converged = the target serves and no other version is registered any more)
     assert set(load.versions(since=converged_at)) == {"tiny-b"}
-    after, version = served.predict(probe)
+    after, version = served.predict_json(probe)
     assert version == "tiny-b"
     assert after != before  # other weights, other answer
 
 
-def test_restart_comes_back_to_the_declared_state(served: Served) -> None:
-    from serve.ops.launcher import start
-
+def test_restart_comes_back_to_the_declared_state(served: StateServed) -> None:
     served.declare("tiny-b", batch_size=3, delay_ms=1)
-    served.svc.stop()
-    served.svc = start(served.cfg)
+    served.restart()
     st = served.state()
     assert st["desired"]["model"]["version"] == "tiny-b"
     assert st["desired"]["batching"] == {"batch_size": 3, "max_batch_delay_ms": 1}
     assert st["converged"] is True, st
     assert st["observed"]["model"]["version"] == "tiny-b"
     assert st["observed"]["batching"] == {"batch_size": 3, "max_batch_delay_ms": 1}
-    _, version = served.predict(example_request(1, seed=3))
+    _, version = served.predict_json(example_request(1, seed=3))
     assert version == "tiny-b"
 
 
-def test_switch_under_a_deep_queue_fails_nothing(served: Served) -> None:
+def test_switch_under_a_deep_queue_fails_nothing(served: StateServed) -> None:
     served.declare("slow-a")
     bodies = [example_binary(512, seed=s) for s in range(4)]
     with BackgroundLoad(served.predict_url, bodies, clients=64, timeout_s=120,

@@ -14,7 +14,8 @@ from serve.common.net import free_port
 from serve.errors import CheckpointError, ConfigError, ShardingError
 from serve.model.merge import MAX_MERGE_DIFF, load_merged, merge_checkpoint
 from serve.model.quantize import evaluate_auc
-from serve.model.train import OUTPUTS_FILE, PLAN_FILE, max_world_size, plan_sharding
+from serve.model.sharding import max_world_size, plan_sharding
+from serve.model.train import OUTPUTS_FILE, PLAN_FILE
 from serve.profiles import get_profile
 
 TINY = get_profile("tiny")

@@ -32,13 +32,9 @@ from serve.api.config import HandlerConfig
 from serve.api.json_body import example_request
 from serve.common.net import free_ports
 from serve.errors import ConfigError
-from serve.ops.launcher import (
-    LaunchConfig,
-    Service,
-    allowed_urls,
-    render_ts_config,
-    without_blacklisted,
-)
+from serve.ops.launch_config import LaunchConfig
+from serve.ops.launch_processes import allowed_urls, render_ts_config, without_blacklisted
+from serve.ops.launcher import Service
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_VAR = "DLRM_SIDECAR_TOKEN"

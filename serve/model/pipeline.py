@@ -73,44 +73,29 @@ import hashlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from serve.common.clilog import setup_cli_logging
-from serve.common.validate import boolean, int_at_least
 from serve.constants import DENSE_MAX_AUC_DROP, DENSE_PRECISIONS
 from serve.errors import ConfigError, ServeError
 from serve.model.admission import DEFAULT_FALLBACK_SHARE
-from serve.profiles import PROFILES, Profile, get_profile
-from serve.schema import MAPPINGS
-from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS, VERSION_RE
-from serve.store.repository import (
-    DEFAULT_PROFILE,
-    MANAGED_SUFFIX,
-    SHUFFLED_SUFFIX,
-    ModelRepository,
-    day_suffix,
-    default_version,
-)
+from serve.model.pipeline_config import MAPPING_CHOICES, PipelineConfig, default_workdir
+from serve.profiles import PROFILES, get_profile
+from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS
+from serve.store.repository import DEFAULT_PROFILE, ModelRepository
 
 __all__ = [
-    "MANAGED_SUFFIX",
-    "MAPPING_CHOICES",
     "REPORT_KEYS",
-    "SHUFFLED_SUFFIX",
     "STEPS",
-    "PipelineConfig",
     "PipelineResult",
     "config_from_args",
-    "default_version",
-    "default_workdir",
     "id_mapping_line",
     "main",
     "run_pipeline",
@@ -127,165 +112,19 @@ REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerpri
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
                "git_commit")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
-MAPPING_CHOICES = MAPPINGS  # serve.schema: "modulo", "managed"
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
     "data": ("model/data.py", "profiles.py"),
-    "train": ("model/train.py", "model/dlrm.py", "model/data.py", "profiles.py"),
+    "train": ("model/train.py", "model/sharding.py", "model/dlrm.py", "model/data.py",
+              "profiles.py"),
     "merge": ("model/merge.py", "model/dlrm.py", "model/train.py"),
     "quantize": ("model/quantize.py", "model/export.py", "runtime/artifact.py",
                  "common/quality.py", "model/merge.py", "model/importer.py", "schema.py"),
-    "archive": ("model/archive.py", "model/pipeline.py", "api/config.py",
-                "../handlers/dlrm_handler.py"),
+    "archive": ("model/archive.py", "model/pipeline.py", "model/pipeline_config.py",
+                "api/config.py", "../handlers/dlrm_handler.py"),
     # Only a lossy dense precision's build runs the gate (see _step_args).
     "precision": ("model/precision.py", "runtime/dense.py"),
 }
-
-
-def default_workdir(profile_name: str, seed: int, label_shuffle: bool = False,
-                    data_day: int = 0, mapping: str = "modulo") -> Path:
-    """One build directory per (profile, seed, shuffle, day, mapping): ``build/small-s0``,
-    or ``build/small-s8-shuffled`` with ``--label-shuffle`` (never the normal seed's
-    checkpoints), ``build/small-s0-day1`` on day 1's data, ``build/small-s0-managed`` with
-    ``--mapping managed``."""
-    return Path("build") / (f"{profile_name}-s{seed}{SHUFFLED_SUFFIX if label_shuffle else ''}"
-                            f"{day_suffix(data_day)}"
-                            f"{MANAGED_SUFFIX if mapping == 'managed' else ''}")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """One model build. ``None`` fields take the profile's value.
-
-    ``seed`` is the training seed (initial weights; the data always uses the profile's
-    seed); ``version`` names the model version the build adds to ``model_store``
-    (default :func:`default_version`). ``label_shuffle`` trains on the training split's
-    labels permuted with the training seed (a model with eval AUC ~0.5; the int8 quality
-    bar is then not applied, see :attr:`quality_check`).
-    """
-
-    profile: Profile
-    workdir: Path
-    model_store: Path = Path("model_store")
-    model_name: str = "dlrm"
-    seed: int | None = None
-    version: str | None = None
-    nproc: int = 2
-    backend: str = "auto"
-    dtype: str = "int8"
-    alpha: float | None = None
-    samples: int | None = None
-    eval_samples: int | None = None
-    batch_size: int | None = None
-    learning_rate: float | None = None
-    threads: int = 1
-    num_workers: int = 1
-    # The shipped batching (serve.state says why: 2 requests, merged only when queued).
-    mar_batch_size: int = DEFAULT_BATCH_SIZE
-    mar_max_batch_delay_ms: int = DEFAULT_MAX_BATCH_DELAY_MS
-    # Workers x threads must fit the cores: one thread per worker lets one worker parse
-    # JSON while another runs a forward (2 x 1 beat 1 x 2 by ~2x at 512 instances/request).
-    mar_workers: int = DEFAULT_WORKERS
-    handler_config: dict[str, Any] = field(default_factory=dict)
-    force: bool = False
-    check_quality: bool = True
-    label_shuffle: bool = False
-    data_day: int = 0     # day of the click logs (serve.model.data; 0 = the original)
-    # Id space of every table: "modulo" (row = id % rows) or "managed" (admitted ids get
-    # rows, the others the fallback row; serve.model.admission). The rest: its policy.
-    mapping: str = "modulo"
-    admit_threshold: int = 2
-    eviction: str = "lfu_lru"
-    ttl_days: int = 2
-    recency_days: int = 1
-    fallback_share: float = DEFAULT_FALLBACK_SHARE
-    # The dense part's arithmetic (serve.constants.DENSE_PRECISIONS): fp32 (exact), or a
-    # lossy lever the archive step admits only through its AUC gate (serve.model.precision).
-    dense_precision: str = "fp32"
-
-    def __post_init__(self) -> None:
-        from serve.model.quantize import QUANT_DTYPES
-
-        if self.mapping not in MAPPING_CHOICES:
-            raise ConfigError(f"--mapping {self.mapping!r} must be one of "
-                              f"{', '.join(MAPPING_CHOICES)} (modulo: row = id % rows; managed: "
-                              "admitted ids get rows of their own)")
-        _ = self.admission  # validates the policy settings
-
-        if self.dense_precision not in DENSE_PRECISIONS:
-            raise ConfigError(f"--dense-precision {self.dense_precision!r} must be one of "
-                              f"{', '.join(DENSE_PRECISIONS)}")
-        if "dense_precision" in self.handler_config:
-            raise ConfigError("handler_config.dense_precision: set it with --dense-precision, "
-                              "which runs the AUC gate")
-        if self.dtype not in QUANT_DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} must be one of {', '.join(QUANT_DTYPES)}")
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc {self.nproc} must be >= 1")
-        if self.seed is not None:
-            int_at_least("--seed", self.seed, 0)
-        boolean("label_shuffle", self.label_shuffle,
-                then="; pass --label-shuffle to permute the training labels, or omit it")
-        int_at_least("--data-day", self.data_day, 0, then=" (0 = the original click logs)")
-        if not re.fullmatch(VERSION_RE, self.version_name):
-            raise ConfigError(
-                f"--version {self.version_name!r} is not a valid version name: use letters, "
-                "digits, '.' and '-' (no '_', it separates a version from its batching suffix), "
-                f"starting with a letter or digit, at most 64 characters ({VERSION_RE})")
-
-    @property
-    def admission(self) -> Any:
-        """The :class:`serve.model.admission.AdmissionConfig` of a managed build; None
-        for modulo."""
-        from serve.model.admission import AdmissionConfig
-
-        if self.mapping != "managed":
-            return None
-        return AdmissionConfig(policy=self.eviction, threshold=self.admit_threshold,
-                               ttl_days=self.ttl_days, recency_days=self.recency_days,
-                               fallback_share=self.fallback_share)
-
-    @property
-    def train_seed(self) -> int:
-        return self.profile.seed if self.seed is None else self.seed
-
-    @property
-    def version_name(self) -> str:
-        if self.version is not None:
-            return self.version
-        return default_version(self.profile.name, self.dtype, self.train_seed, self.label_shuffle,
-                               self.data_day, self.mapping, self.dense_precision)
-
-    @property
-    def quality_check(self) -> bool:
-        """Whether the quantize step enforces the int8 AUC bar: ``check_quality``, except
-        for a label-shuffled build, whose AUC ~0.5 makes the fp32/int8 gap noise."""
-        return self.check_quality and not self.label_shuffle
-
-    @property
-    def data_dir(self) -> Path:
-        return self.workdir / "data"
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.workdir / "checkpoint"
-
-    @property
-    def merged(self) -> Path:
-        return self.workdir / "merged.pt"
-
-    @property
-    def artifact(self) -> Path:
-        return self.workdir / "artifact.pt"
-
-    @property
-    def mar(self) -> Path:
-        """The archive as built in the work directory (the repository gets a copy)."""
-        return self.workdir / f"{self.model_name}-{self.version_name}.mar"
-
-    @property
-    def repository(self) -> ModelRepository:
-        return ModelRepository([self.model_store], self.model_name)
 
 
 @dataclass
@@ -331,8 +170,6 @@ def _git_commit() -> str | None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                            cwd=_SERVE.parent, capture_output=True, text=True, timeout=10, check=False)
     return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
 
 
 class _Runner:
@@ -546,7 +383,8 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     from serve.model.data import generate
     from serve.model.merge import merge_checkpoint
     from serve.model.quantize import quantize
-    from serve.model.train import plan_sharding, train
+    from serve.model.sharding import plan_sharding
+    from serve.model.train import train
 
     p = cfg.profile
     tcfg = _train_config(cfg)

@@ -246,7 +246,9 @@ def _state_file(root: Path, version: str) -> Path:
 @contextlib.contextmanager
 def harness(root: Path, store: Path) -> Iterator[Harness]:
     """A background service on free ports (config.properties as shipped), stopped at the end."""
-    from serve.ops.launcher import LaunchConfig, free_port_settings, start
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_ports import free_port_settings
+    from serve.ops.launcher import start
 
     cfg = LaunchConfig(
         **free_port_settings(), model_store=store,

@@ -37,25 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.ops.launcher import (
-    REPO,
-    LaunchConfig,
-    Service,
-    _group_alive,
-    check_ports,
-    default_state,
-    describe_state,
-    ensure_state,
-    start_sidecar,
-    start_torchserve,
-    stop_group,
-    wait_ready,
-)
+from serve.ops.launch_config import REPO, LaunchConfig
+from serve.ops.launch_ports import check_ports
+from serve.ops.launch_processes import start_sidecar, start_torchserve
+from serve.ops.launch_state import default_state, describe_state, ensure_state
+from serve.ops.launcher import Service, wait_ready
+from serve.ops.process_groups import group_alive, stop_group
 from serve.sidecar.adapters.fleet_store import Peer, read_fleet_file, write_fleet_file
 from serve.sidecar.config import SidecarConfig
 from serve.state import LOCAL_STATE_FILE, DesiredState, write_state
 
-__all__ = ["FleetPlan", "main", "pod_config", "restart_sidecar", "start_fleet", "stop_fleet"]
+__all__ = ["FleetPlan", "main", "pod_config", "pod_pids", "restart_sidecar", "start_fleet",
+           "stop_fleet"]
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +114,9 @@ def _peer(name: str, cfg: LaunchConfig) -> Peer:
                 sidecar_url=cfg.sidecar_url, write_url=cfg.sidecar_write_url)
 
 
-def _pids(cfg: LaunchConfig) -> dict[str, int | None]:
+def pod_pids(cfg: LaunchConfig) -> dict[str, int | None]:
+    """A pod's process groups from ``run_dir/pids.json``: ``{"torchserve": pid, "sidecar":
+    pid or None}``; empty when the file is missing or unreadable."""
     path = cfg.path(cfg.run_dir) / "pids.json"
     try:
         data = json.loads(path.read_text())
@@ -157,7 +152,7 @@ def start_fleet(plan: FleetPlan, say: Callable[[str], None] = log.info) -> list[
     """
     cfgs = [pod_config(plan, i) for i in range(plan.pods)]
     running = [c.run_dir.name for c in cfgs if any(
-        p and _group_alive(p) for p in _pids(c).values())]
+        p and group_alive(p) for p in pod_pids(c).values())]
     if running:
         raise ConfigError(f"pods {running} of a fleet are running; stop them first: "
                           "make fleet-down")
@@ -200,7 +195,7 @@ def restart_sidecar(cfg: LaunchConfig) -> subprocess.Popen[bytes]:
     proc = start_sidecar(cfg)
     if proc is None:  # pragma: no cover - fleet pods always run a sidecar
         raise ConfigError("this pod runs no sidecar")
-    _write_pids(cfg, _pids(cfg).get("torchserve"), proc.pid)
+    _write_pids(cfg, pod_pids(cfg).get("torchserve"), proc.pid)
     return proc
 
 
@@ -213,8 +208,8 @@ def stop_fleet(plan: FleetPlan, say: Callable[[str], None] = log.info) -> int:
     names = [p.name for p in read_fleet_file(plan.fleet_file)] or plan.names()
     for i, name in enumerate(names):
         cfg = pod_config(FleetPlan(**{**plan.__dict__, "pods": max(plan.pods, i + 1)}), i)
-        pids = _pids(cfg)
-        if not any(p and _group_alive(p) for p in pids.values()):
+        pids = pod_pids(cfg)
+        if not any(p and group_alive(p) for p in pids.values()):
             continue
         token = cfg.token_file.read_text().strip() if cfg.token_file.is_file() else None
         if pids.get("sidecar"):

@@ -31,8 +31,15 @@ from typing import Any
 import httpx
 
 from serve.errors import ConfigError, UpstreamUnavailable
-from serve.ops.fleet import FleetPlan, _pids, pod_config, restart_sidecar, start_fleet, stop_fleet
-from serve.ops.launcher import REPO
+from serve.ops.fleet import (
+    FleetPlan,
+    pod_config,
+    pod_pids,
+    restart_sidecar,
+    start_fleet,
+    stop_fleet,
+)
+from serve.ops.launch_config import REPO
 from serve.ops.loadgen import BackgroundLoad
 from serve.sidecar.adapters.fleet_store import Peer, read_fleet_file
 from serve.state import Batching, DesiredState, ModelRef, load_state, write_state
@@ -171,7 +178,7 @@ def _kill_and_restart(plan: FleetPlan, pods: list[Peer], stable: str
         if st.get("converged") and not (st.get("observed") or {}).get("candidate"):
             break
         time.sleep(1.0)
-    pid = _pids(cfg).get("sidecar")
+    pid = pod_pids(cfg).get("sidecar")
     if pid:
         os.kill(pid, signal.SIGKILL)
     proc = restart_sidecar(cfg)

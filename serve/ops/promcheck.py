@@ -51,7 +51,7 @@ from serve.common.net import free_port
 from serve.errors import ServeError
 from serve.metrics import CACHE_HITS_TOTAL, CACHE_MISSES_TOTAL, REQUEST_DURATION_BUCKETS
 from serve.ops.loadgen import Answer, BackgroundLoad
-from serve.ops.monitoring import P50_RECORD, P99_RECORD, QPS_RECORD
+from serve.ops.monitoring_rules import P50_RECORD, P99_RECORD, QPS_RECORD
 from serve.ops.prometheus import PrometheusConfig, PrometheusServer
 
 __all__ = ["CACHE_TOLERANCE", "HIT_RATIO_EXPR", "QPS_TOLERANCE", "WINDOW_S", "bucket_of",
