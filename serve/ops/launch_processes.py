@@ -208,7 +208,7 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     """Start ``python -m serve.sidecar`` (own process group) unless ``cfg.sidecar`` is off."""
     if not cfg.sidecar:
         return None
-    from serve.sidecar.http.app import ensure_dev_token
+    from serve.sidecar.adapters.tokens import ensure_dev_token
 
     ensure_dev_token(str(cfg.token_file))
     log_dir = cfg.path(cfg.log_dir)
