@@ -130,7 +130,7 @@ def test_the_walk_finds_a_long_nested_function(tmp_path):
 
 def test_the_walk_finds_a_long_class_and_not_its_short_methods():
     methods = "\n".join(f"    def f{i}(self):\n        return {i}\n" for i in range(110))
-    tree = ast.parse(f"class Outer:\n    class C:\n"
+    tree = ast.parse("class Outer:\n    class C:\n"
                      + "\n".join("    " + line for line in methods.splitlines()) + "\n")
     found = _walk(tree, "m.py", "", MAX_CLASS_LINES, (ast.ClassDef,))
     assert [(w, n) for w, n, _ in found] == [("m.py:1", "Outer"), ("m.py:2", "Outer.C")]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from serve.errors import ConfigError
+from serve.state import ROLLOUT_MODES
 from serve.store.routing import (
-    MODES,
     ROUTE_KEY_MAX_CHARS,
     SAFE_CONTROL,
     Control,
@@ -86,7 +86,7 @@ def test_weight_zero_never_and_one_always_takes_the_candidate(key):
 
 def test_control_validation():
     assert Control("shadow", 1).weight == 1.0 and isinstance(Control("canary", 1).weight, float)
-    assert MODES == ("canary", "shadow")
+    assert ROLLOUT_MODES == ("canary", "shadow")
     with pytest.raises(ConfigError, match=r"mode='blue' must be one of \['canary', 'shadow'\]"):
         Control("blue", 0.1)
     for bad in (-0.1, 1.5, float("nan"), True, "0.5", None):

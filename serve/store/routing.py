@@ -39,10 +39,10 @@ from typing import Any
 
 from serve.common.validate import number_in_range
 from serve.errors import ConfigError
+from serve.state import ROLLOUT_MODES
 
 __all__ = [
     "ARM_HEADER",
-    "MODES",
     "ROUTE_KEY_HEADER",
     "ROUTE_KEY_MAX_CHARS",
     "SAFE_CONTROL",
@@ -64,7 +64,6 @@ ARM_HEADER = "X-DLRM-Arm"
 ROUTE_KEY_MAX_CHARS = 256
 #: Control modes: ``canary`` (the candidate answers its share) and ``shadow`` (the
 #: candidate only scores its share; stable answers everything).
-MODES: tuple[str, ...] = ("canary", "shadow")
 _TWO_64 = float(2**64)
 # A control file modified less than this long before it was read may still change
 # without its stat changing (coarse file-system timestamps, an inode number reused by
@@ -107,7 +106,7 @@ class Control:
     """The split the control file asks for.
 
     Attributes:
-        mode: ``canary`` or ``shadow`` (:data:`MODES`).
+        mode: ``canary`` or ``shadow`` (:data:`serve.state.ROLLOUT_MODES`).
         weight: the candidate's share of requests, 0..1.
     """
 
@@ -115,8 +114,8 @@ class Control:
     weight: float
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"control: mode={self.mode!r} must be one of {list(MODES)}")
+        if self.mode not in ROLLOUT_MODES:
+            raise ConfigError(f"control: mode={self.mode!r} must be one of {list(ROLLOUT_MODES)}")
         object.__setattr__(self, "weight", number_in_range(
             "control: weight", self.weight, 0, 1, then=" (the candidate's share of requests)"))
 

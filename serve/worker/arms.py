@@ -37,7 +37,8 @@ from serve.api.spec import spec_of
 from serve.errors import ServeError
 from serve.runtime.engine import Runtime
 from serve.schema import ModelSchema
-from serve.store.routing import MODES, ControlWatcher, takes_candidate
+from serve.state import ROLLOUT_MODES, RolloutMode
+from serve.store.routing import ControlWatcher, takes_candidate
 from serve.worker.messages import WorkerRequest
 
 __all__ = [
@@ -79,8 +80,8 @@ class Split:
     candidate_first: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"Split.mode={self.mode!r} must be one of {list(MODES)}")
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"Split.mode={self.mode!r} must be one of {list(ROLLOUT_MODES)}")
 
 
 @dataclass
@@ -256,20 +257,20 @@ def handle_batch(bodies: Sequence[Any], content_types: Sequence[str | None],
         if split is not None:
             chosen = [bool(split.choose(keys[i])) for i, _ in good]
             candidate = [g for g, c in zip(good, chosen, strict=True) if c]
-            if split.mode == "canary":
+            if split.mode == RolloutMode.CANARY:
                 stable = [g for g, c in zip(good, chosen, strict=True) if not c]
-        first = split is not None and split.mode == "canary" and split.candidate_first
+        first = split is not None and split.mode == RolloutMode.CANARY and split.candidate_first
         if candidate and split is not None and first:
             arms["candidate"] = _run_arm("candidate", True, candidate, split.candidate, clock)
         if stable:
             arms["stable"] = _run_arm("stable", True, stable, predict, clock)
         if candidate and split is not None and not first:
-            arms["candidate"] = _run_arm("candidate", split.mode == "canary", candidate,
+            arms["candidate"] = _run_arm("candidate", split.mode == RolloutMode.CANARY, candidate,
                                          split.candidate, clock)
         for run in arms.values():
             if run.answered:
                 _answer(run, outcomes)
-        if split is not None and split.mode == "shadow" and "candidate" in arms:
+        if split is not None and split.mode == RolloutMode.SHADOW and "candidate" in arms:
             shadow_diff = _shadow_diff(arms["stable"], arms["candidate"])
     answering = [r for r in arms.values() if r.answered]
     info = BatchInfo(
