@@ -5,9 +5,9 @@ candidate under ranking traffic, each decided by the guards alone.
     python -m bench.rollout_trials --trials 20 --bad-trials 20 --slow-trials 2
 
 It starts its own service (TorchServe + sidecar through :mod:`serve.ops.launcher`, free
-loopback ports, ``config.properties`` and every sidecar default as shipped: 2 workers,
-batching 2 / 2 ms, the batching tuner on) serving ``--stable``, and drives it with
-``--clients`` closed-loop clients sending ``make loadtest``'s ranking traffic
+loopback ports, ``config.properties`` and every sidecar default as shipped: the workers
+and batching of :mod:`serve.state`, the batching tuner on) serving ``--stable``, and
+drives it with ``--clients`` closed-loop clients sending ``make loadtest``'s ranking traffic
 (:mod:`loadtest.traffic`: 100-700 instances per request, ~10% singles, Zipf ids through
 the training permutation) for the whole run. Then, one after the other, each trial
 declares a canary of its candidate at ``--weight`` for ``--bake`` seconds with the
@@ -51,6 +51,7 @@ from typing import Any
 from serve import settings
 from serve.ops.loadgen import BackgroundLoad
 from serve.ops.state_client import StateClient
+from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS
 
 __all__ = ["main"]
 
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {"stable": args.stable, "weight": args.weight, "bake_s": args.bake,
              "guards": "defaults", "clients": args.clients,
              "traffic": f"make loadtest ranking bodies, mean {mean:.0f} instances",
-             "batching": "shipped (2/2 ms, tuner on)", "workers": 2}
+             "batching": f"shipped ({DEFAULT_BATCH_SIZE}/{DEFAULT_MAX_BATCH_DELAY_MS} ms, "
+                         "tuner on)", "workers": DEFAULT_WORKERS}
     print("rollout trials: " + ", ".join(f"{k}={v}" for k, v in state.items()), flush=True)
     rows: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
