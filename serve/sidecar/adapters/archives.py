@@ -25,10 +25,11 @@ import os
 import re
 import shutil
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.api.config import RolloutWiring
 from serve.constants import ARTIFACT_NAME, CANDIDATE_ARTIFACT
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.state import parse_serving_version
@@ -114,9 +115,11 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
         raise _missing(src)
     if candidate is not None and not Path(candidate.src).is_file():
         raise _missing(Path(candidate.src))
-    rollout = None if candidate is None else {
-        "candidate_version": candidate.version, "candidate_artifact": CANDIDATE_ARTIFACT,
-        "control_file": str(Path(candidate.control_file).resolve())}
+    # The section the workers parse (serve.api.config.RolloutWiring), written from it: one
+    # spelling of the contract, checked here as the workers will check it.
+    rollout = None if candidate is None else asdict(RolloutWiring(
+        candidate_version=candidate.version, candidate_artifact=CANDIDATE_ARTIFACT,
+        control_file=str(Path(candidate.control_file).resolve())))
     tmp = dst.with_name(dst.name + ".tmp")
     try:
         with zipfile.ZipFile(src) as zin:
