@@ -3,7 +3,7 @@
 Unit: the page references only the sidecar's own URLs, and those assets are served.
 Integration: the real sidecar under uvicorn, rendered by headless Debian chromium; the
 dumped DOM holds Swagger UI's rendered operations (so its JavaScript ran, from the local
-assets), and a screenshot is written to ``tests/output/docs.png``.
+assets), and a screenshot is written under the test's ``tmp_path``.
 """
 from __future__ import annotations
 
