@@ -20,8 +20,9 @@ import pytest
 from serve.api.json_body import example_request
 from serve.ops.loadgen import BackgroundLoad
 from serve.store.repository import ModelRepository
+from tests.fixtures.served import Served
 from tests.fixtures.torchserve import service_config
-from tests.test_serving_state import Served, _add_version
+from tests.test_serving_state import _add_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,17 +90,17 @@ def test_tuner_moves_off_batch_2_under_load_and_fails_nothing(served: Served) ->
 
 def test_bad_tuner_body_is_a_400_naming_the_field(served: Served) -> None:
     auth = {"Authorization": f"Bearer {served.token}"}
-    r = httpx.put(f"{served.sidecar_write_url}/tuner", json={"enabled": "yes"}, headers=auth)
+    r = httpx.put(f"{served.write_url}/tuner", json={"enabled": "yes"}, headers=auth)
     assert r.status_code == 400, r.text
     assert "enabled" in r.text
-    r = httpx.put(f"{served.sidecar_write_url}/tuner", json={"p99_goal_ms": -1}, headers=auth)
+    r = httpx.put(f"{served.write_url}/tuner", json={"p99_goal_ms": -1}, headers=auth)
     assert r.status_code == 400 and "p99_goal_ms" in r.text, r.text
-    assert httpx.put(f"{served.sidecar_write_url}/tuner", json={"enabled": False}).status_code == 401
+    assert httpx.put(f"{served.write_url}/tuner", json={"enabled": False}).status_code == 401
 
 
 def test_a_batching_set_by_hand_pins_it(served: Served) -> None:
     auth = {"Authorization": f"Bearer {served.token}"}
-    r = httpx.put(f"{served.sidecar_write_url}/batching", json={"batch_size": 3,
+    r = httpx.put(f"{served.write_url}/batching", json={"batch_size": 3,
                                                          "max_batch_delay_ms": 1},
                   headers=auth, timeout=120)
     assert r.status_code == 200, r.text
@@ -108,7 +109,7 @@ def test_a_batching_set_by_hand_pins_it(served: Served) -> None:
     assert t["enabled"] is False and t["phase"] == "off" and "PUT /batching" in t["reason"]
     time.sleep(3)
     assert served.state()["observed"]["batching"] == {"batch_size": 3, "max_batch_delay_ms": 1}
-    r = httpx.put(f"{served.sidecar_write_url}/tuner", json={"enabled": True}, headers=auth)
+    r = httpx.put(f"{served.write_url}/tuner", json={"enabled": True}, headers=auth)
     assert r.status_code == 200 and r.json()["enabled"] is True
 
 
