@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.test_layers import imports_of, module_name
+
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("serve", "handlers", "loadtest", "bench")
 MAX_LINES = 80
@@ -78,19 +80,16 @@ def long_modules(root: str = "serve", max_lines: int = MAX_MODULE_LINES,
 
 
 def private_imports(root: str = "serve", base: Path = REPO) -> list[str]:
-    """``path:line module name`` for each ``from serve... import _name`` (relative imports
-    included) under ``root``: a private name taken from another module."""
+    """``path:line dotted.name`` for each import under ``root`` of a ``_private`` name of
+    another ``serve`` module (lazy and relative imports included, read by the layer
+    test's :func:`~tests.test_layers.imports_of`)."""
     found = []
-    for path, tree in _trees((root,), base):
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if not (node.level or (node.module or "").split(".")[0] == "serve"):
-                continue
-            for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    found.append(f"{path}:{node.lineno} {'.' * node.level}"
-                                 f"{node.module or ''} {alias.name}")
+    for path in sorted((base / root).rglob("*.py")):
+        for line, name in imports_of(path, module_name(path, base)):
+            last = name.rpartition(".")[2]
+            if (name.split(".")[0] == "serve" and last.startswith("_")
+                    and not last.startswith("__")):
+                found.append(f"{path.relative_to(base).as_posix()}:{line} {name}")
     return found
 
 
@@ -145,4 +144,4 @@ def test_the_module_and_private_import_checks_see_a_planted_file(tmp_path):
                                  "from .big import _other, public, __version__\n")
     assert long_modules("serve", base=tmp_path) == [("serve/x/big.py", MAX_MODULE_LINES + 1)]
     assert private_imports("serve", base=tmp_path) == [
-        "serve/x/uses.py:3 .big _other", "serve/x/uses.py:2 serve.x.big _helper"]
+        "serve/x/uses.py:2 serve.x.big._helper", "serve/x/uses.py:3 serve.x.big._other"]
