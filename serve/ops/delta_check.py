@@ -42,6 +42,8 @@ from serve.constants import DEFAULT_SIDECAR_WRITE_PORT
 from serve.errors import ServeError
 from serve.ops.evaluate import predict_url
 from serve.ops.loadgen import BackgroundLoad
+from serve.ops.machine import announce
+from serve.ops.state_client import describe_served, served_state
 from serve.profiles import PROFILES, get_profile
 from serve.store.deltas.format import DELTA_MEDIA_TYPE, Delta, decode_delta
 
@@ -147,6 +149,10 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     if day is None:
         done = Path(args.delta).with_name("done.json")
         day = int(json.loads(done.read_text()).get("day", 1)) if done.is_file() else 1
+    machine = announce()
+    # the state measured, declared beside the figures (the load runs on whatever it is)
+    served = served_state(args.sidecar)
+    print(f"served: {describe_served(served)}", flush=True)
     print(f"delta {args.delta}: version {delta.base_version} #{delta.sequence}, "
           f"{delta.rows:,} rows, {len(blob):,} bytes; measuring day {day}", flush=True)
     before = _auc(predict, day, args.profile)
@@ -184,7 +190,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
            "apply_seconds_per_worker": {str(w["pid"]): w["apply_seconds"] for w in workers},
            "load": {"clients": args.clients, "instances": args.instances,
                     "served": load.served, "failed": load.failed},
-           "checks": checks, "ok": all(checks.values())}
+           "state": served, "machine": machine, "checks": checks, "ok": all(checks.values())}
     print(f"| AUC day {day} before | after | gain | delta rows | delta bytes | apply s per "
           "worker | served | failed |")
     apply_s = ", ".join(f"{w['apply_seconds']:.3f}" for w in workers)
