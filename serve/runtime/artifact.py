@@ -42,6 +42,7 @@ from serve.rowformat import DTYPES, row_bytes
 from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 from serve.runtime.idmap import IdMap
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
+from serve.store.tablefiles import TableFiles
 
 __all__ = [
     "DTYPES",
@@ -57,6 +58,7 @@ __all__ = [
     "quantize_rows_reference",
     "row_bytes",
     "save_artifact",
+    "tables_from_files",
 ]
 
 FORMAT_VERSION = 2
@@ -172,6 +174,9 @@ class Artifact:
         meta: free-form build information (version, profile, ...).
         id_maps: table name -> :class:`serve.runtime.idmap.IdMap`, for exactly the tables
             whose schema mapping is "managed".
+        files: where the tables live on disk (:class:`serve.store.tablefiles.TableFiles`;
+            ``tables[i].data`` is then mapped from ``files.array(i)``, not in memory); None
+            when the tables are in memory (a fresh build, format 1 or 2 artifacts).
     """
 
     schema: ModelSchema
@@ -179,6 +184,7 @@ class Artifact:
     dense: DenseSpec
     meta: dict[str, Any] = field(default_factory=dict)
     id_maps: dict[str, IdMap] = field(default_factory=dict)
+    files: TableFiles | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         specs = self.schema.tables
@@ -261,6 +267,16 @@ class Artifact:
         carry for it (our built-in DLRM: the table's one feature)."""
         name = self.schema.tables[table].name
         return next(f.name for f in self.schema.features if f.table == name)
+
+
+def tables_from_files(files: TableFiles) -> list[QuantTable]:
+    """The tables of a tables folder as :class:`QuantTable` s whose data is mapped from the
+    files (copy-on-write: no byte is read until a row is)."""
+    out = []
+    for i, t in enumerate(files.tables):
+        arr = files.array(i)
+        out.append(QuantTable(t.name, t.rows, t.dim, t.dtype, torch.from_numpy(arr)))
+    return out
 
 
 def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
