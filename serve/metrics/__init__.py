@@ -122,6 +122,7 @@ __all__ = [
     "REQUESTS_TOTAL",
     "REQUEST_DURATION_BUCKETS",
     "REQUEST_DURATION_SECONDS",
+    "REUSE_DISTANCE_ROWS",
     "ROLLOUT_GUARDS",
     "ROLLOUT_GUARD_THRESHOLD",
     "ROLLOUT_GUARD_VALUE",
@@ -137,6 +138,12 @@ __all__ = [
     "STATE_CONVERGED",
     "SWITCH_PHASE",
     "SWITCH_PHASES",
+    "TIERS",
+    "TIER_CAPACITY_BYTES",
+    "TIER_HITS_TOTAL",
+    "TIER_LOOKUPS_TOTAL",
+    "TIER_MISS_SECONDS",
+    "TIER_READ_BYTES_TOTAL",
     "TORCHSERVE_PREFIX",
     "TUNER_BATCH_SIZE",
     "TUNER_DECISIONS_TOTAL",
@@ -167,6 +174,18 @@ CACHE_EVICTIONS_TOTAL = "dlrm_cache_evictions_total"
 CACHE_HIT_RATIO = "dlrm_cache_hit_ratio"
 CACHE_DEVICE_BYTES = "dlrm_cache_device_bytes"
 CACHE_HOST_BYTES = "dlrm_cache_host_bytes"
+# The table tiers (issue 53): label tier in TIERS. "device": the device cache (or the
+# cache on CPU when asked); "host": the bounded host-memory tier over the table files on
+# local disk. A host-tier miss is a disk read. Per worker, summed over live workers.
+TIER_LOOKUPS_TOTAL = "dlrm_tier_lookups_total"          # ids looked up at the tier
+TIER_HITS_TOTAL = "dlrm_tier_hits_total"                # ... found resident there
+TIER_MISS_SECONDS = "dlrm_tier_miss_seconds"            # histogram: a batch's fetch of its
+                                                        # misses from the tier below
+TIER_READ_BYTES_TOTAL = "dlrm_tier_read_bytes_total"    # bytes fetched from the tier below
+TIER_CAPACITY_BYTES = "dlrm_tier_capacity_bytes"        # gauge (livesum): the tier's budget
+TIERS = ("device", "host")
+# Reuse distances of the sampled id stream (the capacity advisor): histogram, in rows.
+REUSE_DISTANCE_ROWS = "dlrm_reuse_distance_rows"
 STAGE_DURATION_SECONDS = "dlrm_stage_duration_seconds"
 WORKERS = "dlrm_workers"
 SIDECAR_REQUESTS_TOTAL = "dlrm_sidecar_requests_total"
