@@ -271,8 +271,12 @@ TS_MODEL_STORE = _var(
     "(TorchServe itself does not read it: enable_envvars_config is off).", SIDECAR)
 DLRM_STATE_FILE = _var("DLRM_STATE_FILE",
                        "The desired-state file; unset: no reconciler.", SIDECAR)
-DLRM_REPOSITORY = _var("DLRM_REPOSITORY",
-                       "Model repository folders, ':'-separated.", SIDECAR)
+DLRM_REPOSITORY = _var(
+    "DLRM_REPOSITORY",
+    "Model repository folders, ':'-separated: the sidecar's versions, and where the "
+    "workers find each version's tables folder (<model>-<version>.tables, beside its "
+    "archive: the archive carries only a reference, the rows are mapped in place). The "
+    "launcher sets it on TorchServe.", SIDECAR, WORKER, LAUNCHER)
 DLRM_MEMORY_LIMIT_BYTES = _var(
     "DLRM_MEMORY_LIMIT_BYTES",
     "TorchServe's memory limit in bytes when it runs in another container than "

@@ -25,7 +25,7 @@ from serve.model.importer import (
     main,
 )
 from serve.profiles import schema_from_report
-from serve.runtime.artifact import FORMAT_VERSION, load_artifact, save_artifact
+from serve.runtime.artifact import FORMAT_VERSION, load_artifact, save_artifact, write_tables
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.store.repository import ModelRepository
 
@@ -205,15 +205,30 @@ def test_update_of_the_shared_table_equals_a_rebuild(ranker_ckpt: Path) -> None:
         ref.close()
 
 
-def test_format_2_round_trip_and_format_1_still_loads(tmp_path: Path, ranker_ckpt: Path) -> None:
+def test_format_3_2_round_trip_and_format_1_still_loads(tmp_path: Path, ranker_ckpt: Path) -> None:
+    """In memory: format 2 (tables in the file); with its tables written to a tables
+    folder: format 3 (a reference), found beside the artifact or on the search path;
+    all three give the same probabilities; format 1 still loads."""
     art, _ = _own_artifact(ranker_ckpt)
     save_artifact(art, tmp_path / "a.pt")
     back = load_artifact(tmp_path / "a.pt")
-    assert FORMAT_VERSION == 2 and back.schema == art.schema
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["format_version"] == 2
+    assert back.schema == art.schema and back.files is None
+    on_disk = write_tables(art, tmp_path / "store" / "dlrm-x.tables")
+    save_artifact(on_disk, tmp_path / "a3.pt")
+    blob = torch.load(tmp_path / "a3.pt", weights_only=True)
+    assert FORMAT_VERSION == blob["format_version"] == 3 and set(blob["tables"]) == {"ref", "identity"}
+    # the reference replaces every table byte
+    assert ((tmp_path / "a3.pt").stat().st_size
+            <= (tmp_path / "a.pt").stat().st_size - art.table_bytes + 4096)
+    with pytest.raises(ArtifactError, match="dlrm-x.tables is in none of"):
+        load_artifact(tmp_path / "a3.pt", tables_path=[])
+    back3 = load_artifact(tmp_path / "a3.pt", tables_path=[tmp_path / "store"])
+    assert back3.files is not None
     dense, values, lengths = generated_batch(art.schema, 20, seed=2)
-    a = Runtime(art, RuntimeConfig(cache_load_factor=1.0)).predict(dense, SparseBatch(values, lengths))
-    b = Runtime(back, RuntimeConfig(cache_load_factor=1.0)).predict(dense, SparseBatch(values, lengths))
-    assert torch.equal(a, b)
+    outs = [Runtime(a, RuntimeConfig(cache_load_factor=1.0)).predict(dense, SparseBatch(values, lengths))
+            for a in (art, back, back3)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
     from serve.model.export import artifact_from_float_dlrm
     from serve.model.importer import load_factory as lf
@@ -278,7 +293,8 @@ def test_the_stored_program_loads_where_torchrec_and_fbgemm_do_not(tmp_path: Pat
                                     model_store=tmp_path / "store"), say=lambda m: None)
     with zipfile.ZipFile(out["archive"]) as z:
         (tmp_path / "a.pt").write_bytes(z.read("artifact.pt"))
-    art = load_artifact(tmp_path / "a.pt")
+    art = load_artifact(tmp_path / "a.pt", tables_path=[tmp_path / "store"])
+    assert art.files is not None and art.files.folder.parent == tmp_path / "store"
     dense, values, lengths = generated_batch(art.schema, 16, seed=9)
     torch.save({"dense": dense, "values": values, "lengths": lengths}, tmp_path / "in.pt")
     want = Runtime(art, RuntimeConfig()).predict(dense, SparseBatch(values, lengths))
@@ -291,7 +307,8 @@ def test_the_stored_program_loads_where_torchrec_and_fbgemm_do_not(tmp_path: Pat
         "sys.meta_path.insert(0, Refuse())\n"
         "from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch\n"
         f"b = torch.load({str(tmp_path / 'in.pt')!r})\n"
-        f"rt = Runtime.from_artifact({str(tmp_path / 'a.pt')!r}, RuntimeConfig())\n"
+        f"rt = Runtime.from_artifact({str(tmp_path / 'a.pt')!r}, RuntimeConfig(), "
+        f"tables_path=[{str(tmp_path / 'store')!r}])\n"
         "p = rt.predict(b['dense'], SparseBatch(b['values'], b['lengths']))\n"
         f"torch.save(p, {str(tmp_path / 'out.pt')!r})\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],

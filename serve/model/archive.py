@@ -1,7 +1,9 @@
 """Pack a serving artifact + the TorchServe handler into a ``.mar`` model archive.
 
 The archive holds: ``handlers/dlrm_handler.py`` (the entry point), the artifact
-(``artifact.pt``, the manifest's serialized file) and ``model-config.yaml`` carrying
+(``artifact.pt``, the manifest's serialized file: in the repository a format-3 artifact,
+whose tables are a reference to the version's tables folder beside the archive, so the
+archive is a few MB whatever the model's size) and ``model-config.yaml`` carrying
 TorchServe's batching/worker settings plus a ``handler:`` section that the handler
 reads into a :class:`serve.api.config.HandlerConfig` (cache and validation limits).
 
@@ -139,24 +141,50 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
 
 def add_version(repo: Any, artifact: Path, version: str, report: dict[str, Any],
                 workdir: Path, *, batch_size: int, max_batch_delay_ms: int, workers: int,
-                handler_config: dict | None = None) -> Path:
-    """The one way into the model repository (``make model`` and the importer): pack
-    ``artifact`` into ``<model>-<version>.mar`` in ``workdir``, then add it with its
-    report to ``repo`` (a :class:`serve.store.repository.ModelRepository`: archive first,
-    report last, read-only). The working copy is removed (an archive can be GBs).
+                handler_config: dict | None = None, tables: Path | None = None) -> Path:
+    """The one way into the model repository (``make model`` and the importer): the
+    version's tables folder, then ``<model>-<version>.mar`` packed in ``workdir`` with a
+    format-3 artifact that references the folder, then its report, added to ``repo`` (a
+    :class:`serve.store.repository.ModelRepository`). The working copies are removed.
+
+    Args:
+        artifact: a format-3 artifact whose tables are ``tables`` (the importer streams
+            them there), or, with ``tables`` None, an artifact that holds its tables
+            (format 1 or 2: a training build), whose tables are written here first, into
+            ``workdir/<model>-<version>.tables``.
+        workdir: on the repository's file system (the tables folder is moved, not copied).
 
     Raises:
         ConfigError: the version exists (versions are immutable) or a setting is off.
         ArtifactError: the archiver failed.
     """
-    mar = build_mar(artifact, workdir, model_name=repo.model_name, version=version,
-                    file_name=repo.archive_name(version), batch_size=batch_size,
-                    max_batch_delay_ms=max_batch_delay_ms, min_workers=workers,
-                    max_workers=workers, handler_config=handler_config or None)
+    from serve.runtime.artifact import load_artifact, save_artifact, write_tables
+
+    if repo.exists(version):
+        raise ConfigError(f"version {version!r} already exists in {repo.roots[0]} and "
+                          "versions are immutable; pick another name (VERSION=...)")
+    staged_tables = tables is None
+    if tables is None:
+        tables = workdir / repo.tables_name(version)
+        shutil.rmtree(tables, ignore_errors=True)   # a failed earlier build's
+        art = write_tables(load_artifact(artifact), tables)
+        artifact = workdir / f".{version}-{ARTIFACT_NAME}"
+        save_artifact(art, artifact)
+        if art.files is not None:
+            art.files.close()
     try:
-        return Path(repo.add(version, mar, report))
+        mar = build_mar(artifact, workdir, model_name=repo.model_name, version=version,
+                        file_name=repo.archive_name(version), batch_size=batch_size,
+                        max_batch_delay_ms=max_batch_delay_ms, min_workers=workers,
+                        max_workers=workers, handler_config=handler_config or None)
+        try:
+            return Path(repo.add(version, mar, report, tables=tables))
+        finally:
+            mar.unlink(missing_ok=True)
     finally:
-        mar.unlink(missing_ok=True)
+        if staged_tables:
+            artifact.unlink(missing_ok=True)
+            shutil.rmtree(tables, ignore_errors=True)   # moved in, unless the add failed
 
 
 def _archiver() -> str:

@@ -174,6 +174,8 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         settings.PROMETHEUS_MULTIPROC_DIR.name: str(cfg.multiproc_dir),
         settings.DLRM_PREDICTION_LOG_DIR.name: str(cfg.prediction_log_dir),
         settings.DLRM_DELTA_DIR.name: str(cfg.delta_dir),
+        # where the workers find each version's tables folder (the archive references it)
+        settings.DLRM_REPOSITORY.name: os.pathsep.join(str(d) for d in cfg.repository_dirs),
         "PYTHONUNBUFFERED": "1",
     })
     env.update(cfg.extra_env)

@@ -12,10 +12,14 @@ its 16-byte padding, rounded up to a multiple of 4 bytes so rows can be viewed a
     fp16 : [D x fp16]
     fp32 : [D x fp32]   (the unquantized reference)
 
-File: ``torch.save`` of a dict, format version ``FORMAT_VERSION`` (2):
+File: ``torch.save`` of a dict, format version ``FORMAT_VERSION`` (3; 2 still written for
+an artifact whose tables are in memory, 1 and 2 still read):
 
     {"format_version": 2, "schema": ModelSchema.to_dict(),
-     "tables": [{"name", "data": uint8 (rows, row_bytes)}, ...]   (schema.tables order),
+     "tables": [{"name", "data": uint8 (rows, row_bytes)}, ...]   (format 2: in the file)
+             | {"ref": "<model>-<version>.tables", "identity": str}     (format 3: on disk
+                  beside the archive, :mod:`serve.store.tablefiles`; found through a
+                  search path of folders, :func:`load_artifact`),
      "dense": {"kind": "dlrm", "dense_arch", "over_arch"}          (our built-in DLRM)
             | {"kind": "export", "program": uint8 (n,)}            (torch.export bytes),
      "meta": {...},
@@ -32,7 +36,9 @@ throughout. Format 1 (one table per feature, one dim, DLRM layers, no schema) st
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +48,8 @@ from serve.rowformat import DTYPES, row_bytes
 from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 from serve.runtime.idmap import IdMap
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
-from serve.store.tablefiles import TableFiles
+from serve.settings import DLRM_REPOSITORY
+from serve.store.tablefiles import TABLES_SUFFIX, TableFiles, TableWriter
 
 __all__ = [
     "DTYPES",
@@ -59,11 +66,19 @@ __all__ = [
     "row_bytes",
     "save_artifact",
     "tables_from_files",
+    "write_tables",
 ]
 
-FORMAT_VERSION = 2
-#: Formats this runtime reads: 1 (the built-in DLRM only, before schemas) and 2.
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: The environment variable naming where the workers find format-3 tables folders.
+TABLES_PATH_ENV = DLRM_REPOSITORY.name
+#: An artifact whose tables are in the file itself (no ``files``) is written as format 2.
+INLINE_FORMAT_VERSION = 2
+#: Formats this runtime reads: 1 (the built-in DLRM only, before schemas), 2 (tables in
+#: the file) and 3 (tables in a tables folder beside it).
+READ_VERSIONS = (1, 2, 3)
+#: Rows per chunk when :func:`write_tables` streams an in-memory table to disk.
+WRITE_CHUNK_ROWS = 1 << 16
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: str, dim: int) -> torch.Tensor:
@@ -279,18 +294,43 @@ def tables_from_files(files: TableFiles) -> list[QuantTable]:
     return out
 
 
+def write_tables(art: Artifact, folder: str | os.PathLike[str]) -> Artifact:
+    """Write ``art``'s tables into a new tables folder (``<model>-<version>.tables``, see
+    :mod:`serve.store.tablefiles`), :data:`WRITE_CHUNK_ROWS` rows at a time, and return
+    the same artifact over the written files (``files`` set, tables mapped from them):
+    what :func:`save_artifact` then writes as format 3.
+
+    Raises:
+        ConfigError: the folder exists.
+    """
+    with TableWriter(folder, art.schema.tables) as w:
+        for i, t in enumerate(art.tables):
+            for start in range(0, t.rows, WRITE_CHUNK_ROWS):
+                w.write(i, start, t.data[start : start + WRITE_CHUNK_ROWS])
+        w.commit()
+    files = TableFiles.open(folder)
+    return Artifact(art.schema, tables_from_files(files), art.dense, dict(art.meta),
+                    dict(art.id_maps), files)
+
+
 def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
-    """Write format ``FORMAT_VERSION`` atomically (tmp file + rename): a reader never sees
-    half a file."""
+    """Write the artifact atomically (tmp file + rename: a reader never sees half a file):
+    format 3 (a reference to ``art.files``, no table bytes) when its tables are on disk,
+    else format 2 (the tables in the file)."""
     if isinstance(art.dense, DLRMDense):
         dense: dict[str, Any] = {"kind": "dlrm", "dense_arch": art.dense.dense_arch,
                                  "over_arch": art.dense.over_arch}
     else:
         dense = {"kind": "export", "program": art.dense.program}
+    tables: Any
+    if art.files is not None:
+        tables = {"ref": art.files.folder.name, "identity": art.files.manifest.identity()}
+    else:
+        tables = [{"name": t.name, "data": t.data} for t in art.tables]
     blob = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if art.files is not None else INLINE_FORMAT_VERSION,
         "schema": art.schema.to_dict(),
-        "tables": [{"name": t.name, "data": t.data} for t in art.tables],
+        "tables": tables,
         "dense": dense, "meta": art.meta,
     }
     if art.id_maps:
@@ -309,10 +349,51 @@ def _from_v1(blob: dict[str, Any]) -> Artifact:
                          [tuple(x) for x in blob["over_arch"]], dict(blob["meta"]))
 
 
-def _from_v2(blob: dict[str, Any]) -> Artifact:
+def _open_tables(ref: dict[str, Any], schema: ModelSchema, search: list[Path],
+                 path: str) -> TableFiles:
+    """The tables folder ``ref["ref"]`` in the first folder of ``search`` that holds it,
+    checked against the artifact: same identity (the build the archive was made with)
+    and the schema's tables, in order."""
+    name = str(ref["ref"])
+    if "/" in name or name.startswith(".") or not name.endswith(TABLES_SUFFIX):
+        raise ArtifactError(f"artifact {path}: tables reference {name!r} must be a plain "
+                            f"folder name ending in {TABLES_SUFFIX}")
+    found = next((d / name for d in search if (d / name).is_dir()), None)
+    if found is None:
+        raise ArtifactError(
+            f"artifact {path}: its tables folder {name} is in none of "
+            f"{[os.fspath(d) for d in search]}; the workers find tables in the model "
+            f"repository folders named by {TABLES_PATH_ENV} (the launcher and the "
+            "Deployment set it): set it, or copy the version with its .tables folder")
+    files = TableFiles.open(found)
+    try:
+        if files.manifest.identity() != ref["identity"]:
+            raise ArtifactError(
+                f"artifact {path}: tables folder {found} holds another build (identity "
+                f"{files.manifest.identity()}, the archive was made with {ref['identity']}); "
+                "the version's files are mixed up: rebuild or re-import it")
+        got = [(t.name, t.rows, t.dim, t.dtype) for t in files.tables]
+        want = [(t.name, t.rows, t.dim, t.dtype) for t in schema.tables]
+        if got != want:
+            raise ArtifactError(f"artifact {path}: tables folder {found} holds {got}, the "
+                                f"schema says {want}")
+    except BaseException:
+        files.close()
+        raise
+    return files
+
+
+def _from_v2(blob: dict[str, Any], search: list[Path] | None = None,
+             path: str = "") -> Artifact:
     schema = ModelSchema.from_dict(blob["schema"])
-    data = {t["name"]: t["data"] for t in blob["tables"]}
-    tables = [QuantTable(s.name, s.rows, s.dim, s.dtype, data[s.name]) for s in schema.tables]
+    files: TableFiles | None = None
+    if blob["format_version"] == FORMAT_VERSION:
+        files = _open_tables(blob["tables"], schema, search or [], path)
+        tables = tables_from_files(files)
+    else:
+        data = {t["name"]: t["data"] for t in blob["tables"]}
+        tables = [QuantTable(s.name, s.rows, s.dim, s.dtype, data[s.name])
+                  for s in schema.tables]
     d = blob["dense"]
     dense: DenseSpec
     if d["kind"] == "dlrm":
@@ -326,12 +407,25 @@ def _from_v2(blob: dict[str, Any]) -> Artifact:
                                        specs[name].rows if name in specs else 0,
                                        specs[name].fallback_rows if name in specs else 1)
                for name, m in blob.get("id_maps", {}).items()}
-    return Artifact(schema, tables, dense, dict(blob["meta"]), id_maps)
+    return Artifact(schema, tables, dense, dict(blob["meta"]), id_maps, files)
 
 
-def load_artifact(path: str | os.PathLike[str], mmap: bool = True) -> Artifact:
-    """Read an artifact of format 1 or 2; ``mmap=True`` maps the tables instead of copying
-    them in."""
+def tables_search_path(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """The folders named by :data:`TABLES_PATH_ENV` (``os.pathsep``-separated), in order."""
+    env = os.environ if environ is None else environ
+    return [Path(p) for p in env.get(TABLES_PATH_ENV, "").split(os.pathsep) if p]
+
+
+def load_artifact(path: str | os.PathLike[str], mmap: bool = True,
+                  tables_path: Sequence[str | os.PathLike[str]] | None = None) -> Artifact:
+    """Read an artifact of format 1, 2 or 3; ``mmap=True`` maps the tables instead of
+    copying them in (format 3 always maps them from its tables folder).
+
+    Args:
+        tables_path: where a format-3 artifact's tables folder may be: these folders, then
+            the artifact's own folder (default: :func:`tables_search_path`, then the
+            artifact's folder).
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ArtifactError(f"artifact {path} does not exist; build it with `make model`")
@@ -346,7 +440,11 @@ def load_artifact(path: str | os.PathLike[str], mmap: bool = True) -> Artifact:
                             f"reads versions {list(READ_VERSIONS)}; rebuild it with "
                             "`make model` or re-import it")
     try:
-        return _from_v1(blob) if version == 1 else _from_v2(blob)
+        if version == 1:
+            return _from_v1(blob)
+        search = [Path(p) for p in (tables_search_path() if tables_path is None
+                                    else tables_path)]
+        return _from_v2(blob, [*search, Path(path).parent], path)
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"artifact {path} is missing field {e}; rebuild it with `make model`") from e
     except ConfigError as e:

@@ -47,6 +47,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -356,14 +357,18 @@ class Runtime:
     @classmethod
     def from_artifact(cls, artifact: Artifact | str | os.PathLike[str],
                       config: RuntimeConfig = RuntimeConfig(),
-                      shared: SharedTables | None = None) -> Runtime:
+                      shared: SharedTables | None = None,
+                      tables_path: Sequence[str | os.PathLike[str]] | None = None
+                      ) -> Runtime:
         """Load (path: memory-mapped read) and prepare an artifact for ``config.device``.
 
         ``shared``: on CPU without a cache, serve the rows from this pod-wide shared copy
         instead of a private one (ignored where a cache or a device holds the rows).
+        ``tables_path``: where a format-3 artifact's tables folder may be
+        (:func:`serve.runtime.artifact.load_artifact`).
         """
         if not isinstance(artifact, Artifact):
-            artifact = load_artifact(artifact)
+            artifact = load_artifact(artifact, tables_path=tables_path)
         return cls(artifact, config, shared)
 
     def close(self) -> None:

@@ -4,8 +4,14 @@ Layout of one repository folder (``model_store/`` locally; in Kubernetes the ima
 folder plus a volume)::
 
     dlrm-small-int8-s0.mar     the archive of version ``small-int8-s0`` (read-only, 0444)
+    dlrm-small-int8-s0.tables/ its embedding tables, one raw file per table
+                               (:mod:`serve.store.tablefiles`): the archive's artifact
+                               references them; they are mapped in place, never copied
     dlrm-small-int8-s0.json    its build report (written last: a version without its
                                report is incomplete and not listed)
+
+The tables folder is moved in first, then the archive (a few MB: handler, config, dense
+part), then the report: disk per version is its table bytes plus the archive.
 
 A version is written once (:meth:`ModelRepository.add`) and never changed; its name
 matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
@@ -30,6 +36,7 @@ from typing import Any
 from serve.errors import ConfigError
 from serve.profiles import get_profile
 from serve.state import VERSION_RE
+from serve.store.tablefiles import TABLES_SUFFIX
 
 __all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository",
            "day_suffix", "default_version", "dense_suffix"]
@@ -93,6 +100,17 @@ class ModelRepository:
     def archive_name(self, version: str) -> str:
         return f"{self.model_name}-{version}.mar"
 
+    def tables_name(self, version: str) -> str:
+        """The tables folder's name (what a format-3 artifact's reference says)."""
+        return f"{self.model_name}-{version}{TABLES_SUFFIX}"
+
+    def tables(self, version: str) -> Path | None:
+        """The tables folder of ``version`` (None: the version holds its tables in its
+        archive, as versions built before the folder existed do)."""
+        mar = self.archive(version)
+        folder = mar.with_name(self.tables_name(version))
+        return folder if folder.is_dir() else None
+
     def _paths(self, root: Path, version: str) -> tuple[Path, Path]:
         return root / self.archive_name(version), root / f"{self.model_name}-{version}.json"
 
@@ -147,8 +165,11 @@ class ModelRepository:
         versions = self.versions()
         return versions[-1] if versions else None
 
-    def add(self, version: str, archive: Path, report: dict[str, Any]) -> Path:
-        """Store a new version (archive first, report last, both read-only).
+    def add(self, version: str, archive: Path, report: dict[str, Any],
+            tables: Path | None = None) -> Path:
+        """Store a new version: its ``tables`` folder (moved in, not copied: build it on
+        the repository's file system), then the archive, then the report last, all
+        read-only.
 
         Raises ``ConfigError`` if the name is invalid or the version already exists:
         versions are immutable, so a rebuild must get a new name.
@@ -162,10 +183,25 @@ class ModelRepository:
         root = self.roots[0]
         root.mkdir(parents=True, exist_ok=True)
         mar, rep = self._paths(root, version)
-        for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
-                            (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
-            tmp = path.with_name(f".{path.name}.tmp")
-            write(tmp)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, path)
+        placed = root / self.tables_name(version)
+        if tables is not None:
+            if tables.name != placed.name:
+                raise ConfigError(f"tables folder {tables} must be named {placed.name} (the "
+                                  "name the version's artifact references)")
+            # a leftover of an add that failed before its report: not a version
+            shutil.rmtree(placed, ignore_errors=True)
+            for f in tables.iterdir():
+                os.chmod(f, 0o444)
+            shutil.move(os.fspath(tables), placed)
+        try:
+            for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
+                                (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
+                tmp = path.with_name(f".{path.name}.tmp")
+                write(tmp)
+                os.chmod(tmp, 0o444)
+                os.replace(tmp, path)
+        except BaseException:
+            if tables is not None:
+                shutil.rmtree(placed, ignore_errors=True)
+            raise
         return mar

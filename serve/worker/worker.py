@@ -70,6 +70,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
 from serve.metrics.multiprocess import clean_dead_worker_files
 from serve.metrics.worker import HandlerMetrics
+from serve.runtime.artifact import tables_search_path
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
 from serve.runtime.shared import SharedTables
@@ -154,7 +156,8 @@ def _shared_tables(store: DeltaStore | None, deltas: DeltaWiring | None,
 
 def _load_candidate(model_dir: str | os.PathLike[str], cfg: HandlerConfig,
                     runtime_cfg: RuntimeConfig,
-                    shared_for: Callable[[str], SharedTables | None], model_version: str
+                    shared_for: Callable[[str], SharedTables | None], model_version: str,
+                    tables_path: list[Path]
                     ) -> tuple[Runtime | None, ControlWatcher | None, random.Random | None]:
     """A rollout's candidate runtime, the watcher of its control file and the random
     source for requests without a route key; three Nones without a rollout."""
@@ -163,7 +166,7 @@ def _load_candidate(model_dir: str | os.PathLike[str], cfg: HandlerConfig,
         return None, None, None
     candidate = Runtime.from_artifact(
         os.path.join(model_dir, rollout.candidate_artifact), runtime_cfg,
-        shared=shared_for(rollout.candidate_version))
+        shared=shared_for(rollout.candidate_version), tables_path=tables_path)
     watcher = ControlWatcher(rollout.control_file)
     # Requests without a route key are routed at random: seeded per worker (its
     # pid), so workers draw independently and one worker's draws are reproducible.
@@ -256,7 +259,8 @@ class Worker:
             workers: the model's workers in this pod: torch threads = CPU budget /
                 workers unless ``cfg.num_threads`` or ``OMP_NUM_THREADS`` says otherwise
                 (:func:`serve.common.cpu.choose_threads`). Sets the process's torch threads.
-            environ: the environment to read (``DLRM_CACHE_ON_CPU``, ``DLRM_DELTA_*``,
+            environ: the environment to read (``DLRM_REPOSITORY``: where the versions'
+                tables folders are; ``DLRM_CACHE_ON_CPU``, ``DLRM_DELTA_*``,
                 ``DLRM_PREDICTION_LOG_*``, ``PROMETHEUS_MULTIPROC_DIR``,
                 ``OMP_NUM_THREADS``, and for tests ``DLRM_DEBUG_CANDIDATE_SLOWDOWN``);
                 default ``os.environ``.
@@ -281,11 +285,13 @@ class Worker:
         def shared_for(version: str) -> SharedTables | None:
             return _shared_tables(store, deltas, version)
 
+        tables_path = tables_search_path(env)
         runtime = Runtime.from_artifact(os.path.join(model_dir, ARTIFACT_NAME), runtime_cfg,
-                                        shared=shared_for(model_version))
+                                        shared=shared_for(model_version),
+                                        tables_path=tables_path)
         rollout = cfg.rollout
         candidate, watcher, rng = _load_candidate(model_dir, cfg, runtime_cfg, shared_for,
-                                                  model_version)
+                                                  model_version, tables_path)
         predlog = _open_prediction_log(env)
         if metrics is None:
             _clean_metric_files(env)
