@@ -23,6 +23,7 @@ version with ``serve.store.repository.ModelRepository.add``; nothing here writes
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ import yaml
 from serve.common.validate import int_at_least
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
+from serve.store.repository import TABLES_REF_NAME
 
 __all__ = ["ARTIFACT_NAME", "HANDLER_FILE", "MODEL_CONFIG_NAME", "add_version", "build_mar",
            "model_config"]
@@ -81,7 +83,8 @@ def model_config(*, batch_size: int = 8, max_batch_delay_ms: int = 5,
 def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", version: str = "1.0",
               batch_size: int = 8, max_batch_delay_ms: int = 5,
               handler_config: dict | None = None, min_workers: int = 1, max_workers: int = 1,
-              response_timeout_s: int = 120, file_name: str | None = None) -> Path:
+              response_timeout_s: int = 120, file_name: str | None = None,
+              tables_ref: dict[str, Any] | None = None) -> Path:
     """Write ``export_dir/{file_name}`` (overwriting, atomically) and return its path.
 
     Args:
@@ -94,6 +97,9 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
         handler_config: keys of :class:`serve.api.config.HandlerConfig` (cache_load_factor,
             cache_policy, max_instances, max_ids_per_feature, ...).
         min_workers / max_workers / response_timeout_s: TorchServe worker settings.
+        tables_ref: a format-3 artifact's tables reference (``{"ref", "identity",
+            "bytes"}``), packed as ``tables.json`` (:data:`TABLES_REF_NAME`) so the
+            repository follows it without torch.
 
     Raises:
         ArtifactError: the artifact is missing or torch-model-archiver failed.
@@ -127,6 +133,10 @@ def build_mar(artifact: Path, export_dir: Path, *, model_name: str = "dlrm", ver
                "--handler", str(HANDLER_FILE), "--serialized-file", str(staged),
                "--config-file", str(cfg_path), "--export-path", str(out_tmp),
                "--archive-format", "zip-store", "--force"]
+        if tables_ref is not None:
+            ref_path = Path(tmp) / TABLES_REF_NAME
+            ref_path.write_text(json.dumps(tables_ref))
+            cmd += ["--extra-files", str(ref_path)]
         log.info("packing %s (%.1f MB) into %s/%s", artifact,
                  artifact.stat().st_size / 1e6, export_dir, file_name)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -159,6 +169,7 @@ def add_version(repo: Any, artifact: Path, version: str, report: dict[str, Any],
         ArtifactError: the archiver failed.
     """
     from serve.runtime.artifact import load_artifact, save_artifact, write_tables
+    from serve.store.tablefiles import TableFiles
 
     if repo.exists(version):
         raise ConfigError(f"version {version!r} already exists in {repo.roots[0]} and "
@@ -172,11 +183,15 @@ def add_version(repo: Any, artifact: Path, version: str, report: dict[str, Any],
         save_artifact(art, artifact)
         if art.files is not None:
             art.files.close()
+    files = TableFiles.open(tables)
+    ref = {"ref": tables.name, "identity": files.manifest.identity(), "bytes": files.nbytes}
+    files.close()
     try:
         mar = build_mar(artifact, workdir, model_name=repo.model_name, version=version,
                         file_name=repo.archive_name(version), batch_size=batch_size,
                         max_batch_delay_ms=max_batch_delay_ms, min_workers=workers,
-                        max_workers=workers, handler_config=handler_config or None)
+                        max_workers=workers, handler_config=handler_config or None,
+                        tables_ref=ref)
         try:
             return Path(repo.add(version, mar, report, tables=tables))
         finally:

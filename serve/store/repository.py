@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,23 @@ from serve.profiles import get_profile
 from serve.state import VERSION_RE
 from serve.store.tablefiles import TABLES_SUFFIX
 
-__all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository",
-           "day_suffix", "default_version", "dense_suffix"]
+__all__ = [
+    "DEFAULT_DTYPE",
+    "DEFAULT_PROFILE",
+    "MANAGED_SUFFIX",
+    "SHUFFLED_SUFFIX",
+    "TABLES_REF_NAME",
+    "ModelRepository",
+    "day_suffix",
+    "default_version",
+    "dense_suffix",
+]
 
 _VERSION = re.compile(VERSION_RE)
+
+#: The archive member naming the tables folder its artifact references (``{"ref",
+#: "identity", "bytes"}``, JSON): read here without torch.
+TABLES_REF_NAME = "tables.json"
 
 #: The suffix of a version trained on permuted labels (``make model LABEL_SHUFFLE=1``).
 SHUFFLED_SUFFIX = "-shuffled"
@@ -105,11 +119,11 @@ class ModelRepository:
         return f"{self.model_name}-{version}{TABLES_SUFFIX}"
 
     def tables(self, version: str) -> Path | None:
-        """The tables folder of ``version`` (None: the version holds its tables in its
-        archive, as versions built before the folder existed do)."""
+        """The tables folder ``version``'s archive references (None: the archive holds
+        its tables, as versions built before the folder existed do)."""
         mar = self.archive(version)
-        folder = mar.with_name(self.tables_name(version))
-        return folder if folder.is_dir() else None
+        ref = tables_ref(mar)
+        return None if ref is None else mar.with_name(str(ref["ref"]))
 
     def _paths(self, root: Path, version: str) -> tuple[Path, Path]:
         return root / self.archive_name(version), root / f"{self.model_name}-{version}.json"
@@ -183,16 +197,7 @@ class ModelRepository:
         root = self.roots[0]
         root.mkdir(parents=True, exist_ok=True)
         mar, rep = self._paths(root, version)
-        placed = root / self.tables_name(version)
-        if tables is not None:
-            if tables.name != placed.name:
-                raise ConfigError(f"tables folder {tables} must be named {placed.name} (the "
-                                  "name the version's artifact references)")
-            # a leftover of an add that failed before its report: not a version
-            shutil.rmtree(placed, ignore_errors=True)
-            for f in tables.iterdir():
-                os.chmod(f, 0o444)
-            shutil.move(os.fspath(tables), placed)
+        placed = _place_tables(root, archive, tables)
         try:
             for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
                                 (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
@@ -201,7 +206,63 @@ class ModelRepository:
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, path)
         except BaseException:
-            if tables is not None:
+            if placed is not None:
                 shutil.rmtree(placed, ignore_errors=True)
             raise
         return mar
+
+
+def tables_ref(archive: Path) -> dict[str, Any] | None:
+    """The archive's tables reference (:data:`TABLES_REF_NAME`), None when it has none
+    (or is no zip at all: TorchServe is the judge of that)."""
+    try:
+        with zipfile.ZipFile(archive) as z:
+            if TABLES_REF_NAME not in z.namelist():
+                return None
+            ref = json.loads(z.read(TABLES_REF_NAME))
+    except zipfile.BadZipFile:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"archive {archive} is unreadable ({e}); rebuild the version") from e
+    if not isinstance(ref, dict) or not str(ref.get("ref", "")).endswith(TABLES_SUFFIX):
+        raise ConfigError(f"archive {archive}: {TABLES_REF_NAME} must name a "
+                          f"*{TABLES_SUFFIX} folder, got {ref!r}")
+    return ref
+
+
+def _place_tables(root: Path, archive: Path, tables: Path | None) -> Path | None:
+    """Put the tables folder ``archive`` references into ``root``; return it when this
+    call placed it (None: no tables, or already there). ``tables`` is moved in (a build's
+    fresh folder); without it, the folder beside ``archive`` is linked in file by file
+    (hard links: no table byte copied; a copy across file systems)."""
+    ref = tables_ref(archive)
+    if ref is None:
+        if tables is not None:
+            raise ConfigError(f"archive {archive} references no tables folder, but "
+                              f"{tables} was given")
+        return None
+    dst = root / str(ref["ref"])
+    src = tables if tables is not None else archive.parent / str(ref["ref"])
+    if src.resolve() == dst.resolve():
+        return None
+    if tables is None and dst.is_dir():
+        return None        # another version's archive referencing the same tables
+    if not src.is_dir():
+        raise ConfigError(f"archive {archive} references tables folder {src.name}, which "
+                          f"is not beside it ({src.parent}); copy the version with it")
+    shutil.rmtree(dst, ignore_errors=True)   # a leftover of an add that failed
+    if tables is not None:
+        for f in tables.iterdir():
+            os.chmod(f, 0o444)
+        shutil.move(os.fspath(tables), dst)
+        return dst
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for f in src.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    os.replace(tmp, dst)
+    return dst
