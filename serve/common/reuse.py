@@ -78,12 +78,14 @@ class ReuseBatch:
         first: sampled accesses whose row the sampler had not seen (cold misses).
         weight: ``1 / R``: the accesses each sampled one stands for (R at this batch).
         sampled: sampled accesses in all (``len(depths) + first``).
+        accesses: every access of the batch, sampled or not.
     """
 
     depths: np.ndarray
     first: int
     weight: float
     sampled: int
+    accesses: int
 
 
 class _Fenwick:
@@ -187,7 +189,8 @@ class ReuseSampler:
             last[key] = t
             if len(last) > self.max_rows:
                 self._lower_rate()
-        return ReuseBatch(np.asarray(depths, dtype=np.float64), first, weight, len(keys))
+        return ReuseBatch(np.asarray(depths, dtype=np.float64), first, weight, len(keys),
+                          int(np.size(ids)))
 
     def _lower_rate(self) -> None:
         """Fixed-size SHARDS: T becomes the largest sampling hash tracked, and every row
@@ -203,7 +206,7 @@ class ReuseSampler:
     def _compact(self) -> None:
         """Renumber the live timestamps 1..live, in order, and rebuild the tree."""
         order = sorted(self._last.items(), key=lambda kv: kv[1])
-        self._tree = _Fenwick(self._span)
+        self._tree.tree[:] = [0] * (self._span + 1)   # in place: observe holds the tree
         for i, (key, _) in enumerate(order, start=1):
             self._last[key] = i
             self._tree.add(i, 1)
@@ -227,7 +230,8 @@ def lru_stack_depths(keys: Sequence[int]) -> list[int | None]:
 
 
 def hit_ratio_curve(bounds: Sequence[float], cumulative: Sequence[float], first: float,
-                    capacities: Sequence[float]) -> list[float | None]:
+                    capacities: Sequence[float], accesses: float | None = None
+                    ) -> list[float | None]:
     """The predicted LRU hit ratio at each of ``capacities`` (rows) from a depth histogram.
 
     Args:
@@ -236,6 +240,11 @@ def hit_ratio_curve(bounds: Sequence[float], cumulative: Sequence[float], first:
             ``+Inf`` bucket (all re-accesses): ``len(bounds) + 1`` values.
         first: accesses whose row was new (cold misses: never hits).
         capacities: cache sizes in rows.
+        accesses: every access of the stream, sampled or not (None: unknown). Given, the
+            weighted sample's shortfall (or excess) against it is counted at the smallest
+            depth (SHARDS-adj, Waldspurger et al.): a Zipf stream's hottest rows are
+            few, so whether they were sampled moves the sampled share of accesses; the
+            correction removes most of that error at small capacities.
     Returns:
         hits / accesses at each capacity (a cache of C rows hits the accesses of depth
         <= C); between two bounds the count is interpolated linearly in log(rows) (the
@@ -244,11 +253,13 @@ def hit_ratio_curve(bounds: Sequence[float], cumulative: Sequence[float], first:
     if len(cumulative) != len(bounds) + 1:
         raise ValueError(f"{len(cumulative)} cumulative counts for {len(bounds)} bounds; "
                          "give one per bound plus the +Inf bucket")
-    total = float(cumulative[-1]) + float(first)
-    if total <= 0:
+    sampled = float(cumulative[-1]) + float(first)
+    total = float(accesses) if accesses is not None and accesses > 0 else sampled
+    if total <= 0 or sampled <= 0:
         return [None for _ in capacities]
+    adj = total - sampled
     b = np.log(np.asarray(bounds, dtype=np.float64))
-    c = np.maximum.accumulate(np.asarray(cumulative[:-1], dtype=np.float64))
+    c = np.maximum.accumulate(np.asarray(cumulative[:-1], dtype=np.float64)) + adj
     out: list[float | None] = []
     for cap in capacities:
         if cap < bounds[0]:
@@ -256,6 +267,6 @@ def hit_ratio_curve(bounds: Sequence[float], cumulative: Sequence[float], first:
             continue
         hits = float(np.interp(np.log(cap), b, c))
         if cap > bounds[-1]:
-            hits = float(cumulative[-1])
-        out.append(min(1.0, hits / total))
+            hits = float(cumulative[-1]) + adj
+        out.append(min(1.0, max(0.0, hits / total)))
     return out

@@ -122,6 +122,7 @@ __all__ = [
     "REQUESTS_TOTAL",
     "REQUEST_DURATION_BUCKETS",
     "REQUEST_DURATION_SECONDS",
+    "REUSE_ACCESSES_TOTAL",
     "REUSE_DISTANCE_BUCKETS",
     "REUSE_DISTANCE_ROWS",
     "REUSE_FIRST_ACCESSES_TOTAL",
@@ -191,6 +192,9 @@ REUSE_DISTANCE_ROWS = "dlrm_reuse_distance_rows"
 # ... and the sampled accesses whose row was new to the sampler (cold misses: no distance),
 # weighted like the histogram's observations (serve.worker.recording.ReuseRecorder).
 REUSE_FIRST_ACCESSES_TOTAL = "dlrm_reuse_first_accesses_total"
+# ... and every row access the sampler saw, sampled or not (the advisor's SHARDS-adj
+# correction: the weighted sample's shortfall against it is counted at the smallest depth).
+REUSE_ACCESSES_TOTAL = "dlrm_reuse_accesses_total"
 STAGE_DURATION_SECONDS = "dlrm_stage_duration_seconds"
 WORKERS = "dlrm_workers"
 SIDECAR_REQUESTS_TOTAL = "dlrm_sidecar_requests_total"

@@ -39,6 +39,7 @@ from serve.metrics import (
     REQUEST_DURATION_BUCKETS,
     REQUEST_DURATION_SECONDS,
     REQUESTS_TOTAL,
+    REUSE_ACCESSES_TOTAL,
     REUSE_DISTANCE_BUCKETS,
     REUSE_DISTANCE_ROWS,
     REUSE_FIRST_ACCESSES_TOTAL,
@@ -372,12 +373,18 @@ class ReuseMetrics:
             strip_total(REUSE_FIRST_ACCESSES_TOTAL),
             "Sampled row accesses whose row was new to the sampler (cold misses), each "
             "weighted by 1/R.", registry=registry)
+        self._accesses = Counter(
+            strip_total(REUSE_ACCESSES_TOTAL),
+            "Row accesses the reuse sampler saw, sampled or not.", registry=registry)
 
-    def observe(self, depths: np.ndarray, first: int, weight: float) -> None:
+    def observe(self, depths: np.ndarray, first: int, weight: float, accesses: int) -> None:
         """``depths`` float (k,) in rows (>= 1), ``first`` cold accesses, each standing
-        for ``weight`` (>= 1) accesses."""
-        if not weight >= 1.0 or first < 0:
-            raise ValueError(f"weight={weight} must be >= 1 and first={first} >= 0")
+        for ``weight`` (>= 1) accesses, out of ``accesses`` row accesses in all."""
+        if not weight >= 1.0 or first < 0 or accesses < 0:
+            raise ValueError(f"weight={weight} must be >= 1, first={first} and "
+                             f"accesses={accesses} >= 0")
+        if accesses:
+            self._accesses.inc(accesses)
         if first:
             self._first.inc(first * weight)
         v = np.asarray(depths, dtype=np.float64).reshape(-1)

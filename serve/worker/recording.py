@@ -265,6 +265,6 @@ class ReuseRecorder:
         try:
             tables = np.repeat(self._feature_tables, lengths.sum(axis=1))
             out = self.sampler.observe(tables, values)
-            self.metrics.observe(out.depths, out.first, out.weight)
+            self.metrics.observe(out.depths, out.first, out.weight, out.accesses)
         except Exception:
             logger.exception("sampling reuse distances failed")
