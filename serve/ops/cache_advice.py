@@ -81,7 +81,7 @@ class ReuseHistogram:
     def rows_for(self, target: float) -> float | None:
         """The smallest capacity (rows) whose predicted hit ratio reaches ``target``
         (a 50-points-a-decade grid); None when even the largest bound does not."""
-        grid = [10 ** (i / 50) for i in range(0, 50 * 9 + 1)]
+        grid = [10 ** (i / 50) for i in range(50 * 9 + 1)]
         for rows, h in zip(grid, self.hit_ratios(grid), strict=True):
             if h is not None and h >= target:
                 return rows
@@ -139,6 +139,7 @@ class Advice:
     workers: int
     sampled_accesses: float
     first_access_share: float
+    max_hit_ratio: float | None
     curve: list[dict[str, Any]] = field(default_factory=list)
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
     targets: list[dict[str, Any]] = field(default_factory=list)
@@ -158,10 +159,11 @@ def advise(hist: ReuseHistogram, state: dict[str, Any], row_bytes: float,
     workers = int(observed.get("ready_workers") or 1)
     sampled = hist.cumulative[-1] + hist.first
     advice = Advice(row_bytes=row_bytes, workers=workers, sampled_accesses=hist.accesses,
-                    first_access_share=hist.first / sampled)
-    for rows, h in zip(CURVE_ROWS, hist.hit_ratios([float(r) for r in CURVE_ROWS]),
-                       strict=True):
-        advice.curve.append({"rows": rows, "bytes": int(rows * row_bytes), "hit_ratio": h})
+                    first_access_share=hist.first / sampled,
+                    max_hit_ratio=hist.hit_ratios([1e9])[0])
+    for n, h in zip(CURVE_ROWS, hist.hit_ratios([float(r) for r in CURVE_ROWS]),
+                    strict=True):
+        advice.curve.append({"rows": n, "bytes": int(n * row_bytes), "hit_ratio": h})
     device_rows = _tier_rows(tables, "device", workers, row_bytes) or 0.0
     for tier in TIERS:
         rows = _tier_rows(tables, tier, workers, row_bytes)
@@ -181,8 +183,8 @@ def advise(hist: ReuseHistogram, state: dict[str, Any], row_bytes: float,
     for target in targets:
         need = hist.rows_for(target)
         advice.targets.append({
-            "hit_ratio": target, "rows": int(math.ceil(need)) if need else None,
-            "bytes": int(math.ceil(need * row_bytes)) if need else None})
+            "hit_ratio": target, "rows": math.ceil(need) if need else None,
+            "bytes": math.ceil(need * row_bytes) if need else None})
     return advice
 
 
@@ -202,9 +204,9 @@ def _pct(x: float | None) -> str:
 
 def render(a: Advice) -> str:
     """The tables a person reads."""
-    lines = [f"sampled accesses (weighted): {a.sampled_accesses:.0f}; first accesses "
+    lines = [(f"accesses seen: {a.sampled_accesses:.0f}; first accesses "
              f"(cold misses): {_pct(a.first_access_share)}; row {a.row_bytes:.0f} B; "
-             f"{a.workers} worker(s): capacities are per worker", "",
+             f"{a.workers} worker(s): capacities are per worker"), "",
              f"{'capacity rows':>14} {'bytes':>11} {'predicted LRU hit ratio':>24}"]
     top = None
     for p in a.curve:
@@ -213,8 +215,8 @@ def render(a: Advice) -> str:
         lines.append(f"{p['rows']:>14,} {_fmt_bytes(p['bytes']):>11} "
                      f"{_pct(p['hit_ratio']):>24}")
         top = p["hit_ratio"]
-    lines += ["", f"{'tier':<7} {'capacity rows':>14} {'bytes':>11} {'predicted':>10} "
-                  f"{'observed':>9}"]
+    lines += ["", (f"{'tier':<7} {'capacity rows':>14} {'bytes':>11} {'predicted':>10} "
+                  f"{'observed':>9}")]
     if not a.tiers:
         lines.append("(no tier reports a capacity in GET /state observed.tables)")
     for tier, t in a.tiers.items():
@@ -226,8 +228,8 @@ def render(a: Advice) -> str:
         rows = f"{t['rows']:,}" if t["rows"] is not None else "unreachable"
         lines.append(f"{_pct(t['hit_ratio']):>16} {rows:>16} {_fmt_bytes(t['bytes']):>11}")
     if any(t["rows"] is None for t in a.targets):
-        lines.append(f"(unreachable: above 1 - the first-access share, "
-                     f"{_pct(1 - a.first_access_share)}, within the histogram's 1e9 rows)")
+        lines.append(f"(unreachable: above the curve's top, {_pct(a.max_hit_ratio)} at "
+                     "1e9 rows: first accesses never hit; a longer sample lowers their share)")
     return "\n".join(lines)
 
 
