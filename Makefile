@@ -34,7 +34,7 @@ VARIANT ?= gpu
 GIT_SHA := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help venv java kubectl prometheus chromium monitoring check docs promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check \
+.PHONY: help venv java kubectl prometheus chromium monitoring check docs promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check cache-advice \
         wrk bench-autotune bench-slo \
         gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
 
@@ -162,6 +162,9 @@ psi-calibration: venv  ## score PSI of every small-int8-s* retrain and shuffled-
 
 promcheck: venv prometheus  ## with `make up` running: a loopback Prometheus with our rules scrapes the sidecar under load; its QPS/p99 vs the load generator's -> bench/results/promcheck.json
 	$(PY) -m serve.ops.promcheck
+
+cache-advice: venv  ## with `make up` running: predicted LRU hit ratio against host/device capacity per worker (the curve from the workers' sampled reuse distances), current tiers predicted vs observed, memory for target hit ratios [CACHE_ADVICE_ARGS="--target 0.9 --json advice.json"]
+	$(PY) -m serve.ops.cache_advice $(CACHE_ADVICE_ARGS)
 
 feedback-check: venv  ## with `make up` running: held-out rows through the service, their labels to POST /feedback; online AUC/calibration vs the build baseline -> bench/results/feedback.json
 	$(PY) -m serve.ops.feedback_check

@@ -70,6 +70,7 @@ __all__ = [
     "DLRM_PREDICTION_LOG_SAMPLE",
     "DLRM_REPOSITORY",
     "DLRM_REQUEST_LOG",
+    "DLRM_REUSE_SAMPLE",
     "DLRM_SHARED_TABLES",
     "DLRM_SIDECAR_DELTA_TOKEN_FILE",
     "DLRM_SIDECAR_FEEDBACK_TOKEN_FILE",
@@ -378,6 +379,13 @@ DLRM_PREDICTION_LOG_MAX_BYTES = _var(
     "DLRM_PREDICTION_LOG_MAX_BYTES",
     "The prediction log folder's bound in bytes, at least twice the file size; whenever a "
     "worker starts a file, the oldest files go until the folder fits.", WORKER)
+DLRM_REUSE_SAMPLE = _var(
+    "DLRM_REUSE_SAMPLE",
+    "Share R of table rows (0..1) whose accesses each worker samples for the capacity "
+    "advisor's reuse distances (dlrm_reuse_distance_rows, make cache-advice), chosen by a "
+    "hash of (table, id); a worker tracks at most 16384 rows and lowers R past that. 0 "
+    "turns the sampler off. Measured ~0.1 ms per batch of 512 x 26 ids at 0.001.",
+    WORKER, default="0.001")
 OMP_NUM_THREADS = _var(
     "OMP_NUM_THREADS",
     "torch intra-op threads per worker when the archive's handler.num_threads is not set "

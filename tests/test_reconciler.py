@@ -443,7 +443,7 @@ def test_status_shape(tmp_path, repo, state_file):
                      "batching": {"batch_size": 8, "max_batch_delay_ms": 50},
                      "workers": 1, "candidate": None, "serving_version": "1.0",
                      "ready_workers": 1, "pending_requests": 0,
-                     "registered_versions": ["1.0"]},
+                     "registered_versions": ["1.0"], "tables": None},
         "converged": False,
         "reason": "TorchServe serves 1.0; the desired state is small-s0_b8d50w1",
         "phase": "idle", "last_error": None, "last_switch": None,
@@ -458,7 +458,7 @@ def test_status_shape(tmp_path, repo, state_file):
         "model": {"version": "small-s0", "schema": None},
         "batching": {"batch_size": 8, "max_batch_delay_ms": 50}, "workers": 1,
         "candidate": None, "serving_version": "small-s0_b8d50w1", "ready_workers": 1,
-        "pending_requests": 0, "registered_versions": ["small-s0_b8d50w1"]}
+        "pending_requests": 0, "registered_versions": ["small-s0_b8d50w1"], "tables": None}
     assert after["last_switch"] == {
         "from": "1.0", "to": "small-s0_b8d50w1", "ok": True,
         "seconds": after["last_switch"]["seconds"], "error": None, "peak_memory_bytes": None,

@@ -122,7 +122,10 @@ __all__ = [
     "REQUESTS_TOTAL",
     "REQUEST_DURATION_BUCKETS",
     "REQUEST_DURATION_SECONDS",
+    "REUSE_ACCESSES_TOTAL",
+    "REUSE_DISTANCE_BUCKETS",
     "REUSE_DISTANCE_ROWS",
+    "REUSE_FIRST_ACCESSES_TOTAL",
     "ROLLOUT_GUARDS",
     "ROLLOUT_GUARD_THRESHOLD",
     "ROLLOUT_GUARD_VALUE",
@@ -186,6 +189,12 @@ TIER_CAPACITY_BYTES = "dlrm_tier_capacity_bytes"        # gauge (livesum): the t
 TIERS = ("device", "host")
 # Reuse distances of the sampled id stream (the capacity advisor): histogram, in rows.
 REUSE_DISTANCE_ROWS = "dlrm_reuse_distance_rows"
+# ... and the sampled accesses whose row was new to the sampler (cold misses: no distance),
+# weighted like the histogram's observations (serve.worker.recording.ReuseRecorder).
+REUSE_FIRST_ACCESSES_TOTAL = "dlrm_reuse_first_accesses_total"
+# ... and every row access the sampler saw, sampled or not (the advisor's SHARDS-adj
+# correction: the weighted sample's shortfall against it is counted at the smallest depth).
+REUSE_ACCESSES_TOTAL = "dlrm_reuse_accesses_total"
 STAGE_DURATION_SECONDS = "dlrm_stage_duration_seconds"
 WORKERS = "dlrm_workers"
 SIDECAR_REQUESTS_TOTAL = "dlrm_sidecar_requests_total"
@@ -332,6 +341,12 @@ ARM_FORWARD_SECONDS_PER_INSTANCE_BUCKETS: tuple[float, ...] = tuple(
     float(f"{m}e{e}") for e in range(-8, -1)
     for m in ("1", "1.25", "1.6", "2", "2.5", "3.2", "4", "5", "6.4", "8")
     if 5e-8 <= float(f"{m}e{e}") <= 0.1) + (0.1,)
+# LRU stack depth of a sampled row access, in table rows (serve.common.reuse): from 1 row
+# to 1e9 rows (DLRM-v2's 204M rows fit), ten buckets per decade (ratio ~1.26), so the
+# capacity advisor's curve, interpolated between bounds, resolves a cache size within ~26%.
+REUSE_DISTANCE_BUCKETS: tuple[float, ...] = tuple(
+    float(f"{m}e{e}") for e in range(9)
+    for m in ("1", "1.25", "1.6", "2", "2.5", "3.2", "4", "5", "6.4", "8")) + (1e9,)
 # Predicted click probabilities: CTRs sit mostly below 0.5, so the buckets are dense at the
 # low end. These are also the FIXED bins of the rollout's score-shift guard (population
 # stability index): changing them changes the guard's values.

@@ -12,6 +12,7 @@ import re
 import threading
 from collections import Counter as _Tally
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.metrics_core import (
@@ -26,6 +27,12 @@ from serve.metrics import (
     CACHE_HIT_RATIO,
     CACHE_HITS_TOTAL,
     CACHE_MISSES_TOTAL,
+    TIER_CAPACITY_BYTES,
+    TIER_HITS_TOTAL,
+    TIER_LOOKUPS_TOTAL,
+    TIER_MISS_SECONDS,
+    TIER_READ_BYTES_TOTAL,
+    TIERS,
     TORCHSERVE_PREFIX,
     WORKERS,
     strip_total,
@@ -33,8 +40,10 @@ from serve.metrics import (
 
 __all__ = [
     "HandlerAggregateCollector",
+    "TierTotals",
     "cache_hit_ratio_family",
     "feature_counts",
+    "tier_totals",
     "torchserve_families",
     "workers_family",
 ]
@@ -65,6 +74,54 @@ def feature_counts(families: Iterable[Metric], name: str) -> dict[str, dict[str,
             if s.name == name and feature is not None and version is not None:
                 per = out.setdefault(version, {})
                 per[feature] = per.get(feature, 0) + int(s.value)
+    return out
+
+
+@dataclass
+class TierTotals:
+    """One table tier's series summed over the workers' files (cumulative; labels
+    ``tier`` in :data:`TIERS`): ids looked up and found there, bytes read from the tier
+    below, its capacity (live workers' sum), and its miss-fetch histogram
+    (``miss_buckets``: cumulative count per finite ``le`` bound, seconds; ``miss_count``
+    the ``+Inf`` bucket)."""
+
+    lookups: float = 0.0
+    hits: float = 0.0
+    read_bytes: float = 0.0
+    capacity_bytes: float | None = None
+    miss_buckets: dict[float, float] = field(default_factory=dict)
+    miss_count: float = 0.0
+
+
+_TIER_SAMPLES = {TIER_LOOKUPS_TOTAL: "lookups", TIER_HITS_TOTAL: "hits",
+                 TIER_READ_BYTES_TOTAL: "read_bytes"}
+
+
+def tier_totals(families: Iterable[Metric]) -> dict[str, TierTotals]:
+    """The tier series in ``families`` (the workers' files summed over processes:
+    :meth:`HandlerAggregateCollector.collect`) per tier; a tier no worker reports is
+    absent (all tables in memory and no cache: ``{}``)."""
+    out: dict[str, TierTotals] = {}
+    bucket = f"{TIER_MISS_SECONDS}_bucket"
+    for metric in families:
+        for s in metric.samples:
+            tier = s.labels.get("tier")
+            if tier not in TIERS:
+                continue
+            attr = _TIER_SAMPLES.get(s.name)
+            if attr is not None:
+                t = out.setdefault(tier, TierTotals())
+                setattr(t, attr, getattr(t, attr) + s.value)
+            elif s.name == TIER_CAPACITY_BYTES:
+                t = out.setdefault(tier, TierTotals())
+                t.capacity_bytes = (t.capacity_bytes or 0.0) + s.value
+            elif s.name == bucket:
+                t = out.setdefault(tier, TierTotals())
+                le = float(s.labels.get("le", "nan"))
+                if math.isinf(le):
+                    t.miss_count += s.value
+                elif not math.isnan(le):
+                    t.miss_buckets[le] = t.miss_buckets.get(le, 0.0) + s.value
     return out
 
 

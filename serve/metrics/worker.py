@@ -39,6 +39,10 @@ from serve.metrics import (
     REQUEST_DURATION_BUCKETS,
     REQUEST_DURATION_SECONDS,
     REQUESTS_TOTAL,
+    REUSE_ACCESSES_TOTAL,
+    REUSE_DISTANCE_BUCKETS,
+    REUSE_DISTANCE_ROWS,
+    REUSE_FIRST_ACCESSES_TOTAL,
     SCORE_BUCKETS,
     SCORE_DIFF_BUCKETS,
     SHADOW_SCORE_DIFF,
@@ -50,6 +54,7 @@ from serve.metrics import (
 __all__ = [
     "CacheStats",
     "HandlerMetrics",
+    "ReuseMetrics",
     "observe_many",
 ]
 
@@ -342,6 +347,56 @@ class HandlerMetrics:
         _check_arm("candidate", version)
         if np.size(diffs):
             observe_many(self._shadow_diff.labels(version=version), diffs)
+
+
+class ReuseMetrics:
+    """The capacity advisor's series of one worker (:mod:`serve.common.reuse`): the
+    sampled accesses' LRU stack depths in ``dlrm_reuse_distance_rows`` and the sampled
+    first accesses in ``dlrm_reuse_first_accesses_total``, each sampled access weighted
+    by ``1 / R`` (the accesses it stands for), so the histogram's ``_count`` plus the
+    first accesses estimate every access of the stream and the rate may change (the
+    fixed-size sampler lowers it) without biasing the curve.
+
+    Args:
+        registry: where they register (pass :attr:`HandlerMetrics.registry`; in
+            multiprocess mode the values go to the mmap files whatever the registry).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._depth = Histogram(
+            REUSE_DISTANCE_ROWS,
+            "LRU stack depth, in table rows, of sampled row accesses whose row was seen "
+            "before (the smallest LRU cache that still holds the row when it comes back), "
+            "each weighted by 1/R (the accesses it stands for).",
+            buckets=REUSE_DISTANCE_BUCKETS, registry=registry)
+        self._first = Counter(
+            strip_total(REUSE_FIRST_ACCESSES_TOTAL),
+            "Sampled row accesses whose row was new to the sampler (cold misses), each "
+            "weighted by 1/R.", registry=registry)
+        self._accesses = Counter(
+            strip_total(REUSE_ACCESSES_TOTAL),
+            "Row accesses the reuse sampler saw, sampled or not.", registry=registry)
+
+    def observe(self, depths: np.ndarray, first: int, weight: float, accesses: int) -> None:
+        """``depths`` float (k,) in rows (>= 1), ``first`` cold accesses, each standing
+        for ``weight`` (>= 1) accesses, out of ``accesses`` row accesses in all."""
+        if not weight >= 1.0 or first < 0 or accesses < 0:
+            raise ValueError(f"weight={weight} must be >= 1, first={first} and "
+                             f"accesses={accesses} >= 0")
+        if accesses:
+            self._accesses.inc(accesses)
+        if first:
+            self._first.inc(first * weight)
+        v = np.asarray(depths, dtype=np.float64).reshape(-1)
+        if not v.size:
+            return
+        child = self._depth
+        bounds = np.asarray(child._upper_bounds, dtype=np.float64)
+        counts = np.bincount(np.searchsorted(bounds, v, side="left"), minlength=bounds.size)
+        # observe_many's internals, with a weight per observation.
+        for i in np.flatnonzero(counts):
+            child._buckets[i].inc(float(counts[i]) * weight)
+        child._sum.inc(float(v.sum()) * weight)
 
 
 def _check_arm(arm: str, version: str) -> None:

@@ -27,6 +27,9 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     ROLLOUT_PHASE,
     ROLLOUT_WEIGHT,
+    TIER_CAPACITY_BYTES,
+    TIER_MISS_SECONDS,
+    TIER_READ_BYTES_TOTAL,
     TORCHSERVE_PREFIX,
     UPSTREAM_UP,
     WORKERS,
@@ -40,6 +43,7 @@ from serve.ops.monitoring_rules import (
     P99_RECORD,
     P99_SLO_SECONDS,
     QPS_RECORD,
+    TIER_HIT_RECORD,
     UTILIZATION_RECORD,
 )
 
@@ -81,7 +85,7 @@ class Panel:
 
 def panels() -> tuple[Panel, ...]:
     """The dashboard's panels, in grid order (two per row)."""
-    return _traffic_panels() + _resource_panels() + _model_panels()
+    return _traffic_panels() + _resource_panels() + _tier_panels() + _model_panels()
 
 
 def _traffic_panels() -> tuple[Panel, ...]:
@@ -158,6 +162,32 @@ def _resource_panels() -> tuple[Panel, ...]:
             (f"max by (pod, device) ({GPU_MEMORY_USED_BYTES} / {GPU_MEMORY_TOTAL_BYTES})",
              "{{pod}} gpu{{device}} memory")),
             "NVML utilisation and memory used / total per device (no data on CPU pods)."),
+    )
+
+
+def _tier_panels() -> tuple[Panel, ...]:
+    """The table tiers (device cache -> host memory -> table files on disk): hit ratio,
+    miss latency, disk reads, capacity."""
+    miss = f"{TIER_MISS_SECONDS}_bucket"
+    return (
+        Panel("Tier hit ratio", "percentunit", (
+            (f"max by (pod, tier) ({TIER_HIT_RECORD})", "{{pod}} {{tier}}"),),
+            f"{TIER_HIT_RECORD}: ids found in each table tier / ids looked up there, over "
+            "5 minutes. device: the device cache; host: the host-memory tier over the "
+            "table files (its misses are disk reads). make cache-advice predicts it for "
+            "other capacities."),
+        Panel("Tier miss latency p99", "s", (
+            (f"histogram_quantile(0.99, sum by (pod, tier, le) (rate({miss}[5m])))",
+             "{{pod}} {{tier}}"),),
+            f"p99 of a batch's fetch of its misses from the tier below ({TIER_MISS_SECONDS}),"
+            " over 5 minutes: host is the disk reads' time."),
+        Panel("Tier bytes read", "Bps", (
+            (f"sum by (pod, tier) (rate({TIER_READ_BYTES_TOTAL}[1m]))", "{{pod}} {{tier}}"),),
+            "Bytes each tier fetched from the tier below per second: host is the disk read "
+            "rate of the table files."),
+        Panel("Tier capacity", "bytes", (
+            (f"max by (pod, tier) ({TIER_CAPACITY_BYTES})", "{{pod}} {{tier}}"),),
+            "Each tier's budget, summed over the pod's live workers."),
     )
 
 

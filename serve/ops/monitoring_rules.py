@@ -28,6 +28,8 @@ from serve.metrics import (
     REQUESTS_TOTAL,
     ROLLOUT_PHASE,
     ROLLOUT_PHASES,
+    TIER_HITS_TOTAL,
+    TIER_LOOKUPS_TOTAL,
     TORCHSERVE_PREFIX,
     UPSTREAM_UP,
     WORKERS,
@@ -55,6 +57,7 @@ __all__ = [
     "P99_SLO_SECONDS",
     "QPS_RECORD",
     "RECORDING_GROUP",
+    "TIER_HIT_RECORD",
     "UTILIZATION_RECORD",
     "AlertRule",
     "RecordingRule",
@@ -76,6 +79,8 @@ INSTANCES_RECORD = "dlrm:instances_per_second:rate1m"
 P50_RECORD = "dlrm:request_duration_seconds:p50_1m"
 P99_RECORD = "dlrm:request_duration_seconds:p99_1m"
 CACHE_HIT_RECORD = "dlrm:cache_hit_ratio:rate5m"
+#: Per-pod hit ratio of each table tier ({tier}: device, host), over 5 minutes.
+TIER_HIT_RECORD = "dlrm:tier_hit_ratio:rate5m"
 ERROR_RATIO_RECORD = "dlrm:requests_non2xx:ratio_rate1m"
 MEAN_SCORE_RECORD = "dlrm:arm_score:mean_rate15m"
 CALIBRATION_RECORD = "dlrm:online_calibration_ratio:pooled"
@@ -204,6 +209,11 @@ def recording_rules(adapter_rules: Path | None = None) -> tuple[RecordingRule, .
             sum by ({pod}) (rate({hits}[5m]))
             /
             (sum by ({pod}) (rate({hits}[5m])) + sum by ({pod}) (rate({misses}[5m])))
+            """)),
+        RecordingRule(TIER_HIT_RECORD, _expr(f"""
+            sum by ({pod}, tier) (rate({TIER_HITS_TOTAL}[5m]))
+            /
+            sum by ({pod}, tier) (rate({TIER_LOOKUPS_TOTAL}[5m]))
             """)),
         # "or 0 * ...": a pod without any non-2xx series reads 0, not "no data".
         RecordingRule(ERROR_RATIO_RECORD, _expr(f"""

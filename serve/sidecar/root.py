@@ -55,6 +55,7 @@ from serve.sidecar.services.deltas.progress import WorkerProgress
 from serve.sidecar.services.deltas.report import DeltaReport
 from serve.sidecar.services.deltas.volume import VolumeSync
 from serve.sidecar.services.feedback import FeedbackService
+from serve.sidecar.services.tiers import TierWindow
 from serve.store.deltas.files import DeltaStore
 from serve.store.repository import ModelRepository
 
@@ -109,6 +110,8 @@ class Sidecar:
             when not served.
         write_port: the port the write API listens on (GET /state's ``sidecar``); None
             when every port takes writes (one listener).
+        tiers: the table tiers' recent window (GET /state's ``observed.tables``); None
+            without the workers' multiprocess dir.
     """
 
     config: SidecarConfig
@@ -126,6 +129,8 @@ class Sidecar:
     tuner: BatchTuner | None = None
     write_port: int | None = None
     oip_port: int | None = None
+    tiers: TierWindow | None = None
+    _tiers_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _tune_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _torchserve: TorchServeClient | None = field(default=None, repr=False)
     _switch: VersionSwitch | None = field(default=None, repr=False)
@@ -150,14 +155,16 @@ class Sidecar:
         registry = registry if registry is not None else CollectorRegistry()
         metrics = SidecarMetrics()
         registry.register(metrics)
-        handler_metrics = None
+        handler_metrics, tiers = None, None
         if config.multiproc_dir is not None:
             handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
             registry.register(handler_metrics)
+            tiers = TierWindow(handler_metrics.collect, clock=clock)
         repository = ModelRepository(config.repository_roots, config.model_name)
         state = cls(config=config, registry=registry, metrics=metrics,
                     handler_metrics=handler_metrics, clock=clock, repository=repository,
-                    schemas=SchemaCache(repository.report), wall_clock=wall_clock)
+                    schemas=SchemaCache(repository.report), wall_clock=wall_clock,
+                    tiers=tiers)
         state.feedback = FeedbackService(
             config.feedback, versions=state.served_versions,
             baseline_of=lambda v: repository.report(v).get("baseline"))
@@ -262,6 +269,8 @@ class Sidecar:
         if self._reconciler is not None and self._tuning is not None \
                 and self._tune_task is None:
             self._tune_task = asyncio.create_task(self._tuning.run())
+        if self.tiers is not None and self._tiers_task is None:
+            self._tiers_task = asyncio.create_task(self.tiers.run())
         if self.fleet is not None and self.fleet.lease is not None \
                 and self._lease_task is None:
             self._lease_task = asyncio.create_task(self._renew_lease())
@@ -315,7 +324,8 @@ class Sidecar:
     async def stop(self) -> None:
         """Stop the reconciler's loop. A switch cut short is picked up by the next start:
         each pass starts from what TorchServe describes."""
-        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task", "_lease_task"):
+        for name in ("_reconcile_task", "_delta_sync_task", "_tune_task", "_lease_task",
+                     "_tiers_task"):
             task = getattr(self, name)
             setattr(self, name, None)
             if task is not None:

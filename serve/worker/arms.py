@@ -318,6 +318,10 @@ class Arms:
         self.candidate_slowdown = candidate_slowdown
         self._rng = rng if rng is not None else random.Random(0)
         self._batches = 0  # batches split between the arms (their forward order alternates)
+        #: The ids of the stable model's last forward, (values int64 (nnz,), lengths int32
+        #: (F, B)), for the reuse sampler to read after the batch (outside the timed
+        #: forward); None once taken (:meth:`take_ids`).
+        self.last_ids: tuple[np.ndarray, np.ndarray] | None = None
 
     def run(self, requests: Sequence[WorkerRequest], cfg: HandlerConfig
             ) -> tuple[list[Outcome], BatchInfo]:
@@ -337,7 +341,13 @@ class Arms:
 
     def predict(self, batch: MergedBatch) -> np.ndarray:
         """The stable model: MergedBatch -> float32 (B,) probabilities."""
+        self.last_ids = (batch.values, batch.lengths)
         return self.forward(self.stable, batch)
+
+    def take_ids(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The stable model's last forward's ids (see :attr:`last_ids`), once."""
+        ids, self.last_ids = self.last_ids, None
+        return ids
 
     def predict_candidate(self, batch: MergedBatch) -> np.ndarray:
         """The rollout's candidate: MergedBatch -> float32 (B,) probabilities."""

@@ -7,6 +7,8 @@
   so the warm-up counts nowhere).
 * :class:`PredictionRecorder`: every scored request of a batch into the prediction log
   (:mod:`serve.store.predlog`), keyed by its request id.
+* :class:`ReuseRecorder`: the capacity advisor's sample of the stable model's id stream
+  (:mod:`serve.common.reuse`) into :class:`serve.metrics.worker.ReuseMetrics`.
 
 Neither ever fails a prediction: a failure is logged with its traceback.
 """
@@ -14,15 +16,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from serve.api.batch import Outcome
-from serve.metrics.worker import HandlerMetrics
+from serve.common.reuse import ReuseSampler
+from serve.common.validate import number_in_range
+from serve.errors import ConfigError
+from serve.metrics.worker import HandlerMetrics, ReuseMetrics
+from serve.schema import ModelSchema
+from serve.settings import DLRM_REUSE_SAMPLE
 from serve.store.predlog import Prediction, PredictionLogWriter
 from serve.worker.arms import Arms, BatchInfo
 
-__all__ = ["BatchRecorder", "CacheTotals", "PredictionRecorder"]
+__all__ = ["BatchRecorder", "CacheTotals", "PredictionRecorder", "ReuseRecorder",
+           "reuse_sample_from_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,3 +221,50 @@ class PredictionRecorder:
                 self._metrics.observe_logged(written)
         except Exception:  # the log must never fail a prediction
             logger.exception("writing the prediction log failed")
+
+
+def reuse_sample_from_env(environ: Mapping[str, str]) -> float:
+    """The reuse sampler's rate R from ``DLRM_REUSE_SAMPLE`` (0: off), read once where a
+    worker loads.
+
+    Raises:
+        ConfigError: not a number in [0, 1].
+    """
+    raw = DLRM_REUSE_SAMPLE.get(environ)
+    try:
+        value = float(raw) if raw is not None else 0.0
+    except ValueError:
+        raise ConfigError(f"{DLRM_REUSE_SAMPLE}={raw!r} is not a number; set a share of "
+                          "rows in [0, 1] (0 turns the sampler off)") from None
+    return number_in_range(str(DLRM_REUSE_SAMPLE), value, 0.0, 1.0,
+                           then=" (0 turns the sampler off)")
+
+
+class ReuseRecorder:
+    """Samples the ids of a model's forwards (:class:`serve.common.reuse.ReuseSampler`)
+    and records their reuse distances (:class:`ReuseMetrics`). The sampler keys a row by
+    (its table, the id as sent): an id past its table's rows (wrapped modulo rows, rare:
+    ``dlrm_embedding_ids_wrapped_total``) counts as a row of its own.
+
+    Args:
+        schema: the model's schema (which table each feature reads).
+        rate: R in (0, 1] (:func:`reuse_sample_from_env`).
+        metrics: where the distances go.
+        max_rows: most rows the sampler tracks.
+    """
+
+    def __init__(self, schema: ModelSchema, rate: float, metrics: ReuseMetrics,
+                 max_rows: int = 16384) -> None:
+        self.sampler = ReuseSampler(rate, max_rows=max_rows)
+        self.metrics = metrics
+        self._feature_tables = np.asarray(schema.feature_tables, dtype=np.int64)
+
+    def observe(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        """One forward's ids: ``values`` int64 (nnz,) feature-major, ``lengths`` int32
+        (F, B). Never raises (logged): metrics must never fail a prediction."""
+        try:
+            tables = np.repeat(self._feature_tables, lengths.sum(axis=1))
+            out = self.sampler.observe(tables, values)
+            self.metrics.observe(out.depths, out.first, out.weight, out.accesses)
+        except Exception:
+            logger.exception("sampling reuse distances failed")

@@ -88,7 +88,7 @@ from serve.common.validate import number_in_range
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ServeError
 from serve.metrics.multiprocess import clean_dead_worker_files
-from serve.metrics.worker import HandlerMetrics
+from serve.metrics.worker import HandlerMetrics, ReuseMetrics
 from serve.runtime.artifact import tables_search_path
 from serve.runtime.engine import Runtime, RuntimeConfig
 from serve.runtime.follower import DeltaFollower
@@ -109,7 +109,12 @@ from serve.worker.messages import (
     WorkerRequest,
     WorkerResponse,
 )
-from serve.worker.recording import BatchRecorder, PredictionRecorder
+from serve.worker.recording import (
+    BatchRecorder,
+    PredictionRecorder,
+    ReuseRecorder,
+    reuse_sample_from_env,
+)
 
 __all__ = ["Worker", "model_version", "runtime_config", "worker_device"]
 
@@ -241,6 +246,9 @@ class Worker:
         self.guard = BatchGuard(self.arms.runtimes())
         self.deltas = DeltaFollowers()
         self.recorder = BatchRecorder(self.arms, self.metrics)
+        #: The capacity advisor's sampler of the stable model's ids (None: off);
+        #: :meth:`load` sets it from DLRM_REUSE_SAMPLE.
+        self.reuse: ReuseRecorder | None = None
         self._clock = clock
 
     @classmethod
@@ -261,6 +269,7 @@ class Worker:
                 (:func:`serve.common.cpu.choose_threads`). Sets the process's torch threads.
             environ: the environment to read (``DLRM_REPOSITORY``: where the versions'
                 tables folders are; ``DLRM_CACHE_ON_CPU``, ``DLRM_DELTA_*``,
+                ``DLRM_REUSE_SAMPLE``,
                 ``DLRM_PREDICTION_LOG_*``, ``PROMETHEUS_MULTIPROC_DIR``,
                 ``OMP_NUM_THREADS``, and for tests ``DLRM_DEBUG_CANDIDATE_SLOWDOWN``);
                 default ``os.environ``.
@@ -281,6 +290,7 @@ class Worker:
         deltas = DeltaWiring.from_env(env)
         store = DeltaStore(deltas.directory) if deltas is not None else None
         slowdown = candidate_slowdown_from_env(env, cfg.debug_candidate_slowdown)
+        rate = reuse_sample_from_env(env)
 
         def shared_for(version: str) -> SharedTables | None:
             return _shared_tables(store, deltas, version)
@@ -300,6 +310,8 @@ class Worker:
                      candidate_version=rollout.candidate_version if rollout else None,
                      watcher=watcher, rng=rng, predlog=predlog, metrics=metrics,
                      candidate_slowdown=slowdown)
+        if rate > 0:
+            worker.reuse = ReuseRecorder(runtime.schema, rate, ReuseMetrics(metrics.registry))
         if slowdown != 1.0:
             logger.warning("TEST ONLY: the candidate's forwards are slowed %.3gx "
                            "(debug_candidate_slowdown / DLRM_DEBUG_CANDIDATE_SLOWDOWN)",
@@ -388,6 +400,9 @@ class Worker:
         seconds = self._clock() - t0
         responses = [self._response(out, info, len(requests)) for out in outcomes]
         self.recorder.record(outcomes, info, seconds)
+        ids = self.arms.take_ids()
+        if ids is not None and self.reuse is not None:
+            self.reuse.observe(*ids)
         if info is not None and self.prediction_log is not None:
             self.prediction_log.record(info, [r.request_id for r in requests])
         return responses

@@ -90,6 +90,44 @@ class ObservedBatching(BaseModel):
     max_batch_delay_ms: int
 
 
+class TierStatus(BaseModel):
+    """One table tier (``device``: the device cache; ``host``: the bounded host-memory
+    tier over the table files, whose misses are disk reads), summed over the workers."""
+
+    hit_ratio: float | None = Field(
+        description="hits / lookups over the window (tables.window_s), or since the "
+                    "workers started when window_s is null; null: no lookup.")
+    lookups: int = Field(description="Ids looked up at the tier, over the same span.")
+    hits: int = Field(description="... of them found resident there.")
+    miss_p99_s: float | None = Field(
+        description="p99 of a batch's fetch of its misses from the tier below, seconds "
+                    "(dlrm_tier_miss_seconds, same span); null: no miss fetched.")
+    read_bytes_per_s: float | None = Field(
+        description="Bytes fetched from the tier below per second over the window; null "
+                    "without a window (window_s null).")
+    capacity_bytes: int | None = Field(
+        description="The tier's budget now, summed over the live workers; null: not "
+                    "reported.")
+    hit_ratio_total: float | None = Field(
+        description="hits / lookups since the workers started (every worker's counts, "
+                    "dead ones included); null: no lookup.")
+    lookups_total: int = Field(description="Ids looked up since the workers started.")
+
+
+class ObservedTables(BaseModel):
+    """The table tiers' hit rates (``observed.tables``), read from the workers' metrics."""
+
+    window_s: float | None = Field(
+        description="Seconds the windowed fields cover (the sidecar samples the workers' "
+                    "counters every few seconds and keeps about a minute); null: no earlier "
+                    "sample yet, the fields are cumulative since the workers started.")
+    device: TierStatus | None = Field(
+        default=None, description="The device cache; null: no worker reports it.")
+    host: TierStatus | None = Field(
+        default=None, description="The host-memory tier over the table files on disk; "
+                                  "null: no worker reports it (tables all in memory).")
+
+
 class ObservedState(BaseModel):
     """What TorchServe serves, with the desired state's keys (null when nothing serves)."""
 
@@ -107,6 +145,11 @@ class ObservedState(BaseModel):
         default=None, description="Requests queued for the default version (TorchServe's jobQueueStatus).")
     registered_versions: list[str] = Field(
         description="Every registered version of the model, in TorchServe's order.")
+    tables: ObservedTables | None = Field(
+        default=None, description="Per table tier (device, host): hit ratio, lookups, "
+                                  "hits, miss p99, bytes read per second, capacity, from "
+                                  "the workers' metrics; null without the workers' "
+                                  "metrics directory or before any worker reports a tier.")
 
 
 class SwitchRecord(BaseModel):

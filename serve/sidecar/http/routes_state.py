@@ -16,6 +16,11 @@ GET's ``observed.model.schema`` is the served version's request schema
 (:meth:`serve.schema.ModelSchema.describe`), read once per version from its build report;
 null when the version has no report or no derivable schema.
 
+GET's ``observed.tables`` are the table tiers' hit rates (device cache, host-memory tier
+over the table files), read from the workers' metrics over the sidecar's recent window
+(:mod:`serve.sidecar.services.tiers`); null without the workers' metrics directory or
+before any worker reports a tier.
+
 GET's ``endpoints.oip_url`` is the Open Inference Protocol's base URL (``--oip-port``,
 :mod:`serve.sidecar.http.routes_oip`) on the host the GET reached; null when not served.
 
@@ -30,6 +35,7 @@ lookups; ``[]`` for a version whose tables are all modulo.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Request
@@ -75,6 +81,10 @@ async def get_state(request: Request, sidecar: SidecarDep) -> StateStatus:
         "tuner": tuner_status(sidecar),
         "sidecar": SidecarEndpoints(write_port=sidecar.write_port),
         "endpoints": ServiceEndpoints(oip_url=_oip_url(request, sidecar))})
+    if sidecar.tiers is not None:
+        tables = await asyncio.to_thread(sidecar.tiers.view)
+        status = status.model_copy(update={
+            "observed": status.observed.model_copy(update={"tables": tables})})
     if sidecar.deltas is not None:
         summaries = await sidecar.deltas.report.summaries()
         status = status.model_copy(update={"embeddings": {
