@@ -69,6 +69,7 @@ memory), so the runtime does not use it there unless asked to.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,6 +80,7 @@ from serve.common.validate import int_at_least
 from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
 from serve.runtime.hostmem import MISS_PATHS, STAGING_BYTES, HostRows, device_guard, with_index
+from serve.runtime.rowsource import MissClock, RowSource
 
 __all__ = ["LFU_DECAY_PER_ROW", "POLICIES", "CacheCounters", "CacheTally", "EmbeddingCache",
            "SlotIndex", "capacity_for", "resolve_decay_every"]
@@ -357,7 +359,9 @@ class EmbeddingCache:
             is pinned already; :meth:`close` unregisters it. Give it memory of its own
             pages (:func:`serve.runtime.hostmem.page_exclusive_empty`, what the runtime
             does): a table sharing a page with one registered before is copied once to
-            be registered.
+            be registered. Or a :class:`serve.runtime.rowsource.RowSource` the misses
+            are fetched from (the tiers below a cache over disk-backed tables,
+            :mod:`serve.runtime.tiers`; ``miss_path`` and ``staging_bytes`` then unused).
         capacity: device slots, 1..R.
         policy: "lru" or "lfu".
         device: where the slots and the policy state live.
@@ -368,7 +372,8 @@ class EmbeddingCache:
         staging_bytes: bytes of each of the two pinned staging buffers of the host miss
             path (CUDA); at least one row.
 
-    Parts: ``host`` (:class:`serve.runtime.hostmem.HostRows`), ``index``
+    Parts: ``host`` (:class:`serve.runtime.hostmem.HostRows` or the row source given),
+    ``clock`` (the misses' fetch times, :class:`serve.runtime.rowsource.MissClock`), ``index``
     (:class:`SlotIndex`), ``tally`` (:class:`CacheTally`); the cache itself owns the
     slots' bytes, uint8 (capacity + 1, row_bytes) (the last one a dump, see SlotIndex).
 
@@ -382,32 +387,40 @@ class EmbeddingCache:
         row_bytes = cache.lookup(rows, counts)        # (U, row_bytes) uint8 on the device
     """
 
-    def __init__(self, host_table: torch.Tensor, capacity: int, policy: str = "lru",
-                 device: str | torch.device = "cpu", miss_path: str = "host",
-                 lfu_decay_every: int | None = None,
+    def __init__(self, host_table: torch.Tensor | RowSource, capacity: int,
+                 policy: str = "lru", device: str | torch.device = "cpu",
+                 miss_path: str = "host", lfu_decay_every: int | None = None,
                  staging_bytes: int = STAGING_BYTES) -> None:
         if miss_path not in MISS_PATHS:
             raise ConfigError(f"cache miss path {miss_path!r} is not one of {MISS_PATHS}")
         if policy not in POLICIES:
             raise ConfigError(f"cache_policy {policy!r} is not one of {POLICIES}; "
                               "choose 'lru' or 'lfu'")
-        if host_table.dtype != torch.uint8 or host_table.dim() != 2:
-            raise ConfigError(f"host table must be uint8 (rows, row_bytes), got "
-                              f"{host_table.dtype} {tuple(host_table.shape)}")
-        total = host_table.shape[0]
+        if isinstance(host_table, torch.Tensor):
+            if host_table.dtype != torch.uint8 or host_table.dim() != 2:
+                raise ConfigError(f"host table must be uint8 (rows, row_bytes), got "
+                                  f"{host_table.dtype} {tuple(host_table.shape)}")
+            total, rb = int(host_table.shape[0]), int(host_table.shape[1])
+        else:
+            total, rb = int(host_table.total_rows), int(host_table.row_bytes)
         if not 1 <= capacity <= total:
             raise ConfigError(f"cache capacity {capacity} must be in 1..{total} (the table's rows)")
         self.device = with_index(torch.device(device))
         self.policy = policy
         self.capacity = int(capacity)
-        self.total_rows = int(total)
-        self.row_bytes = int(host_table.shape[1])
+        self.total_rows = total
+        self.row_bytes = rb
         if staging_bytes < self.row_bytes:
             raise ConfigError(f"staging_bytes {staging_bytes} is smaller than one row "
                               f"({self.row_bytes} bytes); give at least {self.row_bytes}")
         #: LFU aging period in ids (0 = never), resolved.
         self.lfu_decay_every = resolve_decay_every(lfu_decay_every, self.total_rows)
-        self.host = HostRows(host_table, self.device, miss_path, staging_bytes)
+        #: Where misses come from: every row in host memory (a tensor given), or the
+        #: row source given (the tiers below, serve.runtime.tiers).
+        self.host: RowSource = (HostRows(host_table, self.device, miss_path, staging_bytes)
+                                if isinstance(host_table, torch.Tensor) else host_table)
+        #: The fetches of misses from ``host``: seconds per batch, rows fetched.
+        self.clock = MissClock()
         self._closed = False
         with device_guard(self.device):
             self.slots = torch.zeros((self.capacity + 1, self.row_bytes), dtype=torch.uint8,
@@ -496,7 +509,9 @@ class EmbeddingCache:
         n_miss = miss_idx.numel()
         if n_miss:
             miss_rows = rows.index_select(0, miss_idx)
+            t0 = time.perf_counter()
             fetched = self.host.fetch(miss_rows)
+            self.clock.observe(time.perf_counter() - t0, n_miss)
             out.index_copy_(0, miss_idx, fetched)
             admitted = index.admit(miss_rows, counts.index_select(0, miss_idx),
                                    n_hits=u - n_miss, now=now)
@@ -523,7 +538,7 @@ class EmbeddingCache:
         self._check_open()
         rows_cpu = rows.to("cpu", dtype=torch.int64)
         data_cpu = data.to("cpu")
-        self.host.table.index_copy_(0, rows_cpu, data_cpu)
+        self.host.write(rows_cpu, data_cpu)
         slot = self.index.find(rows_cpu.to(self.device, non_blocking=True))
         resident = slot >= 0
         hit = int(resident.sum())
