@@ -29,6 +29,7 @@ sum, count, and counts per bucket of ``serve.metrics.STAGE_DURATION_BUCKETS``);
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import threading
 import time
@@ -307,7 +308,7 @@ class DiskRows(_FileLevel):
         if (widths != self.row_bytes).any():
             out.fill(0)
         args = (self.fds[t].tolist(), (local * widths).tolist(), widths.tolist(),
-                memoryview(out.reshape(-1)), self.row_bytes)
+                out.reshape(-1).data, self.row_bytes)
         tasks = min(self.threads, max(1, n // _MIN_ROWS_PER_TASK))
         if tasks == 1:
             _read_span(*args, 0, n)
@@ -315,7 +316,7 @@ class DiskRows(_FileLevel):
             bounds = [n * k // tasks for k in range(tasks + 1)]
             pool = self._executor()
             for f in [pool.submit(_read_span, *args, lo, hi)
-                      for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
+                      for lo, hi in itertools.pairwise(bounds)]:
                 f.result()
         self.read_rows += n
         self.read_bytes += int(widths.sum())

@@ -122,7 +122,9 @@ def runtime_config(cfg: HandlerConfig, *, device: str | torch.device, threads: i
         device=str(device), cache_load_factor=cfg.cache_load_factor,
         cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
         num_threads=threads, max_forward_instances=cfg.max_forward_instances,
-        cache_on_cpu=cache_on_cpu, dense_precision=cfg.dense_precision)
+        cache_on_cpu=cache_on_cpu, dense_precision=cfg.dense_precision,
+        host_cache_bytes=cfg.host_cache_bytes, host_cache_fraction=cfg.host_cache_fraction,
+        disk_read_threads=cfg.disk_read_threads)
 
 
 def _set_torch_threads(workers: int, cfg: HandlerConfig, env: Mapping[str, str]) -> int:
