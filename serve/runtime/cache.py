@@ -217,6 +217,9 @@ class SlotIndex:
         self.row_freq = (torch.zeros((rows,), dtype=torch.int32, device=dev)
                          if policy == "lfu" else None)
         self._ids_since_decay = 0
+        # Slots 0.._filled-1 have held a row, the others never did (None: unknown, after
+        # a fixed-shape admission): admit's shortcut while empty slots remain.
+        self._filled: int | None = 0
         #: Halvings of the LFU counts so far.
         self.decays = 0
         # The step lives on the device so a captured CUDA graph advances it too.
@@ -267,25 +270,16 @@ class SlotIndex:
             torch.bitwise_right_shift(self.row_freq, min(k, 31), out=self.row_freq)
             self.decays += k
 
-    def admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor, *, n_hits: int,
-              now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Map misses to victim slots by policy: ``(victims, cand, evicted)``, slot of
-        each admitted miss, its position in ``miss_rows``, and a 0-d count of occupied
-        slots taken; None when nothing is admitted. The caller writes the slots' bytes."""
-        k = min(miss_rows.numel(), self.capacity - n_hits)
-        if k <= 0:
-            return None
-        if self.policy == "lru":
-            # Candidates: the batch's most frequent misses first (ties: lower row first).
-            cand_key = miss_counts
+    def _victims(self, cand: torch.Tensor, cand_key: torch.Tensor, k: int,
+                 now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`admit`'s choice by ranking every slot: ``(cand, victims)``, the admitted
+        candidates and their slots (None: LFU admits none)."""
+        if self.row_freq is None:
             # Hits of this batch hold the largest keys, so the k smallest never include
             # them (k <= capacity - hits); empty slots (negative keys) go first. Keys are
             # unique, so topk's choice, and every later eviction, is deterministic.
             key = self.slot_last_use[: self.capacity]
         else:
-            if self.row_freq is None:
-                raise RuntimeError("LFU cache without access counts")
-            cand_key = self.row_freq.index_select(0, miss_rows).long()
             resident = self.slot_to_row[: self.capacity]
             last = self.slot_last_use[: self.capacity]
             freq = torch.where(resident >= 0,
@@ -296,9 +290,8 @@ class SlotIndex:
             slot_ids = torch.remainder(last, self.capacity)
             key = torch.where(last >= now, torch.full_like(freq, _NEVER),
                               freq * (1 << 32) + slot_ids)
-        cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
         victims = torch.topk(key, k, largest=False, sorted=True).indices
-        if self.policy == "lfu":
+        if self.row_freq is not None:
             # Candidates descend in count and victims ascend, so the admitted pairs are a
             # prefix: a miss whose count is not above its victim's stays out (it was
             # served from host memory this time).
@@ -306,6 +299,36 @@ class SlotIndex:
             if n_ok == 0:
                 return None
             cand, victims = cand[:n_ok], victims[:n_ok]
+        return cand, victims
+
+    def admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor, *, n_hits: int,
+              now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Map misses to victim slots by policy: ``(victims, cand, evicted)``, slot of
+        each admitted miss, its position in ``miss_rows``, and a 0-d count of occupied
+        slots taken; None when nothing is admitted. The caller writes the slots' bytes."""
+        k = min(miss_rows.numel(), self.capacity - n_hits)
+        if k <= 0:
+            return None
+        if self.policy == "lfu" and self.row_freq is None:
+            raise RuntimeError("LFU cache without access counts")
+        # Candidates: LRU the batch's most frequent misses first, LFU the highest
+        # counts first (ties: lower row first).
+        cand_key = (miss_counts if self.row_freq is None
+                    else self.row_freq.index_select(0, miss_rows).long())
+        cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
+        if self._filled is not None and self._filled + k <= self.capacity:
+            # Never-filled slots remain for all k: both policies take the lowest empty
+            # slots first (their keys are the smallest, ascending by slot) and admit
+            # every miss into an empty slot, so take them without ranking every slot
+            # (an O(capacity) topk per batch: tens of ms for a host tier of millions).
+            victims = torch.arange(self._filled, self._filled + k, device=miss_rows.device)
+            self._filled += k
+        else:
+            self._filled = self.capacity   # every slot holds a row from here on
+            picked = self._victims(cand, cand_key, k, now)
+            if picked is None:
+                return None
+            cand, victims = picked
         new_rows = miss_rows.index_select(0, cand)
         old_rows = self.slot_to_row.index_select(0, victims)
         occupied = old_rows >= 0
@@ -327,6 +350,7 @@ class SlotIndex:
         oldest slots, in order (never a hit of this batch when C >= 2n).
         """
         cap, n = self.capacity, rows.numel()
+        self._filled = None    # admissions here are not counted: rank every slot
         # First occurrence of each row: only it may be admitted (one slot per row).
         order = torch.argsort(rows, stable=True)
         sorted_rows = rows.index_select(0, order)
