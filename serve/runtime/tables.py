@@ -10,6 +10,10 @@ them; where the rows come from is the store's business:
   shared copy, :mod:`serve.runtime.shared`): a direct gather of the nnz rows;
 * or an :class:`serve.runtime.cache.EmbeddingCache` (hot rows on the device, all rows
   in host memory): ``torch.unique`` -> the cache's U rows -> dequantize once -> pool.
+* or, when the version's tables are on disk (``Artifact.files``), the tiers of
+  :mod:`serve.runtime.tiers` (device cache -> bounded host tier -> ``pread`` from the
+  table files; deltas in a per-worker overlay): ``torch.unique`` -> the top tier's U
+  rows -> dequantize once -> pool. No table is copied and no row read at load.
 
 Ids become global rows through :class:`serve.runtime.rowmap.RowMapper` (modulo tables,
 the managed tables' id maps). The store's counters (lookups, hits, the cache's misses
