@@ -286,7 +286,9 @@ def run_budget(args: argparse.Namespace, version: str, schema: Any, budget: str
     """Start a service at host budget ``budget`` and run every alpha against it."""
     from serve.ops.launcher import running_service
 
-    env = {} if budget == "all" else {"DLRM_HOST_CACHE_FRACTION": budget}
+    from serve.settings import DLRM_HOST_CACHE_FRACTION
+
+    env = {} if budget == "all" else {DLRM_HOST_CACHE_FRACTION.name: budget}
     limit = None if budget == "all" else args.memory_limit_bytes
     root = args.work_dir / f"svc-{budget}"
     shutil.rmtree(root, ignore_errors=True)
@@ -331,8 +333,8 @@ def _one_alpha(args: argparse.Namespace, url: str, client: Any, schema: Any,
 
 # --------------------------------------------------------------------------- report
 def table(runs: Sequence[Mapping[str, Any]]) -> str:
-    lines = [f"{'budget':>7} {'alpha':>5} {'pairs/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-             f"{'failed':>6} {'host hit':>9} {'device hit':>10} {'start s':>8}"]
+    lines = [(f"{'budget':>7} {'alpha':>5} {'pairs/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
+             f"{'failed':>6} {'host hit':>9} {'device hit':>10} {'start s':>8}")]
     for r in runs:
         for a in r["alphas"]:
             hit = {t: v["hit_ratio"] for t, v in a["tiers"].items()}

@@ -58,6 +58,8 @@ __all__ = [
     "DLRM_FEEDBACK_MAX_BODY_BYTES",
     "DLRM_FEEDBACK_WINDOW_S",
     "DLRM_FLEET",
+    "DLRM_HOST_CACHE_BYTES",
+    "DLRM_HOST_CACHE_FRACTION",
     "DLRM_LOG_LEVEL",
     "DLRM_MAX_DELTA_BYTES",
     "DLRM_MAX_DELTA_STORE_BYTES",
@@ -353,6 +355,16 @@ DLRM_CACHE_ON_CPU = _var(
     "DLRM_CACHE_ON_CPU",
     "1 runs the embedding cache on CPU too (on CPU it only costs time, so it is off by "
     "default); 0 serves CPU models without a cache.", WORKER, default="0")
+DLRM_HOST_CACHE_BYTES = _var(
+    "DLRM_HOST_CACHE_BYTES",
+    "The host tier's budget in bytes per worker for versions whose tables are on disk "
+    "(overrides the archive's handler.host_cache_bytes; 0 = every lookup reads the table "
+    "files): size it from the pod's memory limit, so a pod smaller than its tables "
+    "serves. Unset: the archive's setting (default: no bound, the mapped files).", WORKER)
+DLRM_HOST_CACHE_FRACTION = _var(
+    "DLRM_HOST_CACHE_FRACTION",
+    "The same budget as a fraction (0..1) of the version's table bytes, per worker "
+    "(overrides handler.host_cache_fraction); at most one of the two.", WORKER)
 DLRM_DEBUG_CANDIDATE_SLOWDOWN = _var(
     "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
     "FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's forwards take this many times "

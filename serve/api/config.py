@@ -25,6 +25,8 @@ from serve.settings import (
     DLRM_DEBUG_CANDIDATE_SLOWDOWN,
     DLRM_DELTA_DIR,
     DLRM_DELTA_POLL_MS,
+    DLRM_HOST_CACHE_BYTES,
+    DLRM_HOST_CACHE_FRACTION,
     DLRM_SHARED_TABLES,
 )
 from serve.state import VERSION_RE
@@ -155,6 +157,15 @@ class HandlerConfig:
             in fp32 or bf16 (``--dense-precision`` of the import; the worker refuses int8).
         rollout: a rollout's candidate loaded beside the stable model
             (:class:`RolloutWiring`); None (the default) serves the stable model alone.
+        host_cache_bytes: a version whose tables are on disk (``dlrm-<version>.tables``):
+            the host tier's budget in bytes PER WORKER (each worker is its own process;
+            the pod holds workers x this); the rows beyond it are read from the table
+            files with ``pread``. 0 = read every lookup from disk; None (with no
+            fraction) = no bound: serve the mapped files, shared through the page cache.
+            See serve.runtime.tiers.
+        host_cache_fraction: the same budget as a fraction (0..1) of the version's table
+            bytes; at most one of the two.
+        disk_read_threads: reads of missed rows in flight per runtime (1..256).
     """
 
     cache_load_factor: float | None = 0.2
@@ -170,6 +181,9 @@ class HandlerConfig:
     debug_candidate_slowdown: float = 1.0
     dense_precision: str = "fp32"
     rollout: RolloutWiring | None = None
+    host_cache_bytes: int | None = None
+    host_cache_fraction: float | None = None
+    disk_read_threads: int = 16
 
     def __post_init__(self) -> None:
         lf = self.cache_load_factor
@@ -196,10 +210,27 @@ class HandlerConfig:
             raise ConfigError(f"handler.dense_precision={self.dense_precision!r} must be one of "
                               f"{', '.join(DENSE_PRECISIONS)} (fp32: exact; the others are "
                               "lossy: build them with --dense-precision, which checks the AUC)")
+        self._check_tiers()
         if self.rollout is not None and not isinstance(self.rollout, RolloutWiring):
             raise ConfigError(f"handler.rollout={self.rollout!r} must be a RolloutWiring or "
                               "None; build the config with HandlerConfig.from_dict to read a "
                               "mapping")
+
+    def _check_tiers(self) -> None:
+        """The host tier's settings (serve.runtime.tiers)."""
+        if self.host_cache_bytes is not None:
+            int_in_range("handler.host_cache_bytes", self.host_cache_bytes, 0, 1 << 50,
+                         then=" (host tier bytes per worker; 0 = read every row from disk) "
+                              "or null (no bound)")
+        if self.host_cache_fraction is not None:
+            number_in_range("handler.host_cache_fraction", self.host_cache_fraction, 0, 1,
+                            then=" (a fraction of the table bytes) or null")
+            if self.host_cache_bytes is not None:
+                raise ConfigError(f"handler: host_cache_bytes={self.host_cache_bytes} and "
+                                  f"host_cache_fraction={self.host_cache_fraction} are both "
+                                  "set; give one of the two")
+        int_in_range("handler.disk_read_threads", self.disk_read_threads, 1, 256,
+                     then=" (reads of missed rows in flight per runtime)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> HandlerConfig:
@@ -214,15 +245,44 @@ class HandlerConfig:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (nested mappings); ``rollout`` is left out when None and
-        ``dense_precision`` when "fp32", so archives without them keep the config they had
-        before either existed."""
+        """Plain data (nested mappings); ``rollout`` is left out when None,
+        ``dense_precision`` when "fp32" and the host tier's keys at their defaults, so
+        archives without them keep the config they had before they existed."""
         out = asdict(self)
         if out["rollout"] is None:
             del out["rollout"]
         if out["dense_precision"] == "fp32":
             del out["dense_precision"]
+        for key, default in (("host_cache_bytes", None), ("host_cache_fraction", None),
+                             ("disk_read_threads", 16)):
+            if out[key] == default:
+                del out[key]
         return out
+
+
+def host_budget_from_env(cfg: HandlerConfig, environ: Mapping[str, str]) -> HandlerConfig:
+    """``cfg`` with the host tier's budget from ``DLRM_HOST_CACHE_BYTES`` or
+    ``DLRM_HOST_CACHE_FRACTION`` (TorchServe's environment: the pod's memory decides it,
+    not the model), when one is set; else ``cfg`` itself.
+
+    Raises:
+        ConfigError: both are set, or one is not a number in its range.
+    """
+    raw_b = DLRM_HOST_CACHE_BYTES.get(environ)
+    raw_f = DLRM_HOST_CACHE_FRACTION.get(environ)
+    if not raw_b and not raw_f:
+        return cfg
+    if raw_b and raw_f:
+        raise ConfigError(f"{DLRM_HOST_CACHE_BYTES}={raw_b!r} and {DLRM_HOST_CACHE_FRACTION}"
+                          f"={raw_f!r} are both set; set one of the two")
+    try:
+        values = ({"host_cache_bytes": int(float(raw_b)), "host_cache_fraction": None}
+                  if raw_b else {"host_cache_bytes": None, "host_cache_fraction": float(raw_f or 0)})
+    except ValueError:
+        name = DLRM_HOST_CACHE_BYTES if raw_b else DLRM_HOST_CACHE_FRACTION
+        raise ConfigError(f"{name}={raw_b or raw_f!r} must be a number (bytes per worker, "
+                          "or a fraction 0..1 of the table bytes)") from None
+    return HandlerConfig.from_dict({**cfg.to_dict(), **values})
 
 
 def cache_on_cpu_from_env(environ: Mapping[str, str]) -> bool:

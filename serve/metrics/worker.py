@@ -48,6 +48,12 @@ from serve.metrics import (
     SHADOW_SCORE_DIFF,
     STAGE_DURATION_BUCKETS,
     STAGE_DURATION_SECONDS,
+    TIER_CAPACITY_BYTES,
+    TIER_HITS_TOTAL,
+    TIER_LOOKUPS_TOTAL,
+    TIER_MISS_SECONDS,
+    TIER_READ_BYTES_TOTAL,
+    TIERS,
     strip_total,
 )
 
@@ -55,6 +61,7 @@ __all__ = [
     "CacheStats",
     "HandlerMetrics",
     "ReuseMetrics",
+    "TierStats",
     "observe_many",
 ]
 
@@ -69,6 +76,26 @@ class CacheStats(Protocol):
     evictions: int
     device_bytes: int
     host_bytes: int
+
+
+class TierStats(Protocol):
+    """One tier's cumulative counters as the runtime reports them
+    (``serve.runtime.rowsource.TierCounters``)."""
+
+    @property
+    def lookups(self) -> int: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def read_bytes(self) -> int: ...
+    @property
+    def miss_seconds_sum(self) -> float: ...
+    @property
+    def miss_seconds_count(self) -> int: ...
+    @property
+    def miss_seconds_bins(self) -> tuple[int, ...]: ...
+    @property
+    def capacity_bytes(self) -> int: ...
 
 
 class HandlerMetrics:
@@ -146,6 +173,8 @@ class HandlerMetrics:
         self._last: dict[str, int] = {}
         self._dropped_stages: set[str] = set()
         self._init_arms(r)
+        #: The table tiers' series (serve.runtime.tiers).
+        self.tiers = TierMetrics(r)
 
     def _init_arms(self, r: CollectorRegistry) -> None:
         """The per-arm series of rollouts (serve.store.routing): one per (arm, version);
@@ -283,6 +312,10 @@ class HandlerMetrics:
                 else:
                     self._last[key] = int(value)
 
+    def set_tiers(self, tiers: Mapping[str, TierStats], *, count: bool = True) -> None:
+        """:meth:`TierMetrics.set_tiers` (the table tiers' series)."""
+        self.tiers.set_tiers(tiers, count=count)
+
     def _advance(self, counter: Counter, key: str, value: int) -> None:
         """Move ``counter`` by ``value``'s increase since the last value seen under ``key``
         (a lower value: the runtime was rebuilt and counts from zero again). Under _lock."""
@@ -399,11 +432,90 @@ class ReuseMetrics:
         child._sum.inc(float(v.sum()) * weight)
 
 
+class TierMetrics:
+    """The table tiers' series of a worker (label ``tier`` in :data:`TIERS`): ids looked
+    up and found per tier, bytes fetched from the tier below, the fetches' seconds, the
+    tiers' capacity. Part of :class:`HandlerMetrics`.
+    """
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}
+        self._last_miss: dict[str, tuple[int, float, tuple[int, ...]]] = {}
+        self._tier_lookups = Counter(
+            strip_total(TIER_LOOKUPS_TOTAL),
+            "Sparse ids looked up at a table tier (device: every id of a batch when the "
+            "device cache serves; host: the ids the tier above missed).", ["tier"],
+            registry=r)
+        self._tier_hits = Counter(strip_total(TIER_HITS_TOTAL),
+                                  "Ids found resident in a table tier.", ["tier"], registry=r)
+        self._tier_read = Counter(
+            strip_total(TIER_READ_BYTES_TOTAL),
+            "Bytes a table tier fetched from the tier below (host: read from the table "
+            "files on disk).", ["tier"], registry=r)
+        self._tier_miss = Histogram(
+            TIER_MISS_SECONDS,
+            "Seconds a table tier spent fetching one lookup's misses from the tier below.",
+            ["tier"], buckets=STAGE_DURATION_BUCKETS, registry=r)
+        self._tier_capacity = Gauge(TIER_CAPACITY_BYTES,
+                                    "Row budget of a table tier in bytes (0: no such tier).",
+                                    ["tier"], registry=r, multiprocess_mode="livesum")
+
+    def set_tiers(self, tiers: Mapping[str, TierStats], *, count: bool = True) -> None:
+        """Record the runtimes' cumulative tier counters (``RuntimeStats.tiers``, summed
+        over a worker's runtimes) as increments, like :meth:`set_cache`; tiers outside
+        :data:`TIERS` are dropped (bounded labels). ``count=False``: take them as the
+        starting point without counting them (warm-up); the capacity gauge is set
+        either way."""
+        with self._lock:
+            for tier in TIERS:
+                s = tiers.get(tier)
+                if s is None:
+                    continue
+                for name, counter, value in (("lookups", self._tier_lookups, s.lookups),
+                                             ("hits", self._tier_hits, s.hits),
+                                             ("read", self._tier_read, s.read_bytes)):
+                    key = f"tier:{tier}:{name}"
+                    last = self._last.get(key, 0)
+                    self._last[key] = int(value)
+                    # a lower value: the runtime was rebuilt and counts from zero again
+                    delta = int(value) - last if value >= last else int(value)
+                    if count and delta:
+                        counter.labels(tier=tier).inc(delta)
+                now = (int(s.miss_seconds_count), float(s.miss_seconds_sum),
+                       tuple(int(b) for b in s.miss_seconds_bins))
+                seen = self._last_miss.get(tier)
+                self._last_miss[tier] = now
+                if count:
+                    _advance_histogram(self._tier_miss.labels(tier=tier), now, seen)
+                self._tier_capacity.labels(tier=tier).set(int(s.capacity_bytes))
+
+
 def _check_arm(arm: str, version: str) -> None:
     if arm not in ARMS:
         raise ValueError(f"arm {arm!r} is not one of {ARMS}")
     if not isinstance(version, str) or not version:
         raise ValueError(f"version {version!r} must be a non-empty model version")
+
+
+def _advance_histogram(child: Histogram, now: tuple[int, float, tuple[int, ...]],
+                       last: tuple[int, float, tuple[int, ...]] | None) -> None:
+    """Move a histogram child by the observations a cumulative ``(count, sum, bins)``
+    gained since ``last`` (None, or a lower count: counted from zero again, a rebuilt
+    runtime). Uses the internals :func:`observe_many` uses (checked there)."""
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    count, seconds, bins = now
+    if buckets is None or total is None or len(buckets) != len(bins):
+        raise TypeError(f"tier miss histogram: {len(bins)} bins against "
+                        f"{len(buckets) if buckets is not None else 'no'} buckets; the "
+                        "runtime's MISS_SECONDS_BUCKETS and the metric's buckets differ")
+    if last is None or count < last[0]:
+        last = (0, 0.0, (0,) * len(bins))
+    for i, (a, b) in enumerate(zip(bins, last[2], strict=True)):
+        if a > b:
+            buckets[i].inc(a - b)
+    if seconds > last[1]:
+        total.inc(seconds - last[1])
 
 
 def observe_many(histogram: Histogram, values: np.ndarray) -> int:

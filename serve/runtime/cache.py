@@ -69,6 +69,7 @@ memory), so the runtime does not use it there unless asked to.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,6 +80,7 @@ from serve.common.validate import int_at_least
 from serve.constants import CACHE_POLICIES
 from serve.errors import ConfigError
 from serve.runtime.hostmem import MISS_PATHS, STAGING_BYTES, HostRows, device_guard, with_index
+from serve.runtime.rowsource import MissClock, RowSource
 
 __all__ = ["LFU_DECAY_PER_ROW", "POLICIES", "CacheCounters", "CacheTally", "EmbeddingCache",
            "SlotIndex", "capacity_for", "resolve_decay_every"]
@@ -215,6 +217,9 @@ class SlotIndex:
         self.row_freq = (torch.zeros((rows,), dtype=torch.int32, device=dev)
                          if policy == "lfu" else None)
         self._ids_since_decay = 0
+        # Slots 0.._filled-1 have held a row, the others never did (None: unknown, after
+        # a fixed-shape admission): admit's shortcut while empty slots remain.
+        self._filled: int | None = 0
         #: Halvings of the LFU counts so far.
         self.decays = 0
         # The step lives on the device so a captured CUDA graph advances it too.
@@ -265,25 +270,16 @@ class SlotIndex:
             torch.bitwise_right_shift(self.row_freq, min(k, 31), out=self.row_freq)
             self.decays += k
 
-    def admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor, *, n_hits: int,
-              now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Map misses to victim slots by policy: ``(victims, cand, evicted)``, slot of
-        each admitted miss, its position in ``miss_rows``, and a 0-d count of occupied
-        slots taken; None when nothing is admitted. The caller writes the slots' bytes."""
-        k = min(miss_rows.numel(), self.capacity - n_hits)
-        if k <= 0:
-            return None
-        if self.policy == "lru":
-            # Candidates: the batch's most frequent misses first (ties: lower row first).
-            cand_key = miss_counts
+    def _victims(self, cand: torch.Tensor, cand_key: torch.Tensor, k: int,
+                 now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`admit`'s choice by ranking every slot: ``(cand, victims)``, the admitted
+        candidates and their slots (None: LFU admits none)."""
+        if self.row_freq is None:
             # Hits of this batch hold the largest keys, so the k smallest never include
             # them (k <= capacity - hits); empty slots (negative keys) go first. Keys are
             # unique, so topk's choice, and every later eviction, is deterministic.
             key = self.slot_last_use[: self.capacity]
         else:
-            if self.row_freq is None:
-                raise RuntimeError("LFU cache without access counts")
-            cand_key = self.row_freq.index_select(0, miss_rows).long()
             resident = self.slot_to_row[: self.capacity]
             last = self.slot_last_use[: self.capacity]
             freq = torch.where(resident >= 0,
@@ -294,9 +290,8 @@ class SlotIndex:
             slot_ids = torch.remainder(last, self.capacity)
             key = torch.where(last >= now, torch.full_like(freq, _NEVER),
                               freq * (1 << 32) + slot_ids)
-        cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
         victims = torch.topk(key, k, largest=False, sorted=True).indices
-        if self.policy == "lfu":
+        if self.row_freq is not None:
             # Candidates descend in count and victims ascend, so the admitted pairs are a
             # prefix: a miss whose count is not above its victim's stays out (it was
             # served from host memory this time).
@@ -304,6 +299,36 @@ class SlotIndex:
             if n_ok == 0:
                 return None
             cand, victims = cand[:n_ok], victims[:n_ok]
+        return cand, victims
+
+    def admit(self, miss_rows: torch.Tensor, miss_counts: torch.Tensor, *, n_hits: int,
+              now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Map misses to victim slots by policy: ``(victims, cand, evicted)``, slot of
+        each admitted miss, its position in ``miss_rows``, and a 0-d count of occupied
+        slots taken; None when nothing is admitted. The caller writes the slots' bytes."""
+        k = min(miss_rows.numel(), self.capacity - n_hits)
+        if k <= 0:
+            return None
+        if self.policy == "lfu" and self.row_freq is None:
+            raise RuntimeError("LFU cache without access counts")
+        # Candidates: LRU the batch's most frequent misses first, LFU the highest
+        # counts first (ties: lower row first).
+        cand_key = (miss_counts if self.row_freq is None
+                    else self.row_freq.index_select(0, miss_rows).long())
+        cand = torch.sort(cand_key, descending=True, stable=True).indices[:k]
+        if self._filled is not None and self._filled + k <= self.capacity:
+            # Never-filled slots remain for all k: both policies take the lowest empty
+            # slots first (their keys are the smallest, ascending by slot) and admit
+            # every miss into an empty slot, so take them without ranking every slot
+            # (an O(capacity) topk per batch: tens of ms for a host tier of millions).
+            victims = torch.arange(self._filled, self._filled + k, device=miss_rows.device)
+            self._filled += k
+        else:
+            self._filled = self.capacity   # every slot holds a row from here on
+            picked = self._victims(cand, cand_key, k, now)
+            if picked is None:
+                return None
+            cand, victims = picked
         new_rows = miss_rows.index_select(0, cand)
         old_rows = self.slot_to_row.index_select(0, victims)
         occupied = old_rows >= 0
@@ -325,6 +350,7 @@ class SlotIndex:
         oldest slots, in order (never a hit of this batch when C >= 2n).
         """
         cap, n = self.capacity, rows.numel()
+        self._filled = None    # admissions here are not counted: rank every slot
         # First occurrence of each row: only it may be admitted (one slot per row).
         order = torch.argsort(rows, stable=True)
         sorted_rows = rows.index_select(0, order)
@@ -357,7 +383,9 @@ class EmbeddingCache:
             is pinned already; :meth:`close` unregisters it. Give it memory of its own
             pages (:func:`serve.runtime.hostmem.page_exclusive_empty`, what the runtime
             does): a table sharing a page with one registered before is copied once to
-            be registered.
+            be registered. Or a :class:`serve.runtime.rowsource.RowSource` the misses
+            are fetched from (the tiers below a cache over disk-backed tables,
+            :mod:`serve.runtime.tiers`; ``miss_path`` and ``staging_bytes`` then unused).
         capacity: device slots, 1..R.
         policy: "lru" or "lfu".
         device: where the slots and the policy state live.
@@ -368,7 +396,8 @@ class EmbeddingCache:
         staging_bytes: bytes of each of the two pinned staging buffers of the host miss
             path (CUDA); at least one row.
 
-    Parts: ``host`` (:class:`serve.runtime.hostmem.HostRows`), ``index``
+    Parts: ``host`` (:class:`serve.runtime.hostmem.HostRows` or the row source given),
+    ``clock`` (the misses' fetch times, :class:`serve.runtime.rowsource.MissClock`), ``index``
     (:class:`SlotIndex`), ``tally`` (:class:`CacheTally`); the cache itself owns the
     slots' bytes, uint8 (capacity + 1, row_bytes) (the last one a dump, see SlotIndex).
 
@@ -382,32 +411,40 @@ class EmbeddingCache:
         row_bytes = cache.lookup(rows, counts)        # (U, row_bytes) uint8 on the device
     """
 
-    def __init__(self, host_table: torch.Tensor, capacity: int, policy: str = "lru",
-                 device: str | torch.device = "cpu", miss_path: str = "host",
-                 lfu_decay_every: int | None = None,
+    def __init__(self, host_table: torch.Tensor | RowSource, capacity: int,
+                 policy: str = "lru", device: str | torch.device = "cpu",
+                 miss_path: str = "host", lfu_decay_every: int | None = None,
                  staging_bytes: int = STAGING_BYTES) -> None:
         if miss_path not in MISS_PATHS:
             raise ConfigError(f"cache miss path {miss_path!r} is not one of {MISS_PATHS}")
         if policy not in POLICIES:
             raise ConfigError(f"cache_policy {policy!r} is not one of {POLICIES}; "
                               "choose 'lru' or 'lfu'")
-        if host_table.dtype != torch.uint8 or host_table.dim() != 2:
-            raise ConfigError(f"host table must be uint8 (rows, row_bytes), got "
-                              f"{host_table.dtype} {tuple(host_table.shape)}")
-        total = host_table.shape[0]
+        if isinstance(host_table, torch.Tensor):
+            if host_table.dtype != torch.uint8 or host_table.dim() != 2:
+                raise ConfigError(f"host table must be uint8 (rows, row_bytes), got "
+                                  f"{host_table.dtype} {tuple(host_table.shape)}")
+            total, rb = int(host_table.shape[0]), int(host_table.shape[1])
+        else:
+            total, rb = int(host_table.total_rows), int(host_table.row_bytes)
         if not 1 <= capacity <= total:
             raise ConfigError(f"cache capacity {capacity} must be in 1..{total} (the table's rows)")
         self.device = with_index(torch.device(device))
         self.policy = policy
         self.capacity = int(capacity)
-        self.total_rows = int(total)
-        self.row_bytes = int(host_table.shape[1])
+        self.total_rows = total
+        self.row_bytes = rb
         if staging_bytes < self.row_bytes:
             raise ConfigError(f"staging_bytes {staging_bytes} is smaller than one row "
                               f"({self.row_bytes} bytes); give at least {self.row_bytes}")
         #: LFU aging period in ids (0 = never), resolved.
         self.lfu_decay_every = resolve_decay_every(lfu_decay_every, self.total_rows)
-        self.host = HostRows(host_table, self.device, miss_path, staging_bytes)
+        #: Where misses come from: every row in host memory (a tensor given), or the
+        #: row source given (the tiers below, serve.runtime.tiers).
+        self.host: RowSource = (HostRows(host_table, self.device, miss_path, staging_bytes)
+                                if isinstance(host_table, torch.Tensor) else host_table)
+        #: The fetches of misses from ``host``: seconds per batch, rows fetched.
+        self.clock = MissClock()
         self._closed = False
         with device_guard(self.device):
             self.slots = torch.zeros((self.capacity + 1, self.row_bytes), dtype=torch.uint8,
@@ -496,7 +533,9 @@ class EmbeddingCache:
         n_miss = miss_idx.numel()
         if n_miss:
             miss_rows = rows.index_select(0, miss_idx)
+            t0 = time.perf_counter()
             fetched = self.host.fetch(miss_rows)
+            self.clock.observe(time.perf_counter() - t0, n_miss)
             out.index_copy_(0, miss_idx, fetched)
             admitted = index.admit(miss_rows, counts.index_select(0, miss_idx),
                                    n_hits=u - n_miss, now=now)
@@ -523,7 +562,7 @@ class EmbeddingCache:
         self._check_open()
         rows_cpu = rows.to("cpu", dtype=torch.int64)
         data_cpu = data.to("cpu")
-        self.host.table.index_copy_(0, rows_cpu, data_cpu)
+        self.host.write(rows_cpu, data_cpu)
         slot = self.index.find(rows_cpu.to(self.device, non_blocking=True))
         resident = slot >= 0
         hit = int(resident.sum())

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from serve.common.validate import number_in_range, positive_int
+from serve.common.validate import int_at_least, int_in_range, number_in_range, positive_int
 from serve.constants import STAGES
 from serve.errors import ArtifactError, ConfigError, InvalidInput
 from serve.runtime.artifact import Artifact, DLRMDense, load_artifact
@@ -62,8 +62,9 @@ from serve.runtime.dense import PRECISIONS, DenseDLRM, ExportedDenseModule, conv
 from serve.runtime.graphs import GraphRunner
 from serve.runtime.hostmem import MISS_PATHS, device_guard
 from serve.runtime.idmap import IdMap
+from serve.runtime.rowsource import DISK_READ_THREADS, TierCounters
 from serve.runtime.shared import SharedTables
-from serve.runtime.tables import TableStore
+from serve.runtime.tables import TableStore, TierSettings
 from serve.schema import ModelSchema
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
@@ -111,6 +112,17 @@ class RuntimeConfig:
         max_forward_instances: most samples in one forward; ``predict`` splits a larger
             batch into chunks of at most this many (default 8192; None = no cap). A
             TorchServe batch can hold batch_size x max_instances samples.
+        host_cache_bytes: tables on disk only (``Artifact.files``): the host tier's
+            budget in bytes, PER WORKER (each TorchServe worker is its own process with
+            its own tier; a pod holds workers x this): ``host_cache_bytes // row_bytes``
+            rows of the widest table's width stay in process memory (policy
+            ``cache_policy``), the others are read from the table files with ``pread``.
+            0 = every lookup reads the files; None (and no fraction) = no bound: serve
+            straight from the mapped files, shared by every worker through the page cache
+            (serve.runtime.tiers). Ignored for tables in memory.
+        host_cache_fraction: the same budget as a fraction (0..1) of the table bytes on
+            disk; give at most one of the two.
+        disk_read_threads: reads of missed rows in flight per runtime (1..256).
     """
 
     device: str = "cpu"
@@ -125,6 +137,9 @@ class RuntimeConfig:
     cuda_graphs: bool = False
     lfu_decay_every: int | None = None
     max_forward_instances: int | None = DEFAULT_MAX_FORWARD_INSTANCES
+    host_cache_bytes: int | None = None
+    host_cache_fraction: float | None = None
+    disk_read_threads: int = DISK_READ_THREADS
 
     def __post_init__(self) -> None:
         try:
@@ -155,6 +170,8 @@ class RuntimeConfig:
             positive_int("max_forward_instances", self.max_forward_instances,
                          then=" (samples per forward; larger batches are split), or None "
                               "for no cap")
+        _check_host_budget(self.host_cache_bytes, self.host_cache_fraction,
+                           self.disk_read_threads)
 
 
 @dataclass(frozen=True)
@@ -178,13 +195,16 @@ class RuntimeStats:
     batch arrived; ``misses`` those fetched from host memory; ``evictions`` rows pushed
     out of the cache. Without a cache every lookup is a hit. ``device_bytes``: quantized
     rows on the compute device plus the cache's maps; ``host_bytes``: the full host copy
-    behind a cache (0 without one). ``stage_seconds``: wall seconds per stage.
+    behind a cache (0 without one; over tables on disk: this worker's host tier, its
+    index and the deltas' overlay). ``stage_seconds``: wall seconds per stage.
     ``forwards``: model forwards (a batch split by ``max_forward_instances`` counts one per
     chunk); ``samples``: samples predicted. ``wrapped``: per feature (``feature_names``
     order), ids that were >= the table's rows and wrapped modulo rows (new ids outgrowing
     a table show up here first; modulo tables only). ``fallback``: per feature, ids of a
     managed table that were not in its id map and read the fallback row (0 for modulo
-    tables).
+    tables). ``tiers``: per tier ("device", "host"), its counters
+    (:class:`serve.runtime.rowsource.TierCounters`: lookups, hits, rows and bytes
+    fetched from the tier below, the seconds those fetches took, the tier's capacity).
     """
 
     lookups: int
@@ -199,6 +219,27 @@ class RuntimeStats:
     samples: int = 0
     wrapped: tuple[int, ...] = ()
     fallback: tuple[int, ...] = ()
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+
+
+def _check_host_budget(host_bytes: int | None, fraction: float | None, threads: int) -> None:
+    """RuntimeConfig's host tier settings.
+
+    Raises:
+        ConfigError: a budget out of range, both forms given, threads out of 1..256.
+    """
+    if host_bytes is not None:
+        int_at_least("host_cache_bytes", host_bytes, 0,
+                     then=" (host tier bytes per worker; 0 = read every row from disk), "
+                          "or None for no bound")
+    if fraction is not None:
+        number_in_range("host_cache_fraction", fraction, 0, 1,
+                        then=" (a fraction of the table bytes), or None")
+    if host_bytes is not None and fraction is not None:
+        raise ConfigError(f"host_cache_bytes={host_bytes} and host_cache_fraction={fraction} "
+                          "are both set; give one of the two")
+    int_in_range("disk_read_threads", threads, 1, 256,
+                 then=" (reads of missed rows in flight per runtime)")
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -337,7 +378,9 @@ class Runtime:
                 artifact, self.device, shared, load_factor=config.cache_load_factor,
                 cache_bytes=config.cache_bytes, cache_on_cpu=config.cache_on_cpu,
                 policy=config.cache_policy, miss_path=config.cache_miss_path,
-                lfu_decay_every=config.lfu_decay_every)
+                lfu_decay_every=config.lfu_decay_every,
+                tiers=TierSettings(config.host_cache_bytes, config.host_cache_fraction,
+                                   config.disk_read_threads))
             self.dense: torch.nn.Module = _dense_part(artifact, config, self.device)
         #: The pod-wide shared tables when they serve the rows (the store's), else None:
         #: the worker and the delta follower take their locks.
@@ -565,4 +608,5 @@ class Runtime:
                             hit_ratio=c.hits / c.lookups if c.lookups else 0.0,
                             device_bytes=c.device_bytes, host_bytes=c.host_bytes,
                             stage_seconds=dict(self._stage), forwards=self._forwards,
-                            samples=self._samples, wrapped=c.wrapped, fallback=c.fallback)
+                            samples=self._samples, wrapped=c.wrapped, fallback=c.fallback,
+                            tiers=c.tiers)

@@ -319,6 +319,14 @@ class HostRows:
         return self.table.numel()
 
     @property
+    def total_rows(self) -> int:
+        return int(self.table.shape[0])
+
+    def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """Overwrite ``rows`` (int64 (n,) CPU) with ``data`` uint8 (n, row_bytes) CPU."""
+        self.table.index_copy_(0, rows, data)
+
+    @property
     def pinned_bytes(self) -> int:
         """Bytes page-locked here with ``cudaHostRegister`` (0 on CPU, after
         :meth:`close`, or when the table came pinned already); staging buffers excluded."""

@@ -10,6 +10,10 @@ them; where the rows come from is the store's business:
   shared copy, :mod:`serve.runtime.shared`): a direct gather of the nnz rows;
 * or an :class:`serve.runtime.cache.EmbeddingCache` (hot rows on the device, all rows
   in host memory): ``torch.unique`` -> the cache's U rows -> dequantize once -> pool.
+* or, when the version's tables are on disk (``Artifact.files``), the tiers of
+  :mod:`serve.runtime.tiers` (device cache -> bounded host tier -> ``pread`` from the
+  table files; deltas in a per-worker overlay): ``torch.unique`` -> the top tier's U
+  rows -> dequantize once -> pool. No table is copied and no row read at load.
 
 Ids become global rows through :class:`serve.runtime.rowmap.RowMapper` (modulo tables,
 the managed tables' id maps). The store's counters (lookups, hits, the cache's misses
@@ -30,9 +34,11 @@ from serve.runtime.cache import EmbeddingCache, capacity_for
 from serve.runtime.hostmem import device_guard, page_exclusive_empty
 from serve.runtime.idmap import MapIndex
 from serve.runtime.rowmap import FeatureGroup, RowMapper
+from serve.runtime.rowsource import DISK_READ_THREADS, TierCounters
 from serve.runtime.shared import IdRegion, SharedTables
+from serve.runtime.tiers import RowTiers
 
-__all__ = ["StoreCounts", "TableStore"]
+__all__ = ["StoreCounts", "TableStore", "TierSettings"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class StoreCounts:
     host_bytes: int
     wrapped: tuple[int, ...]
     fallback: tuple[int, ...]
+    tiers: dict[str, TierCounters]
 
 
 def _concat_rows(tables: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -76,6 +83,52 @@ def _widen(tables: list[torch.Tensor]) -> list[torch.Tensor]:
 _Placed = tuple[EmbeddingCache | None, torch.Tensor | None, SharedTables | None, MapIndex]
 
 
+@dataclass(frozen=True)
+class TierSettings:
+    """The host tier's settings over disk-backed tables (``RuntimeConfig`` documents
+    them): a budget per worker in bytes or as a fraction of the table bytes (neither: no
+    bound, serve the mapped files), and the disk reads in flight."""
+
+    host_bytes: int | None = None
+    host_fraction: float | None = None
+    threads: int = DISK_READ_THREADS
+
+
+def _fresh_maps(artifact: Artifact, device: torch.device) -> MapIndex:
+    """The managed tables' id maps in a region of their own (on the device)."""
+    schema = artifact.schema
+    managed = {i: t.rows for i, t in enumerate(schema.tables) if t.mapping == "managed"}
+    fallback_rows = {i: schema.tables[i].fallback_rows for i in managed}
+    # built on the host; on CUDA only its region is used (copied to the device, probed
+    # there with tensor ops), so it needs no compiled probe
+    maps = MapIndex(managed, fallback=fallback_rows,
+                    probe="auto" if device.type == "cpu" else "ops")
+    for i in managed:
+        maps.write(i, artifact.id_maps[schema.tables[i].name])
+    if device.type != "cpu":
+        maps = MapIndex(managed, maps.region.to(device), fallback=fallback_rows)
+    return maps
+
+
+def _place_tiers(artifact: Artifact, device: torch.device, tiers: TierSettings, *,
+                 load_factor: float | None, cache_bytes: int | None, cache_on_cpu: bool,
+                 policy: str, lfu_decay_every: int | None) -> RowTiers:
+    """The tiers of disk-backed tables (``artifact.files``; serve.runtime.tiers): a
+    device cache on CUDA (or on CPU with ``cache_on_cpu``) over the host tier over the
+    files. Reads no row."""
+    files = artifact.files
+    if files is None:
+        raise RuntimeError("_place_tiers needs an artifact whose tables are on disk")
+    total = sum(t.rows for t in artifact.tables)
+    rb = max(int(t.data.shape[1]) for t in artifact.tables)
+    use_device = cache_on_cpu or device.type != "cpu"
+    cap = (capacity_for(total, rb, load_factor=load_factor, cache_bytes=cache_bytes)
+           if use_device else None)
+    return RowTiers(files, [t.data for t in artifact.tables], device, device_capacity=cap,
+                    host_bytes=tiers.host_bytes, host_fraction=tiers.host_fraction,
+                    policy=policy, lfu_decay_every=lfu_decay_every, threads=tiers.threads)
+
+
 def _place_rows(artifact: Artifact, device: torch.device, shared: SharedTables | None, *,
                 load_factor: float | None, cache_bytes: int | None, cache_on_cpu: bool,
                 policy: str, miss_path: str, lfu_decay_every: int | None) -> _Placed:
@@ -101,13 +154,7 @@ def _place_rows(artifact: Artifact, device: torch.device, shared: SharedTables |
     id_maps = {i: artifact.id_maps[schema.tables[i].name] for i in managed}
 
     def fresh_maps() -> MapIndex:
-        # built on the host; on CUDA only its region is used (copied to the device,
-        # probed there with tensor ops), so it needs no compiled probe
-        maps = MapIndex(managed, fallback=fallback_rows,
-                        probe="auto" if device.type == "cpu" else "ops")
-        for i, m in id_maps.items():
-            maps.write(i, m)
-        return maps
+        return _fresh_maps(artifact, torch.device("cpu"))
 
     if not use_cache and device.type == "cpu" and shared is not None:
         # One copy for every worker of the pod (serve.runtime.shared); the region is
@@ -117,9 +164,7 @@ def _place_rows(artifact: Artifact, device: torch.device, shared: SharedTables |
         table = shared.open(_widen(tables), region)
         return None, table, shared, (MapIndex(managed, shared.id_region, fallback=fallback_rows)
                                      if shared.id_region is not None else fresh_maps())
-    maps = fresh_maps()
-    if device.type != "cpu":
-        maps = MapIndex(managed, maps.region.to(device), fallback=fallback_rows)
+    maps = _fresh_maps(artifact, device)
     if not use_cache:
         if (device.type == "cpu" and len(tables) == 1 and tables[0].is_contiguous()
                 and tables[0].shape[1] == rb):
@@ -140,7 +185,10 @@ class TableStore:
     Args:
         artifact: the model (its tables are copied once, into the memory that serves them).
         device: where the rows are served (the cache's slots when there is one).
-        shared: on CPU without a cache, serve the rows from this pod-wide shared copy.
+        shared: on CPU without a cache, serve the rows from this pod-wide shared copy
+            (ignored when the tables are on disk, ``artifact.files``: each worker then
+            serves them through its own tiers, deltas in its own overlay).
+        tiers: the host tier's settings when the tables are on disk (default: no bound).
         load_factor, cache_bytes, cache_on_cpu, policy, miss_path, lfu_decay_every: the
             cache's settings (``serve.runtime.engine.RuntimeConfig`` documents them).
     """
@@ -149,7 +197,8 @@ class TableStore:
                  shared: SharedTables | None = None, *, load_factor: float | None = 0.2,
                  cache_bytes: int | None = None, cache_on_cpu: bool = False,
                  policy: str = "lru", miss_path: str = "host",
-                 lfu_decay_every: int | None = None) -> None:
+                 lfu_decay_every: int | None = None,
+                 tiers: TierSettings | None = None) -> None:
         self.device = device
         self.schema = artifact.schema
         #: Rows per table (``schema.tables`` order); a table may serve several features.
@@ -160,10 +209,20 @@ class TableStore:
         self.table: torch.Tensor | None
         #: The pod-wide shared tables when they serve the rows, else None.
         self.shared: SharedTables | None
-        self.cache, self.table, self.shared, maps = _place_rows(
-            artifact, device, shared, load_factor=load_factor, cache_bytes=cache_bytes,
-            cache_on_cpu=cache_on_cpu, policy=policy, miss_path=miss_path,
-            lfu_decay_every=lfu_decay_every)
+        #: The tiers of disk-backed tables (serve.runtime.tiers), else None.
+        self.tiers: RowTiers | None = None
+        if artifact.files is not None:
+            self.tiers = _place_tiers(
+                artifact, device, tiers or TierSettings(), load_factor=load_factor,
+                cache_bytes=cache_bytes, cache_on_cpu=cache_on_cpu, policy=policy,
+                lfu_decay_every=lfu_decay_every)
+            self.cache, self.table, self.shared = self.tiers.device_cache, None, None
+            maps = _fresh_maps(artifact, device)
+        else:
+            self.cache, self.table, self.shared, maps = _place_rows(
+                artifact, device, shared, load_factor=load_factor, cache_bytes=cache_bytes,
+                cache_on_cpu=cache_on_cpu, policy=policy, miss_path=miss_path,
+                lfu_decay_every=lfu_decay_every)
         #: Ids -> global rows; owns the managed tables' id maps (deltas change them there).
         self.ids = RowMapper(self.schema, self.table_rows, self._offsets, maps, device)
         self._lookups = self._hits = 0
@@ -171,6 +230,8 @@ class TableStore:
     @property
     def row_bytes(self) -> int:
         """Bytes per stored row (the artifact's row format, the widest table's)."""
+        if self.tiers is not None:
+            return self.tiers.row_bytes
         if self.cache is not None:
             return self.cache.row_bytes
         return int(self._table().shape[1])
@@ -212,13 +273,14 @@ class TableStore:
         nf, d = len(g.features), g.dim
         one_hot = values.numel() == nf * b and bool((lengths == 1).all())
         rows = self.ids.global_rows(g, values, lengths, one_hot)
-        if self.cache is None:
+        serve = self.tiers if self.tiers is not None else self.cache
+        if serve is None:
             emb = self._dequantize(g, self._table().index_select(0, rows))   # (nnz, D)
             self._hits += rows.numel()
             bag_index = None
         else:
             uniq, inverse, counts = torch.unique(rows, return_inverse=True, return_counts=True)
-            emb = self._dequantize(g, self.cache.lookup(uniq, counts, n_ids=rows.numel()))
+            emb = self._dequantize(g, serve.lookup(uniq, counts, n_ids=rows.numel()))
             bag_index = inverse                                             # emb: (U, D)
         self._lookups += rows.numel()
         if one_hot:   # one id per bag: the pooled value is the row (sum and mean alike)
@@ -255,8 +317,9 @@ class TableStore:
     # -- the fixed-shape path (CUDA graphs) ----------------------------------------------
     def static_ok(self, n: int) -> bool:
         """Whether :meth:`embed_static` may serve a one-hot batch of ``n`` ids: one group,
-        no managed table, and a cache (if any) whose fixed-shape lookup takes ``n``."""
-        return (self.ids.single and not self.ids.managed
+        no managed table, tables in memory (not on disk), and a cache (if any) whose
+        fixed-shape lookup takes ``n``."""
+        return (self.ids.single and not self.ids.managed and self.tiers is None
                 and (self.cache is None or self.cache.static_ok(n)))
 
     def static_positions(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +371,9 @@ class TableStore:
                               f"{self.schema.tables[table].name}")
         g = ids.to(torch.int64) + self._offsets[table]
         with device_guard(self.device):
-            if self.cache is not None:
+            if self.tiers is not None:
+                self.tiers.update_rows(g, rows)
+            elif self.cache is not None:
                 self.cache.update_rows(g, rows)
             else:
                 t = self._table()
@@ -317,6 +382,13 @@ class TableStore:
     # -- metrics -------------------------------------------------------------------------
     def counts(self) -> StoreCounts:
         """A snapshot of the cumulative counters (one device sync with a cache)."""
+        if self.tiers is not None:
+            tiers = self.tiers.counters()
+            top = tiers["device"] if self.tiers.device_cache is not None else tiers["host"]
+            ev = self.cache.counters.evictions if self.cache is not None else 0
+            return StoreCounts(top.lookups, top.hits, top.misses, ev, self.tiers.device_bytes,
+                               self.tiers.host_bytes, self.ids.wrapped(), self.ids.fallback(),
+                               tiers)
         if self.cache is not None:
             c = self.cache.counters
             lookups, hits, misses, ev = c.lookups, c.hits, c.misses, c.evictions
@@ -325,9 +397,26 @@ class TableStore:
             lookups, hits, misses, ev = self._lookups, self._hits, 0, 0
             dev_b, host_b = self._table().numel(), 0
         return StoreCounts(lookups, hits, misses, ev, dev_b, host_b, self.ids.wrapped(),
-                           self.ids.fallback())
+                           self.ids.fallback(), self._memory_tiers())
+
+    def _memory_tiers(self) -> dict[str, TierCounters]:
+        """The tier counters of tables in memory: the device cache over the full host
+        table; or every row resident (on CPU: the "host" tier, on CUDA: "device")."""
+        if self.cache is not None:
+            c, clock = self.cache.counters, self.cache.clock
+            rb = self.cache.row_bytes
+            dev = clock.counters(c.lookups, c.hits, clock.rows * rb, self.cache.capacity * rb)
+            host = TierCounters(clock.rows, clock.rows, capacity_bytes=self.cache.host_bytes)
+            return {"device": dev, "host": host}
+        every = TierCounters(self._lookups, self._hits, capacity_bytes=self._table().numel())
+        if self.device.type == "cpu":
+            return {"device": TierCounters(), "host": every}
+        return {"device": every, "host": TierCounters()}
 
     def close(self) -> None:
-        """Unregister the cache's page-locked host table (idempotent)."""
-        if self.cache is not None:
+        """Unregister the cache's page-locked host table, stop the tiers' disk readers
+        (idempotent)."""
+        if self.tiers is not None:
+            self.tiers.close()
+        elif self.cache is not None:
             self.cache.close()

@@ -26,6 +26,7 @@ from serve.common.reuse import ReuseSampler
 from serve.common.validate import number_in_range
 from serve.errors import ConfigError
 from serve.metrics.worker import HandlerMetrics, ReuseMetrics
+from serve.runtime.rowsource import TierCounters
 from serve.schema import ModelSchema
 from serve.settings import DLRM_REUSE_SAMPLE
 from serve.store.predlog import Prediction, PredictionLogWriter
@@ -51,6 +52,8 @@ class CacheTotals:
     host_bytes: int
     wrapped: tuple[int, ...]
     fallback: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Per tier ("device", "host"), its counters summed over the runtimes.
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
 
 
 class BatchRecorder:
@@ -78,6 +81,7 @@ class BatchRecorder:
         self.restart_stages()
         stats = self._cache_stats()
         self.metrics.skip_cache(stats, self.arms.stable.feature_names, stats.wrapped)
+        self.metrics.set_tiers(stats.tiers, count=False)
         self._record_fallback(stats, count=False)
 
     def record(self, outcomes: Sequence[Outcome], info: BatchInfo | None,
@@ -114,6 +118,7 @@ class BatchRecorder:
         self._last_stages = now
         stats = self._cache_stats()
         self.metrics.set_cache(stats)
+        self.metrics.set_tiers(stats.tiers)
         self.metrics.set_wrapped(self.arms.stable.feature_names, stats.wrapped)
         self._record_fallback(stats)
 
@@ -151,15 +156,18 @@ class BatchRecorder:
         total = dict.fromkeys(names, 0)
         wrapped = [0] * len(self.arms.stable.feature_names)
         fallback: dict[str, tuple[int, ...]] = {}
+        tiers: dict[str, TierCounters] = {}
         for version, rt in self.arms.versions():
             st = rt.stats()
+            for tier, c in st.tiers.items():
+                tiers[tier] = tiers[tier].plus(c) if tier in tiers else c
             for name in names:
                 total[name] += int(getattr(st, name))
             for i, n in enumerate(st.wrapped):
                 wrapped[i] += n
             if self._managed.get(version):
                 fallback[version] = st.fallback
-        return CacheTotals(**total, wrapped=tuple(wrapped), fallback=fallback)
+        return CacheTotals(**total, wrapped=tuple(wrapped), fallback=fallback, tiers=tiers)
 
     def _managed_features(self) -> dict[str, frozenset[str]]:
         """Per model version, the features that read a managed table

@@ -82,6 +82,7 @@ from serve.api.config import (
     HandlerConfig,
     cache_on_cpu_from_env,
     candidate_slowdown_from_env,
+    host_budget_from_env,
 )
 from serve.common.cpu import choose_threads
 from serve.common.validate import number_in_range
@@ -129,7 +130,9 @@ def runtime_config(cfg: HandlerConfig, *, device: str | torch.device, threads: i
         device=str(device), cache_load_factor=cfg.cache_load_factor,
         cache_bytes=cfg.cache_bytes, cache_policy=cfg.cache_policy,
         num_threads=threads, max_forward_instances=cfg.max_forward_instances,
-        cache_on_cpu=cache_on_cpu, dense_precision=cfg.dense_precision)
+        cache_on_cpu=cache_on_cpu, dense_precision=cfg.dense_precision,
+        host_cache_bytes=cfg.host_cache_bytes, host_cache_fraction=cfg.host_cache_fraction,
+        disk_read_threads=cfg.disk_read_threads)
 
 
 def _set_torch_threads(workers: int, cfg: HandlerConfig, env: Mapping[str, str]) -> int:
@@ -284,6 +287,7 @@ class Worker:
             ConfigError: a setting in ``cfg`` or ``environ`` breaks its rule.
         """
         env = os.environ if environ is None else environ
+        cfg = host_budget_from_env(cfg, env)
         threads = _set_torch_threads(workers, cfg, env)
         runtime_cfg = runtime_config(cfg, device=device, threads=threads,
                                      cache_on_cpu=cache_on_cpu_from_env(env))
