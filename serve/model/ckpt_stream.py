@@ -96,10 +96,12 @@ class TensorRef:
             inner *= s
         item = torch.empty((), dtype=self.dtype).element_size()
         n = (hi - lo) * inner
+        if n == 0:
+            return torch.empty((hi - lo, *self.size[1:]), dtype=self.dtype)
         buf = np.empty(n * item, dtype=np.uint8)
         start = self.data_offset + (self.storage_offset + lo * inner) * item
         with open(self.file, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf.data], start) if n else 0
+            got = os.preadv(f.fileno(), [buf.data], start)
         if got != n * item:
             raise CheckpointError(f"{self.file}: read {got} of {n * item} bytes at byte "
                                   f"{start}; the file is truncated: write the checkpoint again")
