@@ -2,6 +2,7 @@
 
     python -m serve.model.importer --factory FILE.py:FUNCTION --checkpoint PATH --version NAME
         [--num-dense N] [--dtype int8] [--table-dtype TABLE=fp16 ...] [--max-ids FEATURE=N ...]
+        [--max-memory-bytes 2000000000]
 
 The contract (docs/own-model.md): ``FUNCTION()`` returns a
 ``torch.nn.Module`` (on CPU or on the meta device) whose ``forward(dense_features,
@@ -9,27 +10,38 @@ sparse_features)`` takes float32 (B, N) and a ``KeyedJaggedTensor``, returns log
 or (B, 1), and keeps its embeddings in ``EmbeddingBagCollection`` modules (sum or mean
 pooling), reading the KeyedJaggedTensor only through them.
 
-Steps, all before anything is written:
+The import streams: its memory is bounded by ``--max-memory-bytes`` (default 2 GB) beyond
+the interpreter and its libraries, whatever the model's size. Steps:
 
-1. load the factory and the checkpoint: a ``torch.distributed.checkpoint`` directory as
-   ``dcp.save(dmp.state_dict(), ...)`` writes it from N ranks (read shard by shard into
-   the unsharded model), or one ``torch.save(model.state_dict())`` file; keys and shapes
-   are checked both ways (a missing or unexpected key, a shape that does not match: named);
+1. the factory runs with every allocation of 1 MiB or more on the meta device (the
+   tables, whatever device it names); the checkpoint (a ``torch.distributed.checkpoint``
+   directory as ``dcp.save(dmp.state_dict(), ...)`` writes it from N ranks, or one
+   ``torch.save(model.state_dict())`` file) is checked against the model, keys and shapes
+   both ways (a missing or unexpected key, a shape that does not match: named), and only
+   its dense weights are read (:mod:`serve.model.stream_import`);
 2. the schema from the model's collections (:func:`serve.model.export.model_schema`);
-3. a contract check: a forward on a generated batch must return (B,) or (B, 1) floats;
-4. tables quantized by TorchRec's own ``quantize_inference_model`` (each table in its
-   dtype); the layers after pooling stored as a ``torch.export`` program (TorchRec's plain
-   ``DLRM``: as weights, served by our own dense DLRM);
-5. the check: our runtime's probabilities against ``torch.sigmoid`` of the quantized
-   TorchRec model's forward on a generated batch covering every feature (multi-hot up to
-   each feature's max ids, empty bags included); refused when they differ by more than
+3. the reference: the factory's model with each table cut down to the rows the check
+   batches read (ids remapped to ``0 .. U-1``), quantized by TorchRec's own
+   ``quantize_inference_model`` (each table in its dtype); the contract check on it (a
+   forward on a generated batch must return (B,) or (B, 1) floats); the layers after
+   pooling stored as a ``torch.export`` program (TorchRec's plain ``DLRM``: as weights,
+   served by our own dense DLRM);
+4. every table read from the checkpoint a chunk of rows at a time
+   (:mod:`serve.model.ckpt_stream`), quantized with TorchRec's arithmetic
+   (:mod:`serve.model.rowquant`: row-wise, so chunk by chunk gives the same bytes) and
+   written into the version's tables folder, in a temporary folder of the model store;
+   a progress line (rows/s, ETA) on stderr at most once a second;
+5. the check: our runtime's probabilities over the written rows against ``torch.sigmoid``
+   of the reference's forward on a generated batch covering every feature (multi-hot up
+   to each feature's max ids, empty bags included); refused when they differ by more than
    ``--tolerance`` (1e-6);
-6. the archive and the report (schema, parameters, bytes per table, the check) are added
-   to the repository; the last line printed is one JSON object
-   ``{"version", "max_abs_diff", "report", "archive"}``.
+6. the format-3 archive, its tables folder and the report (schema, parameters, bytes per
+   table, the check, peak RSS) are added to the repository; the last line printed is one
+   JSON object ``{"version", "max_abs_diff", "report", "archive", "peak_rss_bytes",
+   "seconds"}``.
 
-A failed import leaves ``model_store/`` unchanged (the repository only ever receives a
-complete archive, and its report last).
+A refused or failed import removes what it wrote and leaves ``model_store/`` unchanged (the
+repository only ever receives a complete version, its report last).
 """
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch import nn
@@ -56,14 +68,21 @@ from serve.schema import DEFAULT_MAX_IDS, ModelSchema
 from serve.state import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_WORKERS
 
 if TYPE_CHECKING:  # imported where used: the runtime and the store load late
+    from serve.model.ckpt_stream import CheckpointSource
     from serve.runtime.artifact import Artifact
     from serve.store.repository import ModelRepository
 
-__all__ = ["CheckResult", "ImportConfig", "check_artifact", "generated_batch", "import_model",
-           "load_checkpoint", "load_factory", "main"]
+__all__ = ["DEFAULT_MAX_MEMORY_BYTES", "CheckResult", "ImportConfig", "check_artifact",
+           "check_streamed", "generated_batch", "import_model", "load_checkpoint",
+           "load_factory", "main", "peak_rss_bytes"]
 
 #: Largest |ours - TorchRec's| probability an import accepts by default.
 DEFAULT_TOLERANCE = 1e-6
+#: ``--max-memory-bytes`` by default: 2 GB (decimal), what an import may hold beyond the
+#: interpreter and its libraries, whatever the model's size.
+DEFAULT_MAX_MEMORY_BYTES = 2_000_000_000
+#: The smallest budget accepted (a chunk of one row must fit many times over).
+MIN_MAX_MEMORY_BYTES = 1 << 24
 _PREFIXES = ("_dmp_wrapped_module.", "module.")
 
 
@@ -92,9 +111,16 @@ class ImportConfig:
     # its probabilities stay within dense_tolerance of fp32's on the check batch.
     dense_precision: str = "fp32"
     dense_tolerance: float = DENSE_MAX_PROB_DIFF
+    # Memory the import may hold beyond the interpreter: sizes the table chunks.
+    max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES
 
     def __post_init__(self) -> None:
         from serve.rowformat import DTYPES
+
+        if not is_int(self.max_memory_bytes) or self.max_memory_bytes < MIN_MAX_MEMORY_BYTES:
+            raise ConfigError(f"--max-memory-bytes {self.max_memory_bytes!r} must be a whole "
+                              f"number >= {MIN_MAX_MEMORY_BYTES} (16 MiB); the default is "
+                              f"{DEFAULT_MAX_MEMORY_BYTES}")
 
         if self.dense_precision not in ("fp32", "bf16"):
             raise ConfigError(f"--dense-precision {self.dense_precision!r} must be fp32 or bf16 "
@@ -124,6 +150,7 @@ class CheckResult:
     batch: int
     ids: int
     tolerance: float
+    rows: str = "all"       # our runtime held "all" the rows, or the "checked" ones only
 
     @property
     def passed(self) -> bool:
@@ -227,9 +254,15 @@ def _kjt(schema: ModelSchema, values: torch.Tensor, lengths: torch.Tensor) -> An
                                                lengths=lengths.reshape(-1))
 
 
-def _check_contract(model: nn.Module, schema: ModelSchema, seed: int) -> None:
-    """The forward on a generated batch of 3 returns (3,) or (3, 1) finite floats."""
+def _check_contract(model: nn.Module, schema: ModelSchema, seed: int,
+                    ids: Mapping[str, torch.Tensor] | None = None) -> None:
+    """The forward on a generated batch of 3 returns (3,) or (3, 1) finite floats; with
+    ``ids``, ``model`` holds only those rows of each table and reads the ids remapped."""
     dense, values, lengths = generated_batch(schema, 3, seed)
+    if ids is not None:
+        from serve.model.stream_import import remap_values
+
+        values = remap_values(schema, values, lengths, ids)
     try:
         with torch.no_grad():
             out = model(dense, _kjt(schema, values, lengths))
@@ -277,23 +310,37 @@ def _report(cfg: ImportConfig, model: nn.Module, artifact: Any, check: CheckResu
         "table_bytes_quantized": artifact.table_bytes,
         "table_bytes": {t.name: t.nbytes for t in artifact.tables},
         "check": {"max_abs_diff": check.max_abs_diff, "batch": check.batch, "ids": check.ids,
-                  "tolerance": check.tolerance,
-                  "reference": "torch.sigmoid(quantize_inference_model(model)(dense, kjt))"},
+                  "tolerance": check.tolerance, "rows": check.rows,
+                  "reference": "torch.sigmoid(quantize_inference_model(model)(dense, kjt)), "
+                               "the model holding the rows the batch reads"},
         "mar_batch_size": cfg.mar_batch_size,
         "mar_max_batch_delay_ms": cfg.mar_max_batch_delay_ms, "mar_workers": cfg.mar_workers,
         # No held-out labels come with an import: the quality baseline is unknown.
         "baseline": None,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "wall_seconds": seconds,
+        "max_memory_bytes": cfg.max_memory_bytes,
     }
 
 
-def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the import; returns ``{"version", "max_abs_diff", "report", "archive"}``.
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (``ru_maxrss``: KiB on Linux)."""
+    import resource
 
-    Steps: load the factory's model and its checkpoint, quantize and export it into an
-    artifact, check the artifact against TorchRec's quantized forward, store the version.
-    Nothing is written unless the check passes.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def import_model(cfg: ImportConfig, say: Callable[[str], None] = print,
+                 progress: TextIO | None = None) -> dict[str, Any]:
+    """Run the import; returns ``{"version", "max_abs_diff", "report", "archive",
+    "peak_rss_bytes", "seconds"}``.
+
+    Steps: the factory's model without its tables (dense weights read from the
+    checkpoint), the check's reference (TorchRec's quantized model over the rows the
+    check batch reads), the tables streamed chunk by chunk into a tables folder in a
+    temporary folder of the model store, the check of our runtime over them, the version
+    stored. A refused or failed import removes what it wrote. Table progress goes to
+    ``progress`` (default stderr).
 
     Raises:
         ConfigError: a bad option or factory, a model outside the contract, a version
@@ -309,53 +356,87 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print) -> dict[
                           "versions are immutable; pick another --version")
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    model, module, num_dense = _load_model(cfg, say)
+    model, module, num_dense, source = _load_model(cfg, say)
     seconds["load"] = round(time.perf_counter() - t0, 3)
 
     t = time.perf_counter()
-    art, qmodel, kind = _to_artifact(cfg, model, module, num_dense, say)
-    seconds["quantize_export"] = round(time.perf_counter() - t, 3)
+    ref = _reference(cfg, model, module, num_dense, source, say)
+    seconds["reference"] = round(time.perf_counter() - t, 3)
 
-    t = time.perf_counter()
-    check = _check(cfg, art, qmodel, say)
-    lossy = _check_dense_precision(cfg, art, say) if cfg.dense_precision != "fp32" else None
-    seconds["check"] = round(time.perf_counter() - t, 3)
-
-    stored = _store(cfg, repo, art, _Provenance(model, check, kind, lossy), seconds)
+    cfg.model_store.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".import-", dir=cfg.model_store) as tmp:
+        t = time.perf_counter()
+        folder = Path(tmp) / repo.tables_name(cfg.version)
+        art = _stream(cfg, ref, source, model, folder, say, progress)
+        seconds["tables"] = round(time.perf_counter() - t, 3)
+        try:
+            t = time.perf_counter()
+            check = _check(cfg, art, ref, say)
+            lossy = _check_dense_precision(cfg, art, ref, say) \
+                if cfg.dense_precision != "fp32" else None
+            seconds["check"] = round(time.perf_counter() - t, 3)
+            stored = _store(cfg, repo, art, _Provenance(model, check, ref.kind, lossy),
+                            seconds, Path(tmp), folder)
+        finally:
+            if art.files is not None:
+                art.files.close()
     say(f"[store] added version {cfg.version}: {stored}")
+    total = round(time.perf_counter() - t0, 3)
     return {"version": cfg.version, "max_abs_diff": check.max_abs_diff,
             "report": os.fspath(cfg.model_store / f"{cfg.model_name}-{cfg.version}.json"),
-            "archive": os.fspath(stored)}
+            "archive": os.fspath(stored), "peak_rss_bytes": peak_rss_bytes(),
+            "seconds": total}
 
 
 def _load_model(cfg: ImportConfig, say: Callable[[str], None]
-                ) -> tuple[nn.Module, Any, int]:
-    """The factory's model with the checkpoint loaded (eval mode), the factory's module
-    and the number of dense features (``--num-dense`` or the module's ``NUM_DENSE``).
+                ) -> tuple[nn.Module, Any, int, CheckpointSource]:
+    """The factory's model with its dense weights loaded (eval mode; its tables on the
+    meta device, or as the factory made them when small), the factory's module, the
+    number of dense features (``--num-dense`` or the module's ``NUM_DENSE``) and the
+    checkpoint opened for reading by row ranges.
 
     Raises:
         ConfigError: the number of dense features is unknown, or the factory returned
             something other than a module.
         CheckpointError: the checkpoint does not fit the model.
     """
+    from serve.model.ckpt_stream import open_source
+    from serve.model.stream_import import load_dense, tables_on_meta
+
     fn, module = load_factory(cfg.factory)
     num_dense = cfg.num_dense if cfg.num_dense is not None else getattr(module, "NUM_DENSE", None)
     if not is_int(num_dense):
         raise ConfigError("the number of dense features is unknown: pass --num-dense N, or "
                           "define NUM_DENSE = N in the factory's module")
-    say(f"[load] {cfg.factory}() and {cfg.checkpoint}")
-    model = fn()
+    say(f"[load] {cfg.factory}() (tables on the meta device) and {cfg.checkpoint}")
+    with tables_on_meta():
+        model = fn()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--factory {cfg.factory} returned {type(model).__name__}, not a "
                           "torch.nn.Module")
-    return load_checkpoint(model, Path(cfg.checkpoint)).eval(), module, num_dense
+    source = open_source(Path(cfg.checkpoint), hint="check --factory, or re-train")
+    return load_dense(model, source, os.fspath(cfg.checkpoint)), module, num_dense, source
 
 
-def _to_artifact(cfg: ImportConfig, model: nn.Module, module: Any, num_dense: int,
-                 say: Callable[[str], None]) -> tuple[Artifact, nn.Module, str]:
-    """The model's schema (checked against the contract), quantized tables and dense part
-    as an artifact; also the quantized model (the check's reference) and the dense part's
-    kind ("dlrm": TorchRec's DLRM layers, "export": a ``torch.export`` program)."""
+@dataclass(frozen=True)
+class _Reference:
+    """What the check compares against, built before any table is written: the schema,
+    TorchRec's quantized model over the checked rows (``ids[table]``, remapped to
+    ``0 .. U-1``: ``small_schema``), the dense part and its kind."""
+
+    schema: ModelSchema
+    small_schema: ModelSchema
+    ids: dict[str, torch.Tensor]
+    qsmall: nn.Module
+    dense: Any
+    kind: str
+    keys: dict[str, str]
+
+
+def _reference(cfg: ImportConfig, model: nn.Module, module: Any, num_dense: int,
+               source: CheckpointSource, say: Callable[[str], None]) -> _Reference:
+    """The model's schema, the contract check and TorchRec's quantized reference on a
+    model holding only the rows the check batches read; the dense part exported."""
     from serve.model.export import (
         collections,
         dlrm_dense,
@@ -363,9 +444,9 @@ def _to_artifact(cfg: ImportConfig, model: nn.Module, module: Any, num_dense: in
         is_torchrec_dlrm,
         model_schema,
         quantize_for_serving,
-        tables_from_quantized,
     )
-    from serve.runtime.artifact import Artifact, DLRMDense, ExportedDense
+    from serve.model.stream_import import check_ids, check_model, table_keys
+    from serve.runtime.artifact import DLRMDense, ExportedDense
 
     # The module's MAX_IDS may serve several factories: only this model's features count.
     # --max-ids is checked strictly (a feature the model lacks is an error).
@@ -377,31 +458,67 @@ def _to_artifact(cfg: ImportConfig, model: nn.Module, module: Any, num_dense: in
                           max_ids=max_ids, default_max_ids=cfg.default_max_ids)
     say(f"[schema] {schema.dense} dense, {len(schema.features)} sparse features over "
         f"{len(schema.tables)} tables ({schema.total_rows:,} rows)")
-    _check_contract(model, schema, cfg.seed)
-    qmodel = quantize_for_serving(model, schema)
-    tables = tables_from_quantized(qmodel, schema)
+    keys = table_keys(model)
+    batches = [generated_batch(schema, n, cfg.seed)[1:] for n in (3, cfg.check_batch)]
+    ids = check_ids(schema, batches)
+    small, small_schema = check_model(model, schema, source, keys, ids)
+    _check_contract(small, schema, cfg.seed, ids)
+    qsmall = quantize_for_serving(small, small_schema)
+    say(f"[reference] TorchRec's quantize_inference_model over the {small_schema.total_rows:,} "
+        "rows the check batch reads")
     dense: DLRMDense | ExportedDense
     if is_torchrec_dlrm(model):
         dense, kind = dlrm_dense(model), "dlrm"
     else:
         dense, kind = export_dense(model, schema), "export"
-    art = Artifact(schema, tables, dense, {"version": cfg.version, "origin": "import",
-                                           "factory": cfg.factory})
-    say(f"[quantize] tables {art.dtype}, {art.table_bytes:,} bytes; dense part: {kind}")
-    return art, qmodel, kind
+    return _Reference(schema, small_schema, ids, qsmall, dense, kind, keys)
 
 
-def _check(cfg: ImportConfig, art: Artifact, qmodel: nn.Module,
+def _stream(cfg: ImportConfig, ref: _Reference, source: CheckpointSource, model: nn.Module,
+            folder: Path, say: Callable[[str], None], progress: TextIO | None) -> Artifact:
+    """Every table streamed into ``folder``; the format-3 artifact over it."""
+    from serve.model.stream_import import Progress, stream_tables
+    from serve.runtime.artifact import Artifact, tables_from_files
+
+    schema = ref.schema
+    say(f"[tables] streaming {schema.total_rows:,} rows into {folder.name} (chunks within "
+        f"{cfg.max_memory_bytes // 2:,} bytes)")
+    files = stream_tables(source, schema, ref.keys, model, folder, cfg.max_memory_bytes // 2,
+                          Progress(schema.total_rows, progress))
+    art = Artifact(schema, tables_from_files(files), ref.dense,
+                   {"version": cfg.version, "origin": "import", "factory": cfg.factory},
+                   files=files)
+    say(f"[quantize] tables {art.dtype}, {art.table_bytes:,} bytes; dense part: {ref.kind}")
+    return art
+
+
+def _checked_artifact(cfg: ImportConfig, art: Artifact, ref: _Reference
+                      ) -> tuple[Artifact, dict[str, torch.Tensor] | None]:
+    """The artifact our runtime checks, and the id remapping its batch needs: the whole
+    artifact when its tables fit a quarter of the memory budget (the runtime holds them
+    in memory), else only the checked rows, read back from the written files."""
+    from serve.runtime.artifact import Artifact, QuantTable
+
+    if art.table_bytes <= cfg.max_memory_bytes // 4 or art.files is None:
+        return art, None
+    tables = [QuantTable(t.name, int(ref.ids[t.name].numel()), t.dim, t.dtype,
+                         torch.from_numpy(art.files.read_rows(i, ref.ids[t.name].numpy())))
+              for i, t in enumerate(art.tables)]
+    return Artifact(ref.small_schema, tables, art.dense, dict(art.meta)), ref.ids
+
+
+def _check(cfg: ImportConfig, art: Artifact, ref: _Reference,
            say: Callable[[str], None]) -> CheckResult:
     """Compare the artifact's probabilities with TorchRec's quantized forward.
 
     Raises:
         ArtifactError: they differ by more than the tolerance.
     """
-    check = check_artifact(art, qmodel, batch=cfg.check_batch, seed=cfg.seed,
-                           tolerance=cfg.tolerance)
+    ours, remap = _checked_artifact(cfg, art, ref)
+    check = check_streamed(ours, ref.qsmall, ref.schema, ref.ids, batch=cfg.check_batch,
+                           seed=cfg.seed, tolerance=cfg.tolerance, remap_ours=remap is not None)
     say(f"[check] max |ours - TorchRec| = {check.max_abs_diff:.3g} over {check.batch} samples "
-        f"({check.ids} ids); tolerance {check.tolerance:g}")
+        f"({check.ids} ids, {check.rows} rows); tolerance {check.tolerance:g}")
     if not check.passed:
         raise ArtifactError(
             f"the imported model's probabilities differ from TorchRec's quantized forward by "
@@ -409,6 +526,31 @@ def _check(cfg: ImportConfig, art: Artifact, qmodel: nn.Module,
             "may do work outside its EmbeddingBagCollections that the export did not keep; "
             "see the contract in the README")
     return check
+
+
+def check_streamed(artifact: Any, qsmall: nn.Module, schema: ModelSchema,
+                   ids: Mapping[str, torch.Tensor], *, batch: int, seed: int, tolerance: float,
+                   remap_ours: bool = False) -> CheckResult:
+    """Our runtime over ``artifact`` vs ``torch.sigmoid`` of ``qsmall`` (TorchRec's
+    quantized model over rows ``ids[table]`` only) on :func:`generated_batch` of
+    ``schema``: ``qsmall`` reads the ids remapped to their index in ``ids``; ours reads
+    the original ids, or the remapped ones when ``remap_ours`` (an artifact of the
+    checked rows only)."""
+    from serve.model.stream_import import remap_values
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+
+    dense, values, lengths = generated_batch(schema, batch, seed)
+    small = remap_values(schema, values, lengths, ids)
+    rt = Runtime(artifact, RuntimeConfig(device="cpu", cache_load_factor=1.0))
+    try:
+        ours = rt.predict(dense, SparseBatch(small if remap_ours else values, lengths))
+    finally:
+        rt.close()
+    with torch.no_grad():
+        ref = torch.sigmoid(qsmall(dense, _kjt(schema, small, lengths)).float().reshape(-1))
+    diff = float((ours - ref).abs().max()) if batch else 0.0
+    rows = "checked" if remap_ours else "all"
+    return CheckResult(diff, batch, int(values.numel()), tolerance, rows)
 
 
 def dense_precision_diff(artifact: Any, precision: str, *, batch: int, seed: int) -> float:
@@ -428,7 +570,7 @@ def dense_precision_diff(artifact: Any, precision: str, *, batch: int, seed: int
     return float((out[1] - out[0]).abs().max()) if batch else 0.0
 
 
-def _check_dense_precision(cfg: ImportConfig, art: Artifact,
+def _check_dense_precision(cfg: ImportConfig, art: Artifact, ref: _Reference,
                            say: Callable[[str], None]) -> dict[str, Any]:
     """The lossy dense precision's gate: an import has no held-out labels, so it bounds
     the probabilities (``cfg.dense_tolerance``) on the check batch instead of the AUC.
@@ -436,7 +578,8 @@ def _check_dense_precision(cfg: ImportConfig, art: Artifact,
     Raises:
         ArtifactError: they move by more than the tolerance.
     """
-    diff = dense_precision_diff(art, cfg.dense_precision, batch=cfg.check_batch, seed=cfg.seed)
+    ours, _ = _checked_artifact(cfg, art, ref)
+    diff = dense_precision_diff(ours, cfg.dense_precision, batch=cfg.check_batch, seed=cfg.seed)
     say(f"[check] dense {cfg.dense_precision}: max |p_{cfg.dense_precision} - p_fp32| = "
         f"{diff:.3g} over {cfg.check_batch} samples; tolerance {cfg.dense_tolerance:g}")
     if diff > cfg.dense_tolerance:
@@ -460,31 +603,31 @@ class _Provenance:
 
 
 def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Provenance,
-           seconds: dict[str, float]) -> Path:
-    """Save the artifact and add it to the model store as version ``cfg.version`` (with
-    its report and archive); return what the repository stored."""
+           seconds: dict[str, float], tmp: Path, folder: Path) -> Path:
+    """Save the format-3 artifact (its tables in ``folder``, inside ``tmp`` on the model
+    store's file system) and add it to the model store as version ``cfg.version``, with
+    its report and archive; return what the repository stored."""
     from serve.model.archive import add_version
     from serve.runtime.artifact import save_artifact
 
     t = time.perf_counter()
-    cfg.model_store.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".import-", dir=cfg.model_store) as tmp:
-        path = Path(tmp) / "artifact.pt"
-        save_artifact(art, path)
-        seconds["archive"] = round(time.perf_counter() - t, 3)
-        report = _report(cfg, prov.model, art, prov.check, prov.kind, seconds)
-        handler: dict[str, Any] = {"max_ids_per_feature": max(DEFAULT_MAX_IDS, *art.schema.max_ids)}
-        if prov.dense_precision is not None:
-            report["dense_precision"] = prov.dense_precision
-            handler["dense_precision"] = cfg.dense_precision
-        stored: Path = add_version(repo, path, cfg.version, report,
-                                   Path(tmp), batch_size=cfg.mar_batch_size,
-                                   max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                                   workers=cfg.mar_workers,
-                                   # The handler's own cap on ids per feature must not
-                                   # undercut the model's (DLRM-v2 takes 100 ids in one
-                                   # feature).
-                                   handler_config=handler)
+    path = tmp / "artifact.pt"
+    save_artifact(art, path)
+    seconds["archive"] = round(time.perf_counter() - t, 3)
+    report = _report(cfg, prov.model, art, prov.check, prov.kind, seconds)
+    report["peak_rss_bytes"] = peak_rss_bytes()
+    handler: dict[str, Any] = {"max_ids_per_feature": max(DEFAULT_MAX_IDS, *art.schema.max_ids)}
+    if prov.dense_precision is not None:
+        report["dense_precision"] = prov.dense_precision
+        handler["dense_precision"] = cfg.dense_precision
+    stored: Path = add_version(repo, path, cfg.version, report, tmp,
+                               batch_size=cfg.mar_batch_size,
+                               max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
+                               workers=cfg.mar_workers,
+                               # The handler's own cap on ids per feature must not
+                               # undercut the model's (DLRM-v2 takes 100 ids in one
+                               # feature).
+                               handler_config=handler, tables=folder)
     return stored
 
 
@@ -543,6 +686,13 @@ def _parser() -> argparse.ArgumentParser:
                          "bf16 (AMX/AVX-512 BF16 CPUs, GPUs: several times the dense speed), "
                          "admitted only if the probabilities stay within --dense-tolerance "
                          "of fp32's on the check batch")
+    ap.add_argument("--max-memory-bytes", type=int, default=DEFAULT_MAX_MEMORY_BYTES,
+                    help="memory the import may hold beyond the interpreter and its "
+                         "libraries, in bytes (default 2e9 = 2 GB): it sizes the chunks of "
+                         "rows read, quantized and written at a time (half of it), so a "
+                         "model of any size imports within it; the check's runtime holds "
+                         "every table only when they fit a quarter of it, else the rows "
+                         "the check reads")
     ap.add_argument("--dense-tolerance", type=float, default=DENSE_MAX_PROB_DIFF,
                     help=f"bf16's bound on |p_bf16 - p_fp32| (default {DENSE_MAX_PROB_DIFF:g})")
     return ap
@@ -561,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
             check_batch=args.check_batch, seed=args.seed, model_store=args.model_store,
             model_name=args.model_name, mar_workers=args.workers,
             dense_precision=args.dense_precision,
-            dense_tolerance=args.dense_tolerance)
+            dense_tolerance=args.dense_tolerance,
+            max_memory_bytes=args.max_memory_bytes)
         out = import_model(cfg, say=lambda m: print(m, flush=True))
     except ServeError as e:
         print(f"import failed: {e.message}", file=sys.stderr)
