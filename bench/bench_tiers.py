@@ -285,7 +285,6 @@ def run_budget(args: argparse.Namespace, version: str, schema: Any, budget: str
                ) -> dict[str, Any]:
     """Start a service at host budget ``budget`` and run every alpha against it."""
     from serve.ops.launcher import running_service
-
     from serve.settings import DLRM_HOST_CACHE_FRACTION
 
     env = {} if budget == "all" else {DLRM_HOST_CACHE_FRACTION.name: budget}
