@@ -11,7 +11,12 @@ folder plus a volume)::
                                report is incomplete and not listed)
 
 The tables folder is moved in first, then the archive (a few MB: handler, config, dense
-part), then the report: disk per version is its table bytes plus the archive.
+part), then the report: disk per version is its table bytes plus the archive. A version is
+removed in the reverse order (:meth:`ModelRepository.remove`: report, archive, tables), so
+a half-removed version is never listed. The workers find a version's tables folder in the
+same folders, in the same order (``DLRM_REPOSITORY``); :meth:`ModelRepository.check_tables`
+is the sidecar's check, before a switch, that they will (:func:`table_reference` reads the
+archive's reference without torch).
 
 A version is written once (:meth:`ModelRepository.add`) and never changed; its name
 matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
@@ -25,21 +30,28 @@ Example::
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import struct
+import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.errors import ConfigError
+from serve.constants import ARTIFACT_NAME
+from serve.errors import ArtifactError, ConfigError
 from serve.profiles import get_profile
 from serve.state import VERSION_RE
-from serve.store.tablefiles import TABLES_SUFFIX
+from serve.store.tablefiles import MANIFEST_NAME, TABLES_SUFFIX, TableFiles, TableManifest
 
 __all__ = ["DEFAULT_DTYPE", "DEFAULT_PROFILE", "MANAGED_SUFFIX", "SHUFFLED_SUFFIX", "ModelRepository",
-           "day_suffix", "default_version", "dense_suffix"]
+           "TableReference", "day_suffix", "default_version", "dense_suffix", "extract_artifact",
+           "table_reference"]
 
 _VERSION = re.compile(VERSION_RE)
 
@@ -83,6 +95,126 @@ def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | N
             f"{dense_suffix(dense_precision)}")
 
 
+# --------------------------------------------------------------------------- the reference
+# The sidecar reads which tables folder a version's artifact references without torch (the
+# pod's sidecar never imports it): the artifact is a torch.save zip inside the .mar zip; its
+# data.pkl (a few KB: tensors are references to other entries) is unpickled with every
+# class replaced by an inert stand-in, so nothing of the archive's runs.
+
+#: The fixed part of a zip local file header; name and extra lengths at bytes 26-29.
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+@dataclass(frozen=True)
+class TableReference:
+    """What a format-3 artifact says about its tables: the folder's name
+    (``<model>-<version>.tables``) and the identity of the build it was made with
+    (:meth:`serve.store.tablefiles.TableManifest.identity`)."""
+
+    folder: str
+    identity: str
+
+
+class _Inert(dict):  # type: ignore[type-arg]
+    """Stands in for every class a pickle names: accepts any arguments and state."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _PeekUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> None:
+        return None   # a tensor's storage: not read
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + size)`` of an open file, seekable (a stored zip entry read
+    in place: no copy, no read of the bytes a zip reader skips)."""
+
+    def __init__(self, f: Any, start: int, size: int) -> None:
+        self._f, self._start, self._size, self._pos = f, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._size - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b)[:n])
+        self._pos += got
+        return int(got)
+
+
+def _artifact_pickle(mar: Path) -> bytes | None:
+    """The ``data.pkl`` of the archive's torch.save artifact (None: not such an archive)."""
+    with open(mar, "rb") as f, zipfile.ZipFile(f) as outer:
+        try:
+            info = outer.getinfo(ARTIFACT_NAME)
+        except KeyError:
+            return None
+        if info.compress_type == zipfile.ZIP_STORED:
+            f.seek(info.header_offset)
+            magic, n_name, n_extra = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+            if magic != b"PK\x03\x04":
+                return None
+            start = info.header_offset + _LOCAL_HEADER.size + n_name + n_extra
+            inner_file: Any = io.BufferedReader(_Window(f, start, info.file_size))
+        else:   # compressed: read through (slow for a large entry, rare)
+            inner_file = outer.open(info)
+        try:
+            with zipfile.ZipFile(inner_file) as inner:
+                name = next((n for n in inner.namelist()
+                             if n == "data.pkl" or n.endswith("/data.pkl")), None)
+                return inner.read(name) if name is not None else None
+        except zipfile.BadZipFile:
+            return None
+
+
+def table_reference(mar: str | os.PathLike[str]) -> TableReference | None:
+    """The tables folder a model archive's artifact references (format 3), read without
+    torch and without reading a table byte; None when the artifact holds its tables
+    (format 1 or 2) or is not a torch.save artifact (the worker's load says what is
+    wrong with it).
+
+    Raises:
+        ConfigError: the archive is not a zip file (or cannot be read).
+    """
+    try:
+        data = _artifact_pickle(Path(mar))
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"model archive {mar} cannot be read ({e}); copy the version "
+                          "again or rebuild it") from None
+    if data is None:
+        return None
+    try:
+        blob = _PeekUnpickler(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - not ours to judge here; the worker's load reports it
+        return None
+    tables = blob.get("tables") if isinstance(blob, dict) else None
+    if not isinstance(tables, dict) or "ref" not in tables:
+        return None
+    return TableReference(str(tables["ref"]), str(tables.get("identity", "")))
+
+
 class ModelRepository:
     """Versions found in one or more folders (earlier folders win on a name clash).
 
@@ -105,11 +237,75 @@ class ModelRepository:
         return f"{self.model_name}-{version}{TABLES_SUFFIX}"
 
     def tables(self, version: str) -> Path | None:
-        """The tables folder of ``version`` (None: the version holds its tables in its
-        archive, as versions built before the folder existed do)."""
+        """The tables folder of ``version``: ``<model>-<version>.tables`` in the first
+        folder that holds it, in the order the workers search (``DLRM_REPOSITORY``); None
+        when there is none (a version built before the folder existed holds its tables in
+        its archive).
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+        """
+        self._require(version)
+        return self._locate(self.tables_name(version))
+
+    def _locate(self, folder: str) -> Path | None:
+        return next((r / folder for r in self.roots if (r / folder).is_dir()), None)
+
+    def table_bytes(self, version: str) -> int | None:
+        """The bytes of ``version``'s tables (its manifest's ``nbytes``: rows x row
+        bytes, no table byte read); None when it has no tables folder.
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+            ArtifactError: the folder's manifest is missing or unreadable.
+        """
+        folder = self.tables(version)
+        if folder is None:
+            return None
+        path = folder / MANIFEST_NAME
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ArtifactError(f"{path} is unreadable ({e}): the version's tables are "
+                                "damaged or half-copied; copy them again or rebuild") from None
+        return TableManifest.from_dict(data, str(path)).nbytes
+
+    def check_tables(self, version: str) -> Path | None:
+        """What a switch checks before TorchServe loads ``version``: the tables folder its
+        archive references (:func:`table_reference`) is in one of the repository's
+        folders, complete (manifest, every file of its size) and of the build the archive
+        was made with. Returns that folder (None: the archive holds its tables).
+
+        Raises:
+            ConfigError: not in the repository, or its tables are missing, incomplete or
+                another build's (the message names the folder, where it was looked for
+                and what to do).
+        """
         mar = self.archive(version)
-        folder = mar.with_name(self.tables_name(version))
-        return folder if folder.is_dir() else None
+        ref = table_reference(mar)
+        if ref is None:
+            return None
+        folder = self._locate(ref.folder)
+        if folder is None:
+            raise ConfigError(
+                f"model version {version!r}: its archive {mar} references the tables folder "
+                f"{ref.folder}, which is in none of the repository folders "
+                f"({', '.join(map(str, self.roots))}); copy the version's {ref.folder}/ "
+                "there beside its .mar (before its .json), or rebuild it")
+        try:
+            files = TableFiles.open(folder)
+        except ArtifactError as e:
+            raise ConfigError(f"model version {version!r}: {e.message}") from None
+        try:
+            identity = files.manifest.identity()
+        finally:
+            files.close()
+        if ref.identity and identity != ref.identity:
+            raise ConfigError(
+                f"model version {version!r}: tables folder {folder} holds another build "
+                f"(identity {identity}; the archive was made with {ref.identity}); the "
+                "version's files are mixed up: copy them again from one build, or rebuild")
+        return folder
 
     def _paths(self, root: Path, version: str) -> tuple[Path, Path]:
         return root / self.archive_name(version), root / f"{self.model_name}-{version}.json"
@@ -130,7 +326,8 @@ class ModelRepository:
             raise ConfigError(
                 f"model version {version!r} is not in the repository "
                 f"({', '.join(map(str, self.roots))}); available: {self.versions() or 'none'}. "
-                "Build it with `make model` (SEED=, VERSION=) or copy its .mar and .json there")
+                "Build it with `make model` (SEED=, VERSION=) or copy its .tables folder, "
+                ".mar and .json there (the .json last)")
         return found
 
     def archive(self, version: str) -> Path:
@@ -205,3 +402,58 @@ class ModelRepository:
                 shutil.rmtree(placed, ignore_errors=True)
             raise
         return mar
+
+    def remove(self, version: str) -> None:
+        """Delete ``version`` from the repository folder that holds it: the report first
+        (the version is no longer listed), then the archive, then its tables folder
+        there (a version's folder in another repository folder is that folder's).
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+        """
+        mar, report = self._require(version)
+        report.unlink()
+        mar.unlink(missing_ok=True)
+        shutil.rmtree(mar.with_name(self.tables_name(version)), ignore_errors=True)
+
+
+def extract_artifact(mar: str | os.PathLike[str], dest: str | os.PathLike[str],
+                     roots: Sequence[str | os.PathLike[str]] | None = None) -> Path:
+    """Extract a model archive's artifact to ``dest/artifact.pt`` for reading in process
+    (benchmarks, offline checks), and, when it references a tables folder (format 3),
+    link that folder beside it (a symlink: no table byte copied), so
+    ``load_artifact(dest / "artifact.pt")`` finds it without ``DLRM_REPOSITORY``.
+
+    Args:
+        roots: where the tables folder may be (default: the archive's own folder).
+
+    Returns:
+        the extracted artifact's path.
+
+    Raises:
+        ConfigError: the archive has no artifact, or its tables folder is in none of
+            ``roots``.
+    """
+    mar, dest = Path(mar), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / ARTIFACT_NAME
+    with zipfile.ZipFile(mar) as z:
+        try:
+            info = z.getinfo(ARTIFACT_NAME)
+        except KeyError:
+            raise ConfigError(f"{mar} has no {ARTIFACT_NAME}: not a model version's "
+                              "archive") from None
+        with z.open(info) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    ref = table_reference(mar)
+    if ref is not None:
+        search = [Path(r) for r in (roots if roots is not None else [mar.parent])]
+        found = next((r / ref.folder for r in search if (r / ref.folder).is_dir()), None)
+        if found is None:
+            raise ConfigError(f"{mar} references the tables folder {ref.folder}, which is in "
+                              f"none of {[str(r) for r in search]}; copy it beside the archive")
+        link = dest / ref.folder
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(found.resolve(), target_is_directory=True)
+    return out
