@@ -232,3 +232,18 @@ def test_extract_artifact_links_the_tables_folder_and_loads_without_the_env(
         assert not [i for i in z.infolist() if ".tables" in i.filename]
     with pytest.raises(ConfigError, match="in none of"):
         extract_artifact(repo.archive("v1"), tmp_path / "y", roots=[tmp_path / "nowhere"])
+
+
+def test_adding_another_repositorys_archive_links_its_tables_in(tmp_path: Path,
+                                                                repo: ModelRepository) -> None:
+    """``add(version, archive, report)`` of a format-3 archive brings its tables folder
+    from beside it, hard-linked (same inodes: no byte copied); another name is refused."""
+    other = ModelRepository([tmp_path / "other"])
+    other.add("v1", repo.archive("v1"), report("v1"))
+    src, dst = repo.roots[0] / "dlrm-v1.tables", other.roots[0] / "dlrm-v1.tables"
+    assert other.check_tables("v1") == dst
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert all((dst / p.name).stat().st_ino == p.stat().st_ino for p in src.iterdir())
+    with pytest.raises(ConfigError, match="another version's archive"):
+        other.add("v9", repo.archive("v1"), report("v9"))
+    assert other.versions() == ["v1"]

@@ -361,10 +361,13 @@ class ModelRepository:
             tables: Path | None = None) -> Path:
         """Store a new version: its ``tables`` folder (moved in, not copied: build it on
         the repository's file system), then the archive, then the report last, all
-        read-only.
+        read-only. Without ``tables``, an archive that references a tables folder (format
+        3; another repository's version being copied in) brings the folder beside it:
+        hard-linked file by file (no byte copied; copied only across file systems).
 
         Raises ``ConfigError`` if the name is invalid or the version already exists:
-        versions are immutable, so a rebuild must get a new name.
+        versions are immutable, so a rebuild must get a new name; or if the archive
+        references a tables folder of another name, or one that is not beside it.
         """
         if not _VERSION.fullmatch(version):
             raise ConfigError(f"version {version!r} must match {VERSION_RE} "
@@ -385,6 +388,8 @@ class ModelRepository:
             for f in tables.iterdir():
                 os.chmod(f, 0o444)
             shutil.move(os.fspath(tables), placed)
+        else:
+            tables = _link_referenced(Path(archive), placed)
         try:
             for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
                                 (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
@@ -452,3 +457,35 @@ def extract_artifact(mar: str | os.PathLike[str], dest: str | os.PathLike[str],
             link.unlink()
         link.symlink_to(found.resolve(), target_is_directory=True)
     return out
+
+
+def _link_referenced(archive: Path, placed: Path) -> Path | None:
+    """The tables folder ``archive`` references, from beside it, linked in as ``placed``
+    (written as ``<placed>.tmp-<pid>``, then renamed); None when it references none."""
+    ref = table_reference(archive)
+    if ref is None:
+        return None
+    if ref.folder != placed.name:
+        raise ConfigError(f"archive {archive} references the tables folder {ref.folder}, "
+                          f"not {placed.name}: it is another version's archive; add it under "
+                          "its own name, or build this version with `make model`/`make import`")
+    src = archive.parent / ref.folder
+    if not src.is_dir():
+        raise ConfigError(f"archive {archive} references the tables folder {ref.folder}, "
+                          f"which is not beside it ({src}); copy the folder there first")
+    stage = placed.with_name(f"{placed.name}.tmp-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(placed, ignore_errors=True)   # a leftover of an add that failed
+    stage.mkdir()
+    try:
+        for f in sorted(src.iterdir()):
+            try:
+                os.link(f, stage / f.name)
+            except OSError:   # another file system: a copy is the only way
+                shutil.copyfile(f, stage / f.name)
+                os.chmod(stage / f.name, 0o444)
+        os.replace(stage, placed)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return placed
