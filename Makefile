@@ -202,8 +202,9 @@ image:  ## build the container image from a clean tree (needs a Docker engine): 
 clean:  ## remove build outputs, run state and logs (keeps .venv and the model versions in model_store/)
 	rm -rf build .run logs
 
-clean-models:  ## delete every model version in model_store/ (and the archives TorchServe was given)
-	rm -f model_store/*.mar model_store/*.json
+clean-models:  ## delete every model version in model_store/ (reports, archives, tables folders, and the archives TorchServe was given)
+	rm -f model_store/*.json model_store/*.mar
+	rm -rf model_store/*.tables model_store/*.tables.tmp-*
 
 import: venv  ## import your own TorchRec model as a version: FACTORY=file.py:function CHECKPOINT=dcp-dir-or-state-dict VERSION=name [IMPORT_ARGS="--num-dense N --table-dtype t=fp16 ..."]
 	@test -n "$(FACTORY)" -a -n "$(CHECKPOINT)" -a -n "$(VERSION)" || { echo "usage: make import FACTORY=file.py:function CHECKPOINT=PATH VERSION=NAME [IMPORT_ARGS=...]" >&2; exit 2; }

@@ -303,10 +303,12 @@ def _handler_snapshot(multiproc_dir: Path | None) -> dict[str, float]:
 def _mar_contents(mar: Path, dest: Path) -> tuple[Path, dict[str, Any]]:
     import yaml
 
+    from serve.store.repository import extract_artifact
+
     with zipfile.ZipFile(mar) as z:
-        z.extract("artifact.pt", dest)
         cfg = yaml.safe_load(z.read("model-config.yaml"))
-    return dest / "artifact.pt", cfg
+    # the artifact and a link to the tables folder it references (format 3)
+    return extract_artifact(mar, dest), cfg
 
 
 def _running_pid() -> int | None:

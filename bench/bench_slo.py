@@ -775,7 +775,7 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     from serve.api.request import BINARY_MEDIA_TYPE
     from serve.common.cpu import choose_threads
     from serve.runtime.artifact import load_artifact
-    from serve.store.repository import ModelRepository
+    from serve.store.repository import ModelRepository, extract_artifact
 
     s = _setup(name, version, store, args, sidecar_url)
 
@@ -784,9 +784,9 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
 
     archive = ModelRepository([store], "dlrm").archive(version)
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(archive) as z:
-        z.extract("artifact.pt", tmp)
+        # the artifact, and a link to the tables folder it references (format 3)
+        artifact_path = extract_artifact(archive, tmp)
         s.handler_cfg = (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
-        artifact_path = Path(tmp) / "artifact.pt"
         if args.body == "binary":
             s.bodies, s.ctype = as_binary(s.bodies, s.schema, s.handler_cfg), BINARY_MEDIA_TYPE
         s.threads = choose_threads(s.workers, s.handler_cfg.get("num_threads")).threads

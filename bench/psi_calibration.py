@@ -30,7 +30,6 @@ import json
 import sys
 import tempfile
 import time
-import zipfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ import numpy as np
 from serve.common.histograms import psi
 from serve.metrics import SCORE_BUCKETS
 from serve.profiles import get_profile
-from serve.store.repository import SHUFFLED_SUFFIX, ModelRepository
+from serve.store.repository import SHUFFLED_SUFFIX, ModelRepository, extract_artifact
 
 __all__ = ["main"]
 
@@ -96,9 +95,9 @@ def _scores(mar: Path, data: tuple[np.ndarray, np.ndarray, np.ndarray], chunk: i
     from serve.runtime.engine import Runtime, RuntimeConfig
 
     dense, values, lengths = data
-    with tempfile.TemporaryDirectory(prefix="psi-") as tmp, zipfile.ZipFile(mar) as z:
-        z.extract("artifact.pt", tmp)
-        rt = Runtime.from_artifact(str(Path(tmp) / "artifact.pt"), RuntimeConfig())
+    with tempfile.TemporaryDirectory(prefix="psi-") as tmp:
+        # the artifact and a link to its tables folder (format 3: mapped in place)
+        rt = Runtime.from_artifact(extract_artifact(mar, tmp), RuntimeConfig())
     n, out = dense.shape[0], []
     starts = np.concatenate([[0], np.cumsum(lengths.sum(axis=1))])  # feature offsets
     inner = np.concatenate([np.zeros((lengths.shape[0], 1), dtype=np.int64),

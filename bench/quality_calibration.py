@@ -32,7 +32,6 @@ import json
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,6 @@ import numpy as np
 
 from serve.common.quality import logloss, summarize
 from serve.constants import (
-    ARTIFACT_NAME,
     QUALITY_MAX_CALIBRATION_GAP,
     QUALITY_MAX_NE_INCREASE,
     QUALITY_Z,
@@ -52,6 +50,7 @@ from serve.sidecar.control.quality_gates import (
     QualitySnapshot,
     evaluate_quality,
 )
+from serve.store.repository import extract_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "quality_calibration.json"
@@ -62,14 +61,9 @@ CAL_GRID = (0.0, 0.05, 0.1, 0.2)
 
 
 def _artifact(mar: Path, tmp: Path) -> Path:
-    """The artifact.pt inside a .mar (a zip), extracted to ``tmp``."""
-    with zipfile.ZipFile(mar) as z:
-        name = next(n for n in z.namelist() if n.endswith(ARTIFACT_NAME))
-        out = tmp / f"{mar.stem}.pt"
-        with z.open(name) as src, open(out, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    return out
+    """The artifact.pt inside a .mar (a zip), extracted to ``tmp/<archive stem>/`` beside a
+    link to the tables folder it references (format 3: the rows stay in the repository)."""
+    return extract_artifact(mar, tmp / mar.stem)
 
 
 def score(artifact: Path, data_dir: Path, rows: int | None, batch: int = 2048) -> tuple[

@@ -918,7 +918,12 @@ def test_state_configmap_is_a_folder_mount_at_the_sidecars_default(docs):
 
 def test_model_volume_is_mounted_read_only_where_the_sidecar_looks(docs):
     """The sidecar's repositories: the image's baked versions first (they win a name
-    clash), then the dlrm-models PVC, mounted read-only (one writer: the upload pod)."""
+    clash), then the dlrm-models PVC, mounted read-only (one writer: the upload pod); the
+    torchserve container mounts the volume at the same path, read-only, and names the
+    same folders in the same order in DLRM_REPOSITORY (its workers map each version's
+    tables folder from there: the archive carries only a reference)."""
+    from serve.settings import DLRM_REPOSITORY
+
     pvc = one(docs, "PersistentVolumeClaim", MODELS_PVC)
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["resources"]["requests"]["storage"]
@@ -928,8 +933,11 @@ def test_model_volume_is_mounted_read_only_where_the_sidecar_looks(docs):
     (mount,) = _mounts_of(sc, vol)
     assert mount["readOnly"] is True
     assert _sidecar_repositories(docs) == [_baked_repository(), mount["mountPath"]]
-    # Only the sidecar reads repositories; TorchServe loads from its own model store.
-    assert not _mounts_of(container(docs, "torchserve"), vol)
+    ts = container(docs, "torchserve")
+    (ts_mount,) = _mounts_of(ts, vol)
+    assert ts_mount["readOnly"] is True and ts_mount["mountPath"] == mount["mountPath"]
+    env = {e["name"]: e.get("value") for e in ts.get("env", [])}
+    assert env[DLRM_REPOSITORY.name] == ":".join(_sidecar_repositories(docs))
 
 
 def test_torchserve_starts_empty(docs):
@@ -1037,7 +1045,8 @@ def test_cpu_overlay_keeps_the_serving_state_and_model_volume(docs, cpu_docs):
 
 def test_upload_pod_template_writes_the_model_volume(docs):
     """k8s/templates/model-upload-pod.yaml: the PVC read-write at /models, hardened like
-    the serving pod, and the documented copy puts the report after the archive."""
+    the serving pod, and the documented copy puts the tables folder first and the report
+    after the archive."""
     path = K8S / "templates" / "model-upload-pod.yaml"
     pod = one(_load(path), "Pod")
     spec = pod["spec"]
@@ -1052,9 +1061,10 @@ def test_upload_pod_template_writes_the_model_volume(docs):
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]} and "command" not in c
     for doc_path in (path, K8S / "models-pvc.yaml"):
-        copies = re.findall(r"kubectl cp \S+\.(mar|json)\s+dlrm-model-upload:/models/",
+        copies = re.findall(r"kubectl cp \S+\.(tables|mar|json)\s+dlrm-model-upload:/models/",
                             doc_path.read_text())
-        assert copies == ["mar", "json"], f"{doc_path.name}: copy the .mar first, the report last"
+        assert copies == ["tables", "mar", "json"], \
+            f"{doc_path.name}: copy the .tables folder first, then the .mar, the report last"
 
 
 # --------------------------------------------------------------------------- real services

@@ -11,7 +11,12 @@ folder plus a volume)::
                                report is incomplete and not listed)
 
 The tables folder is moved in first, then the archive (a few MB: handler, config, dense
-part), then the report: disk per version is its table bytes plus the archive.
+part), then the report: disk per version is its table bytes plus the archive. A version is
+removed in the reverse order (:meth:`ModelRepository.remove`: report, archive, tables), so
+a half-removed version is never listed. The workers find a version's tables folder in the
+same folders, in the same order (``DLRM_REPOSITORY``); :meth:`ModelRepository.check_tables`
+is the sidecar's check, before a switch, that they will (:func:`table_reference` reads the
+archive's reference without torch).
 
 A version is written once (:meth:`ModelRepository.add`) and never changed; its name
 matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
@@ -31,13 +36,15 @@ import re
 import shutil
 import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.errors import ConfigError
+from serve.constants import ARTIFACT_NAME
+from serve.errors import ArtifactError, ConfigError
 from serve.profiles import get_profile
 from serve.state import VERSION_RE
-from serve.store.tablefiles import TABLES_SUFFIX
+from serve.store.tablefiles import MANIFEST_NAME, TABLES_SUFFIX, TableFiles, TableManifest
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -46,16 +53,15 @@ __all__ = [
     "SHUFFLED_SUFFIX",
     "TABLES_REF_NAME",
     "ModelRepository",
+    "TableReference",
     "day_suffix",
     "default_version",
     "dense_suffix",
+    "extract_artifact",
+    "table_reference",
 ]
 
 _VERSION = re.compile(VERSION_RE)
-
-#: The archive member naming the tables folder its artifact references (``{"ref",
-#: "identity", "bytes"}``, JSON): read here without torch.
-TABLES_REF_NAME = "tables.json"
 
 #: The suffix of a version trained on permuted labels (``make model LABEL_SHUFFLE=1``).
 SHUFFLED_SUFFIX = "-shuffled"
@@ -97,6 +103,52 @@ def default_version(profile_name: str, dtype: str = DEFAULT_DTYPE, seed: int | N
             f"{dense_suffix(dense_precision)}")
 
 
+# --------------------------------------------------------------------------- the reference
+# The sidecar reads which tables folder a version's artifact references without torch (the
+# pod's sidecar never imports it): the archive carries it as a small JSON member,
+# ``tables.json`` (serve.model.archive.build_mar writes it beside the artifact).
+
+#: The archive member naming the tables folder its artifact references (``{"ref",
+#: "identity", "bytes"}``, JSON).
+TABLES_REF_NAME = "tables.json"
+
+
+@dataclass(frozen=True)
+class TableReference:
+    """What a format-3 archive says about its tables: the folder's name
+    (``<model>-<version>.tables`` of the version it was built as) and the identity of
+    the build it was made with (:meth:`serve.store.tablefiles.TableManifest.identity`)."""
+
+    folder: str
+    identity: str
+
+
+def table_reference(mar: str | os.PathLike[str]) -> TableReference | None:
+    """The tables folder a model archive's artifact references (format 3), read without
+    torch and without reading a table byte; None when the archive holds its tables
+    (format 1 or 2) or is no zip at all (not this check's to judge: copying or loading
+    it fails, saying why).
+
+    Raises:
+        ConfigError: its ``tables.json`` is unreadable or names no tables folder.
+    """
+    try:
+        with zipfile.ZipFile(mar) as z:
+            if TABLES_REF_NAME not in z.namelist():
+                return None
+            ref = json.loads(z.read(TABLES_REF_NAME))
+    except (OSError, zipfile.BadZipFile):
+        return None
+    except ValueError as e:
+        raise ConfigError(f"archive {mar}: {TABLES_REF_NAME} is unreadable ({e}); rebuild "
+                          "the version") from e
+    folder = str(ref.get("ref", "")) if isinstance(ref, dict) else ""
+    if not folder.endswith(TABLES_SUFFIX) or "/" in folder or folder.startswith("."):
+        raise ConfigError(f"archive {mar}: {TABLES_REF_NAME} must name a plain "
+                          f"*{TABLES_SUFFIX} folder, got {ref!r}")
+    return TableReference(folder, str(ref.get("identity", "")))
+
+
 class ModelRepository:
     """Versions found in one or more folders (earlier folders win on a name clash).
 
@@ -119,11 +171,75 @@ class ModelRepository:
         return f"{self.model_name}-{version}{TABLES_SUFFIX}"
 
     def tables(self, version: str) -> Path | None:
-        """The tables folder ``version``'s archive references (None: the archive holds
-        its tables, as versions built before the folder existed do)."""
+        """The tables folder ``version``'s archive references, in the first repository
+        folder that holds it, in the order the workers search (``DLRM_REPOSITORY``); None
+        when there is none (a version built before the folder existed holds its tables in
+        its archive).
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+        """
+        ref = table_reference(self.archive(version))
+        return None if ref is None else self._locate(ref.folder)
+
+    def _locate(self, folder: str) -> Path | None:
+        return next((r / folder for r in self.roots if (r / folder).is_dir()), None)
+
+    def table_bytes(self, version: str) -> int | None:
+        """The bytes of ``version``'s tables (its manifest's ``nbytes``: rows x row
+        bytes, no table byte read); None when it has no tables folder.
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+            ArtifactError: the folder's manifest is missing or unreadable.
+        """
+        folder = self.tables(version)
+        if folder is None:
+            return None
+        path = folder / MANIFEST_NAME
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ArtifactError(f"{path} is unreadable ({e}): the version's tables are "
+                                "damaged or half-copied; copy them again or rebuild") from None
+        return TableManifest.from_dict(data, str(path)).nbytes
+
+    def check_tables(self, version: str) -> Path | None:
+        """What a switch checks before TorchServe loads ``version``: the tables folder its
+        archive references (:func:`table_reference`) is in one of the repository's
+        folders, complete (manifest, every file of its size) and of the build the archive
+        was made with. Returns that folder (None: the archive holds its tables).
+
+        Raises:
+            ConfigError: not in the repository, or its tables are missing, incomplete or
+                another build's (the message names the folder, where it was looked for
+                and what to do).
+        """
         mar = self.archive(version)
-        ref = tables_ref(mar)
-        return None if ref is None else mar.with_name(str(ref["ref"]))
+        ref = table_reference(mar)
+        if ref is None:
+            return None
+        folder = self._locate(ref.folder)
+        if folder is None:
+            raise ConfigError(
+                f"model version {version!r}: its archive {mar} references the tables folder "
+                f"{ref.folder}, which is in none of the repository folders "
+                f"({', '.join(map(str, self.roots))}); copy the version's {ref.folder}/ "
+                "there beside its .mar (before its .json), or rebuild it")
+        try:
+            files = TableFiles.open(folder)
+        except ArtifactError as e:
+            raise ConfigError(f"model version {version!r}: {e.message}") from None
+        try:
+            identity = files.manifest.identity()
+        finally:
+            files.close()
+        if ref.identity and identity != ref.identity:
+            raise ConfigError(
+                f"model version {version!r}: tables folder {folder} holds another build "
+                f"(identity {identity}; the archive was made with {ref.identity}); the "
+                "version's files are mixed up: copy them again from one build, or rebuild")
+        return folder
 
     def _paths(self, root: Path, version: str) -> tuple[Path, Path]:
         return root / self.archive_name(version), root / f"{self.model_name}-{version}.json"
@@ -183,10 +299,13 @@ class ModelRepository:
             tables: Path | None = None) -> Path:
         """Store a new version: its ``tables`` folder (moved in, not copied: build it on
         the repository's file system), then the archive, then the report last, all
-        read-only.
+        read-only. Without ``tables``, an archive that references a tables folder (format
+        3; another repository's version being copied in) brings the folder beside it:
+        hard-linked file by file (no byte copied; copied only across file systems).
 
         Raises ``ConfigError`` if the name is invalid or the version already exists:
-        versions are immutable, so a rebuild must get a new name.
+        versions are immutable, so a rebuild must get a new name; or if the archive
+        references a tables folder of another name, or one that is not beside it.
         """
         if not _VERSION.fullmatch(version):
             raise ConfigError(f"version {version!r} must match {VERSION_RE} "
@@ -197,7 +316,18 @@ class ModelRepository:
         root = self.roots[0]
         root.mkdir(parents=True, exist_ok=True)
         mar, rep = self._paths(root, version)
-        placed = _place_tables(root, archive, tables)
+        placed: Path | None = root / self.tables_name(version)
+        if tables is not None and placed is not None:
+            if tables.name != placed.name:
+                raise ConfigError(f"tables folder {tables} must be named {placed.name} (the "
+                                  "name the version's artifact references)")
+            # a leftover of an add that failed before its report: not a version
+            shutil.rmtree(placed, ignore_errors=True)
+            for f in tables.iterdir():
+                os.chmod(f, 0o444)
+            shutil.move(os.fspath(tables), placed)
+        else:
+            placed = _link_referenced(Path(archive), root)
         try:
             for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
                                 (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
@@ -211,58 +341,99 @@ class ModelRepository:
             raise
         return mar
 
+    def remove(self, version: str) -> None:
+        """Delete ``version`` from the repository folder that holds it: the report first
+        (the version is no longer listed), then the archive, then its tables folder
+        there (a version's folder in another repository folder is that folder's).
 
-def tables_ref(archive: Path) -> dict[str, Any] | None:
-    """The archive's tables reference (:data:`TABLES_REF_NAME`), None when it has none
-    (or is no zip at all: TorchServe is the judge of that)."""
-    try:
-        with zipfile.ZipFile(archive) as z:
-            if TABLES_REF_NAME not in z.namelist():
-                return None
-            ref = json.loads(z.read(TABLES_REF_NAME))
-    except zipfile.BadZipFile:
-        return None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"archive {archive} is unreadable ({e}); rebuild the version") from e
-    if not isinstance(ref, dict) or not str(ref.get("ref", "")).endswith(TABLES_SUFFIX):
-        raise ConfigError(f"archive {archive}: {TABLES_REF_NAME} must name a "
-                          f"*{TABLES_SUFFIX} folder, got {ref!r}")
-    return ref
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+        """
+        mar, report = self._require(version)
+        report.unlink()
+        mar.unlink(missing_ok=True)
+        # its own folder; one it shares with the version it was copied from stays
+        shutil.rmtree(mar.with_name(self.tables_name(version)), ignore_errors=True)
 
 
-def _place_tables(root: Path, archive: Path, tables: Path | None) -> Path | None:
-    """Put the tables folder ``archive`` references into ``root``; return it when this
-    call placed it (None: no tables, or already there). ``tables`` is moved in (a build's
-    fresh folder); without it, the folder beside ``archive`` is linked in file by file
-    (hard links: no table byte copied; a copy across file systems)."""
-    ref = tables_ref(archive)
-    if ref is None:
-        if tables is not None:
-            raise ConfigError(f"archive {archive} references no tables folder, but "
-                              f"{tables} was given")
-        return None
-    dst = root / str(ref["ref"])
-    src = tables if tables is not None else archive.parent / str(ref["ref"])
-    if src.resolve() == dst.resolve():
-        return None
-    if tables is None and dst.is_dir():
-        return None        # another version's archive referencing the same tables
-    if not src.is_dir():
-        raise ConfigError(f"archive {archive} references tables folder {src.name}, which "
-                          f"is not beside it ({src.parent}); copy the version with it")
-    shutil.rmtree(dst, ignore_errors=True)   # a leftover of an add that failed
-    if tables is not None:
-        for f in tables.iterdir():
-            os.chmod(f, 0o444)
-        shutil.move(os.fspath(tables), dst)
-        return dst
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for f in src.iterdir():
+def extract_artifact(mar: str | os.PathLike[str], dest: str | os.PathLike[str],
+                     roots: Sequence[str | os.PathLike[str]] | None = None) -> Path:
+    """Extract a model archive's artifact to ``dest/artifact.pt`` for reading in process
+    (benchmarks, offline checks), and, when it references a tables folder (format 3),
+    link that folder beside it (a symlink: no table byte copied), so
+    ``load_artifact(dest / "artifact.pt")`` finds it without ``DLRM_REPOSITORY``.
+
+    Args:
+        roots: where the tables folder may be (default: the archive's own folder).
+
+    Returns:
+        the extracted artifact's path.
+
+    Raises:
+        ConfigError: the archive has no artifact, or its tables folder is in none of
+            ``roots``.
+    """
+    mar, dest = Path(mar), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / ARTIFACT_NAME
+    with zipfile.ZipFile(mar) as z:
         try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
-    os.replace(tmp, dst)
-    return dst
+            info = z.getinfo(ARTIFACT_NAME)
+        except KeyError:
+            raise ConfigError(f"{mar} has no {ARTIFACT_NAME}: not a model version's "
+                              "archive") from None
+        with z.open(info) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    ref = table_reference(mar)
+    if ref is not None:
+        search = [Path(r) for r in (roots if roots is not None else [mar.parent])]
+        found = next((r / ref.folder for r in search if (r / ref.folder).is_dir()), None)
+        if found is None:
+            raise ConfigError(f"{mar} references the tables folder {ref.folder}, which is in "
+                              f"none of {[str(r) for r in search]}; copy it beside the archive")
+        link = dest / ref.folder
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(found.resolve(), target_is_directory=True)
+    return out
+
+
+def _link_referenced(archive: Path, root: Path) -> Path | None:
+    """The tables folder ``archive`` references, from beside it, linked into ``root``
+    under its own name (written as ``<name>.tmp-<pid>``, then renamed: hard links, no
+    table byte copied; a copy only across file systems); None when it references none or
+    ``root`` holds it already (another version added from the same archive)."""
+    ref = table_reference(archive)
+    if ref is None:
+        return None
+    placed = root / ref.folder
+    src = archive.parent / ref.folder
+    if placed.is_dir() and (not src.is_dir() or src.resolve() == placed.resolve()
+                            or _identity(placed) == _identity(src)):
+        return None
+    if not src.is_dir():
+        raise ConfigError(f"archive {archive} references the tables folder {ref.folder}, "
+                          f"which is not beside it ({src}); copy the folder there first")
+    stage = placed.with_name(f"{placed.name}.tmp-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(placed, ignore_errors=True)   # a leftover of an add that failed
+    stage.mkdir()
+    try:
+        for f in sorted(src.iterdir()):
+            try:
+                os.link(f, stage / f.name)
+            except OSError:   # another file system: a copy is the only way
+                shutil.copyfile(f, stage / f.name)
+                os.chmod(stage / f.name, 0o444)
+        os.replace(stage, placed)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return placed
+
+
+def _identity(folder: Path) -> str | None:
+    try:
+        return str(json.loads((folder / MANIFEST_NAME).read_text()).get("tables"))
+    except (OSError, ValueError):
+        return None

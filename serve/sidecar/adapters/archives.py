@@ -9,12 +9,20 @@ settings written into its model config. It lives in TorchServe's model store as
 ``<model>-<serving version>.mar`` (TorchServe registers local archives only from there)
 and is deleted when its version is unregistered; repository archives are never touched.
 
+A repository archive holds no table bytes (artifact format 3): its artifact references the
+version's tables folder, ``<model>-<version>.tables`` beside it in the repository, which
+the workers map in place, found through ``DLRM_REPOSITORY``. So a derived archive is as
+small as its source (the handler, the config and the dense part: a few MB however large
+the tables), and nothing here reads, copies or moves a tables folder.
+
 A serving version that holds a rollout's candidate (``..._c<candidate>``) gets the
 candidate's artifact packed beside the stable one (``candidate/artifact.pt``) and a
 ``handler.rollout`` section naming it and the *control file*
 (``<store>/<model>-<serving version>.control.json``, :func:`control_path`): the JSON
 mode and weight the sidecar's rollout controller rewrites while the workers run
-(:mod:`serve.store.routing`). The model store is shared by TorchServe and the sidecar (an
+(:mod:`serve.store.routing`). The candidate's artifact is copied as it is, so its
+reference still names the candidate's own tables folder in the repository (the stable's
+and the candidate's tables are both mapped, each from its own folder). The model store is shared by TorchServe and the sidecar (an
 ``emptyDir`` mounted at the same path in both containers), so the path is the same on
 both sides.
 """
@@ -157,7 +165,8 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
 
 
 def _add_candidate(zout: zipfile.ZipFile, src: Path) -> None:
-    """Copy ``src``'s artifact into ``zout`` as :data:`CANDIDATE_ARTIFACT`."""
+    """Copy ``src``'s artifact into ``zout`` as :data:`CANDIDATE_ARTIFACT`, unchanged: a
+    format-3 artifact keeps the reference to the candidate's own tables folder."""
     with zipfile.ZipFile(src) as cin:
         try:
             info = cin.getinfo(ARTIFACT_NAME)

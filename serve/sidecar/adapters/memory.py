@@ -251,12 +251,15 @@ class MemoryCheck:
 
 def check_fits(probe: MemoryProbe, *, target: str, pids: Iterable[int], per_worker: list[int],
                archive_bytes: int, workers: int, headroom: float = 0.9,
-               reported: Mapping[int, int] | None = None) -> MemoryCheck | None:
+               reported: Mapping[int, int] | None = None,
+               table_bytes: int = 0) -> MemoryCheck | None:
     """Whether ``workers`` workers of ``target`` fit beside what runs now.
 
     The new version's need is estimated from the serving workers' RSS (``per_worker``,
-    their mean, times ``workers``), but never below the archive size times ``workers``
-    (a larger model than the serving one; or nothing serving yet).
+    their mean, times ``workers``), but never below the model's bytes (``table_bytes``,
+    the tables folder the workers map, + ``archive_bytes``) times ``workers`` (a larger
+    model than the serving one; or nothing serving yet): each worker may hold a copy of
+    the rows (on CPU without the pod's shared tables, or in a cache's host table).
 
     Returns:
         the check (None when there is no limit to respect).
@@ -269,8 +272,11 @@ def check_fits(probe: MemoryProbe, *, target: str, pids: Iterable[int], per_work
     if limit is None:
         return None
     usage, usage_basis = probe.usage(pids, reported)
-    by_archive = archive_bytes * workers
+    by_archive = (archive_bytes + table_bytes) * workers
     need, basis = by_archive, f"archive {archive_bytes / _MIB:.0f} MiB x {workers} workers"
+    if table_bytes:
+        basis = (f"(tables {table_bytes / _MIB:.0f} MiB + archive {archive_bytes / _MIB:.0f} "
+                 f"MiB) x {workers} workers")
     if per_worker:
         mean = sum(per_worker) / len(per_worker)
         if mean * workers > by_archive:

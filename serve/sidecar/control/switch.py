@@ -103,6 +103,9 @@ class SwitchPlan:
         candidate: a rollout's candidate packed beside the model version (its archive,
             its control file); ``mode`` is the rollout's, written in the control file
             with weight 0 until the rollout controller starts baking.
+        table_bytes: the bytes of the tables folders the new workers map (the version's
+            and the candidate's, from their manifests; 0 for archives that hold their
+            tables): what the memory check counts, the archives being a few MB.
     """
 
     new: BatchingState
@@ -111,6 +114,7 @@ class SwitchPlan:
     old: Registered | None = None
     candidate: CandidateArchive | None = None
     mode: RolloutMode = RolloutMode.CANARY
+    table_bytes: int = 0
 
 
 def _error_text(e: BaseException) -> str:
@@ -123,7 +127,10 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
     ``store``); None when it is the default with all its workers READY.
 
     Raises:
-        ConfigError: the model version is not in ``repository`` (names the ones there).
+        ConfigError: the model version (or the candidate) is not in ``repository`` (names
+            the ones there), or the tables folder its archive references is missing,
+            incomplete or another build's (:meth:`ModelRepository.check_tables`): refused
+            before anything is copied or loaded.
     """
     target = desired.serving_version()
     current = observed.get(target)
@@ -137,6 +144,10 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
         url = current.url or mar_path(store, model, target).name
         dst = Path(url) if os.path.isabs(url) else store / url
         return SwitchPlan(new=new, src=None, dst=dst, old=observed.serving)
+    versions = [desired.model.version] + ([desired.rollout.candidate] if desired.rollout
+                                          else [])
+    for version in versions:
+        repository.check_tables(version)
     src = repository.archive(desired.model.version)
     candidate = None
     if desired.rollout is not None:
@@ -147,7 +158,8 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
     return SwitchPlan(new=new, src=src, dst=mar_path(store, model, target),
                       old=observed.serving, candidate=candidate,
                       mode=(RolloutMode(desired.rollout.mode) if desired.rollout
-                            else RolloutMode.CANARY))
+                            else RolloutMode.CANARY),
+                      table_bytes=sum(repository.table_bytes(v) or 0 for v in versions))
 
 
 class MemoryWatch:
@@ -191,7 +203,9 @@ class MemoryWatch:
                     headroom: float) -> MemoryCheck | None:
         """Refuse a switch whose new workers would not fit beside the ones running
         (:func:`~serve.sidecar.adapters.memory.check_fits`, within ``headroom`` of the
-        limit).
+        limit). The model's bytes are its archives' plus ``plan.table_bytes``: with the
+        tables in a folder beside the archive (format 3) the archive is only the dense
+        part, and sizing by it would let a switch to a large model through.
 
         Returns the numbers (None without a memory limit, or when the target is
         registered already: nothing new loads).
@@ -209,7 +223,8 @@ class MemoryWatch:
 
         size = await asyncio.to_thread(archives_size)
         return check_fits(self.probe, target=plan.new.model_version, pids=observed.pids(),
-                          per_worker=per_worker, archive_bytes=size, workers=plan.new.workers,
+                          per_worker=per_worker, archive_bytes=size,
+                          table_bytes=plan.table_bytes, workers=plan.new.workers,
                           headroom=headroom, reported=self.reported)
 
 

@@ -130,8 +130,9 @@ def _oip_url(request: Request, sidecar: Sidecar) -> str | None:
 
 
 def _validated(body: Any, sidecar: Sidecar) -> DesiredState:
-    """The body as a desired state whose versions are in the repository (else 400), and
-    whose rollout's candidate takes the stable version's requests (else 409)."""
+    """The body as a desired state whose versions are in the repository with their
+    tables (else 400), and whose rollout's candidate takes the stable version's requests
+    (else 409)."""
     if not isinstance(body, dict):
         raise InvalidInput(f"invalid PUT /state body: body: must be a JSON object "
                            f"(got {type(body).__name__}); {_SHAPE}")
@@ -145,11 +146,12 @@ def _validated(body: Any, sidecar: Sidecar) -> DesiredState:
     if desired.rollout is not None:
         versions.append(("rollout.candidate", desired.rollout.candidate))
     for where, version in versions:
-        if repository is not None and not repository.exists(version):
-            try:
-                repository.archive(version)
-            except ConfigError as e:
-                raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
+        if repository is None:
+            continue
+        try:  # in the repository, with the tables folder its archive references
+            repository.check_tables(version)
+        except ConfigError as e:
+            raise InvalidInput(f"invalid PUT /state body: {where}: {e.message}") from None
     if desired.rollout is not None and sidecar.schemas is not None:
         # Both exist; the candidate must take the stable version's requests (409).
         check_rollout_schema(sidecar.schemas, desired.model.version, desired.rollout.candidate)
