@@ -550,7 +550,8 @@ def _parser() -> argparse.ArgumentParser:
                         "ranks would write it (import it with `make import`)")
     ck.add_argument("--out", required=True, type=Path, help="the new checkpoint directory")
     ck.add_argument("--ranks", type=int, default=2,
-                    help="__<rank>_0.distcp files, each table row-sharded over them (default 2)")
+                    help="__<rank>_0.distcp files; the tables' chunks are spread over them "
+                         "in about equal bytes, large tables row-wise (default 2)")
     ver = sub.add_parser("version", help="a version in the model store: quantized table "
                          "files, the dense part and the archive (no float checkpoint)")
     ver.add_argument("--version", required=True, help="the new version's name (immutable)")
