@@ -230,6 +230,23 @@ example-ranker: venv  ## examples/own_ranker (hand-written TorchRec ranker: mixe
 	$(PY) -m serve.model.fit --factory examples/own_ranker/model.py:make_model --out build/examples/own_ranker/ckpt --world-size 2 --steps $(EXAMPLE_STEPS)
 	$(PY) -m serve.model.importer --factory examples/own_ranker/model.py:make_model --checkpoint build/examples/own_ranker/ckpt --version own-ranker-int8
 
+# Models at the scale users train, without training (docs/scale.md): random weights
+# written chunk by chunk (memory: one chunk). The factories' own size options apply:
+# ARTICLE_SCALE=full (the article's 100M x 64 + 50M x 32, a 29.6 GB checkpoint),
+# DLRMV2_MAX_ROWS=0 (MLPerf's full rows, ~27 GB of int8 table files).
+.PHONY: gen-checkpoint gen-version
+GEN_OUT ?= build/generated/ckpt
+GEN_ARGS ?=
+gen-checkpoint: GEN_FACTORY ?= examples/article_two_tables/model.py:make_model
+gen-version: GEN_FACTORY ?= examples/dlrm_v2/model.py:make_model
+
+gen-checkpoint: venv  ## random-weight DCP checkpoint (as N ranks write it) to import with `make import` [GEN_FACTORY=examples/article_two_tables/model.py:make_model GEN_OUT=build/generated/ckpt ARTICLE_SCALE=full GEN_ARGS="--ranks 2 --seed 0"]
+	$(PY) -m serve.model.generate checkpoint --factory $(GEN_FACTORY) --out $(GEN_OUT) $(GEN_ARGS)
+
+gen-version: venv  ## random-weight version straight into model_store/ (quantized table files; for checkpoints too big for the disk) VERSION=name [GEN_FACTORY=examples/dlrm_v2/model.py:make_model DLRMV2_MAX_ROWS=0 GEN_ARGS="--dtype int8 --seed 0"]
+	@test -n "$(VERSION)" || { echo "usage: make gen-version VERSION=NAME [GEN_FACTORY=file.py:function GEN_ARGS=...]" >&2; exit 2; }
+	$(PY) -m serve.model.generate version --factory $(GEN_FACTORY) --version $(VERSION) $(GEN_ARGS)
+
 # The Open Inference Protocol (KServe v2) with a stock client: tritonclient in a venv of
 # its own (.oipenv), so the check imports nothing of ours, as a client would.
 OIPENV := .oipenv
