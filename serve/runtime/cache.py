@@ -98,6 +98,14 @@ _FREQ_MAX = torch.iinfo(torch.int32).max
 #: to 0.024 over it once the hot set moves (4 gained more there but cost up to 0.005 on
 #: static traffic; 1 cost up to 0.03).
 LFU_DECAY_PER_ROW = 8
+#: Above this many slots a full cache picks victims among a window of slots (a random
+#: start, :data:`SAMPLE_SLOTS_MIN` slots or 8 x the batch's admissions and hits, whichever
+#: is more) instead of ranking every slot: a host tier of tens of millions of slots would
+#: otherwise spend tens of ms per batch in one topk (measured 66 ms at 4M slots). The
+#: answer is exact either way; only which resident row leaves is approximate (sampled
+#: LRU / LFU, as Redis does).
+SAMPLE_ABOVE_SLOTS = 1 << 18
+SAMPLE_SLOTS_MIN = 1 << 15
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -270,18 +278,37 @@ class SlotIndex:
             torch.bitwise_right_shift(self.row_freq, min(k, 31), out=self.row_freq)
             self.decays += k
 
+    def _pool(self, k: int, n_hits: int) -> torch.Tensor | None:
+        """The slots :meth:`_victims` ranks: None (every slot) up to
+        :data:`SAMPLE_ABOVE_SLOTS`, else a window of distinct slots from a start drawn
+        from torch's generator, large enough to hold the k victims besides every hit."""
+        if self.capacity <= SAMPLE_ABOVE_SLOTS:
+            return None
+        size = min(self.capacity, max(SAMPLE_SLOTS_MIN, 8 * (k + n_hits)))
+        if size == self.capacity:
+            return None
+        start = int(torch.randint(self.capacity, (1,)))
+        return torch.remainder(torch.arange(start, start + size,
+                                            device=self.slot_last_use.device), self.capacity)
+
     def _victims(self, cand: torch.Tensor, cand_key: torch.Tensor, k: int,
-                 now: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """:meth:`admit`'s choice by ranking every slot: ``(cand, victims)``, the admitted
-        candidates and their slots (None: LFU admits none)."""
+                 now: torch.Tensor, n_hits: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`admit`'s choice by ranking the slots of :meth:`_pool`: ``(cand,
+        victims)``, the admitted candidates and their slots (None: LFU admits none)."""
+        pool = self._pool(k, n_hits)
+        last = self.slot_last_use[: self.capacity]
+        if pool is not None:
+            last = last.index_select(0, pool)
         if self.row_freq is None:
             # Hits of this batch hold the largest keys, so the k smallest never include
-            # them (k <= capacity - hits); empty slots (negative keys) go first. Keys are
+            # them (k <= slots - hits); empty slots (negative keys) go first. Keys are
             # unique, so topk's choice, and every later eviction, is deterministic.
-            key = self.slot_last_use[: self.capacity]
+            key = last
         else:
             resident = self.slot_to_row[: self.capacity]
-            last = self.slot_last_use[: self.capacity]
+            if pool is not None:
+                resident = resident.index_select(0, pool)
             freq = torch.where(resident >= 0,
                                self.row_freq.index_select(0, resident.clamp_min(0)).long(),
                                torch.full_like(resident, -1))
@@ -290,12 +317,13 @@ class SlotIndex:
             slot_ids = torch.remainder(last, self.capacity)
             key = torch.where(last >= now, torch.full_like(freq, _NEVER),
                               freq * (1 << 32) + slot_ids)
-        victims = torch.topk(key, k, largest=False, sorted=True).indices
+        picked = torch.topk(key, k, largest=False, sorted=True).indices   # into the pool
+        victims = picked if pool is None else pool.index_select(0, picked)
         if self.row_freq is not None:
             # Candidates descend in count and victims ascend, so the admitted pairs are a
             # prefix: a miss whose count is not above its victim's stays out (it was
             # served from host memory this time).
-            n_ok = int((cand_key.index_select(0, cand) > freq.index_select(0, victims)).sum())
+            n_ok = int((cand_key.index_select(0, cand) > freq.index_select(0, picked)).sum())
             if n_ok == 0:
                 return None
             cand, victims = cand[:n_ok], victims[:n_ok]
@@ -325,7 +353,7 @@ class SlotIndex:
             self._filled += k
         else:
             self._filled = self.capacity   # every slot holds a row from here on
-            picked = self._victims(cand, cand_key, k, now)
+            picked = self._victims(cand, cand_key, k, now, n_hits)
             if picked is None:
                 return None
             cand, victims = picked
