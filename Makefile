@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java kubectl prometheus chromium monitoring check docs promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check cache-advice \
         wrk bench-autotune bench-slo \
-        gpu-check gpu-fixture loadtest capacity hpa-sim image clean clean-models
+        gpu-check gpu-fixture bench-tiers loadtest capacity hpa-sim image clean clean-models
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -172,6 +172,10 @@ feedback-check: venv  ## with `make up` running: held-out rows through the servi
 bench-e2e: venv java model  ## HTTP end-to-end throughput/latency at the knee (p99 <= 60 ms; BENCH_E2E_ARGS="--no-p99-goal": where throughput stops rising) -> bench/results/e2e.json
 	$(PY) -m bench.bench_e2e $(BENCH_E2E_ARGS)
 
+BENCH_TIERS_ARGS ?=
+bench-tiers: venv java  ## tables beyond memory: ranking traffic with Zipf ids (alpha 0.9, 1.05, 1.2) at host budgets 10/30/100% of the table bytes, hit ratios per tier, import time and peak RSS, start-up, disk per version (the article model, CI size; BENCH_TIERS_ARGS="--scale full --memory-limit-bytes 6e9" at full size) -> bench/results/tiers.json
+	$(PY) -m bench.bench_tiers $(BENCH_TIERS_ARGS)
+
 BENCH_SLO_ARGS ?=
 bench-slo: venv java model  ## highest open-loop Poisson query rate (100-700 pairs/query) at p99 <= 60 ms on the real service, small + DLRM-v2 (needs make example-dlrmv2), vs in-process and the GEMM peak (~12 min on 2 cores, up to ~30 min where DLRM-v2 meets the goal) [BENCH_SLO_ARGS="--models small --min-duration-s 10"] -> bench/results/slo.json
 	$(PY) -m bench.bench_slo $(BENCH_SLO_ARGS)
@@ -179,7 +183,7 @@ bench-slo: venv java model  ## highest open-loop Poisson query rate (100-700 pai
 # The GPU machine has stock torch + pytest but no venv (and no TorchRec): use its python3.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:  ## on a CUDA machine (no venv needed): gpu tests (CUDA paths vs CPU), then exactness, throughput, batch-1 latency
-	$(GPU_PY) -m pytest -m gpu tests/test_gpu.py tests/test_idmap_managed.py -p no:cacheprovider --noconftest -q && $(GPU_PY) -m bench.gpu_check
+	$(GPU_PY) -m pytest -m gpu tests/test_gpu.py tests/test_idmap_managed.py tests/test_tiers_gpu.py -p no:cacheprovider --noconftest -q && $(GPU_PY) -m bench.gpu_check
 
 LOADTEST_ARGS ?=
 gpu-fixture: venv  ## regenerate bench/gpu_fixture/ (tiny int8 artifact + CPU expectations) for gpu-check

@@ -52,7 +52,7 @@ import orjson
 
 from bench.http1 import Http1Error, Http1Pool
 from serve.common.zipf import zeta_cdf, zipf_ranks
-from serve.ops.machine import machine_facts
+from serve.ops.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "tiers.json"
@@ -365,7 +365,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.9, 1.05, 1.2])
     ap.add_argument("--clients", type=int, default=4, help="closed-loop clients (4)")
     ap.add_argument("--pairs", type=int, default=100, help="pairs per ranking query (100)")
-    ap.add_argument("--queries", type=int, default=256, help="distinct queries per alpha")
+    ap.add_argument("--queries", type=int, default=2000,
+                    help="distinct queries per alpha (2000 x 100 pairs: far more ids than a "
+                         "small budget holds, so the hit ratios are the traffic's)")
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--duration-s", type=float, default=20.0)
     ap.add_argument("--memory-limit-bytes", type=float, default=None,
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(runs))
     doc = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "python -m bench.bench_tiers " + " ".join(argv or sys.argv[1:]),
-           "machine": machine_facts(), "version": version, "build": built, "disk": disk,
+           "machine": machine_info(), "version": version, "build": built, "disk": disk,
            "traffic": {"clients": args.clients, "pairs": args.pairs,
                        "alphas": args.alphas, "duration_s": args.duration_s},
            "runs": runs}

@@ -16,14 +16,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from serve.api.config import HandlerConfig
 from serve.errors import ConfigError
 from serve.metrics.worker import HandlerMetrics
-from serve.runtime.artifact import Artifact, quantize_rows_reference, tables_from_files
+from serve.runtime.artifact import Artifact, quantize_rows_reference
 from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 from serve.runtime.idmap import IdMap
 from serve.runtime.rowsource import DiskRows, Overlay
 from serve.runtime.tiers import host_capacity
 from serve.schema import ModelSchema
-from serve.store.tablefiles import TableFiles, TableWriter
 from tests.fixtures.own_models import random_artifact
+from tests.test_tiers_gpu import batches, on_disk
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -34,31 +34,6 @@ TABLES = (("ta", 700, 8, "sum", "int8"), ("tb", 300, 4, "mean", "fp16"),
 FEATURES = (("fa", "ta", 4), ("fb", "tb", 4), ("fc", "tc", 4), ("fa2", "ta", 4))
 ONE_WIDTH = (("ua", 900, 8, "sum", "int8"), ("ub", 400, 8, "sum", "int8"))
 ONE_WIDTH_FEATURES = (("ga", "ua", 4), ("gb", "ub", 4))
-
-
-def on_disk(art: Artifact, folder: Path) -> Artifact:
-    """``art`` with its tables written to ``folder`` (TableWriter) and mapped from there
-    (``files`` set), as a format-3 load gives it."""
-    with TableWriter(folder, art.schema.tables) as w:
-        for i, t in enumerate(art.tables):
-            w.write(i, 0, t.data)
-        w.commit()
-    files = TableFiles.open(folder)
-    return dataclasses.replace(art, tables=tables_from_files(files), files=files)
-
-
-def batches(art: Artifact, n: int, seed: int = 0, b: int = 48, alpha: float = 1.1,
-            max_id: int = 2000) -> list[tuple[torch.Tensor, SparseBatch]]:
-    """Zipf-skewed multi-hot batches (ids >= rows wrap)."""
-    g = torch.Generator().manual_seed(seed)
-    nf = len(art.schema.features)
-    probs = 1.0 / torch.arange(1, max_id + 1).double() ** alpha
-    out = []
-    for _ in range(n):
-        lengths = torch.randint(0, 4, (nf, b), generator=g, dtype=torch.int32)
-        values = torch.multinomial(probs, int(lengths.sum()), replacement=True, generator=g)
-        out.append((torch.randn(b, art.num_dense, generator=g), SparseBatch(values, lengths)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -308,24 +283,4 @@ def test_tier_metrics(one_width, tmp_path):
             end[tier].miss_seconds_count - start[tier].miss_seconds_count)
         assert value("dlrm_tier_capacity_bytes", tier) == end[tier].capacity_bytes
     assert "dlrm_tier_miss_seconds_bucket" in generate_latest(reg).decode()
-    rt.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("budget", [0, 0.1, None])
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("multi", [False, True], ids=["one-width", "mixed"])
-def test_device_tier_over_disk_on_cuda(mixed, one_width, tmp_path, budget, policy, multi):
-    src = mixed if multi else one_width
-    ref = Runtime(src, RuntimeConfig(device="cuda", cache_load_factor=1.0))
-    rt = Runtime(on_disk(src, tmp_path / "v.tables"),
-                 RuntimeConfig(device="cuda", cache_policy=policy, cache_load_factor=0.05,
-                               cuda_graphs=True, cache_miss_path="mapped",
-                               **_budget(budget, src)))
-    assert rt.cache is not None and not rt.store.static_ok(4)
-    for dense, sparse in batches(src, 6, seed=11):
-        assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
-    dev = rt.stats().tiers["device"]
-    assert dev.lookups > 0 and dev.read_bytes == dev.miss_rows * rt.row_bytes
     rt.close()

@@ -67,6 +67,8 @@ RESULTS: dict[str, tuple[str, str]] = {
                        "make rollout-trials"),
     "runtime": ("In-process runtime vs TorchRec, cache hit ratios", "make bench-runtime"),
     "switch": ("Live serving-state changes under load", "make up && make bench-switch"),
+    "tiers": ("Tables beyond memory: tiers and hit ratios", "make bench-tiers"),
+    "tiers_runtime": ("Table tiers in process", "python -m bench.bench_tiers_runtime"),
     "ts_limits": ("TorchServe frontend limits", "make ts-limits"),
 }
 _DATE_KEYS = ("measured_at", "created_at", "date", "timestamp")
