@@ -77,23 +77,58 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.nd
     return (ranks * _affine(rows) + 7) % rows
 
 
-def ranking_bodies(schema: Any, alpha: float, *, queries: int, pairs: int, seed: int
-                   ) -> list[bytes]:
-    """Columnar JSON ranking queries: ``pairs`` instances each; the first feature (the
-    user) has one id per query, repeated; every other feature one Zipf id per pair."""
+def ranking_queries(schema: Any, alpha: float, *, queries: int, pairs: int, seed: int
+                    ) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
+    """Columnar JSON ranking queries of ``pairs`` instances, with their arrays: ``(body,
+    dense float32 (B, N), values int64 (F * B,) feature-major)``, one id per bag. The
+    first feature (the user) has one id per query, repeated; every other feature one
+    Zipf id per pair."""
     rng = np.random.default_rng([seed, int(alpha * 1000)])
     rows = {t.name: t.rows for t in schema.tables}
     out = []
     for _ in range(queries):
         dense = rng.standard_normal((pairs, schema.dense), dtype=np.float32).round(3)
-        sparse = {}
+        sparse, cols = {}, []
         for i, f in enumerate(schema.features):
-            n = 1 if i == 0 else pairs
-            ids = zipf_ids(rng, n, rows[f.table], alpha)
+            ids = zipf_ids(rng, 1 if i == 0 else pairs, rows[f.table], alpha)
             vals = np.repeat(ids, pairs) if i == 0 else ids
+            cols.append(vals)
             sparse[f.name] = {"values": vals.tolist(), "lengths": [1] * pairs}
-        out.append(orjson.dumps({"dense": dense.tolist(), "sparse": sparse}))
+        body = orjson.dumps({"dense": dense.tolist(), "sparse": sparse})
+        out.append((body, dense, np.concatenate(cols)))
     return out
+
+
+def ranking_bodies(schema: Any, alpha: float, *, queries: int, pairs: int, seed: int
+                   ) -> list[bytes]:
+    """:func:`ranking_queries`' bodies alone."""
+    return [q[0] for q in ranking_queries(schema, alpha, queries=queries, pairs=pairs,
+                                          seed=seed)]
+
+
+def exact_check(url: str, reference: Any, schema: Any, *, queries: int, pairs: int
+                ) -> dict[str, Any]:
+    """Send ``queries`` ranking queries and compare each answer with ``reference`` (an
+    in-process :class:`serve.runtime.engine.Runtime` over the same tables): the largest
+    |HTTP - in process| and whether every answer is bit-equal."""
+    import httpx
+    import torch
+
+    from serve.runtime.engine import SparseBatch
+
+    worst, equal = 0.0, True
+    for body, dense, values in ranking_queries(schema, 1.05, queries=queries, pairs=pairs,
+                                               seed=12345):
+        r = httpx.post(f"{url}/predictions/dlrm", content=body, timeout=60,
+                       headers={"Content-Type": "application/json"})
+        r.raise_for_status()
+        got = torch.tensor(orjson.loads(r.content)["predictions"], dtype=torch.float32)
+        lengths = torch.ones((len(schema.features), pairs), dtype=torch.int32)
+        want = reference.predict(torch.from_numpy(dense), SparseBatch(
+            torch.from_numpy(values), lengths))
+        equal = equal and torch.equal(got, want)
+        worst = max(worst, float((got - want).abs().max()))
+    return {"queries": queries, "max_abs_diff": worst, "bit_equal": equal}
 
 
 @dataclass
@@ -210,6 +245,29 @@ def inside(group: Path | None) -> Iterator[None]:
         (parent / "cgroup.procs").write_text(str(os.getpid()))
 
 
+@contextlib.contextmanager
+def _sidecar_env(limit: int | None, env: Mapping[str, str]) -> Iterator[None]:
+    """The sidecar's environment while the service starts (it inherits this process's):
+    the host budget ``env`` the workers get (its memory check counts it), and the
+    cgroup's limit as ``DLRM_MEMORY_LIMIT_BYTES`` (it reads the cgroup mounted at
+    /sys/fs/cgroup, not this child group), so a switch that does not fit is refused."""
+    from serve.settings import DLRM_MEMORY_LIMIT_BYTES
+
+    extra = dict(env)
+    if limit:
+        extra[DLRM_MEMORY_LIMIT_BYTES.name] = str(int(limit))
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def cgroup_peak(group: Path | None) -> int | None:
     if group is None:
         return None
@@ -271,6 +329,24 @@ def disk_per_version(store: Path, version: str) -> dict[str, Any]:
             "ratio": round(disk / table_bytes, 4), "archive_bytes": mar.stat().st_size}
 
 
+def warm_page_cache(store: Path, version: str) -> float:
+    """Read every table file of ``version`` once (into the page cache): the "all in
+    memory" reference then serves warm rows, as a pod whose tables fit its memory does
+    after a while. Returns the seconds it took."""
+    from serve.store.repository import ModelRepository
+
+    folder = ModelRepository([store]).tables(version)
+    t0 = time.perf_counter()
+    if folder is not None:
+        for f in sorted(folder.iterdir()):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(1 << 26):
+                    pass
+    took = time.perf_counter() - t0
+    print(f"  page cache warmed with {folder} in {took:.1f} s", flush=True)
+    return took
+
+
 # --------------------------------------------------------------------------- one budget
 def _served_state(client: Any) -> dict[str, Any]:
     st = client.state()
@@ -281,30 +357,40 @@ def _served_state(client: Any) -> dict[str, Any]:
             "tuner_enabled": (tuner or {}).get("enabled")}
 
 
-def run_budget(args: argparse.Namespace, version: str, schema: Any, budget: str
-               ) -> dict[str, Any]:
+def run_budget(args: argparse.Namespace, version: str, schema: Any, budget: str,
+               reference: Any = None) -> dict[str, Any]:
     """Start a service at host budget ``budget`` and run every alpha against it."""
     from serve.ops.launcher import running_service
     from serve.settings import DLRM_HOST_CACHE_FRACTION
 
     env = {} if budget == "all" else {DLRM_HOST_CACHE_FRACTION.name: budget}
-    limit = None if budget == "all" else args.memory_limit_bytes
+    limit = None if budget == "all" or not args.memory_limit_bytes else int(
+        args.memory_limit_bytes)
     root = args.work_dir / f"svc-{budget}"
     shutil.rmtree(root, ignore_errors=True)
+    if budget == "all" and args.warm_all:
+        warm_page_cache(args.model_store, version)
     record: dict[str, Any] = {"budget": budget, "memory_limit_bytes": limit, "alphas": []}
     with memory_cgroup(limit, f"bench-tiers-{os.getpid()}") as group:
         t0 = time.perf_counter()
         cm = running_service(root, args.model_store, version, extra_env=env,
                              ready_timeout_s=args.ready_timeout_s)
-        with inside(group):
+        with inside(group), _sidecar_env(limit, env):
             cfg, client = cm.__enter__()
         try:
+            # The tuner off: a batching trial registers a second set of workers beside
+            # the serving ones (a switch), which this benchmark must not measure.
+            client.set_tuner(False)
             url = cfg.inference_url
             first = ranking_bodies(schema, 1.05, queries=1, pairs=args.pairs, seed=99)
             trial = closed_loop(url, first, 1, 0.01, args.pairs)
             record["startup_s"] = round(time.perf_counter() - t0, 2)
             record["first_query_ok"] = trial.failed == 0
             record["state"] = _served_state(client)
+            if reference is not None:
+                record["exact"] = exact_check(url, reference, schema, queries=8,
+                                              pairs=args.pairs)
+                print(f"  HTTP vs in process: {record['exact']}", flush=True)
             for alpha in args.alphas:
                 record["alphas"].append(_one_alpha(args, url, client, schema, alpha))
             record["cgroup_peak_bytes"] = cgroup_peak(group)
@@ -372,6 +458,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration-s", type=float, default=20.0)
     ap.add_argument("--memory-limit-bytes", type=float, default=None,
                     help="run each bounded-budget service in a memory cgroup this big")
+    ap.add_argument("--warm-all", action="store_true",
+                    help="read the table files into the page cache before the 'all' budget "
+                         "(the in-memory reference of a pod whose tables fit)")
     ap.add_argument("--import-memory-bytes", type=float, default=2e9,
                     help="the importer's --max-memory-bytes (default 2e9)")
     ap.add_argument("--ready-timeout-s", type=float, default=600)
@@ -393,14 +482,19 @@ def main(argv: list[str] | None = None) -> int:
     import zipfile
     with zipfile.ZipFile(repo.archive(version)) as z:
         (args.work_dir / "artifact.pt").write_bytes(z.read("artifact.pt"))
-    schema = load_artifact(args.work_dir / "artifact.pt",
-                           tables_path=[args.model_store]).schema
+    from serve.runtime.engine import Runtime, RuntimeConfig
+
+    art = load_artifact(args.work_dir / "artifact.pt", tables_path=[args.model_store])
+    schema = art.schema
+    # The exactness reference: the same files read in process, every lookup from disk
+    # (no host tier: a few MB whatever the model's size).
+    reference = Runtime(art, RuntimeConfig(host_cache_bytes=0))
     disk = disk_per_version(args.model_store, version)
     print(f"version {version}: {disk}", flush=True)
     runs = []
     for budget in args.budgets:
         print(f"budget {budget}:", flush=True)
-        runs.append(run_budget(args, version, schema, budget))
+        runs.append(run_budget(args, version, schema, budget, reference))
     print(table(runs))
     doc = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "python -m bench.bench_tiers " + " ".join(argv or sys.argv[1:]),

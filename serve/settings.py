@@ -360,11 +360,13 @@ DLRM_HOST_CACHE_BYTES = _var(
     "The host tier's budget in bytes per worker for versions whose tables are on disk "
     "(overrides the archive's handler.host_cache_bytes; 0 = every lookup reads the table "
     "files): size it from the pod's memory limit, so a pod smaller than its tables "
-    "serves. Unset: the archive's setting (default: no bound, the mapped files).", WORKER)
+    "serves. Unset: the archive's setting (default: no bound, the mapped files). Set it "
+    "on the sidecar too: its memory check for a switch counts the budget.", WORKER,
+    SIDECAR)
 DLRM_HOST_CACHE_FRACTION = _var(
     "DLRM_HOST_CACHE_FRACTION",
     "The same budget as a fraction (0..1) of the version's table bytes, per worker "
-    "(overrides handler.host_cache_fraction); at most one of the two.", WORKER)
+    "(overrides handler.host_cache_fraction); at most one of the two.", WORKER, SIDECAR)
 DLRM_DEBUG_CANDIDATE_SLOWDOWN = _var(
     "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
     "FOR TESTS AND BENCHMARKS ONLY: a rollout candidate's forwards take this many times "

@@ -62,24 +62,50 @@ def test_the_plan_carries_the_table_bytes_of_the_version_and_the_candidate(
     assert plan(repo, desired("v1", candidate="v2"), tmp_path).table_bytes == t1 + t2
 
 
-def test_the_memory_floor_is_tables_plus_archive_per_worker(repo: ModelRepository,
-                                                            tmp_path: Path) -> None:
-    """Nothing serves yet (no RSS to go by): need = (tables + archive) x workers. A limit
-    that the archives alone would fit (as the old rule sized them) but the tables do
-    not is refused, naming the tables."""
+def test_the_memory_floor_is_the_mapped_tables_once_plus_archive_per_worker(
+        repo: ModelRepository, tmp_path: Path) -> None:
+    """Nothing serves yet (no RSS to go by), no host budget: the workers map the tables
+    (the page cache holds them once for the pod): need = tables + archive x workers. A
+    limit that the archives alone would fit (as the old rule sized them) but the tables
+    do not is refused, naming the tables."""
     p = plan(repo, desired("v2", workers=2), tmp_path)
     archive = repo.archive("v2").stat().st_size
-    need = (p.table_bytes + archive) * 2
+    need = p.table_bytes + archive * 2
     fits = probe(tmp_path / "a", limit=100 * MiB, current=10 * MiB)
     check = asyncio.run(MemoryWatch(fits).check(p, Observed(default=None), 0.9))
     assert check is not None and check.need_bytes == need
-    assert check.need_basis == "(tables 2 MiB + archive 0 MiB) x 2 workers"
+    assert check.need_basis == ("tables 2 MiB mapped once per pod + archive 0 MiB, "
+                                "2 workers")
     tight = probe(tmp_path / "b", limit=int((10 * MiB + 2 * archive) / 0.9) + MiB,
                   current=10 * MiB)
-    with pytest.raises(InsufficientMemory, match=r"needs about 4 MiB \(\(tables 2 MiB \+ "
-                       r"archive 0 MiB\) x 2 workers\)") as info:
+    with pytest.raises(InsufficientMemory, match=r"needs about 2 MiB \(tables 2 MiB mapped "
+                       r"once per pod") as info:
         asyncio.run(MemoryWatch(tight).check(p, Observed(default=None), 0.9))
     assert info.value.status == 507
+
+
+def test_with_a_host_budget_the_floor_is_each_workers_tier(repo: ModelRepository,
+                                                           tmp_path: Path) -> None:
+    """With the workers' host budget (DLRM_HOST_CACHE_*), a pod smaller than its tables
+    fits: each worker holds its tier (slots of the widest row + 16 B, and 4 B per table
+    row for the row map), not the tables."""
+    from serve.sidecar.adapters.memory import table_memory
+
+    p = plan(repo, desired("v2", workers=2), tmp_path)
+    (m,) = p.tables
+    rows, rb = sum(t.rows for t in m.tables), max(t.row_bytes for t in m.tables)
+    archive = repo.archive("v2").stat().st_size
+    tm = table_memory(m.nbytes, rows, rb, host_bytes=None, host_fraction=0.1)
+    assert tm.per_pod == 0
+    assert tm.per_worker == (int(0.1 * m.nbytes) // rb) * (rb + 16) + 4 * rows
+    limit = int((10 * MiB + 2 * (tm.per_worker + archive)) / 0.9) + 1
+    fits = probe(tmp_path / "c", limit=limit, current=10 * MiB)
+    check = asyncio.run(MemoryWatch(fits).check(p, Observed(default=None), 0.9,
+                                                (None, 0.1)))
+    assert check is not None and check.need_bytes == 2 * (tm.per_worker + archive)
+    assert "host tier" in check.need_basis and "per worker" in check.need_basis
+    assert table_memory(m.nbytes, rows, rb, host_bytes=0, host_fraction=None).per_worker \
+        == 4 * rows
 
 
 def test_a_version_without_its_tables_folder_is_refused_before_anything_loads(

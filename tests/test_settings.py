@@ -52,7 +52,9 @@ SIDECAR_FLAGS = (
     # embedding deltas in a fleet: POSTs refused, the model volume followed
     "--deltas-post",
     # one rollout decision per fleet (serve/sidecar/control/fleet.py)
-    "--fleet", "--fleet-identity", "--fleet-lease-s", "--fleet-dir")
+    "--fleet", "--fleet-identity", "--fleet-lease-s", "--fleet-dir",
+    # the workers' host tier budget, which a switch's memory check counts (issue 53)
+    "--host-cache-bytes", "--host-cache-fraction")
 
 
 # --------------------------------------------------------------------------- the registry

@@ -411,6 +411,9 @@ class SidecarConfig:
         memory_headroom: a switch is refused when usage + the new version's estimated
             need exceeds this fraction of the limit (the rest absorbs the estimate's error
             and the page cache; an OOM kill would fail every request in flight).
+        host_cache_bytes, host_cache_fraction: the workers' host tier budget
+            (``DLRM_HOST_CACHE_*``, as TorchServe's): a switch to a version whose tables
+            are on disk counts this, not every table byte, per worker.
         feedback: the prediction log folder the workers write and the bounds of the
             click-feedback join (:class:`FeedbackConfig`).
         delta_dir: the pod's embedding-delta store (:class:`serve.store.deltas.files.DeltaStore`), a
@@ -493,6 +496,14 @@ class SidecarConfig:
              "sidecar (Downward API limits.memory of that container); unset: the "
              "sidecar's cgroup limit"))
     memory_headroom: float = 0.9
+    host_cache_bytes: int | None = field(default=None, metadata=flag(
+        "--host-cache-bytes", env=settings.DLRM_HOST_CACHE_BYTES,
+        help="the workers' host tier budget in bytes per worker (as TorchServe's "
+             "DLRM_HOST_CACHE_BYTES): a switch's memory check counts it instead of "
+             "every table byte"))
+    host_cache_fraction: float | None = field(default=None, metadata=flag(
+        "--host-cache-fraction", env=settings.DLRM_HOST_CACHE_FRACTION,
+        help="the same budget as a fraction of the table bytes (one of the two)"))
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     delta_dir: Path | None = field(default=None, metadata=flag(
         "--delta-dir", env=settings.DLRM_DELTA_DIR,
@@ -563,6 +574,15 @@ class SidecarConfig:
             positive_int("memory_limit_bytes", self.memory_limit_bytes,
                          then=" (bytes) or None to read the cgroup's limit")
         number_in_range("memory_headroom", self.memory_headroom, 0, 1, lo_open=True)
+        if self.host_cache_bytes is not None:
+            int_in_range("host_cache_bytes", self.host_cache_bytes, 0, 1 << 50,
+                         then=" (host tier bytes per worker)")
+        if self.host_cache_fraction is not None:
+            number_in_range("host_cache_fraction", self.host_cache_fraction, 0, 1)
+            if self.host_cache_bytes is not None:
+                raise ConfigError("host_cache_bytes and host_cache_fraction are both set "
+                                  "(DLRM_HOST_CACHE_BYTES, DLRM_HOST_CACHE_FRACTION); set "
+                                  "one of the two")
         positive_int("max_delta_bytes", self.max_delta_bytes,
                      then=" (bytes): the largest embedding delta accepted")
         if self.max_delta_store_bytes < self.max_delta_bytes:

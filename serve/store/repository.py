@@ -193,6 +193,17 @@ class ModelRepository:
             ConfigError: ``version`` is not in the repository.
             ArtifactError: the folder's manifest is missing or unreadable.
         """
+        m = self.manifest(version)
+        return None if m is None else m.nbytes
+
+    def manifest(self, version: str) -> TableManifest | None:
+        """The manifest of ``version``'s tables folder (no table byte read); None when
+        it has none.
+
+        Raises:
+            ConfigError: ``version`` is not in the repository.
+            ArtifactError: the folder's manifest is missing or unreadable.
+        """
         folder = self.tables(version)
         if folder is None:
             return None
@@ -202,7 +213,7 @@ class ModelRepository:
         except (OSError, ValueError) as e:
             raise ArtifactError(f"{path} is unreadable ({e}): the version's tables are "
                                 "damaged or half-copied; copy them again or rebuild") from None
-        return TableManifest.from_dict(data, str(path)).nbytes
+        return TableManifest.from_dict(data, str(path))
 
     def check_tables(self, version: str) -> Path | None:
         """What a switch checks before TorchServe loads ``version``: the tables folder its

@@ -249,17 +249,53 @@ class MemoryCheck:
                 f"declare fewer workers")
 
 
+#: Bytes per host tier slot besides its row: its last use and its row (int64 each).
+SLOT_OVERHEAD_BYTES = 16
+#: Bytes per table row of a host tier's row -> slot map (int32).
+ROW_MAP_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TableMemory:
+    """What a version's tables hold in memory: ``per_pod`` (the mapped files' pages, in
+    the page cache once for every worker) and ``per_worker`` (a bounded host tier's
+    slots and its row map, in each worker's own memory); ``basis`` says which."""
+
+    per_pod: int
+    per_worker: int
+    basis: str
+
+
+def table_memory(table_bytes: int, rows: int, row_bytes: int, *, host_bytes: int | None,
+                 host_fraction: float | None) -> TableMemory:
+    """The memory of tables on disk (``table_bytes`` in ``rows`` rows, the widest
+    ``row_bytes`` wide) under the workers' host budget (serve.runtime.tiers): no budget
+    = the mapped files, once per pod; a budget = per worker, its slots (row + 16 B) and
+    a 4-byte row map entry per table row."""
+    if table_bytes <= 0:
+        return TableMemory(0, 0, "")
+    budget = (host_bytes if host_bytes is not None else
+              int(host_fraction * table_bytes) if host_fraction is not None else None)
+    if budget is None:
+        return TableMemory(table_bytes, 0, f"tables {table_bytes / _MIB:.0f} MiB mapped "
+                                           "once per pod")
+    slots = min(rows, budget // max(row_bytes, 1))
+    per_worker = slots * (row_bytes + SLOT_OVERHEAD_BYTES) + ROW_MAP_BYTES * rows
+    return TableMemory(0, per_worker, f"host tier {per_worker / _MIB:.0f} MiB per worker "
+                                      f"(budget {budget / _MIB:.0f} MiB of "
+                                      f"{table_bytes / _MIB:.0f} MiB tables)")
+
+
 def check_fits(probe: MemoryProbe, *, target: str, pids: Iterable[int], per_worker: list[int],
                archive_bytes: int, workers: int, headroom: float = 0.9,
                reported: Mapping[int, int] | None = None,
-               table_bytes: int = 0) -> MemoryCheck | None:
+               tables: TableMemory | None = None) -> MemoryCheck | None:
     """Whether ``workers`` workers of ``target`` fit beside what runs now.
 
     The new version's need is estimated from the serving workers' RSS (``per_worker``,
-    their mean, times ``workers``), but never below the model's bytes (``table_bytes``,
-    the tables folder the workers map, + ``archive_bytes``) times ``workers`` (a larger
-    model than the serving one; or nothing serving yet): each worker may hold a copy of
-    the rows (on CPU without the pod's shared tables, or in a cache's host table).
+    their mean, times ``workers``), but never below the model's bytes (``tables``: the
+    mapped tables once per pod, or each worker's host tier, + ``archive_bytes`` per
+    worker): a larger model than the serving one, or nothing serving yet.
 
     Returns:
         the check (None when there is no limit to respect).
@@ -272,11 +308,11 @@ def check_fits(probe: MemoryProbe, *, target: str, pids: Iterable[int], per_work
     if limit is None:
         return None
     usage, usage_basis = probe.usage(pids, reported)
-    by_archive = (archive_bytes + table_bytes) * workers
+    t = tables or TableMemory(0, 0, "")
+    by_archive = (archive_bytes + t.per_worker) * workers + t.per_pod
     need, basis = by_archive, f"archive {archive_bytes / _MIB:.0f} MiB x {workers} workers"
-    if table_bytes:
-        basis = (f"(tables {table_bytes / _MIB:.0f} MiB + archive {archive_bytes / _MIB:.0f} "
-                 f"MiB) x {workers} workers")
+    if t.basis:
+        basis = f"{t.basis} + archive {archive_bytes / _MIB:.0f} MiB, {workers} workers"
     if per_worker:
         mean = sum(per_worker) / len(per_worker)
         if mean * workers > by_archive:

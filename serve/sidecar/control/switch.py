@@ -70,7 +70,14 @@ from serve.sidecar.adapters.archives import (
     mar_path,
     rewrite_mar,
 )
-from serve.sidecar.adapters.memory import MemoryCheck, MemoryProbe, PeakTracker, check_fits
+from serve.sidecar.adapters.memory import (
+    MemoryCheck,
+    MemoryProbe,
+    PeakTracker,
+    TableMemory,
+    check_fits,
+    table_memory,
+)
 from serve.sidecar.adapters.torchserve import (
     BatchingState,
     NotRegistered,
@@ -84,6 +91,7 @@ from serve.sidecar.config import SidecarConfig
 from serve.state import DesiredState, RolloutMode
 from serve.store.repository import ModelRepository
 from serve.store.routing import write_control
+from serve.store.tablefiles import TableManifest
 
 __all__ = ["MemoryWatch", "SwitchPhase", "SwitchPlan", "VersionSwitch", "plan_switch"]
 
@@ -103,9 +111,10 @@ class SwitchPlan:
         candidate: a rollout's candidate packed beside the model version (its archive,
             its control file); ``mode`` is the rollout's, written in the control file
             with weight 0 until the rollout controller starts baking.
-        table_bytes: the bytes of the tables folders the new workers map (the version's
-            and the candidate's, from their manifests; 0 for archives that hold their
-            tables): what the memory check counts, the archives being a few MB.
+        tables: the tables folders the new workers read (the version's and the
+            candidate's, from their manifests; empty for archives that hold their
+            tables): what the memory check counts (under the host budget), the archives
+            being a few MB.
     """
 
     new: BatchingState
@@ -114,7 +123,11 @@ class SwitchPlan:
     old: Registered | None = None
     candidate: CandidateArchive | None = None
     mode: RolloutMode = RolloutMode.CANARY
-    table_bytes: int = 0
+    tables: tuple[TableManifest, ...] = ()
+
+    @property
+    def table_bytes(self) -> int:
+        return sum(m.nbytes for m in self.tables)
 
 
 def _error_text(e: BaseException) -> str:
@@ -159,7 +172,8 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
                       old=observed.serving, candidate=candidate,
                       mode=(RolloutMode(desired.rollout.mode) if desired.rollout
                             else RolloutMode.CANARY),
-                      table_bytes=sum(repository.table_bytes(v) or 0 for v in versions))
+                      tables=tuple(m for v in versions
+                                   if (m := repository.manifest(v)) is not None))
 
 
 class MemoryWatch:
@@ -199,13 +213,16 @@ class MemoryWatch:
         if self.tracker is not None:
             self.tracker.sample(sorted(self.live_pids), self.reported)
 
-    async def check(self, plan: SwitchPlan, observed: Observed,
-                    headroom: float) -> MemoryCheck | None:
+    async def check(self, plan: SwitchPlan, observed: Observed, headroom: float,
+                    budget: tuple[int | None, float | None] = (None, None)
+                    ) -> MemoryCheck | None:
         """Refuse a switch whose new workers would not fit beside the ones running
         (:func:`~serve.sidecar.adapters.memory.check_fits`, within ``headroom`` of the
-        limit). The model's bytes are its archives' plus ``plan.table_bytes``: with the
-        tables in a folder beside the archive (format 3) the archive is only the dense
-        part, and sizing by it would let a switch to a large model through.
+        limit). The model's bytes are its archives' plus its tables' memory
+        (:func:`~serve.sidecar.adapters.memory.table_memory` under ``budget``, the
+        workers' host budget ``(bytes, fraction)``): with the tables in a folder beside
+        the archive (format 3) the archive is only the dense part, and sizing by it
+        would let a switch to a large model through.
 
         Returns the numbers (None without a memory limit, or when the target is
         registered already: nothing new loads).
@@ -222,10 +239,16 @@ class MemoryWatch:
             return sum(p.stat().st_size for p in paths if p is not None)
 
         size = await asyncio.to_thread(archives_size)
+        tables = [table_memory(m.nbytes, sum(t.rows for t in m.tables),
+                               max((t.row_bytes for t in m.tables), default=0),
+                               host_bytes=budget[0], host_fraction=budget[1])
+                  for m in plan.tables]
+        total = TableMemory(sum(t.per_pod for t in tables), sum(t.per_worker for t in tables),
+                            "; ".join(t.basis for t in tables))
         return check_fits(self.probe, target=plan.new.model_version, pids=observed.pids(),
-                          per_worker=per_worker, archive_bytes=size,
-                          table_bytes=plan.table_bytes, workers=plan.new.workers,
-                          headroom=headroom, reported=self.reported)
+                          per_worker=per_worker, archive_bytes=size, tables=total,
+                          workers=plan.new.workers, headroom=headroom,
+                          reported=self.reported)
 
 
 class VersionSwitch:
@@ -292,7 +315,9 @@ class VersionSwitch:
         Raises:
             InsufficientMemory: with the numbers and what to do.
         """
-        return await self.memory.check(plan, observed, self.config.memory_headroom)
+        return await self.memory.check(plan, observed, self.config.memory_headroom,
+                                       (self.config.host_cache_bytes,
+                                        self.config.host_cache_fraction))
 
     async def copy(self, plan: SwitchPlan) -> Path | None:
         """Write the new version's archive (atomically; a second run rewrites it).
