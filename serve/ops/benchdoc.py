@@ -69,6 +69,11 @@ RESULTS: dict[str, tuple[str, str]] = {
     "switch": ("Live serving-state changes under load", "make up && make bench-switch"),
     "tiers": ("Tables beyond memory: tiers and hit ratios", "make bench-tiers"),
     "tiers_runtime": ("Table tiers in process", "python -m bench.bench_tiers_runtime"),
+    "tiers_full_article": ("Tables beyond memory: the article's model at full size",
+                           ("python -m bench.bench_tiers --version article-full-s0 "
+                           "--budgets all 0.1 --warm-all --memory-limit-bytes 6e9")),
+    "tiers_full_dlrmv2": ("Tables beyond memory: DLRM-v2 at MLPerf's row counts",
+                          "python -m bench.bench_tiers --version dlrm-v2-full-int8"),
     "ts_limits": ("TorchServe frontend limits", "make ts-limits"),
 }
 _DATE_KEYS = ("measured_at", "created_at", "date", "timestamp")
