@@ -39,6 +39,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -484,6 +485,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like an exception, so the service a run started is stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from serve.runtime.artifact import load_artifact
     from serve.store.repository import ModelRepository
 
