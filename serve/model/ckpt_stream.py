@@ -43,8 +43,15 @@ import torch
 
 from serve.errors import CheckpointError
 
-__all__ = ["CheckpointSource", "DcpSource", "StateDictSource", "TensorRef", "open_source",
-           "strip_prefixes"]
+__all__ = [
+    "CheckpointSource",
+    "DcpSource",
+    "StateDictSource",
+    "TensorRef",
+    "check_keys",
+    "open_source",
+    "strip_prefixes",
+]
 
 _PREFIXES = ("_dmp_wrapped_module.", "module.")
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -409,3 +416,24 @@ def row_ranges(rows: int, step: int) -> Iterator[tuple[int, int]]:
     """``(lo, hi)`` covering ``0 .. rows`` in steps of ``step`` rows."""
     for lo in range(0, rows, max(1, step)):
         yield lo, min(rows, lo + step)
+
+
+def check_keys(model: torch.nn.Module, saved: Mapping[str, Any], where: str) -> None:
+    """The checkpoint's keys and shapes (``saved``: key -> shape) are exactly the
+    model's state dict's, both ways.
+
+    Raises:
+        CheckpointError: names the missing and unexpected keys, or the first key whose
+            shape differs, and what to check.
+    """
+    state = model.state_dict()
+    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {where} does not match the model: missing keys {missing[:5]}, "
+            f"unexpected keys {unexpected[:5]}; it was written for another model: check "
+            "--factory, or re-train")
+    for k, t in state.items():
+        if tuple(saved[k]) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {where}: {k} has shape {tuple(saved[k])}, the "
+                                  f"model needs {tuple(t.shape)}; check --factory, or re-train")

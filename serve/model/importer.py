@@ -173,20 +173,6 @@ def _strip(key: str) -> str:
     return key
 
 
-def _check_keys(model: nn.Module, saved: Mapping[str, Sequence[int]], where: str) -> None:
-    state = model.state_dict()
-    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {where} does not match the model: missing keys {missing[:5]}, "
-            f"unexpected keys {unexpected[:5]}; it was written for another model: check "
-            "--factory, or re-train")
-    for k, t in state.items():
-        if tuple(saved[k]) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint {where}: {k} has shape {tuple(saved[k])}, the "
-                                  f"model needs {tuple(t.shape)}; check --factory, or re-train")
-
-
 def load_checkpoint(model: nn.Module, path: Path) -> nn.Module:
     """Load a DCP directory or a state-dict file into ``model`` (strict) and return it.
 
@@ -216,7 +202,9 @@ def load_checkpoint(model: nn.Module, path: Path) -> nn.Module:
         raise CheckpointError(f"checkpoint {path} holds {type(blob).__name__}, not a state dict "
                               "of tensors; save it with torch.save(model.state_dict(), PATH)")
     state = {_strip(k): v for k, v in blob.items()}
-    _check_keys(model, {k: v.shape for k, v in state.items()}, os.fspath(path))
+    from serve.model.ckpt_stream import check_keys
+
+    check_keys(model, {k: v.shape for k, v in state.items()}, os.fspath(path))
     model.load_state_dict(state, strict=True)
     return model
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from serve.errors import CheckpointError, ConfigError
-from serve.model.ckpt_stream import CheckpointSource, row_ranges
+from serve.errors import ConfigError
+from serve.model.ckpt_stream import CheckpointSource, check_keys, row_ranges
 from serve.model.export import collections
 from serve.model.rowquant import quantize_chunk, rows_per_chunk
 from serve.schema import ModelSchema
@@ -101,20 +101,6 @@ def table_keys(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _check_keys(model: nn.Module, saved: Mapping[str, tuple[int, ...]], where: str) -> None:
-    state = model.state_dict()
-    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {where} does not match the model: missing keys {missing[:5]}, "
-            f"unexpected keys {unexpected[:5]}; it was written for another model: check "
-            "--factory, or re-train")
-    for k, t in state.items():
-        if tuple(saved[k]) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint {where}: {k} has shape {tuple(saved[k])}, the "
-                                  f"model needs {tuple(t.shape)}; check --factory, or re-train")
-
-
 def load_dense(model: nn.Module, source: CheckpointSource, where: str) -> nn.Module:
     """Check ``source`` against ``model`` (keys and shapes, both ways) and read every
     weight but the tables into it; the tables stay as they are (meta or small).
@@ -124,7 +110,7 @@ def load_dense(model: nn.Module, source: CheckpointSource, where: str) -> nn.Mod
         ConfigError: a tensor outside the tables is still on the meta device (a buffer no
             checkpoint holds: the factory must create it real).
     """
-    _check_keys(model, source.shapes(), where)
+    check_keys(model, source.shapes(), where)
     tables = set(table_keys(model).values())
     dense = {k: source.read(k) for k in model.state_dict() if k not in tables}
     model.load_state_dict(dense, strict=False, assign=True)
