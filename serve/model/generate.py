@@ -115,19 +115,12 @@ def table_inits(model: nn.Module) -> list[TableInit]:
         ConfigError: no collection, or a table weight not found in the state dict.
     """
     from serve.model.export import collections
+    from serve.model.stream_import import table_keys
 
-    keys = set(model.state_dict())
-    out: list[TableInit] = []
-    for name, ebc in collections(model):
-        for cfg in ebc.embedding_bag_configs():
-            fqn = f"{name}.embedding_bags.{cfg.name}.weight"
-            if fqn not in keys:
-                raise ConfigError(f"table {cfg.name}: its weight {fqn} is not in the model's "
-                                  "state dict; the generator takes EmbeddingBagCollection "
-                                  "tables (the importer's contract)")
-            out.append(TableInit(fqn, cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim),
-                                 float(cfg.get_weight_init_min()),
-                                 float(cfg.get_weight_init_max())))
+    keys = table_keys(model)    # the importer's own check of where each weight is
+    out = [TableInit(keys[cfg.name], cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim),
+                     float(cfg.get_weight_init_min()), float(cfg.get_weight_init_max()))
+           for _, ebc in collections(model) for cfg in ebc.embedding_bag_configs()]
     if not out:
         raise ConfigError("the model has no torchrec EmbeddingBagCollection table; the "
                           "contract keeps embeddings in EmbeddingBagCollection modules")
