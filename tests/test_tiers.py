@@ -23,17 +23,17 @@ from serve.runtime.rowsource import DiskRows, Overlay
 from serve.runtime.tiers import host_capacity
 from serve.schema import ModelSchema
 from tests.fixtures.own_models import random_artifact
-from tests.test_tiers_gpu import batches, on_disk
+from tests.test_tiers_gpu import (
+    FEATURES,
+    ONE_WIDTH,
+    ONE_WIDTH_FEATURES,
+    TABLES,
+    batches,
+    budget_settings,
+    on_disk,
+)
 
 HAS_CUDA = torch.cuda.is_available()
-
-# Mixed dims and dtypes: three row widths (int8 dim 8: 12 B, fp16 dim 4: 8 B, int8 dim 16:
-# 20 B), a table read by two features, sum and mean pooling.
-TABLES = (("ta", 700, 8, "sum", "int8"), ("tb", 300, 4, "mean", "fp16"),
-          ("tc", 500, 16, "sum", "int8"))
-FEATURES = (("fa", "ta", 4), ("fb", "tb", 4), ("fc", "tc", 4), ("fa2", "ta", 4))
-ONE_WIDTH = (("ua", 900, 8, "sum", "int8"), ("ub", 400, 8, "sum", "int8"))
-ONE_WIDTH_FEATURES = (("ga", "ua", 4), ("gb", "ub", 4))
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +44,6 @@ def mixed() -> Artifact:
 @pytest.fixture(scope="module")
 def one_width() -> Artifact:
     return random_artifact(ONE_WIDTH, ONE_WIDTH_FEATURES, seed=4)
-
-
-def _budget(kind: str | float | None, art: Artifact) -> dict:
-    if kind is None:
-        return {}
-    if kind == 0:
-        return {"host_cache_bytes": 0}
-    return {"host_cache_fraction": kind}
 
 
 def _check_counters(rt: Runtime) -> None:
@@ -71,7 +63,7 @@ def test_tiers_equal_in_memory(mixed, tmp_path, budget, policy, cache_on_cpu):
     art = on_disk(mixed, tmp_path / "v.tables")
     rt = Runtime(art, RuntimeConfig(cache_policy=policy, cache_on_cpu=cache_on_cpu,
                                     cache_load_factor=0.05, disk_read_threads=4,
-                                    **_budget(budget, mixed)))
+                                    **budget_settings(budget)))
     assert rt.store.tiers is not None and rt.table is None and rt.shared is None
     assert (rt.cache is not None) == cache_on_cpu
     for dense, sparse in batches(mixed, 6, seed=1):
@@ -93,7 +85,7 @@ def test_counters_per_tier(one_width, tmp_path, budget, cache_on_cpu):
     tier under a device cache sees exactly the device tier's missed rows."""
     art = on_disk(one_width, tmp_path / "v.tables")
     rt = Runtime(art, RuntimeConfig(cache_on_cpu=cache_on_cpu, cache_load_factor=0.1,
-                                    **_budget(budget, one_width)))
+                                    **budget_settings(budget)))
     rb = rt.row_bytes
     ids = 0
     for dense, sparse in batches(one_width, 5, seed=2):
@@ -164,7 +156,7 @@ def test_deltas_stay_exact(mixed, tmp_path, budget, cache_on_cpu, policy):
     ref = Runtime(art, RuntimeConfig(cache_policy=policy))
     rt = Runtime(on_disk(art, tmp_path / "v.tables"),
                  RuntimeConfig(cache_policy=policy, cache_on_cpu=cache_on_cpu,
-                               cache_load_factor=0.1, **_budget(budget, art)))
+                               cache_load_factor=0.1, **budget_settings(budget)))
     g = torch.Generator().manual_seed(5)
     for step, (dense, sparse) in enumerate(batches(art, 6, seed=3, max_id=40_000)):
         # managed feature 0 reads raw ids: mostly admitted ones, some unknown

@@ -16,6 +16,8 @@ from serve.store.tablefiles import TableFiles, TableWriter
 from tests.fixtures.own_models import random_artifact
 
 HAS_CUDA = torch.cuda.is_available()
+# Mixed dims and dtypes: three row widths (int8 dim 8: 12 B, fp16 dim 4: 8 B, int8 dim 16:
+# 20 B), a table read by two features, sum and mean pooling.
 TABLES = (("ta", 700, 8, "sum", "int8"), ("tb", 300, 4, "mean", "fp16"),
           ("tc", 500, 16, "sum", "int8"))
 FEATURES = (("fa", "ta", 4), ("fb", "tb", 4), ("fc", "tc", 4), ("fa2", "ta", 4))
@@ -49,7 +51,8 @@ def batches(art: Artifact, n: int, seed: int = 0, b: int = 48, alpha: float = 1.
 
 
 
-def _budget(kind: float | None) -> dict:
+def budget_settings(kind: float | None) -> dict:
+    """RuntimeConfig's host budget: None no bound, 0 no slots, else a fraction."""
     if kind is None:
         return {}
     return {"host_cache_bytes": 0} if kind == 0 else {"host_cache_fraction": kind}
@@ -76,7 +79,7 @@ def test_device_tier_over_disk_on_cuda(mixed, one_width, tmp_path, budget, polic
     rt = Runtime(on_disk(src, tmp_path / "v.tables"),
                  RuntimeConfig(device="cuda", cache_policy=policy, cache_load_factor=0.05,
                                cuda_graphs=True, cache_miss_path="mapped",
-                               **_budget(budget)))
+                               **budget_settings(budget)))
     assert rt.cache is not None and not rt.store.static_ok(4)
     for dense, sparse in batches(src, 6, seed=11):
         assert torch.equal(rt.predict(dense, sparse), ref.predict(dense, sparse))
