@@ -329,16 +329,14 @@ def build_figures(repo: Any, version: str) -> dict[str, Any]:
 
 def disk_per_version(store: Path, version: str) -> dict[str, Any]:
     from serve.store.repository import ModelRepository
-    from serve.store.tablefiles import TableFiles, tables_folder_bytes
+    from serve.store.tablefiles import tables_folder_bytes
 
     repo = ModelRepository([store])
     mar, folder = repo.archive(version), repo.tables(version)
     report = mar.with_suffix(".json")
-    if folder is None:
+    table_bytes = repo.table_bytes(version)
+    if folder is None or not table_bytes:
         return {"tables_folder": None}
-    files = TableFiles.open(folder)
-    table_bytes = files.nbytes
-    files.close()
     disk = tables_folder_bytes(folder) + mar.stat().st_size + report.stat().st_size
     return {"table_bytes": table_bytes, "disk_bytes": disk,
             "ratio": round(disk / table_bytes, 4), "archive_bytes": mar.stat().st_size}

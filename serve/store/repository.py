@@ -205,15 +205,7 @@ class ModelRepository:
             ArtifactError: the folder's manifest is missing or unreadable.
         """
         folder = self.tables(version)
-        if folder is None:
-            return None
-        path = folder / MANIFEST_NAME
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"{path} is unreadable ({e}): the version's tables are "
-                                "damaged or half-copied; copy them again or rebuild") from None
-        return TableManifest.from_dict(data, str(path))
+        return None if folder is None else _read_manifest(folder)
 
     def check_tables(self, version: str) -> Path | None:
         """What a switch checks before TorchServe loads ``version``: the tables folder its
@@ -443,8 +435,24 @@ def _link_referenced(archive: Path, root: Path) -> Path | None:
     return placed
 
 
-def _identity(folder: Path) -> str | None:
+def _read_manifest(folder: Path) -> TableManifest:
+    """A tables folder's manifest (no table byte read).
+
+    Raises:
+        ArtifactError: it is missing, unreadable or malformed.
+    """
+    path = folder / MANIFEST_NAME
     try:
-        return str(json.loads((folder / MANIFEST_NAME).read_text()).get("tables"))
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path} is unreadable ({e}): the version's tables are "
+                            "damaged or half-copied; copy them again or rebuild") from None
+    return TableManifest.from_dict(data, str(path))
+
+
+def _identity(folder: Path) -> str | None:
+    """The build a tables folder holds (None: no readable manifest)."""
+    try:
+        return _read_manifest(folder).identity()
+    except ArtifactError:
         return None
