@@ -4,19 +4,21 @@
 #   make model image               # GPU variant: dlrm-serve:0.1.0 (+ dlrm-serve:0.1.0-g<commit>)
 #   make model image VARIANT=cpu   # CPU variant: dlrm-serve:0.1.0-cpu
 #
-# k8s/ references exactly these tags (tests/test_dockerfile.py checks it). It installs the
-# serving packages only: requirements-serve.txt + constraints.txt, no TorchRec, FBGEMM,
+# k8s/ deploys these images by digest (`make release-manifests`). It installs the
+# serving packages only: requirements-serve.lock (hashes) + constraints.txt, no TorchRec, FBGEMM,
 # test, load-test or lint tool (the pod imports none: tests/test_layers.py). Nothing
 # secret goes in: the sidecar's tokens come from a Kubernetes Secret at run time and
 # .dockerignore keeps .run/ out. SECURITY.md ("Supply chain") says how each pin is bumped.
 #
-# The base, pinned by digest: a tag can be re-pushed, a digest cannot. This is the
-# digest of python:3.11.7-slim-bookworm (CPython 3.11.7, the venv's) as Renovate pinned it
-# in github.com/nalabelle/build (images/digests.Dockerfile); two other public Dockerfiles
-# pin the same one. Not checked against the registry from here (no registry access): the
-# first build with a registry checks it (`docker buildx imagetools inspect <ref>`).
+# The base, pinned by digest: a tag can be re-pushed, a digest cannot. CPython 3.11.17 on
+# Debian bookworm (the venv's minor version; tests/test_dockerfile.py wants a patch
+# >= 3.11.14: 3.11.7 of Dec 2023 lacked the zipfile/tarfile fixes the sidecar's .mar
+# reading needs). The digest is the one two public Dockerfiles pin for this tag; no
+# registry is reachable from here, so it was NOT checked against Docker Hub: `make image`
+# checks it first (`docker buildx imagetools inspect`, fails when it does not resolve) and
+# prints the tag's current digest, which is how the base is refreshed (docs/release.md).
 # Override with --build-arg PYTHON_IMAGE=python:3.11.x-slim-bookworm@sha256:<digest>.
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b
+ARG PYTHON_IMAGE=python:3.11.17-slim-bookworm@sha256:0a310eeecf4e1f5a0743f9a6520c90c88d089c903ca5fd283f501e3a805f5f89
 FROM ${PYTHON_IMAGE}
 
 # gpu: PyPI's default torch build (CUDA); cpu: the CPU-only torch wheel (~200 MB instead
@@ -59,17 +61,23 @@ RUN groupadd --system --gid 10001 dlrm \
        --shell /usr/sbin/nologin dlrm
 
 WORKDIR /opt/dlrm
-COPY requirements-serve.txt constraints.txt ./
-# torch first, the variant's build; then the serving list (its torch==2.13.0 pin is
-# satisfied by either build, 2.13.0+cpu included).
+COPY requirements-serve.lock requirements-torch-cpu.lock constraints.txt ./
+# Every install is hash-checked (--require-hashes: a file whose SHA-256 is not in the lock
+# is refused) and constrained (-c constraints.txt), except the GPU variant's torch and the
+# CUDA wheels it pulls (nvidia-*, triton): PyPI's, at torch's own pins, without hashes
+# (SECURITY.md, "Supply chain"). Order: torch alone (the variant's build, --no-deps), then
+# the serving lock (torch's dependencies included; pip trusts the torch already there),
+# then, GPU only, torch's CUDA wheels. `make lock` writes both locks from the pins.
 RUN set -eux; \
     python -m venv /opt/venv; \
     case "$VARIANT" in \
-      cpu) pip install torch==2.13.0 --index-url "$TORCH_CPU_INDEX" ;; \
-      gpu) pip install torch==2.13.0 -c constraints.txt ;; \
+      cpu) pip install --require-hashes --no-deps -r requirements-torch-cpu.lock -c constraints.txt --index-url "$TORCH_CPU_INDEX" ;; \
+      gpu) pip install --no-deps torch==2.13.0 -c constraints.txt ;; \
       *) echo "VARIANT must be gpu or cpu, got '$VARIANT'" >&2; exit 1 ;; \
     esac; \
-    pip install -r requirements-serve.txt -c constraints.txt
+    pip install --require-hashes -r requirements-serve.lock -c constraints.txt; \
+    if [ "$VARIANT" = gpu ]; then pip install torch==2.13.0 -c constraints.txt; fi; \
+    pip check
 
 COPY pyproject.toml ./
 COPY serve/ serve/

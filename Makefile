@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: help venv java kubectl prometheus chromium monitoring check docs promcheck model delta delta-check delta-compare bench-memory run up down test test-fast lint bench-runtime bench-e2e bench-switch bench-rollout faults feedback-check cache-advice \
         wrk bench-autotune bench-slo \
-        gpu-check gpu-fixture bench-tiers loadtest capacity hpa-sim image clean clean-models
+        gpu-check gpu-fixture bench-tiers loadtest capacity hpa-sim image lock release-manifests scan clean clean-models
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -199,9 +199,22 @@ hpa-sim: venv  ## replay single/ranking/mixed traffic through k8s/hpa.yaml and t
 	$(PY) -m serve.ops.hpa_sim
 
 IMAGE_SUFFIX = $(if $(filter cpu,$(VARIANT)),-cpu,)
-image:  ## build the container image from a clean tree (needs a Docker engine): VARIANT=gpu|cpu; tags $(IMAGE):$(TAG)[-cpu] and $(IMAGE):$(TAG)-g<commit>[-cpu]
+# The Dockerfile's pinned base (name:tag@sha256:digest): `make image` checks it resolves.
+PYTHON_IMAGE := $(shell sed -n 's/^ARG PYTHON_IMAGE=//p' Dockerfile)
+image:  ## build the container image from a clean tree (needs a Docker engine and the registry): checks the pinned base digest resolves, then VARIANT=gpu|cpu; tags $(IMAGE):$(TAG)[-cpu] and $(IMAGE):$(TAG)-g<commit>[-cpu]
 	@git diff --quiet HEAD -- . ':!model_store' || { echo "make image: the tree has uncommitted changes; an image tag names one commit: commit first" >&2; exit 1; }
+	@docker buildx imagetools inspect "$(PYTHON_IMAGE)" >/dev/null || { echo "make image: the base $(PYTHON_IMAGE) does not resolve (no registry, no docker buildx, or the digest is wrong): see docs/release.md" >&2; exit 1; }
+	@echo "make image: base $(PYTHON_IMAGE) resolves; its tag now points at: $$(docker buildx imagetools inspect "$(firstword $(subst @, ,$(PYTHON_IMAGE)))" --format '{{.Manifest.Digest}}' 2>/dev/null || echo '?') (a different digest: Debian or CPython updates; refresh the pin, docs/release.md)"
 	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(TAG)$(IMAGE_SUFFIX) -t $(IMAGE):$(TAG)-g$(GIT_SHA)$(IMAGE_SUFFIX) --label org.opencontainers.image.version=$(TAG) --label org.opencontainers.image.revision=$(GIT_SHA) .
+
+lock: venv  ## regenerate requirements-serve.lock and requirements-torch-cpu.lock (hashes the Dockerfile installs with --require-hashes) from the pins; needs the package index
+	$(PY) -m serve.ops.lock
+
+release-manifests: venv  ## after pushing $(IMAGE):$(TAG) and $(IMAGE):$(TAG)-cpu: write their digests into k8s/ (GPU_DIGEST=sha256:... CPU_DIGEST=sha256:..., else asked from the registry)
+	$(PY) -m serve.ops.release --image $(IMAGE) --tag $(TAG)$(if $(GPU_DIGEST), --gpu-digest $(GPU_DIGEST))$(if $(CPU_DIGEST), --cpu-digest $(CPU_DIGEST))
+
+scan: venv  ## vulnerability scan of $(IMAGE):$(TAG)[-cpu]: OS packages and jars (trivy, grype), serving packages (pip-audit --strict); says NOT SCANNED with the reason where a tool or registry is missing (SCAN_STRICT=1: that fails)
+	$(PY) -m serve.ops.scan --image $(IMAGE):$(TAG)$(IMAGE_SUFFIX)$(if $(filter 1 true yes,$(SCAN_STRICT)), --strict)
 
 clean:  ## remove build outputs, run state and logs (keeps .venv and the model versions in model_store/)
 	rm -rf build .run logs

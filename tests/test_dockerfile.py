@@ -91,30 +91,85 @@ def test_every_pinned_version_equals_the_projects():
 
 
 def test_it_installs_the_serving_requirements_only():
-    """requirements-serve.txt with constraints.txt, nothing else: no TorchRec, FBGEMM or
-    dev list (the pod imports neither: tests/test_layers.py), and the build checks it."""
+    """The serving lock (requirements-serve.txt's closure, hashed) with constraints.txt,
+    nothing else: no TorchRec, FBGEMM or dev list (the pod imports neither:
+    tests/test_layers.py), and the build checks it."""
     run = run_text()
-    assert "pip install -r requirements-serve.txt -c constraints.txt" in run
+    assert "pip install --require-hashes -r requirements-serve.lock -c constraints.txt" in run
     copies = [shlex.split(arg)[:-1] for op, arg in instructions() if op == "COPY"]
     reqs = {src for c in copies for src in c if src.startswith("requirements")}
-    assert reqs == {"requirements-serve.txt"}
+    assert reqs == {"requirements-serve.lock", "requirements-torch-cpu.lock"}
     for name in OFFLINE_BUILD - {"torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu"}:
         assert name not in run, name
     assert "install --no-deps torchrec" not in run and "fbgemm-gpu==" not in run
     assert "must not contain torchrec or fbgemm_gpu" in run, "the build refuses them"
     assert "pip install --no-deps --no-build-isolation ." in run
+    assert run.rstrip().count("pip check") == 1, "the installed set is consistent"
 
 
-def test_base_image_is_pinned_by_digest():
-    """FROM the ARG, whose default is name:tag@sha256:<64 hex> (a tag can be re-pushed)."""
-    froms = [arg for op, arg in instructions() if op == "FROM"]
-    assert froms == ["${PYTHON_IMAGE}"]
-    (arg,) = [a for op, a in instructions() if op == "ARG" and a.startswith("PYTHON_IMAGE=")]
-    ref = arg.split("=", 1)[1]
-    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", ref), ref
-    digest = ref.rsplit(":", 1)[1]
-    assert len(set(digest)) > 4, "a placeholder digest is not a pin"
-    assert "nalabelle/build" in (REPO / "Dockerfile").read_text(), "cite where it comes from"
+def _pip_installs() -> list[str]:
+    """Every ``pip install ...`` command of the RUN lines, up to its ; && || or )."""
+    return [m.group(0) for m in re.finditer(r"pip install [^;&|)]*", run_text())]
+
+
+def test_every_pip_install_is_constrained_and_every_lock_hash_checked():
+    """-c constraints.txt on every pip install but the project's own (--no-deps: it pulls
+    nothing), the CPU torch line included; every -r of a lock with --require-hashes."""
+    installs = _pip_installs()
+    assert len(installs) >= 5, installs
+    for cmd in installs:
+        args = shlex.split(cmd)
+        if args[-1] == "." and "--no-deps" in args:
+            continue
+        assert "-c" in args and args[args.index("-c") + 1] == "constraints.txt", cmd
+        if "-r" in args:
+            assert args[args.index("-r") + 1].endswith(".lock") and "--require-hashes" in args, cmd
+    cpu = next(c for c in installs if "TORCH_CPU_INDEX" in c)
+    assert "-r requirements-torch-cpu.lock" in cpu and "--require-hashes" in cpu
+
+
+def test_serving_lock_pins_the_serving_closure_with_hashes():
+    """requirements-serve.lock is the serving closure (what make lint audits) at the
+    project's pins, torch aside, each with sha256 hashes; the CPU torch lock is the torch
+    pin's +cpu build. `make lock` regenerates both (serve.ops.lock)."""
+    from serve.ops.audit import serving_closure
+    from serve.ops.lock import SERVE_LOCK, TORCH_CPU_LOCK, read_lock
+
+    closure = {_norm(n): v for n, v in serving_closure(SERVE_REQS, CONSTRAINTS).items()}
+    lock = read_lock(REPO / SERVE_LOCK)
+    assert {n: v for n, (v, _) in lock.items()} == {n: v for n, v in closure.items()
+                                                   if n != "torch"}
+    assert all(hashes for _, hashes in lock.values())
+    (torch_pin, hashes), = read_lock(REPO / TORCH_CPU_LOCK).values()
+    assert torch_pin == closure["torch"] + "+cpu" and len(hashes) == 1
+    assert "lock:" in (REPO / "Makefile").read_text() and "serve.ops.lock" in \
+        (REPO / "Makefile").read_text()
+
+
+def test_lock_hashes_come_from_the_index_page_of_that_version():
+    """serve.ops.lock.file_hashes keeps only the pinned version's files (wheel names
+    normalised, sdists too) and refuses a version the page lacks; a lock line without a
+    hash does not read."""
+    from serve.errors import ConfigError
+    from serve.ops.lock import file_hashes, lock_text, read_lock
+
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    page = (f'<a href="https://x/typing_extensions-4.16.0-py3-none-any.whl#sha256={a}">w</a>'
+            f'<a href="https://x/typing_extensions-4.16.0.tar.gz#sha256={b}">s</a>'
+            f'<a href="https://x/typing_extensions-4.15.0-py3-none-any.whl#sha256={c}">old</a>'
+            '<a href="https://x/typing_extensions-4.16.0-py2-none-any.whl#md5=00">md5</a>')
+    assert file_hashes(page, "typing-extensions", "4.16.0") == [a, b]
+    with pytest.raises(ConfigError, match="4.17.0"):
+        file_hashes(page, "typing-extensions", "4.17.0")
+    text = lock_text([("typing-extensions", "4.16.0", [a, b])], "test")
+    path = REPO / "build" / "test-lock-roundtrip.lock"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    assert read_lock(path) == {"typing-extensions": ("4.16.0", [a, b])}
+    path.write_text("typing-extensions==4.16.0\n")
+    with pytest.raises(ConfigError, match="--hash"):
+        read_lock(path)
+    path.unlink()
 
 
 def test_apt_packages_are_pinned():
@@ -284,16 +339,100 @@ def _make_image_tag(variant: str) -> str:
 
 
 def test_k8s_images_equal_what_make_image_builds():
+    """k8s/ deploys the tags `make image` builds, each by digest (tag@sha256:...): the
+    GPU tag in every container of the Deployment, the -cpu tag in the overlay."""
     gpu, cpu = _make_image_tag("gpu"), _make_image_tag("cpu")
     assert cpu == gpu + "-cpu"
     dep = next(d for d in yaml.safe_load_all((REPO / "k8s" / "deployment.yaml").read_text())
                if d and d["kind"] == "Deployment")
     spec = dep["spec"]["template"]["spec"]
     for c in spec.get("initContainers", []) + spec["containers"]:
-        assert c["image"] == gpu, c["name"]
+        assert re.fullmatch(re.escape(gpu) + r"@sha256:[0-9a-f]{64}", c["image"]), c["name"]
     kust = yaml.safe_load((REPO / "k8s" / "cpu" / "kustomization.yaml").read_text())
     (img,) = kust["images"]
     assert f"{img['name']}:{img['newTag']}" == cpu
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", img["digest"])
+
+
+def test_every_k8s_image_is_by_digest():
+    """Every image: line in k8s/ (templates too) and the overlay's image carry @sha256:
+    (a tag can be re-pushed, a digest cannot)."""
+    from serve.ops.release import image_refs
+
+    lines = [ln.strip() for p in (REPO / "k8s").rglob("*.yaml")
+             for ln in p.read_text().splitlines() if re.match(r"\s*-?\s*image:\s", ln)]
+    assert len(lines) >= 3
+    for ln in lines:
+        assert re.search(r"@sha256:[0-9a-f]{64}$", ln), ln
+    refs = image_refs(REPO / "k8s")
+    assert len(refs) == len(lines) + 1
+    assert all(re.search(r"@sha256:[0-9a-f]{64}$", r) for r in refs), refs
+
+
+def test_release_step_writes_the_pushed_digests(tmp_path):
+    """make release-manifests (serve.ops.release) on a copy of k8s/: every reference
+    becomes the pushed image's name:tag@digest, comments kept; --check refuses the
+    UNRELEASED digest and accepts released ones; a bad digest is refused."""
+    from serve.errors import ConfigError
+    from serve.ops.release import UNRELEASED, image_refs, main, write_digests
+
+    k8s = tmp_path / "k8s"
+    shutil.copytree(REPO / "k8s", k8s)
+    gpu, cpu = "sha256:" + "1f" * 32, "sha256:" + "2e" * 32
+    with pytest.raises(ConfigError, match="sha256"):
+        write_digests(k8s, "reg.example/dlrm-serve", "0.2.0", "sha256:abc", cpu)
+    write_digests(k8s, "reg.example/dlrm-serve", "0.2.0", UNRELEASED, UNRELEASED)
+    assert main(["--k8s", str(k8s), "--check"]) == 1
+    changed = write_digests(k8s, "reg.example/dlrm-serve", "0.2.0", gpu, cpu)
+    assert k8s / "deployment.yaml" in changed and k8s / "cpu" / "kustomization.yaml" in changed
+    refs = image_refs(k8s)
+    assert refs[-1] == f"reg.example/dlrm-serve:0.2.0-cpu@{cpu}"
+    assert set(refs[:-1]) == {f"reg.example/dlrm-serve:0.2.0@{gpu}"}
+    assert main(["--k8s", str(k8s), "--check"]) == 0
+    text = (k8s / "deployment.yaml").read_text()
+    assert text.count("#") == (REPO / "k8s" / "deployment.yaml").read_text().count("#")
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:  # what the overlay really deploys
+        out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                              str(k8s / "cpu")], capture_output=True, text=True, check=True,
+                             timeout=60)
+        images = set(re.findall(r"image: (\S+)", out.stdout))
+        assert images == {f"reg.example/dlrm-serve:0.2.0-cpu@{cpu}"}, images
+
+
+def test_make_scan_says_not_scanned_without_scanners(tmp_path):
+    """Without trivy, grype or a reachable audit service every line says NOT SCANNED,
+    never clean; 0 by default, 2 with --strict; a scanner that finds something fails (1)
+    and one that cannot reach its database is NOT SCANNED."""
+    make = shutil.which("make")
+    assert make is not None
+    dry = subprocess.run([make, "--no-print-directory", "-n", "scan", "SCAN_STRICT=1"],
+                         cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
+    assert "-m serve.ops.scan --image dlrm-serve:0.1.0 --strict" in dry.stdout
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PATH=f"{bindir}:/usr/bin:/bin", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "serve.ops.scan", "--image", "dlrm-serve:0.1.0",
+           "--pip-audit", str(tmp_path / "no-pip-audit"), "--timeout-s", "30"]
+
+    def scan(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd + list(extra), cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    out = scan()
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert text.count("NOT SCANNED") == 4 and "clean" not in text.replace("not a clean", "")
+    assert "trivy is not installed" in text and "grype is not installed" in text
+    assert scan("--strict").returncode == 2
+    for tool, code in (("trivy", 1), ("grype", 3)):
+        (bindir / tool).write_text(f"#!/bin/sh\necho finding-from-{tool}\nexit {code}\n")
+        (bindir / tool).chmod(0o755)
+    out = scan()
+    assert out.returncode == 1, out.stderr
+    assert "scan os+jars (trivy): VULNERABLE (trivy: finding-from-trivy)" in out.stderr
+    assert "scan os+jars (grype): NOT SCANNED (grype exit 3" in out.stderr
 
 
 def _deployment() -> dict:

@@ -324,7 +324,7 @@ def test_cpu_overlay_drops_the_gpu_and_uses_the_cpu_image(docs, cpu_docs):
     assert "nvidia.com/gpu" not in json.dumps(cpu_docs)
     assert "tolerations" not in pod_spec(cpu_docs)
     for c in all_containers(cpu_docs):
-        assert c["image"] == "dlrm-serve:0.1.0-cpu"
+        assert re.fullmatch(r"dlrm-serve:0\.1\.0-cpu@sha256:[0-9a-f]{64}", c["image"])
         res = c["resources"]
         assert res["requests"] == res["limits"]
     # Everything else is the base's (the overlay changes only what it says it does).
