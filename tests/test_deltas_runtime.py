@@ -139,6 +139,29 @@ def test_follower_refuses_what_does_not_fit_and_keeps_serving(base, tmp_path):
     assert torch.equal(rt.predict(dense, sparse), before)
 
 
+def test_a_delta_with_one_bad_table_changes_no_table(base, tmp_path):
+    """All or nothing per delta: table 7's rows are one byte short (a delta applied
+    without the file checks, as apply() allows), so tables 0 and 3 before it are not
+    written either; the same delta with good rows then applies and changes predictions."""
+    rt = Runtime.from_artifact(base, RuntimeConfig())
+    dense, sparse = _batch(9, 64, multi_hot=True)
+    before = rt.predict(dense, sparse)
+    good = _delta(base, 31, tables=(0, 3, 7))
+    t7 = good.tables[2]
+    bad_t7 = DeltaTable(t7.feature, t7.table, t7.ids, t7.rows[:, :-1])
+    bad = Delta(good.base_version, 1, good.created_at, good.dtype, good.dim, good.row_bytes,
+                (good.tables[0], good.tables[1], bad_t7))
+    f = DeltaFollower(DeltaStore(tmp_path / "deltas"), VERSION, rt, threading.Lock())
+    with pytest.raises(InvalidDelta, match=r"tables\[2\]\.rows.*nothing of the delta"):
+        f.apply(bad)
+    assert torch.equal(rt.predict(dense, sparse), before), "tables 0 and 3 were written"
+    assert f.applied == 0 and f.rows == 0
+    f.apply(good)
+    ref = Runtime.from_artifact(with_delta_rows(base, good))
+    after = rt.predict(dense, sparse)
+    assert torch.equal(after, ref.predict(dense, sparse)) and not torch.equal(after, before)
+
+
 def test_store_refuses_repeats_and_gaps(base, tmp_path):
     store = _store_with(tmp_path, _delta(base, 1, 1))
     with pytest.raises(DeltaConflict, match="already applied"):

@@ -481,6 +481,15 @@ class Runtime:
         """
         self.store.update_rows(table, ids, rows)
 
+    def check_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`update_rows`'s checks, nothing written (so a delta's every table is
+        checked before any is written); returns ``rows`` as they will be stored.
+
+        Raises:
+            ConfigError: a table index, a row shape or dtype, or an id out of range.
+        """
+        return self.store.check_rows(table, ids, rows)
+
     def update_ids(self, table: int, assign_ids: torch.Tensor, assign_rows: torch.Tensor,
                    evict_ids: torch.Tensor) -> None:
         """Change a managed table's id map (a delta's admissions and evictions): evicted ids

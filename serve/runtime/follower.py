@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from serve.errors import DeltaConflict, ServeError
+from serve.errors import DeltaConflict, InvalidDelta, ServeError
 from serve.runtime.idmap import IdMap
 from serve.runtime.shared import SharedTables
 from serve.schema import ModelSchema
@@ -68,6 +68,8 @@ class DeltaTarget(Protocol):
 
     @property
     def shared(self) -> SharedTables | None: ...
+
+    def check_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor: ...
 
     def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
 
@@ -195,10 +197,32 @@ class DeltaFollower:
         self._place(maps)
         return self._write(delta, maps)
 
-    def _write(self, delta: Delta, maps: dict[int, IdMap]) -> float:
-        """:meth:`apply` with ``maps`` already placed (:meth:`_place`)."""
-        prepared = [(t.table, _int64(t.ids), torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
-                    for t in delta.tables]
+    def _checked_rows(self, delta: Delta) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Every table's (table, ids, rows as stored), each checked by the runtime before
+        any is written: a delta is applied whole or not at all.
+
+        Raises:
+            InvalidDelta: a table whose ids or rows the runtime refuses (named).
+        """
+        prepared = []
+        for i, t in enumerate(delta.tables):
+            ids = _int64(t.ids)
+            try:
+                rows = self.runtime.check_rows(
+                    t.table, ids, torch.from_numpy(np.array(t.rows, dtype=np.uint8)))
+            except ServeError as e:
+                raise InvalidDelta(f"tables[{i}].rows", f"table {t.table} ({t.feature}): "
+                                   f"{e.message}; nothing of the delta was applied") from e
+            prepared.append((t.table, ids, rows))
+        return prepared
+
+    def _write(self, delta: Delta, maps: dict[int, IdMap],
+               prepared: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None) -> float:
+        """:meth:`apply` with ``maps`` already placed (:meth:`_place`). Every table is
+        checked first (:meth:`_checked_rows`, unless ``prepared`` holds its result), then
+        the maps and rows are written."""
+        if prepared is None:
+            prepared = self._checked_rows(delta)
         shared = self.runtime.shared
         with self.batch_lock, (shared.write() if shared is not None
                                else contextlib.nullcontext()):
@@ -238,12 +262,13 @@ class DeltaFollower:
                 delta = self.load(seq)
                 maps = self.id_maps(delta)
                 self._place(maps)
+                prepared = self._checked_rows(delta)
             except (ServeError, OSError) as e:
                 if self._failed != seq:
                     log.error("delta %s #%d not applied: %s", self.version, seq, e)
                     self._failed = seq
                 break
-            seconds = self._write(delta, maps)   # placed above, once
+            seconds = self._write(delta, maps, prepared)   # placed and checked above, once
             done += 1
             log.info("delta %s #%d applied: %d rows in %.2f ms", self.version, seq,
                      delta.rows, seconds * 1e3)

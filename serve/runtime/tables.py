@@ -348,14 +348,18 @@ class TableStore:
             self._hits += n
 
     # -- deltas --------------------------------------------------------------------------
-    def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Overwrite rows of one table: host rows and, with a cache, the copies resident on
-        the device (``serve.runtime.engine.Runtime.update_rows`` documents the arguments)."""
+    def check_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """What :meth:`update_rows` would write, checked and nothing written: ``rows`` as
+        stored (uint8 (n, row_bytes), zero-padded to the widest table's width).
+
+        Raises:
+            ConfigError: a table index, a row shape or dtype, or an id out of range.
+        """
         if not 0 <= table < len(self.table_rows):
             raise ConfigError(f"table {table} is not in 0..{len(self.table_rows) - 1}")
         n = int(ids.shape[0])
         if n == 0:
-            return
+            return rows
         rb = self.row_bytes
         spec = self.schema.tables[table]
         own = row_bytes(spec.dtype, spec.dim)
@@ -364,11 +368,19 @@ class TableStore:
             raise ConfigError(f"rows must be uint8 ({n}, {own}) (table {spec.name}: "
                               f"{spec.dtype}, dim {spec.dim}), got {rows.dtype} "
                               f"{tuple(rows.shape)}")
-        if rows.shape[1] != rb:   # stored at the widest table's width, zero-padded
-            rows = torch.cat((rows, torch.zeros((n, rb - own), dtype=torch.uint8)), dim=1)
         if int(ids.min()) < 0 or int(ids.max()) >= self.table_rows[table]:
             raise ConfigError(f"ids must be in 0..{self.table_rows[table] - 1} for table "
                               f"{self.schema.tables[table].name}")
+        if rows.shape[1] != rb:   # stored at the widest table's width, zero-padded
+            rows = torch.cat((rows, torch.zeros((n, rb - own), dtype=torch.uint8)), dim=1)
+        return rows
+
+    def update_rows(self, table: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite rows of one table: host rows and, with a cache, the copies resident on
+        the device (``serve.runtime.engine.Runtime.update_rows`` documents the arguments)."""
+        rows = self.check_rows(table, ids, rows)
+        if int(ids.shape[0]) == 0:
+            return
         g = ids.to(torch.int64) + self._offsets[table]
         with device_guard(self.device):
             if self.tiers is not None:
