@@ -237,6 +237,62 @@ def test_torchserve_metrics_are_reexposed_under_ts_prefix():
     assert got[("ts_MemoryUsed", (("Hostname", "h"), ("Level", "Host")))] == 1234.5
 
 
+def _ts_text_after_switches(switches: int) -> str:
+    """TorchServe's exposition after ``switches`` batching switches of small-int8-s0 and a
+    rollout to small-int8-s7: one registration (serving version) per switch, each with
+    its own cumulative series (TorchServe keeps them after the unregister)."""
+    versions = [f"small-int8-s0_b{2 + i}d{i % 5}w2" for i in range(switches)]
+    versions.append("small-int8-s0_b8d5w2_csmall-int8-s7")
+    lines = ["# HELP ts_inference_requests_total Total number of inference requests.",
+             "# TYPE ts_inference_requests_total counter"]
+    lines += [f'ts_inference_requests_total{{uuid="u",model_name="dlrm",model_version="{v}",}} '
+              f"{10.0 * (i + 1)}" for i, v in enumerate(versions)]
+    lines += ["# HELP ts_queue_latency_microseconds Cumulative queue duration.",
+              "# TYPE ts_queue_latency_microseconds counter"]
+    lines += [f'ts_queue_latency_microseconds{{uuid="u",model_name="dlrm",model_version="{v}",}} '
+              "5.0" for v in versions]
+    lines += ["# HELP Requests2XX Count", "# TYPE Requests2XX counter",
+              'Requests2XX{Level="Host",Hostname="h",} 7.0']
+    return "\n".join(lines) + "\n"
+
+
+def test_ts_series_do_not_grow_per_serving_version():
+    """A scrape after 20 tuner switches (and a rollout) has <= 2 model_version values per
+    ts_ family: each registration's series is re-exposed under the model version it
+    serves, counters summed (so they stay cumulative); without the mapping it grows."""
+    from serve.sidecar.http.routes_metrics import ts_model_version
+
+    text = _ts_text_after_switches(20)
+
+    def scrape(**kw) -> dict:
+        reg = CollectorRegistry()
+
+        class Fixed:
+            def collect(self):
+                return torchserve_families(text, **kw)
+
+        reg.register(Fixed())
+        return samples(generate_latest(reg).decode())
+
+    def versions_per_family(got: dict) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for name, labels in got:
+            out.setdefault(name, set()).update(v for k, v in labels if k == "model_version")
+        return out
+
+    raw = versions_per_family(scrape())
+    assert len(raw["ts_inference_requests_total"]) == 21, "the fixture must grow unmapped"
+    got = scrape(version_of=ts_model_version)
+    per_family = versions_per_family(got)
+    assert per_family["ts_inference_requests_total"] == {"small-int8-s0"}
+    assert all(len(v) <= 2 for v in per_family.values()), per_family
+    key = (("model_name", "dlrm"), ("model_version", "small-int8-s0"), ("uuid", "u"))
+    assert got[("ts_inference_requests_total", key)] == sum(10.0 * (i + 1) for i in range(21))
+    assert got[("ts_queue_latency_microseconds_total", key)] == 5.0 * 21
+    assert got[("ts_Requests2XX_total", (("Hostname", "h"), ("Level", "Host")))] == 7
+    assert ts_model_version("foreign") == "foreign"
+
+
 def test_torchserve_garbage_is_a_value_error():
     with pytest.raises(ValueError):
         torchserve_families("this is {not prometheus\n")

@@ -11,7 +11,7 @@ import os
 import re
 import threading
 from collections import Counter as _Tally
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,10 +209,21 @@ def workers_family(statuses: Iterable[str]) -> GaugeMetricFamily:
 _VALID_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
-def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metric]:
+#: The label TorchServe puts the (serving) version in.
+TS_VERSION_LABEL = "model_version"
+
+
+def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX,
+                        version_of: Callable[[str], str] | None = None) -> list[Metric]:
     """TorchServe's Prometheus text (its metrics port) as families to re-expose.
 
     Names lacking ``prefix`` get it, so nothing collides with ``dlrm_`` names.
+    ``version_of``: maps each sample's ``model_version`` (TorchServe's registration: one
+    per serving version, a new one at every batching switch, kept by TorchServe for its
+    lifetime) to the value re-exposed, e.g. the model version it serves; samples that then
+    share every label are merged: counters summed (each registration's count stays
+    cumulative, so the sum is too), other types keep the last. So the series do not grow
+    per serving version. None: labels as TorchServe gives them.
     Raises ``ValueError`` when ``text`` is not Prometheus exposition.
     """
     out: list[Metric] = []
@@ -220,9 +231,19 @@ def torchserve_families(text: str, prefix: str = TORCHSERVE_PREFIX) -> list[Metr
         name = family.name if family.name.startswith(prefix) else prefix + family.name
         if not _VALID_NAME.fullmatch(name):
             continue
-        renamed = Metric(name, family.documentation, family.type, family.unit)
+        merged: dict[tuple[str, tuple[tuple[str, str], ...]], list] = {}
         for s in family.samples:
-            renamed.add_sample(name + s.name[len(family.name):], s.labels, s.value,
-                               s.timestamp, s.exemplar)
+            labels = dict(s.labels)
+            if version_of is not None and TS_VERSION_LABEL in labels:
+                labels[TS_VERSION_LABEL] = version_of(labels[TS_VERSION_LABEL])
+            key = (name + s.name[len(family.name):], tuple(sorted(labels.items())))
+            seen = merged.get(key)
+            if seen is not None and family.type == "counter":
+                seen[1] += s.value
+            else:
+                merged[key] = [labels, s.value, s.timestamp, s.exemplar]
+        renamed = Metric(name, family.documentation, family.type, family.unit)
+        for (sample_name, _), (labels, value, timestamp, exemplar) in merged.items():
+            renamed.add_sample(sample_name, labels, value, timestamp, exemplar)
         out.append(renamed)
     return out

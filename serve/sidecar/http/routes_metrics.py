@@ -2,8 +2,10 @@
 
 The workers' handler metrics (multiprocess directory), the sidecar's own metrics,
 ``dlrm_workers`` from the management API and TorchServe's own metrics scraped from its
-metrics port, re-exposed under ``ts_``. If TorchServe is down the rest is still served
-and ``dlrm_upstream_up`` says so.
+metrics port, re-exposed under ``ts_``, their ``model_version`` label the model version a
+registration serves (:func:`ts_model_version`), not the serving version: a batching switch
+registers a new serving version, and TorchServe keeps each one's series. If TorchServe is
+down the rest is still served and ``dlrm_upstream_up`` says so.
 """
 from __future__ import annotations
 
@@ -18,12 +20,21 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from serve.metrics.aggregate import torchserve_families, workers_family
 from serve.sidecar.root import SidecarDep
+from serve.state import parse_serving_version
 
-__all__ = ["router"]
+__all__ = ["router", "ts_model_version"]
 
 _log = logging.getLogger(__name__)
 
 router = APIRouter()
+
+
+def ts_model_version(name: str) -> str:
+    """A TorchServe registration's version -> the model version it serves (the stable
+    one; a rollout's candidate shares its registration): ``small-s0_b8d5w2`` and
+    ``small-s0_b2d2w2_csmall-s7`` -> ``small-s0``. Other names unchanged."""
+    parsed = parse_serving_version(name)
+    return parsed[0] if parsed is not None else name
 
 
 class _Families:
@@ -51,7 +62,7 @@ async def metrics(sidecar: SidecarDep) -> Response:
     ts_ok = False
     if not isinstance(text_res, BaseException):
         try:
-            extra.register(_Families(torchserve_families(text_res)))
+            extra.register(_Families(torchserve_families(text_res, version_of=ts_model_version)))
             ts_ok = True
         except ValueError as e:
             _log.warning("TorchServe metrics are not Prometheus text: %s", e)
