@@ -73,6 +73,8 @@ __all__ = [
     "DLRM_REPOSITORY",
     "DLRM_REQUEST_LOG",
     "DLRM_REUSE_SAMPLE",
+    "DLRM_ROUTE_KEY_SALT",
+    "DLRM_ROUTE_KEY_SALT_FILE",
     "DLRM_SHARED_TABLES",
     "DLRM_SIDECAR_DELTA_TOKEN_FILE",
     "DLRM_SIDECAR_FEEDBACK_TOKEN_FILE",
@@ -382,6 +384,16 @@ DLRM_DELTA_POLL_MS = _var(
     "DLRM_DELTA_POLL_MS",
     "How often a worker looks for new embedding deltas, ms (10..60000).", WORKER,
     default="100")
+DLRM_ROUTE_KEY_SALT = _var(
+    "DLRM_ROUTE_KEY_SALT",
+    "The fleet's secret that keys the X-DLRM-Route-Key hash (serve.store.routing), so a "
+    "client cannot compute which rollout arm its key lands in. Wins over "
+    "DLRM_ROUTE_KEY_SALT_FILE. Every worker of every pod must have the same one (a key "
+    "keeps its arm across the fleet); unset in both: the hash is unkeyed (logged).", WORKER)
+DLRM_ROUTE_KEY_SALT_FILE = _var(
+    "DLRM_ROUTE_KEY_SALT_FILE",
+    "The file holding the route-key secret (in Kubernetes: a key of a Secret mounted "
+    "read-only, like the sidecar's tokens).", WORKER)
 DLRM_PREDICTION_LOG_SAMPLE = _var(
     "DLRM_PREDICTION_LOG_SAMPLE",
     "Share of requests the prediction log keeps, in [0, 1], chosen by a hash of the "

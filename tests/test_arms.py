@@ -458,6 +458,23 @@ def test_worker_counts_a_failing_candidate_as_its_errors(tmp_path):
     assert get("dlrm_arm_errors_total", cand) == 4
 
 
+def test_a_workers_split_hashes_route_keys_with_the_fleet_secret(tmp_path, monkeypatch):
+    """The worker reads DLRM_ROUTE_KEY_SALT once and its split routes each key as the
+    salted hash says; two fleets' secrets send some keys to different arms."""
+    keys = [f"user-{i}" for i in range(200)]
+    write_control(tmp_path / "control.json", "canary", 0.3)
+    chosen = {}
+    for secret in ("fleet-a", "fleet-b"):
+        monkeypatch.setenv("DLRM_ROUTE_KEY_SALT", secret)
+        w = _worker(tmp_path, rollout=True)
+        split = w.arms.split()
+        assert split is not None
+        chosen[secret] = [split.choose(k) for k in keys]
+        rng = random.Random(0)
+        assert chosen[secret] == [takes_candidate(k, 0.3, rng, secret.encode()) for k in keys]
+    assert chosen["fleet-a"] != chosen["fleet-b"]
+
+
 def test_worker_needs_every_part_of_a_rollout(tmp_path):
     with pytest.raises(ValueError, match="a rollout needs candidate, candidate_version and "
                                          "watcher together"):

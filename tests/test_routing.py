@@ -20,6 +20,7 @@ from serve.store.routing import (
     ControlWatcher,
     key_point,
     read_control,
+    route_key_salt,
     takes_candidate,
     write_control,
 )
@@ -40,6 +41,44 @@ def test_key_point_is_deterministic_and_in_unit_interval():
     assert key_point("user-0") == want
     assert key_point("") == key_point("")  # any str hashes; the handler refuses empty keys
     assert 0.0 <= key_point("é" * ROUTE_KEY_MAX_CHARS) < 1.0
+
+
+def test_salted_route_keys_map_differently_under_two_salts_and_alike_under_one():
+    """N10: keyed by the fleet's secret, the same key lands elsewhere under another salt
+    (a client without the secret cannot pick a key for the candidate arm), identically
+    under one salt (every worker and pod agree), still in [0, 1) and sticky."""
+    a, b = b"fleet-a-secret", b"fleet-b-secret"
+    under_a = [key_point(k, a) for k in KEYS]
+    assert under_a == [key_point(k, a) for k in KEYS]
+    assert all(0.0 <= p < 1.0 for p in under_a)
+    under_b = [key_point(k, b) for k in KEYS]
+    assert sum(x != y for x, y in zip(under_a, under_b, strict=True)) == len(KEYS)
+    assert under_a != [key_point(k) for k in KEYS], "the salt must change the hash"
+    # Which keys take a 20 % candidate differs between salts (no fixed "candidate keys").
+    rng = random.Random(0)
+    arm_a = {k for k in KEYS if takes_candidate(k, 0.2, rng, a)}
+    arm_b = {k for k in KEYS if takes_candidate(k, 0.2, rng, b)}
+    assert arm_a == {k for k in KEYS if takes_candidate(k, 0.2, rng, a)}
+    assert 50 < len(arm_a) < 150 and 50 < len(arm_b) < 150
+    assert len(arm_a & arm_b) < 0.5 * len(arm_a)
+    # A salt longer than BLAKE2b's 64-byte key limit works (it is hashed first).
+    assert 0.0 <= key_point("user-0", b"x" * 1000) < 1.0
+
+
+def test_route_key_salt_comes_from_the_env_or_its_file(tmp_path, caplog):
+    secret = tmp_path / "route-key-salt"
+    secret.write_text("s3cret-from-file\n")
+    assert route_key_salt({"DLRM_ROUTE_KEY_SALT": "from-env",
+                           "DLRM_ROUTE_KEY_SALT_FILE": str(secret)}) == b"from-env"
+    assert route_key_salt({"DLRM_ROUTE_KEY_SALT_FILE": str(secret)}) == b"s3cret-from-file"
+    with caplog.at_level(logging.WARNING, logger="serve.store.routing"):
+        assert route_key_salt({}) == b""
+    assert "unkeyed" in caplog.text
+    with pytest.raises(ConfigError, match="cannot read"):
+        route_key_salt({"DLRM_ROUTE_KEY_SALT_FILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        route_key_salt({"DLRM_ROUTE_KEY_SALT_FILE": str(tmp_path / "empty")})
 
 
 def test_keyed_routing_is_sticky_and_close_to_the_weight():

@@ -19,6 +19,10 @@ Which requests: :func:`takes_candidate`. A request that carries ``X-DLRM-Route-K
 stable hash of that key (:func:`key_point`): the same key always gets the same arm at a
 given weight, and raising the weight only moves keys from stable to candidate (a user
 never flips back and forth during a ramp). Requests without a key are routed at random.
+The hash is keyed with the fleet's secret (:func:`route_key_salt`: ``DLRM_ROUTE_KEY_SALT``
+or the file ``DLRM_ROUTE_KEY_SALT_FILE`` names), so a client cannot compute a key that
+lands in the candidate arm and steer its traffic there (to bias the rollout's guards);
+the same secret on every worker of every pod keeps a key on one arm fleet-wide.
 
 Pure Python, no torch: the sidecar imports it too (it writes the file with
 :func:`write_control`). A missing or unreadable control file means weight 0: everything
@@ -33,12 +37,14 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.common.validate import number_in_range
 from serve.errors import ConfigError
+from serve.settings import DLRM_ROUTE_KEY_SALT, DLRM_ROUTE_KEY_SALT_FILE
 from serve.state import ROLLOUT_MODES
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "ControlWatcher",
     "key_point",
     "read_control",
+    "route_key_salt",
     "takes_candidate",
     "write_control",
 ]
@@ -72,32 +79,65 @@ _TWO_64 = float(2**64)
 _RACY_NS = 100_000_000
 
 
-def key_point(key: str) -> float:
+def key_point(key: str, salt: bytes = b"") -> float:
     """The stable position of a route key in [0, 1): the first 8 bytes of its BLAKE2b
-    digest as a big-endian integer / 2^64. The same on every host and Python version
-    (unlike ``hash()``, which is salted per process)."""
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    digest, keyed with ``salt`` (the fleet's secret, :func:`route_key_salt`; hashed to
+    32 bytes first, BLAKE2b's key limit being 64), as a big-endian integer / 2^64. The
+    same on every host and Python version for one salt (unlike ``hash()``, which is
+    salted per process); ``b""``: unkeyed, anyone can compute it."""
+    mac_key = hashlib.blake2b(salt, digest_size=32).digest() if salt else b""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, key=mac_key).digest()
     return int.from_bytes(digest, "big") / _TWO_64
 
 
-def takes_candidate(key: str | None, weight: float, rng: random.Random) -> bool:
+def route_key_salt(environ: Mapping[str, str] | None = None) -> bytes:
+    """The fleet's route-key secret: ``DLRM_ROUTE_KEY_SALT`` when set, else the contents
+    of the file ``DLRM_ROUTE_KEY_SALT_FILE`` names (stripped), else ``b""`` (unkeyed,
+    logged as a warning: a client can then steer itself into the candidate arm).
+
+    Raises:
+        ConfigError: the file is named but cannot be read, or holds nothing.
+    """
+    value = DLRM_ROUTE_KEY_SALT.get(environ)
+    if value is not None:
+        return value.encode("utf-8")
+    path = DLRM_ROUTE_KEY_SALT_FILE.get(environ)
+    if path is None:
+        log.warning("no route-key secret (%s or %s): X-DLRM-Route-Key is hashed unkeyed, "
+                    "so a client can compute which rollout arm its key takes",
+                    DLRM_ROUTE_KEY_SALT, DLRM_ROUTE_KEY_SALT_FILE)
+        return b""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"{DLRM_ROUTE_KEY_SALT_FILE}={path}: cannot read the route-key "
+                          f"secret ({e.strerror}): mount the Secret there or unset it") from None
+    if not secret:
+        raise ConfigError(f"{DLRM_ROUTE_KEY_SALT_FILE}={path} is empty: write the fleet's "
+                          "route-key secret into it (e.g. 32 random bytes, hex)")
+    return secret
+
+
+def takes_candidate(key: str | None, weight: float, rng: random.Random,
+                    salt: bytes = b"") -> bool:
     """Whether a request goes to (canary) or is also scored by (shadow) the candidate.
 
     Args:
         key: the request's route key, or None when it sent none.
         weight: the candidate's share in [0, 1].
         rng: draws the decision for requests without a key (one ``rng.random()`` each).
+        salt: the fleet's route-key secret (:func:`route_key_salt`).
     Returns:
-        ``key_point(key) < weight`` with a key (sticky, monotonic in the weight), else
-        ``rng.random() < weight``. Weight 0 never and weight 1 always takes the candidate
-        (without touching ``rng``).
+        ``key_point(key, salt) < weight`` with a key (sticky, monotonic in the weight),
+        else ``rng.random() < weight``. Weight 0 never and weight 1 always takes the
+        candidate (without touching ``rng``).
     """
     if weight <= 0.0:
         return False
     if weight >= 1.0:
         return True
     if key is not None:
-        return key_point(key) < weight
+        return key_point(key, salt) < weight
     return rng.random() < weight
 
 

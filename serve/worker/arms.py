@@ -38,7 +38,7 @@ from serve.errors import ServeError
 from serve.runtime.engine import Runtime
 from serve.schema import ModelSchema
 from serve.state import ROLLOUT_MODES, RolloutMode
-from serve.store.routing import ControlWatcher, takes_candidate
+from serve.store.routing import ControlWatcher, route_key_salt, takes_candidate
 from serve.worker.messages import WorkerRequest
 
 __all__ = [
@@ -295,6 +295,8 @@ class Arms:
         candidate: a rollout's candidate runtime, with ``candidate_version`` and the
             ``watcher`` of its control file; None: no rollout.
         rng: routes requests without a route key (default ``random.Random(0)``).
+        route_salt: the fleet's route-key secret (default: :func:`serve.store.routing.route_key_salt`
+            from the environment, read when there is a candidate).
         debug_delay_ms: TESTS ONLY: every forward sleeps this long first (a slow model, so
             TorchServe's queue fills up); 0: off.
         candidate_slowdown: TESTS AND BENCHMARKS ONLY: the candidate's forwards take this
@@ -304,7 +306,8 @@ class Arms:
     def __init__(self, stable: Runtime, model_version: str, *,
                  candidate: Runtime | None = None, candidate_version: str | None = None,
                  watcher: ControlWatcher | None = None, rng: random.Random | None = None,
-                 debug_delay_ms: float = 0, candidate_slowdown: float = 1.0) -> None:
+                 debug_delay_ms: float = 0, candidate_slowdown: float = 1.0,
+                 route_salt: bytes | None = None) -> None:
         if (candidate is None) != (candidate_version is None) or (
                 candidate is not None and watcher is None):
             raise ValueError("Worker: a rollout needs candidate, candidate_version and "
@@ -317,6 +320,9 @@ class Arms:
         self.debug_delay_ms = debug_delay_ms
         self.candidate_slowdown = candidate_slowdown
         self._rng = rng if rng is not None else random.Random(0)
+        # The fleet's route-key secret; read once (a rollout only: nothing routes without).
+        self._salt = route_salt if route_salt is not None else (
+            route_key_salt() if candidate is not None else b"")
         self._batches = 0  # batches split between the arms (their forward order alternates)
         #: The ids of the stable model's last forward, (values int64 (nnz,), lengths int32
         #: (F, B)), for the reuse sampler to read after the batch (outside the timed
@@ -366,11 +372,11 @@ class Arms:
         if self.watcher is None or self.candidate is None:
             return None
         control = self.watcher.current()
-        rng, weight = self._rng, control.weight
+        rng, weight, salt = self._rng, control.weight, self._salt
         # Canary: the arms take turns at running first (the second forward runs warm).
         self._batches += 1
         return Split(mode=control.mode, candidate=self.predict_candidate,
-                     choose=lambda key: takes_candidate(key, weight, rng),
+                     choose=lambda key: takes_candidate(key, weight, rng, salt),
                      candidate_first=self._batches % 2 == 0)
 
     def version_of(self, arm: str | None) -> str:
