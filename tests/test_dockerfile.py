@@ -259,6 +259,28 @@ def test_an_environment_from_the_serving_requirements_has_no_tool(tmp_path):
     assert names == {_norm(n) for n in serving_closure(SERVE_REQS, CONSTRAINTS)}
 
 
+@pytest.mark.slow
+def test_the_serving_lock_resolves_with_require_hashes(tmp_path):
+    """pip resolves requirements-serve.lock alone in hash-checking mode, as the image's
+    build does (--require-hashes -c constraints.txt; --dry-run --report: nothing
+    installed; needs the package index): every package it needs is in the lock with
+    its hashes, and it installs exactly the lock's packages."""
+    from serve.ops.lock import SERVE_LOCK, read_lock
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+         "--require-hashes", "-r", str(REPO / SERVE_LOCK), "-c", str(CONSTRAINTS)],
+        capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = {_norm(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+    assert names == set(read_lock(REPO / SERVE_LOCK))
+
+
 def test_python_matches_the_venv():
     """The base's CPython minor version is the venv's (the pins were resolved for it)."""
     args = {op: arg for op, arg in instructions() if op == "ARG" and arg.startswith("PYTHON_IMAGE")}
