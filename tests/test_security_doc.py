@@ -23,7 +23,7 @@ def _ingress_rules() -> list[dict]:
 
 
 def _section(title: str) -> str:
-    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", SECURITY, re.M | re.S)
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", SECURITY, re.MULTILINE | re.DOTALL)
     assert m, f"SECURITY.md has no section '## {title}'"
     return m.group(1)
 
@@ -69,7 +69,7 @@ def test_the_image_exposes_every_container_port():
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     declared = {p["containerPort"] for c in deploy["spec"]["template"]["spec"]["containers"]
                 for p in c.get("ports", [])}
-    m = re.search(r"^EXPOSE\s+(.+)$", (REPO / "Dockerfile").read_text(), re.M)
+    m = re.search(r"^EXPOSE\s+(.+)$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
     assert m, "the Dockerfile has no EXPOSE"
     exposed = {int(p.split("/")[0]) for p in m.group(1).split()}
     assert exposed == declared, f"EXPOSE {sorted(exposed)} vs containerPorts {sorted(declared)}"
