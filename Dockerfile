@@ -104,7 +104,7 @@ RUN mkdir -p /opt/dlrm/logs /opt/dlrm/model-store \
     && chown 10001:10001 /opt/dlrm/logs /opt/dlrm/model-store
 
 USER 10001:10001
-EXPOSE 8080 8082 8090 8091
+EXPOSE 8080 8082 8090 8091 8092
 ENTRYPOINT ["/usr/bin/tini", "-g", "--"]
 # TorchServe alone, with no model (no --models): the same command as the pod's torchserve
 # container. What it serves is the sidecar's job: it reads the desired serving state and

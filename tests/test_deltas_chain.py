@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -262,9 +263,10 @@ def test_refuse_mode_answers_where_to_publish_and_still_follows_the_volume(
                 "message": "deltas_post: this pod takes no POSTed delta (--deltas-post "
                            "refuse): it is one pod of a fleet, and a delta posted here "
                            "would live in this pod only. Publish the file `make delta` "
-                           f"wrote on the model volume instead, as {where} (in Kubernetes "
-                           "copy it to /models/deltas/<version>/ with the upload pod, "
-                           "k8s/models-pvc.yaml): every pod's sidecar takes it from there "
+                           f"wrote on the delta volume instead, as {where} (in Kubernetes "
+                           "copy it to /deltas/deltas/<version>/ with the delta upload pod, "
+                           "k8s/templates/delta-upload-pod.yaml): every pod's sidecar takes "
+                           "it from there "
                            "within 0.05 s, in sequence order and through the same checks; "
                            "GET /embeddings/deltas shows each pod's last_sequence and "
                            "head_digest"}
@@ -276,6 +278,34 @@ def test_refuse_mode_answers_where_to_publish_and_still_follows_the_volume(
             (volume / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
             wait_until(lambda: pod.store.sequences(SERVED) == [1], timeout_s=30,
                        what="the volume's delta taken", interval_s=0.05)
+            got = c.get("/embeddings/deltas").json()["versions"][SERVED]
+            assert got["head_digest"] == digest(one)
+    finally:
+        pod.stop()
+
+
+def test_with_a_delta_volume_only_its_deltas_are_taken(tmp_path: Path) -> None:
+    """--delta-volume (k8s: the PVC dlrm-deltas, its own writer): the 409 names it, the
+    sync takes its delta, and a delta left on the model volume (the repository's deltas/
+    folder, writable by whoever publishes archives) is never read."""
+    volume = tmp_path / "delta-volume"
+    (volume / "deltas" / SERVED).mkdir(parents=True)
+    stray = tmp_path / "repo" / "deltas" / SERVED
+    stray.mkdir(parents=True)
+    (stray / f"dlrm-{SERVED}-00000001.delta").write_bytes(make_delta(1, tables=((1, [2]),)))
+    pod = start_pod(tmp_path, deltas_post="refuse", delta_sync_s=0.05, delta_volume=volume)
+    try:
+        with pod.client() as c:
+            r = post(c, make_delta(1))
+            assert r.status_code == 409
+            assert r.json()["publish_to"] == [
+                f"{volume}/deltas/<version>/dlrm-<version>-NNNNNNNN.delta"]
+            time.sleep(0.3)  # several sync intervals: the model volume's delta is not read
+            assert pod.store.sequences(SERVED) == []
+            one = make_delta(1)
+            (volume / "deltas" / SERVED / f"dlrm-{SERVED}-00000001.delta").write_bytes(one)
+            wait_until(lambda: pod.store.sequences(SERVED) == [1], timeout_s=30,
+                       what="the delta volume's delta taken", interval_s=0.05)
             got = c.get("/embeddings/deltas").json()["versions"][SERVED]
             assert got["head_digest"] == digest(one)
     finally:

@@ -2,10 +2,12 @@
 anything: ports per pod, the sidecars' fleet flags, shared files, the bad candidate."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from serve.errors import ConfigError
-from serve.ops.fleet import FleetPlan, pod_config, table
+from serve.ops.fleet import FleetPlan, drain_records, pod_config, table
 from serve.ops.fleet_check import newest_shuffled
 from serve.ops.launch_ports import planned_ports
 from serve.ops.launch_processes import sidecar_command
@@ -47,3 +49,17 @@ def test_the_bad_candidate_is_the_newest_shuffled_version(tmp_path):
     store = add_versions(tmp_path / "repo", ["small-s0", "small-s1-shuffled", "small-s2"])
     assert newest_shuffled(store) == "small-s1-shuffled"
     assert newest_shuffled(add_versions(tmp_path / "none", ["small-s0"])) is None
+
+
+def test_the_fleet_clears_the_drain_file_each_sidecar_reads():
+    """make fleet after make fleet-down: each pod's sidecar is started with --drain-file
+    (what it reads at start); the fleet must clear that very file, or every pod stays
+    drained ("drained for shutdown before the sidecar restarted") and never turns ready."""
+    plan = FleetPlan(pods=2)
+    for i in range(plan.pods):
+        cfg = pod_config(plan, i)
+        cmd = sidecar_command(cfg)
+        read = Path(cmd[cmd.index("--drain-file") + 1])
+        cleared = drain_records(cfg)
+        assert read in cleared
+        assert cfg.delta_dir / ".drained.json" in cleared  # where older sidecars wrote it

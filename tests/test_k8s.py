@@ -243,7 +243,7 @@ def test_optional_servicemonitor_is_outside_the_applied_folder(docs):
     """A CRD kind in k8s/ would break `kubectl apply -f k8s/` without the operator."""
     core = {"ConfigMap", "Deployment", "Service", "ServiceAccount", "HorizontalPodAutoscaler",
             "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim", "Role",
-            "RoleBinding"}
+            "RoleBinding", "Lease"}  # Lease: coordination.k8s.io/v1, built in (the fleet's)
     assert {d["kind"] for d in docs} == core
     sm = one(_load(K8S / "monitoring" / "servicemonitor.yaml"), "ServiceMonitor")
     metrics_svc = one(docs, "Service", "dlrm-serve-metrics")
@@ -398,24 +398,35 @@ def test_only_the_sidecar_holds_an_api_token(docs):
 
 def test_the_sidecar_runs_the_kubernetes_fleet_as_its_pod(docs):
     from serve.settings import POD_NAME
-    from serve.sidecar.config import FleetConfig
+    from serve.sidecar.config import POD_SELECTOR, FleetConfig
 
     sc = container(docs, "sidecar")
     assert arg_value(sc["args"], "--fleet") == "kubernetes"
     env = {e["name"]: e for e in sc["env"]}
     assert env[POD_NAME.name]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     fc = FleetConfig()
+    serving = dict(kv.split("=", 1) for kv in POD_SELECTOR.split(","))
+    assert set(serving) == {"app.kubernetes.io/name", "app.kubernetes.io/component"}
     labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    key, _, value = fc.pod_selector.partition("=")
-    assert labels[key] == value, "the peers are listed by a label every pod has"
+    assert serving.items() <= labels.items(), "every serving pod carries the selector"
+    # The peers are the endpoints of this Service: its selector names the serving pods
+    # only (the upload pod has the same name label, another component).
+    assert one(docs, "Service", fc.peer_service)["spec"]["selector"] == serving
+    upload = _load(K8S / "templates" / "model-upload-pod.yaml")[0]["metadata"]["labels"]
+    assert not serving.items() <= upload.items()
+    for name in ("dlrm-serve", "dlrm-serve-egress"):
+        assert one(docs, "NetworkPolicy", name)["spec"]["podSelector"] == {
+            "matchLabels": serving}
     assert one(docs, "ConfigMap", fc.decisions_configmap).get("data") is None, \
         "shipped empty: an apply must never erase the pods' decisions"
-    assert one(docs, "ConfigMap", fc.state_configmap)
+    lease = one(docs, "Lease", fc.lease_name)
+    assert "spec" not in lease, "shipped without a holder: an apply never takes it away"
 
 
 def test_rbac_grants_the_fleet_exactly_what_it_uses(docs):
-    """Leases get/update by name (+ create, which cannot be named), the two ConfigMaps
-    get/update/patch by name, pods list; bound to the pod's ServiceAccount."""
+    """The Lease get/update by name (it is shipped: no create, which RBAC cannot limit to
+    a name), the pods' own ConfigMap get/update by name, endpointslices list; nothing on
+    the operator's dlrm-serving-state, no pods; bound to the pod's ServiceAccount."""
     from serve.sidecar.config import FleetConfig
 
     fc = FleetConfig()
@@ -424,14 +435,21 @@ def test_rbac_grants_the_fleet_exactly_what_it_uses(docs):
               tuple(sorted(r["verbs"]))) for r in role["rules"]}
     assert rules == {
         (("coordination.k8s.io",), ("leases",), (fc.lease_name,), ("get", "update")),
-        (("coordination.k8s.io",), ("leases",), (), ("create",)),
-        (("",), ("configmaps",), (fc.decisions_configmap, fc.state_configmap),
-         ("get", "patch", "update")),
-        (("",), ("pods",), (), ("list",)),
+        (("",), ("configmaps",), (fc.decisions_configmap,), ("get", "update")),
+        (("discovery.k8s.io",), ("endpointslices",), (), ("list",)),
     }
+    state = _volume(docs, "serving-state")["configMap"]["name"]
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
     for r in role["rules"]:
         assert "*" not in r["verbs"] and "*" not in r["resources"]
+        assert "*" not in r["apiGroups"]
         assert not {"delete", "deletecollection", "watch", "escalate", "bind"} & set(r["verbs"])
+        assert "pods" not in r["resources"], "no pod specs (env literals) of the namespace"
+        assert "create" not in r["verbs"]
+        if writes & set(r["verbs"]):
+            assert r.get("resourceNames"), "every write names its object"
+            assert state not in r["resourceNames"], "the operator's state is not the pods'"
+        assert state not in r.get("resourceNames", ())
     binding = one(docs, "RoleBinding", "dlrm-serve-rollout")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
@@ -571,6 +589,25 @@ def test_every_container_is_hardened(docs):
         assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, c["name"]
         assert "command" not in c, f"{c['name']}: keep the image's tini ENTRYPOINT (use args)"
+
+
+def test_the_drain_record_is_on_the_sidecars_own_emptydir(docs):
+    """--drain-file (a drained pod stays drained across a sidecar restart) lies on an
+    emptyDir that only the sidecar mounts: the torchserve container (model code) can
+    neither forge it (the pod never ready again) nor delete it (review N7)."""
+    sc = container(docs, "sidecar")
+    marker = Path(arg_value(sc["args"], "--drain-file"))
+    mounts = sorted(((Path(m["mountPath"]), m) for m in sc["volumeMounts"]),
+                    key=lambda pm: len(pm[0].parts), reverse=True)
+    path, mount = next((p, m) for p, m in mounts if marker.is_relative_to(p))
+    assert not mount.get("readOnly") and "subPath" not in mount
+    assert "emptyDir" in _volume(docs, mount["name"]), "pod-local: it dies with the pod"
+    for c in all_containers(docs):
+        if c["name"] != "sidecar":
+            assert mount["name"] not in {m["name"] for m in c.get("volumeMounts", [])}, \
+                f"{mount['name']} ({path}) is mounted in {c['name']} too"
+    delta_dir = Path(arg_value(sc["args"], "--delta-dir"))
+    assert not marker.is_relative_to(delta_dir), "not the default in the shared delta folder"
 
 
 def test_writable_paths_are_emptydirs(docs):
@@ -718,23 +755,84 @@ def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
     assert not closed & (open_ports | monitoring_ports | writer_ports | peer_ports)
 
 
+APISERVER_EGRESS = K8S / "templates" / "apiserver-egress.yaml"
+OPEN_CIDRS = {"0.0.0.0/0", "::/0"}
+
+
+def _egress_targets(rule: dict) -> list[str]:
+    """The ipBlock CIDRs of an egress rule's `to` (pod/namespace selectors: none)."""
+    return [t["ipBlock"]["cidr"] for t in rule["to"] if "ipBlock" in t]
+
+
 def test_egress_is_only_the_api_server_and_the_peers_read_port(docs):
     """The pod opens no connection out (loopback is not subject to NetworkPolicy) but to
-    the API server (TCP 443/6443: the fleet's Lease and ConfigMap) and the other serving
-    pods' sidecar read port (the leader reads their /metrics)."""
+    the other serving pods' sidecar read port (the leader reads their /metrics) and, by
+    the install-time policy of k8s/templates/, the API server's own addresses (the
+    fleet's Lease, ConfigMap and EndpointSlices). Every rule has a `to`: a rule with
+    ports and no `to` opens those ports to every address, for the model code too."""
     np_ = one(docs, "NetworkPolicy", "dlrm-serve-egress")
-    assert np_["spec"]["policyTypes"] == ["Egress"]
+    api = _load(APISERVER_EGRESS)
+    assert [d["kind"] for d in api] == ["NetworkPolicy"]
     serving = one(docs, "NetworkPolicy", "dlrm-serve")["spec"]["podSelector"]
-    assert np_["spec"]["podSelector"] == serving
     sidecar_port = {p["name"]: p["containerPort"]
                     for p in container(docs, "sidecar")["ports"]}["sidecar"]
-    rules = [({p["port"] for p in r["ports"]}, r.get("to")) for r in np_["spec"]["egress"]]
-    assert all(all(p["protocol"] == "TCP" for p in r["ports"]) for r in np_["spec"]["egress"])
-    assert rules == [({443, 6443}, None), ({sidecar_port}, [{"podSelector": serving}])]
+    for policy in (np_, api[0]):
+        assert policy["spec"]["policyTypes"] == ["Egress"]
+        assert policy["spec"]["podSelector"] == serving
+        for rule in policy["spec"]["egress"]:
+            assert rule.get("to"), f"{policy['metadata']['name']}: a rule without a `to`"
+            assert rule.get("ports") and all(p["protocol"] == "TCP" for p in rule["ports"])
+            for cidr in _egress_targets(rule):
+                assert cidr not in OPEN_CIDRS and "except" not in rule["to"][0]["ipBlock"]
+                assert cidr.endswith(("/32", "/128")), f"{cidr}: one address per block"
+    rules = [({p["port"] for p in r["ports"]}, r["to"]) for r in np_["spec"]["egress"]]
+    assert rules == [({sidecar_port}, [{"podSelector": serving}])], \
+        "the peers' read port, to the serving pods only"
+    # The API server: placeholders from the documentation range until installed.
+    api_rules = [({p["port"] for p in r["ports"]}, _egress_targets(r))
+                 for r in api[0]["spec"]["egress"]]
+    assert api_rules == [({6443}, ["192.0.2.1/32"]), ({443}, ["192.0.2.2/32"])]
+    assert api[0]["metadata"]["name"] not in {d["metadata"]["name"] for d in docs
+                                              if d["kind"] == "NetworkPolicy"}, \
+        "not in k8s/: `kubectl apply -f k8s/` must never reset the installed addresses"
     # Nothing in the pod points outside it: every URL the sidecar is given is loopback.
     sc = container(docs, "sidecar")
     urls = [a for a in sc["args"] if a.startswith("http")]
     assert urls and all(urlparse(u).hostname == "127.0.0.1" for u in urls)
+
+
+def test_the_apiserver_egress_script_fills_in_this_clusters_addresses(tmp_path):
+    """scripts/k8s_apiserver_egress.sh with a kubectl that answers like a cluster with a
+    3-address control plane (one IPv6): one /32 or /128 block per endpoint on the
+    endpoints' port, the ClusterIP on the Service's port, nothing else changed; with an
+    unreadable address it prints nothing and fails."""
+    stub = tmp_path / "bin" / "kubectl"
+    stub.parent.mkdir()
+    stub.write_text("#!/usr/bin/env bash\n"
+                    'case "$2 $*" in\n'
+                    '  endpoints*ports*) echo -n 6444 ;;\n'
+                    '  endpoints*) echo -n "$EPS" ;;\n'
+                    '  service*ports*) echo -n 443 ;;\n'
+                    '  service*) echo -n 10.96.0.1 ;;\n'
+                    "esac\n")
+    stub.chmod(0o755)
+    env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "EPS": "172.18.0.2 172.18.0.3 fd00::1 "}
+    script = REPO / "scripts" / "k8s_apiserver_egress.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env,
+                         timeout=30, check=True).stdout
+    filled = yaml.safe_load(out)
+    rules = [({p["port"] for p in r["ports"]}, _egress_targets(r))
+             for r in filled["spec"]["egress"]]
+    assert rules == [({6444}, ["172.18.0.2/32", "172.18.0.3/32", "fd00::1/128"]),
+                     ({443}, ["10.96.0.1/32"])]
+    template = _load(APISERVER_EGRESS)[0]
+    assert {k: v for k, v in filled.items() if k != "spec"} == \
+        {k: v for k, v in template.items() if k != "spec"}
+    assert filled["spec"]["podSelector"] == template["spec"]["podSelector"]
+    failed = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                            env={**env, "EPS": ""}, timeout=30, check=False)
+    assert failed.returncode != 0 and failed.stdout == ""
+    assert "could not read the API server's addresses" in failed.stderr
 
 
 def test_the_write_port_has_its_own_cluster_service(docs):
@@ -938,6 +1036,50 @@ def test_model_volume_is_mounted_read_only_where_the_sidecar_looks(docs):
     assert ts_mount["readOnly"] is True and ts_mount["mountPath"] == mount["mountPath"]
     env = {e["name"]: e.get("value") for e in ts.get("env", [])}
     assert env[DLRM_REPOSITORY.name] == ":".join(_sidecar_repositories(docs))
+
+
+DELTAS_PVC = "dlrm-deltas"
+
+
+def test_deltas_come_from_their_own_volume_never_a_repository(docs):
+    """Review N5 (the Kubernetes part): the published deltas are read from a volume of
+    their own (the PVC dlrm-deltas, its own upload pod), not from the model volume whose
+    archives are code: the repository mounts and the delta-source mount are different
+    volumes and claims, the delta volume is never a --repository (nor under one), and each
+    upload pod writes one volume only."""
+    sc = container(docs, "sidecar")
+    source = Path(arg_value(sc["args"], "--delta-volume"))
+    (mount,) = [m for m in sc["volumeMounts"] if Path(m["mountPath"]) == source]
+    assert mount["readOnly"] is True
+    vol = _volume(docs, mount["name"])
+    assert vol["persistentVolumeClaim"] == {"claimName": DELTAS_PVC, "readOnly": True}
+    assert one(docs, "PersistentVolumeClaim", DELTAS_PVC)["spec"]["accessModes"] == [
+        "ReadWriteMany"]
+    repos = [Path(r) for r in _sidecar_repositories(docs)]
+    assert source not in repos
+    assert not any(source.is_relative_to(r) or r.is_relative_to(source) for r in repos)
+    repo_volumes = {m["name"] for m in sc["volumeMounts"]
+                    if any(Path(m["mountPath"]) == r for r in repos)}
+    assert mount["name"] not in repo_volumes
+    assert _volume_named(docs, "persistentVolumeClaim", "claimName", MODELS_PVC) != \
+        mount["name"]
+    for c in all_containers(docs):  # the workers read the pod's delta folder, not this
+        if c["name"] != "sidecar":
+            assert not _mounts_of(c, mount["name"]), c["name"]
+    # The sidecar reads exactly there (its parsed config, not the flag's text).
+    from serve.common.flags import build
+    from serve.sidecar.config import SidecarConfig
+    from serve.sidecar.http.app import build_parser
+
+    config = build(SidecarConfig, build_parser().parse_args(sc["args"][3:]))
+    assert config.delta_volume_roots == (source,)
+    claims = {}
+    for name in ("model-upload-pod.yaml", "delta-upload-pod.yaml"):
+        (pod,) = _load(K8S / "templates" / name)
+        claims[name] = {v["persistentVolumeClaim"]["claimName"]
+                        for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"model-upload-pod.yaml": {MODELS_PVC},
+                      "delta-upload-pod.yaml": {DELTAS_PVC}}, "one writer per volume"
 
 
 def test_torchserve_starts_empty(docs):

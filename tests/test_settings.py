@@ -51,6 +51,8 @@ SIDECAR_FLAGS = (
     "--write-port", "--oip-port", "--delta-token-file", "--feedback-token-file",
     # embedding deltas in a fleet: POSTs refused, the model volume followed
     "--deltas-post",
+    # the published deltas from a volume of their own (k8s: the PVC dlrm-deltas)
+    "--delta-volume",
     # one rollout decision per fleet (serve/sidecar/control/fleet.py)
     "--fleet", "--fleet-identity", "--fleet-lease-s", "--fleet-dir",
     # the workers' host tier budget, which a switch's memory check counts (issue 53)

@@ -9,13 +9,30 @@ restart is written as: temporary file, write, ``fsync(file)``, ``os.replace``,
 
 When not to use: files that are rebuilt on every start anyway (caches, the workers'
 status files), where the two fsyncs only cost time.
+
+Temporary files (:func:`temp_beside`) get an unpredictable name, created with ``O_EXCL``
+and ``O_NOFOLLOW`` (``tempfile.mkstemp``), mode 0600: some of these folders are shared
+with the model container (the delta folder, TorchServe's model store), so a predictable
+``<name>.tmp`` could be a symlink planted there and the write would follow it.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
-__all__ = ["fsync_dir", "replace_durably", "write_durably"]
+__all__ = ["fsync_dir", "replace_durably", "temp_beside", "write_durably"]
+
+
+def temp_beside(path: str | os.PathLike[str]) -> tuple[int, Path]:
+    """A new temporary file in ``path``'s folder, for writing ``path`` by rename: its open
+    descriptor (read-write) and its name (``.<name>.<random>.tmp``). Created exclusively
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600): a file or symlink already at a name is
+    never opened, another name is tried. The caller closes the descriptor and renames or
+    unlinks the file."""
+    p = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    return fd, Path(name)
 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
@@ -43,9 +60,9 @@ def write_durably(path: str | os.PathLike[str], data: bytes) -> None:
     created when missing."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd, tmp = temp_beside(p)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -142,6 +142,17 @@ def _fleet_state(plan: FleetPlan, cfg: LaunchConfig) -> tuple[DesiredState, bool
     return state, True
 
 
+def drain_records(cfg: LaunchConfig) -> list[Path]:
+    """Where pod ``cfg``'s sidecar may have recorded a drain: the ``--drain-file`` it is
+    started with (:attr:`LaunchConfig.drain_file`, what the sidecar reads) and the
+    default of sidecars started without one (``<delta dir>/.drained.json``, where a
+    fleet-down of an older checkout left it). :func:`start_fleet` removes both: clearing
+    only the old location left every pod of ``make fleet`` after ``make fleet-down``
+    drained, never ready."""
+    legacy = SidecarConfig(delta_dir=cfg.delta_dir).drain_marker
+    return [cfg.drain_file] + ([legacy] if legacy is not None else [])
+
+
 def start_fleet(plan: FleetPlan, say: Callable[[str], None] = log.info) -> list[Service]:
     """Start every pod (all at once), write ``.run/fleet.json`` first, wait until each
     answers a predict. On any failure every pod started is stopped.
@@ -167,11 +178,10 @@ def start_fleet(plan: FleetPlan, say: Callable[[str], None] = log.info) -> list[
     t0 = time.monotonic()
     try:
         for c in cfgs:
-            # A new pod: its drain record (left by the last fleet-down, in its delta
-            # folder, which is kept) must not keep it drained. A pod's emptyDir is new too.
+            # A new pod: the drain record the last fleet-down left (its run folder is
+            # kept) must not keep it drained. A pod's emptyDir is new too.
             # restart_sidecar keeps it: a restarted container in a draining pod stays so.
-            marker = SidecarConfig(delta_dir=c.delta_dir).drain_marker
-            if marker is not None:
+            for marker in drain_records(c):
                 marker.unlink(missing_ok=True)
             ts = start_torchserve(c)
             svc = Service(c, ts, state=state)

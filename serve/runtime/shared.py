@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from serve.common.durable import temp_beside
 from serve.errors import ArtifactError
 
 __all__ = ["IdRegion", "SharedTables", "spread_sample", "tables_identity"]
@@ -103,6 +104,20 @@ def spread_sample(t: torch.Tensor, k: int) -> bytes:
             .contiguous().numpy().tobytes())
 
 log = logging.getLogger(__name__)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` by rename from a temporary file of an unpredictable name
+    (:func:`serve.common.durable.temp_beside`: the delta folder is the model container's
+    too, and a predictable name could be a planted symlink)."""
+    fd, tmp = temp_beside(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class SharedTables:
@@ -170,9 +185,7 @@ class SharedTables:
 
     def set_sequence(self, seq: int) -> None:
         """Record that delta ``seq`` is in the file; call under :meth:`write`."""
-        tmp = self._seq_path.with_name(self._seq_path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(str(int(seq)))
-        os.replace(tmp, self._seq_path)
+        _replace_text(self._seq_path, str(int(seq)))
 
     def _identity(self) -> str | None:
         """The build identity the file was written for (None: unknown). Under a lock."""
@@ -182,9 +195,7 @@ class SharedTables:
             return None
 
     def _set_identity(self, ident: str) -> None:
-        tmp = self._id_path.with_name(self._id_path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(ident)
-        os.replace(tmp, self._id_path)
+        _replace_text(self._id_path, ident)
 
     @staticmethod
     def _region_bytes(id_region: IdRegion) -> memoryview:
@@ -231,9 +242,9 @@ class SharedTables:
                        f"artifact's {ident})")
                 log.info("shared tables %s: writing %d rows x %d bytes (%s)", self.path, rows,
                          rb, why)
-                tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+                fd, tmp = temp_beside(self.path)
                 try:
-                    with open(tmp, "wb") as f:
+                    with os.fdopen(fd, "wb") as f:
                         # memoryviews of the (memory-mapped) tables: no second copy
                         f.writelines(t.contiguous().numpy().data for t in tables)
                         if id_region is not None:

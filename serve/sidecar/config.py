@@ -55,6 +55,7 @@ __all__ = [
     "FLEET_MODES",
     "LOG_LEVELS",
     "MAX_BATCH_DELAY_MS_MAX",
+    "POD_SELECTOR",
     "WORKERS_MAX",
     "FeedbackConfig",
     "FleetConfig",
@@ -71,6 +72,10 @@ DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 DELTAS_POST_MODES = ("store", "refuse")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FLEET_MODES = ("none", "file", "kubernetes")
+#: The serving pods' labels (k8s/deployment.yaml): what the fleet's peer Service
+#: (``FleetConfig.peer_service``) and the NetworkPolicies select. The model-upload pod
+#: carries the name but another component, so it is never a peer.
+POD_SELECTOR = "app.kubernetes.io/name=dlrm-serve,app.kubernetes.io/component=inference"
 
 
 @dataclass(frozen=True)
@@ -250,9 +255,12 @@ class FleetConfig:
             (``rollout-decisions.json``) and the pod list (``fleet.json``) are; None: the
             state file's folder.
         lease_name: (kubernetes) the Lease's name.
-        decisions_configmap: (kubernetes) the ConfigMap holding the decisions.
-        state_configmap: (kubernetes) the serving-state ConfigMap the leader settles.
-        pod_selector: (kubernetes) the label selector listing the fleet's pods.
+        decisions_configmap: (kubernetes) the ConfigMap holding the decisions and the
+            settled state: the only ConfigMap the pods write (never the operator's
+            ``dlrm-serving-state``).
+        peer_service: (kubernetes) the Service whose ready EndpointSlice endpoints are the
+            fleet's pods (``dlrm-serve-metrics``, whose selector is :data:`POD_SELECTOR`:
+            the serving pods only, never the model-upload pod).
         peer_timeout_s: a peer's GET /metrics slower than this is skipped.
     """
 
@@ -274,8 +282,7 @@ class FleetConfig:
              "file's folder"))
     lease_name: str = "dlrm-serve-rollout"
     decisions_configmap: str = "dlrm-serve-rollout"
-    state_configmap: str = "dlrm-serving-state"
-    pod_selector: str = "app.kubernetes.io/name=dlrm-serve"
+    peer_service: str = "dlrm-serve-metrics"
     peer_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -429,6 +436,8 @@ class SidecarConfig:
             ``DeltaIntake.max_bytes``, also what the request guard allows that route.
         max_delta_store_bytes: the most bytes of deltas the delta folder may hold
             (``DeltaIntake.max_store_bytes``).
+        delta_volume: where published deltas are read instead of the repositories'
+            ``deltas/`` folders (:attr:`delta_volume_roots`); a volume with its own writer.
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`TunerConfig`; on by
@@ -524,11 +533,20 @@ class SidecarConfig:
              "A version's deltas stay until it stops being served; in Kubernetes the "
              "folder is memory-backed and its deltas are charged to the sidecar's "
              "container, so size the container from this bound (README, Memory)"))
+    delta_volume: Path | None = field(default=None, metadata=flag(
+        "--delta-volume",
+        help="the folder the published embedding deltas are read from, as "
+             "<folder>/deltas/<version>/*.delta: a volume of its own with its own writer "
+             "(Kubernetes: the dlrm-deltas PVC), so a delta publisher needs no write "
+             "access to the model volume, whose archives are code. Never a --repository. "
+             "Unset: each --repository's deltas/ folder"))
     drain_file: Path | None = field(default=None, metadata=flag(
         "--drain-file", env=settings.DLRM_DRAIN_FILE,
         help="a pod-local file recording that POST /drain drained the pod, so a "
-             "restarted sidecar stays drained (never a file shared by pods). Unset: "
-             "<delta-dir>/.drained.json, or not recorded without a delta folder"))
+             "restarted sidecar stays drained (never a file shared by pods, and in a pod "
+             "never on a volume the model container mounts: model code could forge or "
+             "delete it; k8s/deployment.yaml puts it on the sidecar's own emptyDir). "
+             "Unset: <delta-dir>/.drained.json, or not recorded without a delta folder"))
     tuner: TunerConfig = field(default_factory=TunerConfig)
     deltas_post: str = field(default="store", metadata=flag(
         "--deltas-post", choices=DELTAS_POST_MODES,
@@ -593,6 +611,8 @@ class SidecarConfig:
                 f"--max-delta-bytes")
         if self.drain_file is not None:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
+        if self.delta_volume is not None:
+            object.__setattr__(self, "delta_volume", Path(self.delta_volume))
         if self.deltas_post not in DELTAS_POST_MODES:
             raise ConfigError(f"deltas_post={self.deltas_post!r} must be one of "
                               f"{', '.join(DELTAS_POST_MODES)}")
@@ -629,6 +649,12 @@ class SidecarConfig:
     def repository_roots(self) -> tuple[Path, ...]:
         """The model repository folders: ``repositories``, else ``model_store``."""
         return self.repositories or (self.model_store,)
+
+    @property
+    def delta_volume_roots(self) -> tuple[Path, ...]:
+        """Where published deltas are read (``<root>/deltas/<version>/``): the delta
+        volume alone when ``delta_volume`` is set, else the repository folders."""
+        return (self.delta_volume,) if self.delta_volume is not None else self.repository_roots
 
 
 def check_token(name: str, token: str) -> None:

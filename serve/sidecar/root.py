@@ -292,7 +292,7 @@ class Sidecar:
         repository folders, only when ``delta_sync_s`` > 0), through the same checks as
         a POST, then the clean-up of versions no longer served. Never dies: errors are
         logged."""
-        roots = list(self.config.repository_roots)
+        roots = list(self.config.delta_volume_roots)
         interval = self.config.delta_sync_s or _CLEAN_INTERVAL_S
         while True:
             try:
@@ -422,9 +422,9 @@ def build_fleet(config: SidecarConfig, own: Callable[[], Iterable[Metric]]) -> F
     )
 
     client = KubeClient.in_cluster()
-    store = ConfigMapDecisionStore(client, fc.decisions_configmap, fc.state_configmap)
+    store = ConfigMapDecisionStore(client, fc.decisions_configmap)
     return Fleet(identity, decisions=store, lease=KubeLease(client, fc.lease_name, fc.lease_s),
-                 families=FleetFamilies(own, KubePeers(client, fc.pod_selector), identity,
+                 families=FleetFamilies(own, KubePeers(client, fc.peer_service), identity,
                                         timeout_s=fc.peer_timeout_s),
                  publish_state=store.publish_state, renew_every_s=fc.lease_s / 3)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.api.config import RolloutWiring
+from serve.common.durable import temp_beside
 from serve.constants import ARTIFACT_NAME, CANDIDATE_ARTIFACT
 from serve.errors import ConfigError, UpstreamUnavailable
 from serve.state import parse_serving_version
@@ -128,9 +129,9 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
     rollout = None if candidate is None else asdict(RolloutWiring(
         candidate_version=candidate.version, candidate_artifact=CANDIDATE_ARTIFACT,
         control_file=str(Path(candidate.control_file).resolve())))
-    tmp = dst.with_name(dst.name + ".tmp")
+    fd, tmp = temp_beside(dst)  # never a predictable name: the store is shared
     try:
-        with zipfile.ZipFile(src) as zin:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(src) as zin:
             try:
                 manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
             except KeyError:
@@ -144,7 +145,7 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
                             else None)
             settings = {"batchSize": batch_size, "maxBatchDelay": max_batch_delay_ms,
                         "minWorkers": workers, "maxWorkers": workers}
-            with zipfile.ZipFile(tmp, "w") as zout:
+            with zipfile.ZipFile(out, "w") as zout:
                 for info in zin.infolist():
                     if info.filename == "MAR-INF/MANIFEST.json":
                         zout.writestr(info, json.dumps(manifest, indent=2))

@@ -6,21 +6,25 @@ account (``/var/run/secrets/kubernetes.io/serviceaccount/{token,ca.crt,namespace
 ``KUBERNETES_SERVICE_HOST``/``_PORT``). Everything is injectable (base URL, token, CA) so
 tests drive a fake API server (``tests/fakes/kube_api.py``).
 
-* :class:`KubeLease`: a ``coordination.k8s.io/v1`` Lease. Read it; create it when absent;
-  take it (update with its ``resourceVersion``) when this pod holds it or it expired. A
-  409 means another pod changed it first: it lost the race.
+* :class:`KubeLease`: a ``coordination.k8s.io/v1`` Lease, shipped in ``k8s/rbac.yaml``
+  (the pods may not create leases: RBAC cannot limit ``create`` to a name). Read it; take
+  it (update with its ``resourceVersion``) when this pod holds it or it expired. A 409
+  means another pod changed it first: it lost the race.
 * :class:`ConfigMapDecisionStore`: the decisions as JSON under ``decisions.json`` of the
   ConfigMap ``dlrm-serve-rollout``, compare-and-set by ``resourceVersion`` (a 409 reads
-  and tries again; a decision already there wins). A ConfigMap of its own, not a key of
-  ``dlrm-serving-state``: that one is the operator's declared intent, applied from git
-  (``kubectl apply``/GitOps would fight a key the pods write, and every write would touch
-  the file every pod has mounted); the decisions are the controller's status. The leader
-  also settles the declared state itself (:meth:`ConfigMapDecisionStore.publish_state`:
-  ``state.yaml`` of ``dlrm-serving-state``), so the ConfigMap says what serves.
-* :class:`KubePeers`: the fleet's ready pods, listed by label.
+  and tries again; a decision already there wins). The pods' own object: never a key of
+  ``dlrm-serving-state``, which is the operator's declared intent, applied from git
+  (``kubectl apply``/GitOps would fight a key the pods write, and a pod that could write
+  it could set every pod's version, batching and workers). The leader records the settled
+  state there too (:meth:`ConfigMapDecisionStore.publish_state`: ``settled-state.yaml``),
+  for the operator to copy into ``k8s/serving-state.yaml``; every pod already serves it
+  (the decision is adopted), so nothing waits for that copy.
+* :class:`KubePeers`: the fleet's ready pods, from the EndpointSlices of the metrics
+  Service (``dlrm-serve-metrics``: its selector names the serving pods only): ready
+  addresses and pod names, never pod specs.
 
-The RBAC these need is in ``k8s/rbac.yaml`` (leases get/create/update; configmaps get/
-update/patch on those two names; pods list).
+The RBAC these need is in ``k8s/rbac.yaml`` (the Lease get/update; the ConfigMap
+``dlrm-serve-rollout`` get/update; endpointslices list; nothing on ``dlrm-serving-state``).
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ from serve.sidecar.adapters.fleet_store import (
     with_decision,
 )
 
-__all__ = ["SA_DIR", "ConfigMapDecisionStore", "KubeClient", "KubeLease", "KubePeers"]
+__all__ = ["SA_DIR", "SERVICE_NAME_LABEL", "SETTLED_KEY", "ConfigMapDecisionStore", "KubeClient",
+           "KubeLease", "KubePeers"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,7 +59,10 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: Compare-and-set retries of a ConfigMap write that met a 409 (another pod wrote first).
 _CAS_TRIES = 5
 _DECISIONS_KEY = "decisions.json"
-_STATE_KEY = "state.yaml"
+#: The key of the decisions ConfigMap the leader records the settled desired state under.
+SETTLED_KEY = "settled-state.yaml"
+#: The label the EndpointSlice controller puts on a Service's slices.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 def _micro(ts: float) -> str:
@@ -173,9 +181,8 @@ class KubeLease:
         self.duration_s = max(1, int(-(-duration_s // 1)))
         self.clock = clock
 
-    def _path(self, named: bool = True) -> str:
-        return self.client.ns_path("coordination.k8s.io/v1", "leases",
-                                   self.name if named else None)
+    def _path(self) -> str:
+        return self.client.ns_path("coordination.k8s.io/v1", "leases", self.name)
 
     def _live_holder(self, spec: Mapping[str, Any], now: float) -> str | None:
         holder = spec.get("holderIdentity")
@@ -194,22 +201,18 @@ class KubeLease:
         return self._live_holder(r.json().get("spec") or {}, self.clock())
 
     def try_acquire(self, identity: str) -> bool:
+        """Take or renew the Lease; False when another pod holds it or won the race.
+
+        Raises:
+            UpstreamUnavailable: the API server did not answer or refused, or the Lease
+                does not exist (``k8s/rbac.yaml`` ships it: the pods may not create one).
+        """
         now = self.clock()
         r = self.client.request("GET", self._path())
         if r.status_code == 404:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name},
-                    "spec": {"holderIdentity": identity,
-                             "leaseDurationSeconds": self.duration_s,
-                             "acquireTime": _micro(now), "renewTime": _micro(now),
-                             "leaseTransitions": 0}}
-            created = self.client.request("POST", self._path(named=False), body)
-            if created.status_code == 409:
-                return False  # another pod created it first
-            if created.status_code not in (200, 201):
-                raise _fail(created, f"creating Lease {self.name}")
-            _log.info("%s created and holds Lease %s", identity, self.name)
-            return True
+            raise UpstreamUnavailable(
+                f"Lease {self.name} does not exist; apply k8s/rbac.yaml (it ships it: the "
+                "pods may not create leases, RBAC cannot limit create to one name)")
         if r.status_code != 200:
             raise _fail(r, f"reading Lease {self.name}")
         lease = r.json()
@@ -238,18 +241,15 @@ class ConfigMapDecisionStore:
 
     Args:
         client: the API server.
-        name: the ConfigMap holding the decisions (``dlrm-serve-rollout``; shipped in
-            ``k8s/rbac.yaml`` so the pods need no ``create``).
-        state_configmap: the serving-state ConfigMap :meth:`publish_state` settles.
+        name: the ConfigMap holding the decisions and the settled state
+            (``dlrm-serve-rollout``; shipped in ``k8s/rbac.yaml`` so the pods need no
+            ``create``). The only ConfigMap the pods write.
         keep: decisions kept.
     """
 
-    def __init__(self, client: KubeClient, name: str,
-                 state_configmap: str = "dlrm-serving-state",
-                 keep: int = KEEP_DECISIONS) -> None:
+    def __init__(self, client: KubeClient, name: str, keep: int = KEEP_DECISIONS) -> None:
         self.client = client
         self.name = name
-        self.state_configmap = state_configmap
         self.keep = keep
 
     def _get(self, name: str) -> dict[str, Any]:
@@ -307,51 +307,64 @@ class ConfigMapDecisionStore:
                                   f"{decision.revision}; retrying next pass")
 
     def publish_state(self, text: str) -> bool:
-        """Write ``text`` (the settled desired state's YAML) as ``state.yaml`` of the
-        serving-state ConfigMap; True once written (False: it says so already)."""
+        """Record ``text`` (the settled desired state's YAML) as :data:`SETTLED_KEY` of the
+        decisions ConfigMap, the pods' own object (never ``dlrm-serving-state``, the
+        operator's); True once written (False: it says so already)."""
         for _ in range(_CAS_TRIES):
-            cm = self._get(self.state_configmap)
-            if (cm.get("data") or {}).get(_STATE_KEY) == text:
+            cm = self._get(self.name)
+            if (cm.get("data") or {}).get(SETTLED_KEY) == text:
                 return False
-            cm["data"] = {**(cm.get("data") or {}), _STATE_KEY: text}
-            if self._put(self.state_configmap, cm):
-                _log.info("settled the declared state in ConfigMap %s", self.state_configmap)
+            cm["data"] = {**(cm.get("data") or {}), SETTLED_KEY: text}
+            if self._put(self.name, cm):
+                _log.info("recorded the settled desired state in ConfigMap %s (%s); copy it "
+                          "into k8s/serving-state.yaml to make it the declared state",
+                          self.name, SETTLED_KEY)
                 return True
-        raise UpstreamUnavailable(f"ConfigMap {self.state_configmap} changed under every "
-                                  f"one of {_CAS_TRIES} tries to settle it")
+        raise UpstreamUnavailable(f"ConfigMap {self.name} changed under every one of "
+                                  f"{_CAS_TRIES} tries to record the settled state")
 
 
 class KubePeers:
-    """The fleet's ready pods with an IP, listed by label selector.
+    """The fleet's ready pods, from the EndpointSlices of a Service
+    (``discovery.k8s.io/v1``, labelled :data:`SERVICE_NAME_LABEL`): each ready endpoint
+    that is a Pod, by its address and pod name. No pod specs are read (``pods list``
+    would return every pod's spec in the namespace, env literals included), and only the
+    pods the Service selects are peers (``dlrm-serve-metrics`` selects
+    ``app.kubernetes.io/name=dlrm-serve,app.kubernetes.io/component=inference``: not the
+    model-upload pod).
 
     Args:
         client: the API server.
-        selector: ``app.kubernetes.io/name=dlrm-serve``.
+        service: the Service whose endpoints are the fleet (``dlrm-serve-metrics``).
         sidecar_port, inference_port: the ports every pod serves on.
     """
 
-    def __init__(self, client: KubeClient, selector: str, *, sidecar_port: int = 8090,
+    def __init__(self, client: KubeClient, service: str, *, sidecar_port: int = 8090,
                  inference_port: int = 8080) -> None:
         self.client = client
-        self.selector = selector
+        self.service = service
         self.sidecar_port = sidecar_port
         self.inference_port = inference_port
 
     def peers(self) -> list[Peer]:
-        r = self.client.request("GET", self.client.ns_path("", "pods"),
-                                params={"labelSelector": self.selector})
+        r = self.client.request("GET", self.client.ns_path("discovery.k8s.io/v1",
+                                                           "endpointslices"),
+                                params={"labelSelector": f"{SERVICE_NAME_LABEL}={self.service}"})
         if r.status_code != 200:
-            raise _fail(r, f"listing pods {self.selector}")
-        out = []
-        for pod in r.json().get("items") or []:
-            status = pod.get("status") or {}
-            ip = status.get("podIP")
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                        for c in status.get("conditions") or [])
-            if not ip or not ready or (pod.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            host = f"[{ip}]" if ":" in ip else ip
-            out.append(Peer(name=pod["metadata"]["name"],
-                            predict_url=f"http://{host}:{self.inference_port}",
-                            sidecar_url=f"http://{host}:{self.sidecar_port}"))
-        return out
+            raise _fail(r, f"listing the endpoints of Service {self.service}")
+        out: dict[str, Peer] = {}
+        for slice_ in r.json().get("items") or []:
+            for ep in slice_.get("endpoints") or []:
+                ref = ep.get("targetRef") or {}
+                conditions = ep.get("conditions") or {}
+                addresses = ep.get("addresses") or []
+                # ready is "serving and not terminating"; unset means unknown: not a peer
+                if (ref.get("kind") != "Pod" or not ref.get("name") or not addresses
+                        or conditions.get("ready") is not True):
+                    continue
+                ip = str(addresses[0])
+                host = f"[{ip}]" if ":" in ip else ip
+                out.setdefault(ref["name"], Peer(
+                    name=ref["name"], predict_url=f"http://{host}:{self.inference_port}",
+                    sidecar_url=f"http://{host}:{self.sidecar_port}"))
+        return [out[name] for name in sorted(out)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import zipfile
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from serve.common.durable import write_durably
+from serve.common.durable import temp_beside, write_durably
 from serve.errors import ServeError, UpstreamUnavailable
 from serve.phases import DrainPhase
 from serve.sidecar.adapters.archives import POD_HANDLER
@@ -69,12 +70,15 @@ def closed_archive(model_store: Path, model_name: str,
         "configFile": "model-config.yaml"}, "archiverVersion": "0.12.0"}
     config = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 1,
               "responseTimeout": 10}
-    tmp = dst.with_name(dst.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w") as z:
-        z.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest, indent=2))
-        z.writestr("model-config.yaml", yaml.safe_dump(config))
-        z.write(handler_file, handler_file.name)
-    tmp.replace(dst)
+    fd, tmp = temp_beside(dst)  # never a predictable name: the store is shared
+    try:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(out, "w") as z:
+            z.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest, indent=2))
+            z.writestr("model-config.yaml", yaml.safe_dump(config))
+            z.write(handler_file, handler_file.name)
+        tmp.replace(dst)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dst
 
 

@@ -140,9 +140,10 @@ class Fleet(Collector):
         lease: None: this pod is its own leader (a single pod, no fleet).
         decisions: where decisions are recorded.
         families: the fleet-wide families the leader judges (None: its own only).
-        publish_state: writes a settled desired state where the pods read it (Kubernetes:
-            the serving-state ConfigMap); None: nowhere (the local state file is written
-            by the reconciler itself).
+        publish_state: records a settled desired state in the fleet's own object, where
+            the state file is read-only (Kubernetes: ``settled-state.yaml`` of the
+            decisions ConfigMap, never the operator's ``dlrm-serving-state``); None:
+            nowhere (the local state file is written by the reconciler itself).
         renew_every_s: :meth:`elect` asks the lease at most this often (0: every call,
             i.e. every reconcile pass); a third of the lease's duration keeps an API
             server's load to a few calls per pod per lease period, and a leader renews

@@ -13,7 +13,7 @@ pass (the metric reads and the fleet's store on a thread), and only there:
    two-arm registration serves, evaluate the guards when due (only the fleet's leader),
    adopt the fleet's decision, and wake the reconciler for an outcome;
 3. :meth:`RolloutStepper.settle`: write an outcome into the file where it is writable
-   (else publish it to the fleet, or keep it in memory).
+   (else record it in the fleet's own object, never the operator's, or keep it in memory).
 
 :meth:`RolloutStepper.end` is POST /state/rollout/promote|rollback.
 """
@@ -120,7 +120,7 @@ class RolloutStepper:
         if self.file.write_outcome(settled):
             self.wake()
         elif fleet is not None and fleet.publish_state is not None:
-            try:  # read-only here (a ConfigMap mount): settle the declared state itself
+            try:  # read-only here (the operator's ConfigMap): record it in the fleet's own
                 fleet.publish_state(dump_state(settled))
             except Exception:  # noqa: BLE001 - the decision holds in the store anyway
                 _log.exception("publishing the settled desired state failed")

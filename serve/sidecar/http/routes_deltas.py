@@ -76,13 +76,14 @@ def _volume_only(sidecar: Sidecar) -> DeltaConflict:
     """The answer of ``--deltas-post refuse``: where to publish the delta instead."""
     config = sidecar.config
     where = [f"{root}/deltas/<version>/{config.model_name}-<version>-NNNNNNNN.delta"
-             for root in config.repository_roots]
+             for root in config.delta_volume_roots]
     return DeltaConflict(
         "deltas_post",
         f"this pod takes no POSTed delta (--deltas-post refuse): it is one pod of a fleet, "
         f"and a delta posted here would live in this pod only. Publish the file `make "
-        f"delta` wrote on the model volume instead, as {' or '.join(where)} (in Kubernetes "
-        f"copy it to /models/deltas/<version>/ with the upload pod, k8s/models-pvc.yaml): "
+        f"delta` wrote on the delta volume instead, as {' or '.join(where)} (in Kubernetes "
+        f"copy it to /deltas/deltas/<version>/ with the delta upload pod, "
+        f"k8s/templates/delta-upload-pod.yaml): "
         f"every pod's sidecar takes it from there within {config.delta_sync_s:g} s, in "
         f"sequence order and through the same checks; GET /embeddings/deltas shows each "
         f"pod's last_sequence and head_digest",

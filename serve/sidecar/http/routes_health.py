@@ -59,7 +59,7 @@ async def readiness(sidecar: Sidecar) -> dict[str, Any]:
             f"worker (statuses: {', '.join(statuses) or 'no workers'}); wait for it to load")
     await sidecar.torchserve.ping()  # READY workers are no use if inference does not answer
     if sidecar.deltas is not None:  # a new pod serves only once it has its version's deltas
-        need_sync = sidecar.config.delta_sync_s > 0 and bool(sidecar.config.repository_roots)
+        need_sync = sidecar.config.delta_sync_s > 0 and bool(sidecar.config.delta_volume_roots)
         behind = await sidecar.deltas.progress.not_caught_up(
             volume_read=not need_sync or sidecar.deltas.volume.synced)
         if behind is not None:
