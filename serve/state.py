@@ -359,6 +359,9 @@ def read_state_yaml(data: str | bytes, source: str = "desired state") -> Any:
         raise ConfigError(f"{source}: {e.message}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{source}: is nested too deeply to parse; a desired state is "
+                          "at most 4 levels deep (model, batching, workers, rollout)") from None
 
 
 def load_state(path: str | os.PathLike[str]) -> DesiredState:
