@@ -149,7 +149,7 @@ class _Strict(BaseModel):
 class ModelRef(_Strict):
     version: str = Field(pattern=VERSION_RE, description="A version in the model repository.")
     schema_change: bool = Field(
-        False, description="True: this declaration switches model.version to a version that "
+        default=False, description="True: this declaration switches model.version to a version that "
                            "takes other requests (another request schema) on purpose. Without "
                            "it, PUT /state refuses such a switch with 409 naming the "
                            "difference: every client of the old schema would get 400s.",
