@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from serve.common.filemodes import private_dir, private_opener
 from serve.errors import ArtifactError
 
 __all__ = ["IdRegion", "SharedTables", "spread_sample", "tables_identity"]
@@ -117,11 +118,12 @@ class SharedTables:
     def __init__(self, path: str | os.PathLike[str], max_sequence: int = 0) -> None:
         self.path = Path(path)
         self.max_sequence = max_sequence
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         base = self.path.with_suffix("")
-        # One descriptor each per process (flock locks belong to the open file).
-        self._rw = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        self._turn = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT, 0o644)
+        # One descriptor each per process (flock locks belong to the open file); 0600,
+        # as every file here (serve.common.filemodes).
+        self._rw = private_opener(f"{base}.lock", os.O_RDWR | os.O_CREAT)
+        self._turn = private_opener(f"{base}.turn", os.O_RDWR | os.O_CREAT)
         self._seq_path = Path(f"{base}.seq")
         self._id_path = Path(f"{base}.id")
         #: The managed tables' id map region in the file (int64), after :meth:`open` was
@@ -171,7 +173,8 @@ class SharedTables:
     def set_sequence(self, seq: int) -> None:
         """Record that delta ``seq`` is in the file; call under :meth:`write`."""
         tmp = self._seq_path.with_name(self._seq_path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(str(int(seq)))
+        with open(tmp, "w", opener=private_opener) as f:
+            f.write(str(int(seq)))
         os.replace(tmp, self._seq_path)
 
     def _identity(self) -> str | None:
@@ -183,7 +186,8 @@ class SharedTables:
 
     def _set_identity(self, ident: str) -> None:
         tmp = self._id_path.with_name(self._id_path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(ident)
+        with open(tmp, "w", opener=private_opener) as f:
+            f.write(ident)
         os.replace(tmp, self._id_path)
 
     @staticmethod
@@ -233,7 +237,7 @@ class SharedTables:
                          rb, why)
                 tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
                 try:
-                    with open(tmp, "wb") as f:
+                    with open(tmp, "wb", opener=private_opener) as f:
                         # memoryviews of the (memory-mapped) tables: no second copy
                         f.writelines(t.contiguous().numpy().data for t in tables)
                         if id_region is not None:
