@@ -18,7 +18,7 @@ import pytest
 
 from serve import constants
 from serve.errors import ConfigError
-from serve.ops.faults import harness_config, sigterm_command, stable_version
+from serve.ops.faults import harness_config, main, sigterm_command, stable_version
 from serve.ops.launch_ports import PORTS
 from serve.ops.launch_signals import launcher_groups, stop_launcher
 from serve.ops.process_groups import group_alive
@@ -172,3 +172,14 @@ def test_sigterm_unwinds_through_finally(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert marker.read_text() == "stopped"
+
+
+def test_the_cli_refuses_another_request_schema_before_starting_anything(
+        store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = _declare(tmp_path / "state.yaml", "own-ranker")
+    out = tmp_path / "faults.json"
+    assert main(["--cases", "kill9_worker", "--model-store", str(store), "--state-file",
+                 str(state), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model version 'own-ranker' ") and "13 vs 2" in err
+    assert not out.exists()

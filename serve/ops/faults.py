@@ -658,10 +658,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--soak-s {args.soak_s} must be >= 10 (RSS needs samples)")
     store = Path(args.model_store).resolve()
     state_file = Path(args.state_file)
-    version = stable_version(store, state_file if state_file.is_absolute() else REPO / state_file,
-                             args.version or default_version(
-                                 args.profile, seed=args.seed, label_shuffle=args.label_shuffle,
-                                 mapping=args.mapping, dense_precision=args.dense_precision))
+    try:
+        version = stable_version(
+            store, state_file if state_file.is_absolute() else REPO / state_file,
+            args.version or default_version(
+                args.profile, seed=args.seed, label_shuffle=args.label_shuffle,
+                mapping=args.mapping, dense_precision=args.dense_precision))
+    except ConfigError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
     print(f"serving {version} (the version `make up` would serve)", flush=True)
     root = Path(tempfile.mkdtemp(prefix="dlrm-faults-"))
     rows: list[dict[str, Any]] = []
