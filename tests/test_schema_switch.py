@@ -127,3 +127,47 @@ def test_a_declared_schema_change_is_accepted_and_served(
     assert load_state(state_file).model.schema_change is True
     assert done.json()["observed"]["model"]["version"] == "own-c"
     assert done.json()["converged"]
+
+
+# ------------------------------------------------------------------ the real service
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_real_sidecar_refuses_the_switch_and_keeps_serving(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The launcher, TorchServe and the sidecar (uvicorn) over a tiny built-in version and
+    (newer) an import of another request schema: PUT /state to the import is a 409 and
+    the built-in version keeps answering its clients."""
+    import httpx
+
+    from serve.api.binary import example_binary
+    from serve.model.archive import build_mar
+    from tests.fixtures.served import serve_repository
+    from tests.fixtures.sidecar import toy_mar
+    from tests.fixtures.torchserve import tiny_random_artifact
+
+    root = tmp_path_factory.mktemp("switch")
+    art = tiny_random_artifact(root / "artifact.pt", seed=4)
+    mar = build_mar(art, root / "build", model_name="dlrm", version="tiny-b", batch_size=1,
+                    max_batch_delay_ms=0, handler_config={"num_threads": 1},
+                    min_workers=1, max_workers=1, file_name="tiny-b.mar")
+    repo = ModelRepository([root / "model_store"])
+    repo.add("tiny-b", mar, {"version": "tiny-b", "profile": "tiny",
+                             "quantized_dtype": "int8",
+                             "created_at": "2026-12-01T00:00:00+00:00"})
+    repo.add("own-c", toy_mar(root / "own.mar", version="own-c"),
+             {"version": "own-c", "schema": OWN_WIDER.to_dict(),
+              "created_at": "2026-12-07T00:00:00+00:00"})
+    with serve_repository(root, state={"model": {"version": "tiny-b"}, "workers": 1}) as s:
+        before = s.cfg.path(s.cfg.state_file).read_text()
+        put = httpx.put(f"{s.write_url}/state", json={"model": {"version": "own-c"}},
+                        headers={"Authorization": f"Bearer {s.token}"}, timeout=30)
+        assert put.status_code == 409, put.text
+        assert put.json()["message"].startswith(
+            "model.version: 'own-c' takes other requests than the declared version 'tiny-b' "
+            "(dense features: 13 vs 3")
+        assert s.cfg.path(s.cfg.state_file).read_text() == before
+        state = s.state()
+        assert state["desired"]["model"] == {"version": "tiny-b"} and state["converged"]
+        assert len(s.predictions(example_binary(4, seed=2, max_id=100))) == 4
