@@ -148,7 +148,7 @@ ts-limits: venv java model  ## TorchServe's frontend limits: 64 clients posting 
 .PHONY: ts-limits
 
 faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
-	$(PY) -m serve.ops.faults$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
+	$(PY) -m serve.ops.faults $(MODEL_ARGS)$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
 
 bench-rollout: venv  ## with `make up` running (+ make model SEED=7, SEED=8 LABEL_SHUFFLE=1): canary/shadow cost, guards -> bench/results/rollout.json
 	$(PY) -m bench.bench_rollout

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -48,9 +49,8 @@ import numpy as np
 import orjson
 
 from serve import settings
-from serve.common.net import free_ports
 from serve.constants import P99_SLO_MS
-from serve.errors import CapacityError
+from serve.errors import CapacityError, ConfigError
 from serve.ops.knee import find_knee
 from serve.ops.machine import announce
 
@@ -339,7 +339,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="the model repository (model_store/dlrm-<version>.mar + .json)")
     ap.add_argument("--version", default=None,
                     help="model version to serve when this benchmark starts the service "
-                         "(default: the repository's latest)")
+                         "(default: the one `make up` would serve: .run/state.yaml's, else "
+                         "what `make model` builds)")
     ap.add_argument("--multiproc-dir", default=".run/prometheus",
                     help="the workers' PROMETHEUS_MULTIPROC_DIR (handler timings for the profile)")
     ap.add_argument("--instances", default="1,64,512", help="instances per request, comma-separated")
@@ -382,16 +383,14 @@ def _service_for(args: argparse.Namespace, store: Path, mar: Path) -> tuple[Any,
         multiproc = Path(args.multiproc_dir)
         return None, multiproc if multiproc.is_absolute() else REPO / multiproc
     from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_ports import free_port_settings
     from serve.ops.launcher import start
 
     port = urllib.parse.urlsplit(args.url).port or 8080
     print(f"nothing answers at {args.url}; starting the service from {mar} ...", flush=True)
-    # its own run/log dirs and free side ports, so it never collides with `make up`
-    mgmt, met, side, side_w, gi, gm = free_ports(6)
-    cfg = LaunchConfig(inference_port=port, management_port=mgmt, metrics_port=met,
-                       sidecar_port=side, sidecar_write_port=side_w,
-                       grpc_inference_port=gi, grpc_management_port=gm,
-                       model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
+    # its own run/log dirs and free side ports (every one), so it never collides with `make up`
+    ports = {**free_port_settings(), "inference_port": port}
+    cfg = LaunchConfig(**ports, model_store=store, mar_name=mar.name, sidecar=False, run_dir=Path(".run/bench-e2e"),
                        log_dir=Path("logs/bench-e2e"))
     service = start(cfg)
     print(f"ready in {service.ready_s:.1f} s", flush=True)
@@ -508,6 +507,8 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like an exception, so the service a run started is stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.no_p99_goal:
         args.p99_goal_ms = math.inf
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -527,12 +528,17 @@ def main(argv: list[str] | None = None) -> int:
     machine = announce()
     store = Path(args.model_store)
     store = store if store.is_absolute() else REPO / store
-    from serve.store.repository import ModelRepository
+    from serve.ops.launch_state import served_version
+    from serve.state import LOCAL_STATE_FILE
+    from serve.store.repository import DEFAULT_PROFILE, ModelRepository, default_version
 
     repo = ModelRepository([store], args.model_name)
-    version = args.version or repo.latest()
-    if version is None:
-        print(f"error: no model version in {store}; run `make model`", file=sys.stderr)
+    # make up's version, never the newest file (an import of another request schema)
+    try:
+        version = args.version or served_version(REPO / LOCAL_STATE_FILE, repo,
+                                                 default_version(DEFAULT_PROFILE))
+    except ConfigError as e:
+        print(f"error: {e.message}", file=sys.stderr)
         return 2
     mar = repo.archive(version)  # ConfigError lists the versions there are
     service, multiproc = _service_for(args, store, mar)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ from serve.api.request import BINARY_MEDIA_TYPE
 from serve.ops.machine import announce
 from serve.ops.state_client import StateClient
 from serve.state import parse_state, write_state
+from serve.store.repository import DEFAULT_PROFILE, default_version
 
 __all__ = ["main"]
 
@@ -112,13 +114,17 @@ def run_one(version: str, workers: int, shared: bool, requests: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_memory", description=__doc__.split(
         "\n\n")[0])
-    ap.add_argument("--version", default="small-int8-s0", help="model version (default small-int8-s0)")
+    ap.add_argument("--version", default=default_version(DEFAULT_PROFILE),
+                    help="model version (default: what `make model` builds, "
+                         f"{default_version(DEFAULT_PROFILE)})")
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4],
                     help="worker counts to measure (default 2 4)")
     ap.add_argument("--requests", type=int, default=64,
                     help="512-instance requests sent before measuring (default 64)")
     ap.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT})")
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like an exception, so the service a run started is stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     machine = announce()
     rows = []
     for w in args.workers:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import signal
 import sys
 import tempfile
 import threading
@@ -202,21 +203,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serve.common.net import free_ports
     from serve.ops.faults import stable_version
     from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_ports import free_port_settings
     from serve.ops.launcher import start
 
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like an exception, so the service a run started is stopped with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.seconds <= 0 or args.big_clients < 1 or args.body_mib <= 0:
         raise SystemExit("--seconds, --big-clients and --body-mib must be > 0")
     store = Path(args.model_store).resolve()
-    version = stable_version(store)
+    version = stable_version(store)  # the version `make up` would serve
     root = Path(tempfile.mkdtemp(prefix="dlrm-ts-limits-"))
-    inf, mgmt, met, side, gi, gm = free_ports(6)
-    cfg = LaunchConfig(inference_port=inf, management_port=mgmt, metrics_port=met,
-                       sidecar_port=side, grpc_inference_port=gi, grpc_management_port=gm,
-                       model_store=store, mar_name=f"dlrm-{version}.mar", sidecar=False,
+    cfg = LaunchConfig(**free_port_settings(), model_store=store, mar_name=f"dlrm-{version}.mar", sidecar=False,
                        run_dir=root / "run", log_dir=root / "logs", ready_timeout_s=300)
     svc = start(cfg)
     try:

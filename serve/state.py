@@ -8,6 +8,7 @@ The file::
 
     model:
       version: small-s0-1a2b3c4d      # a version in the model repository (model_store/)
+      # schema_change: true           # only to switch to another request schema on purpose
     batching:
       batch_size: 2                   # requests TorchServe merges into one handler call
       max_batch_delay_ms: 0           # longest wait for a batch to fill, ms (0: only what is queued)
@@ -133,7 +134,7 @@ class RolloutMode(StrEnum):
 
 
 ROLLOUT_MODES = tuple(m.value for m in RolloutMode)
-ALLOWED_FIELDS = ("model.version, batching.batch_size, batching.max_batch_delay_ms, workers, "
+ALLOWED_FIELDS = ("model.version, model.schema_change, batching.batch_size, batching.max_batch_delay_ms, workers, "
                   "rollout.candidate, rollout.mode, rollout.weight, rollout.steps, "
                   "rollout.bake_s, rollout.guards.{max_error_ratio, max_latency_ratio, "
                   "max_score_psi, min_requests, min_instances, min_forwards, interval_s, "
@@ -147,6 +148,14 @@ class _Strict(BaseModel):
 
 class ModelRef(_Strict):
     version: str = Field(pattern=VERSION_RE, description="A version in the model repository.")
+    schema_change: bool = Field(
+        default=False, description="True: this declaration switches model.version to a version that "
+                           "takes other requests (another request schema) on purpose. Without "
+                           "it, PUT /state refuses such a switch with 409 naming the "
+                           "difference: every client of the old schema would get 400s.",
+        # written (file, GET /state) only when set: every other declaration stays
+        # model: {version: V}
+        exclude_if=lambda v: not v)
 
 
 class Batching(_Strict):
@@ -359,6 +368,9 @@ def read_state_yaml(data: str | bytes, source: str = "desired state") -> Any:
         raise ConfigError(f"{source}: {e.message}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{source}: is nested too deeply to parse; a desired state is "
+                          "at most 4 levels deep (model, batching, workers, rollout)") from None
 
 
 def load_state(path: str | os.PathLike[str]) -> DesiredState:

@@ -822,7 +822,8 @@ def test_get_state_shows_the_served_versions_schema(tmp_path, schema_repo):
     write_state(state_file, desired("own-a"))
     own, _, builtin, _, plain = requests(
         make_app(ts, schema_repo, state_file), ("WAIT", "", None),
-        ("PUT", "/state", {"model": {"version": "tiny-s0"}}), ("WAIT", "", None),
+        ("PUT", "/state", {"model": {"version": "tiny-s0", "schema_change": True}}),
+        ("WAIT", "", None),
         ("PUT", "/state", {"model": {"version": "plain"}}), ("WAIT", "", None))
     model = own.json()["observed"]["model"]
     assert model == {"version": "own-a", "schema": {"dense": 2, "sparse": [

@@ -4,8 +4,11 @@
                                [--soak-s 600] [--clients 8] [--out bench/results/faults.json]
 
 It starts its own service (TorchServe + sidecar, `serve.ops.launcher`) on free loopback
-ports with the newest model version of ``model_store/`` that is not ``*-shuffled``, 2
-workers, batch 2 / 2 ms with the batching tuner off (``PUT /tuner {"enabled": false}``:
+ports (every one, the OIP port too: it runs beside ``make up``) with the model version
+``make up`` would serve (:func:`stable_version`: the one ``.run/state.yaml`` declares,
+else the one ``make model`` builds with the same ``--profile/--seed/--version``; never
+simply the newest file of ``model_store/``, which may be an import of another request
+schema), 2 workers, batch 2 / 2 ms with the batching tuner off (``PUT /tuner {"enabled": false}``:
 the cases measure the declared batching, and a tuner switch mid-case would replace the
 workers ``burst`` checks), and runs each case under 512-instance binary requests:
 
@@ -37,7 +40,8 @@ workers ``burst`` checks), and runs each case under 512-instance binary requests
     sidecar each grows under 5% from minute 2 (20% of the soak when shorter) to the end.
 
 Prints a table; writes ``{"cases": [{"case", "ok", ...figures}], ...}`` to ``--out``.
-Exit code 0 only when every case holds.
+Exit code 0 only when every case holds. Whatever ends it (a failed case, an exception,
+Ctrl-C, SIGTERM), it stops every TorchServe and sidecar it started.
 """
 from __future__ import annotations
 
@@ -64,16 +68,23 @@ import httpx
 import psutil
 
 from serve.api.binary import example_binary
-from serve.api.request import BINARY_MEDIA_TYPE
-from serve.common.net import free_ports, wait_until
-from serve.errors import ConfigError, UpstreamUnavailable
+from serve.api.request import BINARY_MEDIA_TYPE, DEFAULT_SCHEMA
+from serve.common.net import wait_until
+from serve.constants import DENSE_PRECISIONS
+from serve.errors import ConfigError, ServeError, UpstreamUnavailable
+from serve.ops.launch_config import LaunchConfig
+from serve.ops.launch_ports import PORTS, free_port_settings
+from serve.ops.launch_signals import sigterm_unwinds, stop_launcher
+from serve.ops.launch_state import served_version
 from serve.ops.loadgen import Answer, BackgroundLoad, PacedLoad
 from serve.ops.state_client import StateClient
+from serve.profiles import schema_from_report
 from serve.settings import DLRM_AUTOTUNE
-from serve.state import parse_state, write_state
-from serve.store.repository import ModelRepository
+from serve.state import LOCAL_STATE_FILE, parse_state, write_state
+from serve.store.repository import DEFAULT_PROFILE, ModelRepository, default_version
 
-__all__ = ["CASES", "classify_signal", "main", "raw_burst", "rss_growth"]
+__all__ = ["CASES", "classify_signal", "harness_config", "main", "raw_burst", "rss_growth",
+           "sigterm_command", "stable_version"]
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "faults.json"
@@ -228,12 +239,34 @@ def _rss(procs: Sequence[psutil.Process]) -> int:
     return total
 
 
-def stable_version(store: Path) -> str:
-    """The newest version in ``store`` that is not a ``*-shuffled`` bad candidate."""
-    versions = [v for v in ModelRepository([store]).versions() if not v.endswith("-shuffled")]
-    if not versions:
-        raise ConfigError(f"no model version in {store}; run `make model` first")
-    return versions[-1]
+def stable_version(store: Path, state_file: Path = REPO / LOCAL_STATE_FILE,
+                   initial: str | None = None) -> str:
+    """The version ``make up`` would serve from ``store``
+    (:func:`serve.ops.launch_state.served_version`: what ``state_file`` declares, else
+    ``initial``, by default what ``make model`` builds), never simply the newest file.
+
+    The cases send the built-in request schema (13 dense, 26 one-id features), so a
+    version of another request schema is refused here, at once, instead of a service
+    that never answers a predict.
+
+    Raises:
+        ConfigError: the version is not in ``store``, or takes other requests.
+    """
+    repo = ModelRepository([store])
+    version = served_version(state_file, repo, initial or default_version(DEFAULT_PROFILE))
+    try:
+        schema = schema_from_report(repo.report(version))
+    except (ServeError, OSError, ValueError):
+        return version  # no report to compare with: the built-in bodies are tried
+    differences = DEFAULT_SCHEMA.request_differences(schema)
+    if differences:
+        raise ConfigError(
+            f"model version {version!r} (what `make up` serves: {state_file} or the version "
+            f"`make model` builds) takes other requests than the built-in model "
+            f"({'; '.join(differences)}; first is the built-in); the fault cases send "
+            "built-in requests: serve a built-in version (`make faults VERSION=<name>`, or "
+            f"edit model.version in {state_file})")
+    return version
 
 
 def _state_file(root: Path, version: str) -> Path:
@@ -243,17 +276,22 @@ def _state_file(root: Path, version: str) -> Path:
     return path
 
 
+def harness_config(root: Path, store: Path, version: str) -> LaunchConfig:
+    """The harness's service: ``version`` with the cases' batching and workers, every
+    port free (none left at its default: it runs beside ``make up``), files under ``root``."""
+    return LaunchConfig(
+        **free_port_settings(), model_store=store,
+        state_file=_state_file(root, version), run_dir=root / "run",
+        log_dir=root / "logs", sidecar=True, ready_timeout_s=300)
+
+
 @contextlib.contextmanager
-def harness(root: Path, store: Path) -> Iterator[Harness]:
-    """A background service on free ports (config.properties as shipped), stopped at the end."""
-    from serve.ops.launch_config import LaunchConfig
-    from serve.ops.launch_ports import free_port_settings
+def harness(root: Path, store: Path, version: str) -> Iterator[Harness]:
+    """A background service on free ports (config.properties as shipped), stopped at the
+    end (:func:`serve.ops.launcher.start` stops it when it fails to start)."""
     from serve.ops.launcher import start
 
-    cfg = LaunchConfig(
-        **free_port_settings(), model_store=store,
-        state_file=_state_file(root, stable_version(store)), run_dir=root / "run",
-        log_dir=root / "logs", sidecar=True, ready_timeout_s=300)
+    cfg = harness_config(root, store, version)
     svc = start(cfg)
     try:
         client = StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(), timeout_s=30)
@@ -491,23 +529,38 @@ def _soak_rate(h: Harness) -> float:
         return 0.7 * _rate(load, 15)
 
 
-def case_sigterm(root: Path, store: Path, args: argparse.Namespace) -> dict[str, Any]:
+def sigterm_command(root: Path, store: Path, version: str, grace_s: float
+                    ) -> tuple[list[str], dict[str, str], dict[str, int]]:
+    """The sigterm case's foreground launcher: (command, environment, ports). Every port
+    of :data:`serve.ops.launch_ports.PORTS` is a free one, by its flag or, where it has
+    none (gRPC), its variable: none is left at its default."""
+    ports = free_port_settings()
+    env = dict(os.environ)
+    env[DLRM_AUTOTUNE.name] = "off"  # the declared batching, as in the harness
+    cmd = [sys.executable, "-m", "serve.ops.launcher", "run"]
+    for setting, _what, flag, var in PORTS:
+        if flag is not None:
+            cmd += [flag, str(ports[setting])]
+        else:
+            env[var.name] = str(ports[setting])
+    run = root / "sigterm"
+    cmd += ["--model-store", str(store), "--state-file", str(_state_file(root, version)),
+            "--run-dir", str(run / "run"), "--log-dir", str(run / "logs"),
+            "--drain-timeout", str(grace_s - 5)]
+    return cmd, env, ports
+
+
+def case_sigterm(root: Path, store: Path, version: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
     """Its own foreground service: SIGTERM goes to `launcher run` (the pod's TorchServe
     container gets it after the preStop drain; locally the launcher drains itself)."""
-    inf, mgmt, met, side, side_w, gi, gm = free_ports(7)
+    cmd, env, ports = sigterm_command(root, store, version, args.grace_s)
     run = root / "sigterm"
-    env = dict(os.environ, GRPC_INFERENCE_PORT=str(gi), GRPC_MANAGEMENT_PORT=str(gm))
-    env[DLRM_AUTOTUNE.name] = "off"  # the declared batching, as in the harness
-    cmd = [sys.executable, "-m", "serve.ops.launcher", "run", "--inference-port", str(inf),
-           "--management-port", str(mgmt), "--metrics-port", str(met), "--sidecar-port",
-           str(side), "--sidecar-write-port", str(side_w), "--model-store", str(store), "--state-file",
-           str(_state_file(root, stable_version(store))), "--run-dir", str(run / "run"),
-           "--log-dir", str(run / "logs"), "--drain-timeout", str(args.grace_s - 5)]
     run.mkdir(parents=True, exist_ok=True)
     with open(run / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    url = f"http://127.0.0.1:{inf}/predictions/dlrm"
+    url = f"http://127.0.0.1:{ports['inference_port']}/predictions/dlrm"
     body = example_binary(INSTANCES, seed=2)
     try:
         def ready() -> bool:
@@ -531,8 +584,9 @@ def case_sigterm(root: Path, store: Path, args: argparse.Namespace) -> dict[str,
             time.sleep(1.0)  # requests after the exit: refused connections
         found = classify_signal(load.outcomes, signal_t)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        # SIGTERM, then SIGKILL, and the groups it recorded: a launcher killed outright
+        # would leave its TorchServe and sidecar running, holding their ports.
+        stop_launcher(proc, run / "run")
     ok = found["before_failed"] == 0 and found["after_unclean"] == 0 and exit_s is not None
     return {"case": "sigterm", "ok": ok, "failed": found["before_failed"] + found["after_unclean"],
             "exit_s": round(exit_s, 2) if exit_s is not None else None,
@@ -561,6 +615,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--grace-s", type=float, default=60.0,
                     help="the sigterm case's grace period (seconds to exit)")
     ap.add_argument("--model-store", default="model_store")
+    ap.add_argument("--state-file", default=LOCAL_STATE_FILE,
+                    help="the version to serve is the one this file declares (`make up`'s), "
+                         "else the one `make model` builds with the flags below")
+    # make faults passes MODEL_ARGS, as make up does: the same version.
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--label-shuffle", action="store_true")
+    ap.add_argument("--mapping", default="modulo", choices=("modulo", "managed"))
+    ap.add_argument("--dense-precision", default="fp32", choices=DENSE_PRECISIONS)
+    ap.add_argument("--version", default=None)
     ap.add_argument("--out", default=str(OUT))
     return ap
 
@@ -593,20 +657,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.soak_s < 10:
         raise SystemExit(f"--soak-s {args.soak_s} must be >= 10 (RSS needs samples)")
     store = Path(args.model_store).resolve()
+    state_file = Path(args.state_file)
+    try:
+        version = stable_version(
+            store, state_file if state_file.is_absolute() else REPO / state_file,
+            args.version or default_version(
+                args.profile, seed=args.seed, label_shuffle=args.label_shuffle,
+                mapping=args.mapping, dense_precision=args.dense_precision))
+    except ConfigError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    print(f"serving {version} (the version `make up` would serve)", flush=True)
     root = Path(tempfile.mkdtemp(prefix="dlrm-faults-"))
     rows: list[dict[str, Any]] = []
-    try:
-        if "sigterm" in cases:
-            print("==> sigterm", flush=True)
-            rows.append(case_sigterm(root, store, args))
-        rest = [c for c in cases if c != "sigterm"]
-        if rest:
-            with harness(root / "harness", store) as h:
-                for name in rest:
-                    print(f"==> {name}", flush=True)
-                    rows.append(_HARNESS_CASES[name](h, args))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with sigterm_unwinds():  # SIGTERM runs the finally blocks that stop the services
+        try:
+            if "sigterm" in cases:
+                print("==> sigterm", flush=True)
+                rows.append(case_sigterm(root, store, version, args))
+            rest = [c for c in cases if c != "sigterm"]
+            if rest:
+                with harness(root / "harness", store, version) as h:
+                    for name in rest:
+                        print(f"==> {name}", flush=True)
+                        rows.append(_HARNESS_CASES[name](h, args))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     _print(rows)
     doc = {"cases": rows, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "instances": INSTANCES, "batching": BATCH, "workers": WORKERS, "tuner": "off"}

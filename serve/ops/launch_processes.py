@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from serve import settings
+from serve.common.filemodes import PRIVATE_DIR, PRIVATE_UMASK, private_opener
 from serve.errors import ConfigError
 from serve.ops.launch_config import LOOPBACK, REPO, LaunchConfig
 
@@ -159,6 +160,8 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         raise ConfigError("no Java runtime found; TorchServe needs Java 11+: run `make java`")
     store.mkdir(parents=True, exist_ok=True)  # the sidecar copies archives into it
     run_dir = cfg.path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, PRIVATE_DIR)  # tables, deltas, request ids, tokens: this user's only
     ts_dir = run_dir / "torchserve"
     tmp = _empty_dir(ts_dir / "tmp")
     _empty_dir(cfg.multiproc_dir)
@@ -166,7 +169,8 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     conf = ts_dir / "config.properties"
     rendered = render_ts_config(src.read_text(), cfg)
-    conf.write_text(rendered)
+    with open(conf, "w", opener=private_opener) as f:
+        f.write(rendered)
     env = without_blacklisted(dict(os.environ), rendered)
     env.update({
         "TMPDIR": str(tmp), "TEMP": str(tmp),  # pid file + .mar unpack dir per instance
@@ -183,7 +187,8 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
     log.info("starting TorchServe: %s", " ".join(cmd))
     with open(log_dir / "torchserve.out", "ab") as out:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ts_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                umask=PRIVATE_UMASK)
 
 
 def sidecar_command(cfg: LaunchConfig) -> list[str]:
@@ -222,4 +227,4 @@ def start_sidecar(cfg: LaunchConfig) -> subprocess.Popen | None:
     with open(log_dir / "sidecar.out", "ab") as out:
         return subprocess.Popen(sidecar_command(cfg), cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, umask=PRIVATE_UMASK)

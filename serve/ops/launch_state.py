@@ -19,7 +19,7 @@ from serve.state import (
 )
 from serve.store.repository import ModelRepository
 
-__all__ = ["default_state", "describe_state", "ensure_state"]
+__all__ = ["default_state", "describe_state", "ensure_state", "served_version"]
 
 
 def default_state(repo: ModelRepository, version: str) -> DesiredState:
@@ -63,18 +63,38 @@ def ensure_state(path: Path, repo: ModelRepository, version: str) -> tuple[Desir
     could never converge otherwise. Returns (state, created).
     """
     if path.exists():
-        state = load_state(path)
-        if not repo.exists(state.model.version):
-            raise ConfigError(
-                f"{show_path(path)} declares model version {state.model.version!r}, which is not in "
-                f"the repository ({', '.join(map(show_path, repo.roots))}); available: "
-                f"{', '.join(repo.versions()) or 'none'}. Build it (`make model VERSION=...`), "
-                f"edit model.version in {show_path(path)}, or delete the file to declare "
-                f"{version!r}")
-        return state, False
+        return _existing_state(path, repo, version), False
     state = default_state(repo, version)
     write_state(path, state)
     return state, True
+
+
+def _existing_state(path: Path, repo: ModelRepository, version: str) -> DesiredState:
+    state = load_state(path)
+    if not repo.exists(state.model.version):
+        raise ConfigError(
+            f"{show_path(path)} declares model version {state.model.version!r}, which is not in "
+            f"the repository ({', '.join(map(show_path, repo.roots))}); available: "
+            f"{', '.join(repo.versions()) or 'none'}. Build it (`make model VERSION=...`), "
+            f"edit model.version in {show_path(path)}, or delete the file to declare "
+            f"{version!r}")
+    return state
+
+
+def served_version(path: Path, repo: ModelRepository, version: str) -> str:
+    """The model version ``make up`` would serve, without writing anything: the one the
+    desired-state file ``path`` declares when it exists (``make up`` never rewrites it),
+    else ``version`` (what ``make model`` builds; never simply the newest file of the
+    repository, which may be an import of another request schema or a shuffled-label
+    experiment). For the tools that start a service of their own (``make faults``, the
+    benchmarks).
+
+    Raises:
+        ConfigError: that version is not in ``repo`` (the message says what is).
+    """
+    if path.exists():
+        return _existing_state(path, repo, version).model.version
+    return default_state(repo, version).model.version
 
 
 def describe_state(state: DesiredState) -> str:

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from serve.common.durable import temp_beside
+from serve.common.filemodes import private_dir, private_opener
 from serve.errors import ArtifactError
 
 __all__ = ["IdRegion", "SharedTables", "spread_sample", "tables_identity"]
@@ -132,11 +133,12 @@ class SharedTables:
     def __init__(self, path: str | os.PathLike[str], max_sequence: int = 0) -> None:
         self.path = Path(path)
         self.max_sequence = max_sequence
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         base = self.path.with_suffix("")
-        # One descriptor each per process (flock locks belong to the open file).
-        self._rw = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        self._turn = os.open(f"{base}.turn", os.O_RDWR | os.O_CREAT, 0o644)
+        # One descriptor each per process (flock locks belong to the open file); 0600,
+        # as every file here (serve.common.filemodes).
+        self._rw = private_opener(f"{base}.lock", os.O_RDWR | os.O_CREAT)
+        self._turn = private_opener(f"{base}.turn", os.O_RDWR | os.O_CREAT)
         self._seq_path = Path(f"{base}.seq")
         self._id_path = Path(f"{base}.id")
         #: The managed tables' id map region in the file (int64), after :meth:`open` was

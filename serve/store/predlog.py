@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import orjson
 
+from serve.common.filemodes import private_dir, private_opener
 from serve.common.flags import flag
 from serve.common.validate import int_at_least, number_in_range
 from serve.errors import ConfigError
@@ -207,7 +208,7 @@ class PredictionLogWriter:
         self._file: BinaryIO | None = None
         self._size = 0
         self._failed = False
-        config.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(config.directory)  # request ids and scores: this user's only
 
     def write(self, predictions: Iterable[Prediction]) -> int:
         """Append the sampled ones among ``predictions`` in one write; returns how many."""
@@ -237,7 +238,8 @@ class PredictionLogWriter:
         """Start this worker's next file (and prune the folder); returns it."""
         self.close()
         name = f"{int(self._clock() * 1000):013d}-{self._pid}{SUFFIX}"
-        f = open(self.config.directory / name, "ab", buffering=0)  # noqa: SIM115
+        f = open(self.config.directory / name, "ab", buffering=0,  # noqa: SIM115
+                 opener=private_opener)
         self._file, self._size = f, 0
         self._prune(current=name)
         return f

@@ -276,7 +276,7 @@ class ConfigMapDecisionStore:
             return []
         try:
             return decisions_of(json.loads(text))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             _log.warning("%s of the rollout ConfigMap is not JSON; treating it as empty",
                          _DECISIONS_KEY)
             return []

@@ -24,7 +24,7 @@ from serve.errors import ConfigError, Conflict
 from serve.profiles import schema_from_report
 from serve.schema import ModelSchema
 
-__all__ = ["ReportReader", "SchemaCache", "check_rollout_schema"]
+__all__ = ["ReportReader", "SchemaCache", "check_rollout_schema", "check_switch_schema"]
 
 _log = logging.getLogger(__name__)
 
@@ -93,12 +93,7 @@ def check_rollout_schema(schemas: SchemaCache, stable: str, candidate: str) -> N
         Conflict: (409) the request schemas differ; the message names both versions,
             each difference and what to do.
     """
-    if stable == candidate:
-        return
-    mine, theirs = schemas.schema(stable), schemas.schema(candidate)
-    if mine is None or theirs is None:
-        return
-    differences = mine.request_differences(theirs)
+    differences = _differences(schemas, stable, candidate)
     if differences:
         raise Conflict(
             f"rollout.candidate: {candidate!r} takes other requests than the stable version "
@@ -107,3 +102,38 @@ def check_rollout_schema(schemas: SchemaCache, stable: str, candidate: str) -> N
             "(dense count, sparse features and their order, max_ids) must be equal: import "
             "the candidate with the same features, or switch the version with PUT /state "
             "instead of a rollout (model.version set to the candidate, rollout null)")
+
+
+def check_switch_schema(schemas: SchemaCache, declared: str, new: str,
+                        intended: bool = False) -> None:
+    """Refuse a switch of ``model.version`` from ``declared`` to a version that takes
+    other requests (the same comparison as :func:`check_rollout_schema`), unless the
+    declaration says the change is ``intended`` (``model.schema_change: true``): after
+    the switch, every client still sending the old schema gets 400s.
+
+    Raises:
+        Conflict: (409) the request schemas differ and the change is not declared
+            intended; the message names both versions, each difference and what to do.
+    """
+    if intended:
+        return
+    differences = _differences(schemas, declared, new)
+    if differences:
+        raise Conflict(
+            f"model.version: {new!r} takes other requests than the declared version "
+            f"{declared!r} ({'; '.join(differences)}; first is {declared}, second {new}); "
+            f"after the switch every client still sending {declared}'s requests gets 400s. "
+            "If the clients are ready for the new schema, declare it intended: "
+            '"model": {"version": ' + f'"{new}", "schema_change": true' + "}; else import "
+            f"{new} with the same features")
+
+
+def _differences(schemas: SchemaCache, first: str, second: str) -> list[str]:
+    """How ``second``'s requests differ from ``first``'s; [] when they are the same version
+    or either has no derivable schema (GET /state shows ``schema: null``): not compared."""
+    if first == second:
+        return []
+    mine, theirs = schemas.schema(first), schemas.schema(second)
+    if mine is None or theirs is None:
+        return []
+    return list(mine.request_differences(theirs))

@@ -38,16 +38,27 @@ def ensure_dev_token(path: str | os.PathLike[str]) -> str:
 
 
 def load_token(path: str | os.PathLike[str]) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); ConfigError if empty/absent."""
+    """The token in ``path`` (surrounding whitespace stripped); ConfigError if empty/absent.
+
+    A file other users may read or write (``o+r``/``o+w``) is used, but logged as a
+    WARNING naming its mode and the fix (``chmod 600``): refusing it would stop a pod
+    over a mode it cannot change. A group-readable file is accepted: Kubernetes mounts a
+    projected Secret with the pod's ``fsGroup`` as ``0440`` (k8s/deployment.yaml).
+    """
     path = Path(path)
     try:
         token = path.read_text().strip()
+        mode = path.stat().st_mode & 0o777
     except FileNotFoundError:
         raise ConfigError(
             f"token file {path} does not exist; create it (python -m serve.sidecar "
             f"--create-token --token-file {path}) or set {DLRM_SIDECAR_TOKEN}") from None
     if not token:
         raise ConfigError(f"token file {path} is empty; write a token into it")
+    if mode & 0o006:
+        _log.warning("token file %s has mode %04o: other users of this host can %s it; "
+                     "make it private with `chmod 600 %s` (or the Secret's defaultMode 0400)",
+                     path, mode, "read" if mode & 0o004 else "write", path)
     return token
 
 

@@ -60,7 +60,7 @@ from pathlib import Path
 from serve.errors import ConfigError, Conflict, ServeError, UpstreamUnavailable
 from serve.metrics.sidecar import SidecarMetrics
 from serve.phases import ReconcileResult
-from serve.sidecar.adapters.model_schemas import SchemaCache
+from serve.sidecar.adapters.model_schemas import SchemaCache, check_switch_schema
 from serve.sidecar.adapters.torchserve import Observed, TorchServeClient, observe
 from serve.sidecar.config import SidecarConfig
 from serve.sidecar.control.assessment import Action, Assessment, assess, observed_state
@@ -293,13 +293,23 @@ class Reconciler:
         far (those after them read the new file) and the hash of what was written.
 
         Raises:
-            Conflict: the file is read-only (the message says to edit the ConfigMap).
+            Conflict: the file is read-only (the message says to edit the ConfigMap), or
+                ``desired`` switches model.version to another request schema without
+                ``model.schema_change`` (:func:`check_switch_schema`); nothing written.
         """
+        self.check_schema(desired)
         written = self.file.write(desired)
         self._declare(desired, written)
         self.runner.reset_retry()  # asked again: retry a failed target at once
         self.wake()
         return self.passes.seq, written
+
+    def check_schema(self, desired: DesiredState) -> None:
+        """Refuse (409) a declaration switching the declared model.version to another
+        request schema without ``model.schema_change: true``; changes nothing."""
+        if self.desired is not None:
+            check_switch_schema(self.schemas, self.desired.model.version,
+                                desired.model.version, desired.model.schema_change)
 
     def _declare(self, desired: DesiredState, written: str) -> None:
         """The write path's update of the snapshot: what was written is what the next

@@ -72,6 +72,8 @@ def _json_invalid(body: bytearray, err: Any) -> RequestValidationError:
         return RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
                                         "msg": "JSON decode error", "input": {},
                                         "ctx": {"error": e.msg}}])
+    except RecursionError:  # nested deeper than the stdlib parser recurses: pydantic's error
+        pass
     return RequestValidationError([{**err, "loc": ("body",)}])
 
 

@@ -10,7 +10,10 @@ file atomically and answers 202 at once: the reconciler applies it; poll GET /st
 Where the file is read-only (a ConfigMap) it answers 409 and says to edit the ConfigMap.
 A rollout whose candidate has another request schema than ``model.version`` (dense count,
 sparse features, their order, max ids; :meth:`serve.schema.ModelSchema.request_differences`)
-is refused with 409 naming the differences; other table sizes and dims are fine.
+is refused with 409 naming the differences; other table sizes and dims are fine. So is a
+switch of ``model.version`` to another request schema than the declared one, unless the
+declaration sets ``model.schema_change: true``
+(:func:`serve.sidecar.adapters.model_schemas.check_switch_schema`).
 
 GET's ``observed.model.schema`` is the served version's request schema
 (:meth:`serve.schema.ModelSchema.describe`), read once per version from its build report;
@@ -101,10 +104,13 @@ async def get_state(request: Request, sidecar: SidecarDep) -> StateStatus:
                        409: {"description": "the desired-state file is read-only (a "
                                             "ConfigMap), or the sidecar has none; or the "
                                             "rollout's candidate takes other requests "
-                                            "(another request schema) than model.version"}})
+                                            "(another request schema) than model.version; "
+                                            "or model.version switches to another request "
+                                            "schema without model.schema_change"}})
 async def put_state(body: Annotated[Any, Body()], sidecar: SidecarDep) -> StateAccepted:
     reconciler = sidecar.require_reconciler("PUT /state")
     desired = _validated(body, sidecar)
+    reconciler.check_schema(desired)  # 409 before anything changes (the tuner's pin too)
     declared = reconciler.desired
     if declared is not None and desired.batching != declared.batching \
             and sidecar.tuning is not None:

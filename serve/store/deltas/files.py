@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from serve.common.durable import fsync_dir, replace_durably
+from serve.common.filemodes import private_dir
 from serve.errors import DeltaConflict, InvalidDelta
 from serve.state import VERSION_RE
 from serve.store.deltas.format import (
@@ -144,7 +145,7 @@ class DeltaStore:
     def incoming(self, max_bytes: int) -> Incoming:
         """A new :class:`Incoming` body in the store's folder (same filesystem as the
         versions' folders, so the final rename is atomic)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         name = f"{INCOMING_PREFIX}{os.getpid()}.{next(self._counter)}"
         incoming = Incoming(self.root / name, max_bytes)
         with self._lock:
@@ -254,7 +255,7 @@ class DeltaStore:
                 f"delta must be {last + 1}; deltas apply in order, once", reason="sequence")
         self._check_parent(delta, base_digest, max_bytes)
         folder = self.folder(version)
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dir(folder)
         incoming.finish()
         replace_durably(incoming.path, final)
         fsync_dir(self.root)  # the version's folder itself, when it was just created

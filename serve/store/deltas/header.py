@@ -83,6 +83,9 @@ def read_header(view: memoryview, total: int) -> tuple[dict[str, Any], int]:
         header = json.loads(bytes(view[off:off + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidDelta("header", f"is not valid UTF-8 JSON ({e})") from e
+    except RecursionError:  # stdlib json recurses per nesting level
+        raise InvalidDelta("header", "is nested too deeply to parse (a delta's header is "
+                                     "a flat JSON object written by `make delta`)") from None
     if not isinstance(header, dict):
         raise InvalidDelta("header", "must be a JSON object")
     if header.get("format") != FORMAT:

@@ -7,6 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from serve.common.filemodes import private_opener
 from serve.errors import PayloadTooLarge
 
 __all__ = ["INCOMING_PREFIX", "Incoming"]
@@ -26,7 +27,8 @@ class Incoming:
         self.max_bytes = max_bytes
         self.size = 0
         self._sha = hashlib.sha256()
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by finish/discard
+        # closed by finish/discard; 0600: embedding rows are the model's (filemodes)
+        self._file = open(path, "wb", opener=private_opener)  # noqa: SIM115
 
     def write(self, chunk: bytes | bytearray | memoryview) -> None:
         """Append ``chunk``.
