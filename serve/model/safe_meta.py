@@ -70,6 +70,10 @@ def _resolve(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global or persistent id outside the allow-list (not merely damaged bytes)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only the :data:`ALLOWED_GLOBALS` and ``torch`` dtypes; anything else raises
     ``pickle.UnpicklingError`` naming it, before it is looked up or called."""
@@ -77,17 +81,17 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in ALLOWED_GLOBALS and not is_dtype:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+            raise _Refused(f"global {module}.{name} is not allowed")
         return _resolve(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError(f"persistent id {str(pid)[:60]!r} is not allowed")
+        raise _Refused(f"persistent id {str(pid)[:60]!r} is not allowed")
 
 
 def _load(stream: IO[bytes], where: str, hint: str) -> Metadata:
     try:
         md = _MetadataUnpickler(stream).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise CheckpointError(
             f"checkpoint metadata {where} is refused: {e}; a DCP .metadata holds only "
             "DCP's metadata classes, torch.Size, dtypes and paths, so this file would run "
