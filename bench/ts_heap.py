@@ -33,6 +33,7 @@ measured and a table, writes the figures to ``--out``; exit code 0 only when it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import socket
@@ -267,10 +268,8 @@ def run(inference_url: str, management_url: str, ts_pid: int, *, seconds: float,
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
         for p in java:
-            try:
+            with contextlib.suppress(psutil.Error):
                 out.java_rss_max_bytes = max(out.java_rss_max_bytes, p.memory_info().rss)
-            except psutil.Error:
-                pass
         time.sleep(0.5)
     stop.set()
     for t in threads:
