@@ -147,6 +147,11 @@ ts-limits: venv java model  ## TorchServe's frontend limits: 64 clients posting 
 
 .PHONY: ts-limits
 
+ts-heap: venv java  ## TorchServe's heap: 200 connections trickling in-limit bodies + both version queues full during a switch, beside valid requests, 60 s (HEAP_S=N) -> bench/results/ts_heap.json
+	$(PY) -m bench.ts_heap --seconds $(or $(HEAP_S),60)
+
+.PHONY: ts-heap
+
 faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
 	$(PY) -m serve.ops.faults $(MODEL_ARGS)$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
 

@@ -234,18 +234,15 @@ class DcpSource:
 
     def __init__(self, path: str | os.PathLike[str],
                  hint: str = "write the checkpoint again") -> None:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from serve.model.safe_meta import read_metadata
 
         self.path, self.hint = Path(path), hint
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"checkpoint {self.path} is a folder without .metadata; give "
                                   "a torch.distributed.checkpoint directory or a state-dict file")
-        try:
-            md = FileSystemReader(str(self.path)).read_metadata()
-        except Exception as e:
-            raise CheckpointError(f"checkpoint metadata {self.path / '.metadata'} is unreadable "
-                                  f"({type(e).__name__}); {hint}") from e
+        md = read_metadata(self.path, hint)   # allow-listed unpickler (review N3)
         where = {(idx.fqn, tuple(int(o) for o in idx.offset or ())): info
                  for idx, info in (md.storage_data or {}).items()}
         self._shapes: dict[str, tuple[int, ...]] = {}

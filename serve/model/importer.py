@@ -293,6 +293,8 @@ def _report(cfg: ImportConfig, model: nn.Module, artifact: Any, check: CheckResu
         "version": cfg.version, "model_name": cfg.model_name, "origin": "import",
         "factory": cfg.factory, "checkpoint": os.fspath(cfg.checkpoint),
         "schema": schema.to_dict(), "dense_kind": dense_kind,
+        # the exported program's digest, also in the artifact and checked at load (N3)
+        "program_sha256": getattr(artifact.dense, "sha256", None),
         "quantized_dtype": artifact.dtype,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "table_bytes_quantized": artifact.table_bytes,

@@ -68,19 +68,13 @@ def check_checkpoint(ckpt: Path) -> dict[str, Any]:
     missing or unreadable, a ``.distcp`` shard the metadata names missing or shorter
     than the byte ranges it must hold.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from serve.model.safe_meta import read_metadata
 
     hint = "re-run `python -m serve.model.train` (or `make model`) to write it again"
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist; {hint}")
     meta_file = ckpt / ".metadata"
-    if not meta_file.is_file():
-        raise CheckpointError(f"checkpoint metadata {meta_file} is missing; {hint}")
-    try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"checkpoint metadata {meta_file} is unreadable "
-                              f"({type(e).__name__}); {hint}") from e
+    metadata = read_metadata(ckpt, hint)   # allow-listed unpickler (review N3)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -117,10 +111,11 @@ def _find_corrupt_shard(ckpt: Path) -> tuple[str, str] | None:
     """(file, reason) of the first tensor record that does not deserialize, if any."""
     import io
 
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(ckpt)).read_metadata()
+    from serve.model.safe_meta import read_metadata
+
+    md = read_metadata(ckpt)
     for idx, info in (md.storage_data or {}).items():
         if not isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata):
             continue
@@ -147,12 +142,12 @@ def load_dcp_into(model: torch.nn.Module, ckpt: Path,
     (``format_utils.dcp_to_torch_save``) would need at criteo-kaggle scale (8.7 GB).
     Keys and shapes are checked both ways first (strict).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(ckpt)).read_metadata()
+    from serve.model.safe_meta import read_metadata, safe_dcp_load
+
+    md = read_metadata(ckpt, hint)   # allow-listed unpickler (review N3)
     saved = {_strip(k): v for k, v in md.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     state = model.state_dict()
@@ -168,7 +163,7 @@ def load_dcp_into(model: torch.nn.Module, ckpt: Path,
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+            safe_dcp_load(state, ckpt, hint)
     # CheckpointException derives from BaseException, so name it explicitly.
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - bad bytes raise many types
         bad = _find_corrupt_shard(ckpt)

@@ -21,7 +21,10 @@ an artifact whose tables are in memory, 1 and 2 still read):
                   beside the archive, :mod:`serve.store.tablefiles`; found through a
                   search path of folders, :func:`load_artifact`),
      "dense": {"kind": "dlrm", "dense_arch", "over_arch"}          (our built-in DLRM)
-            | {"kind": "export", "program": uint8 (n,)}            (torch.export bytes),
+            | {"kind": "export", "program": uint8 (n,),            (torch.export bytes,
+               "program_sha256": hex str}     checked at load; the program's archive is
+                                               checked for pickled payloads before
+                                               torch.export.load: serve.runtime.program_check),
      "meta": {...},
      "id_maps": {table name: {"ids": int64 (n,), "rows": int64 (n,)}}}
                                    (only when a table is ``mapping="managed"``: its
@@ -29,7 +32,8 @@ an artifact whose tables are in memory, 1 and 2 still read):
 
 Why ``torch.export`` for the dense part of other models: it records the user's layers
 after pooling as a graph of ATen operators that ``torch.export.load`` runs with stock
-PyTorch (no TorchRec, no user code in the pod), with the batch dimension symbolic;
+PyTorch (no TorchRec, no Python of the user's in the pod: a program that carries
+pickled objects is refused), with the batch dimension symbolic;
 TorchScript would need the user's modules to be scriptable, which TorchRec's are not
 throughout. Format 1 (one table per feature, one dim, DLRM layers, no schema) still loads.
 """
@@ -47,6 +51,7 @@ from serve.errors import ArtifactError, ConfigError
 from serve.rowformat import DTYPES, row_bytes
 from serve.rowformat import SCALE_BIAS_BYTES as _SCALE_BIAS_BYTES
 from serve.runtime.idmap import IdMap
+from serve.runtime.program_check import program_sha256
 from serve.schema import DEFAULT_MAX_IDS, FeatureSpec, ModelSchema, TableSpec
 from serve.settings import DLRM_REPOSITORY
 from serve.store.tablefiles import TABLES_SUFFIX, TableFiles, TableWriter
@@ -171,8 +176,21 @@ class ExportedDense:
     loads and runs with ``torch`` alone (no TorchRec), for any batch size B."""
 
     program: torch.Tensor
+    #: hex sha256 of ``program``'s bytes: computed when empty (a fresh export), else
+    #: checked (what an artifact recorded at import; a mismatch is an ArtifactError).
+    sha256: str = ""
 
     kind = "export"
+
+    def __post_init__(self) -> None:
+        got = program_sha256(self.program)
+        if not self.sha256:
+            self.sha256 = got
+        elif self.sha256 != got:
+            raise ArtifactError(
+                f"the exported program's sha256 is {got}, the artifact recorded "
+                f"{self.sha256} at import: the program was changed after the import; "
+                "re-import the model with `python -m serve.model.importer`")
 
 
 DenseSpec = DLRMDense | ExportedDense
@@ -321,7 +339,8 @@ def save_artifact(art: Artifact, path: str | os.PathLike[str]) -> None:
         dense: dict[str, Any] = {"kind": "dlrm", "dense_arch": art.dense.dense_arch,
                                  "over_arch": art.dense.over_arch}
     else:
-        dense = {"kind": "export", "program": art.dense.program}
+        dense = {"kind": "export", "program": art.dense.program,
+                 "program_sha256": art.dense.sha256}
     tables: Any
     if art.files is not None:
         tables = {"ref": art.files.folder.name, "identity": art.files.manifest.identity()}
@@ -399,7 +418,10 @@ def _from_v2(blob: dict[str, Any], search: list[Path] | None = None,
     if d["kind"] == "dlrm":
         dense = DLRMDense([tuple(x) for x in d["dense_arch"]], [tuple(x) for x in d["over_arch"]])
     elif d["kind"] == "export":
-        dense = ExportedDense(d["program"])
+        try:   # artifacts written before the digest have none: computed, nothing to check
+            dense = ExportedDense(d["program"], str(d.get("program_sha256", "")))
+        except ArtifactError as e:
+            raise ArtifactError(f"artifact {path}: {e.message}") from None
     else:
         raise ArtifactError(f"dense kind {d['kind']!r} is not 'dlrm' or 'export'")
     specs = {s.name: s for s in schema.tables}

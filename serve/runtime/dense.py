@@ -21,6 +21,7 @@ from torch import nn
 
 from serve.constants import DENSE_PRECISIONS
 from serve.errors import ConfigError
+from serve.runtime.program_check import check_program
 
 __all__ = ["PRECISIONS", "DenseDLRM", "ExportedDenseModule", "convert_precision"]
 
@@ -85,6 +86,9 @@ class ExportedDenseModule(nn.Module):
     ``precision`` "bf16" casts the program's weights and its inputs to bfloat16 (the
     lossy lever an import admits only through its check, ``--dense-precision``); the
     logits come back float32 either way. "int8" is not offered for an exported program.
+
+    Raises ArtifactError before ``torch.export.load`` when the program's archive holds a
+    pickled payload (:func:`serve.runtime.program_check.check_program`).
     """
 
     def __init__(self, program: torch.Tensor, device: torch.device,
@@ -93,6 +97,7 @@ class ExportedDenseModule(nn.Module):
         if precision not in ("fp32", "bf16"):
             raise ConfigError(f"dense_precision {precision!r}: an exported dense part runs in "
                               "fp32 or bf16 only")
+        check_program(program)   # pickled payloads refused before torch unpickles them
         ep = torch.export.load(io.BytesIO(program.numpy().tobytes()))
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.program = ep.module().to(device=device, dtype=self.dtype)
