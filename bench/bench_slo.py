@@ -281,6 +281,9 @@ def artifact_dense_flops(artifact: Any) -> dict[str, Any]:
         flops = dense_flops_per_pair(linear, interaction="dot", num_vectors=nf + 1, dim=d)
         return {"flops_per_pair": flops, "kind": "dlrm (dot interaction)", "linear": linear,
                 "interaction": {"vectors": nf + 1, "dim": d}}
+    from serve.runtime.program_check import check_program
+
+    check_program(dense.program)   # refuses pickled payloads before torch runs them (N3)
     ep = torch.export.load(io.BytesIO(dense.program.numpy().tobytes()))
     params = dict(ep.state_dict)
     linear = []

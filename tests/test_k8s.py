@@ -1142,9 +1142,9 @@ def _table_bytes(version: str) -> float:
     return prof.total_rows * -(-(prof.embedding_dim + 4) // 16) * 16
 
 
-def _jvm_heap_bytes(docs: list[dict]) -> float:
-    m = re.search(r"-Xmx(\d+)([kKmMgG])", pod_properties(docs)["vmargs"])
-    assert m, "vmargs must bound the JVM heap (-Xmx)"
+def _jvm_heap_bytes(docs: list[dict], flag: str = "-Xmx") -> float:
+    m = re.search(rf"{flag}(\d+)([kKmMgG])", pod_properties(docs)["vmargs"])
+    assert m, f"vmargs must bound the JVM's memory ({flag})"
     return int(m.group(1)) * 1024 ** {"k": 1, "m": 2, "g": 3}[m.group(2).lower()]
 
 
@@ -1162,7 +1162,11 @@ def test_memory_limit_holds_two_versions_during_a_switch(docs, cpu_docs, variant
     state = _state(docs)
     limit = parse_quantity(container(d, "torchserve")["resources"]["limits"]["memory"])
     per_version = state.workers * (WORKER_RUNTIME_BYTES + _table_bytes(state.model.version))
-    need = _jvm_heap_bytes(d) + JVM_OFF_HEAP_BYTES + 2 * per_version
+    # the JVM: its heap, its direct memory (request bodies in flight: make ts-heap filled
+    # it with 200 trickling connections and two queues) and the rest of its off-heap
+    jvm = (_jvm_heap_bytes(d) + _jvm_heap_bytes(d, "-XX:MaxDirectMemorySize=")
+           + JVM_OFF_HEAP_BYTES)
+    need = jvm + 2 * per_version
     usable = SidecarConfig().memory_headroom * limit
     assert usable >= need, (f"{variant}: 0.9 x limit {limit / 1e9:.2f} GB = {usable / 1e9:.2f} "
                             f"GB < {need / 1e9:.2f} GB for two versions")

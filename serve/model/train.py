@@ -456,8 +456,11 @@ def _resume(dmp: Any, ckpt: Path) -> None:
     """Read ``ckpt`` into this rank's shards and dense replica (collective: every rank)."""
     import torch.distributed.checkpoint as dcp
 
+    from serve.model.safe_meta import SafeFileSystemReader
+
     state = dmp.state_dict()
-    dcp.load(state, checkpoint_id=str(ckpt))
+    # its .metadata through the allow-listed unpickler (review N3), as every reader of ours
+    dcp.load(state, storage_reader=SafeFileSystemReader(ckpt, "train again without --resume"))
     dmp.load_state_dict(state)
 
 
