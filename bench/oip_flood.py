@@ -113,6 +113,12 @@ class FloodResult:
 # --------------------------------------------------------------------------- the flood
 
 
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished task's error (a reset while sending is an answer here)."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _one(host: str, port: int, head: bytes, body: bytes, end: float,
                result: FloodResult) -> bool:
     """One request on a new connection: ``head`` then ``body`` (all of it), then wait
@@ -126,6 +132,7 @@ async def _one(host: str, port: int, head: bytes, body: bytes, end: float,
         return True
     t0 = time.monotonic()
     status_line = asyncio.ensure_future(reader.readline())
+    status_line.add_done_callback(_consume)
     try:
         writer.write(head)
         view = memoryview(body)
@@ -134,6 +141,7 @@ async def _one(host: str, port: int, head: bytes, body: bytes, end: float,
                 break
             writer.write(view[at:at + CHUNK])
             drain = asyncio.ensure_future(writer.drain())
+            drain.add_done_callback(_consume)
             await asyncio.wait({drain, status_line}, return_when=asyncio.FIRST_COMPLETED,
                                timeout=max(0.01, end - time.monotonic()))
             if not drain.done():

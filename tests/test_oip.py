@@ -4,6 +4,7 @@ naming the input and the rule (messages pinned)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import httpx
@@ -376,7 +377,8 @@ class _FakeUpstreams:
         return httpx.Response(404, json={"message": "no such path"})
 
 
-OIP_OPTIONS = OipOptions(inference_url="http://ts:8080", sidecar_url="http://sidecar:8090")
+OIP_OPTIONS = OipOptions(inference_url="http://ts:8080", sidecar_url="http://sidecar:8090",
+                         parse_in="thread")
 
 
 def _oip_calls(fake: _FakeUpstreams, *requests: tuple[str, str, dict],
@@ -406,7 +408,8 @@ def test_infer_is_forwarded_as_our_binary_form_with_the_route_key():
     fake = _FakeUpstreams()
     body, headers = _body()
     (r,) = _oip_calls(fake, ("POST", "/v2/models/dlrm/infer", {
-        "content": body, "headers": {**headers, "X-DLRM-Route-Key": "user-1"}}))
+        "content": body, "headers": {**headers, "X-DLRM-Route-Key": "user-1"}}),
+        options=dataclasses.replace(OIP_OPTIONS, parse_in="process"))  # as in production
     assert r.status_code == 200, r.text
     sent = fake.seen[-1]
     assert str(sent.url) == "http://ts:8080/predictions/dlrm"

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from functools import partial
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -147,6 +149,27 @@ def test_parse_slots_run_one_at_a_time_and_refuse_past_the_wait():
     assert seen == [1, 3] and slots.busy == 0
 
 
+def test_parses_in_a_worker_process_return_arrays_and_raise_the_parser_s_errors():
+    """Production parses in worker processes (off the event loop's GIL): the request
+    and the parser's InvalidInput cross the process boundary unchanged."""
+    ref = _reference(3)
+    body, _ = encode_infer_request(oip_inputs(ref.dense, ref.lengths, ref.values))
+    slots = ParseSlots(1, wait_s=30, processes=True)
+
+    async def go():
+        ok = await slots.run(partial(parse_infer, bytearray(body)))
+        with pytest.raises(InvalidInput, match=r"^body: is not valid JSON"):
+            await slots.run(partial(parse_infer, b"{"))
+        return ok
+    try:
+        slots.warm_up()
+        got = asyncio.run(go())
+    finally:
+        slots.close()
+    np.testing.assert_array_equal(got.parsed.values, ref.values)
+    np.testing.assert_array_equal(got.parsed.dense, ref.dense)
+
+
 # --------------------------------------------------------------------------- readiness
 
 
@@ -185,7 +208,8 @@ def test_100_ready_probes_make_one_readyz_call_per_second():
     fake = _FakeUpstreams()
     now = [0.0]
     transport = httpx.MockTransport(fake.handle)
-    oip = create_oip_app(OipOptions(), predict_client=httpx.AsyncClient(transport=transport),
+    oip = create_oip_app(OipOptions(parse_in="thread"),
+                         predict_client=httpx.AsyncClient(transport=transport),
                          sidecar_client=httpx.AsyncClient(transport=transport),
                          clock=lambda: now[0])
 
@@ -217,7 +241,7 @@ def _run(oip, *calls):
 
 def _app(fake: _FakeUpstreams, **options):
     transport = httpx.MockTransport(fake.handle)
-    return create_oip_app(OipOptions(**options),
+    return create_oip_app(OipOptions(**{"parse_in": "thread", **options}),
                           predict_client=httpx.AsyncClient(transport=transport),
                           sidecar_client=httpx.AsyncClient(transport=transport))
 

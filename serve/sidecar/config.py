@@ -402,6 +402,9 @@ class OipOptions:
         max_parses: bodies parsed at once (each holds the GIL and up to ~130 MB while
             an 8 MiB JSON body becomes arrays); more wait up to ``parse_wait_s``, then 503.
         parse_wait_s: longest wait for a parse slot (s).
+        parse_in: ``process`` (each parse in one of ``max_parses`` worker processes, so a
+            parse never holds the event loop's GIL: refusals stay fast) or ``thread``
+            (in-process tests).
         max_inflight_bytes: the bytes of bodies held at once (announced lengths reserved
             before a byte is read); a request past it answers 429 at once.
         body_deadline_s: the whole body must arrive within this (s), else 408: a stalled
@@ -432,6 +435,10 @@ class OipOptions:
         "--max-parses", help="bodies parsed at once (CPU and ~16x the body in memory each)"))
     parse_wait_s: float = field(default=2.0, metadata=flag(
         "--parse-wait-s", help="longest wait for a parse slot before 503 (s)"))
+    parse_in: str = field(default="process", metadata=flag(
+        "--parse-in", choices=("process", "thread"),
+        help="where bodies are parsed: worker processes (off the event loop's GIL) or "
+             "threads"))
     max_inflight_bytes: int = field(default=64 * 2**20, metadata=flag(
         "--max-inflight-bytes", help="bytes of bodies held at once; past it 429 at once"))
     body_deadline_s: float = field(default=10.0, metadata=flag(
@@ -460,6 +467,8 @@ class OipOptions:
                 "uvicorn's plain 503 is only the backstop")
         for name in ("parse_wait_s", "body_deadline_s", "ready_cache_s"):
             number_in_range(name, getattr(self, name), 0, 3600, lo_open=True)
+        if self.parse_in not in ("process", "thread"):
+            raise ConfigError(f"parse_in={self.parse_in!r} must be 'process' or 'thread'")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
         object.__setattr__(self, "repositories", tuple(Path(p) for p in self.repositories))
@@ -469,7 +478,8 @@ class OipOptions:
         the sidecar and the launcher start)."""
         out = ["--host", self.host, "--port", str(self.port), "--model-name", self.model_name,
                "--inference-url", self.inference_url, "--sidecar-url", self.sidecar_url]
-        for name in ("max_parses", "parse_wait_s", "max_inflight_bytes", "body_deadline_s",
+        for name in ("max_parses", "parse_wait_s", "parse_in", "max_inflight_bytes",
+                     "body_deadline_s",
                      "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
             out += ["--" + name.replace("_", "-"), str(getattr(self, name))]
         for root in self.repositories:

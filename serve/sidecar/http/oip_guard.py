@@ -10,8 +10,8 @@ Every bound refuses at once, with a JSON error, before the work it would cost:
 * :func:`read_body`: the body within a deadline (a stalled upload answers 408,
   :class:`~serve.errors.RequestTimeout`, and gives its bytes back) and under the size
   limit (413).
-* :class:`ParseSlots`: how many bodies are parsed at once, off the event loop; a parse
-  that cannot start within its wait answers 429.
+* :class:`ParseSlots`: how many bodies are parsed at once, in worker processes (off the
+  event loop's GIL); a parse that cannot start within its wait answers 429.
 * :class:`ReadyCache`: one upstream readiness call per ``ttl_s`` however many clients
   ask, so ``GET /v2/health/ready`` cannot amplify load onto the sidecar and TorchServe.
 
@@ -26,15 +26,25 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from serve.errors import InvalidInput, Overloaded, PayloadTooLarge, RequestTimeout, ServeError
+from serve.errors import (
+    InvalidInput,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServeError,
+    UpstreamUnavailable,
+)
 
 __all__ = ["Budget", "Held", "ParseSlots", "ReadyCache", "read_body"]
 
@@ -153,21 +163,37 @@ async def read_body(stream: AsyncIterator[bytes], length_header: str | None, *, 
 
 
 class ParseSlots:
-    """At most ``n`` parses at once, each in a worker thread: a body's parse holds the
-    GIL and up to ~16x its size in memory, so their number is the process's CPU and
-    memory bound. A parse that cannot start within ``wait_s`` answers 429.
+    """At most ``n`` parses at once. A body's parse holds the GIL and up to ~16x its size
+    in memory, so their number is the process's CPU and memory bound; and with
+    ``processes`` (the default in production) each runs in one of ``n`` worker processes,
+    so a parse never holds the event loop's GIL: refusals and health answers stay fast
+    while a bad 8 MiB body is parsed. A parse that cannot start within ``wait_s`` answers
+    429; a worker that dies (a parse past the container's memory) answers 503 and the
+    pool is made again.
+
+    Args:
+        n: parses at once (>= 1).
+        wait_s: longest wait for a free slot (s).
+        processes: parse in worker processes (``spawn``); False: in a worker thread (tests
+            with functions that cannot be pickled).
     """
 
-    def __init__(self, n: int, wait_s: float) -> None:
+    def __init__(self, n: int, wait_s: float, *, processes: bool = False) -> None:
         self._limiter = anyio.CapacityLimiter(n)
         self.wait_s = wait_s
+        self._n = n
+        self._pool: ProcessPoolExecutor | None = self._new_pool() if processes else None
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self._n, mp_context=multiprocessing.get_context("spawn"))
 
     @property
     def busy(self) -> int:
         return int(self._limiter.borrowed_tokens)
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` in a worker thread once a slot is free."""
+        """``fn()`` once a slot is free, in a worker process (``fn`` is pickled: a
+        module-level function or a ``functools.partial`` of one) or thread."""
         try:
             with anyio.fail_after(self.wait_s):
                 await self._limiter.acquire()
@@ -175,9 +201,27 @@ class ParseSlots:
             raise Overloaded(f"all {int(self._limiter.total_tokens)} parse slots stayed busy "
                              f"for {self.wait_s:g} s; retry in a second") from None
         try:
-            return await anyio.to_thread.run_sync(fn)
+            if self._pool is None:
+                return await anyio.to_thread.run_sync(fn)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        except BrokenProcessPool:
+            self._pool.shutdown(wait=False, cancel_futures=True)  # type: ignore[union-attr]
+            self._pool = self._new_pool()
+            raise UpstreamUnavailable("the parser process died while parsing this body "
+                                      "(out of memory?); retry, or send a smaller "
+                                      "request") from None
         finally:
             self._limiter.release()
+
+    def warm_up(self) -> None:
+        """Start the worker processes now (each imports the parser once), not on the
+        first request."""
+        if self._pool is not None:
+            list(self._pool.map(int, range(self._n)))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class ReadyCache(Generic[T]):

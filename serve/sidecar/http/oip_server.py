@@ -22,6 +22,7 @@ Run: ``python -m serve.sidecar.http.oip_server --help``; the sidecar's ``--oip-p
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -69,10 +70,13 @@ def create_oip_app(options: OipOptions, *,
         owned.append(sidecar_client)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        parses = app.state.oip.parses
+        await asyncio.get_running_loop().run_in_executor(None, parses.warm_up)
         try:
             yield
         finally:
+            parses.close()
             for client in owned:
                 await client.aclose()
 

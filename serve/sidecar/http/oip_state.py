@@ -87,7 +87,8 @@ class OipState:
                    schemas=schemas,
                    inflight=Budget(options.max_inflight_bytes, "bytes of bodies in flight"),
                    requests=Budget(options.max_requests, "requests at once"),
-                   parses=ParseSlots(options.max_parses, options.parse_wait_s))
+                   parses=ParseSlots(options.max_parses, options.parse_wait_s,
+                                     processes=options.parse_in == "process"))
 
     async def readiness(self) -> dict[str, Any]:
         """The sidecar's ``/readyz`` answer (cached); UpstreamUnavailable naming why not."""
