@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -180,14 +181,36 @@ def _head(host: str, length: int) -> bytes:
             f"Content-Length: {length}\r\n\r\n").encode()
 
 
-def _poll(sidecar_url: str, predict_url: str, seconds: float, interval_s: float,
-          timeout_s: float) -> dict[str, Any]:
+def _refusal_probe(oip_url: str, timeout_s: float) -> tuple[str, float]:
+    """One 8 MiB infer's head alone, on a new connection: the status the OIP answers it
+    before its body (429 while the budget is spent) and the seconds to the status line;
+    ("admitted", t) when no answer comes within ``timeout_s`` (it waits for the body)."""
+    u = urlparse(oip_url)
+    host = u.hostname or "127.0.0.1"
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((host, u.port or 80), timeout=timeout_s) as s:
+            s.sendall(_head(host, STALL_LENGTH))
+            line = s.makefile("rb").readline()
+    except TimeoutError:
+        return "admitted", time.monotonic() - t0
+    except OSError:
+        return "reset", time.monotonic() - t0
+    parts = line.split()
+    return (parts[1].decode() if len(parts) >= 2 else "reset"), time.monotonic() - t0
+
+
+def _poll(sidecar_url: str, predict_url: str, oip_url: str, seconds: float,
+          interval_s: float, timeout_s: float) -> dict[str, Any]:
     """In a process of its own (its latencies are not the flood's event loop's): the
-    sidecar's probes every ``interval_s`` with the probe's timeout, and closed-loop
-    single-instance predicts to TorchServe."""
+    sidecar's probes and an OIP refusal probe (:func:`_refusal_probe`) every
+    ``interval_s`` with the probe's timeout, and closed-loop single-instance predicts to
+    TorchServe."""
     body = example_binary(1, seed=1)
     out: dict[str, Any] = {}
     lat: dict[str, list[float]] = {"readyz": [], "healthz": [], "predict": []}
+    refusals: list[float] = []
+    probe_status: Counter[str] = Counter()
     fails: Counter[str] = Counter()
     end = time.monotonic() + seconds
     next_probe = time.monotonic()
@@ -205,6 +228,10 @@ def _poll(sidecar_url: str, predict_url: str, seconds: float, interval_s: float,
                         fails[f"{name} timeout"] += 1
                     except httpx.HTTPError as e:
                         fails[f"{name} {type(e).__name__}"] += 1
+                status, took = _refusal_probe(oip_url, timeout_s)
+                probe_status[status] += 1
+                if status in ("429", "503"):
+                    refusals.append(took)
                 next_probe += interval_s
             t0 = time.monotonic()
             try:
@@ -226,6 +253,10 @@ def _poll(sidecar_url: str, predict_url: str, seconds: float, interval_s: float,
     out["predict"]["ok"] = len(lat["predict"]) - sum(
         v for k, v in fails.items() if k.startswith("predict ") and k[8:].isdigit())
     out["failures"] = dict(fails)
+    a = np.asarray(refusals or [float("nan")]) * 1000
+    out["oip_refusal_probe"] = {
+        "answers": dict(probe_status), "p50_ms": round(float(np.percentile(a, 50)), 1),
+        "p99_ms": round(float(np.percentile(a, 99)), 1), "max_ms": round(float(a.max()), 1)}
     return out
 
 
@@ -249,8 +280,8 @@ def run_flood(oip_url: str, sidecar_url: str, predict_url: str, *, seconds: floa
         await asyncio.gather(*tasks)
 
     with ProcessPoolExecutor(1) as pool:
-        polled = pool.submit(_poll, sidecar_url, predict_url, seconds, poll_interval_s,
-                             probe_timeout_s)
+        polled = pool.submit(_poll, sidecar_url, predict_url, oip_url, seconds,
+                             poll_interval_s, probe_timeout_s)
         asyncio.run(go())
         result.probes = polled.result(timeout=seconds + 60)
     return result

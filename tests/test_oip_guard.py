@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from starlette.requests import ClientDisconnect
 
 from serve.api.config import HandlerConfig
 from serve.api.oip import dimension_cap, encode_infer_request, oip_inputs, parse_infer
@@ -120,6 +121,22 @@ def test_body_length_errors(header, error, message):
             await read_body(_chunks(b"x" * 600, b"y" * 600), header, held=held,
                             max_bytes=1000, deadline_s=5)
     with pytest.raises(error, match="^" + message):
+        asyncio.run(go())
+    assert b.in_use == 0
+
+
+def test_a_client_that_goes_away_mid_body_is_a_400_not_a_500():
+    b = Budget(1000, "bytes")
+
+    async def gone():
+        yield b"x" * 10
+        raise ClientDisconnect()
+
+    async def go() -> None:
+        with b.hold() as held:
+            await read_body(gone(), "500", held=held, max_bytes=1000, deadline_s=5)
+    with pytest.raises(InvalidInput, match=r"^body: the client closed the connection after "
+                                           r"10 bytes"):
         asyncio.run(go())
     assert b.in_use == 0
 

@@ -3,6 +3,8 @@ what keeps a flood of bodies from taking its memory, its CPU or its upstreams.
 
 Every bound refuses at once, with a JSON error, before the work it would cost:
 
+* :class:`AdmissionGuard`: the budgets checked on an infer's headers, before any of the
+  app's machinery, so a refusal costs the event loop least.
 * :class:`Budget`: a count with a ceiling, taken and given back on one event loop. Bytes
   of bodies in flight (an announced ``Content-Length`` is taken before a byte is read; a
   chunked body chunk by chunk), and requests at once. Past it: 429
@@ -36,6 +38,9 @@ from typing import Generic, TypeVar
 
 import anyio
 import anyio.to_thread
+import orjson
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.errors import (
     InvalidInput,
@@ -46,7 +51,7 @@ from serve.errors import (
     UpstreamUnavailable,
 )
 
-__all__ = ["Budget", "Held", "ParseSlots", "ReadyCache", "read_body"]
+__all__ = ["AdmissionGuard", "Budget", "Held", "ParseSlots", "ReadyCache", "read_body"]
 
 T = TypeVar("T")
 
@@ -82,13 +87,18 @@ class Budget:
         self.in_use = 0
         self.peak = 0
 
-    def take(self, n: int) -> None:
-        """Take ``n``, or raise :class:`~serve.errors.Overloaded` (429) when
-        ``in_use + n`` would pass the capacity."""
+    def check(self, n: int) -> None:
+        """Raise :class:`~serve.errors.Overloaded` (429) when ``in_use + n`` would pass
+        the capacity; take nothing."""
         if self.in_use + n > self.capacity:
             raise Overloaded(f"this server holds {self.in_use} of its {self.capacity} "
                              f"{self.what} and this request needs {n} more; retry in a "
                              "second or send smaller requests")
+
+    def take(self, n: int) -> None:
+        """Take ``n``, or raise :class:`~serve.errors.Overloaded` (429) when
+        ``in_use + n`` would pass the capacity."""
+        self.check(n)
         self.in_use += n
         self.peak = max(self.peak, self.in_use)
 
@@ -155,11 +165,59 @@ async def read_body(stream: AsyncIterator[bytes], length_header: str | None, *, 
                 body += chunk
                 if len(body) > max_bytes:
                     raise _too_large(len(body), max_bytes)
+    except ClientDisconnect:
+        # No answer can reach it; a 400 keeps it out of the 5xx and the error log.
+        raise InvalidInput(f"body: the client closed the connection after {len(body)} "
+                           "bytes; send the whole body") from None
     except TimeoutError:
         raise RequestTimeout(f"body: {len(body)} of {announced or 'unknown'} bytes arrived "
                              f"in {deadline_s:g} s, the deadline for a whole body; send it "
                              "at once (a stalled upload holds memory others need)") from None
     return body
+
+
+class AdmissionGuard:
+    """Pure ASGI, outermost: an infer that the requests or bytes budget cannot take now
+    is answered 429 on its headers, before routing, dependencies or exception handlers
+    (a flood reconnects as fast as it is refused, so a refusal must cost the event loop
+    least). The route takes the budgets itself; this only checks them first.
+
+    Args:
+        app: the app behind it.
+        requests, inflight: the budgets the infer route takes (:class:`Budget`).
+        max_bytes: the largest body (a longer announced one is the route's 413).
+    """
+
+    def __init__(self, app: ASGIApp, *, requests: Budget, inflight: Budget,
+                 max_bytes: int) -> None:
+        self.app = app
+        self.requests = requests
+        self.inflight = inflight
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"].endswith("/infer")):
+            try:
+                self.requests.check(1)
+                length = _announced(scope)
+                if length is not None and length <= self.max_bytes:
+                    self.inflight.check(length)
+            except Overloaded as e:
+                body = orjson.dumps({"error": e.message})
+                await send({"type": "http.response.start", "status": e.status, "headers": [
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _announced(scope: Scope) -> int | None:
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            return int(v) if v.isdigit() else None
+    return None
 
 
 class ParseSlots:

@@ -37,6 +37,7 @@ from serve.sidecar.config import OipOptions, oip_cli_options
 from serve.sidecar.http import routes_oip
 from serve.sidecar.http.app import listen_socket
 from serve.sidecar.http.errors import register_oip_exception_handlers
+from serve.sidecar.http.oip_guard import AdmissionGuard
 from serve.sidecar.http.oip_state import OipState
 
 __all__ = ["build_parser", "create_oip_app", "main"]
@@ -86,6 +87,9 @@ def create_oip_app(options: OipOptions, *,
                                     sidecar_client=sidecar_client, clock=clock)
     register_oip_exception_handlers(app)
     app.include_router(routes_oip.router)
+    oip = app.state.oip
+    app.add_middleware(AdmissionGuard, requests=oip.requests, inflight=oip.inflight,
+                       max_bytes=routes_oip.MAX_BODY_BYTES)
     return app
 
 
