@@ -4,17 +4,19 @@
                               [--model-store model_store] [--version V]
                               [--out bench/results/oip_flood.json]
 
-``make oip-flood`` runs it for 60 s (the review's N1 test, issue 54 item 1). It starts its
-own service (``serve.ops.launcher.running_service``: TorchServe, the sidecar and the OIP
-process the sidecar starts, shipped defaults, free loopback ports) serving ``--version``
-(default: the version ``make up`` declares in a new state, ``LaunchConfig.initial_version``), each
-part in cgroups like the pod's containers (cgroup v1, as root): TorchServe's tree in
+``make oip-flood`` runs it for 60 s (the review's N1 test, issue 54 item 1). It starts the
+pod's three containers as processes (:func:`pod`: TorchServe, the sidecar with ``--oip-mode
+external`` and the OIP process, shipped defaults, free loopback ports), each started inside
+cgroups like its container's (cgroup v1, as root): TorchServe's tree in
 ``--torchserve-memory``, the sidecar in 1 GiB and a 500m CPU quota, the OIP process in
-512 MiB and 500m (k8s/deployment.yaml). Then, for ``--seconds``:
+512 MiB and 500m (k8s/deployment.yaml). It serves ``--version`` (default: the version
+``make up`` declares in a new state, ``LaunchConfig.initial_version``). Then, for
+``--seconds``:
 
 - ``--stallers`` connections each send ``POST /v2/models/dlrm/infer`` with
   ``Content-Length: 8388608``, 8 MiB - 1 byte of it, and stall; a connection the OIP
-  answers (429 past its budget, 408 past its body deadline) is opened again;
+  answers (429 past its budget, 408 past its body deadline) is opened again
+  ``--reconnect-s`` later (1 s, what the 429 asks; 0 makes a reconnect storm);
 - ``--posters`` clients post bad 8 MiB JSON bodies (C1 INT64 with ~4.2M ids, the last
   one ``1.5``) in a loop;
 - a separate process polls the sidecar's ``/readyz`` and ``/healthz`` (every 0.5 s, the
@@ -34,6 +36,7 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -171,9 +174,10 @@ async def _one(host: str, port: int, head: bytes, body: bytes, end: float,
 
 
 async def _loop(host: str, port: int, head: bytes, body: bytes, end: float,
-                result: FloodResult) -> None:
+                result: FloodResult, pause_s: float = 0.0) -> None:
+    """Requests one after another until ``end``, ``pause_s`` apart."""
     while time.monotonic() < end and await _one(host, port, head, body, end, result):
-        pass
+        await asyncio.sleep(min(pause_s, max(0.0, end - time.monotonic())))
 
 
 def _head(host: str, length: int) -> bytes:
@@ -261,10 +265,12 @@ def _poll(sidecar_url: str, predict_url: str, oip_url: str, seconds: float,
 
 
 def run_flood(oip_url: str, sidecar_url: str, predict_url: str, *, seconds: float,
-              stallers: int = 150, posters: int = 8, poll_interval_s: float = 0.5,
-              probe_timeout_s: float = 2.0) -> FloodResult:
+              stallers: int = 150, posters: int = 8, reconnect_s: float = 1.0,
+              poll_interval_s: float = 0.5, probe_timeout_s: float = 2.0) -> FloodResult:
     """Flood ``oip_url`` for ``seconds`` (see the module) while a separate process polls
-    ``sidecar_url``'s probes and posts to ``predict_url``."""
+    ``sidecar_url``'s probes and posts to ``predict_url``. A staller whose connection
+    is answered opens the next one ``reconnect_s`` later (what the 429 asks; 0: at
+    once); the posters post back to back."""
     u = urlparse(oip_url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     result = FloodResult(seconds=seconds)
@@ -273,8 +279,8 @@ def run_flood(oip_url: str, sidecar_url: str, predict_url: str, *, seconds: floa
 
     async def go() -> None:
         end = time.monotonic() + seconds
-        tasks = [_loop(host, port, _head(host, STALL_LENGTH), stall_body, end, result)
-                 for _ in range(stallers)]
+        tasks = [_loop(host, port, _head(host, STALL_LENGTH), stall_body, end, result,
+                       reconnect_s) for _ in range(stallers)]
         tasks += [_loop(host, port, _head(host, len(bad)), bad, end, result)
                   for _ in range(posters)]
         await asyncio.gather(*tasks)
@@ -298,7 +304,7 @@ def _own(controller: str) -> Path:
 
 @contextlib.contextmanager
 def cgroups(name: str, memory_bytes: int, cpus: float | None) -> Iterator[dict[str, Path]]:
-    """A v1 memory group of ``memory_bytes`` (charges move with a process) and, with
+    """A v1 memory group of ``memory_bytes`` and, with
     ``cpus``, a cpu group with that CFS quota, below this process's own; removed on exit
     (their processes moved back first)."""
     made: dict[str, Path] = {}
@@ -306,7 +312,6 @@ def cgroups(name: str, memory_bytes: int, cpus: float | None) -> Iterator[dict[s
         mem = _own("memory") / name
         mem.mkdir(exist_ok=True)
         (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
-        (mem / "memory.move_charge_at_immigrate").write_text("3")
         made["memory"] = mem
         if cpus is not None:
             cpu = _own("cpu") / name
@@ -374,25 +379,30 @@ def verdict(doc: dict[str, Any]) -> list[str]:
     p = doc["flood"]["predict"]
     if p["failures"] or not p["ok"]:
         bad.append(f"predict on 8080: {p['failures']} failures of {p['n']}")
-    lat = doc["flood"]["oip_refusal_latency"]["p99_ms"]
-    if lat is None or not lat < 100:
-        bad.append(f"OIP refusal p99 {lat} ms (goal < 100 ms)")
+    for what in ("oip_refusal_latency", "oip_refusal_probe"):
+        lat = doc["flood"][what]["p99_ms"]
+        if lat is None or not lat < 100:
+            bad.append(f"{what} p99 {lat} ms (goal < 100 ms)")
     return bad
 
 
 def print_table(doc: dict[str, Any]) -> None:
     f, st = doc["flood"], doc["state"]
     print(f"state: version {st.get('version')} ({st.get('serving_version')}), OIP bounds "
-          f"{doc['oip_bounds']}; {f['seconds']:.0f} s, {doc['stallers']} stallers + "
-          f"{doc['posters']} bad-body posters")
+          f"{doc['oip_bounds']}; {f['seconds']:.0f} s, {doc['stallers']} stallers "
+          f"(reconnecting after {doc['reconnect_s']:g} s) + {doc['posters']} bad-body "
+          f"posters; load average {doc['load_average'][0]:.1f} on {os.cpu_count()} cores")
     rows = [("what", "n", "p50 ms", "p99 ms", "max ms", "timeouts", "failures")]
     for name in ("readyz", "healthz", "predict"):
         x = f[name]
         rows.append((f"/{name}" if name != "predict" else "predict 8080", x["n"],
                      x["p50_ms"], x["p99_ms"], x["max_ms"], x["timeouts"], x["failures"]))
     lat = f["oip_refusal_latency"]
-    rows.append(("OIP refusals 429/503", f["oip_refusals"], lat["p50_ms"], lat["p99_ms"],
+    rows.append(("OIP refusals (flood)", f["oip_refusals"], lat["p50_ms"], lat["p99_ms"],
                  lat["max_ms"], "-", "-"))
+    probe = f["oip_refusal_probe"]
+    rows.append(("OIP refusals (probe)", sum(probe["answers"].values()), probe["p50_ms"],
+                 probe["p99_ms"], probe["max_ms"], "-", "-"))
     for row in rows:
         print("  ".join(f"{v!s:>20}" if i == 0 else f"{v!s:>9}"
                         for i, v in enumerate(row)))
@@ -414,6 +424,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stallers", type=int, default=150,
                     help="connections each sending 8 MiB - 1 byte and stalling")
     ap.add_argument("--posters", type=int, default=8, help="clients posting bad 8 MiB bodies")
+    ap.add_argument("--reconnect-s", type=float, default=1.0,
+                    help="a staller answered (429, 408) opens its next connection this "
+                         "many seconds later (0: at once, a reconnect storm)")
     ap.add_argument("--model-store", default="model_store", type=Path)
     ap.add_argument("--version", default=None,
                     help="version to serve (default: the one `make up` would)")
@@ -423,52 +436,99 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextlib.contextmanager
+def inside(groups: dict[str, Path]) -> Iterator[None]:
+    """This process inside ``groups`` meanwhile: what it starts stays there after."""
+    _move(os.getpid(), groups)
+    try:
+        yield
+    finally:
+        for group in groups.values():
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+
+
+@contextlib.contextmanager
+def pod(root: Path, store: Path, version: str, groups: dict[str, dict[str, Path]]
+        ) -> Iterator[tuple[Any, dict[str, int]]]:
+    """The pod's three containers as processes, each started inside its cgroups:
+    TorchServe, the sidecar (``--oip-mode external``, as in k8s/deployment.yaml) and the
+    OIP process (its shipped bounds); ``version`` declared as ``make up`` declares it.
+    Yields the launch config and the pids; stops all three on exit."""
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_ports import free_port_settings
+    from serve.ops.launch_processes import start_sidecar, start_torchserve
+    from serve.ops.launch_state import default_state
+    from serve.ops.launcher import wait_ready
+    from serve.ops.process_groups import stop_group
+    from serve.ops.state_client import StateClient
+    from serve.sidecar.config import OipOptions
+    from serve.state import write_state
+
+    cfg = LaunchConfig(**free_port_settings(), model_store=store,
+                       state_file=root / "state.yaml", run_dir=root / "run",
+                       log_dir=root / "logs", sidecar=True, ready_timeout_s=300,
+                       sidecar_args=("--oip-mode", "external"))
+    write_state(root / "state.yaml", default_state(cfg.repository(), version))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with inside(groups["torchserve"]):
+            procs.append(start_torchserve(cfg))
+        with inside(groups["sidecar"]):
+            sidecar = start_sidecar(cfg)
+        if sidecar is None:
+            raise RuntimeError("the launch config has no sidecar")
+        procs.append(sidecar)
+        options = OipOptions(port=cfg.sidecar_oip_port, model_name=cfg.model_name,
+                             inference_url=cfg.inference_url, sidecar_url=cfg.sidecar_url,
+                             repositories=tuple(cfg.repository_dirs), log_level="warning")
+        with inside(groups["oip"]), open(root / "oip.log", "ab") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "serve.sidecar.http.oip_server", *options.argv()],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        wait_ready(cfg, procs[:2])
+        StateClient(cfg.sidecar_write_url, cfg.token_file.read_text().strip(),
+                    timeout_s=30).wait_converged(timeout_s=300)
+        httpx.get(f"{cfg.oip_url}/v2/health/live", timeout=30).raise_for_status()
+        yield cfg, dict(zip(("torchserve", "sidecar", "oip"), (p.pid for p in procs),
+                            strict=True))
+    finally:
+        for proc in reversed(procs):
+            stop_group(proc.pid, proc)
+
+
 def main(argv: list[str] | None = None) -> int:
     from serve.ops.launch_config import LaunchConfig
-    from serve.ops.launcher import running_service
 
     args = _parser().parse_args(argv)
     store = args.model_store.resolve()
     version = args.version or LaunchConfig().initial_version  # what `make up` declares
+    tag = os.getpid()
     with tempfile.TemporaryDirectory(prefix="oip-flood-") as tmp, \
-            cgroups(f"oip-flood-ts-{os.getpid()}", args.torchserve_memory, None) as ts_g, \
-            cgroups(f"oip-flood-sidecar-{os.getpid()}", *SIDECAR_LIMITS) as sc_g, \
-            cgroups(f"oip-flood-oip-{os.getpid()}", *OIP_LIMITS) as oip_g:
-        parent = ts_g["memory"].parent
-        _move(os.getpid(), ts_g)            # what the service starts is charged there
-        try:
-            cm = running_service(Path(tmp), store, version)
-            cfg, client = cm.__enter__()
-        finally:
-            (parent / "cgroup.procs").write_text(str(os.getpid()))
-        try:
-            pids = json.loads((cfg.path(cfg.run_dir) / "pids.json").read_text())
-            sidecar, ts = int(pids["sidecar"]), int(pids["torchserve"])
-            oip = oip_child(sidecar)
-            _move(sidecar, sc_g)
-            _move(oip, oip_g)
-            for g in (ts_g, sc_g, oip_g):
+            cgroups(f"oip-flood-ts-{tag}", args.torchserve_memory, None) as ts_g, \
+            cgroups(f"oip-flood-sidecar-{tag}", *SIDECAR_LIMITS) as sc_g, \
+            cgroups(f"oip-flood-oip-{tag}", *OIP_LIMITS) as oip_g:
+        groups = {"torchserve": ts_g, "sidecar": sc_g, "oip": oip_g}
+        with pod(Path(tmp), store, version, groups) as (cfg, before):
+            for g in groups.values():
                 (g["memory"] / "memory.max_usage_in_bytes").write_text("0")
-            before = {"torchserve": ts, "sidecar": sidecar, "oip": oip}
-            state = client.state()
+            state = httpx.get(f"{cfg.sidecar_url}/state", timeout=30).json()
             flood = run_flood(cfg.oip_url, cfg.sidecar_url,
                               f"{cfg.inference_url}/predictions/{cfg.model_name}",
                               seconds=args.seconds, stallers=args.stallers,
-                              posters=args.posters)
+                              posters=args.posters, reconnect_s=args.reconnect_s)
             alive = {k: psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                      for k, p in before.items()}
             doc: dict[str, Any] = {
                 "flood": flood.summary(), "stallers": args.stallers, "posters": args.posters,
+                "reconnect_s": args.reconnect_s,
                 "restarts": sum(not a for a in alive.values()), "pids": before,
-                "cgroups": {"torchserve": _memory(ts_g), "sidecar": _memory(sc_g),
-                            "oip": _memory(oip_g)},
+                "cgroups": {k: _memory(g) for k, g in groups.items()},
                 "cpu_quota_cores": {"sidecar": SIDECAR_LIMITS[1], "oip": OIP_LIMITS[1],
                                     "torchserve": None},
-                "oip_vm_hwm_bytes": vm_hwm_bytes(oip) if alive["oip"] else None,
-                "oip_bounds": _oip_bounds(oip),
-                "state": _state(state, version), "machine": machine_info()}
-        finally:
-            cm.__exit__(None, None, None)
+                "oip_vm_hwm_bytes": vm_hwm_bytes(before["oip"]) if alive["oip"] else None,
+                "oip_bounds": _oip_bounds(before["oip"]),
+                "state": _state(state, version), "machine": machine_info(),
+                "load_average": os.getloadavg()}
     doc["verdict"] = verdict(doc)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -737,6 +737,12 @@ def test_the_oip_container_holds_no_credential_and_no_readiness(docs):
     assert oip["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "oip"}
 
 
+@pytest.mark.integration
+def test_the_oip_liveness_path_answers_on_the_real_process(docs, sidecar):
+    path = container(docs, "oip")["livenessProbe"]["httpGet"]["path"]
+    assert httpx.get(f"{sidecar.oip_url}{path}", timeout=10).status_code == 200
+
+
 def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):
     """Ingress: 8080 and the Open Inference Protocol's 8092 (forwarded to 8080) from
     anywhere, 8082/8090 from the monitoring namespace, 8090 from the
