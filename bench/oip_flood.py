@@ -528,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                 "oip_vm_hwm_bytes": vm_hwm_bytes(before["oip"]) if alive["oip"] else None,
                 "oip_bounds": _oip_bounds(before["oip"]),
                 "state": _state(state, version), "machine": machine_info(),
+                "command": " ".join(["python -m bench.oip_flood", *(argv or sys.argv[1:])]),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "load_average": os.getloadavg()}
     doc["verdict"] = verdict(doc)
     args.out.parent.mkdir(parents=True, exist_ok=True)
