@@ -344,6 +344,24 @@ def _memory(groups: dict[str, Path]) -> dict[str, int]:
             "failcnt": int((mem / "memory.failcnt").read_text())}
 
 
+def _cpu(groups: dict[str, Path]) -> dict[str, float] | None:
+    """The cpu group's throttling over the run: periods throttled, seconds throttled."""
+    cpu = groups.get("cpu")
+    if cpu is None:
+        return None
+    stat = dict(line.split() for line in (cpu / "cpu.stat").read_text().splitlines())
+    return {"nr_periods": int(stat.get("nr_periods", 0)),
+            "nr_throttled": int(stat.get("nr_throttled", 0)),
+            "throttled_s": round(int(stat.get("throttled_time", 0)) / 1e9, 2)}
+
+
+def _delta(after: dict[str, float] | None, before: dict[str, float] | None
+           ) -> dict[str, float] | None:
+    if after is None or before is None:
+        return None
+    return {k: round(after[k] - before[k], 2) for k in after}
+
+
 def vm_hwm_bytes(pid: int) -> int:
     """Peak RSS (VmHWM) of ``pid``, bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -410,6 +428,10 @@ def print_table(doc: dict[str, Any]) -> None:
     for name, c in doc.get("cgroups", {}).items():
         print(f"cgroup {name}: peak {c['peak_bytes'] / MIB:.0f} MiB of "
               f"{c['limit_bytes'] / MIB:.0f} MiB, OOM kills {c['oom_kill']}")
+    for name, c in doc.get("cpu_throttling", {}).items():
+        if c:
+            print(f"cpu {name}: throttled in {c['nr_throttled']} of {c['nr_periods']} "
+                  f"periods, {c['throttled_s']} s")
     print(f"OIP process VmHWM {doc['oip_vm_hwm_bytes'] / MIB:.0f} MiB; restarts "
           f"{doc['restarts']}; predict 200s {f['predict']['ok']}")
     bad = verdict(doc)
@@ -511,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         with pod(Path(tmp), store, version, groups) as (cfg, before):
             for g in groups.values():
                 (g["memory"] / "memory.max_usage_in_bytes").write_text("0")
+            cpu0 = {k: _cpu(g) for k, g in groups.items()}
             state = httpx.get(f"{cfg.sidecar_url}/state", timeout=30).json()
             flood = run_flood(cfg.oip_url, cfg.sidecar_url,
                               f"{cfg.inference_url}/predictions/{cfg.model_name}",
@@ -523,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reconnect_s": args.reconnect_s,
                 "restarts": sum(not a for a in alive.values()), "pids": before,
                 "cgroups": {k: _memory(g) for k, g in groups.items()},
+                "cpu_throttling": {k: _delta(_cpu(g), cpu0[k]) for k, g in groups.items()},
                 "cpu_quota_cores": {"sidecar": SIDECAR_LIMITS[1], "oip": OIP_LIMITS[1],
                                     "torchserve": None},
                 "oip_vm_hwm_bytes": vm_hwm_bytes(before["oip"]) if alive["oip"] else None,

@@ -28,7 +28,9 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -220,12 +222,21 @@ def _announced(scope: Scope) -> int | None:
     return None
 
 
+def _parse_worker_priority() -> None:
+    """A parse worker yields the CPU to the event loop (nice +10, no privilege needed):
+    both share the container's CPU quota, and refusals and health answers must not wait
+    behind a bad 8 MiB body's parse."""
+    with contextlib.suppress(OSError):
+        os.nice(10)
+
+
 class ParseSlots:
     """At most ``n`` parses at once. A body's parse holds the GIL and up to ~16x its size
     in memory, so their number is the process's CPU and memory bound; and with
     ``processes`` (the default in production) each runs in one of ``n`` worker processes,
-    so a parse never holds the event loop's GIL: refusals and health answers stay fast
-    while a bad 8 MiB body is parsed. A parse that cannot start within ``wait_s`` answers
+    so a parse never holds the event loop's GIL and, at a lower CPU priority, never
+    takes the container's CPU quota from it: refusals and health answers stay fast while
+    a bad 8 MiB body is parsed. A parse that cannot start within ``wait_s`` answers
     429; a worker that dies (a parse past the container's memory) answers 503 and the
     pool is made again.
 
@@ -243,7 +254,8 @@ class ParseSlots:
         self._pool: ProcessPoolExecutor | None = self._new_pool() if processes else None
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self._n, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(self._n, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_parse_worker_priority)
 
     @property
     def busy(self) -> int:
