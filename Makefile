@@ -152,6 +152,11 @@ ts-heap: venv java  ## TorchServe's heap: 200 connections trickling in-limit bod
 
 .PHONY: ts-heap
 
+oip-flood: venv java model  ## the OIP port cannot take a pod out: 150 stalled 8 MiB uploads + 8 bad-body clients for 60 s (OIP_FLOOD_S=N) under the pod's cgroup limits (root), probes and 8080 polled -> bench/results/oip_flood.json
+	$(PY) -m bench.oip_flood --seconds $(or $(OIP_FLOOD_S),60) $(OIP_FLOOD_ARGS)
+
+.PHONY: oip-flood
+
 faults: venv java model  ## fault suite against a real service under load (kill -9, SIGTERM, slow clients, burst, soak; SOAK=600 s) -> bench/results/faults.json
 	$(PY) -m serve.ops.faults $(MODEL_ARGS)$(if $(SOAK), --soak-s $(SOAK))$(if $(CASES), --cases $(CASES))
 

@@ -17,7 +17,9 @@ __all__ = [
     "InvalidInput",
     "ModelContractError",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
+    "RequestTimeout",
     "ServeError",
     "ShardingError",
     "Unauthorized",
@@ -82,6 +84,21 @@ class UpstreamUnavailable(ServeError):
 
     status = 503
     kind = "UpstreamUnavailable"
+
+
+class Overloaded(ServeError):
+    """A bounded server is at its limit (requests, bytes in flight, parse slots): refused
+    at once, before the work, so the client can retry elsewhere or later."""
+
+    status = 429
+    kind = "Overloaded"
+
+
+class RequestTimeout(ServeError):
+    """A request's body did not arrive within the server's deadline."""
+
+    status = 408
+    kind = "RequestTimeout"
 
 
 class ConfigError(ServeError, ValueError):

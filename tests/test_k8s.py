@@ -705,7 +705,7 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
     defaults = SidecarConfig()
     sidecar_port = build_parser().get_default("port")
     assert {p["name"]: p["containerPort"] for p in sc["ports"]} == \
-        {"sidecar": sidecar_port, "write": WRITE_PORT, "oip": OIP_PORT}
+        {"sidecar": sidecar_port, "write": WRITE_PORT}  # OIP: the "oip" container's
     assert int(arg_value(sc["args"], "--port")) == sidecar_port
     assert int(arg_value(sc["args"], "--write-port")) == WRITE_PORT
     assert int(arg_value(sc["args"], "--oip-port")) == OIP_PORT == DEFAULT_SIDECAR_OIP_PORT
@@ -720,6 +720,64 @@ def test_container_ports_equal_config_and_sidecar_defaults(docs, monkeypatch):
     assert ann["prometheus.io/scrape"] == "true"
     assert int(ann["prometheus.io/port"]) == sidecar_port
     assert ann["prometheus.io/path"] == "/metrics"
+
+
+def test_the_oip_runs_in_a_container_of_its_own_that_the_real_process_accepts(docs):
+    """Review N1: the Open Inference Protocol is its own container (its own CPU and
+    memory, requests = limits), started with args the real ``oip_server`` parses, on the
+    port the Service's ``oip`` names; the sidecar only names it (``--oip-mode
+    external``) and has no OIP port."""
+    from serve.sidecar.config import OipOptions
+    from serve.sidecar.http.oip_server import build_parser as oip_parser
+
+    oip, sc = container(docs, "oip"), container(docs, "sidecar")
+    args = oip["args"]
+    assert args[:3] == ["python", "-m", "serve.sidecar.http.oip_server"]
+    ns, unknown = oip_parser({}).parse_known_args(args[3:])
+    assert unknown == [], f"oip_server does not know {unknown}"
+    assert ns.port == OIP_PORT and ns.host == "0.0.0.0"
+    assert urlparse(ns.inference_url).hostname == "127.0.0.1"
+    assert _port(ns.inference_url) == _port(pod_properties(docs)["inference_address"])
+    sidecar_port = {p["name"]: p["containerPort"] for p in sc["ports"]}["sidecar"]
+    assert ns.sidecar_url == f"http://127.0.0.1:{sidecar_port}"  # the read port, never 8091
+    opts = OipOptions(max_parses=ns.max_parses, max_inflight_bytes=ns.max_inflight_bytes,
+                      max_requests=ns.max_requests, limit_concurrency=ns.limit_concurrency,
+                      body_deadline_s=ns.body_deadline_s)
+    assert opts.max_parses == 1 and opts.body_deadline_s <= 30
+    assert {p["name"]: p["containerPort"] for p in oip["ports"]} == {"oip": OIP_PORT}
+    svc = one(docs, "Service", "dlrm-serve")
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}["oip"] == "oip"
+    assert arg_value(sc["args"], "--oip-mode") == "external"
+    res = oip["resources"]
+    assert res["requests"] == res["limits"]
+    from serve.ops.hpa_sim import parse_quantity
+    # its own, small: well under the sidecar's, so a flood of it costs the pod little
+    assert parse_quantity(res["limits"]["memory"]) <= 512 * 2**20
+    assert parse_quantity(res["limits"]["cpu"]) <= 0.5
+
+
+def test_the_oip_container_holds_no_credential_and_no_readiness(docs):
+    """No token file, no API token, no Secret in its environment; no readiness or
+    startup probe (a busy OIP must never take the pod, 8080 included, out of the
+    Service); its liveness is its own /v2/health/live; every mount read-only."""
+    oip = container(docs, "oip")
+    mounts = {m["name"]: m for m in oip.get("volumeMounts", [])}
+    vol, _ = _token_volume(docs)
+    assert vol not in mounts and "kube-api" not in mounts
+    assert all(m.get("readOnly") is True for m in mounts.values()), mounts
+    for e in oip.get("env", []):
+        assert "secretKeyRef" not in e.get("valueFrom", {}), e
+        assert "TOKEN" not in e["name"].upper(), e
+    assert "envFrom" not in oip
+    assert "--token-file" not in oip["args"]
+    assert "readinessProbe" not in oip and "startupProbe" not in oip
+    assert oip["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "oip"}
+
+
+@pytest.mark.integration
+def test_the_oip_liveness_path_answers_on_the_real_process(docs, sidecar):
+    path = container(docs, "oip")["livenessProbe"]["httpGet"]["path"]
+    assert httpx.get(f"{sidecar.oip_url}{path}", timeout=10).status_code == 200
 
 
 def test_networkpolicy_exposes_inference_and_limits_metrics_and_writes(docs):

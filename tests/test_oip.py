@@ -4,6 +4,7 @@ naming the input and the rule (messages pinned)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 
 import httpx
@@ -27,8 +28,9 @@ from serve.api.oip import (
 from serve.api.request import BINARY_MEDIA_TYPE, INT64_MAX
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
-from serve.sidecar.config import SidecarConfig
-from serve.sidecar.http.app import by_port, create_app, create_oip_app
+from serve.sidecar.config import OipOptions, SidecarConfig
+from serve.sidecar.http.app import create_app
+from serve.sidecar.http.oip_server import create_oip_app
 
 CFG = HandlerConfig()
 # An imported model's schema (as tests/test_protocol.py's): its own names, N = 3, one
@@ -342,13 +344,14 @@ def test_the_predict_body_keeps_an_imported_schema_s_shape():
     np.testing.assert_array_equal(p.values, CUSTOM_VALUES)
 
 
-# --------------------------------------------------------------------------- the sidecar's app
-# In process (ASGI), TorchServe faked by an httpx.MockTransport: what reaches TorchServe,
-# and how its answers map. tests/test_oip_http.py runs the real sidecar and TorchServe.
+# --------------------------------------------------------------------------- the OIP's app
+# In process (ASGI), TorchServe and the sidecar's /readyz faked by an httpx.MockTransport:
+# what reaches TorchServe, and how its answers map. tests/test_oip_http.py runs the real
+# OIP process, sidecar and TorchServe.
 
 
-class _FakeInference:
-    """TorchServe's inference and management answers the OIP routes read."""
+class _FakeUpstreams:
+    """TorchServe's inference answers and the sidecar's ``GET /readyz`` the OIP reads."""
 
     def __init__(self, status: int = 200, body: bytes = b"", ready: bool = True) -> None:
         self.status, self.body, self.ready = status, body, ready
@@ -357,13 +360,15 @@ class _FakeInference:
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.seen.append(request)
         path = request.url.path
-        if path == "/models/dlrm":
+        if path == "/readyz":
             if not self.ready:
-                raise httpx.ConnectError("connection refused")
-            return httpx.Response(200, json=[{"modelVersion": "small-int8-s0",
-                                              "workers": [{"status": "READY"}]}])
-        if path == "/ping":
-            return httpx.Response(200, json={"status": "Healthy"})
+                return httpx.Response(503, json={
+                    "code": 503, "type": "UpstreamUnavailable",
+                    "message": "TorchServe management API at http://127.0.0.1:8081/models/dlrm "
+                               "did not answer (ConnectError: refused)"})
+            return httpx.Response(200, json={"status": "ready", "model": "dlrm",
+                                             "model_version": "small-int8-s0",
+                                             "ready_workers": 1})
         if path == "/predictions/dlrm":
             p = parse_body(request.content, CFG, request.headers["content-type"])
             body = self.body or orjson.dumps({"predictions": [0.25] * p.dense.shape[0]})
@@ -372,23 +377,20 @@ class _FakeInference:
         return httpx.Response(404, json={"message": "no such path"})
 
 
-def _oip_calls(fake: _FakeInference, *requests: tuple[str, str, dict]) -> list[httpx.Response]:
-    app = create_app(SidecarConfig(token=TOKEN),
-                     http_client=httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)),
-                     oip_port=18192)
-    oip = create_oip_app(app.state.sidecar)
+OIP_OPTIONS = OipOptions(inference_url="http://ts:8080", sidecar_url="http://sidecar:8090",
+                         parse_in="thread")
+
+
+def _oip_calls(fake: _FakeUpstreams, *requests: tuple[str, str, dict],
+               options: OipOptions = OIP_OPTIONS) -> list[httpx.Response]:
+    transport = httpx.MockTransport(fake.handle)
+    oip = create_oip_app(options, predict_client=httpx.AsyncClient(transport=transport),
+                         sidecar_client=httpx.AsyncClient(transport=transport))
 
     async def go() -> list[httpx.Response]:
-        async with app.router.lifespan_context(app):
-            out = []
-            for which, (method, url, kw) in zip(
-                    ("main" if u.startswith("/state") else "oip" for _, u, _ in requests),
-                    requests, strict=True):
-                transport = httpx.ASGITransport(app=app if which == "main" else oip)
-                async with httpx.AsyncClient(transport=transport,
-                                             base_url="http://sidecar") as c:
-                    out.append(await c.request(method, url, **kw))
-            return out
+        async with oip.router.lifespan_context(oip), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=oip), base_url="http://oip") as c:
+            return [await c.request(method, url, **kw) for method, url, kw in requests]
     return asyncio.run(go())
 
 
@@ -403,12 +405,14 @@ def _body(n: int = 3) -> tuple[bytes, dict[str, str]]:
 
 
 def test_infer_is_forwarded_as_our_binary_form_with_the_route_key():
-    fake = _FakeInference()
+    fake = _FakeUpstreams()
     body, headers = _body()
     (r,) = _oip_calls(fake, ("POST", "/v2/models/dlrm/infer", {
-        "content": body, "headers": {**headers, "X-DLRM-Route-Key": "user-1"}}))
+        "content": body, "headers": {**headers, "X-DLRM-Route-Key": "user-1"}}),
+        options=dataclasses.replace(OIP_OPTIONS, parse_in="process"))  # as in production
     assert r.status_code == 200, r.text
     sent = fake.seen[-1]
+    assert str(sent.url) == "http://ts:8080/predictions/dlrm"
     assert sent.headers["content-type"] == BINARY_MEDIA_TYPE
     assert sent.headers["x-dlrm-route-key"] == "user-1"
     _same(parse_body(sent.content, CFG, BINARY_MEDIA_TYPE), _reference(3))
@@ -425,7 +429,7 @@ def test_infer_is_forwarded_as_our_binary_form_with_the_route_key():
     (500, b"<html>boom</html>", 503),
 ])
 def test_torchserve_s_answers_keep_their_meaning_in_oip_s_shape(status, body, want):
-    fake = _FakeInference(status=status, body=body)
+    fake = _FakeUpstreams(status=status, body=body)
     data, headers = _body()
     (r,) = _oip_calls(fake, ("POST", "/v2/models/dlrm/infer", {"content": data,
                                                                 "headers": headers}))
@@ -434,13 +438,12 @@ def test_torchserve_s_answers_keep_their_meaning_in_oip_s_shape(status, body, wa
 
 
 def test_not_ready_unknown_paths_and_compressed_bodies_answer_oip_errors():
-    fake = _FakeInference(ready=False)
-    ready, model_ready, unknown, gz, state = _oip_calls(
+    fake = _FakeUpstreams(ready=False)
+    ready, model_ready, unknown, gz = _oip_calls(
         fake, ("GET", "/v2/health/ready", {}), ("GET", "/v2/models/dlrm/ready", {}),
         ("GET", "/v2/models/dlrm/versions/1", {}),
         ("POST", "/v2/models/dlrm/infer", {"content": b"{}",
-                                           "headers": {"Content-Encoding": "gzip"}}),
-        ("GET", "/state", {}))
+                                           "headers": {"Content-Encoding": "gzip"}}))
     assert ready.status_code == 503 and ready.json()["error"].startswith(
         "TorchServe management API at")
     assert model_ready.status_code == 503
@@ -448,20 +451,19 @@ def test_not_ready_unknown_paths_and_compressed_bodies_answer_oip_errors():
         unknown.json()["error"]
     assert gz.status_code == 415 and gz.json() == {
         "error": "header Content-Encoding: 'gzip' is not supported; send the body uncompressed"}
+
+
+def test_state_names_the_oip_port_the_sidecar_does_not_serve():
+    """GET /state names the OIP's URL; the sidecar's own app has no /v2 route (the
+    protocol runs in a process of its own)."""
+    app = create_app(SidecarConfig(token=TOKEN), oip_port=18192,
+                     http_client=httpx.AsyncClient(transport=httpx.MockTransport(
+                         _FakeUpstreams(ready=False).handle)))
+
+    async def go() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://sidecar") as c:
+            return [await c.get("/state"), await c.get("/v2/health/live")]
+    state, v2 = asyncio.run(go())
     assert state.json()["endpoints"] == {"oip_url": "http://sidecar:18192"}
-
-
-def test_by_port_sends_each_local_port_to_its_app():
-    seen: list[str] = []
-
-    def app_named(name):
-        async def app(scope, receive, send):
-            seen.append(name)
-        return app
-
-    served = by_port(app_named("main"), {8092: app_named("oip")})
-    for port in (8090, 8092, None):
-        scope = {"type": "http", "server": ("127.0.0.1", port) if port else None}
-        asyncio.run(served(scope, None, None))
-    asyncio.run(served({"type": "lifespan"}, None, None))
-    assert seen == ["main", "oip", "main", "main"]
+    assert v2.status_code == 404

@@ -1,7 +1,7 @@
-"""The Open Inference Protocol v2 through the real sidecar (``--oip-port``) and the real
-TorchServe (the session's fixtures): health, metadata, JSON and binary infer equal to our
-own API's answers for the same instances, and bad requests answered 400 ``{"error"}``
-naming the input, never a 5xx."""
+"""The Open Inference Protocol v2 through its real process (the sidecar's ``--oip-port``
+starts it) and the real TorchServe (the session's fixtures): health, metadata, JSON and
+binary infer equal to our own API's answers for the same instances, and bad requests
+answered 400 ``{"error"}`` naming the input, never a 5xx."""
 from __future__ import annotations
 
 import socket
@@ -133,6 +133,9 @@ BAD = [
      "input C1: has 2 ids but C1.lengths sum to 3"),
     ("header length", _json_body(lambda h: None), "abc",
      "header Inference-Header-Content-Length: is 'abc'"),
+    # N6: a zero-size tensor with a huge dimension was a 500 with a logged traceback
+    ("huge dimension", _json_body(_set("dense", shape=[0, 2**62], data=[])), None,
+     f"input dense: shape is [0, {2**62}]; each dimension must be at most"),
 ]
 
 

@@ -48,7 +48,7 @@ SIDECAR_FLAGS = (
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level",
     # the edge (serve/sidecar/http/edge.py): the write port and the scoped tokens
-    "--write-port", "--oip-port", "--delta-token-file", "--feedback-token-file",
+    "--write-port", "--oip-port", "--oip-mode", "--delta-token-file", "--feedback-token-file",
     # embedding deltas in a fleet: POSTs refused, the model volume followed
     "--deltas-post",
     # the published deltas from a volume of their own (k8s: the PVC dlrm-deltas)

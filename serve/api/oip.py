@@ -53,6 +53,7 @@ __all__ = [
     "LENGTHS_SUFFIX",
     "OUTPUT_NAME",
     "InferRequest",
+    "dimension_cap",
     "encode_infer_request",
     "encode_infer_response",
     "model_metadata",
@@ -130,13 +131,25 @@ def parse_header_length(value: str | None, body_size: int) -> int | None:
     return n
 
 
-def _shape(t: Mapping[str, Any], name: str, ndim: int) -> tuple[int, ...]:
+def dimension_cap(cfg: HandlerConfig, spec: Spec) -> int:
+    """The largest dimension any input may declare: no tensor of a request within
+    ``cfg``'s limits is longer (ids of one feature: ``max_instances x`` the most ids per
+    instance; dense features: the model's N). A larger one is refused before an array is
+    made (a zero-size shape ``[0, 2**62]`` otherwise asks numpy for an impossible array)."""
+    return cfg.max_instances * max(cfg.max_ids_per_feature, spec.nd, *spec.max_ids, 1)
+
+
+def _shape(t: Mapping[str, Any], name: str, ndim: int, cap: int) -> tuple[int, ...]:
     shape = t.get("shape")
+    want = "[B, N]" if ndim == 2 else "[B] or [nnz]"
     if (not isinstance(shape, list) or len(shape) != ndim
             or not all(type(d) is int and d >= 0 for d in shape)):
-        want = "[B, N]" if ndim == 2 else "[B] or [nnz]"
-        raise InvalidInput(f"input {name}: shape is {shape!r}; it must be a list of {ndim} "
-                           f"non-negative integer{'s' if ndim > 1 else ''} ({want})")
+        raise InvalidInput(f"input {name}: shape is {shape!r:.80}; it must be a list of "
+                           f"{ndim} non-negative integer{'s' if ndim > 1 else ''} ({want})")
+    if max(shape) > cap:
+        raise InvalidInput(f"input {name}: shape is {shape!r:.80}; each dimension must be "
+                           f"at most {cap} (the request limits); send {want} of what the "
+                           "request holds")
     return tuple(shape)
 
 
@@ -269,7 +282,7 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
             None: the whole body is the JSON header.
     Raises:
         InvalidInput: bad JSON, a missing, unknown or repeated input, a wrong datatype or
-            shape, binary sizes that do not add up, a negative id or length, too many ids.
+            shape (a dimension over :func:`dimension_cap` too), binary sizes that do not add up, a negative id or length, too many ids.
         PayloadTooLarge: more than ``cfg.max_instances`` instances.
     """
     cfg = cfg or HandlerConfig()
@@ -290,6 +303,7 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
         known[f] = ("INT64", 1)
         known[f + LENGTHS_SUFFIX] = ("INT32", 1)
     tensors: dict[str, np.ndarray] = {}
+    cap = dimension_cap(cfg, spec)
     at = split
     for i, t in enumerate(inputs):
         name = t.get("name") if isinstance(t, dict) else None
@@ -305,7 +319,7 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
         if t.get("datatype") != datatype:
             raise InvalidInput(f"input {name}: datatype is {t.get('datatype')!r:.40}; it must "
                                f"be {datatype!r}")
-        shape = _shape(t, name, ndim)
+        shape = _shape(t, name, ndim, cap)
         params = t.get("parameters") or {}
         size = params.get("binary_data_size") if isinstance(params, dict) else None
         if size is None:

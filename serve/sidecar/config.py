@@ -55,15 +55,18 @@ __all__ = [
     "FLEET_MODES",
     "LOG_LEVELS",
     "MAX_BATCH_DELAY_MS_MAX",
+    "OIP_MODES",
     "POD_SELECTOR",
     "WORKERS_MAX",
     "FeedbackConfig",
     "FleetConfig",
+    "OipOptions",
     "ServerOptions",
     "SidecarConfig",
     "TunerConfig",
     "check_token",
     "cli_options",
+    "oip_cli_options",
 ]
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -76,6 +79,10 @@ FLEET_MODES = ("none", "file", "kubernetes")
 #: (``FleetConfig.peer_service``) and the NetworkPolicies select. The model-upload pod
 #: carries the name but another component, so it is never a peer.
 POD_SELECTOR = "app.kubernetes.io/name=dlrm-serve,app.kubernetes.io/component=inference"
+#: ``--oip-mode``: ``child`` (the sidecar starts the Open Inference Protocol's process
+#: itself, ``make up`` and the tests) or ``external`` (it runs in a container of its own,
+#: Kubernetes; the sidecar only names its port in GET /state).
+OIP_MODES = ("child", "external")
 
 
 @dataclass(frozen=True)
@@ -308,8 +315,10 @@ class ServerOptions:
             write there answers 403 naming the write port).
         write_port: the write port, on the same host, in the same process: every route
             (writes and reads). Never equal to ``port``.
-        oip_port: the Open Inference Protocol (KServe v2) port, same host and process
-            (:mod:`serve.sidecar.http.routes_oip`); 0: not served.
+        oip_port: the Open Inference Protocol (KServe v2) port, same host, served by a
+            process of its own (:mod:`serve.sidecar.http.oip_server`); 0: not served.
+        oip_mode: :data:`OIP_MODES`: ``child`` (the sidecar starts that process, without
+            its tokens, and stops it) or ``external`` (its own container starts it).
         token_file: the file holding the write token (when ``DLRM_SIDECAR_TOKEN`` is
             unset); ``create_token`` writes a random one there first if it is absent.
         delta_token_file, feedback_token_file: the files holding the scoped tokens (the
@@ -334,6 +343,12 @@ class ServerOptions:
              "and metrics are our API's; a port of its own so a NetworkPolicy can open it "
              "to clients like the inference port; 0: not served (make up serves it on "
              f"{DEFAULT_SIDECAR_OIP_PORT})"))
+    oip_mode: str = field(default="child", metadata=flag(
+        "--oip-mode", choices=OIP_MODES,
+        help="who runs the Open Inference Protocol's process (python -m "
+             "serve.sidecar.http.oip_server, no tokens, its own memory and CPU): child = "
+             "this sidecar starts it on --oip-port and stops it; external = a container of "
+             "its own does (Kubernetes), the sidecar only names it in GET /state"))
     token_file: Path = field(default=Path(DEFAULT_TOKEN_FILE), metadata=flag(
         "--token-file", env=settings.DLRM_SIDECAR_TOKEN_FILE,
         help=f"file holding the write token (the bearer token of every write); env "
@@ -367,12 +382,116 @@ class ServerOptions:
                 f"oip_port={self.oip_port} is the public or the write port too; the Open "
                 f"Inference Protocol needs a port of its own (make up uses "
                 f"{DEFAULT_SIDECAR_OIP_PORT}): pass another --oip-port, or 0 for none")
+        if self.oip_mode not in OIP_MODES:
+            raise ConfigError(f"oip_mode={self.oip_mode!r} must be one of {OIP_MODES}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
         object.__setattr__(self, "token_file", Path(self.token_file))
         for name in ("delta_token_file", "feedback_token_file"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class OipOptions:
+    """How ``python -m serve.sidecar.http.oip_server`` runs and what bounds it: the Open
+    Inference Protocol's process, which holds no token and shares no memory, CPU or
+    readiness with the sidecar (:mod:`serve.sidecar.http.oip_server` says why).
+
+    Attributes:
+        host, port: where it listens.
+        model_name: the model it serves (``/v2/models/{model_name}``).
+        inference_url: TorchServe's inference API, where each infer is forwarded.
+        sidecar_url: the sidecar's public read port: ``GET /readyz`` answers the ready
+            paths and names the served version (read at most once per ``ready_cache_s``).
+        repositories: the model repository folders (read only: each version's schema
+            from its build report); empty: the built-in DLRM's schema.
+        max_parses: bodies parsed at once (each holds the GIL and up to ~130 MB while
+            an 8 MiB JSON body becomes arrays); more wait up to ``parse_wait_s``, then 503.
+        parse_wait_s: longest wait for a parse slot (s).
+        parse_in: ``process`` (each parse in one of ``max_parses`` worker processes, so a
+            parse never holds the event loop's GIL: refusals stay fast) or ``thread``
+            (in-process tests).
+        max_inflight_bytes: the bytes of bodies held at once (announced lengths reserved
+            before a byte is read); a request past it answers 429 at once.
+        body_deadline_s: the whole body must arrive within this (s), else 408: a stalled
+            upload holds its budget no longer.
+        max_requests: requests handled at once (reading, parsing or waiting for
+            TorchServe); more answer 503 at once.
+        limit_concurrency: uvicorn's own bound on connections and tasks (a plain-text
+            503 past it): the backstop above ``max_requests``.
+        ready_cache_s: how long one answer of the sidecar's ``/readyz`` serves.
+        log_level: its log level (uvicorn's too).
+    """
+
+    host: str = field(default="127.0.0.1", metadata=flag(
+        "--host", help="bind address; 0.0.0.0 in a pod"))
+    port: int = field(default=DEFAULT_SIDECAR_OIP_PORT, metadata=flag(
+        "--port", help="the Open Inference Protocol's port"))
+    model_name: str = field(default="dlrm", metadata=flag(
+        "--model-name", env=settings.DLRM_MODEL_NAME, help="the TorchServe model served"))
+    inference_url: str = field(default=f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}",
+                               metadata=flag("--inference-url", env=settings.TS_INFERENCE_URL,
+                                             help="TorchServe inference API"))
+    sidecar_url: str = field(default=f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}", metadata=flag(
+        "--sidecar-url", help="the sidecar's public read port (GET /readyz)"))
+    repositories: tuple[Path, ...] = field(default=(), metadata=flag(
+        "--repository", help="model repository folder, read only (the served version's "
+                             "schema); repeat for several; none: the built-in DLRM"))
+    max_parses: int = field(default=1, metadata=flag(
+        "--max-parses", help="bodies parsed at once (CPU and ~16x the body in memory each)"))
+    parse_wait_s: float = field(default=2.0, metadata=flag(
+        "--parse-wait-s", help="longest wait for a parse slot before 503 (s)"))
+    parse_in: str = field(default="process", metadata=flag(
+        "--parse-in", choices=("process", "thread"),
+        help="where bodies are parsed: worker processes (off the event loop's GIL) or "
+             "threads"))
+    max_inflight_bytes: int = field(default=64 * 2**20, metadata=flag(
+        "--max-inflight-bytes", help="bytes of bodies held at once; past it 429 at once"))
+    body_deadline_s: float = field(default=10.0, metadata=flag(
+        "--body-deadline-s", help="seconds the whole body may take to arrive; then 408"))
+    max_requests: int = field(default=64, metadata=flag(
+        "--max-requests", help="requests handled at once; more answer 503 at once"))
+    limit_concurrency: int = field(default=256, metadata=flag(
+        "--limit-concurrency", help="uvicorn's bound on connections and tasks (backstop)"))
+    ready_cache_s: float = field(default=1.0, metadata=flag(
+        "--ready-cache-s", help="seconds one answer of the sidecar's /readyz serves"))
+    log_level: str = field(default="info", metadata=flag(
+        "--log-level", env=settings.DLRM_LOG_LEVEL, choices=LOG_LEVELS, help="log level"))
+
+    def __post_init__(self) -> None:
+        int_in_range("port", self.port, 1, 65535)
+        for name in ("inference_url", "sidecar_url"):
+            url = getattr(self, name)
+            if not re.fullmatch(r"https?://[^/\s]+", url):
+                raise ConfigError(f"{name}={url!r} must be http(s)://host:port with no path")
+        for name in ("max_parses", "max_inflight_bytes", "max_requests", "limit_concurrency"):
+            positive_int(name, getattr(self, name))
+        if self.limit_concurrency <= self.max_requests:
+            raise ConfigError(
+                f"limit_concurrency={self.limit_concurrency} must exceed max_requests="
+                f"{self.max_requests}: past max_requests the app answers a JSON 503, and "
+                "uvicorn's plain 503 is only the backstop")
+        for name in ("parse_wait_s", "body_deadline_s", "ready_cache_s"):
+            number_in_range(name, getattr(self, name), 0, 3600, lo_open=True)
+        if self.parse_in not in ("process", "thread"):
+            raise ConfigError(f"parse_in={self.parse_in!r} must be 'process' or 'thread'")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
+        object.__setattr__(self, "repositories", tuple(Path(p) for p in self.repositories))
+
+    def argv(self) -> list[str]:
+        """These options as ``python -m serve.sidecar.http.oip_server``'s arguments (what
+        the sidecar and the launcher start)."""
+        out = ["--host", self.host, "--port", str(self.port), "--model-name", self.model_name,
+               "--inference-url", self.inference_url, "--sidecar-url", self.sidecar_url]
+        for name in ("max_parses", "parse_wait_s", "parse_in", "max_inflight_bytes",
+                     "body_deadline_s",
+                     "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
+            out += ["--" + name.replace("_", "-"), str(getattr(self, name))]
+        for root in self.repositories:
+            out += ["--repository", str(root)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -685,3 +804,8 @@ def cli_options() -> list[Option]:
     :class:`ServerOptions`, then :class:`SidecarConfig` with its feedback and tuner
     configs, each from its fields' metadata (:mod:`serve.common.flags`)."""
     return options(ServerOptions) + options(SidecarConfig)
+
+
+def oip_cli_options() -> list[Option]:
+    """The flags of ``python -m serve.sidecar.http.oip_server`` (:class:`OipOptions`)."""
+    return options(OipOptions)

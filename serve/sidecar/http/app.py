@@ -22,13 +22,13 @@ The sidecar runs in the same pod as TorchServe and talks to it over loopback onl
   from the traffic (on by default).
 * ``GET /healthz``, ``GET /readyz`` (:mod:`serve.sidecar.http.routes_health`), ``/docs``
   (OpenAPI).
-* On ``--oip-port`` only, an app of its own (:func:`create_oip_app`): the Open Inference
-  Protocol v2 (:mod:`serve.sidecar.http.routes_oip`), forwarded to TorchServe's predictions
-  API; its errors answer ``{"error": ...}``.
+* Not here: the Open Inference Protocol v2 (``--oip-port``). It runs in a process of its
+  own (:mod:`serve.sidecar.http.oip_server`: no token, its own memory, CPU and bounds),
+  which ``main`` starts as a child without the token variables (``--oip-mode child``) or
+  which a container of its own runs (``external``); GET /state names its URL.
 
-Two ports (three with ``--oip-port``), one process: the public port (``--port``, 8090:
-metrics, probes, every read; a write there answers 403) and the write port
-(``--write-port``, 8091: every route).
+Two ports, one process: the public port (``--port``, 8090: metrics, probes, every read;
+a write there answers 403) and the write port (``--write-port``, 8091: every route).
 Every write passes the edge guard (:mod:`serve.sidecar.http.edge`) before a byte of its
 body is read: its token and the token's scope (operator, delta publisher, feedback
 producer: :mod:`serve.sidecar.http.auth`), and its body's size.
@@ -49,9 +49,15 @@ Run: ``python -m serve.sidecar --help``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -59,39 +65,33 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import settings
 from serve.common.flags import add_options, build
 from serve.errors import ConfigError
 from serve.sidecar.adapters.tokens import ensure_dev_token, load_optional_token, load_token
-from serve.sidecar.config import ServerOptions, SidecarConfig, cli_options
+from serve.sidecar.config import OipOptions, ServerOptions, SidecarConfig, cli_options
 from serve.sidecar.http import (
     routes_batching,
     routes_deltas,
     routes_feedback,
     routes_health,
     routes_metrics,
-    routes_oip,
     routes_state,
     routes_tuner,
 )
 from serve.sidecar.http.docs import mount_docs
 from serve.sidecar.http.edge import EdgeGuard, check_write_routes
-from serve.sidecar.http.errors import (
-    register_exception_handlers,
-    register_oip_exception_handlers,
-)
+from serve.sidecar.http.errors import register_exception_handlers
 from serve.sidecar.http.middleware import count_requests
 from serve.sidecar.root import Sidecar
 
 __all__ = [
     "build_parser",
-    "by_port",
     "create_app",
-    "create_oip_app",
     "listen_socket",
     "main",
+    "start_oip_child",
 ]
 
 _log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
         wall_clock: unix seconds (the age of the newest embedding delta applied).
         write_port: the local port writes are taken on (GET /state shows it); a write
             on another port answers 403. None: writes on any port (one listener).
-        oip_port: the port :func:`create_oip_app` serves on (GET /state's
+        oip_port: the port the Open Inference Protocol's process serves on (GET /state's
             ``endpoints.oip_url``); None: not served.
     """
     state = Sidecar.create(config, registry=registry, clock=clock,
@@ -160,37 +160,6 @@ def create_app(config: SidecarConfig, *, registry: CollectorRegistry | None = No
     return app
 
 
-def create_oip_app(sidecar: Sidecar) -> FastAPI:
-    """The Open Inference Protocol's app (:mod:`serve.sidecar.http.routes_oip`) over the
-    sidecar's parts (``create_app(...).state.sidecar``: its TorchServe client, schemas and
-    metrics; the main app's lifespan connects and stops them).
-
-    No token and no write port: infer is a read of the model, open to the clients the
-    inference port is open to. Its own error mapping (``{"error": ...}``) and its own body
-    bound (the route's); its requests are counted in ``dlrm_sidecar_requests_total``.
-    """
-    app = FastAPI(title="DLRM serving: Open Inference Protocol v2", version="0.1.0",
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.sidecar = sidecar
-    register_oip_exception_handlers(app)
-    app.middleware("http")(count_requests)
-    app.include_router(routes_oip.router)
-    return app
-
-
-def by_port(default: ASGIApp, apps: Mapping[int, ASGIApp]) -> ASGIApp:
-    """One ASGI app over several: a request on local port ``p`` (``scope["server"]``) goes
-    to ``apps[p]``, anything else (the lifespan too) to ``default``. So one uvicorn server,
-    one event loop and one lifespan serve every port."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        server = scope.get("server") if scope["type"] in ("http", "websocket") else None
-        target = apps.get(server[1]) if server else None
-        await (target or default)(scope, receive, send)
-
-    return app
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -223,18 +192,51 @@ def _tokens(opts: ServerOptions, environ: Mapping[str, str]) -> dict[str, str | 
 
 def _serve(app: FastAPI, opts: ServerOptions) -> None:
     """Run ``app`` under one uvicorn server listening on both ports (one event loop,
-    one lifespan): the public port and the write port; with ``opts.oip_port``, the Open
-    Inference Protocol's app on that port too."""
+    one lifespan): the public port and the write port."""
     import uvicorn
 
     sockets = [listen_socket(opts.host, opts.port), listen_socket(opts.host, opts.write_port)]
-    served: ASGIApp = app
-    if opts.oip_port:
-        sockets.append(listen_socket(opts.host, opts.oip_port))
-        served = by_port(app, {opts.oip_port: create_oip_app(app.state.sidecar)})
-    config = uvicorn.Config(served, host=opts.host, port=opts.port, log_level=opts.log_level,
+    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                             access_log=False)
     uvicorn.Server(config).run(sockets=sockets)
+
+
+#: Environment variables the OIP's child process never sees: the sidecar's tokens and
+#: anything else named like a credential.
+_CREDENTIAL = re.compile(r"TOKEN|SECRET|PASSWORD|CREDENTIAL|_KEY", re.IGNORECASE)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM when the sidecar dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_oip_child(opts: ServerOptions, config: SidecarConfig,
+                    environ: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m serve.sidecar.http.oip_server`` on ``opts.oip_port``: the
+    sidecar's host, model, TorchServe inference URL and repositories (read only), its
+    readiness from this sidecar's public port; the environment without any variable
+    named like a credential (:data:`_CREDENTIAL`), so it holds no token."""
+    local = "127.0.0.1" if opts.host in ("0.0.0.0", "", "::") else opts.host
+    local = f"[{local}]" if ":" in local else local
+    options = OipOptions(host=opts.host, port=opts.oip_port, model_name=config.model_name,
+                         inference_url=config.inference_url,
+                         sidecar_url=f"http://{local}:{opts.port}",
+                         repositories=config.repository_roots, log_level=opts.log_level)
+    env = {k: v for k, v in (os.environ if environ is None else environ).items()
+           if not _CREDENTIAL.search(k)}
+    cmd = [sys.executable, "-m", "serve.sidecar.http.oip_server", *options.argv()]
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+
+def _stop(child: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -273,9 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     _log.info("sidecar on http://%s:%d (writes on :%d) for model %r (management %s); "
               "desired state: %s", opts.host, opts.port, opts.write_port, config.model_name,
               config.management_url, config.state_file or "none (reconciler off)")
-    if opts.oip_port:
-        _log.info("Open Inference Protocol v2 on http://%s:%d/v2", opts.host, opts.oip_port)
-    _serve(create_app(config, write_port=opts.write_port, oip_port=opts.oip_port), opts)
+    app = create_app(config, write_port=opts.write_port, oip_port=opts.oip_port)
+    child = None
+    if opts.oip_port and opts.oip_mode == "child":
+        child = start_oip_child(opts, config)
+        _log.info("Open Inference Protocol v2 on http://%s:%d/v2 (process %d, no token)",
+                  opts.host, opts.oip_port, child.pid)
+    try:
+        _serve(app, opts)
+    finally:
+        if child is not None:
+            _stop(child)
 
 if __name__ == "__main__":
     main()

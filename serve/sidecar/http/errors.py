@@ -122,7 +122,7 @@ def register_oip_exception_handlers(app: FastAPI) -> None:
 
 
 def oip_error_response(exc: ServeError) -> JSONResponse:
-    """``exc`` in OIP's shape: its status, ``{"error": message}``. A 413 closes the
-    connection (its body was not read)."""
-    headers = {"Connection": "close"} if exc.status == 413 else None
+    """``exc`` in OIP's shape: its status, ``{"error": message}``. A 408, 413 or 429
+    closes the connection (its body was not read, or not all of it)."""
+    headers = {"Connection": "close"} if exc.status in (408, 413, 429) else None
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
