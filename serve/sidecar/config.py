@@ -398,30 +398,15 @@ class OipOptions:
     Inference Protocol's process, which holds no token and shares no memory, CPU or
     readiness with the sidecar (:mod:`serve.sidecar.http.oip_server` says why).
 
-    Attributes:
-        host, port: where it listens.
-        model_name: the model it serves (``/v2/models/{model_name}``).
-        inference_url: TorchServe's inference API, where each infer is forwarded.
-        sidecar_url: the sidecar's public read port: ``GET /readyz`` answers the ready
-            paths and names the served version (read at most once per ``ready_cache_s``).
-        repositories: the model repository folders (read only: each version's schema
-            from its build report); empty: the built-in DLRM's schema.
-        max_parses: bodies parsed at once (each holds the GIL and up to ~130 MB while
-            an 8 MiB JSON body becomes arrays); more wait up to ``parse_wait_s``, then 503.
-        parse_wait_s: longest wait for a parse slot (s).
-        parse_in: ``process`` (each parse in one of ``max_parses`` worker processes, so a
-            parse never holds the event loop's GIL: refusals stay fast) or ``thread``
-            (in-process tests).
-        max_inflight_bytes: the bytes of bodies held at once (announced lengths reserved
-            before a byte is read); a request past it answers 429 at once.
-        body_deadline_s: the whole body must arrive within this (s), else 408: a stalled
-            upload holds its budget no longer.
-        max_requests: requests handled at once (reading, parsing or waiting for
-            TorchServe); more answer 503 at once.
-        limit_concurrency: uvicorn's own bound on connections and tasks (a plain-text
-            503 past it): the backstop above ``max_requests``.
-        ready_cache_s: how long one answer of the sidecar's ``/readyz`` serves.
-        log_level: its log level (uvicorn's too).
+    Each field's flag help says what it is (``--help``). The bounds: ``max_requests``
+    handled at once (JSON 503 past it; uvicorn's ``limit_concurrency`` is the backstop),
+    ``max_inflight_bytes`` of bodies held at once (announced lengths reserved before a byte
+    is read; 429 past it), the whole body within ``body_deadline_s`` (408), ``max_parses``
+    parses at once (each holds the GIL and up to ~130 MB while an 8 MiB JSON body becomes
+    arrays; ``parse_in="process"`` keeps them off the event loop's GIL), a parse slot
+    within ``parse_wait_s`` (503), the sidecar's ``/readyz`` (ready paths, served version)
+    read at most once per ``ready_cache_s``; ``repositories`` are read only (each version's
+    schema from its build report; none: the built-in DLRM's).
     """
 
     host: str = field(default="127.0.0.1", metadata=flag(
@@ -486,8 +471,7 @@ class OipOptions:
         out = ["--host", self.host, "--port", str(self.port), "--model-name", self.model_name,
                "--inference-url", self.inference_url, "--sidecar-url", self.sidecar_url]
         for name in ("max_parses", "parse_wait_s", "parse_in", "max_inflight_bytes",
-                     "body_deadline_s",
-                     "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
+                     "body_deadline_s", "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
             out += ["--" + name.replace("_", "-"), str(getattr(self, name))]
         for root in self.repositories:
             out += ["--repository", str(root)]
