@@ -555,6 +555,21 @@ def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
                          "are ids, as make delta-compare measured on small-half)")
 
 
+def _add_stream_args(ap: argparse.ArgumentParser) -> None:
+    """--stream / --no-stream and the streamed build's memory budget."""
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                    help="merge and quantize streamed from the checkpoint, a table chunk at "
+                         "a time, within --max-memory-bytes (no merged.pt, no fp32 twin; the "
+                         "tables go straight to the version's tables folder). Default: only "
+                         "when the profile's fp32 tables exceed half of --max-memory-bytes "
+                         "(the in-memory path holds them twice: criteo-kaggle's 8.6 GB "
+                         "peaked at 17.2 GB); --no-stream forces the in-memory path")
+    ap.add_argument("--max-memory-bytes", type=int, default=None,
+                    help="memory a streamed build may hold beyond the interpreter and its "
+                         "libraries, in bytes (default 2000000000 = 2 GB, the importer's): "
+                         "half for a table chunk, a quarter for the AUC gate's host tier")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.model.pipeline",
@@ -625,17 +640,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="redo every step (a forced rebuild is a new version: give --version)")
     ap.add_argument("--no-quality-check", action="store_true",
                     help="do not fail when int8 AUC < fp32 AUC - 0.001 (still reported)")
-    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                    help="merge and quantize streamed from the checkpoint, a table chunk at "
-                         "a time, within --max-memory-bytes (no merged.pt, no fp32 twin; the "
-                         "tables go straight to the version's tables folder). Default: only "
-                         "when the profile's fp32 tables exceed half of --max-memory-bytes "
-                         "(the in-memory path holds them twice: criteo-kaggle's 8.6 GB "
-                         "peaked at 17.2 GB); --no-stream forces the in-memory path")
-    ap.add_argument("--max-memory-bytes", type=int, default=None,
-                    help="memory a streamed build may hold beyond the interpreter and its "
-                         "libraries, in bytes (default 2000000000 = 2 GB, the importer's): "
-                         "half for a table chunk, a quarter for the AUC gate's host tier")
+    _add_stream_args(ap)
     return ap
 
 
