@@ -7,7 +7,7 @@ read the DCP checkpoint a table chunk at a time, within ``--max-memory-bytes``.
   in-memory build) adds a version whose table bytes are ``torch.equal`` to the in-memory
   build's, with the same AUCs, an exact merge, a report with the peak RSS, and the same
   probabilities from our runtime over the stored version (slow: it trains once when the
-  cache is cold);
+  cache is cold), and the same HTTP predictions when TorchServe serves it (integration);
 * a refused streamed build (the AUC bar, the exactness check) leaves the model store as it
   was and removes its tables folder.
 """
@@ -16,9 +16,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ from serve.errors import ArtifactError, ConfigError, QualityError
 from serve.model.pipeline import REPORT_KEYS, run_pipeline, step_fingerprints
 from serve.model.pipeline_config import PipelineConfig
 from serve.profiles import get_profile
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, extract_artifact
 
 TINY = get_profile("tiny")
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,27 +102,32 @@ def _reuse_training(tiny_build, workdir: Path) -> None:
         shutil.copy(tiny_build.workdir / name, workdir / name)
 
 
-def _stored_artifact(repo: ModelRepository, version: str, tmp: Path):
-    """The artifact the version's archive carries, its tables found in the repository
-    (as a worker finds them)."""
-    from serve.runtime.artifact import load_artifact
+@dataclass(frozen=True)
+class Streamed:
+    cfg: PipelineConfig
+    result: Any                 # serve.model.pipeline.PipelineResult
+    root: Path                  # root / "model_store" is the repository
 
-    with zipfile.ZipFile(repo.archive(version)) as z:
-        (tmp / "artifact.pt").write_bytes(z.read("artifact.pt"))
-    return load_artifact(tmp / "artifact.pt", tables_path=[repo.roots[0]])
+
+@pytest.fixture(scope="module")
+def streamed(tiny_build, tmp_path_factory: pytest.TempPathFactory) -> Streamed:
+    """The tiny profile built streamed (chunks within a 16 MiB budget), its data and
+    training reused from the cached in-memory build."""
+    root = tmp_path_factory.mktemp("streamed")
+    _reuse_training(tiny_build, root / "work")
+    cfg = PipelineConfig(profile=TINY, workdir=root / "work", model_store=root / "model_store",
+                         stream=True, max_memory_bytes=1 << 24)
+    return Streamed(cfg, run_pipeline(cfg, say=lambda s: None), root)
 
 
 @pytest.mark.slow
-def test_streamed_build_equals_the_in_memory_one(tiny_build, tmp_path: Path) -> None:
+def test_streamed_build_equals_the_in_memory_one(tiny_build, streamed: Streamed,
+                                                 tmp_path: Path) -> None:
     from serve.model.importer import generated_batch
     from serve.runtime.artifact import load_artifact
     from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
 
-    work, store = tmp_path / "work", tmp_path / "store"
-    _reuse_training(tiny_build, work)
-    cfg = PipelineConfig(profile=TINY, workdir=work, model_store=store, stream=True,
-                         max_memory_bytes=1 << 24)
-    res = run_pipeline(cfg, say=lambda s: None)
+    cfg, res = streamed.cfg, streamed.result
     assert res.ran == ["merge", "quantize", "archive"] and res.skipped == ["data", "train"]
     rep, ref = res.report, tiny_build.report
     assert set(REPORT_KEYS) <= set(rep) and rep["streamed"] is True
@@ -134,10 +141,10 @@ def test_streamed_build_equals_the_in_memory_one(tiny_build, tmp_path: Path) -> 
     assert rep["baseline"]["rows"] == ref["baseline"]["rows"]
     assert rep["schema"] == ref["schema"] and rep["num_parameters"] == ref["num_parameters"]
     assert rep["table_bytes_quantized"] == ref["table_bytes_quantized"]
-    assert not (work / "merged.pt").exists() and not cfg.stream_tables.exists()
+    assert not (cfg.workdir / "merged.pt").exists() and not cfg.stream_tables.exists()
 
-    repo = ModelRepository([store])
-    ours = _stored_artifact(repo, cfg.version_name, tmp_path)
+    repo = ModelRepository([cfg.model_store])
+    ours = load_artifact(extract_artifact(repo.archive(cfg.version_name), tmp_path))
     theirs = load_artifact(tiny_build.artifact)
     assert ours.files is not None and ours.schema == theirs.schema
     for a, b in zip(ours.tables, theirs.tables, strict=True):
@@ -152,6 +159,30 @@ def test_streamed_build_equals_the_in_memory_one(tiny_build, tmp_path: Path) -> 
             rt.close()
     assert torch.equal(probs[0], probs[1])
     ours.files.close()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_service_serves_a_streamed_version(tiny_build, streamed: Streamed) -> None:
+    """TorchServe and the sidecar over the streamed version: HTTP predictions equal our
+    runtime over the in-memory build's artifact."""
+    from serve.api.binary import encode_binary
+    from serve.runtime.artifact import load_artifact
+    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+    from tests.fixtures.served import serve_repository
+
+    reference = Runtime(load_artifact(tiny_build.artifact), RuntimeConfig(device="cpu"))
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.ones((len(TINY.feature_names), 16), dtype=torch.int32)
+    values = torch.randint(0, 500, (int(lengths.sum()),), generator=g)
+    dense = torch.randn(16, 13, generator=g)
+    body = encode_binary(dense.numpy().astype(np.float32), lengths.numpy(), values.numpy())
+    version = streamed.cfg.version_name
+    with serve_repository(streamed.root, state={"model": {"version": version}}) as s:
+        got = torch.tensor(s.predictions(body), dtype=torch.float32)
+        assert s.state()["observed"]["model"]["version"] == version
+    assert torch.equal(got, reference.predict(dense, SparseBatch(values, lengths)))
+    reference.close()
 
 
 def _listing(store: Path) -> list[str]:
