@@ -39,8 +39,12 @@ __all__ = [
     "MERGED_FORMAT",
     "MergeResult",
     "check_checkpoint",
+    "checked_plan",
+    "fixed_batch",
     "load_dcp_into",
     "load_merged",
+    "load_outputs",
+    "logits_diff",
     "main",
     "merge_checkpoint",
 ]
@@ -174,41 +178,72 @@ def load_dcp_into(model: torch.nn.Module, ckpt: Path,
     model.load_state_dict(state, strict=True)  # same tensors; the formal strict check
 
 
-def _fixed_batch_diff(model: torch.nn.Module, outputs: dict) -> float:
+def fixed_batch(outputs: dict) -> Any:
+    """The trainer's fixed batch (``sharded_outputs.pt``) as a :class:`serve.model.data.Batch`:
+    dense (B, 13) float32 and a feature-major KeyedJaggedTensor of its rows."""
     from serve.model.data import to_batch
 
-    b = to_batch((outputs["dense"], outputs["ids"], outputs["lengths"],
-                  torch.zeros(outputs["dense"].shape[0])), list(outputs["feature_names"]))
+    return to_batch((outputs["dense"], outputs["ids"], outputs["lengths"],
+                     torch.zeros(outputs["dense"].shape[0])), list(outputs["feature_names"]))
+
+
+def logits_diff(logits: torch.Tensor, outputs: dict) -> float:
+    """max |logits - the sharded model's logits| on the fixed batch (B,)."""
+    return float((logits.reshape(-1).float() - outputs["logits"].float()).abs().max().item())
+
+
+def _fixed_batch_diff(model: torch.nn.Module, outputs: dict) -> float:
+    b = fixed_batch(outputs)
     model.eval()
     with torch.no_grad():
-        got = model(b.dense, b.sparse).squeeze(-1).float()
-    return float((got - outputs["logits"].float()).abs().max().item())
+        got = model(b.dense, b.sparse)
+    return logits_diff(got, outputs)
+
+
+def load_outputs(ckpt: Path) -> dict:
+    """The trainer's fixed batch and its sharded logits (``ckpt/sharded_outputs.pt``).
+
+    Raises:
+        CheckpointError: the file is missing or unreadable.
+    """
+    from serve.model.train import OUTPUTS_FILE
+
+    outputs_file = ckpt / OUTPUTS_FILE
+    if not outputs_file.is_file():
+        raise CheckpointError(f"checkpoint outputs {outputs_file} are missing; cannot prove the "
+                              "merge exact; re-run `python -m serve.model.train`")
+    try:
+        return dict(torch.load(outputs_file, map_location="cpu", weights_only=True))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint outputs {outputs_file} are unreadable "
+                              f"({type(e).__name__}); re-run `python -m serve.model.train`") from e
+
+
+def checked_plan(ckpt: Path, profile: Profile) -> dict[str, Any]:
+    """:func:`check_checkpoint`, and the plan's profile is ``profile``.
+
+    Raises:
+        ConfigError: the checkpoint was trained with another profile.
+    """
+    plan = check_checkpoint(ckpt)
+    if plan.get("profile") != profile.name:
+        raise ConfigError(f"checkpoint {ckpt} was trained with profile {plan.get('profile')!r}, "
+                          f"not {profile.name!r}; pass --profile {plan.get('profile')}")
+    return plan
 
 
 def merge_checkpoint(ckpt: str | os.PathLike, profile: Profile, out: str | os.PathLike,
                      max_diff: float = MAX_MERGE_DIFF) -> MergeResult:
     """Merge, load strictly into an unsharded DLRM, verify, save (atomically)."""
     from serve.model.dlrm import build_dlrm
-    from serve.model.train import OUTPUTS_FILE
 
     ckpt, out = Path(ckpt), Path(out)
-    plan = check_checkpoint(ckpt)
-    if plan.get("profile") != profile.name:
-        raise ConfigError(f"checkpoint {ckpt} was trained with profile {plan.get('profile')!r}, "
-                          f"not {profile.name!r}; pass --profile {plan.get('profile')}")
+    plan = checked_plan(ckpt, profile)
     # Built on CPU, not meta + to_empty: DLRM has non-persistent buffers (the interaction's
     # triu indices) that no checkpoint holds, so they must be initialised for real.
     model = build_dlrm(profile, device="cpu")
     load_dcp_into(model, ckpt)
-    outputs_file = ckpt / OUTPUTS_FILE
-    if not outputs_file.is_file():
-        raise CheckpointError(f"checkpoint outputs {outputs_file} are missing; cannot prove the "
-                              "merge exact; re-run `python -m serve.model.train`")
-    try:
-        outputs = torch.load(outputs_file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint outputs {outputs_file} are unreadable "
-                              f"({type(e).__name__}); re-run `python -m serve.model.train`") from e
+    outputs = load_outputs(ckpt)
     diff = _fixed_batch_diff(model, outputs)
     if not diff <= max_diff:
         raise CheckpointError(f"merged model differs from the sharded one by {diff:.3g} on the "

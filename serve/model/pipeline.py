@@ -53,11 +53,21 @@ the workdir to ``build/<profile>-s<seed>[...]-managed`` (a managed and a modulo 
 share a step), and the report records ``id_mapping``: the mapping, the policy, threshold,
 ttl_days, recency_days and per table admitted ids, capacity (rows - 1) and occupancy.
 
+``--stream`` (the default when the profile's fp32 tables exceed half of
+``--max-memory-bytes``, 2 GB by default; ``--no-stream`` never) merges and quantizes
+straight from the DCP checkpoint, a table chunk at a time (:mod:`serve.model.stream_build`):
+no ``merged.pt`` and no fp32 twin; the quantize step writes the version's tables folder
+and a format-3 artifact, which the archive step adds as the importer does. The stream is
+in the merge and quantize steps' arguments only when on (in-memory builds keep theirs);
+the report records ``streamed`` and ``max_memory_bytes``.
+
 The report (``REPORT_KEYS``): version, seed, label shuffle, build fingerprint, the
 archive's batching and workers, profile, world size, sharding plan, merge diff, AUCs,
 table bytes, parameters, wall time per step, git commit, and the ``baseline``: the served
 (int8) model on the held-out rows (observed and predicted CTR, calibration ratio, AUC, score
 bins; :func:`serve.common.quality.summarize`), which the pod's online metrics are compared with.
+``peak_rss_bytes``: the largest peak resident set of the merge and quantize steps (each
+step's own, measured in this process; ``peak_rss_bytes_steps`` per step).
 
 Example::
 
@@ -110,7 +120,7 @@ REPORT_KEYS = ("version", "seed", "data_seed", "label_shuffle", "build_fingerpri
                "mar_batch_size", "mar_max_batch_delay_ms", "mar_workers", "profile",
                "world_size", "sharding_plan", "merged_max_abs_diff", "auc_fp32", "auc_quantized", "quantized_dtype", "baseline", "schema",
                "table_bytes_fp32", "table_bytes_quantized", "num_parameters", "created_at",
-               "git_commit")
+               "git_commit", "peak_rss_bytes")
 _SERVE = Path(__file__).resolve().parent.parent  # serve/
 # Source files each step's output depends on (beyond the steps before it).
 _STEP_SOURCES: dict[str, tuple[str, ...]] = {
@@ -124,6 +134,9 @@ _STEP_SOURCES: dict[str, tuple[str, ...]] = {
                 "api/config.py", "../handlers/dlrm_handler.py"),
     # Only a lossy dense precision's build runs the gate (see _step_args).
     "precision": ("model/precision.py", "runtime/dense.py"),
+    # Only a streamed build's merge and quantize read these (see _step_args).
+    "stream": ("model/stream_build.py", "model/stream_import.py", "model/ckpt_stream.py",
+               "model/rowquant.py", "store/tablefiles.py"),
 }
 
 
@@ -195,12 +208,18 @@ class _Runner:
                 self.skipped.append(name)
                 self.records[name] = rec
                 return rec["result"]
+        from serve.model.stream_build import peak_rss_bytes, reset_peak_rss
+
         self.say(f"[{name}] running ...")
+        reset = reset_peak_rss()
         t0 = time.perf_counter()
         result = fn()
         wall = round(time.perf_counter() - t0, 3)
+        # The step's own peak (this process; training's ranks are processes of their own),
+        # or the process's so far where the peak cannot be reset.
         rec = {"fingerprint": fp, "args": self.args[name], "result": result,
-               "wall_seconds": wall,
+               "wall_seconds": wall, "peak_rss_bytes": peak_rss_bytes(),
+               "peak_rss_reset": reset,
                "finished_at": datetime.now(UTC).isoformat(timespec="seconds")}
         tmp = done.with_name(done.name + ".tmp")
         tmp.write_text(json.dumps(rec, indent=2, default=str))
@@ -252,11 +271,15 @@ def _step_args(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         archive["dense_precision"] = {"precision": cfg.dense_precision,
                                       "check": cfg.check_quality,
                                       "source": source_hash(_STEP_SOURCES["precision"])}
+    merge: dict[str, Any] = {}
+    quantize: dict[str, Any] = {"dtype": cfg.dtype, "check": cfg.quality_check}
+    if cfg.streamed:  # only then: in-memory builds keep the arguments they had
+        merge["stream"] = quantize["stream"] = source_hash(_STEP_SOURCES["stream"])
     return {
         "data": data,
         "train": train,
-        "merge": {},
-        "quantize": {"dtype": cfg.dtype, "check": cfg.quality_check},
+        "merge": merge,
+        "quantize": quantize,
         "archive": archive,
     }
 
@@ -313,7 +336,18 @@ def _report(cfg: PipelineConfig, tres: dict, mres: dict, qres: dict,
         "git_commit": _git_commit(),
         "wall_seconds": {s: records[s]["wall_seconds"] for s in STEPS[:-1]},
         "build_dir": os.fspath(cfg.workdir),
+        **_memory_report(cfg, records),
     }
+
+
+def _memory_report(cfg: PipelineConfig, records: dict[str, dict]) -> dict[str, Any]:
+    """``streamed``, ``max_memory_bytes`` and the peak resident set: ``peak_rss_bytes``
+    the largest of the merge and quantize steps' (what the memory bound is about), and
+    per step (None: a step recorded before peaks were)."""
+    steps = {s: records[s].get("peak_rss_bytes") for s in STEPS[:-1]}
+    tail = [v for s, v in steps.items() if s in ("merge", "quantize") and v is not None]
+    return {"streamed": cfg.streamed, "max_memory_bytes": cfg.memory_budget,
+            "peak_rss_bytes": max(tail) if tail else None, "peak_rss_bytes_steps": steps}
 
 
 def _id_mapping_report(plan: dict[str, Any]) -> dict[str, Any]:
@@ -381,8 +415,6 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
         ShardingError: ``nproc`` ranks cannot share the tables.
     """
     from serve.model.data import generate
-    from serve.model.merge import merge_checkpoint
-    from serve.model.quantize import quantize
     from serve.model.sharding import plan_sharding
     from serve.model.train import train
 
@@ -414,23 +446,9 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     r.step("data", [cfg.data_dir / "meta.json"], do_data)
     tres = r.step("train", [cfg.checkpoint_dir / ".metadata"], lambda: train(tcfg))
 
-    def do_merge() -> dict:
-        m = merge_checkpoint(cfg.checkpoint_dir, p, cfg.merged)
-        return {"merged_max_abs_diff": m.merged_max_abs_diff, "world_size": m.world_size,
-                "num_parameters": m.num_parameters}
-
-    mres = r.step("merge", [cfg.merged], do_merge)
-
-    def do_quantize() -> dict:
-        if cfg.label_shuffle and cfg.check_quality:
-            say("[quantize] label shuffle: the int8 AUC bar is not applied (AUC ~0.5 by design)")
-        q = quantize(cfg.merged, p, cfg.data_dir, cfg.dtype, cfg.artifact,
-                     check=cfg.quality_check, id_maps=_trained_id_maps(cfg))
-        say(f"[quantize] AUC fp32 {q.auc_fp32:.4f}  {cfg.dtype} {q.auc_quantized:.4f}  "
-            f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
-        return dataclasses.asdict(q)
-
-    qres = r.step("quantize", [cfg.artifact], do_quantize)
+    mres = r.step("merge", [cfg.checkpoint_dir / ".metadata"] if cfg.streamed
+                  else [cfg.merged], lambda: _merge(cfg))
+    qres = r.step("quantize", _quantize_outputs(cfg), lambda: _quantize(cfg, say))
 
     def do_archive() -> dict:
         from serve.model.archive import add_version
@@ -440,10 +458,11 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
         report = _report(cfg, tres, mres, qres, r.records, dcfg.seed, build_fp,
                          repo.archive_name(version))
         handler_config = _gate_dense_precision(cfg, report, say)
-        stored = add_version(repo, cfg.artifact, version, report, cfg.workdir,
-                             batch_size=cfg.mar_batch_size,
+        stored = add_version(repo, cfg.stream_artifact if cfg.streamed else cfg.artifact,
+                             version, report, cfg.workdir, batch_size=cfg.mar_batch_size,
                              max_batch_delay_ms=cfg.mar_max_batch_delay_ms,
-                             workers=cfg.mar_workers, handler_config=handler_config)
+                             workers=cfg.mar_workers, handler_config=handler_config,
+                             tables=cfg.stream_tables if cfg.streamed else None)
         say(f"[archive] added version {version}: {stored}")
         return {"version": version, "archive": os.fspath(stored),
                 "mar_bytes": stored.stat().st_size}
@@ -453,6 +472,46 @@ def run_pipeline(cfg: PipelineConfig, say: Callable[[str], None] = print) -> Pip
     report = repo.report(version)
     report["wall_seconds"]["archive"] = r.records["archive"]["wall_seconds"]
     return PipelineResult(version, repo.archive(version), report, r.ran, r.skipped)
+
+
+def _merge(cfg: PipelineConfig) -> dict[str, Any]:
+    """The merge step: ``merged.pt`` proved exact, or (streamed) the proof alone."""
+    if cfg.streamed:
+        from serve.model.stream_build import stream_merge
+
+        return stream_merge(cfg.checkpoint_dir, cfg.profile)
+    from serve.model.merge import merge_checkpoint
+
+    m = merge_checkpoint(cfg.checkpoint_dir, cfg.profile, cfg.merged)
+    return {"merged_max_abs_diff": m.merged_max_abs_diff, "world_size": m.world_size,
+            "num_parameters": m.num_parameters}
+
+
+def _quantize_outputs(cfg: PipelineConfig) -> list[Path]:
+    """What the quantize step leaves for the archive step."""
+    return [cfg.stream_artifact, cfg.stream_tables] if cfg.streamed else [cfg.artifact]
+
+
+def _quantize(cfg: PipelineConfig, say: Callable[[str], None]) -> dict[str, Any]:
+    """The quantize step: the artifact (and, in memory, its fp32 twin), or (streamed) the
+    version's tables folder and a format-3 artifact over it; AUCs and checks either way."""
+    if cfg.label_shuffle and cfg.check_quality:
+        say("[quantize] label shuffle: the int8 AUC bar is not applied (AUC ~0.5 by design)")
+    if cfg.streamed:
+        from serve.model.stream_build import stream_quantize
+
+        q = stream_quantize(cfg.checkpoint_dir, cfg.profile, cfg.data_dir, cfg.dtype,
+                            cfg.stream_artifact, cfg.stream_tables,
+                            max_memory_bytes=cfg.memory_budget, check=cfg.quality_check,
+                            say=say)
+    else:
+        from serve.model.quantize import quantize
+
+        q = quantize(cfg.merged, cfg.profile, cfg.data_dir, cfg.dtype, cfg.artifact,
+                     check=cfg.quality_check, id_maps=_trained_id_maps(cfg))
+    say(f"[quantize] AUC fp32 {q.auc_fp32:.4f}  {cfg.dtype} {q.auc_quantized:.4f}  "
+        f"tables {q.table_bytes_fp32:,} B -> {q.table_bytes_quantized:,} B")
+    return dataclasses.asdict(q)
 
 
 def _gate_dense_precision(cfg: PipelineConfig, report: dict[str, Any],
@@ -494,6 +553,21 @@ def _add_mapping_args(ap: argparse.ArgumentParser) -> None:
                          "ids without a row of their own share by id %% k (default 0: one "
                          "fallback row; about 0.25 where tables hold fewer rows than there "
                          "are ids, as make delta-compare measured on small-half)")
+
+
+def _add_stream_args(ap: argparse.ArgumentParser) -> None:
+    """--stream / --no-stream and the streamed build's memory budget."""
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                    help="merge and quantize streamed from the checkpoint, a table chunk at "
+                         "a time, within --max-memory-bytes (no merged.pt, no fp32 twin; the "
+                         "tables go straight to the version's tables folder). Default: only "
+                         "when the profile's fp32 tables exceed half of --max-memory-bytes "
+                         "(the in-memory path holds them twice: criteo-kaggle's 8.6 GB "
+                         "peaked at 17.2 GB); --no-stream forces the in-memory path")
+    ap.add_argument("--max-memory-bytes", type=int, default=None,
+                    help="memory a streamed build may hold beyond the interpreter and its "
+                         "libraries, in bytes (default 2000000000 = 2 GB, the importer's): "
+                         "half for a table chunk, a quarter for the AUC gate's host tier")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -566,6 +640,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="redo every step (a forced rebuild is a new version: give --version)")
     ap.add_argument("--no-quality-check", action="store_true",
                     help="do not fail when int8 AUC < fp32 AUC - 0.001 (still reported)")
+    _add_stream_args(ap)
     return ap
 
 
@@ -591,6 +666,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         label_shuffle=args.label_shuffle, data_day=args.data_day, mapping=args.mapping,
         admit_threshold=args.admit_threshold, eviction=args.eviction, ttl_days=args.ttl_days,
         recency_days=args.recency_days, dense_precision=args.dense_precision,
+        stream=args.stream, max_memory_bytes=args.max_memory_bytes,
         fallback_share=(DEFAULT_FALLBACK_SHARE if args.fallback_share is None
                         else args.fallback_share))
 
@@ -642,6 +718,9 @@ def _summary(res: PipelineResult, seconds: float) -> str:
         lines += [f"  merged_max_abs_diff {rep['merged_max_abs_diff']:.3g}",
                   f"  AUC fp32 {rep['auc_fp32']:.4f}  {dtype} {rep['auc_quantized']:.4f}",
                   tables]
+        if rep.get("peak_rss_bytes") is not None:
+            how = "streamed" if rep.get("streamed") else "in memory"
+            lines.append(f"  peak RSS of merge/quantize {rep['peak_rss_bytes']:,} B ({how})")
     except (KeyError, TypeError, ValueError):
         pass
     idm = rep.get("id_mapping")

@@ -87,6 +87,12 @@ class PipelineConfig:
     # The dense part's arithmetic (serve.constants.DENSE_PRECISIONS): fp32 (exact), or a
     # lossy lever the archive step admits only through its AUC gate (serve.model.precision).
     dense_precision: str = "fp32"
+    # Merge and quantize streamed from the checkpoint (serve.model.stream_build): True,
+    # False (the in-memory path), or None: when the fp32 tables exceed half of the budget.
+    stream: bool | None = None
+    # Memory the streamed steps may hold beyond the interpreter (None: the importer's
+    # DEFAULT_MAX_MEMORY_BYTES, 2 GB); it also decides ``stream=None``.
+    max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         from serve.model.quantize import QUANT_DTYPES
@@ -112,11 +118,62 @@ class PipelineConfig:
         boolean("label_shuffle", self.label_shuffle,
                 then="; pass --label-shuffle to permute the training labels, or omit it")
         int_at_least("--data-day", self.data_day, 0, then=" (0 = the original click logs)")
+        self._check_stream()
         if not re.fullmatch(VERSION_RE, self.version_name):
             raise ConfigError(
                 f"--version {self.version_name!r} is not a valid version name: use letters, "
                 "digits, '.' and '-' (no '_', it separates a version from its batching suffix), "
                 f"starting with a letter or digit, at most 64 characters ({VERSION_RE})")
+
+    def _check_stream(self) -> None:
+        from serve.model.importer import MIN_MAX_MEMORY_BYTES
+
+        if self.stream is not None:
+            boolean("stream", self.stream, then="; pass --stream, --no-stream, or neither "
+                    "(streamed when the fp32 tables exceed half of --max-memory-bytes)")
+        if self.max_memory_bytes is not None:
+            int_at_least("--max-memory-bytes", self.max_memory_bytes, MIN_MAX_MEMORY_BYTES,
+                         then=f" ({MIN_MAX_MEMORY_BYTES} = 16 MiB; default 2000000000)")
+        if not self.streamed:
+            return
+        why = ("--stream" if self.stream else
+               f"its fp32 tables ({self.profile.table_bytes_fp32():,} B) exceed half of "
+               f"--max-memory-bytes {self.memory_budget:,}")
+        if self.mapping != "modulo":
+            raise ConfigError(f"--mapping {self.mapping}: this build streams ({why}), and the "
+                              "streamed build takes modulo id spaces only; build it with "
+                              "--mapping modulo, or in memory (--no-stream, a larger "
+                              "--max-memory-bytes)")
+        if self.dense_precision != "fp32":
+            raise ConfigError(f"--dense-precision {self.dense_precision}: this build streams "
+                              f"({why}), and the streamed build serves the dense part in fp32 "
+                              "only; drop --dense-precision, or build in memory (--no-stream)")
+
+    @property
+    def memory_budget(self) -> int:
+        """``max_memory_bytes``, or the importer's default (2 GB)."""
+        from serve.model.importer import DEFAULT_MAX_MEMORY_BYTES
+
+        return DEFAULT_MAX_MEMORY_BYTES if self.max_memory_bytes is None else self.max_memory_bytes
+
+    @property
+    def streamed(self) -> bool:
+        """Whether merge and quantize stream (:mod:`serve.model.stream_build`): ``stream``,
+        or when None, whether the fp32 tables exceed half of the memory budget (the
+        in-memory path holds them about twice over)."""
+        if self.stream is not None:
+            return self.stream
+        return self.profile.table_bytes_fp32() > self.memory_budget // 2
+
+    @property
+    def stream_artifact(self) -> Path:
+        """A streamed build's format-3 artifact (its tables: :attr:`stream_tables`)."""
+        return self.workdir / "artifact.stream.pt"
+
+    @property
+    def stream_tables(self) -> Path:
+        """A streamed build's tables folder, named as the repository stores it."""
+        return self.workdir / self.repository.tables_name(self.version_name)
 
     @property
     def admission(self) -> Any:
