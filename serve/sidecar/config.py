@@ -429,6 +429,8 @@ class SidecarConfig:
             ``DeltaIntake.max_bytes``, also what the request guard allows that route.
         max_delta_store_bytes: the most bytes of deltas the delta folder may hold
             (``DeltaIntake.max_store_bytes``).
+        delta_verify_key: the ed25519 public key file deltas must be signed with
+            (:mod:`serve.store.deltas.signature`); None: signatures are not verified.
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`TunerConfig`; on by
@@ -524,6 +526,13 @@ class SidecarConfig:
              "A version's deltas stay until it stops being served; in Kubernetes the "
              "folder is memory-backed and its deltas are charged to the sidecar's "
              "container, so size the container from this bound (README, Memory)"))
+    delta_verify_key: Path | None = field(default=None, metadata=flag(
+        "--delta-verify-key", env=settings.DLRM_DELTA_VERIFY_KEY,
+        help="the ed25519 public key (PEM; python -m serve.ops.keys generate) embedding "
+             "deltas must be signed with: an unsigned or wrongly signed delta is refused "
+             "(POST: 400) or skipped (model volume), before any byte is stored. Unset: "
+             "signatures are not verified (logged at start, GET /state says so), so "
+             "whoever can write the model volume or POST can change the embeddings"))
     drain_file: Path | None = field(default=None, metadata=flag(
         "--drain-file", env=settings.DLRM_DRAIN_FILE,
         help="a pod-local file recording that POST /drain drained the pod, so a "
@@ -593,6 +602,8 @@ class SidecarConfig:
                 f"--max-delta-bytes")
         if self.drain_file is not None:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
+        if self.delta_verify_key is not None:
+            object.__setattr__(self, "delta_verify_key", Path(self.delta_verify_key))
         if self.deltas_post not in DELTAS_POST_MODES:
             raise ConfigError(f"deltas_post={self.deltas_post!r} must be one of "
                               f"{', '.join(DELTAS_POST_MODES)}")

@@ -28,6 +28,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
+from serve.common.signing import load_verify_key
 from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import EMBEDDING_IDS_FALLBACK_TOTAL
 from serve.metrics.aggregate import HandlerAggregateCollector, feature_counts
@@ -460,9 +461,18 @@ def _delta_parts(store: DeltaStore, config: SidecarConfig, *,
     """The embedding-delta parts around ``store``, wired: the volume sync goes through the
     intake; the report reads the intake and the workers' progress. The live pids are
     connected by :meth:`Sidecar.connect`."""
+    key = (None if config.delta_verify_key is None
+           else load_verify_key(config.delta_verify_key))
     intake = DeltaIntake(store, versions=versions, report_of=report_of,
                          max_bytes=config.max_delta_bytes,
-                         max_store_bytes=config.max_delta_store_bytes)
+                         max_store_bytes=config.max_delta_store_bytes, verify_key=key)
+    if key is None:
+        _log.warning("embedding delta signatures are NOT verified (no --delta-verify-key): "
+                     "whoever can write the model volume's deltas/ or POST a delta can "
+                     "change the served embeddings (docs/deltas.md, Signed deltas)")
+    else:
+        _log.info("embedding deltas must be signed by key %s (%s)", key.key_id,
+                  config.delta_verify_key)
     progress = WorkerProgress(store, versions=versions, clock=clock)
     return DeltaParts(store=store, intake=intake, volume=VolumeSync(intake, versions),
                       progress=progress,

@@ -1,0 +1,131 @@
+"""Signing keys for embedding deltas: generate a pair, sign a delta file, verify one.
+
+    python -m serve.ops.keys generate --out keys/          # delta-signing.key (0600) + .pub
+    python -m serve.ops.keys verify --key keys/delta-signing.pub FILE.delta...
+    python -m serve.ops.keys sign --key keys/delta-signing.key FILE.delta
+
+The private key stays with the delta publisher (``make delta SIGN_KEY=...``); the public
+key goes to every pod (``--delta-verify-key``; in Kubernetes the ConfigMap
+``dlrm-delta-verify-key``, docs/deltas.md, "Signed deltas").
+
+``sign`` adds a signature to a delta written unsigned. It changes the file's bytes, so
+its digest: do it before the next delta of the chain is built (that one names this file's
+digest as its parent), else build with ``--sign-key`` from the start.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+from pathlib import Path
+
+from serve.common.signing import (
+    generate_keypair,
+    key_id,
+    load_signing_key,
+    load_verify_key,
+    private_pem,
+    public_pem,
+)
+from serve.errors import ServeError
+from serve.store.deltas.header import DELTA_MAGIC, canonical_json, read_header
+from serve.store.deltas.signature import check_signature, read_file_header, sign_header
+
+__all__ = ["KEY_NAME", "PUB_NAME", "generate", "main", "sign_file"]
+
+#: The file names ``generate`` writes in ``--out``.
+KEY_NAME = "delta-signing.key"
+PUB_NAME = "delta-signing.pub"
+
+
+def generate(out: Path, force: bool = False) -> tuple[Path, Path]:
+    """Write a new ed25519 pair in ``out``: :data:`KEY_NAME` (mode 0600, created with
+    O_EXCL so it is never readable by others, not even briefly) and :data:`PUB_NAME`
+    (0644). Refuses to overwrite unless ``force``.
+
+    Raises:
+        FileExistsError: a key file is there already (and not ``force``).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    key_path, pub_path = out / KEY_NAME, out / PUB_NAME
+    if force:
+        key_path.unlink(missing_ok=True)
+    elif key_path.exists() or pub_path.exists():
+        raise FileExistsError(f"{key_path} or {pub_path} exists; pass --force to replace "
+                              "the pair (every pod must then get the new public key)")
+    private, public = generate_keypair()
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem(private))
+    os.chmod(key_path, 0o600)
+    pub_path.write_bytes(public_pem(public))
+    os.chmod(pub_path, 0o644)
+    return key_path, pub_path
+
+
+def sign_file(path: Path, key_file: Path) -> str:
+    """Rewrite the delta file ``path`` with a signature in its header (atomically); the
+    signing key's id. The checksum must already be right (it is what is signed)."""
+    key = load_signing_key(key_file)
+    data = path.read_bytes()
+    header, off = read_header(memoryview(data), len(data))
+    head = canonical_json(sign_header({k: v for k, v in header.items() if k != "signature"},
+                                      key))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(DELTA_MAGIC + struct.pack("<I", len(head)) + head + data[off:])
+    os.replace(tmp, path)
+    return key.key_id
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m serve.ops.keys",
+        description="Ed25519 keys that sign embedding deltas: the publisher signs with the "
+                    "private key, every pod verifies with the public key "
+                    "(--delta-verify-key) and refuses unsigned or wrongly signed deltas.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help=f"write a new pair: {KEY_NAME} (0600) and "
+                                          f"{PUB_NAME} in --out")
+    gen.add_argument("--out", required=True, type=Path, help="folder for the two files")
+    gen.add_argument("--force", action="store_true", help="replace an existing pair")
+    sign = sub.add_parser("sign", help="add a signature to delta files written unsigned "
+                                       "(before the next delta of the chain is built)")
+    sign.add_argument("--key", required=True, type=Path, help="the private key (mode 0600)")
+    sign.add_argument("files", nargs="+", type=Path)
+    ver = sub.add_parser("verify", help="check delta files' signatures (exit 1 if any fails)")
+    ver.add_argument("--key", required=True, type=Path, help="the public key")
+    ver.add_argument("files", nargs="+", type=Path)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            key_path, pub_path = generate(args.out, args.force)
+            print(f"wrote {key_path} (private, 0600: keep it with the delta publisher) and "
+                  f"{pub_path} (public: --delta-verify-key of every pod); key id "
+                  f"{load_verify_key(pub_path).key_id}")
+            return 0
+        if args.command == "sign":
+            for f in args.files:
+                print(f"{f}: signed by key {sign_file(f, args.key)}")
+            return 0
+        key = load_verify_key(args.key)
+        failed = 0
+        for f in args.files:
+            try:
+                check_signature(read_file_header(f), key)
+                print(f"{f}: signature verifies under key {key_id(key.key)}")
+            except ServeError as e:
+                failed += 1
+                print(f"{f}: {e.message}", file=sys.stderr)
+        return 1 if failed else 0
+    except (ServeError, OSError) as e:
+        print(f"error: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
