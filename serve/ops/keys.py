@@ -1,8 +1,10 @@
-"""Signing keys for embedding deltas: generate a pair, sign a delta file, verify one.
+"""Signing keys for embedding deltas (generate a pair, sign a delta file, verify one),
+and the archive digests of a model repository.
 
     python -m serve.ops.keys generate --out keys/          # delta-signing.key (0600) + .pub
     python -m serve.ops.keys verify --key keys/delta-signing.pub FILE.delta...
     python -m serve.ops.keys sign --key keys/delta-signing.key FILE.delta
+    python -m serve.ops.keys index-archives --repository model_store   # record missing digests
 
 The private key stays with the delta publisher (``make delta SIGN_KEY=...``); the public
 key goes to every pod (``--delta-verify-key``; in Kubernetes the ConfigMap
@@ -11,6 +13,12 @@ key goes to every pod (``--delta-verify-key``; in Kubernetes the ConfigMap
 ``sign`` adds a signature to a delta written unsigned. It changes the file's bytes, so
 its digest: do it before the next delta of the chain is built (that one names this file's
 digest as its parent), else build with ``--sign-key`` from the start.
+
+``index-archives`` records the sha256 of every version's archive that has none
+(``dlrm-<version>.mar.sha256``; versions added before digests existed): the sidecar
+registers an archive only when it matches its recorded digest
+(:meth:`serve.store.repository.ModelRepository.check_archive`). It vouches for the bytes
+there now: run it only on archives you built or trust.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from serve.common.signing import (
 from serve.errors import ServeError
 from serve.store.deltas.header import DELTA_MAGIC, canonical_json, read_header
 from serve.store.deltas.signature import check_signature, read_file_header, sign_header
+from serve.store.repository import ModelRepository, record_archive_digest
 
 __all__ = ["KEY_NAME", "PUB_NAME", "generate", "main", "sign_file"]
 
@@ -96,7 +105,19 @@ def _parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check delta files' signatures (exit 1 if any fails)")
     ver.add_argument("--key", required=True, type=Path, help="the public key")
     ver.add_argument("files", nargs="+", type=Path)
+    idx = sub.add_parser("index-archives", help="record the sha256 of each version's archive "
+                                                "that has none (only archives you trust)")
+    idx.add_argument("--repository", required=True, type=Path, help="the model repository")
+    idx.add_argument("--model-name", default="dlrm", help="model name (default dlrm)")
     return ap
+
+
+def _index(repository: Path, model_name: str) -> int:
+    repo = ModelRepository([repository], model_name)
+    for version in repo.versions():
+        path, wrote = record_archive_digest(repo, version)
+        print(f"{version}: {'recorded' if wrote else 'already recorded'} in {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pub_path} (public: --delta-verify-key of every pod); key id "
                   f"{load_verify_key(pub_path).key_id}")
             return 0
+        if args.command == "index-archives":
+            return _index(args.repository, args.model_name)
         if args.command == "sign":
             for f in args.files:
                 print(f"{f}: signed by key {sign_file(f, args.key)}")
