@@ -48,6 +48,7 @@ from serve.errors import ConfigError
 
 __all__ = [
     "BENCH",
+    "DLRM_ARCHIVE_VERIFY_KEY",
     "DLRM_AUTOTUNE",
     "DLRM_CACHE_ON_CPU",
     "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
@@ -317,6 +318,12 @@ DLRM_MAX_DELTA_STORE_BYTES = _var(
     "The most bytes of embedding deltas the sidecar's delta store may hold, all versions "
     "together (POST /embeddings/deltas: 507 past it). It sets the default of "
     "--max-delta-store-bytes.", SIDECAR)
+DLRM_ARCHIVE_VERIFY_KEY = _var(
+    "DLRM_ARCHIVE_VERIFY_KEY",
+    "The ed25519 public key file (PEM) the sidecar verifies archive digests with "
+    "(<model>-<version>.mar.sha256.sig): a version whose digest is unsigned or wrongly "
+    "signed is not registered. Unset: digests are checked, not their signatures. It sets "
+    "the default of --archive-verify-key.", SIDECAR)
 DLRM_DELTA_VERIFY_KEY = _var(
     "DLRM_DELTA_VERIFY_KEY",
     "The ed25519 public key file (PEM) the sidecar verifies embedding deltas with: "

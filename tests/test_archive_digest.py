@@ -183,3 +183,60 @@ def test_put_state_and_a_declared_switch_to_an_unrecorded_archive_are_refused(
             assert all(v.startswith(SERVED) for v in pod.ts.versions), pod.ts.versions
     finally:
         pod.stop()
+
+
+# ------------------------------------------------------------------ the signed index
+
+
+def test_a_signed_digest_is_required_with_an_archive_verify_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from serve.common.signing import load_signing_key, load_verify_key
+
+    key_file, pub_file = keys.generate(tmp_path / "keys")
+    other_key, _ = keys.generate(tmp_path / "other")
+    _repo(tmp_path, "v1", "v2")
+    strict = ModelRepository([tmp_path / "repo"], verify_key=load_verify_key(pub_file))
+    with pytest.raises(ConfigError, match=r"^model version 'v1': archive signature: "
+                                          r"dlrm-v1\.mar\.sha256\.sig is missing, and this "
+                                          r"sidecar registers only archives whose digest is "
+                                          r"signed with the key"):
+        strict.check_tables("v1")
+    assert keys.main(["sign-archives", "--key", str(key_file), "--repository",
+                      str(tmp_path / "repo"), "v1"]) == 0
+    assert "v1: signed by key" in capsys.readouterr().out
+    assert strict.check_archive("v1") == _sha(strict.archive("v1"))
+    # another key's signature, and a digest rewritten with its archive, are refused
+    from serve.store.repository import sign_archive_digest
+    sign_archive_digest(strict, "v2", load_signing_key(other_key))
+    with pytest.raises(ConfigError, match=r"^model version 'v2': archive signature: "
+                                          r"dlrm-v2\.mar\.sha256\.sig: the signature does not "
+                                          r"verify under the verify key"):
+        strict.check_archive("v2")
+    sign_archive_digest(strict, "v2", load_signing_key(key_file))
+    strict.check_archive("v2")
+    _tamper(strict.archive("v2"))
+    f = _digest_file(strict, "v2")
+    f.chmod(0o644)
+    f.write_text(f"{_sha(strict.archive('v2'))}  dlrm-v2.mar\n")  # the forger's digest
+    with pytest.raises(ConfigError, match="archive signature: .*does not verify"):
+        strict.check_archive("v2")
+    ModelRepository([tmp_path / "repo"]).check_archive("v2")  # without a key: digest only
+    strict.remove("v1")
+    assert not (tmp_path / "repo" / "dlrm-v1.mar.sha256.sig").exists()
+
+
+def test_the_sidecar_registers_only_signed_archives_with_archive_verify_key(
+        tmp_path: Path) -> None:
+    _, pub_file = keys.generate(tmp_path / "keys")
+    pod = start_pod(tmp_path, deltas=False, converge=False, archive_verify_key=pub_file)
+    try:
+        with pod.client() as c:
+            wait_until(lambda: "archive signature" in str(c.get("/state").json()["last_error"]),
+                       timeout_s=30, what="the unsigned archive refused", interval_s=0.05)
+            assert pod.ts.versions == {}
+            assert keys.main(["sign-archives", "--key", str(tmp_path / "keys" / keys.KEY_NAME),
+                              "--repository", str(tmp_path / "repo"), SERVED]) == 0
+            wait_until(lambda: c.get("/state").json()["converged"], timeout_s=30,
+                       what="the signed archive served", interval_s=0.05)
+    finally:
+        pod.stop()

@@ -44,7 +44,7 @@ SIDECAR_FLAGS = (
     "--drain-timeout", "--cgroup-root", "--memory-limit-bytes", "--prediction-log-dir",
     "--feedback-window-s", "--feedback-index-entries", "--feedback-max-body-bytes",
     "--delta-dir", "--max-delta-bytes", "--max-delta-store-bytes", "--delta-verify-key",
-    "--drain-file",
+    "--archive-verify-key", "--drain-file",
     "--autotune",
     "--p99-goal-ms", "--tune-window-s", "--tune-settle-s", "--tune-min-dwell-s",
     "--tune-min-switch-interval-s", "--log-level",

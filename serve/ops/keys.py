@@ -5,6 +5,7 @@ and the archive digests of a model repository.
     python -m serve.ops.keys verify --key keys/delta-signing.pub FILE.delta...
     python -m serve.ops.keys sign --key keys/delta-signing.key FILE.delta
     python -m serve.ops.keys index-archives --repository model_store   # record missing digests
+    python -m serve.ops.keys sign-archives --key keys/model-signing.key --repository model_store
 
 The private key stays with the delta publisher (``make delta SIGN_KEY=...``); the public
 key goes to every pod (``--delta-verify-key``; in Kubernetes the ConfigMap
@@ -18,7 +19,10 @@ digest as its parent), else build with ``--sign-key`` from the start.
 (``dlrm-<version>.mar.sha256``; versions added before digests existed): the sidecar
 registers an archive only when it matches its recorded digest
 (:meth:`serve.store.repository.ModelRepository.check_archive`). It vouches for the bytes
-there now: run it only on archives you built or trust.
+there now: run it only on archives you built or trust. ``sign-archives`` signs each
+version's recorded digest (after checking it against the archive), which sidecars
+started with ``--archive-verify-key`` require; use a pair of its own (``generate --out
+DIR`` in another folder): the model publisher's key, not the delta publisher's.
 """
 from __future__ import annotations
 
@@ -39,7 +43,11 @@ from serve.common.signing import (
 from serve.errors import ServeError
 from serve.store.deltas.header import DELTA_MAGIC, canonical_json, read_header
 from serve.store.deltas.signature import check_signature, read_file_header, sign_header
-from serve.store.repository import ModelRepository, record_archive_digest
+from serve.store.repository import (
+    ModelRepository,
+    record_archive_digest,
+    sign_archive_digest,
+)
 
 __all__ = ["KEY_NAME", "PUB_NAME", "generate", "main", "sign_file"]
 
@@ -109,7 +117,23 @@ def _parser() -> argparse.ArgumentParser:
                                                 "that has none (only archives you trust)")
     idx.add_argument("--repository", required=True, type=Path, help="the model repository")
     idx.add_argument("--model-name", default="dlrm", help="model name (default dlrm)")
+    sar = sub.add_parser("sign-archives", help="sign each version's recorded archive digest "
+                                               "(for --archive-verify-key)")
+    sar.add_argument("--key", required=True, type=Path, help="the private key (mode 0600)")
+    sar.add_argument("--repository", required=True, type=Path, help="the model repository")
+    sar.add_argument("--model-name", default="dlrm", help="model name (default dlrm)")
+    sar.add_argument("versions", nargs="*", help="the versions to sign (default: all)")
     return ap
+
+
+def _sign_archives(key_file: Path, repository: Path, model_name: str,
+                   versions: list[str]) -> int:
+    key = load_signing_key(key_file)
+    repo = ModelRepository([repository], model_name)
+    for version in versions or repo.versions():
+        print(f"{version}: signed by key {key.key_id} in "
+              f"{sign_archive_digest(repo, version, key)}")
+    return 0
 
 
 def _index(repository: Path, model_name: str) -> int:
@@ -129,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pub_path} (public: --delta-verify-key of every pod); key id "
                   f"{load_verify_key(pub_path).key_id}")
             return 0
+        if args.command == "sign-archives":
+            return _sign_archives(args.key, args.repository, args.model_name, args.versions)
         if args.command == "index-archives":
             return _index(args.repository, args.model_name)
         if args.command == "sign":

@@ -431,6 +431,9 @@ class SidecarConfig:
             (``DeltaIntake.max_store_bytes``).
         delta_verify_key: the ed25519 public key file deltas must be signed with
             (:mod:`serve.store.deltas.signature`); None: signatures are not verified.
+        archive_verify_key: the ed25519 public key file archive digests must be signed
+            with (:meth:`serve.store.repository.ModelRepository.check_archive`); None:
+            digests are checked, signatures are not.
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`TunerConfig`; on by
@@ -533,6 +536,12 @@ class SidecarConfig:
              "(POST: 400) or skipped (model volume), before any byte is stored. Unset: "
              "signatures are not verified (logged at start, GET /state says so), so "
              "whoever can write the model volume or POST can change the embeddings"))
+    archive_verify_key: Path | None = field(default=None, metadata=flag(
+        "--archive-verify-key", env=settings.DLRM_ARCHIVE_VERIFY_KEY,
+        help="the ed25519 public key (PEM) model archives' digests must be signed with "
+             "(python -m serve.ops.keys sign-archives): a version whose digest is unsigned "
+             "or wrongly signed is not registered (PUT /state: 400). Unset: each archive's "
+             "recorded sha256 is checked, its signature is not"))
     drain_file: Path | None = field(default=None, metadata=flag(
         "--drain-file", env=settings.DLRM_DRAIN_FILE,
         help="a pod-local file recording that POST /drain drained the pod, so a "
@@ -602,8 +611,9 @@ class SidecarConfig:
                 f"--max-delta-bytes")
         if self.drain_file is not None:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
-        if self.delta_verify_key is not None:
-            object.__setattr__(self, "delta_verify_key", Path(self.delta_verify_key))
+        for name in ("delta_verify_key", "archive_verify_key"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if self.deltas_post not in DELTAS_POST_MODES:
             raise ConfigError(f"deltas_post={self.deltas_post!r} must be one of "
                               f"{', '.join(DELTAS_POST_MODES)}")

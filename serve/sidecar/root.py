@@ -161,7 +161,7 @@ class Sidecar:
             handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
             registry.register(handler_metrics)
             tiers = TierWindow(handler_metrics.collect, clock=clock)
-        repository = ModelRepository(config.repository_roots, config.model_name)
+        repository = _repository(config)
         state = cls(config=config, registry=registry, metrics=metrics,
                     handler_metrics=handler_metrics, clock=clock, repository=repository,
                     schemas=SchemaCache(repository.report), wall_clock=wall_clock,
@@ -221,8 +221,7 @@ class Sidecar:
             fleet = self.fleet
             self._reconciler = Reconciler(
                 self._torchserve, config, switch=self._switch, metrics=self.metrics,
-                repository=self.repository or ModelRepository(config.repository_roots,
-                                                              config.model_name),
+                repository=self.repository or _repository(config),
                 rollouts=RolloutController(
                     read_families=fleet_families(fleet, own),
                     control_file=lambda version: control_path(
@@ -450,6 +449,17 @@ def _fallback_counts(handler_metrics: HandlerAggregateCollector | None
         return None
     collector = handler_metrics
     return lambda: feature_counts(collector.collect(), EMBEDDING_IDS_FALLBACK_TOTAL)
+
+
+def _repository(config: SidecarConfig) -> ModelRepository:
+    """The model repository, checking archive signatures with ``--archive-verify-key``."""
+    key = (None if config.archive_verify_key is None
+           else load_verify_key(config.archive_verify_key))
+    if key is None:
+        _log.warning("model archives: each one's recorded sha256 is checked, its signature "
+                     "is NOT (no --archive-verify-key): whoever can write the model "
+                     "repository can publish code (SECURITY.md)")
+    return ModelRepository(config.repository_roots, config.model_name, verify_key=key)
 
 
 def _delta_parts(store: DeltaStore, config: SidecarConfig, *,

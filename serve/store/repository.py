@@ -25,11 +25,15 @@ archive's reference without torch).
 workers), so :meth:`ModelRepository.add` records its sha256 beside it, before the report,
 and :meth:`ModelRepository.check_tables` (what PUT /state and every switch run before
 TorchServe loads a version) refuses a version whose recorded digest is missing or does
-not match its archive (:meth:`ModelRepository.check_archive`). The digest file is not
-signed: it tells an archive changed after its build (a damaged copy, a swapped file), not
-who built it; whoever can write the repository can write both (SECURITY.md). Versions
-added before digests existed have none: :func:`record_archive_digest` records the digest
-of an archive an operator trusts (``python -m serve.ops.keys index-archives``).
+not match its archive (:meth:`ModelRepository.check_archive`). The digest alone tells an
+archive changed after its build (a damaged copy, a swapped file), not who built it:
+whoever can write the repository can write both. So the model publisher may sign it
+(:func:`sign_archive_digest`, ``python -m serve.ops.keys sign-archives``:
+``dlrm-<V>.mar.sha256.sig``, an ed25519 signature over the version, the archive's name
+and its sha256), and a repository given a ``verify_key`` (the sidecar's
+``--archive-verify-key``) refuses a version whose digest is unsigned or wrongly signed.
+Versions added before digests existed have none: :func:`record_archive_digest` records
+the digest of an archive an operator trusts (``python -m serve.ops.keys index-archives``).
 
 A version is written once (:meth:`ModelRepository.add`) and never changed; its name
 matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.common.signing import BadSignature, SigningKey, VerifyKey, signed_message
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
 from serve.profiles import get_profile
@@ -61,11 +66,13 @@ from serve.state import VERSION_RE
 from serve.store.tablefiles import MANIFEST_NAME, TABLES_SUFFIX, TableFiles, TableManifest
 
 __all__ = [
+    "ARCHIVE_SIGNATURE_DOMAIN",
     "DEFAULT_DTYPE",
     "DEFAULT_PROFILE",
     "DIGEST_SUFFIX",
     "MANAGED_SUFFIX",
     "SHUFFLED_SUFFIX",
+    "SIGNATURE_SUFFIX",
     "TABLES_REF_NAME",
     "ModelRepository",
     "TableReference",
@@ -75,6 +82,7 @@ __all__ = [
     "extract_artifact",
     "file_digest",
     "record_archive_digest",
+    "sign_archive_digest",
     "table_reference",
 ]
 
@@ -90,6 +98,10 @@ DEFAULT_PROFILE = "small"
 DEFAULT_DTYPE = "int8"
 #: What an archive's recorded digest file adds to its name (``dlrm-<version>.mar.sha256``).
 DIGEST_SUFFIX = ".sha256"
+#: What a signed digest adds to the digest file's name (``dlrm-<version>.mar.sha256.sig``).
+SIGNATURE_SUFFIX = ".sig"
+#: The domain tag of an archive digest's signed message.
+ARCHIVE_SIGNATURE_DOMAIN = "dlrm-archive/1"
 _DIGEST_LINE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 
 
@@ -175,13 +187,17 @@ class ModelRepository:
     Args:
         roots: folders to read; the first is where :meth:`add` writes.
         model_name: the archives' prefix (TorchServe's model name).
+        verify_key: the public key archive digests must be signed with
+            (:meth:`check_archive`); None: digests are checked, signatures are not.
     """
 
-    def __init__(self, roots: Sequence[str | os.PathLike[str]], model_name: str = "dlrm") -> None:
+    def __init__(self, roots: Sequence[str | os.PathLike[str]], model_name: str = "dlrm",
+                 verify_key: VerifyKey | None = None) -> None:
         if not roots:
             raise ConfigError("a model repository needs at least one folder")
         self.roots = [Path(r) for r in roots]
         self.model_name = model_name
+        self.verify_key = verify_key
 
     def archive_name(self, version: str) -> str:
         return f"{self.model_name}-{version}.mar"
@@ -229,12 +245,13 @@ class ModelRepository:
 
     def check_archive(self, version: str) -> str:
         """The sha256 recorded for ``version``'s archive when it was added, checked
-        against the archive's bytes now (module docstring, Archive digests); returns it.
+        against the archive's bytes now and, with :attr:`verify_key`, its signature
+        (module docstring, Archive digests); returns it.
 
         Raises:
-            ConfigError: not in the repository, no digest recorded, or the archive's
-                bytes differ from it (the message names the version, both digests and
-                what to do).
+            ConfigError: not in the repository, no digest recorded, the archive's bytes
+                differ from it, or (with a verify key) the digest is unsigned or wrongly
+                signed (the message names the version, the rule and what to do).
         """
         mar = self.archive(version)
         want = _recorded_digest(mar)
@@ -254,6 +271,8 @@ class ModelRepository:
                 f"its build recorded {want}: the archive was changed after it was built "
                 f"(damaged or replaced) and is not registered. Copy the version again "
                 f"from its build, or rebuild it")
+        if self.verify_key is not None:
+            _check_digest_signature(mar, version, want, self.verify_key)
         return want
 
     def check_tables(self, version: str) -> Path | None:
@@ -409,6 +428,7 @@ class ModelRepository:
         report.unlink()
         mar.unlink(missing_ok=True)
         _digest_path(mar).unlink(missing_ok=True)
+        _signature_path(mar).unlink(missing_ok=True)
         # its own folder; one it shares with the version it was copied from stays
         shutil.rmtree(mar.with_name(self.tables_name(version)), ignore_errors=True)
 
@@ -525,6 +545,10 @@ def _digest_path(mar: Path) -> Path:
     return mar.with_name(mar.name + DIGEST_SUFFIX)
 
 
+def _signature_path(mar: Path) -> Path:
+    return mar.with_name(mar.name + DIGEST_SUFFIX + SIGNATURE_SUFFIX)
+
+
 def _write_digest(target: Path, mar: Path) -> None:
     """Write ``mar``'s digest line (``sha256sum`` format) to ``target``."""
     target.write_text(f"{file_digest(mar)}  {mar.name}\n")
@@ -569,3 +593,47 @@ def record_archive_digest(repo: ModelRepository, version: str) -> tuple[Path, bo
     os.chmod(tmp, 0o444)
     os.replace(tmp, path)
     return path, True
+
+
+def _archive_message(version: str, mar: Path, sha256: str) -> bytes:
+    return signed_message(ARCHIVE_SIGNATURE_DOMAIN,
+                          {"version": version, "archive": mar.name, "sha256": sha256})
+
+
+def _check_digest_signature(mar: Path, version: str, sha256: str, key: VerifyKey) -> None:
+    """The signature beside ``mar``'s digest verifies under ``key`` (module docstring)."""
+    path = _signature_path(mar)
+    try:
+        signature = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"model version {version!r}: archive signature: {path.name} is missing, and "
+            f"this sidecar registers only archives whose digest is signed with the key "
+            f"{key.key_id} (--archive-verify-key {key.path}); sign it with that pair's "
+            f"private key: python -m serve.ops.keys sign-archives --key FILE --repository "
+            f"{mar.parent}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model version {version!r}: archive signature: {path} cannot be "
+                          f"read as JSON ({e}); sign the digest again") from None
+    try:
+        key.verify(_archive_message(version, mar, sha256), signature)
+    except BadSignature as e:
+        raise ConfigError(f"model version {version!r}: archive signature: {path.name}: the "
+                          f"signature {e.why}; the archive is not registered") from None
+
+
+def sign_archive_digest(repo: ModelRepository, version: str, key: SigningKey) -> Path:
+    """Sign ``version``'s recorded archive digest with ``key`` (after checking it against
+    the archive's bytes): writes and returns ``dlrm-<version>.mar.sha256.sig``.
+
+    Raises:
+        ConfigError: not in the repository, or its digest is missing or differs.
+    """
+    sha256 = ModelRepository(repo.roots, repo.model_name).check_archive(version)
+    mar = repo.archive(version)
+    path = _signature_path(mar)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(key.sign(_archive_message(version, mar, sha256))) + "\n")
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+    return path
