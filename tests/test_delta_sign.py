@@ -288,3 +288,18 @@ def test_a_header_key_file_read_is_bounded(tmp_path: Path, pair: tuple[Path, Pat
     f.write_bytes(signed(make_delta(1), pair[0]))
     assert read_file_header(f)["signature"]["key_id"] == load_verify_key(pair[1]).key_id
     assert canonical_json(read_file_header(f)) in f.read_bytes()
+
+
+def test_what_the_workers_import_does_not_load_cryptography() -> None:
+    """The workers read deltas and repositories but never sign or verify: the modules
+    they import keep cryptography out of every worker process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, serve.store.deltas.format, serve.store.deltas.files, "
+            "serve.store.deltas.signature, serve.store.repository\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert out == "[]"

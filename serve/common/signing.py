@@ -27,16 +27,19 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import (
-    Ed25519PrivateKey,
-    Ed25519PublicKey,
-)
+from typing import TYPE_CHECKING, Any
 
 from serve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
+
+# cryptography is imported where a key is used, not here: modules that only name these
+# types (the delta format, the repository, which the TorchServe workers import) must not
+# load it.
 
 __all__ = [
     "ALGORITHM",
@@ -76,6 +79,8 @@ def signed_message(domain: str, fields: dict[str, Any]) -> bytes:
 def key_id(public: Ed25519PublicKey) -> str:
     """A short name of a public key: the first 16 hex digits of the sha256 of its 32 raw
     bytes. Written beside a signature so an operator sees which key made it."""
+    from cryptography.hazmat.primitives import serialization
+
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:16]
 
@@ -131,6 +136,8 @@ class VerifyKey:
             raw = b""
         if len(raw) != 64:
             raise BadSignature("value must be the base64 of a 64-byte ed25519 signature")
+        from cryptography.exceptions import InvalidSignature
+
         try:
             self.key.verify(raw, message)
         except InvalidSignature:
@@ -143,18 +150,24 @@ class VerifyKey:
 
 def generate_keypair() -> tuple[Ed25519PrivateKey, Ed25519PublicKey]:
     """A new random ed25519 key pair."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private = Ed25519PrivateKey.generate()
     return private, private.public_key()
 
 
 def private_pem(private: Ed25519PrivateKey) -> bytes:
     """``private`` as an unencrypted PKCS#8 PEM (keep the file mode 0600)."""
+    from cryptography.hazmat.primitives import serialization
+
     return private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                  serialization.NoEncryption())
 
 
 def public_pem(public: Ed25519PublicKey) -> bytes:
     """``public`` as a SubjectPublicKeyInfo PEM."""
+    from cryptography.hazmat.primitives import serialization
+
     return public.public_bytes(serialization.Encoding.PEM,
                                serialization.PublicFormat.SubjectPublicKeyInfo)
 
@@ -174,6 +187,9 @@ def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
         ConfigError: the file is readable by its group or others (mode & 0o077: run
             ``chmod 600``), unreadable, or not an unencrypted ed25519 private key PEM.
     """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     p = Path(path)
     try:
         mode = stat.S_IMODE(p.stat().st_mode)
@@ -202,6 +218,9 @@ def load_verify_key(path: str | os.PathLike[str]) -> VerifyKey:
         ConfigError: unreadable, or not an ed25519 public key PEM (a private key file is
             refused too: the pods must never hold it).
     """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     p = Path(path)
     data = _read(p, "verify key")
     if b"PRIVATE KEY" in data:

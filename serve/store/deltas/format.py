@@ -60,11 +60,10 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from serve.common.signing import SigningKey
 from serve.errors import InvalidDelta
 from serve.store.deltas.header import (
     DELTA_MAGIC,
@@ -78,7 +77,9 @@ from serve.store.deltas.header import (
     read_header,
     table_spans,
 )
-from serve.store.deltas.signature import sign_header
+
+if TYPE_CHECKING:
+    from serve.common.signing import SigningKey
 
 __all__ = [
     "CHUNK_BYTES",
@@ -215,6 +216,9 @@ def encode_delta(delta: Delta, sign_key: SigningKey | None = None) -> bytes:
         header["parent_digest"] = delta.parent_digest
     header["sha256"] = header_checksum(header, [payload])
     if sign_key is not None:
+        # lazy: the workers read deltas and never sign, so they never load cryptography
+        from serve.store.deltas.signature import sign_header
+
         header = sign_header(header, sign_key)
     head = canonical_json(header)
     return DELTA_MAGIC + struct.pack("<I", len(head)) + head + payload
