@@ -5,8 +5,9 @@ A delta (POSTed, :mod:`serve.sidecar.http.routes_deltas`, or found on the model 
 changes, in this order, and any failure leaves the store as it was:
 
 0. with a verify key (``--delta-verify-key``), its signature
-   (:mod:`serve.store.deltas.signature`): read from the header before any other check,
-   and for a volume file before a byte is copied; 400 ``InvalidDelta`` field
+   (:mod:`serve.store.deltas.signature`): read from the header before the file is
+   scanned or stored (a POST once its body is in, within the size bounds of step 1), and
+   for a volume file also before a byte is copied; 400 ``InvalidDelta`` field
    ``header.signature``, ``reason`` ``unsigned`` or ``bad_signature``. Without a key
    nothing is verified (:attr:`DeltaIntake.signatures` says ``not verified``);
 1. the body size (413 over :attr:`DeltaIntake.max_bytes`, ``--max-delta-bytes``), while
