@@ -192,7 +192,10 @@ def test_a_signed_digest_is_required_with_an_archive_verify_key(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from serve.common.signing import load_signing_key, load_verify_key
 
-    key_file, pub_file = keys.generate(tmp_path / "keys")
+    assert keys.main(["generate", "--out", str(tmp_path / "keys"), "--name",
+                      "model-signing"]) == 0
+    key_file, pub_file = tmp_path / "keys" / "model-signing.key", tmp_path / "keys" / "model-signing.pub"
+    assert key_file.stat().st_mode & 0o777 == 0o600
     other_key, _ = keys.generate(tmp_path / "other")
     _repo(tmp_path, "v1", "v2")
     strict = ModelRepository([tmp_path / "repo"], verify_key=load_verify_key(pub_file))

@@ -5,6 +5,7 @@ and the archive digests of a model repository.
     python -m serve.ops.keys verify --key keys/delta-signing.pub FILE.delta...
     python -m serve.ops.keys sign --key keys/delta-signing.key FILE.delta
     python -m serve.ops.keys index-archives --repository model_store   # record missing digests
+    python -m serve.ops.keys generate --out keys/ --name model-signing   # the archives' pair
     python -m serve.ops.keys sign-archives --key keys/model-signing.key --repository model_store
 
 The private key stays with the delta publisher (``make delta SIGN_KEY=...``); the public
@@ -56,16 +57,16 @@ KEY_NAME = "delta-signing.key"
 PUB_NAME = "delta-signing.pub"
 
 
-def generate(out: Path, force: bool = False) -> tuple[Path, Path]:
-    """Write a new ed25519 pair in ``out``: :data:`KEY_NAME` (mode 0600, created with
-    O_EXCL so it is never readable by others, not even briefly) and :data:`PUB_NAME`
-    (0644). Refuses to overwrite unless ``force``.
+def generate(out: Path, force: bool = False, name: str = "delta-signing") -> tuple[Path, Path]:
+    """Write a new ed25519 pair in ``out``: ``<name>.key`` (:data:`KEY_NAME` by default;
+    mode 0600, created with O_EXCL so it is never readable by others, not even briefly)
+    and ``<name>.pub`` (0644). Refuses to overwrite unless ``force``.
 
     Raises:
         FileExistsError: a key file is there already (and not ``force``).
     """
     out.mkdir(parents=True, exist_ok=True)
-    key_path, pub_path = out / KEY_NAME, out / PUB_NAME
+    key_path, pub_path = out / f"{name}.key", out / f"{name}.pub"
     if force:
         key_path.unlink(missing_ok=True)
     elif key_path.exists() or pub_path.exists():
@@ -98,14 +99,20 @@ def sign_file(path: Path, key_file: Path) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m serve.ops.keys",
-        description="Ed25519 keys that sign embedding deltas: the publisher signs with the "
-                    "private key, every pod verifies with the public key "
-                    "(--delta-verify-key) and refuses unsigned or wrongly signed deltas.")
+        description="Ed25519 keys that sign embedding deltas (and, optionally, model "
+                    "archives' digests): the publisher signs with the private key, every "
+                    "pod verifies with the public key (--delta-verify-key, "
+                    "--archive-verify-key) and refuses what is unsigned or wrongly signed. "
+                    "Also records the archive digests of versions added before digests "
+                    "existed (index-archives).")
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help=f"write a new pair: {KEY_NAME} (0600) and "
                                           f"{PUB_NAME} in --out")
     gen.add_argument("--out", required=True, type=Path, help="folder for the two files")
     gen.add_argument("--force", action="store_true", help="replace an existing pair")
+    gen.add_argument("--name", default="delta-signing",
+                     help="the files' stem (default delta-signing; e.g. model-signing for "
+                          "the archives' pair: another publisher, another key)")
     sign = sub.add_parser("sign", help="add a signature to delta files written unsigned "
                                        "(before the next delta of the chain is built)")
     sign.add_argument("--key", required=True, type=Path, help="the private key (mode 0600)")
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
-            key_path, pub_path = generate(args.out, args.force)
+            key_path, pub_path = generate(args.out, args.force, args.name)
             print(f"wrote {key_path} (private, 0600: keep it with the delta publisher) and "
                   f"{pub_path} (public: --delta-verify-key of every pod); key id "
                   f"{load_verify_key(pub_path).key_id}")
