@@ -68,8 +68,8 @@ monitoring: venv  ## regenerate k8s/monitoring/ (rules, PrometheusRule, dashboar
 model: venv  ## add model version model_store/dlrm-<profile>-<dtype>-s<seed>[-shuffled].mar [PROFILE=small SEED= VERSION= LABEL_SHUFFLE=1: train on permuted labels, AUC ~0.5; STREAM=1 (0: never): merge/quantize streamed from the checkpoint within MAX_MEMORY_BYTES (default 2000000000), the default when the fp32 tables exceed half of it]; skips what is up to date
 	$(PY) -m serve.model.pipeline $(MODEL_ARGS)$(if $(MODEL_IF_MISSING), --if-missing)$(if $(filter 1 true yes,$(STREAM)), --stream)$(if $(filter 0 false no,$(STREAM)), --no-stream)$(if $(MAX_MEMORY_BYTES), --max-memory-bytes $(MAX_MEMORY_BYTES))
 
-delta: venv  ## build the next embedding delta of the serving version (or VERSION=) on day DAY=1's click logs: resumed embedding-only training, quantized like a full build; prints the .delta path last
-	$(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION))
+delta: venv  ## build the next embedding delta of the serving version (or VERSION=) on day DAY=1's click logs: resumed embedding-only training, quantized like a full build; SIGN_KEY=FILE signs it (python -m serve.ops.keys generate); prints the .delta path last
+	$(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION))$(if $(SIGN_KEY), --sign-key $(SIGN_KEY))
 
 delta-check: venv  ## with `make up` running: make delta DAY=1, then day-1 AUC before/after POST /embeddings/deltas under load (8 x 512) -> bench/results/delta_check.json
 	@set -o pipefail; path=$$($(PY) -m serve.model.delta --day $(DAY)$(if $(VERSION), --version $(VERSION)) | tee /dev/stderr | tail -1) && \

@@ -483,7 +483,7 @@ def pod(root: Path, store: Path, version: str, groups: dict[str, dict[str, Path]
     from serve.ops.launcher import wait_ready
     from serve.ops.process_groups import stop_group
     from serve.ops.state_client import StateClient
-    from serve.sidecar.config import OipOptions
+    from serve.sidecar.http.oip_options import OipOptions
     from serve.state import write_state
 
     cfg = LaunchConfig(**free_port_settings(), model_store=store,

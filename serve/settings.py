@@ -48,11 +48,13 @@ from serve.errors import ConfigError
 
 __all__ = [
     "BENCH",
+    "DLRM_ARCHIVE_VERIFY_KEY",
     "DLRM_AUTOTUNE",
     "DLRM_CACHE_ON_CPU",
     "DLRM_DEBUG_CANDIDATE_SLOWDOWN",
     "DLRM_DELTA_DIR",
     "DLRM_DELTA_POLL_MS",
+    "DLRM_DELTA_VERIFY_KEY",
     "DLRM_DRAIN_FILE",
     "DLRM_FEEDBACK_INDEX_ENTRIES",
     "DLRM_FEEDBACK_MAX_BODY_BYTES",
@@ -318,6 +320,17 @@ DLRM_MAX_DELTA_STORE_BYTES = _var(
     "The most bytes of embedding deltas the sidecar's delta store may hold, all versions "
     "together (POST /embeddings/deltas: 507 past it). It sets the default of "
     "--max-delta-store-bytes.", SIDECAR)
+DLRM_ARCHIVE_VERIFY_KEY = _var(
+    "DLRM_ARCHIVE_VERIFY_KEY",
+    "The ed25519 public key file (PEM) the sidecar verifies archive digests with "
+    "(<model>-<version>.mar.sha256.sig): a version whose digest is unsigned or wrongly "
+    "signed is not registered. Unset: digests are checked, not their signatures. It sets "
+    "the default of --archive-verify-key.", SIDECAR)
+DLRM_DELTA_VERIFY_KEY = _var(
+    "DLRM_DELTA_VERIFY_KEY",
+    "The ed25519 public key file (PEM) the sidecar verifies embedding deltas with: "
+    "unsigned or wrongly signed deltas are refused (POST: 400) or skipped (volume). Unset: "
+    "signatures are not verified. It sets the default of --delta-verify-key.", SIDECAR)
 DLRM_DRAIN_FILE = _var(
     "DLRM_DRAIN_FILE",
     "Where the sidecar records that the pod was drained (POST /drain), so a restarted "

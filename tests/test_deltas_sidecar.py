@@ -356,7 +356,8 @@ def test_state_get_and_metrics_report_the_same_values(pod: Pod) -> None:
         got = c.get("/embeddings/deltas").json()
         assert got == {"enabled": True, "delta_dir": str(pod.delta_dir),
                        "versions": {SERVED: expected}, "message": None, "damaged": [],
-                       "max_bytes": serve.store.deltas.format.MAX_DELTA_BYTES}
+                       "max_bytes": serve.store.deltas.format.MAX_DELTA_BYTES,
+                       "signatures": "not verified"}
         r = c.get("/metrics")
         assert r.status_code == 200
         m = samples(r.text)

@@ -727,7 +727,7 @@ def test_the_oip_runs_in_a_container_of_its_own_that_the_real_process_accepts(do
     memory, requests = limits), started with args the real ``oip_server`` parses, on the
     port the Service's ``oip`` names; the sidecar only names it (``--oip-mode
     external``) and has no OIP port."""
-    from serve.sidecar.config import OipOptions
+    from serve.sidecar.http.oip_options import OipOptions
     from serve.sidecar.http.oip_server import build_parser as oip_parser
 
     oip, sc = container(docs, "oip"), container(docs, "sidecar")

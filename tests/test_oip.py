@@ -28,8 +28,9 @@ from serve.api.oip import (
 from serve.api.request import BINARY_MEDIA_TYPE, INT64_MAX
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import FeatureSpec, ModelSchema, TableSpec
-from serve.sidecar.config import OipOptions, SidecarConfig
+from serve.sidecar.config import SidecarConfig
 from serve.sidecar.http.app import create_app
+from serve.sidecar.http.oip_options import OipOptions
 from serve.sidecar.http.oip_server import create_oip_app
 
 CFG = HandlerConfig()

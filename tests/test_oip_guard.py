@@ -24,8 +24,8 @@ from serve.errors import (
     RequestTimeout,
     UpstreamUnavailable,
 )
-from serve.sidecar.config import OipOptions
 from serve.sidecar.http.oip_guard import Budget, ParseSlots, ReadyCache, read_body
+from serve.sidecar.http.oip_options import OipOptions
 from serve.sidecar.http.oip_server import create_oip_app
 from tests.test_oip import _FakeUpstreams, _reference
 

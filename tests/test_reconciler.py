@@ -37,7 +37,7 @@ from serve.sidecar.control.reconciler import Reconciler, assess
 from serve.sidecar.control.switch import VersionSwitch
 from serve.sidecar.http.app import create_app
 from serve.state import ALLOWED_FIELDS, Batching, DesiredState, ModelRef, write_state
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, record_archive_digest
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, dead_port, toy_mar
 from tests.promtext import samples
 
@@ -213,6 +213,9 @@ def test_a_failure_at_any_step_rolls_back_and_is_retried_later(tmp_path, repo, s
         add_versions(bad_root, ["small-s0"])
         (bad_root / "dlrm-small-s0.mar").chmod(0o644)
         (bad_root / "dlrm-small-s0.mar").write_bytes(b"not a zip")
+        # a build that recorded its broken archive: the digest passes, the copy fails
+        (bad_root / "dlrm-small-s0.mar.sha256").unlink()
+        record_archive_digest(ModelRepository([bad_root]), "small-s0")
         w.rec.repository = ModelRepository([bad_root, *repo.roots])
     else:
         ts.failures.update(failure)

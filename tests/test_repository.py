@@ -95,7 +95,7 @@ def test_a_version_is_its_tables_folder_archive_and_report(repo: ModelRepository
                                                            art: Artifact) -> None:
     root = repo.roots[0]
     assert sorted(p.name for p in root.iterdir()) == [
-        "dlrm-v1.json", "dlrm-v1.mar", "dlrm-v1.tables"]
+        "dlrm-v1.json", "dlrm-v1.mar", "dlrm-v1.mar.sha256", "dlrm-v1.tables"]
     assert repo.versions() == ["v1"]
     assert repo.tables("v1") == root / "dlrm-v1.tables"
     table_bytes = sum(int(t.data.numel()) for t in art.tables)
@@ -198,7 +198,7 @@ def test_remove_deletes_report_archive_and_tables(tmp_path: Path, repo: ModelRep
     repo.remove("v1")
     assert repo.versions() == ["v2"]
     assert sorted(p.name for p in repo.roots[0].iterdir()) == [
-        "dlrm-v2.json", "dlrm-v2.mar", "dlrm-v2.tables"]
+        "dlrm-v2.json", "dlrm-v2.mar", "dlrm-v2.mar.sha256", "dlrm-v2.tables"]
     with pytest.raises(ConfigError):
         repo.remove("v1")
 

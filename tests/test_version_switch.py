@@ -12,6 +12,7 @@ real switch against a real TorchServe under load is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import zipfile
 from collections.abc import Coroutine
@@ -33,7 +34,7 @@ from serve.sidecar.control.switch import SwitchPhase, SwitchPlan, VersionSwitch
 from serve.sidecar.http.app import create_app
 from serve.sidecar.http.schemas import BatchingState
 from serve.state import Batching, DesiredState, ModelRef, write_state
-from serve.store.repository import ModelRepository
+from serve.store.repository import ModelRepository, record_archive_digest
 from tests.fixtures.sidecar import FakeClock, FakeTorchServe, add_versions, toy_mar
 from tests.promtext import samples
 
@@ -121,7 +122,8 @@ def test_plan_targets_the_serving_version_from_the_repository_archive(ts, repo):
     plan = switch.plan(observed, desired(), repo)
     assert plan == SwitchPlan(
         new=BatchingState(batch_size=16, max_batch_delay_ms=50, workers=1, model_version=TARGET),
-        src=repo.archive(V), dst=ts.store / f"dlrm-{TARGET}.mar", old=observed.serving)
+        src=repo.archive(V), dst=ts.store / f"dlrm-{TARGET}.mar", old=observed.serving,
+        src_sha256=hashlib.sha256(repo.archive(V).read_bytes()).hexdigest())
     assert plan.old is not None and plan.old.version == "1.0" and plan.old.pids == (100,)
     # Registered already (a pass that stopped half-way): nothing to copy.
     ts.add(TARGET, f"dlrm-{TARGET}.mar", batch_size=16, delay=50, workers=1)
@@ -367,6 +369,9 @@ def test_a_failed_copy_leaves_no_file(ts, tmp_path):
     add_versions(root, [V])
     (root / f"dlrm-{V}.mar").chmod(0o644)
     (root / f"dlrm-{V}.mar").write_bytes(b"not a zip")
+    # a build that recorded its broken archive: the digest passes, the copy fails
+    (root / f"dlrm-{V}.mar.sha256").unlink()
+    record_archive_digest(ModelRepository([root]), V)
     switch, phases, _ = make_switch(ts)
     observed = seen(switch, ts)
     plan = switch.plan(observed, desired(), ModelRepository([root]))

@@ -374,17 +374,21 @@ TORCHSERVE_PREFIX = "ts_"
 # Embedding-delta files on the model volume the sidecar did not take, by {reason}
 # (too_large: over --max-delta-bytes, never read; invalid: failed a check; unreadable;
 # store_full: over --max-delta-store-bytes; parent_mismatch: built on another delta than
-# the one the pod holds): each file counted once, however many sync passes see it.
+# the one the pod holds; unsigned / bad_signature: with --delta-verify-key, no or a wrong
+# signature): each file counted once, however many sync passes see it.
 DELTA_FILES_SKIPPED_TOTAL = "dlrm_delta_files_skipped_total"
-DELTA_SKIP_REASONS = ("too_large", "invalid", "unreadable", "store_full", "parent_mismatch")
+DELTA_SKIP_REASONS = ("too_large", "invalid", "unreadable", "store_full", "parent_mismatch",
+                      "unsigned", "bad_signature")
 
 # POST /embeddings/deltas refused by the delta service, by {reason}: base_version (not
 # served here), sequence (a gap or other bytes under a stored one), parent_mismatch (built
 # on another delta than the pod's head), volume_only (--deltas-post refuse: publish on the
-# model volume), invalid (400), too_large (413), store_full (507), other.
+# model volume), unsigned / bad_signature (400 with --delta-verify-key), invalid (400),
+# too_large (413), store_full (507), other.
 DELTA_POSTS_REFUSED_TOTAL = "dlrm_delta_posts_refused_total"
 DELTA_REFUSAL_REASONS = ("base_version", "sequence", "parent_mismatch", "volume_only",
-                         "invalid", "too_large", "store_full", "other")
+                         "unsigned", "bad_signature", "invalid", "too_large", "store_full",
+                         "other")
 
 
 def strip_total(name: str) -> str:

@@ -43,9 +43,14 @@ allows rows of assigned ids. done.json records ``id_changes``: per table name th
 admitted and evicted, and ``id_mapping``: the policy and per table the occupancy after the
 day (plus that day's admitted/evicted).
 
+**Signing** (``--sign-key FILE``, an ed25519 private key of mode 0600 from ``python -m
+serve.ops.keys generate``): the delta's header carries a signature over its checksum and
+chain fields (:mod:`serve.store.deltas.signature`), which pods started with
+``--delta-verify-key`` require. The key is loaded and checked before any training runs.
+
 Example::
 
-    python -m serve.model.delta --day 1 --version small-int8-s0
+    python -m serve.model.delta --day 1 --version small-int8-s0 --sign-key keys/delta-signing.key
     make delta DAY=1                 # base: the declared serving version (.run/state.yaml)
 
 The last line of stdout is the delta file's path.
@@ -68,6 +73,7 @@ import numpy as np
 import torch
 
 from serve.common.clilog import setup_cli_logging
+from serve.common.signing import SigningKey, load_signing_key
 from serve.common.validate import positive_int
 from serve.errors import ConfigError, ServeError
 from serve.profiles import Profile, get_profile
@@ -111,6 +117,8 @@ class DeltaConfig:
         nproc: training ranks (None: the checkpoint's world size; another value fails).
         max_steps: stop training after this many steps (None: one pass over the day).
         eval_limit: evaluate AUCs on at most this many eval rows (None: all).
+        sign_key: the ed25519 private key file (mode 0600) the delta is signed with
+            (None: unsigned; pods with ``--delta-verify-key`` refuse it).
     """
 
     day: int
@@ -126,6 +134,7 @@ class DeltaConfig:
     backend: str = "auto"
     max_steps: int | None = None
     eval_limit: int | None = None
+    sign_key: Path | None = None
 
     def __post_init__(self) -> None:
         positive_int("--day", self.day,
@@ -309,6 +318,8 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
 
     t_all = time.perf_counter()
     seconds: dict[str, float] = {}
+    # checked first: a bad key must not cost a training run
+    key = None if cfg.sign_key is None else load_signing_key(cfg.sign_key)
     plan = _plan_delta(cfg, say)
 
     t = time.perf_counter()
@@ -316,7 +327,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
     seconds["data"] = round(time.perf_counter() - t, 3)
 
     tres, auc_quantized = _update_model(cfg, plan, data, seconds, say)
-    delta, path, nbytes, tables, id_changes = _write_delta(cfg, plan, seconds, say)
+    delta, path, nbytes, tables, id_changes = _write_delta(cfg, plan, seconds, say, key)
     digest = file_sha256(path)  # what delta seq + 1 names as its parent
 
     t = time.perf_counter()
@@ -333,7 +344,7 @@ def build_delta(cfg: DeltaConfig, say: Callable[[str], None] = print) -> DeltaBu
         "auc_after_quantize_step": auc_quantized, "train_steps": tres["steps"],
         "train_rows": tres["rows"], "world_size": plan.nproc, "seconds": seconds,
         "created_at": delta.created_at, "parent_digest": plan.parent_digest,
-        "digest": digest,
+        "digest": digest, "signed_by": None if key is None else key.key_id,
     }
     if plan.admission is not None:
         done["id_changes"] = id_changes
@@ -490,11 +501,12 @@ def id_changes(old: Any, new: Any) -> dict[int, tuple[np.ndarray, np.ndarray, np
 
 
 def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
-                 say: Callable[[str], None]
+                 say: Callable[[str], None], key: SigningKey | None = None
                  ) -> tuple[Delta, Path, int, dict[str, int], dict[str, dict[str, int]]]:
     """Diff the base and the new artifact, check every changed row was trained (or belongs
     to a newly assigned id), write the delta file (atomically); return the delta, its path,
-    its size, rows per table and, per managed table, the ids admitted and evicted.
+    its size, rows per table and, per managed table, the ids admitted and evicted. With
+    ``key``, the file is signed (module docstring, Signing).
 
     Raises:
         ServeError: dense layers changed, or rows changed that no training batch touched.
@@ -531,7 +543,7 @@ def _write_delta(cfg: DeltaConfig, plan: _DeltaPlan, seconds: dict[str, float],
     delta = Delta(base_version=plan.version, sequence=plan.seq, created_at=time.time(),
                   dtype=plan.dtype, dim=dim, row_bytes=row_bytes(plan.dtype, dim),
                   tables=tuple(tables), parent_digest=plan.parent_digest)
-    blob = encode_delta(delta)
+    blob = encode_delta(delta, key)
     path = plan.folder / delta_file_name(plan.version, plan.seq, cfg.model_name)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(blob)
@@ -591,6 +603,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="stop training after N steps (default: one pass over the day)")
     ap.add_argument("--eval-limit", type=int, default=None,
                     help="measure AUCs on at most N eval rows (default: all)")
+    ap.add_argument("--sign-key", default=None,
+                    help="ed25519 private key file (PEM, mode 0600; python -m serve.ops.keys "
+                         "generate) to sign the delta with: pods started with "
+                         "--delta-verify-key take only signed deltas (default: unsigned)")
     return ap
 
 
@@ -603,7 +619,7 @@ def config_from_args(args: argparse.Namespace) -> DeltaConfig:
                        build_dir=opt(args.build_dir), work_root=opt(args.work_root),
                        data_dir=opt(args.data_dir), nproc=args.nproc, threads=args.threads,
                        backend=args.backend, max_steps=args.max_steps,
-                       eval_limit=args.eval_limit)
+                       eval_limit=args.eval_limit, sign_key=opt(args.sign_key))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,13 +60,11 @@ __all__ = [
     "WORKERS_MAX",
     "FeedbackConfig",
     "FleetConfig",
-    "OipOptions",
     "ServerOptions",
     "SidecarConfig",
     "TunerConfig",
     "check_token",
     "cli_options",
-    "oip_cli_options",
 ]
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -393,92 +391,6 @@ class ServerOptions:
 
 
 @dataclass(frozen=True)
-class OipOptions:
-    """How ``python -m serve.sidecar.http.oip_server`` runs and what bounds it: the Open
-    Inference Protocol's process, which holds no token and shares no memory, CPU or
-    readiness with the sidecar (:mod:`serve.sidecar.http.oip_server` says why).
-
-    Each field's flag help says what it is (``--help``). The bounds: ``max_requests``
-    handled at once (JSON 503 past it; uvicorn's ``limit_concurrency`` is the backstop),
-    ``max_inflight_bytes`` of bodies held at once (announced lengths reserved before a byte
-    is read; 429 past it), the whole body within ``body_deadline_s`` (408), ``max_parses``
-    parses at once (each holds the GIL and up to ~130 MB while an 8 MiB JSON body becomes
-    arrays; ``parse_in="process"`` keeps them off the event loop's GIL), a parse slot
-    within ``parse_wait_s`` (503), the sidecar's ``/readyz`` (ready paths, served version)
-    read at most once per ``ready_cache_s``; ``repositories`` are read only (each version's
-    schema from its build report; none: the built-in DLRM's).
-    """
-
-    host: str = field(default="127.0.0.1", metadata=flag(
-        "--host", help="bind address; 0.0.0.0 in a pod"))
-    port: int = field(default=DEFAULT_SIDECAR_OIP_PORT, metadata=flag(
-        "--port", help="the Open Inference Protocol's port"))
-    model_name: str = field(default="dlrm", metadata=flag(
-        "--model-name", env=settings.DLRM_MODEL_NAME, help="the TorchServe model served"))
-    inference_url: str = field(default=f"http://127.0.0.1:{DEFAULT_INFERENCE_PORT}",
-                               metadata=flag("--inference-url", env=settings.TS_INFERENCE_URL,
-                                             help="TorchServe inference API"))
-    sidecar_url: str = field(default=f"http://127.0.0.1:{DEFAULT_SIDECAR_PORT}", metadata=flag(
-        "--sidecar-url", help="the sidecar's public read port (GET /readyz)"))
-    repositories: tuple[Path, ...] = field(default=(), metadata=flag(
-        "--repository", help="model repository folder, read only (the served version's "
-                             "schema); repeat for several; none: the built-in DLRM"))
-    max_parses: int = field(default=1, metadata=flag(
-        "--max-parses", help="bodies parsed at once (CPU and ~16x the body in memory each)"))
-    parse_wait_s: float = field(default=2.0, metadata=flag(
-        "--parse-wait-s", help="longest wait for a parse slot before 503 (s)"))
-    parse_in: str = field(default="process", metadata=flag(
-        "--parse-in", choices=("process", "thread"),
-        help="where bodies are parsed: worker processes (off the event loop's GIL) or "
-             "threads"))
-    max_inflight_bytes: int = field(default=64 * 2**20, metadata=flag(
-        "--max-inflight-bytes", help="bytes of bodies held at once; past it 429 at once"))
-    body_deadline_s: float = field(default=10.0, metadata=flag(
-        "--body-deadline-s", help="seconds the whole body may take to arrive; then 408"))
-    max_requests: int = field(default=64, metadata=flag(
-        "--max-requests", help="requests handled at once; more answer 503 at once"))
-    limit_concurrency: int = field(default=256, metadata=flag(
-        "--limit-concurrency", help="uvicorn's bound on connections and tasks (backstop)"))
-    ready_cache_s: float = field(default=1.0, metadata=flag(
-        "--ready-cache-s", help="seconds one answer of the sidecar's /readyz serves"))
-    log_level: str = field(default="info", metadata=flag(
-        "--log-level", env=settings.DLRM_LOG_LEVEL, choices=LOG_LEVELS, help="log level"))
-
-    def __post_init__(self) -> None:
-        int_in_range("port", self.port, 1, 65535)
-        for name in ("inference_url", "sidecar_url"):
-            url = getattr(self, name)
-            if not re.fullmatch(r"https?://[^/\s]+", url):
-                raise ConfigError(f"{name}={url!r} must be http(s)://host:port with no path")
-        for name in ("max_parses", "max_inflight_bytes", "max_requests", "limit_concurrency"):
-            positive_int(name, getattr(self, name))
-        if self.limit_concurrency <= self.max_requests:
-            raise ConfigError(
-                f"limit_concurrency={self.limit_concurrency} must exceed max_requests="
-                f"{self.max_requests}: past max_requests the app answers a JSON 503, and "
-                "uvicorn's plain 503 is only the backstop")
-        for name in ("parse_wait_s", "body_deadline_s", "ready_cache_s"):
-            number_in_range(name, getattr(self, name), 0, 3600, lo_open=True)
-        if self.parse_in not in ("process", "thread"):
-            raise ConfigError(f"parse_in={self.parse_in!r} must be 'process' or 'thread'")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level={self.log_level!r} must be one of {LOG_LEVELS}")
-        object.__setattr__(self, "repositories", tuple(Path(p) for p in self.repositories))
-
-    def argv(self) -> list[str]:
-        """These options as ``python -m serve.sidecar.http.oip_server``'s arguments (what
-        the sidecar and the launcher start)."""
-        out = ["--host", self.host, "--port", str(self.port), "--model-name", self.model_name,
-               "--inference-url", self.inference_url, "--sidecar-url", self.sidecar_url]
-        for name in ("max_parses", "parse_wait_s", "parse_in", "max_inflight_bytes",
-                     "body_deadline_s", "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
-            out += ["--" + name.replace("_", "-"), str(getattr(self, name))]
-        for root in self.repositories:
-            out += ["--repository", str(root)]
-        return out
-
-
-@dataclass(frozen=True)
 class SidecarConfig:
     """Where TorchServe is and how the sidecar talks to it.
 
@@ -541,6 +453,11 @@ class SidecarConfig:
             (``DeltaIntake.max_store_bytes``).
         delta_volume: where published deltas are read instead of the repositories'
             ``deltas/`` folders (:attr:`delta_volume_roots`); a volume with its own writer.
+        delta_verify_key: the ed25519 public key file deltas must be signed with
+            (:mod:`serve.store.deltas.signature`); None: signatures are not verified.
+        archive_verify_key: the ed25519 public key file archive digests must be signed
+            with (:meth:`serve.store.repository.ModelRepository.check_archive`); None:
+            digests are checked, signatures are not.
         drain_file: where a drain is recorded so a restarted sidecar stays drained
             (:attr:`drain_marker`).
         tuner: the batching tuner (:class:`TunerConfig`; on by
@@ -643,6 +560,19 @@ class SidecarConfig:
              "(Kubernetes: the dlrm-deltas PVC), so a delta publisher needs no write "
              "access to the model volume, whose archives are code. Never a --repository. "
              "Unset: each --repository's deltas/ folder"))
+    delta_verify_key: Path | None = field(default=None, metadata=flag(
+        "--delta-verify-key", env=settings.DLRM_DELTA_VERIFY_KEY,
+        help="the ed25519 public key (PEM; python -m serve.ops.keys generate) embedding "
+             "deltas must be signed with: an unsigned or wrongly signed delta is refused "
+             "(POST: 400) or skipped (model volume), before any byte is stored. Unset: "
+             "signatures are not verified (logged at start, GET /state says so), so "
+             "whoever can write the model volume or POST can change the embeddings"))
+    archive_verify_key: Path | None = field(default=None, metadata=flag(
+        "--archive-verify-key", env=settings.DLRM_ARCHIVE_VERIFY_KEY,
+        help="the ed25519 public key (PEM) model archives' digests must be signed with "
+             "(python -m serve.ops.keys sign-archives): a version whose digest is unsigned "
+             "or wrongly signed is not registered (PUT /state: 400). Unset: each archive's "
+             "recorded sha256 is checked, its signature is not"))
     drain_file: Path | None = field(default=None, metadata=flag(
         "--drain-file", env=settings.DLRM_DRAIN_FILE,
         help="a pod-local file recording that POST /drain drained the pod, so a "
@@ -716,6 +646,9 @@ class SidecarConfig:
             object.__setattr__(self, "drain_file", Path(self.drain_file))
         if self.delta_volume is not None:
             object.__setattr__(self, "delta_volume", Path(self.delta_volume))
+        for name in ("delta_verify_key", "archive_verify_key"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if self.deltas_post not in DELTAS_POST_MODES:
             raise ConfigError(f"deltas_post={self.deltas_post!r} must be one of "
                               f"{', '.join(DELTAS_POST_MODES)}")
@@ -789,7 +722,3 @@ def cli_options() -> list[Option]:
     configs, each from its fields' metadata (:mod:`serve.common.flags`)."""
     return options(ServerOptions) + options(SidecarConfig)
 
-
-def oip_cli_options() -> list[Option]:
-    """The flags of ``python -m serve.sidecar.http.oip_server`` (:class:`OipOptions`)."""
-    return options(OipOptions)

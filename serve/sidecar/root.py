@@ -28,6 +28,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
+from serve.common.signing import load_verify_key
 from serve.errors import Conflict, UpstreamUnavailable
 from serve.metrics import EMBEDDING_IDS_FALLBACK_TOTAL
 from serve.metrics.aggregate import HandlerAggregateCollector, feature_counts
@@ -160,7 +161,7 @@ class Sidecar:
             handler_metrics = HandlerAggregateCollector(config.multiproc_dir)
             registry.register(handler_metrics)
             tiers = TierWindow(handler_metrics.collect, clock=clock)
-        repository = ModelRepository(config.repository_roots, config.model_name)
+        repository = _repository(config)
         state = cls(config=config, registry=registry, metrics=metrics,
                     handler_metrics=handler_metrics, clock=clock, repository=repository,
                     schemas=SchemaCache(repository.report), wall_clock=wall_clock,
@@ -220,8 +221,7 @@ class Sidecar:
             fleet = self.fleet
             self._reconciler = Reconciler(
                 self._torchserve, config, switch=self._switch, metrics=self.metrics,
-                repository=self.repository or ModelRepository(config.repository_roots,
-                                                              config.model_name),
+                repository=self.repository or _repository(config),
                 rollouts=RolloutController(
                     read_families=fleet_families(fleet, own),
                     control_file=lambda version: control_path(
@@ -451,6 +451,17 @@ def _fallback_counts(handler_metrics: HandlerAggregateCollector | None
     return lambda: feature_counts(collector.collect(), EMBEDDING_IDS_FALLBACK_TOTAL)
 
 
+def _repository(config: SidecarConfig) -> ModelRepository:
+    """The model repository, checking archive signatures with ``--archive-verify-key``."""
+    key = (None if config.archive_verify_key is None
+           else load_verify_key(config.archive_verify_key))
+    if key is None:
+        _log.warning("model archives: each one's recorded sha256 is checked, its signature "
+                     "is NOT (no --archive-verify-key): whoever can write the model "
+                     "repository can publish code (SECURITY.md)")
+    return ModelRepository(config.repository_roots, config.model_name, verify_key=key)
+
+
 def _delta_parts(store: DeltaStore, config: SidecarConfig, *,
                  versions: Callable[[], list[str]],
                  report_of: Callable[[str], dict[str, Any]], clock: Callable[[], float],
@@ -460,9 +471,18 @@ def _delta_parts(store: DeltaStore, config: SidecarConfig, *,
     """The embedding-delta parts around ``store``, wired: the volume sync goes through the
     intake; the report reads the intake and the workers' progress. The live pids are
     connected by :meth:`Sidecar.connect`."""
+    key = (None if config.delta_verify_key is None
+           else load_verify_key(config.delta_verify_key))
     intake = DeltaIntake(store, versions=versions, report_of=report_of,
                          max_bytes=config.max_delta_bytes,
-                         max_store_bytes=config.max_delta_store_bytes)
+                         max_store_bytes=config.max_delta_store_bytes, verify_key=key)
+    if key is None:
+        _log.warning("embedding delta signatures are NOT verified (no --delta-verify-key): "
+                     "whoever can write the model volume's deltas/ or POST a delta can "
+                     "change the served embeddings (docs/deltas.md, Signed deltas)")
+    else:
+        _log.info("embedding deltas must be signed by key %s (%s)", key.key_id,
+                  config.delta_verify_key)
     progress = WorkerProgress(store, versions=versions, clock=clock)
     return DeltaParts(store=store, intake=intake, volume=VolumeSync(intake, versions),
                       progress=progress,

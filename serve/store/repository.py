@@ -7,6 +7,9 @@ folder plus a volume)::
     dlrm-small-int8-s0.tables/ its embedding tables, one raw file per table
                                (:mod:`serve.store.tablefiles`): the archive's artifact
                                references them; they are mapped in place, never copied
+    dlrm-small-int8-s0.mar.sha256  the archive's sha256 as the build recorded it
+                               (``sha256sum`` format; the sidecar registers an archive
+                               only when it matches: :meth:`ModelRepository.check_archive`)
     dlrm-small-int8-s0.json    its build report (written last: a version without its
                                report is incomplete and not listed)
 
@@ -17,6 +20,20 @@ a half-removed version is never listed. The workers find a version's tables fold
 same folders, in the same order (``DLRM_REPOSITORY``); :meth:`ModelRepository.check_tables`
 is the sidecar's check, before a switch, that they will (:func:`table_reference` reads the
 archive's reference without torch).
+
+**Archive digests.** An archive is code (its handler and model config run in the
+workers), so :meth:`ModelRepository.add` records its sha256 beside it, before the report,
+and :meth:`ModelRepository.check_tables` (what PUT /state and every switch run before
+TorchServe loads a version) refuses a version whose recorded digest is missing or does
+not match its archive (:meth:`ModelRepository.check_archive`). The digest alone tells an
+archive changed after its build (a damaged copy, a swapped file), not who built it:
+whoever can write the repository can write both. So the model publisher may sign it
+(:func:`sign_archive_digest`, ``python -m serve.ops.keys sign-archives``:
+``dlrm-<V>.mar.sha256.sig``, an ed25519 signature over the version, the archive's name
+and its sha256), and a repository given a ``verify_key`` (the sidecar's
+``--archive-verify-key``) refuses a version whose digest is unsigned or wrongly signed.
+Versions added before digests existed have none: :func:`record_archive_digest` records
+the digest of an archive an operator trusts (``python -m serve.ops.keys index-archives``).
 
 A version is written once (:meth:`ModelRepository.add`) and never changed; its name
 matches :data:`serve.state.VERSION_RE`. Archives the sidecar derives for serving (other
@@ -30,6 +47,7 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.common.signing import BadSignature, SigningKey, VerifyKey, signed_message
 from serve.constants import ARTIFACT_NAME
 from serve.errors import ArtifactError, ConfigError
 from serve.profiles import get_profile
@@ -47,10 +66,13 @@ from serve.state import VERSION_RE
 from serve.store.tablefiles import MANIFEST_NAME, TABLES_SUFFIX, TableFiles, TableManifest
 
 __all__ = [
+    "ARCHIVE_SIGNATURE_DOMAIN",
     "DEFAULT_DTYPE",
     "DEFAULT_PROFILE",
+    "DIGEST_SUFFIX",
     "MANAGED_SUFFIX",
     "SHUFFLED_SUFFIX",
+    "SIGNATURE_SUFFIX",
     "TABLES_REF_NAME",
     "ModelRepository",
     "TableReference",
@@ -58,6 +80,9 @@ __all__ = [
     "default_version",
     "dense_suffix",
     "extract_artifact",
+    "file_digest",
+    "record_archive_digest",
+    "sign_archive_digest",
     "table_reference",
 ]
 
@@ -71,6 +96,13 @@ MANAGED_SUFFIX = "-managed"
 DEFAULT_PROFILE = "small"
 #: The table dtype ``make model`` builds without ``--dtype``.
 DEFAULT_DTYPE = "int8"
+#: What an archive's recorded digest file adds to its name (``dlrm-<version>.mar.sha256``).
+DIGEST_SUFFIX = ".sha256"
+#: What a signed digest adds to the digest file's name (``dlrm-<version>.mar.sha256.sig``).
+SIGNATURE_SUFFIX = ".sig"
+#: The domain tag of an archive digest's signed message.
+ARCHIVE_SIGNATURE_DOMAIN = "dlrm-archive/1"
+_DIGEST_LINE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 
 
 def dense_suffix(dense_precision: str) -> str:
@@ -155,13 +187,17 @@ class ModelRepository:
     Args:
         roots: folders to read; the first is where :meth:`add` writes.
         model_name: the archives' prefix (TorchServe's model name).
+        verify_key: the public key archive digests must be signed with
+            (:meth:`check_archive`); None: digests are checked, signatures are not.
     """
 
-    def __init__(self, roots: Sequence[str | os.PathLike[str]], model_name: str = "dlrm") -> None:
+    def __init__(self, roots: Sequence[str | os.PathLike[str]], model_name: str = "dlrm",
+                 verify_key: VerifyKey | None = None) -> None:
         if not roots:
             raise ConfigError("a model repository needs at least one folder")
         self.roots = [Path(r) for r in roots]
         self.model_name = model_name
+        self.verify_key = verify_key
 
     def archive_name(self, version: str) -> str:
         return f"{self.model_name}-{version}.mar"
@@ -207,17 +243,51 @@ class ModelRepository:
         folder = self.tables(version)
         return None if folder is None else _read_manifest(folder)
 
-    def check_tables(self, version: str) -> Path | None:
-        """What a switch checks before TorchServe loads ``version``: the tables folder its
-        archive references (:func:`table_reference`) is in one of the repository's
-        folders, complete (manifest, every file of its size) and of the build the archive
-        was made with. Returns that folder (None: the archive holds its tables).
+    def check_archive(self, version: str) -> str:
+        """The sha256 recorded for ``version``'s archive when it was added, checked
+        against the archive's bytes now and, with :attr:`verify_key`, its signature
+        (module docstring, Archive digests); returns it.
 
         Raises:
-            ConfigError: not in the repository, or its tables are missing, incomplete or
-                another build's (the message names the folder, where it was looked for
-                and what to do).
+            ConfigError: not in the repository, no digest recorded, the archive's bytes
+                differ from it, or (with a verify key) the digest is unsigned or wrongly
+                signed (the message names the version, the rule and what to do).
         """
+        mar = self.archive(version)
+        want = _recorded_digest(mar)
+        if want is None:
+            raise ConfigError(
+                f"model version {version!r}: archive digest: no sha256 is recorded for "
+                f"{mar} ({mar.name}{DIGEST_SUFFIX} is missing), and an archive is registered "
+                f"only when its bytes match the digest its build recorded. Rebuild the "
+                f"version (make model / make import record it), copy its "
+                f"{mar.name}{DIGEST_SUFFIX} along with it, or, for an archive you trust, "
+                f"record it: python -m serve.ops.keys index-archives --repository "
+                f"{mar.parent}")
+        got = file_digest(mar)
+        if got != want:
+            raise ConfigError(
+                f"model version {version!r}: archive digest: {mar} has sha256 {got}, but "
+                f"its build recorded {want}: the archive was changed after it was built "
+                f"(damaged or replaced) and is not registered. Copy the version again "
+                f"from its build, or rebuild it")
+        if self.verify_key is not None:
+            _check_digest_signature(mar, version, want, self.verify_key)
+        return want
+
+    def check_tables(self, version: str) -> Path | None:
+        """What a switch checks before TorchServe loads ``version``: its archive's
+        recorded digest (:meth:`check_archive`); the tables folder its archive references
+        (:func:`table_reference`) is in one of the repository's folders, complete
+        (manifest, every file of its size) and of the build the archive was made with.
+        Returns that folder (None: the archive holds its tables).
+
+        Raises:
+            ConfigError: not in the repository, its archive's digest is missing or
+                differs, or its tables are missing, incomplete or another build's (the
+                message names the folder, where it was looked for and what to do).
+        """
+        self.check_archive(version)
         mar = self.archive(version)
         ref = table_reference(mar)
         if ref is None:
@@ -332,7 +402,9 @@ class ModelRepository:
         else:
             placed = _link_referenced(Path(archive), root)
         try:
+            # the digest after the archive, the report (what lists the version) last
             for path, write in ((mar, lambda t: shutil.copyfile(archive, t)),
+                                (_digest_path(mar), lambda t: _write_digest(t, mar)),
                                 (rep, lambda t: t.write_text(json.dumps(report, indent=2)))):
                 tmp = path.with_name(f".{path.name}.tmp")
                 write(tmp)
@@ -355,6 +427,8 @@ class ModelRepository:
         mar, report = self._require(version)
         report.unlink()
         mar.unlink(missing_ok=True)
+        _digest_path(mar).unlink(missing_ok=True)
+        _signature_path(mar).unlink(missing_ok=True)
         # its own folder; one it shares with the version it was copied from stays
         shutil.rmtree(mar.with_name(self.tables_name(version)), ignore_errors=True)
 
@@ -456,3 +530,110 @@ def _identity(folder: Path) -> str | None:
         return _read_manifest(folder).identity()
     except ArtifactError:
         return None
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The sha256 (hex) of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digest_path(mar: Path) -> Path:
+    return mar.with_name(mar.name + DIGEST_SUFFIX)
+
+
+def _signature_path(mar: Path) -> Path:
+    return mar.with_name(mar.name + DIGEST_SUFFIX + SIGNATURE_SUFFIX)
+
+
+def _write_digest(target: Path, mar: Path) -> None:
+    """Write ``mar``'s digest line (``sha256sum`` format) to ``target``."""
+    target.write_text(f"{file_digest(mar)}  {mar.name}\n")
+
+
+def _recorded_digest(mar: Path) -> str | None:
+    """The sha256 recorded beside ``mar``; None when there is no digest file.
+
+    Raises:
+        ConfigError: the file is unreadable or not one ``<sha256>  <archive name>`` line.
+    """
+    path = _digest_path(mar)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"archive digest {path}: cannot be read ({e})") from None
+    m = _DIGEST_LINE.fullmatch(text)
+    if m is None or m.group(2) != mar.name:
+        raise ConfigError(f"archive digest {path} must be one line '<sha256>  {mar.name}' "
+                          f"(sha256sum format); got {text[:120]!r}. Rebuild the version or "
+                          "record the digest again")
+    return m.group(1)
+
+
+def record_archive_digest(repo: ModelRepository, version: str) -> tuple[Path, bool]:
+    """Record the sha256 of ``version``'s archive as it is now, when none is recorded
+    (versions added before digests existed): the digest file, and whether it was
+    written (False: one was there already, left unchanged). Only for archives the
+    operator trusts: it vouches for whatever bytes are there now.
+
+    Raises:
+        ConfigError: ``version`` is not in the repository.
+    """
+    mar = repo.archive(version)
+    path = _digest_path(mar)
+    if path.exists():
+        return path, False
+    tmp = path.with_name(f".{path.name}.tmp")
+    _write_digest(tmp, mar)
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+    return path, True
+
+
+def _archive_message(version: str, mar: Path, sha256: str) -> bytes:
+    return signed_message(ARCHIVE_SIGNATURE_DOMAIN,
+                          {"version": version, "archive": mar.name, "sha256": sha256})
+
+
+def _check_digest_signature(mar: Path, version: str, sha256: str, key: VerifyKey) -> None:
+    """The signature beside ``mar``'s digest verifies under ``key`` (module docstring)."""
+    path = _signature_path(mar)
+    try:
+        signature = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"model version {version!r}: archive signature: {path.name} is missing, and "
+            f"this sidecar registers only archives whose digest is signed with the key "
+            f"{key.key_id} (--archive-verify-key {key.path}); sign it with that pair's "
+            f"private key: python -m serve.ops.keys sign-archives --key FILE --repository "
+            f"{mar.parent}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model version {version!r}: archive signature: {path} cannot be "
+                          f"read as JSON ({e}); sign the digest again") from None
+    try:
+        key.verify(_archive_message(version, mar, sha256), signature)
+    except BadSignature as e:
+        raise ConfigError(f"model version {version!r}: archive signature: {path.name}: the "
+                          f"signature {e.why}; the archive is not registered") from None
+
+
+def sign_archive_digest(repo: ModelRepository, version: str, key: SigningKey) -> Path:
+    """Sign ``version``'s recorded archive digest with ``key`` (after checking it against
+    the archive's bytes): writes and returns ``dlrm-<version>.mar.sha256.sig``.
+
+    Raises:
+        ConfigError: not in the repository, or its digest is missing or differs.
+    """
+    sha256 = ModelRepository(repo.roots, repo.model_name).check_archive(version)
+    mar = repo.archive(version)
+    path = _signature_path(mar)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(key.sign(_archive_message(version, mar, sha256))) + "\n")
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+    return path

@@ -25,14 +25,28 @@ reference still names the candidate's own tables folder in the repository (the s
 and the candidate's tables are both mapped, each from its own folder). The model store is shared by TorchServe and the sidecar (an
 ``emptyDir`` mounted at the same path in both containers), so the path is the same on
 both sides.
+
+**Digests.** A repository archive is code. :func:`rewrite_mar` opens a source archive
+(and a candidate's) once, hashes it through that open file and checks the sha256 against
+the digest its build recorded (``src_sha256``,
+:meth:`serve.store.repository.ModelRepository.check_archive`), then derives the new
+archive from the same open file: a file swapped (renamed over) between the check and the
+copy is not read. (Changing the bytes of the open file in place needs write access to a
+0444 file of the repository, whose writer can also rewrite the digest: SECURITY.md.)
+The derived archive itself is not recorded: the sidecar writes it from verified bytes and
+registers it at once; the only other writer of the model store is the torchserve
+container, which already runs the model's code.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,11 +71,13 @@ POD_HANDLER = Path(__file__).resolve().parents[3] / "handlers" / "dlrm_handler.p
 @dataclass(frozen=True)
 class CandidateArchive:
     """A rollout's candidate to pack beside the stable model: its version, its repository
-    archive, and the control file the workers read its weight from."""
+    archive, the control file the workers read its weight from, and its archive's
+    recorded sha256 (None: not checked)."""
 
     version: str
     src: Path
     control_file: Path
+    sha256: str | None = None
 
 
 def mar_path(model_store: Path, model_name: str, serving_version: str) -> Path:
@@ -107,10 +123,34 @@ def _missing(src: Path) -> UpstreamUnavailable:
         f"versions are) and --model-store (TorchServe's)")
 
 
+@contextmanager
+def _verified(src: Path, sha256: str | None) -> Iterator[zipfile.ZipFile]:
+    """The archive ``src`` as a zip over one open file, which, with ``sha256``, was
+    hashed and checked first (module docstring, Digests).
+
+    Raises:
+        ConfigError: its bytes differ from ``sha256`` (names both digests).
+    """
+    with open(src, "rb") as f:
+        if sha256 is not None:
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            if h.hexdigest() != sha256:
+                raise ConfigError(
+                    f"archive digest: {src} has sha256 {h.hexdigest()}, but its build "
+                    f"recorded {sha256}: it changed after the check (damaged or replaced) "
+                    f"and is not registered; copy the version again from its build")
+            f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            yield z
+
+
 def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
                 max_batch_delay_ms: int, workers: int,
                 candidate: CandidateArchive | None = None,
-                handler_file: Path | None = POD_HANDLER) -> Path:
+                handler_file: Path | None = POD_HANDLER,
+                src_sha256: str | None = None) -> Path:
     """Copy the model archive ``src`` to ``dst`` with ``modelVersion = version`` in
     ``MAR-INF/MANIFEST.json`` and the batching settings in its model config (the file
     the manifest's ``configFile`` names), which TorchServe prefers over registration
@@ -118,7 +158,9 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
     :data:`CANDIDATE_ARTIFACT` and the model config's ``handler.rollout`` names it and
     the control file. The manifest's handler entry is replaced by ``handler_file`` when
     that exists (None or missing: kept). Other entries are copied unchanged; ``dst`` is
-    written atomically."""
+    written atomically. With ``src_sha256`` (and the candidate's ``sha256``) the source
+    bytes are checked first (module docstring, Digests: ``ConfigError`` when they
+    differ)."""
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise _missing(src)
@@ -131,7 +173,7 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
         control_file=str(Path(candidate.control_file).resolve())))
     fd, tmp = temp_beside(dst)  # never a predictable name: the store is shared
     try:
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(src) as zin:
+        with os.fdopen(fd, "wb") as out, _verified(src, src_sha256) as zin:
             try:
                 manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
             except KeyError:
@@ -158,17 +200,17 @@ def rewrite_mar(src: Path, dst: Path, *, version: str, batch_size: int,
                         with zin.open(info) as fin, zout.open(info, "w") as fout:
                             shutil.copyfileobj(fin, fout, 1 << 20)
                 if candidate is not None:
-                    _add_candidate(zout, Path(candidate.src))
+                    _add_candidate(zout, Path(candidate.src), candidate.sha256)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)  # a failed copy leaves no half-written file behind
     return dst
 
 
-def _add_candidate(zout: zipfile.ZipFile, src: Path) -> None:
+def _add_candidate(zout: zipfile.ZipFile, src: Path, sha256: str | None = None) -> None:
     """Copy ``src``'s artifact into ``zout`` as :data:`CANDIDATE_ARTIFACT`, unchanged: a
     format-3 artifact keeps the reference to the candidate's own tables folder."""
-    with zipfile.ZipFile(src) as cin:
+    with _verified(src, sha256) as cin:
         try:
             info = cin.getinfo(ARTIFACT_NAME)
         except KeyError:

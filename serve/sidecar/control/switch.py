@@ -115,6 +115,9 @@ class SwitchPlan:
             candidate's, from their manifests; empty for archives that hold their
             tables): what the memory check counts (under the host budget), the archives
             being a few MB.
+        src_sha256: ``src``'s sha256 as its build recorded it (checked by
+            :meth:`ModelRepository.check_archive` when planned, and again on the bytes
+            :func:`rewrite_mar` copies); None: not checked.
     """
 
     new: BatchingState
@@ -124,6 +127,7 @@ class SwitchPlan:
     candidate: CandidateArchive | None = None
     mode: RolloutMode = RolloutMode.CANARY
     tables: tuple[TableManifest, ...] = ()
+    src_sha256: str | None = None
 
     @property
     def table_bytes(self) -> int:
@@ -142,8 +146,9 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
     Raises:
         ConfigError: the model version (or the candidate) is not in ``repository`` (names
             the ones there), or the tables folder its archive references is missing,
-            incomplete or another build's (:meth:`ModelRepository.check_tables`): refused
-            before anything is copied or loaded.
+            incomplete or another build's, or its archive's recorded digest is missing or
+            differs (:meth:`ModelRepository.check_tables`): refused before anything is
+            copied or loaded.
     """
     target = desired.serving_version()
     current = observed.get(target)
@@ -160,15 +165,17 @@ def plan_switch(observed: Observed, desired: DesiredState, repository: ModelRepo
     versions = [desired.model.version] + ([desired.rollout.candidate] if desired.rollout
                                           else [])
     for version in versions:
-        repository.check_tables(version)
+        repository.check_tables(version)  # its archive's digest too
     src = repository.archive(desired.model.version)
     candidate = None
     if desired.rollout is not None:
         candidate = CandidateArchive(
             version=desired.rollout.candidate,
             src=repository.archive(desired.rollout.candidate),
-            control_file=control_path(store, model, target))
+            control_file=control_path(store, model, target),
+            sha256=repository.check_archive(desired.rollout.candidate))
     return SwitchPlan(new=new, src=src, dst=mar_path(store, model, target),
+                      src_sha256=repository.check_archive(desired.model.version),
                       old=observed.serving, candidate=candidate,
                       mode=(RolloutMode(desired.rollout.mode) if desired.rollout
                             else RolloutMode.CANARY),
@@ -336,7 +343,7 @@ class VersionSwitch:
         dst = await asyncio.to_thread(
             rewrite_mar, plan.src, plan.dst, version=new.model_version,
             batch_size=new.batch_size, max_batch_delay_ms=new.max_batch_delay_ms,
-            workers=new.workers, candidate=plan.candidate)
+            workers=new.workers, candidate=plan.candidate, src_sha256=plan.src_sha256)
         self.memory.sample()
         return dst
 

@@ -321,6 +321,14 @@ class ServiceEndpoints(BaseModel):
                     "the host this request reached; null when not served (--oip-port 0).")
 
 
+class DeltaTrust(BaseModel):
+    """Whether this pod checks who made the embedding deltas it takes."""
+
+    signatures: str = Field(description="'verified (key <id>)' with --delta-verify-key "
+                                        "(unsigned or wrongly signed deltas are refused), "
+                                        "else 'not verified'.")
+
+
 class StateStatus(BaseModel):
     """GET /state: the declared state, what serves, and whether they agree (and why not)."""
 
@@ -353,12 +361,16 @@ class StateStatus(BaseModel):
         default=None, description="Embedding deltas per served version (stored, and "
                                   "applied by the live workers); absent when the sidecar "
                                   "runs without --delta-dir.")
+    deltas: DeltaTrust | None = Field(
+        default=None, description="Whether embedding deltas are verified; absent without "
+                                  "--delta-dir.")
 
     @model_serializer(mode="wrap")
     def _omit_embeddings_when_off(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
         if isinstance(data, dict) and data.get("embeddings") is None:
             data.pop("embeddings", None)
+            data.pop("deltas", None)
         if isinstance(data, dict) and data.get("fleet") is None:
             data.pop("fleet", None)  # absent without a fleet, as before there was one
         return data

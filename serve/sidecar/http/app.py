@@ -70,7 +70,7 @@ from serve import settings
 from serve.common.flags import add_options, build
 from serve.errors import ConfigError
 from serve.sidecar.adapters.tokens import ensure_dev_token, load_optional_token, load_token
-from serve.sidecar.config import OipOptions, ServerOptions, SidecarConfig, cli_options
+from serve.sidecar.config import ServerOptions, SidecarConfig, cli_options
 from serve.sidecar.http import (
     routes_batching,
     routes_deltas,
@@ -84,6 +84,7 @@ from serve.sidecar.http.docs import mount_docs
 from serve.sidecar.http.edge import EdgeGuard, check_write_routes
 from serve.sidecar.http.errors import register_exception_handlers
 from serve.sidecar.http.middleware import count_requests
+from serve.sidecar.http.oip_options import OipOptions
 from serve.sidecar.root import Sidecar
 
 __all__ = [

@@ -9,7 +9,7 @@ without its token variables; in Kubernetes its container mounts no Secret and no
 token), its memory and CPU are its own (its own container, or at least its own process),
 and readiness is the sidecar's, read through a 1 s cache (:mod:`serve.sidecar.http.oip_state`).
 
-Bounded inside too (:mod:`serve.sidecar.http.oip_guard`, :class:`~serve.sidecar.config.OipOptions`):
+Bounded inside too (:mod:`serve.sidecar.http.oip_guard`, :class:`~serve.sidecar.http.oip_options.OipOptions`):
 infers at once and bytes of bodies in flight (429 at once past them), a deadline for the
 whole body (408), parses at once (429 when no slot frees in time), uvicorn's
 ``limit_concurrency`` as the backstop, its own HTTP clients (to TorchServe's inference
@@ -33,11 +33,11 @@ from fastapi import FastAPI
 
 from serve.common.flags import add_options, build
 from serve.errors import ConfigError
-from serve.sidecar.config import OipOptions, oip_cli_options
 from serve.sidecar.http import routes_oip
 from serve.sidecar.http.app import listen_socket
 from serve.sidecar.http.errors import register_oip_exception_handlers
 from serve.sidecar.http.oip_guard import AdmissionGuard
+from serve.sidecar.http.oip_options import OipOptions, oip_cli_options
 from serve.sidecar.http.oip_state import OipState
 
 __all__ = ["build_parser", "create_oip_app", "main"]
@@ -53,7 +53,7 @@ def create_oip_app(options: OipOptions, *,
     error mapping (``{"error": ...}``) and bounds, its state in ``app.state.oip``.
 
     Args:
-        options: see :class:`~serve.sidecar.config.OipOptions`.
+        options: see :class:`~serve.sidecar.http.oip_options.OipOptions`.
         predict_client, sidecar_client: clients for TorchServe's inference API and the
             sidecar's ``/readyz``; default its own, made and closed with the app (tests
             pass clients on fake transports).
@@ -94,7 +94,7 @@ def create_oip_app(options: OipOptions, *,
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The command line, generated from :class:`~serve.sidecar.config.OipOptions`."""
+    """The command line, generated from :class:`~serve.sidecar.http.oip_options.OipOptions`."""
     p = argparse.ArgumentParser(
         prog="python -m serve.sidecar.http.oip_server",
         description="The Open Inference Protocol v2 (KServe v2) in a process of its own, "

@@ -21,8 +21,9 @@ from serve.errors import ServeError, UpstreamUnavailable
 from serve.schema import ModelSchema
 from serve.sidecar.adapters.model_schemas import SchemaCache
 from serve.sidecar.adapters.torchserve import TorchServeClient
-from serve.sidecar.config import OipOptions, SidecarConfig
+from serve.sidecar.config import SidecarConfig
 from serve.sidecar.http.oip_guard import Budget, ParseSlots, ReadyCache
+from serve.sidecar.http.oip_options import OipOptions
 from serve.state import parse_serving_version
 from serve.store.repository import ModelRepository
 
@@ -37,7 +38,7 @@ class OipState:
     """The OIP process's parts.
 
     Attributes:
-        options: see :class:`~serve.sidecar.config.OipOptions`.
+        options: see :class:`~serve.sidecar.http.oip_options.OipOptions`.
         torchserve: predicts go through it, on the OIP's own client (never the sidecar's).
         ready: the sidecar's ``GET /readyz`` answer, at most one call per ``ready_cache_s``.
         schemas: the versions' schemas from the repository; None: the built-in DLRM's.

@@ -114,7 +114,10 @@ async def _receive(request: Request, intake: DeltaIntake) -> Accepted:
                      "description": "stored; not every live worker applied it within "
                                     "wait_s (they still will)"},
                400: {"description": "the delta is damaged or does not fit the version's "
-                                    "tables (field names the part)"},
+                                    "tables (field names the part), or with "
+                                    "--delta-verify-key it is unsigned or wrongly signed "
+                                    "(field header.signature, reason unsigned or "
+                                    "bad_signature)"},
                401: {}, 403: {},
                409: {"description": "its version is not served here, its sequence is not "
                                     "the next one, it builds on another delta than this "
@@ -166,4 +169,4 @@ async def get_deltas(sidecar: SidecarDep) -> DeltasStatus:
                   for v, s in summaries.items()},
         damaged=[DamagedDelta(version=v, file=name, reason=why)
                  for v, files in damaged.items() for name, why in files],
-        max_bytes=parts.intake.max_bytes)
+        max_bytes=parts.intake.max_bytes, signatures=parts.intake.signatures)

@@ -51,6 +51,7 @@ from serve.sidecar.control.assessment import observed_state
 from serve.sidecar.http.auth import require_token
 from serve.sidecar.http.routes_tuner import tuner_status
 from serve.sidecar.http.schemas import (
+    DeltaTrust,
     EmbeddingsStatus,
     ObservedState,
     RolloutStatus,
@@ -91,7 +92,8 @@ async def get_state(request: Request, sidecar: SidecarDep) -> StateStatus:
     if sidecar.deltas is not None:
         summaries = await sidecar.deltas.report.summaries()
         status = status.model_copy(update={"embeddings": {
-            v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()}})
+            v: EmbeddingsStatus.model_validate(s.to_json()) for v, s in summaries.items()},
+            "deltas": DeltaTrust(signatures=sidecar.deltas.intake.signatures)})
     return status
 
 

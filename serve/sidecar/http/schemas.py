@@ -24,6 +24,7 @@ from serve.sidecar.adapters.torchserve import BatchingState
 from serve.sidecar.control.views import (
     BatchingUpdate,
     BatchingUpdateResult,
+    DeltaTrust,
     EmbeddingsStatus,
     GuardStatus,
     ObservedBatching,
@@ -49,6 +50,7 @@ __all__ = [
     "BatchingUpdateResult",
     "DamagedDelta",
     "DeltaAnswer",
+    "DeltaTrust",
     "DeltaWorker",
     "DeltasStatus",
     "EmbeddingsStatus",
@@ -206,3 +208,7 @@ class DeltasStatus(BaseModel):
     max_bytes: int | None = Field(default=None, description="The largest delta accepted "
                                                             "(--max-delta-bytes).")
     message: str | None = Field(default=None, description="How to enable deltas, when off.")
+    signatures: str | None = Field(
+        default=None, description="'verified (key <id>)' with --delta-verify-key (unsigned "
+                                  "or wrongly signed deltas are refused), else 'not "
+                                  "verified'; null when deltas are off.")

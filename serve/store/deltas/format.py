@@ -25,10 +25,11 @@ File layout (little-endian)::
                           "assigned": 5, "evicted": 2}, ...],   # (both omitted when 0)
               "payload_bytes": 4567,
               "parent_digest": "<hex>",            # what it builds on (below)
-              "sha256": "<hex>"}
+              "sha256": "<hex>",
+              "signature": {...}}                  # optional: who built it (below)
 
-``sha256`` covers the header without its ``sha256`` key (canonical JSON: sorted keys, no
-spaces) followed by the payload, so a changed base version or sequence is caught as
+``sha256`` covers the header without its ``sha256`` and ``signature`` keys (canonical
+JSON: sorted keys, no spaces) followed by the payload, so a changed base version or sequence is caught as
 surely as a flipped row byte.
 
 ``parent_digest`` names the delta it builds on: the sha256 (hex) of the previous
@@ -36,6 +37,10 @@ sequence's file bytes (:func:`file_sha256`), or for sequence 1 the version's ide
 :func:`version_digest` (the sha256 of its build report, canonical JSON). The store
 checks it (:mod:`serve.store.deltas.files`: one chain per version). Deltas written
 before the field existed have none.
+
+``signature`` (optional) is an ed25519 signature over ``sha256`` and the chain fields
+(:mod:`serve.store.deltas.signature`); a pod with ``--delta-verify-key`` takes only
+deltas it verifies.
 
 **Id changes** (tables with ``mapping="managed"``, :mod:`serve.runtime.idmap`): a
 table's entry may also carry the ids training admitted (``assigned``: raw id -> row)
@@ -55,7 +60,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -72,6 +77,9 @@ from serve.store.deltas.header import (
     read_header,
     table_spans,
 )
+
+if TYPE_CHECKING:
+    from serve.common.signing import SigningKey
 
 __all__ = [
     "CHUNK_BYTES",
@@ -176,8 +184,9 @@ def version_digest(report: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(report)).hexdigest()
 
 
-def encode_delta(delta: Delta) -> bytes:
-    """The delta as file bytes (module docstring), checksum included."""
+def encode_delta(delta: Delta, sign_key: SigningKey | None = None) -> bytes:
+    """The delta as file bytes (module docstring), checksum included; with ``sign_key``
+    also its signature (:mod:`serve.store.deltas.signature`)."""
     parts = []
     tables: list[dict[str, Any]] = []
     for t in delta.tables:
@@ -206,6 +215,11 @@ def encode_delta(delta: Delta) -> bytes:
     if delta.parent_digest is not None:
         header["parent_digest"] = delta.parent_digest
     header["sha256"] = header_checksum(header, [payload])
+    if sign_key is not None:
+        # lazy: the workers read deltas and never sign, so they never load cryptography
+        from serve.store.deltas.signature import sign_header
+
+        header = sign_header(header, sign_key)
     head = canonical_json(header)
     return DELTA_MAGIC + struct.pack("<I", len(head)) + head + payload
 

@@ -23,6 +23,7 @@ __all__ = [
     "DELTA_MAGIC",
     "FORMAT",
     "HEADER_MAX",
+    "UNCHECKED_KEYS",
     "TableSpan",
     "canonical_json",
     "check_checksum",
@@ -37,6 +38,8 @@ DELTA_MAGIC = b"DLRMDELTA1\n"
 FORMAT = 1
 #: The largest header (bytes) a reader takes.
 HEADER_MAX = 1 << 20
+#: Header keys the checksum does not cover: itself, and the signature over it.
+UNCHECKED_KEYS = frozenset({"sha256", "signature"})
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -47,9 +50,11 @@ def canonical_json(header: dict[str, Any]) -> bytes:
 
 def header_checksum(header: dict[str, Any],
                     payload: Iterable[bytes | bytearray | memoryview]) -> str:
-    """The file's ``sha256`` (hex): the header without its ``sha256`` key as canonical
-    JSON, then the payload's chunks in order."""
-    h = hashlib.sha256(canonical_json({k: v for k, v in header.items() if k != "sha256"}))
+    """The file's ``sha256`` (hex): the header without its ``sha256`` and ``signature``
+    keys as canonical JSON, then the payload's chunks in order. (The signature signs this
+    checksum, :mod:`serve.store.deltas.signature`, so it cannot be inside it.)"""
+    h = hashlib.sha256(canonical_json({k: v for k, v in header.items()
+                                       if k not in UNCHECKED_KEYS}))
     for chunk in payload:
         h.update(chunk)
     return h.hexdigest()

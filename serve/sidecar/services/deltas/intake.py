@@ -4,6 +4,12 @@ A delta (POSTed, :mod:`serve.sidecar.http.routes_deltas`, or found on the model 
 :mod:`serve.sidecar.services.deltas.volume`) is checked completely before the store
 changes, in this order, and any failure leaves the store as it was:
 
+0. with a verify key (``--delta-verify-key``), its signature
+   (:mod:`serve.store.deltas.signature`): read from the header before the file is
+   scanned or stored (a POST once its body is in, within the size bounds of step 1), and
+   for a volume file also before a byte is copied; 400 ``InvalidDelta`` field
+   ``header.signature``, ``reason`` ``unsigned`` or ``bad_signature``. Without a key
+   nothing is verified (:attr:`DeltaIntake.signatures` says ``not verified``);
 1. the body size (413 over :attr:`DeltaIntake.max_bytes`, ``--max-delta-bytes``), while
    it streams into a file in the store's folder (hashed on the way; the body is never
    held in memory), and the store's bound (507 over ``--max-delta-store-bytes``);
@@ -43,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.common.signing import VerifyKey
 from serve.errors import (
     DeltaConflict,
     InsufficientMemory,
@@ -61,6 +68,11 @@ from serve.store.deltas.format import (
 )
 from serve.store.deltas.incoming import Incoming
 from serve.store.deltas.layout import check_layout, layout_for_report
+from serve.store.deltas.signature import (
+    DeltaSignatureError,
+    check_signature,
+    read_file_header,
+)
 
 __all__ = ["Accepted", "DeltaIntake", "ReasonCounts", "refusal_reason"]
 
@@ -99,12 +111,16 @@ class DeltaIntake:
             bound. In Kubernetes the store is memory-backed and its pages are charged to
             the sidecar's container until their version stops being served, so this
             bound, not one delta's size, is what keeps the sidecar inside its memory.
+        verify_key: the public key every delta must be signed with
+            (``--delta-verify-key``); None: signatures are not verified.
     """
 
     def __init__(self, store: DeltaStore, *, versions: Callable[[], list[str]],
                  report_of: Callable[[str], dict[str, Any]], max_bytes: int | None = None,
-                 max_store_bytes: int | None = None) -> None:
+                 max_store_bytes: int | None = None,
+                 verify_key: VerifyKey | None = None) -> None:
         self.store = store
+        self.verify_key = verify_key
         #: The largest delta accepted (bytes): POST bodies and volume files. The one limit
         #: of a delta; the request guard reads it here too.
         self.max_bytes = MAX_DELTA_BYTES if max_bytes is None else max_bytes
@@ -114,12 +130,31 @@ class DeltaIntake:
         #: POSTed deltas refused, by reason (:func:`refusal_reason`).
         self.refused = ReasonCounts()
         #: Volume files not taken, each counted once, by reason (``too_large``,
-        #: ``invalid``, ``unreadable``, ``store_full``, ``parent_mismatch``).
+        #: ``invalid``, ``unreadable``, ``store_full``, ``parent_mismatch``,
+        #: ``unsigned``, ``bad_signature``).
         self.skipped = ReasonCounts()
         self._versions = versions
         self._report_of = report_of
 
     # ------------------------------------------------------------------ checks
+
+    @property
+    def signatures(self) -> str:
+        """``verified (key <id>)`` with a verify key, else ``not verified`` (GET /state,
+        GET /embeddings/deltas)."""
+        key = self.verify_key
+        return "not verified" if key is None else f"verified (key {key.key_id})"
+
+    def check_signed(self, path: Path) -> None:
+        """Step 0 for the delta file ``path`` (its header only); nothing without a verify
+        key.
+
+        Raises:
+            DeltaSignatureError: ``unsigned`` or ``bad_signature``.
+            InvalidDelta: the header cannot be read. OSError: nor the file.
+        """
+        if self.verify_key is not None:
+            check_signature(read_file_header(path), self.verify_key)
 
     def check_size(self, size: int) -> None:
         """Raise :class:`~serve.errors.PayloadTooLarge` for a body over :attr:`max_bytes`."""
@@ -207,7 +242,9 @@ class DeltaIntake:
     def receive_file(self, path: Path) -> Accepted:
         """:meth:`receive` for a file (the model volume): copied in 1 MiB chunks
         (blocking I/O; refusals are not counted here: the volume sync counts its
-        skips)."""
+        skips). With a verify key the file's signature is checked before any byte is
+        copied, and again on the copy (the file may change in between)."""
+        self.check_signed(path)
         self.check_room(path.stat().st_size)
         incoming = self.store.incoming(self.max_bytes)
         try:
@@ -229,6 +266,7 @@ class DeltaIntake:
         """
         try:
             incoming.finish()
+            self.check_signed(incoming.path)
             delta = scan_delta_file(incoming.path, self.max_bytes)
             self.check_served(delta)
             base = self.base_digest(delta.base_version)
@@ -266,9 +304,10 @@ class ReasonCounts:
 def refusal_reason(error: ServeError) -> str:
     """The bounded reason label of a refused delta (:data:`serve.metrics.DELTA_REFUSAL_REASONS`):
     a :class:`~serve.errors.DeltaConflict`'s own ``reason`` (``base_version``,
-    ``sequence``, ``parent_mismatch``, ``volume_only``), ``invalid`` (400), ``too_large``
-    (413), ``store_full`` (507), else ``other``."""
-    if isinstance(error, DeltaConflict):
+    ``sequence``, ``parent_mismatch``, ``volume_only``), a signature's (``unsigned``,
+    ``bad_signature``), ``invalid`` (400), ``too_large`` (413), ``store_full`` (507), else
+    ``other``."""
+    if isinstance(error, (DeltaConflict, DeltaSignatureError)):
         return error.reason
     if isinstance(error, InvalidDelta):
         return "invalid"

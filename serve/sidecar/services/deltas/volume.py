@@ -20,6 +20,7 @@ from pathlib import Path
 
 from serve.errors import DeltaConflict, InsufficientMemory, ServeError
 from serve.sidecar.services.deltas.intake import Accepted, DeltaIntake
+from serve.store.deltas.signature import DeltaSignatureError
 
 __all__ = ["VolumeSync"]
 
@@ -65,7 +66,8 @@ class VolumeSync:
         version before its workers' first batch settles). Each file's size is read
         (``stat``) before any byte: one over ``intake.max_bytes`` is skipped, never read.
         A file skipped or failing a check is logged once, counted once in
-        ``dlrm_delta_files_skipped_total{reason}``, and stops that version's sync there
+        ``dlrm_delta_files_skipped_total{reason}`` (``unsigned`` and ``bad_signature``
+        with ``--delta-verify-key``: checked before a byte is copied), and stops that version's sync there
         (later ones need it). A pass always completes (readiness waits for one pass,
         never for a bad file).
         """
@@ -113,6 +115,7 @@ class VolumeSync:
             except (ServeError, OSError) as e:
                 reason = ("unreadable" if isinstance(e, OSError) else
                           "store_full" if isinstance(e, InsufficientMemory) else
+                          e.reason if isinstance(e, DeltaSignatureError) else
                           "parent_mismatch" if isinstance(e, DeltaConflict)
                           and e.reason == "parent_mismatch" else "invalid")
                 self._skip(path, None, reason, str(getattr(e, "message", e)))
