@@ -249,7 +249,7 @@ def test_refused_imports_leave_the_store_unchanged(tmp_path: Path,
     import_model(ImportConfig(factory=spec, checkpoint=tmp_path / "ck", version="good",
                               model_store=store), say=lambda m: None, progress=io.StringIO())
     before = _store_state(store)
-    assert before == ["dlrm-good.json", "dlrm-good.mar", "dlrm-good.tables"]
+    assert before == ["dlrm-good.json", "dlrm-good.mar", "dlrm-good.mar.sha256", "dlrm-good.tables"]
 
     # a check that fails: one table's codes quantized wrong
     real = si.quantize_chunk
