@@ -21,7 +21,7 @@ DAY ?= 1
 # run/up/bench/capacity serve a version that exists: build it only when that name is not
 # in model_store/ (a new build is `make model`, which refuses to reuse a name for a
 # different build).
-run up bench-e2e bench-slo capacity faults fleet fleet-check: MODEL_IF_MISSING := 1
+run up bench-e2e bench-slo capacity faults fleet fleet-check oip-flood: MODEL_IF_MISSING := 1
 SHAPE ?= step
 DURATION ?= 60s
 IMAGE ?= dlrm-serve

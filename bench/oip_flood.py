@@ -9,7 +9,7 @@ pod's three containers as processes (:func:`pod`: TorchServe, the sidecar with `
 external`` and the OIP process, shipped defaults, free loopback ports), each started inside
 cgroups like its container's (cgroup v1, as root): TorchServe's tree in
 ``--torchserve-memory``, the sidecar in 1 GiB and a 500m CPU quota, the OIP process in
-512 MiB and 500m (k8s/deployment.yaml). It serves ``--version`` (default: the version
+512 MiB and 1 core (k8s/deployment.yaml). It serves ``--version`` (default: the version
 ``make up`` declares in a new state, ``LaunchConfig.initial_version``). Then, for
 ``--seconds``:
 
@@ -67,7 +67,7 @@ CHUNK = 256 * 1024
 INFER = "/v2/models/dlrm/infer"
 #: The pod's containers (k8s/deployment.yaml): memory bytes, CPU quota in cores.
 SIDECAR_LIMITS = (1024 * MIB, 0.5)
-OIP_LIMITS = (512 * MIB, 0.5)
+OIP_LIMITS = (512 * MIB, 1.0)
 
 
 def bad_body(size: int = 8 * MIB, per_input: int = 4096 * 64) -> bytes:
