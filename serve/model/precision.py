@@ -61,13 +61,24 @@ def score_heldout(artifact: str | os.PathLike[str], data_dir: str | os.PathLike[
                   split: str = "eval") -> tuple[np.ndarray, np.ndarray, float]:
     """(labels uint8 (n,), probabilities float32 (n,), seconds) of ``artifact`` on a split,
     scored by the serving runtime with its dense part in ``precision``."""
-    import torch
-
-    from serve.model.data import columnar_rows, load_split
-    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+    from serve.runtime.engine import Runtime, RuntimeConfig
 
     rt = Runtime.from_artifact(artifact, RuntimeConfig(device="cpu", cache_load_factor=1.0,
                                                        dense_precision=precision))
+    return score_rows(rt, data_dir, rows=rows, batch=batch, split=split)
+
+
+def score_rows(rt: Any, data_dir: str | os.PathLike[str], *, rows: int | None = None,
+               batch: int = 4096, split: str = "eval"
+               ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(labels uint8 (n,), probabilities float32 (n,), seconds) of the runtime ``rt``
+    (:class:`serve.runtime.engine.Runtime`) on a split's first ``rows`` rows (None: all),
+    in row order, ``batch`` rows per forward."""
+    import torch
+
+    from serve.model.data import columnar_rows, load_split
+    from serve.runtime.engine import SparseBatch
+
     data = load_split(data_dir, split)
     n = len(data) if rows is None else min(rows, len(data))
     if n == 0:

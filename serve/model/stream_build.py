@@ -183,28 +183,16 @@ def score_artifact(art: Any, data_dir: str | os.PathLike[str], host_cache_bytes:
     """(labels uint8 (n,), probabilities float32 (n,)) of our runtime over ``art`` on a
     split, in row order; tables on disk are read through a host tier of
     ``host_cache_bytes`` (None: the mapped files, unbounded)."""
-    from serve.errors import ConfigError
-    from serve.model.data import columnar_rows, load_split
-    from serve.runtime.engine import Runtime, RuntimeConfig, SparseBatch
+    from serve.model.precision import score_rows
+    from serve.runtime.engine import Runtime, RuntimeConfig
 
-    data = load_split(data_dir, split)
-    n = len(data) if limit is None else min(limit, len(data))
-    if n == 0:
-        raise ConfigError(f"no {split} rows in {data_dir}: the AUC gate needs held-out data")
-    out = np.empty(n, dtype=np.float32)
     rt = Runtime(art, RuntimeConfig(device="cpu", cache_load_factor=1.0,
                                     host_cache_bytes=host_cache_bytes))
     try:
-        with torch.no_grad():
-            for start in range(0, n, batch):
-                stop = min(start + batch, n)
-                dense, values, lengths = columnar_rows(data, start, stop)
-                p = rt.predict(torch.from_numpy(dense),
-                               SparseBatch(torch.from_numpy(values), torch.from_numpy(lengths)))
-                out[start:stop] = p.float().numpy().reshape(-1)
+        labels, probs, _ = score_rows(rt, data_dir, rows=limit, batch=batch, split=split)
     finally:
         rt.close()
-    return np.asarray(data.labels[:n], dtype=np.uint8), out
+    return labels, probs
 
 
 @dataclass(frozen=True)
