@@ -81,6 +81,30 @@ def test_the_reconcilers_write_refuses_and_writes_nothing(tmp_path: Path,
     assert load_state(state_file).model.version == "own-b"
 
 
+def test_an_edit_of_the_state_file_to_another_schema_is_refused_until_declared(
+        tmp_path: Path, schema_repo: ModelRepository) -> None:  # noqa: F811
+    """The same rule for the file (a hand edit, the ConfigMap in Kubernetes): the last
+    accepted state stays served and the refusal is the pass's error; with
+    ``model.schema_change: true`` the edit is taken."""
+    state_file = tmp_path / "state.yaml"
+    write_state(state_file, desired("own-a"))
+    w = World(FakeTorchServe(tmp_path / "store"), schema_repo, state_file)
+    w.tick()
+    assert w.rec.desired == desired("own-a")
+    write_state(state_file, desired("own-c"))
+    w.tick()
+    assert w.rec.desired == desired("own-a")
+    status = w.status()
+    assert "'own-c' takes other requests than the declared version 'own-a'" in \
+        status["last_error"]
+    assert status["desired"]["model"]["version"] == "own-a"
+    write_state(state_file, DesiredState.model_validate(
+        {"model": {"version": "own-c", "schema_change": True}}))
+    w.tick()
+    assert w.rec.desired.model.version == "own-c"
+    assert w.rec.file_error is None
+
+
 # ------------------------------------------------------------------ PUT /state
 
 

@@ -268,6 +268,12 @@ class Reconciler:
         if read.digest is not None and read.digest == self._hash:
             return read.digest  # unchanged: keep what it said the last time
         self._hash, self.file_error = read.digest, read.error
+        if read.state is not None and self.desired is not None:
+            try:  # an edit of the file (or ConfigMap) is held to PUT /state's rule
+                self.check_schema(read.state)
+            except Conflict as e:
+                self.file_error = f"{self.path}: {e.message}; the last accepted state stays"
+                return read.digest
         if read.state is not None:
             if read.state != self.desired:
                 _log.info("desired state: %s", read.state.serving_version())
