@@ -1338,3 +1338,24 @@ def test_monitoring_kustomization_applies_the_operator_objects_only():
                      ("ServiceMonitor", "dlrm-serve")]
     sm_doc = (K8S / "monitoring" / "servicemonitor.yaml").read_text()
     assert "kubectl apply -k k8s/monitoring/" in sm_doc
+
+
+def test_the_route_key_secret_reaches_the_workers_only(docs):
+    """Review N10: the workers key the X-DLRM-Route-Key hash with the fleet's secret, a
+    required Secret of its own mounted read-only in the torchserve container alone (not
+    the sidecar's token Secret, and nowhere else)."""
+    from serve.settings import DLRM_ROUTE_KEY_SALT_FILE
+
+    ts = container(docs, "torchserve")
+    env = {e["name"]: e for e in ts["env"]}
+    path = Path(env[DLRM_ROUTE_KEY_SALT_FILE.name]["value"])
+    mounts = {m["name"]: m for m in ts["volumeMounts"]}
+    mount = next(m for m in mounts.values() if path.parent == Path(m["mountPath"]))
+    assert mount["readOnly"] is True
+    vol = _volume(docs, mount["name"])
+    assert vol["secret"]["secretName"] == "dlrm-route-key" != TOKEN_SECRET
+    assert not vol["secret"].get("optional", False)
+    assert [i["path"] for i in vol["secret"]["items"]] == [path.name]
+    others = [c["name"] for c in pod_spec(docs)["containers"] if c["name"] != "torchserve"
+              and any(m["name"] == mount["name"] for m in c.get("volumeMounts", []))]
+    assert others == []

@@ -258,3 +258,20 @@ def test_a_started_service_is_a_new_pod_so_the_last_drain_record_goes(tmp_path: 
     with pytest.raises(ConfigError, match="the repository is empty"):
         start(cfg)  # fails later, at the desired state: the records are gone by then
     assert not cfg.drain_file.exists() and not (cfg.delta_dir / ".drained.json").exists()
+
+
+def test_the_local_route_key_secret_is_made_once_private_and_shared(tmp_path):
+    """make up / make fleet: one 0600 secret beside the state file, kept across restarts
+    and the same for every pod (they share the state folder)."""
+    import stat
+
+    from serve.ops.launch_config import LaunchConfig
+    from serve.ops.launch_processes import route_key_salt_file
+
+    a = LaunchConfig(state_file=tmp_path / "run" / "state.yaml", run_dir=tmp_path / "pod-1")
+    b = LaunchConfig(state_file=tmp_path / "run" / "state.yaml", run_dir=tmp_path / "pod-2")
+    first = route_key_salt_file(a)
+    secret = first.read_text()
+    assert len(bytes.fromhex(secret)) == 32
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600
+    assert route_key_salt_file(b) == first and first.read_text() == secret

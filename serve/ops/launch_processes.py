@@ -18,6 +18,7 @@ from serve.ops.launch_config import LOOPBACK, REPO, LaunchConfig
 __all__ = [
     "allowed_urls",
     "render_ts_config",
+    "route_key_salt_file",
     "sidecar_command",
     "start_sidecar",
     "start_torchserve",
@@ -182,6 +183,9 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         settings.DLRM_REPOSITORY.name: os.pathsep.join(str(d) for d in cfg.repository_dirs),
         "PYTHONUNBUFFERED": "1",
     })
+    if (settings.DLRM_ROUTE_KEY_SALT.get(env) is None
+            and settings.DLRM_ROUTE_KEY_SALT_FILE.get(env) is None):
+        env[settings.DLRM_ROUTE_KEY_SALT_FILE.name] = str(route_key_salt_file(cfg))
     env.update(cfg.extra_env)
     cmd = torchserve_command(cfg, conf)
     log.info("starting TorchServe: %s", " ".join(cmd))
@@ -189,6 +193,24 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ts_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 umask=PRIVATE_UMASK)
+
+
+def route_key_salt_file(cfg: LaunchConfig) -> Path:
+    """The local fleet's route-key secret (serve.store.routing, review N10): a file of 32
+    random bytes (hex, ``0600``) beside the desired-state file, made once and kept, so
+    every pod of ``make fleet`` and every restart keys the X-DLRM-Route-Key hash alike.
+    The environment's ``DLRM_ROUTE_KEY_SALT``/``_FILE`` win over it."""
+    import secrets
+
+    path = cfg.path(cfg.state_file).parent / "route-key.salt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 def sidecar_command(cfg: LaunchConfig) -> list[str]:
