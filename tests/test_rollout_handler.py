@@ -17,7 +17,7 @@ from serve.api.decode import parse_body
 from serve.api.json_body import example_request
 from serve.constants import CANDIDATE_ARTIFACT
 from serve.store.routing import ROUTE_KEY_HEADER, ROUTE_KEY_MAX_CHARS, key_point, write_control
-from tests.fixtures.torchserve import HANDLER_CONFIG, start_torchserve
+from tests.fixtures.torchserve import HANDLER_CONFIG, ROUTE_KEY_SALT, start_torchserve
 
 pytestmark = pytest.mark.integration
 
@@ -142,11 +142,11 @@ def test_rollout_canary_shadow_and_live_control_changes(rollout, stable_rt, cand
     for _ in range(2):
         for k in keys:
             r = _post(client, rollout, BODIES[0], key=k)
-            arm = "candidate" if key_point(k) < 0.5 else "stable"
+            arm = "candidate" if key_point(k, ROUTE_KEY_SALT) < 0.5 else "stable"
             assert r.headers["x-dlrm-arm"] == arm, k
             want = cand_want[0] if arm == "candidate" else stable_want[0]
             assert torch.equal(_got(r), want)
-    assert {key_point(k) < 0.5 for k in keys} == {True, False}  # both arms were exercised
+    assert {key_point(k, ROUTE_KEY_SALT) < 0.5 for k in keys} == {True, False}  # both arms were exercised
 
     # 4. Back to weight 0: stable again.
     write_control(rollout.control, "canary", 0.0)

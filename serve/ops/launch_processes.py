@@ -183,10 +183,10 @@ def start_torchserve(cfg: LaunchConfig) -> subprocess.Popen:
         settings.DLRM_REPOSITORY.name: os.pathsep.join(str(d) for d in cfg.repository_dirs),
         "PYTHONUNBUFFERED": "1",
     })
+    env.update(cfg.extra_env)
     if (settings.DLRM_ROUTE_KEY_SALT.get(env) is None
             and settings.DLRM_ROUTE_KEY_SALT_FILE.get(env) is None):
         env[settings.DLRM_ROUTE_KEY_SALT_FILE.name] = str(route_key_salt_file(cfg))
-    env.update(cfg.extra_env)
     cmd = torchserve_command(cfg, conf)
     log.info("starting TorchServe: %s", " ".join(cmd))
     with open(log_dir / "torchserve.out", "ab") as out:  # the child keeps its own copy

@@ -262,23 +262,21 @@ class Reconciler:
 
     def _read_desired(self) -> str | None:
         """The pass's read of the file: update the snapshot (``desired``, the last valid
-        one; ``file_error``); a new desired state resets the back-off. Returns the hash of
-        the content read (None when it could not be read)."""
+        and accepted one; ``file_error``); a new desired state resets the back-off.
+        Returns the hash of the content read (None when it could not be read)."""
         read = self.file.read()
         if read.digest is not None and read.digest == self._hash:
             return read.digest  # unchanged: keep what it said the last time
         self._hash, self.file_error = read.digest, read.error
-        if read.state is not None and self.desired is not None:
-            try:  # an edit of the file (or ConfigMap) is held to PUT /state's rule
+        try:  # an edit of the file (or ConfigMap) is held to PUT /state's schema rule
+            if read.state is not None:
                 self.check_schema(read.state)
-            except Conflict as e:
-                self.file_error = f"{self.path}: {e.message}; the last accepted state stays"
-                return read.digest
-        if read.state is not None:
-            if read.state != self.desired:
-                _log.info("desired state: %s", read.state.serving_version())
-                self.runner.reset_retry()
-            self.desired = read.state
+                if read.state != self.desired:
+                    _log.info("desired state: %s", read.state.serving_version())
+                    self.runner.reset_retry()
+                self.desired = read.state
+        except Conflict as e:
+            self.file_error = f"{self.path}: {e.message}; the last accepted state stays"
         return read.digest
 
     def declared_now(self) -> tuple[DesiredState | None, str | None]:
