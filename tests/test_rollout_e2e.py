@@ -27,8 +27,9 @@ import torch
 from serve.api.json_body import example_request
 from serve.ops.loadgen import VERSION_HEADER, BackgroundLoad
 from serve.store.repository import ModelRepository
-from serve.store.routing import ARM_HEADER, ROUTE_KEY_HEADER
+from serve.store.routing import ARM_HEADER, ROUTE_KEY_HEADER, key_point
 from tests.fixtures.served import Served, serve_repository
+from tests.fixtures.torchserve import ROUTE_KEY_SALT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -124,6 +125,11 @@ def test_canary_routes_each_key_to_one_arm_at_the_declared_share(served: Rollout
         arms[key].add(arm)
         assert version == (v.good if arm == "candidate" else v.stable)
     assert all(len(a) == 1 for a in arms.values()), "a key was answered by both arms"
+    # each key's arm is the keyed hash's: below the weight = candidate (the workers hash
+    # with the fleet's secret, here the fixtures' ROUTE_KEY_SALT)
+    wrong = [k for k, a in arms.items()
+             if a != {"candidate" if key_point(k, ROUTE_KEY_SALT) < 0.2 else "stable"}]
+    assert not wrong, f"keys answered by the other arm than their hash picks: {wrong[:5]}"
     share = sum(arm == "candidate" for _, _, arm, _ in answers) / len(answers)
     print(f"\ncanary 0.2 over 500 keys x 4: candidate share {share:.3f}")
     assert abs(share - 0.2) <= 0.03
