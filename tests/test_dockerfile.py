@@ -236,6 +236,26 @@ def test_serving_closure_holds_no_tool():
     assert {"torchserve", "fastapi", "starlette", "pydantic", "h11"} <= closure
 
 
+def _pip_dry_run(tmp_path: Path, args: list[str], *, timeout: int
+                 ) -> tuple[subprocess.CompletedProcess, Path]:
+    """``pip install --dry-run --report`` of ``args`` for a fresh empty venv (nothing
+    installed; needs the package index): pip's result and its report's path."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), *args],
+        capture_output=True, text=True, timeout=timeout, check=False)
+    return out, report
+
+
+def _installed(report: Path) -> set[str]:
+    """The normalized names of what a pip ``--report`` would install."""
+    return {_norm(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+
+
 @pytest.mark.slow
 def test_an_environment_from_the_serving_requirements_has_no_tool(tmp_path):
     """pip resolves requirements-serve.txt + constraints.txt for a fresh venv (--dry-run
@@ -243,18 +263,11 @@ def test_an_environment_from_the_serving_requirements_has_no_tool(tmp_path):
     the offline closure walks (what make lint audits)."""
     from serve.ops.audit import serving_closure
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    report = tmp_path / "report.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-         "-r", str(SERVE_REQS), "-c", str(CONSTRAINTS)],
-        capture_output=True, text=True, timeout=600, check=False)
+    out, report = _pip_dry_run(tmp_path, ["-r", str(SERVE_REQS), "-c", str(CONSTRAINTS)],
+                               timeout=600)
     if out.returncode != 0 and not report.exists():
         pytest.fail(f"pip could not resolve the serving requirements: {out.stderr[-2000:]}")
-    names = {_norm(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+    names = _installed(report)
     assert not names & (TOOLS | OFFLINE_BUILD), names & (TOOLS | OFFLINE_BUILD)
     assert names == {_norm(n) for n in serving_closure(SERVE_REQS, CONSTRAINTS)}
 
@@ -267,17 +280,10 @@ def test_the_serving_lock_resolves_with_require_hashes(tmp_path):
     its hashes, and it installs exactly the lock's packages."""
     from serve.ops.lock import SERVE_LOCK, read_lock
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    report = tmp_path / "report.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-         "--require-hashes", "-r", str(REPO / SERVE_LOCK), "-c", str(CONSTRAINTS)],
-        capture_output=True, text=True, timeout=900, check=False)
+    out, report = _pip_dry_run(tmp_path, ["--require-hashes", "-r", str(REPO / SERVE_LOCK),
+                                          "-c", str(CONSTRAINTS)], timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    names = {_norm(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+    names = _installed(report)
     assert names == set(read_lock(REPO / SERVE_LOCK))
 
 
