@@ -93,13 +93,11 @@ class OipOptions:
     def argv(self) -> list[str]:
         """These options as ``python -m serve.sidecar.http.oip_server``'s arguments (what
         the sidecar and the launcher start)."""
-        out = ["--host", self.host, "--port", str(self.port), "--model-name", self.model_name,
-               "--inference-url", self.inference_url, "--sidecar-url", self.sidecar_url]
-        for name in ("max_parses", "parse_wait_s", "parse_in", "max_inflight_bytes",
-                     "body_deadline_s", "max_requests", "limit_concurrency", "ready_cache_s", "log_level"):
-            out += ["--" + name.replace("_", "-"), str(getattr(self, name))]
-        for root in self.repositories:
-            out += ["--repository", str(root)]
+        out: list[str] = []
+        for opt in oip_cli_options():  # every flagged field, so none is ever left out
+            value = getattr(self, opt.path[-1])
+            for v in (value if opt.kind == "paths" else (value,)):
+                out += [str(opt.spec.name), str(v)]
         return out
 
 
@@ -108,4 +106,3 @@ class OipOptions:
 def oip_cli_options() -> list[Option]:
     """The flags of ``python -m serve.sidecar.http.oip_server`` (:class:`OipOptions`)."""
     return options(OipOptions)
-
