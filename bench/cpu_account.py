@@ -18,13 +18,15 @@ The service's processes are found through the process groups the launcher record
 :func:`serve.ops.launcher.start`): the TorchServe group holds the Java frontend and its
 workers, told apart by their command lines. Times come from psutil (the project's
 process library: per process user + system time, and the machine's
-``psutil.cpu_times()``); a process that ends within the window is not counted in it (it is
+``psutil.cpu_times()``; the client's own from ``time.process_time()``, finer than
+``/proc``'s ticks); a process that ends within the window is not counted in it (it is
 a benchmark, not an audit).
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +91,13 @@ def service_processes(run_dir: Path | None, *, self_pid: int | None = None) -> d
 def snapshot(pids: Mapping[int, str]) -> CpuSnapshot:
     """CPU seconds so far of each of ``pids`` that is alive, and of the machine."""
     by_pid = {}
+    me = os.getpid()
     for pid in pids:
+        if pid == me:
+            # this process's own clock has ns resolution; /proc's 10 ms ticks round a
+            # short trial's client CPU (10 queries at ~1 ms each) down to 0
+            by_pid[pid] = time.process_time()
+            continue
         try:
             t = psutil.Process(pid).cpu_times()
         except psutil.Error:        # gone: not counted in this window

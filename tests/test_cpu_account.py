@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +97,16 @@ def test_a_process_gone_or_new_counts_what_was_seen() -> None:
     assert got["workers"] == pytest.approx(150.0) and got["other"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="must be > 0"):
         cpu_ms_per_query(pids, before, after, 0, 1.0)
+
+
+def test_the_clients_own_cpu_is_seen_below_procs_tick() -> None:
+    """A few ms of this process's CPU (less than one of /proc's 10 ms ticks) shows as
+    client time: a short trial's client share is not rounded to 0."""
+    pids = service_processes(None)
+    before = snapshot(pids)
+    start = time.process_time()
+    while time.process_time() - start < 0.003:
+        pass
+    after = snapshot(pids)
+    got = cpu_ms_per_query(pids, before, after, queries=1, seconds=1.0)
+    assert 3.0 <= got["client"] < 9.0, got     # /proc would say 0 or 10
