@@ -68,7 +68,7 @@ from serve.runtime.tables import TableStore, TierSettings
 from serve.schema import ModelSchema
 
 __all__ = ["DEFAULT_MAX_FORWARD_INSTANCES", "STAGES", "Runtime", "RuntimeConfig",
-           "RuntimeStats", "SparseBatch"]
+           "RuntimeStats", "SparseBatch", "expand_shared"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,12 @@ class SparseBatch:
 
     values: torch.Tensor
     lengths: torch.Tensor
+    #: Features looked up once per request (a ranking request's context): for feature
+    #: ``shared[k]``, sample s reads the pooled bag of sample ``bag_of[k, s]`` (int64
+    #: (S, B); the bag's own sample reads itself, every other sample of the request has
+    #: length 0 there). Empty / None: every sample has its own bag (the usual batch).
+    shared: tuple[int, ...] = ()
+    bag_of: torch.Tensor | None = None
 
 
 @dataclass
@@ -320,7 +326,65 @@ def _check_batch(dense: torch.Tensor, sparse: SparseBatch, feature_names: list[s
         raise InvalidInput(f"sparse feature {feature_names[f]}: id {int(values[first])} "
                            f"(sample {s}) is negative; ids must be integers >= 0 (ids >= "
                            f"the table's {table_rows[feature_tables[f]]} rows wrap modulo rows)")
+    if sparse.shared or sparse.bag_of is not None:
+        _check_shared(sparse, lengths, feature_names)
     return lengths, b
+
+
+def _check_shared(sparse: SparseBatch, lengths: torch.Tensor, feature_names: list[str]) -> None:
+    """A batch's shared bags (:attr:`SparseBatch.bag_of`) are well formed: every sample
+    reads an earlier (or its own) sample's bag, that sample reads itself, and a sample
+    reading another's bag has no ids of its own there; so the pooled rows it gets are
+    those of the ids the request sent once.
+
+    Raises:
+        InvalidInput: the shapes or any of those rules off.
+    """
+    nf, b = lengths.shape
+    bag_of, shared = sparse.bag_of, sparse.shared
+    if bag_of is None or bag_of.dtype != torch.int64 or tuple(bag_of.shape) != (len(shared), b):
+        got = None if bag_of is None else (bag_of.dtype, tuple(bag_of.shape))
+        raise InvalidInput(f"shared bags: bag_of must be int64 ({len(shared)}, B={b}), one row "
+                           f"per shared feature; got {got}")
+    if len(set(shared)) != len(shared) or not all(0 <= f < nf for f in shared):
+        raise InvalidInput(f"shared bags: features {list(shared)} must be distinct indices in "
+                           f"0..{nf - 1}")
+    if not b:
+        return
+    own = torch.arange(b)
+    if bool((bag_of < 0).any()) or bool((bag_of > own).any()):
+        raise InvalidInput("shared bags: a sample must read its own bag or an earlier "
+                           "sample's (0 <= bag_of[k, s] <= s)")
+    if bool((bag_of.gather(1, bag_of) != bag_of).any()):
+        raise InvalidInput("shared bags: a bag read by other samples must be its own "
+                           "sample's (bag_of[k, bag_of[k, s]] == bag_of[k, s])")
+    idx = torch.tensor(shared, dtype=torch.int64)
+    borrowed = (bag_of != own) & (lengths.index_select(0, idx) != 0)
+    if bool(borrowed.any()):
+        k = int(borrowed.any(1).nonzero()[0])
+        raise InvalidInput(f"shared bags: feature {feature_names[shared[k]]}: a sample that "
+                           "reads another sample's bag must send no ids of its own (length 0)")
+
+
+def expand_shared(sparse: SparseBatch) -> SparseBatch:
+    """The same batch with every shared bag copied to the samples that read it (the
+    request sent as independent instances): values feature-major (nnz',), lengths (F, B),
+    nothing shared. For splitting a batch across forwards, and as the exactness reference."""
+    if not sparse.shared:
+        return sparse
+    lengths = sparse.lengths.clone()
+    nf, b = lengths.shape
+    pos = torch.zeros(nf * b + 1, dtype=torch.int64)
+    torch.cumsum(sparse.lengths.reshape(-1).long(), 0, out=pos[1:])
+    src = torch.arange(b).repeat(nf, 1)                     # (F, B): whose bag each cell reads
+    for k, f in enumerate(sparse.shared):
+        src[f] = sparse.bag_of[k]                           # type: ignore[index]
+        lengths[f] = sparse.lengths[f].index_select(0, src[f])
+    cells = (torch.arange(nf).unsqueeze(1) * b + src).reshape(-1)
+    starts, counts = pos[cells], lengths.reshape(-1).long()
+    first = torch.cumsum(counts, 0) - counts
+    take = torch.repeat_interleave(starts - first, counts) + torch.arange(int(counts.sum()))
+    return SparseBatch(sparse.values.index_select(0, take), lengths)
 
 
 def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
@@ -348,6 +412,13 @@ def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
         values = torch.cat([sparse.values[bounds[f][c] : bounds[f][c + 1]] for f in range(nf)])
         out.append((dense[i:j], SparseBatch(values, lengths[:, i:j].contiguous())))
     return out
+
+
+def _bags(sparse: SparseBatch) -> dict[int, torch.Tensor] | None:
+    """feature -> int64 (B,) bag each sample reads, for the shared features; None: none."""
+    if not sparse.shared or sparse.bag_of is None:
+        return None
+    return {f: sparse.bag_of[k] for k, f in enumerate(sparse.shared)}
 
 
 class Runtime:
@@ -539,8 +610,10 @@ class Runtime:
         with device_guard(self.device):
             if cap is None or b <= cap:
                 return self._forward(dense, sparse, lengths, b)
+            # a chunk may start inside a request: its shared bags are copied out first
+            whole = expand_shared(sparse)
             return torch.cat([self._forward(d, s, s.lengths, d.shape[0])
-                              for d, s in _split_batch(dense, sparse, cap)])
+                              for d, s in _split_batch(dense, whole, cap)])
 
     def _forward(self, dense: torch.Tensor, sparse: SparseBatch, lengths: torch.Tensor,
                  b: int) -> torch.Tensor:
@@ -550,7 +623,7 @@ class Runtime:
             out = self.graphs.predict(dense, sparse.values, b)
             self._stage["dense"] += time.perf_counter() - t0
         else:
-            emb = self.store.embed(sparse.values, lengths, b)
+            emb = self.store.embed(sparse.values, lengths, b, _bags(sparse))
             t1 = time.perf_counter()
             x = dense.to(self.device, dtype=self._dense_dtype, non_blocking=True)
             logits = self._dense_forward(x, emb.to(self._dense_dtype))
@@ -601,13 +674,17 @@ class Runtime:
         self._stage[name] += float(seconds)
 
     def predict_arrays(self, dense: np.ndarray, values: np.ndarray,
-                       lengths: np.ndarray) -> np.ndarray:
+                       lengths: np.ndarray, shared: tuple[int, ...] = (),
+                       bag_of: np.ndarray | None = None) -> np.ndarray:
         """:meth:`predict` on numpy arrays, as the request decoder makes them (zero-copy
-        views: float32 (B, N) dense, int64 (nnz,) values, int32 (F, B) lengths); (B,)
-        float32 probabilities as numpy."""
+        views: float32 (B, N) dense, int64 (nnz,) values, int32 (F, B) lengths; shared
+        features and int64 (S, B) ``bag_of`` as :class:`SparseBatch`); (B,) float32
+        probabilities as numpy."""
         return self.predict(torch.from_numpy(dense),
                             SparseBatch(values=torch.from_numpy(values),
-                                        lengths=torch.from_numpy(lengths))).numpy()
+                                        lengths=torch.from_numpy(lengths), shared=shared,
+                                        bag_of=None if bag_of is None
+                                        else torch.from_numpy(bag_of))).numpy()
 
     def stats(self) -> RuntimeStats:
         """A snapshot of the cumulative counters (one device sync with a cache)."""

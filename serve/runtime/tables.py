@@ -242,34 +242,51 @@ class TableStore:
         return self.table
 
     # -- one batch -----------------------------------------------------------------------
-    def embed(self, values: torch.Tensor, lengths: torch.Tensor, b: int) -> torch.Tensor:
+    def embed(self, values: torch.Tensor, lengths: torch.Tensor, b: int,
+              bags: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Pooled embeddings on the device, float32: (B, F, D) for a model of one group
         (one dim, dtype and pooling), else (B, sum_f D_f) in feature order.
 
         Args:
             values: int64 (nnz,) ids, feature-major; lengths: int (F, B) ids per bag.
+            bags: feature -> int64 (B,) the sample whose bag each sample reads, for the
+                features a request sent once (looked up and pooled once, then copied to
+                its samples); None: every sample pools its own bag.
         """
         groups = self.ids.groups
         if self.ids.single:
-            return self._embed_group(groups[0], values, lengths, b)
+            return self._embed_group(groups[0], values, lengths, b, bags)
         # Each feature's ids are one slice of the feature-major values.
         bounds = [0, *itertools.accumulate(lengths.sum(1).tolist())]
         parts: list[torch.Tensor | None] = [None] * lengths.shape[0]
         for g in groups:
             vals = torch.cat([values[bounds[f] : bounds[f + 1]] for f in g.features])
             lens = lengths[list(g.features)]
-            emb = self._embed_group(g, vals, lens, b)                  # (B, F_g, D_g)
+            emb = self._embed_group(g, vals, lens, b, bags)            # (B, F_g, D_g)
             for j, f in enumerate(g.features):
                 parts[f] = emb[:, j]
         return torch.cat(parts, dim=1)  # type: ignore[arg-type]
 
     def _embed_group(self, g: FeatureGroup, values: torch.Tensor, lengths: torch.Tensor,
-                     b: int) -> torch.Tensor:
+                     b: int, bags: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One group's pooled embeddings (B, F_g, D_g) float32 on the device.
 
         Args:
             values: int64 (nnz_g,) the group's ids, feature-major; lengths: (F_g, B).
+            bags: as :meth:`embed` (keys: feature indices of the whole schema).
         """
+        pooled = self._pool_group(g, values, lengths, b)                   # (F_g, B, D_g)
+        if bags:
+            for j, f in enumerate(g.features):
+                src = bags.get(f)
+                if src is not None:
+                    # the same pooled bits the bag's own sample got: exact by construction
+                    pooled[j] = pooled[j].index_select(0, src.to(pooled.device))
+        return pooled.transpose(0, 1)
+
+    def _pool_group(self, g: FeatureGroup, values: torch.Tensor, lengths: torch.Tensor,
+                    b: int) -> torch.Tensor:
+        """:meth:`_embed_group` before shared bags are copied: (F_g, B, D_g)."""
         nf, d = len(g.features), g.dim
         one_hot = values.numel() == nf * b and bool((lengths == 1).all())
         rows = self.ids.global_rows(g, values, lengths, one_hot)
@@ -286,14 +303,14 @@ class TableStore:
         if one_hot:   # one id per bag: the pooled value is the row (sum and mean alike)
             if bag_index is not None:
                 emb = emb.index_select(0, bag_index)
-            return emb.view(nf, b, d).transpose(0, 1)
+            return emb.view(nf, b, d)
         offsets = torch.zeros(nf * b + 1, dtype=torch.int64)
         torch.cumsum(lengths.reshape(-1).long(), 0, out=offsets[1:])
         if bag_index is None:
             bag_index = torch.arange(rows.numel(), device=self.device)
         pooled = F.embedding_bag(bag_index, emb, offsets.to(self.device), mode=g.mode,
                                  include_last_offset=True)                      # (F*B, D)
-        return pooled.view(nf, b, d).transpose(0, 1)
+        return pooled.view(nf, b, d)
 
     @staticmethod
     def _dequantize(g: FeatureGroup, rows: torch.Tensor) -> torch.Tensor:
