@@ -13,7 +13,8 @@ import orjson
 
 from serve.api.binary import parse_binary
 from serve.api.config import HandlerConfig
-from serve.api.json_body import gc_paused, parse_json_body
+from serve.api.context_body import is_context_doc, parse_context_doc
+from serve.api.json_body import gc_paused, load_json, parse_doc_fast
 from serve.api.request import (
     BINARY_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
@@ -25,7 +26,7 @@ from serve.api.spec import Spec, check_size, spec_of
 from serve.errors import InvalidInput
 from serve.schema import ModelSchema
 
-__all__ = ["decode_request", "parse_body"]
+__all__ = ["decode_request", "parse_body", "parse_json"]
 
 
 def parse_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
@@ -63,7 +64,17 @@ def _parse_any(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
         raise ValueError(f"media_type {media_type!r} must be {JSON_MEDIA_TYPE!r} or "
                          f"{BINARY_MEDIA_TYPE!r}")
     with gc_paused():
-        return parse_json_body(body, cfg, spec)
+        return parse_json(body, cfg, spec)
+
+
+def parse_json(body: bytes | bytearray | memoryview | str, cfg: HandlerConfig,
+               spec: Spec) -> ParsedRequest:
+    """One JSON body of any form: the ranking form (:mod:`serve.api.context_body`) when it
+    has ``candidates``, else rows or columnar (:func:`serve.api.json_body.parse_json_body`)."""
+    doc = load_json(body, cfg)
+    if is_context_doc(doc):
+        return parse_context_doc(doc, cfg, spec)
+    return parse_doc_fast(doc, cfg, spec)
 
 
 def decode_request(body: Any, ctype: str | None, key: str | None, cfg: HandlerConfig,

@@ -55,11 +55,13 @@ from serve.api.spec import (
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
-__all__ = ["example_request", "gc_paused", "load_json", "parse_doc", "parse_json_body"]
+__all__ = ["example_request", "gc_paused", "load_json", "parse_doc", "parse_doc_fast",
+           "parse_json_body"]
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INSTANCE_KEYS = frozenset(("dense", "sparse"))
+_SPARSE_ONLY = frozenset(("sparse",))
 _COLUMN_KEYS = frozenset(("values", "lengths"))
 _DENSE_RULE = "dense values must be finite JSON numbers within float32 range"
 
@@ -95,7 +97,12 @@ def parse_json_body(body: bytes | bytearray | memoryview | str, cfg: HandlerConf
         PayloadTooLarge: over ``cfg.max_body_bytes`` or ``cfg.max_instances``.
         InvalidInput: anything else wrong, with the field path in the message.
     """
-    doc = load_json(body, cfg)
+    return parse_doc_fast(load_json(body, cfg), cfg, spec)
+
+
+def parse_doc_fast(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC) -> ParsedRequest:
+    """A decoded rows or columnar body -> ParsedRequest: the fast path, else the validating
+    parse."""
     # The common valid body takes the fast path; anything it does not prove valid goes
     # through the validating parse, which raises the precise error (or accepts it).
     parsed = _fast_parse(doc, cfg, spec)
@@ -133,8 +140,9 @@ def parse_doc(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC) -> Parsed
     if keys == {"dense", "sparse"}:
         return _parse_columnar(doc["dense"], doc["sparse"], cfg, spec)
     raise InvalidInput(
-        f"body has keys {sorted(keys)}; expected {{\"instances\": [...]}} (rows) "
-        'or {"dense": [...], "sparse": {...}} (columnar)')
+        f"body has keys {sorted(keys)}; expected {{\"instances\": [...]}} (rows), "
+        '{"dense": [...], "sparse": {...}} (columnar) or {"context": {...}, '
+        '"candidates": [...]} (ranking)')
 
 
 def _check_count(n: int, what: str, cfg: HandlerConfig) -> None:
@@ -211,32 +219,42 @@ def _lengths_cap(lengths: np.ndarray, caps: Caps, spec: Spec,
                            f"{cap_rule(caps, f, spec)}")
 
 
-def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest:
+def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec, *, root: str = "instances",
+                with_dense: bool = True,
+                feature_error: Callable[[str, set[str], Spec], None] | None = None
+                ) -> ParsedRequest:
+    """The row form's validating parse. ``root``: the array's name in messages;
+    ``with_dense``: each object carries ``dense`` (else dense is (B, 0)); ``feature_error``:
+    raises for an object whose sparse keys are not ``spec``'s (default: names the missing
+    and unknown features)."""
+    keys = _INSTANCE_KEYS if with_dense else _SPARSE_ONLY
+    shape = '{"dense": [...], "sparse": {...}}' if with_dense else '{"sparse": {...}}'
     if not isinstance(instances, list):
-        raise InvalidInput(f"instances: is a JSON {json_type(instances)}; expected an array "
-                           "of objects {\"dense\": [...], \"sparse\": {...}}")
+        raise InvalidInput(f"{root}: is a JSON {json_type(instances)}; expected an array "
+                           f"of objects {shape}")
     n = len(instances)
-    _check_count(n, "instances", cfg)
+    _check_count(n, root, cfg)
     if set(map(type, instances)) != {dict}:
         for i, inst in enumerate(instances):
             if not isinstance(inst, dict):
-                raise InvalidInput(f"instances[{i}]: is a JSON {json_type(inst)}; expected an "
-                                   'object {"dense": [...], "sparse": {...}}')
+                raise InvalidInput(f"{root}[{i}]: is a JSON {json_type(inst)}; expected an "
+                                   f"object {shape}")
     for i, inst in enumerate(instances):
-        if inst.keys() != _INSTANCE_KEYS:
-            _key_error(f"instances[{i}]", set(inst), _INSTANCE_KEYS)
+        if inst.keys() != keys:
+            _key_error(f"{root}[{i}]", set(inst), keys)
     sparse = [inst["sparse"] for inst in instances]
     names = spec.names
     # Feature names before the dense values: a body meant for another model is told which
     # features this one takes, not only that its dense count is off.
     for i, sp in enumerate(sparse):
         if not isinstance(sp, dict):
-            raise InvalidInput(f"instances[{i}].sparse: is a JSON {json_type(sp)}; expected an "
+            raise InvalidInput(f"{root}[{i}].sparse: is a JSON {json_type(sp)}; expected an "
                                f"object {spec.sparse_example('[ids]')}")
         if sp.keys() != spec.name_set:
-            _feature_error(f"instances[{i}].sparse", set(sp), spec)
-    dense = _dense_matrix([inst["dense"] for inst in instances],
-                          lambda i: f"instances[{i}].dense", spec.nd)
+            (feature_error or _feature_error)(f"{root}[{i}].sparse", set(sp), spec)
+    dense = (_dense_matrix([inst["dense"] for inst in instances],
+                           lambda i: f"{root}[{i}].dense", spec.nd) if with_dense
+             else np.zeros((n, 0), dtype=np.float32))
     # per_feature[f][b]: the id list of feature f for instance b (F x B)
     per_feature = [[sp[f] for sp in sparse] for f in names]
     cells = list(chain.from_iterable(per_feature))
@@ -244,11 +262,11 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest
         for k, c in enumerate(cells):
             if not isinstance(c, list):
                 f, b = divmod(k, n)
-                raise InvalidInput(f"instances[{b}].sparse.{names[f]}: is a JSON "
+                raise InvalidInput(f"{root}[{b}].sparse.{names[f]}: is a JSON "
                                    f"{json_type(c)}; expected an array of ids, e.g. [42]")
     lengths = np.fromiter(map(len, cells), dtype=np.int32, count=len(cells)).reshape(spec.nf, n)
     _lengths_cap(lengths, spec.caps(cfg.max_ids_per_feature), spec,
-                 lambda f, b: f"instances[{b}].sparse.{names[f]}")
+                 lambda f, b: f"{root}[{b}].sparse.{names[f]}")
     flat = list(chain.from_iterable(cells))
 
     def where(k: int) -> str:
@@ -256,32 +274,42 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest
         cell = int(np.searchsorted(ends, k, side="right"))
         f, b = divmod(cell, n)
         start = int(ends[cell - 1]) if cell else 0
-        return f"instances[{b}].sparse.{names[f]}[{k - start}]"
+        return f"{root}[{b}].sparse.{names[f]}[{k - start}]"
 
     values = _ids_array(flat, where)
     return ParsedRequest(dense, lengths, values)
 
 
-def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig,
-                    spec: Spec) -> ParsedRequest:
-    if not isinstance(dense_rows, list):
-        raise InvalidInput(f"dense: is a JSON {json_type(dense_rows)}; expected an array of "
-                           f"B arrays of {spec.nd} numbers")
-    n = len(dense_rows)
-    _check_count(n, "dense", cfg)
+def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec, *,
+                    root: str = "", rows: int | None = None,
+                    feature_error: Callable[[str, set[str], Spec], None] | None = None
+                    ) -> ParsedRequest:
+    """The columnar form's validating parse. ``root``: prefix of every path in messages;
+    ``dense_rows`` None: no dense part (dense is (B, 0)) and B = ``rows``;
+    ``feature_error`` as in :func:`_parse_rows`."""
+    if dense_rows is None:
+        n = int(rows or 0)
+        _check_count(n, f"{root}sparse.{spec.names[0]}.lengths", cfg)
+    else:
+        if not isinstance(dense_rows, list):
+            raise InvalidInput(f"{root}dense: is a JSON {json_type(dense_rows)}; expected an "
+                               f"array of B arrays of {spec.nd} numbers")
+        n = len(dense_rows)
+        _check_count(n, f"{root}dense", cfg)
     # Feature names before the dense values, as in the row form.
     if not isinstance(sparse, dict):
-        raise InvalidInput(f"sparse: is a JSON {json_type(sparse)}; expected an object "
+        raise InvalidInput(f"{root}sparse: is a JSON {json_type(sparse)}; expected an object "
                            f'{{"{spec.names[0]}": {{"values": [...], "lengths": [...]}}, ...}}')
     if sparse.keys() != spec.name_set:
-        _feature_error("sparse", set(sparse), spec)
-    dense = _dense_matrix(dense_rows, lambda i: f"dense[{i}]", spec.nd)
+        (feature_error or _feature_error)(f"{root}sparse", set(sparse), spec)
+    dense = (np.zeros((n, 0), dtype=np.float32) if dense_rows is None
+             else _dense_matrix(dense_rows, lambda i: f"{root}dense[{i}]", spec.nd))
     caps = spec.caps(cfg.max_ids_per_feature)
     lengths = np.empty((spec.nf, n), dtype=np.int32)
     chunks: list[np.ndarray] = []
     for fi, f in enumerate(spec.names):
         col = sparse[f]
-        p = f"sparse.{f}"
+        p = f"{root}sparse.{f}"
         if not isinstance(col, dict):
             raise InvalidInput(f"{p}: is a JSON {json_type(col)}; expected an object "
                                '{"values": [ids...], "lengths": [B counts]}')
@@ -293,7 +321,7 @@ def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig,
                 raise InvalidInput(f"{p}.{name}: is a JSON {json_type(v)}; expected an array")
         if len(lens) != n:
             raise InvalidInput(f"{p}.lengths: has {len(lens)} entries; it must have one per "
-                               f"dense row ({n})")
+                               f"{'dense row' if dense_rows is not None else 'candidate'} ({n})")
         if set(map(type, lens)) != {int} or min(lens) < 0:
             for b, v in enumerate(lens):
                 if type(v) is not int or v < 0:
@@ -374,15 +402,19 @@ def _fast_parse(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC
     return None
 
 
-def _fast_rows(instances: Any, cfg: HandlerConfig, spec: Spec) -> ParsedRequest | None:
-    """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`)."""
+def _fast_rows(instances: Any, cfg: HandlerConfig, spec: Spec, with_dense: bool = True
+               ) -> ParsedRequest | None:
+    """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`);
+    ``with_dense`` as in :func:`_parse_rows`."""
     if type(instances) is not list or not 0 < len(instances) <= cfg.max_instances:
         return None
     n = len(instances)
-    # Two keys each, and both looked up: exactly {dense, sparse} (a non-object raises).
-    if set(map(len, instances)) != {2}:
+    # Two keys each (one without dense), and all looked up: exactly {dense, sparse} (a
+    # non-object raises).
+    if set(map(len, instances)) != {2 if with_dense else 1}:
         return None
-    dense = _fast_dense([inst["dense"] for inst in instances], n, spec.nd)
+    dense = (_fast_dense([inst["dense"] for inst in instances], n, spec.nd) if with_dense
+             else np.zeros((n, 0), dtype=np.float32))
     sparse = [inst["sparse"] for inst in instances]
     nf = spec.nf
     # F keys each, and all F looked up: exactly the schema's features.
@@ -452,14 +484,21 @@ def _within_caps_py(lens: list[int], top: int, caps: Caps, n: int) -> bool:
     return all(map(operator.le, lens, caps.per_cell(n)))
 
 
-def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec
-                   ) -> ParsedRequest | None:
-    """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`)."""
-    if type(dense_rows) is not list or not 0 < len(dense_rows) <= cfg.max_instances:
-        return None
-    n = len(dense_rows)
+def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec,
+                   rows: int | None = None) -> ParsedRequest | None:
+    """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`); ``dense_rows``
+    None: no dense part, B = ``rows`` (as in :func:`_parse_columnar`)."""
+    if dense_rows is None:
+        n = int(rows or 0)
+        if not 0 < n <= cfg.max_instances:
+            return None
+        dense = np.zeros((n, 0), dtype=np.float32)
+    else:
+        if type(dense_rows) is not list or not 0 < len(dense_rows) <= cfg.max_instances:
+            return None
+        n = len(dense_rows)
+        dense = _fast_dense(dense_rows, n, spec.nd)
     nf = spec.nf
-    dense = _fast_dense(dense_rows, n, spec.nd)
     if dense is None or type(sparse) is not dict or len(sparse) != nf:
         return None
     cols = spec.features_of(sparse)

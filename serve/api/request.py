@@ -61,11 +61,16 @@ class ParsedRequest:
 
     dense: float32 (B, N); lengths: int32 (F, B) ids per (feature, sample);
     values: int64 (nnz,) feature-major (all of C1's ids for samples 0..B-1, then C2 ...).
+    A context feature (``shared``) has its ids once, in sample 0's cell.
     """
 
     dense: np.ndarray
     lengths: np.ndarray
     values: np.ndarray
+    #: The features sent once for all samples (a ranking request's context), in schema
+    #: order: their ids sit in sample 0's cell, every other sample's length there is 0.
+    #: Empty: every sample carries its own ids (the instance form).
+    shared: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -142,9 +142,17 @@ class Spec:
         return f'{{"{self.names[0]}": {cell}, ..., "{self.names[-1]}": {cell}}}'
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)
 def _build_spec(dense: int, names: tuple[str, ...], max_ids: tuple[int, ...]) -> Spec:
     return Spec(dense, names, max_ids)
+
+
+def part_spec(spec: Spec, names: tuple[str, ...], dense: int) -> Spec:
+    """The helpers for one part of a ranking request: ``names`` (a subset of ``spec``'s
+    features, in its order) with their caps, and ``dense`` dense features (N or 0);
+    built once per distinct part (:func:`_build_spec`'s cache)."""
+    index = {n: i for i, n in enumerate(spec.names)}
+    return _build_spec(dense, names, tuple(spec.max_ids[index[n]] for n in names))
 
 
 def _request_key(schema: ModelSchema) -> tuple[int, tuple[str, ...], tuple[int, ...]]:

@@ -1,0 +1,189 @@
+"""The ranking (context) form of the predict API: parsing, errors naming the part and the
+rule, merging with other requests, and exactness (torch.equal) against the same requests
+sent as independent instances, through handle_batch and a real (tiny) runtime."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import orjson
+import pytest
+
+from serve.api.batch import merge_requests
+from serve.api.config import HandlerConfig
+from serve.api.context_body import ranking_request
+from serve.api.decode import parse_body
+from serve.api.spec import DEFAULT_SPEC, example_arrays
+from serve.errors import InvalidInput, PayloadTooLarge
+from serve.worker.arms import handle_batch
+
+CFG = HandlerConfig(max_instances=64, max_ids_per_feature=8, max_body_bytes=1_000_000)
+USER = frozenset(f"C{i}" for i in range(1, 14))      # the context half
+
+
+def ranking_arrays(n: int, seed: int, context=USER, dense_ctx: bool = True,
+                   multi_hot: bool = True):
+    """Instance-form arrays of n candidates sharing ``context`` (and the dense vector)."""
+    dense, lengths, values = example_arrays(n, seed, 10_000, DEFAULT_SPEC, multi_hot)
+    lengths = np.minimum(lengths, 3).astype(np.int32)
+    rng = np.random.default_rng(seed + 1)
+    values = rng.integers(0, 10_000, int(lengths.sum()))
+    cells = _cells(lengths, values)
+    for f, name in enumerate(DEFAULT_SPEC.names):
+        if name in context:
+            cells[f] = [cells[f][0]] * n
+            lengths[f] = len(cells[f][0])
+    if dense_ctx:
+        dense = np.repeat(dense[:1], n, axis=0)
+    return dense, lengths, np.array([i for row in cells for c in row for i in c], dtype=np.int64)
+
+
+def _cells(lengths, values):
+    b = lengths.shape[1]
+    ends = np.cumsum(lengths.reshape(-1))
+    starts = ends - lengths.reshape(-1)
+    return [[values[starts[f * b + s]:ends[f * b + s]].tolist() for s in range(b)]
+            for f in range(lengths.shape[0])]
+
+
+def _instances(dense, lengths, values) -> dict:
+    cells = _cells(lengths, values)
+    return {"instances": [{"dense": np.asarray(dense[s]).tolist(),
+                           "sparse": {n: cells[f][s] for f, n in enumerate(DEFAULT_SPEC.names)}}
+                          for s in range(lengths.shape[1])]}
+
+
+@pytest.mark.parametrize("form", ["rows", "columnar"])
+@pytest.mark.parametrize("dense_ctx", [True, False])
+def test_context_parses_to_the_instances_with_shared_bags(form, dense_ctx):
+    arrays = ranking_arrays(9, 3, dense_ctx=dense_ctx)
+    doc = ranking_request(*arrays, USER, dense_in_context=dense_ctx, spec=DEFAULT_SPEC,
+                          form=form)
+    got = parse_body(orjson.dumps(doc), CFG)
+    want = parse_body(orjson.dumps(_instances(*arrays)), CFG)
+    assert got.shared == tuple(range(13)) and want.shared == ()
+    np.testing.assert_array_equal(got.dense, want.dense)
+    # candidate features: as the instances; context features: once, in candidate 0's cell
+    np.testing.assert_array_equal(got.lengths[13:], want.lengths[13:])
+    np.testing.assert_array_equal(got.lengths[:13, 0], want.lengths[:13, 0])
+    assert not got.lengths[:13, 1:].any()
+    assert got.values.size < want.values.size
+
+
+def test_one_candidate_is_the_instance_form_exactly():
+    arrays = ranking_arrays(1, 4)
+    doc = ranking_request(*arrays, USER, dense_in_context=True, spec=DEFAULT_SPEC)
+    got = parse_body(orjson.dumps(doc), CFG)
+    want = parse_body(orjson.dumps(_instances(*arrays)), CFG)
+    assert got.shared == ()
+    for a, b in ((got.dense, want.dense), (got.lengths, want.lengths), (got.values, want.values)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_merge_keeps_each_requests_bags():
+    a = parse_body(orjson.dumps(ranking_request(*ranking_arrays(3, 5), USER,
+                                                dense_in_context=True, spec=DEFAULT_SPEC)), CFG)
+    b = parse_body(orjson.dumps(_instances(*ranking_arrays(2, 6))), CFG)
+    c = parse_body(orjson.dumps(ranking_request(*ranking_arrays(4, 7, context={"C2", "C20"}),
+                                                {"C2", "C20"}, dense_in_context=True,
+                                                spec=DEFAULT_SPEC)), CFG)
+    m = merge_requests([a, b, c])
+    assert m.shared == tuple(sorted(set(range(13)) | {19}))
+    assert m.bag_of is not None and m.bag_of.shape == (len(m.shared), 9)
+    c2 = m.shared.index(1)    # C2: shared by a (samples 0..2) and c (5..8), not b
+    assert m.bag_of[c2].tolist() == [0, 0, 0, 3, 4, 5, 5, 5, 5]
+    c20 = m.shared.index(19)  # C20: only c shares it
+    assert m.bag_of[c20].tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tmp_path_factory):
+    from serve.runtime.engine import Runtime, RuntimeConfig
+    from tests.fixtures.torchserve import tiny_random_artifact
+
+    path = tiny_random_artifact(tmp_path_factory.mktemp("ctx") / "a.pt")
+    return Runtime.from_artifact(path, RuntimeConfig(device="cpu", num_threads=1))
+
+
+def _forward(runtime):
+    return lambda m: runtime.predict_arrays(m.dense, m.values, m.lengths, m.shared, m.bag_of)
+
+
+@pytest.mark.parametrize("form", ["rows", "columnar"])
+def test_a_batch_of_context_requests_equals_the_instances(tiny_runtime, form):
+    """Context and instance requests mixed in one TorchServe batch: each answer bit for
+    bit what its expanded form gets."""
+    reqs = [(ranking_arrays(5, 11), USER, True), (ranking_arrays(1, 12), USER, True),
+            (ranking_arrays(7, 13, dense_ctx=False), USER, False),
+            (ranking_arrays(3, 14, context={"C5"}), {"C5"}, True)]
+    bodies = [orjson.dumps(ranking_request(*a, ctx, dense_in_context=d, spec=DEFAULT_SPEC,
+                                           form=form)) for a, ctx, d in reqs]
+    plain = [orjson.dumps(_instances(*a)) for a, _, _ in reqs]
+    bodies.insert(2, plain[0])
+    out, _ = handle_batch(bodies, [None] * len(bodies), _forward(tiny_runtime), CFG)
+    want, _ = handle_batch(plain, [None] * len(plain), _forward(tiny_runtime), CFG)
+    assert [o.status for o in out] == [200] * len(bodies)
+    got = [orjson.loads(o.body)["predictions"] for o in out]
+    assert got[2] == got[0]
+    del got[2]
+    assert got == [orjson.loads(o.body)["predictions"] for o in want]
+
+
+def _ctx_doc(n: int = 3) -> dict:
+    return ranking_request(*ranking_arrays(n, 21), USER, dense_in_context=True,
+                           spec=DEFAULT_SPEC)
+
+
+def _bad(f) -> bytes:
+    d = copy.deepcopy(_ctx_doc())
+    f(d)
+    return orjson.dumps(d)
+
+
+BAD = [
+    ("feature in both parts", _bad(lambda d: d["candidates"][1]["sparse"].__setitem__("C1", [3])),
+     InvalidInput, r"candidates\[1\]\.sparse: features C1 are also in context\.sparse"),
+    ("feature in neither", _bad(lambda d: d["context"]["sparse"].pop("C2")),
+     InvalidInput, r"candidates\[0\]\.sparse: features C2 are in neither part"),
+    ("no candidates", _bad(lambda d: d.__setitem__("candidates", [])),
+     InvalidInput, r"candidates: is empty"),
+    ("too many candidates", _bad(lambda d: d.__setitem__("candidates", d["candidates"] * 30)),
+     PayloadTooLarge, r"candidates: 90 instances exceed the limit of 64"),
+    ("too many context ids", _bad(lambda d: d["context"]["sparse"].__setitem__("C3", [1] * 9)),
+     InvalidInput, r"context\.sparse\.C3: has 9 ids; .*8"),
+    ("dense in both", _bad(lambda d: d["candidates"][0].__setitem__("dense", [0.0] * 13)),
+     InvalidInput, r"candidates\[0\]: unknown keys \['dense'\]"),
+    ("dense in neither", _bad(lambda d: d["context"].pop("dense")),
+     InvalidInput, r"candidates\[0\]: missing keys \['dense'\]"),
+    ("unknown context feature", _bad(lambda d: d["context"]["sparse"].__setitem__("X9", [1])),
+     InvalidInput, r"context\.sparse: unknown features X9"),
+    ("context not an object", _bad(lambda d: d.__setitem__("context", [1])),
+     InvalidInput, r"context: is a JSON array"),
+    ("negative context id", _bad(lambda d: d["context"]["sparse"].__setitem__("C4", [-1])),
+     InvalidInput, r"context\.sparse\.C4\[0\]"),
+    ("context dense short", _bad(lambda d: d["context"].__setitem__("dense", [1.0])),
+     InvalidInput, r"context\.dense: has 1 values; it must have exactly 13"),
+    ("extra top key", _bad(lambda d: d.__setitem__("instances", [])),
+     InvalidInput, r"unknown keys \['instances'\]"),
+    ("everything in context", orjson.dumps({"context": {"dense": [0.0] * 13, "sparse": {
+        n: [1] for n in DEFAULT_SPEC.names}}, "candidates": [{}]}),
+     InvalidInput, r"context: holds every feature"),
+]
+
+
+@pytest.mark.parametrize("name,body,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_context_requests_name_the_part_and_rule(name, body, exc, match):
+    with pytest.raises(exc, match=match):
+        parse_body(body, CFG)
+
+
+def test_columnar_candidates_errors_name_the_part():
+    doc = ranking_request(*ranking_arrays(3, 22), USER, dense_in_context=True,
+                          spec=DEFAULT_SPEC, form="columnar")
+    doc["candidates"]["sparse"]["C20"]["lengths"] = [1, 1]
+    with pytest.raises(InvalidInput, match=r"candidates\.sparse\.C20\.lengths: has 2 entries; "
+                                           r"it must have one per candidate \(3\)"):
+        parse_body(orjson.dumps(doc), CFG)
+    doc["candidates"]["sparse"]["C1"] = {"values": [1, 2, 3], "lengths": [1, 1, 1]}
+    with pytest.raises(InvalidInput, match=r"candidates\.sparse: features C1 are also in"):
+        parse_body(orjson.dumps(doc), CFG)
