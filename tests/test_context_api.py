@@ -187,3 +187,75 @@ def test_columnar_candidates_errors_name_the_part():
     doc["candidates"]["sparse"]["C1"] = {"values": [1, 2, 3], "lengths": [1, 1, 1]}
     with pytest.raises(InvalidInput, match=r"candidates\.sparse: features C1 are also in"):
         parse_body(orjson.dumps(doc), CFG)
+
+
+# -- binary version 2 ----------------------------------------------------------------------
+
+def _binary_pair(n: int, seed: int, context=USER, dense_ctx=True):
+    from serve.api.binary import encode_binary, encode_binary_ranking
+
+    arrays = ranking_arrays(n, seed, context=context, dense_ctx=dense_ctx)
+    p = parse_body(orjson.dumps(ranking_request(*arrays, context, dense_in_context=dense_ctx,
+                                                spec=DEFAULT_SPEC)), CFG)
+    dense = p.dense[:1] if dense_ctx else p.dense
+    ranking = encode_binary_ranking(dense, p.lengths, p.values, p.shared,
+                                    dense_shared=dense_ctx)
+    return ranking, encode_binary(*arrays), p
+
+
+@pytest.mark.parametrize("dense_ctx", [True, False])
+def test_binary_ranking_parses_as_the_json_context(dense_ctx):
+    from serve.api.request import BINARY_MEDIA_TYPE
+
+    ranking, plain, want = _binary_pair(6, 31, dense_ctx=dense_ctx)
+    got = parse_body(ranking, CFG, BINARY_MEDIA_TYPE)
+    assert got.shared == want.shared == tuple(range(13))
+    for a, b in ((got.dense, want.dense), (got.lengths, want.lengths), (got.values, want.values)):
+        np.testing.assert_array_equal(a, b)
+    assert len(ranking) < len(plain)
+
+
+def test_binary_ranking_equals_the_instances(tiny_runtime):
+    from serve.api.request import BINARY_MEDIA_TYPE
+
+    bodies, plain = [], []
+    for seed, ctx in ((41, USER), (42, {"C1", "C26"}), (43, USER)):
+        r, p, _ = _binary_pair(5, seed, context=ctx)
+        bodies.append(r)
+        plain.append(p)
+    ct = [BINARY_MEDIA_TYPE] * 3
+    out, _ = handle_batch(bodies, ct, _forward(tiny_runtime), CFG)
+    want, _ = handle_batch(plain, ct, _forward(tiny_runtime), CFG)
+    assert [o.status for o in out] == [200] * 3
+    assert [o.body for o in out] == [o.body for o in want]
+
+
+@pytest.mark.parametrize("offset,value,match", [
+    (4, 3, r"version is 3; versions 1 \(instances\) and 2"),
+    (20, 2, r"parts are 2 \(dense\)"),
+    (24, 7, r"each must be 0 \(per candidate\) or 1 \(context\)"),
+])
+def test_bad_binary_ranking_headers(offset, value, match):
+    from serve.api.request import BINARY_MEDIA_TYPE
+
+    ranking, _, _ = _binary_pair(3, 44)
+    raw = bytearray(ranking)
+    raw[offset] = value
+    with pytest.raises(InvalidInput, match=match):
+        parse_body(bytes(raw), CFG, BINARY_MEDIA_TYPE)
+
+
+def test_binary_ranking_context_cap_and_size():
+    from serve.api.binary import encode_binary_ranking
+    from serve.api.request import BINARY_MEDIA_TYPE
+
+    _, _, p = _binary_pair(3, 45)
+    ln = p.lengths.copy()
+    ln[0, 0] = 9                           # C1 in the context: 9 ids, the cap is 8
+    vals = np.concatenate([np.arange(9), p.values[int(p.lengths[0, 0]):]])
+    body = encode_binary_ranking(p.dense[:1], ln, vals, p.shared, dense_shared=True)
+    with pytest.raises(InvalidInput, match=r"lengths\[C1\]\[0\] is 9; .*8"):
+        parse_body(body, CFG, BINARY_MEDIA_TYPE)
+    good, _, _ = _binary_pair(3, 45)
+    with pytest.raises(InvalidInput, match="bytes"):
+        parse_body(good[:-8], CFG, BINARY_MEDIA_TYPE)

@@ -14,7 +14,19 @@ padding::
       20+4BN          4*F*B     lengths int32 (F, B) feature-major: ids of feature f, sample b
       20+4BN+4FB      8*nnz     values  int64 (nnz,) feature-major, nnz = sum(lengths)
 
-The body must be exactly ``20 + 4*B*N + 4*F*B + 8*nnz`` bytes. It is read with
+Version 2, the ranking form (features shared by every candidate sent once, as the JSON
+``context``; :func:`encode_binary_ranking`): after the same 20 bytes (version = 2,
+B = candidates)::
+
+      20              4         uint32 dense part: 1 = context (one row), 0 = per candidate
+      24              P         uint8 part of each feature: 1 = context, 0 = per candidate,
+                                zero-padded to P = F rounded up to a multiple of 4
+      24+P            4*R*N     dense float32 (R, N): R = 1 in the context, else B
+      ...             4*L       lengths int32: per feature in order, 1 for a context feature
+                                (its ids, shared), B for a candidate feature
+      ...             8*nnz     values int64 feature-major, a context feature's ids once
+
+The version-1 body must be exactly ``20 + 4*B*N + 4*F*B + 8*nnz`` bytes. It is read with
 ``numpy.frombuffer`` (views into the body where it is writable and aligned, as the
 bytearray TorchServe hands over is; copies otherwise) into the same
 :class:`~serve.api.request.ParsedRequest` the JSON forms give, so merging, the forward
@@ -36,10 +48,13 @@ from serve.api.spec import DEFAULT_SPEC, Spec, cap_rule, example_arrays, id_prob
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
-__all__ = ["BINARY_VERSION", "encode_binary", "example_binary", "parse_binary"]
+__all__ = ["BINARY_VERSION", "RANKING_VERSION", "encode_binary", "encode_binary_ranking",
+           "example_binary", "parse_binary"]
 
 
 BINARY_VERSION = 1
+#: The ranking form: a context (features shared by every candidate) sent once.
+RANKING_VERSION = 2
 _MAGIC = b"DLRM"
 # magic, then uint32 version, B, F, N; little-endian
 _HEADER = np.dtype([("magic", "S4"), ("version", "<u4"), ("b", "<u4"), ("f", "<u4"),
@@ -78,9 +93,10 @@ def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
         raise InvalidInput(f"binary body: magic is {magic!r}; expected {_MAGIC!r} as the "
                            f"first 4 bytes (JSON bodies need 'Content-Type: {JSON_MEDIA_TYPE}')")
     version, b, nf, nd = (int(head[k]) for k in ("version", "b", "f", "n"))
-    if version != BINARY_VERSION:
-        raise InvalidInput(f"binary body: version is {version}; only version {BINARY_VERSION} "
-                           "is supported")
+    if version not in (BINARY_VERSION, RANKING_VERSION):
+        raise InvalidInput(f"binary body: version is {version}; versions {BINARY_VERSION} "
+                           f"(instances) and {RANKING_VERSION} (ranking: a context) are "
+                           "supported")
     if nf != spec.nf:
         raise InvalidInput(f"binary body: F is {nf}; it must be {spec.nf} "
                            f"({spec.names_text})")
@@ -93,12 +109,18 @@ def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
         raise PayloadTooLarge(
             f"binary body: B={b} instances exceed the limit of {cfg.max_instances} per request; "
             "split them over several requests")
-    lengths_at = _HEADER_BYTES + 4 * b * nd
-    values_at = lengths_at + 4 * nf * b
+    dense_at, shared, dense_shared = _HEADER_BYTES, (), False
+    if version == RANKING_VERSION:
+        dense_at, shared, dense_shared = _ranking_header(buf, nf, spec)
+    dense_rows = 1 if dense_shared else b
+    lengths_at = dense_at + 4 * dense_rows * nd
+    entries = (nf - len(shared)) * b + len(shared)   # a context feature: one length
+    values_at = lengths_at + 4 * entries
     if size < values_at:
         raise InvalidInput(f"binary body: is {size} bytes; the header (B={b}) needs at least "
                            f"{values_at} bytes for dense and lengths; send the whole body")
-    lengths = _binary_array(buf, "<i4", nf * b, lengths_at).reshape(nf, b)
+    lengths = _binary_array(buf, "<i4", entries, lengths_at)
+    lengths = lengths.reshape(nf, b) if not shared else _spread(lengths, shared, nf, b)
     if int(lengths.min()) < 0:
         f, s = map(int, np.argwhere(lengths < 0)[0])
         raise InvalidInput(f"binary body: lengths[{spec.names[f]}][{s}] is "
@@ -114,7 +136,7 @@ def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
     if size != want:
         raise InvalidInput(f"binary body: is {size} bytes; the header (B={b}, nnz={nnz}) needs "
                            f"{want} bytes; nnz is the sum of lengths and each id is 8 bytes")
-    dense = _binary_array(buf, "<f4", b * nd, _HEADER_BYTES).reshape(b, nd)
+    dense = _binary_array(buf, "<f4", dense_rows * nd, dense_at).reshape(dense_rows, nd)
     finite = np.isfinite(dense)
     if not finite.all():
         i, j = map(int, np.argwhere(~finite)[0])
@@ -127,7 +149,51 @@ def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
         f, s = divmod(int(np.searchsorted(ends, k, side="right")), b)
         raise InvalidInput(f"binary body: values[{k}] ({spec.names[f]}, sample {s}): "
                            f"{id_problem(int(values[k]))}")
-    return ParsedRequest(dense, lengths, values)
+    if dense_shared:
+        dense = np.repeat(dense, b, axis=0)
+    return ParsedRequest(dense, lengths, values, shared if b > 1 else ())
+
+
+def _ranking_header(buf: memoryview, nf: int, spec: Spec) -> tuple[int, tuple[int, ...], bool]:
+    """Version 2's header after the common 20 bytes: (where dense starts, the context's
+    features, whether dense is in the context)."""
+    at = _HEADER_BYTES + 4 + _pad4(nf)
+    if buf.nbytes < at:
+        raise InvalidInput(f"binary body: is {buf.nbytes} bytes; a version {RANKING_VERSION} "
+                           f"header with F={nf} needs {at} bytes (uint32 dense part, then one "
+                           "byte per feature: 0 candidates, 1 context)")
+    flag = int(np.frombuffer(buf, dtype="<u4", count=1, offset=_HEADER_BYTES)[0])
+    parts = np.frombuffer(buf, dtype=np.uint8, count=nf, offset=_HEADER_BYTES + 4)
+    if flag > 1 or int(parts.max(initial=0)) > 1:
+        raise InvalidInput(f"binary body: parts are {flag} (dense) and "
+                           f"{sorted(set(parts.tolist()))} (features); each must be 0 "
+                           "(per candidate) or 1 (context)")
+    shared = tuple(int(f) for f in np.flatnonzero(parts))
+    if flag and len(shared) == nf:
+        raise InvalidInput("binary body: the context holds every feature (dense and sparse), "
+                           "so all candidates would be the same instance; send at least one "
+                           "feature per candidate, or send one instance")
+    return at, shared, bool(flag)
+
+
+def _spread(compact: np.ndarray, shared: tuple[int, ...], nf: int, b: int) -> np.ndarray:
+    """Version 2's lengths (a context feature's one length, a candidate feature's B) ->
+    int32 (F, B), a context feature's length in sample 0's cell, 0 elsewhere."""
+    full = np.zeros((nf, b), dtype=np.int32)
+    at = 0
+    ctx = set(shared)
+    for f in range(nf):
+        if f in ctx:
+            full[f, 0] = compact[at]
+            at += 1
+        else:
+            full[f] = compact[at:at + b]
+            at += b
+    return full
+
+
+def _pad4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
 def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray, *,
@@ -179,6 +245,40 @@ def encode_binary(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray, *,
     head = np.array([(_MAGIC, BINARY_VERSION, b, nf, nd)], dtype=_HEADER)
     return b"".join((head.tobytes(), d.astype("<f4").tobytes(), ln.astype("<i4").tobytes(),
                      v.astype("<i8").tobytes()))
+
+
+def encode_binary_ranking(dense: np.ndarray, lengths: np.ndarray, values: np.ndarray,
+                          shared: tuple[int, ...], *, dense_shared: bool,
+                          schema: ModelSchema | None = None) -> bytes:
+    """One version-2 (ranking) body: ``shared`` features (indices in the schema's order)
+    sent once, and the dense vector once when ``dense_shared``.
+
+    Args:
+        dense: (1, N) when ``dense_shared``, else (B, N).
+        lengths: (F, B) as a decoded ranking request holds them: a context feature's ids
+            counted in sample 0's cell, 0 in the others (:class:`ParsedRequest`).
+        values: (nnz,) feature-major, a context feature's ids once.
+    Raises:
+        ValueError: shapes off, or a context feature with ids outside sample 0's cell.
+    """
+    spec = spec_of(schema)
+    ln = np.asarray(lengths)
+    d = np.asarray(dense)
+    nf, b = ln.shape
+    if nf != spec.nf or d.ndim != 2 or d.shape != ((1 if dense_shared else b), spec.nd):
+        raise ValueError(f"dense {d.shape} / lengths {ln.shape} do not fit F={spec.nf}, "
+                         f"N={spec.nd}, B={b} (dense (1, N) when shared)")
+    if any(ln[f, 1:].any() for f in shared):
+        raise ValueError("a context feature's ids must all be counted in sample 0's cell")
+    body = encode_binary(np.zeros((b, spec.nd)), ln, values, schema=schema)  # checks the rest
+    parts = np.zeros(_pad4(nf), dtype=np.uint8)
+    parts[list(shared)] = 1
+    compact = np.concatenate([ln[f, :1] if f in set(shared) else ln[f] for f in range(nf)])
+    head = np.array([(_MAGIC, RANKING_VERSION, b, nf, spec.nd)], dtype=_HEADER)
+    nnz_bytes = 8 * int(ln.sum(dtype=np.int64))
+    return b"".join((head.tobytes(), np.array([int(dense_shared)], "<u4").tobytes(),
+                     parts.tobytes(), d.astype("<f4").tobytes(),
+                     compact.astype("<i4").tobytes(), body[len(body) - nnz_bytes:]))
 
 
 def example_binary(n: int = 1, *, seed: int = 0, max_id: int = 2**31,
