@@ -259,3 +259,55 @@ def test_binary_ranking_context_cap_and_size():
     good, _, _ = _binary_pair(3, 45)
     with pytest.raises(InvalidInput, match="bytes"):
         parse_body(good[:-8], CFG, BINARY_MEDIA_TYPE)
+
+
+# -- Open Inference Protocol ---------------------------------------------------------------
+
+def _oip_ranking(arrays, context, dense_ctx, binary):
+    from serve.api.oip import CONTEXT_PREFIX, encode_infer_request, oip_inputs
+
+    dense, lengths, values = arrays
+    inputs = oip_inputs(dense, lengths, values, multi_hot=True)
+    for name in context:
+        inputs[CONTEXT_PREFIX + name] = inputs.pop(name)[:int(lengths[DEFAULT_SPEC.names.index(name), 0])]
+        inputs.pop(name + ".lengths")
+    if dense_ctx:
+        inputs[CONTEXT_PREFIX + "dense"] = inputs.pop("dense")[:1]
+    return encode_infer_request(inputs, binary=binary)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+@pytest.mark.parametrize("dense_ctx", [True, False])
+def test_oip_context_inputs_equal_the_instances(tiny_runtime, binary, dense_ctx):
+    from serve.api.oip import parse_infer, to_predict_body
+    from serve.api.request import BINARY_MEDIA_TYPE
+
+    arrays = ranking_arrays(6, 51, dense_ctx=dense_ctx)
+    body, hl = _oip_ranking(arrays, USER, dense_ctx, binary)
+    req = parse_infer(body, cfg=CFG, header_length=hl)
+    assert req.parsed.shared == tuple(range(13))
+    fwd = to_predict_body(req)
+    assert fwd[4] == 2        # forwarded as binary version 2
+    from serve.api.binary import encode_binary
+    out, _ = handle_batch([fwd, encode_binary(*arrays)], [BINARY_MEDIA_TYPE] * 2,
+                          _forward(tiny_runtime), CFG)
+    assert out[0].status == 200 and out[0].body == out[1].body
+
+
+def test_oip_context_errors_name_the_input():
+    from serve.api.oip import CONTEXT_PREFIX, encode_infer_request, oip_inputs, parse_infer
+
+    arrays = ranking_arrays(3, 52)
+    inputs = oip_inputs(*arrays, multi_hot=True)
+    inputs[CONTEXT_PREFIX + "C1"] = np.array([1, 2], dtype=np.int64)
+    body, _ = encode_infer_request(inputs)
+    with pytest.raises(InvalidInput, match=r"inputs C1: are also given as context\.<name>"):
+        parse_infer(body, cfg=CFG)
+    del inputs["C2"], inputs["C2.lengths"], inputs["C1"], inputs["C1.lengths"]
+    body, _ = encode_infer_request(inputs)
+    with pytest.raises(InvalidInput, match=r"missing inputs C2: each input goes per candidate"):
+        parse_infer(body, cfg=CFG)
+    inputs[CONTEXT_PREFIX + "C2"] = np.arange(9, dtype=np.int64)
+    body, _ = encode_infer_request(inputs)
+    with pytest.raises(InvalidInput, match=r"input context\.C2: has 9 ids; .*8"):
+        parse_infer(body, cfg=CFG)

@@ -15,6 +15,13 @@ Tensors (B instances, N dense features, F sparse features, as in :mod:`serve.api
   ``[nnz]``, plus ``<feature>.lengths`` INT32 ``[B]`` (ids of each instance; 0 = none).
 * the output ``probabilities``: FP32 ``[B]``, click probabilities in request order.
 
+A ranking request (B candidates of one query) may send any input once for every candidate
+by naming it ``context.<name>``: ``context.dense`` FP32 ``[1, N]``, ``context.<feature>``
+INT64 ``[k]`` (that feature's one id list, no lengths). Every other input is per candidate
+as above (B from ``dense``, or from the first candidate feature when dense is in the
+context). An input given both ways, or neither, is refused naming it. It is forwarded as
+our binary version 2 and scored exactly as the same instances.
+
 Binary extension: the body is a JSON header of ``Inference-Header-Content-Length`` bytes,
 then the raw little-endian, row-major bytes of each input whose ``parameters`` has
 ``binary_data_size``, in the order the header lists them. The response is binary when the
@@ -40,14 +47,15 @@ from typing import Any
 import numpy as np
 import orjson
 
-from serve.api.binary import encode_binary
+from serve.api.binary import encode_binary, encode_binary_ranking
 from serve.api.config import HandlerConfig
 from serve.api.request import INT64_MAX, ParsedRequest
-from serve.api.spec import Spec, cap_rule, spec_of
+from serve.api.spec import Spec, cap_rule, part_spec, spec_of
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
 __all__ = [
+    "CONTEXT_PREFIX",
     "DENSE_INPUT",
     "HEADER_LENGTH",
     "LENGTHS_SUFFIX",
@@ -65,6 +73,9 @@ __all__ = [
 
 #: The dense input's name.
 DENSE_INPUT = "dense"
+#: ``context.`` + an input's name: that input sent once for every candidate of a ranking
+#: request (``context.dense`` FP32 [1, N]; ``context.<feature>`` INT64 [k], one id list).
+CONTEXT_PREFIX = "context."
 #: ``<feature>`` + this names the lengths input of a multi-hot feature.
 LENGTHS_SUFFIX = ".lengths"
 #: The only output.
@@ -298,10 +309,11 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput(f"inputs: is {inputs!r:.80}; it must be a non-empty list of "
                            f"tensors: {_inputs_text(spec)}")
-    known = {DENSE_INPUT: ("FP32", 2)}
+    known = {DENSE_INPUT: ("FP32", 2), CONTEXT_PREFIX + DENSE_INPUT: ("FP32", 2)}
     for f in spec.names:
         known[f] = ("INT64", 1)
         known[f + LENGTHS_SUFFIX] = ("INT32", 1)
+        known[CONTEXT_PREFIX + f] = ("INT64", 1)
     tensors: dict[str, np.ndarray] = {}
     cap = dimension_cap(cfg, spec)
     at = split
@@ -350,6 +362,8 @@ def parse_infer(body: bytes | bytearray | memoryview, schema: ModelSchema | None
 
 
 def _assemble(tensors: dict[str, np.ndarray], spec: Spec, cfg: HandlerConfig) -> ParsedRequest:
+    if any(n.startswith(CONTEXT_PREFIX) for n in tensors):
+        return _assemble_ranking(tensors, spec, cfg)
     missing = [n for n in (DENSE_INPUT, *spec.names) if n not in tensors]
     if missing:
         raise InvalidInput(f"missing inputs {', '.join(missing[:8])}"
@@ -410,9 +424,97 @@ def _assemble(tensors: dict[str, np.ndarray], spec: Spec, cfg: HandlerConfig) ->
                          np.concatenate(values).astype(np.int64, copy=False))
 
 
+def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
+                      cfg: HandlerConfig) -> ParsedRequest:
+    """A ranking infer: ``context.<name>`` inputs sent once for every candidate, the rest
+    per candidate (B from ``dense`` or the candidate features) -> the ParsedRequest of the
+    JSON context form (``shared``: the context's features)."""
+    ctx_dense = tensors.pop(CONTEXT_PREFIX + DENSE_INPUT, None)
+    ctx = {f: tensors.pop(CONTEXT_PREFIX + f) for f in spec.names
+           if CONTEXT_PREFIX + f in tensors}
+    both = [n for n in (DENSE_INPUT, *ctx) if n in tensors and (n != DENSE_INPUT
+                                                                 or ctx_dense is not None)]
+    if both:
+        raise InvalidInput(f"inputs {', '.join(both)}: are also given as "
+                           f"{CONTEXT_PREFIX}<name>; send each input in one part (context: "
+                           "shared by every candidate, or per candidate)")
+    for n in ctx:
+        if n + LENGTHS_SUFFIX in tensors:
+            raise InvalidInput(f"input {n}{LENGTHS_SUFFIX}: {n} is in the context "
+                               f"({CONTEXT_PREFIX}{n}, one id list); send no lengths for it")
+    cand = [f for f in spec.names if f not in ctx]
+    missing = [n for n in ([DENSE_INPUT] if ctx_dense is None else []) + cand
+               if n not in tensors]
+    if missing:
+        raise InvalidInput(f"missing inputs {', '.join(missing[:8])}"
+                           f"{' ...' if len(missing) > 8 else ''}: each input goes per "
+                           f"candidate or once as {CONTEXT_PREFIX}<name>")
+    if ctx_dense is not None and tuple(ctx_dense.shape) != (1, spec.nd):
+        raise InvalidInput(f"input {CONTEXT_PREFIX}{DENSE_INPUT}: shape is "
+                           f"{list(ctx_dense.shape)}; it must be [1, {spec.nd}]")
+    if DENSE_INPUT in tensors:
+        b = tensors[DENSE_INPUT].shape[0]
+    elif cand:
+        f = cand[0]
+        b = (tensors[f + LENGTHS_SUFFIX] if f + LENGTHS_SUFFIX in tensors else tensors[f]).shape[0]
+    else:
+        raise InvalidInput("the context holds every input (dense and sparse), so all "
+                           "candidates would be the same instance; send at least one input "
+                           "per candidate")
+    # the candidates alone, as an instance request of their own features, then the context
+    part = part_spec(spec, tuple(cand), spec.nd)
+    sub = {n: t for n, t in tensors.items()}
+    sub.setdefault(DENSE_INPUT, np.zeros((b, spec.nd), dtype=np.float32))
+    cands = _assemble(sub, part, cfg) if cand else ParsedRequest(
+        _dense_checked(sub[DENSE_INPUT], spec, cfg), np.zeros((0, b), np.int32),
+        np.zeros(0, np.int64))
+    caps = spec.caps(cfg.max_ids_per_feature)
+    lengths = np.zeros((spec.nf, b), dtype=np.int32)
+    chunks, j, bounds = [], 0, np.cumsum([0, *cands.lengths.sum(axis=1).tolist()])
+    for f, name in enumerate(spec.names):
+        ids = ctx.get(name)
+        if ids is None:
+            lengths[f] = cands.lengths[j]
+            chunks.append(cands.values[bounds[j]:bounds[j + 1]])
+            j += 1
+            continue
+        if ids.shape[0] > int(caps.arr[f]):
+            raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: has {ids.shape[0]} ids; "
+                               f"{cap_rule(caps, f, spec)}")
+        if ids.size and int(ids.min()) < 0:
+            k = int(np.argmax(ids < 0))
+            raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: data[{k}] is {int(ids[k])}; "
+                               "ids must be integers >= 0")
+        lengths[f, 0] = ids.shape[0]
+        chunks.append(ids.astype(np.int64, copy=False))
+    dense = cands.dense if ctx_dense is None else np.repeat(
+        _dense_checked(ctx_dense, spec, cfg), b, axis=0)
+    values = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    shared = tuple(f for f, n in enumerate(spec.names) if n in ctx) if b > 1 else ()
+    return ParsedRequest(dense, lengths, values, shared)
+
+
+def _dense_checked(dense: np.ndarray, spec: Spec, cfg: HandlerConfig) -> np.ndarray:
+    """A dense input (R, N) as float32, its N and R checked as the instance form's."""
+    r, nd = dense.shape
+    if nd != spec.nd:
+        raise InvalidInput(f"input {DENSE_INPUT}: shape is [{r}, {nd}]; it must be "
+                           f"[B, {spec.nd}] (the model's dense features)")
+    if r > cfg.max_instances:
+        raise PayloadTooLarge(f"input {DENSE_INPUT}: B={r} instances exceed the limit of "
+                              f"{cfg.max_instances} per request")
+    return np.ascontiguousarray(dense, dtype=np.float32)
+
+
 def to_predict_body(req: InferRequest, schema: ModelSchema | None = None) -> bytes:
-    """Our binary columnar predict body (``application/x-dlrm-columnar``) of ``req``."""
+    """Our binary columnar predict body (``application/x-dlrm-columnar``) of ``req``:
+    version 2 (ranking) when it has a context."""
     p = req.parsed
+    if p.shared:
+        # a dense vector identical in every row came from the context (or equals it)
+        same = bool((p.dense == p.dense[:1]).all())
+        return encode_binary_ranking(p.dense[:1] if same else p.dense, p.lengths, p.values,
+                                     p.shared, dense_shared=same, schema=schema)
     return encode_binary(p.dense, p.lengths, p.values, schema=schema)
 
 
