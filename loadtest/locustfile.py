@@ -81,6 +81,12 @@ def _add_options(parser: Any, **_: Any) -> None:
         help="id skew (0: the profile's, as in the training data)")
     add("--dlrm-format", choices=_traffic.BODY_FORMATS, default="row",
         help="request body form: row (instances list) or columnar")
+    add("--dlrm-form", choices=_traffic.REQUEST_FORMS, default="context",
+        help="ranking request form: context (the user's features and dense once, the "
+             "items' per candidate) or instances (every candidate carries everything)")
+    add("--dlrm-context-features", default="",
+        help="comma-separated features sent as the context (default: the profile's "
+             "declared user-side features, C1..C13 built in)")
     add("--dlrm-pool-size", type=int, default=256,
         help="distinct request bodies generated before the test")
     add("--dlrm-seed", type=int, default=0, help="seed of the body pool")
@@ -166,7 +172,9 @@ def _traffic_config(opts: Any) -> _traffic.TrafficConfig:
         instances=_traffic.InstancesDistribution.parse(opts.dlrm_instances,
                                                        opts.dlrm_single_fraction),
         zipf_alpha=opts.dlrm_zipf_alpha or profile.zipf_alpha,
-        body_format=opts.dlrm_format, pool_size=opts.dlrm_pool_size, seed=opts.dlrm_seed)
+        body_format=opts.dlrm_format, pool_size=opts.dlrm_pool_size, seed=opts.dlrm_seed,
+        form=opts.dlrm_form,
+        context_features=_traffic.parse_features(opts.dlrm_context_features))
 
 
 def _build_pool(traffic_cfg: _traffic.TrafficConfig) -> _traffic.RequestPool:
@@ -218,6 +226,9 @@ def _record_stages(environment: Any, shape: DlrmShape, traffic_cfg: _traffic.Tra
             "started_at_epoch": time.time() - shape.get_run_time(),
             "traffic": {
                 "profile": traffic_cfg.profile.name, "format": traffic_cfg.body_format,
+                "form": traffic_cfg.form,
+                "context_features": list(traffic_cfg.shared_features)
+                if traffic_cfg.form == "context" else [],
                 "instances": traffic_cfg.instances.spec(),
                 "single_fraction": traffic_cfg.instances.single_fraction,
                 "expected_mean_instances": round(traffic_cfg.instances.expected_mean, 2),

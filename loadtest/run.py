@@ -148,6 +148,8 @@ class RunConfig:
             "--dlrm-single-fraction", f"{t.instances.single_fraction:g}",
             "--dlrm-zipf-alpha", f"{t.zipf_alpha:g}", "--dlrm-format", t.body_format,
             "--dlrm-pool-size", str(t.pool_size), "--dlrm-seed", str(t.seed),
+            "--dlrm-form", t.form,
+            "--dlrm-context-features", ",".join(t.context_features or ()),
             "--dlrm-think-ms", f"{self.think_ms:g}",
             "--dlrm-stages-json", str(self.out / "stages.json"),
         ]
@@ -202,7 +204,8 @@ def _preflight(cfg: RunConfig) -> None:
                                 instances=traffic.InstancesDistribution(1, 1, 1.0, 0.0),
                                 zipf_alpha=cfg.traffic.zipf_alpha,
                                 body_format=cfg.traffic.body_format, pool_size=1,
-                                seed=cfg.traffic.seed)
+                                seed=cfg.traffic.seed, form=cfg.traffic.form,
+                                context_features=cfg.traffic.context_features)
     req = traffic.RequestPool(one).pick()
     url = f"{cfg.host}/predictions/{cfg.model}"
     try:
@@ -353,6 +356,13 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
     t = summary["totals"]
     print(f"total: {t['requests']} requests, {t['failures']} failed "
           f"(ratio {t['fail_ratio']:.4f}), {t['instances']} instances", file=file)
+    tr = summary.get("traffic") or {}
+    if tr:
+        ctx = tr.get("context_features") or []
+        sent = (f"context form ({len(ctx)} features + dense once per request)"
+                if tr.get("form", "instances") == "context" else "instances form")
+        print(f"traffic: {sent}, {tr.get('format')} bodies, profile {tr.get('profile')}, "
+              f"{tr.get('instances')} candidates", file=file)
     knee = summary.get("knee")
     if summary["shape"] == "step":
         if knee:
@@ -488,6 +498,13 @@ def _parser() -> argparse.ArgumentParser:
                          "higher = hotter head = higher cache hit ratio")
     ap.add_argument("--format", dest="body_format", default="row", choices=traffic.BODY_FORMATS,
                     help="body form: row ({\"instances\": [...]}) or columnar (cheaper to parse)")
+    ap.add_argument("--form", default="context", choices=traffic.REQUEST_FORMS,
+                    help="ranking request form: context (default: the user's features and "
+                         "the dense vector once per request, the items' per candidate) or "
+                         "instances (every candidate repeats everything)")
+    ap.add_argument("--context-features", default="",
+                    help="comma-separated features the context form sends once (default: "
+                         "the profile's user-side features, C1..C13 built in)")
     ap.add_argument("--pool-size", type=int, default=256,
                     help="distinct bodies generated before the run (locust CPU goes to sending)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the request pool")
@@ -529,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
             profile=profile,
             instances=traffic.InstancesDistribution.parse(args.instances, args.single_fraction),
             zipf_alpha=args.zipf_alpha if args.zipf_alpha is not None else profile.zipf_alpha,
-            body_format=args.body_format, pool_size=args.pool_size, seed=args.seed)
+            body_format=args.body_format, pool_size=args.pool_size, seed=args.seed,
+            form=args.form, context_features=traffic.parse_features(args.context_features))
         host, loopback = check_host(args.host or default_host(), args.allow_remote)
         out = args.out or RESULTS / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         cfg = RunConfig(shape=shape_cfg, traffic=traffic_cfg, host=host, loopback=loopback,

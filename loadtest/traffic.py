@@ -16,11 +16,16 @@ non-negative like Criteo's log1p-transformed integer counts. The serving model a
 Bodies are generated once into a :class:`RequestPool` of JSON bytes, so the load
 generator's CPU goes to sending, not to building requests.
 
-Two body forms (``serve/protocol.py`` defines both):
+Two request forms: ``context`` (the default: one user, N candidates; the user's features,
+the profile's ``context_features``, and the dense vector are sent once as the request's
+context, the items' per candidate; :mod:`serve.api.context_body`) and ``instances``
+(every candidate repeats every feature). Two body encodings of each (:mod:`serve.api`):
 
 - ``row``:      ``{"instances": [{"dense": [13 floats], "sparse": {"C1": [ids], ...}}, ...]}``
+  (context: ``{"context": {...}, "candidates": [{"sparse": {...}}, ...]}``)
 - ``columnar``: ``{"dense": [[13 floats], ...], "sparse": {"C1": {"values": [...],
-  "lengths": [...]}, ...}}`` (cheaper for the server to parse)
+  "lengths": [...]}, ...}}`` (cheaper for the server to parse; context: columnar
+  ``candidates``)
 
 Answers are checked by :func:`check_response`: HTTP 200, a JSON object whose
 ``predictions`` holds exactly B numbers, each in [0, 1].
@@ -40,6 +45,7 @@ from serve.profiles import NUM_DENSE, Profile
 
 __all__ = [
     "BODY_FORMATS",
+    "REQUEST_FORMS",
     "IdSampler",
     "InstancesDistribution",
     "PooledRequest",
@@ -48,9 +54,15 @@ __all__ = [
     "check_response",
     "dense_features",
     "encode_body",
+    "encode_context_body",
+    "parse_features",
 ]
 
 BODY_FORMATS = ("row", "columnar")
+#: How a ranking request is sent: ``context`` (the user's features and the dense vector
+#: once, the items' per candidate: :mod:`serve.api.context_body`) or ``instances`` (every
+#: candidate repeats everything).
+REQUEST_FORMS = ("context", "instances")
 # Largest instance count the distribution accepts; the handler enforces its own
 # max_instances (a request above it is a 4xx, which the checker reports as a failure).
 _MAX_INSTANCES = 100_000
@@ -254,6 +266,43 @@ def encode_body(dense: np.ndarray, ids: list[np.ndarray], lengths: np.ndarray,
     return orjson.dumps({"instances": instances})
 
 
+def parse_features(text: str) -> tuple[str, ...] | None:
+    """``"C1,C2"`` -> ("C1", "C2"); empty -> None (the profile's declaration)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    return names or None
+
+
+def encode_context_body(ctx_dense: np.ndarray, ctx_ids: dict[str, list[int]],
+                        ids: list[np.ndarray], lengths: np.ndarray,
+                        feature_names: tuple[str, ...], body_format: str) -> bytes:
+    """One ranking request in the context form.
+
+    Args:
+        ctx_dense: (N,) the dense vector every candidate shares.
+        ctx_ids: the context's features -> their one id list.
+        ids, lengths, feature_names: the candidates' features as :func:`encode_body`
+            takes them (F_c arrays; lengths (B, F_c)).
+        body_format: ``"row"`` (candidate objects) or ``"columnar"``.
+    """
+    context = {"dense": ctx_dense.tolist(), "sparse": ctx_ids}
+    if body_format == "columnar":
+        cands: object = {"sparse": {name: {"values": ids[j].tolist(),
+                                           "lengths": lengths[:, j].tolist()}
+                                    for j, name in enumerate(feature_names)}}
+    elif body_format == "row":
+        b = lengths.shape[0]
+        cols = []
+        for j in range(len(feature_names)):
+            offs = np.concatenate([[0], np.cumsum(lengths[:, j])]).tolist()
+            vals = ids[j].tolist()
+            cols.append([vals[offs[i]:offs[i + 1]] for i in range(b)])
+        cands = [{"sparse": {name: cols[j][i] for j, name in enumerate(feature_names)}}
+                 for i in range(b)]
+    else:
+        raise ConfigError(f"body format {body_format!r} is unknown; use one of {BODY_FORMATS}")
+    return orjson.dumps({"context": context, "candidates": cands})
+
+
 @dataclass(frozen=True)
 class TrafficConfig:
     """What the load generator sends.
@@ -263,6 +312,10 @@ class TrafficConfig:
         instances: instances-per-request law.
         zipf_alpha: id skew (the training data uses the profile's, 1.05).
         body_format: ``row`` or ``columnar``.
+        form: ``context`` (default: the user's features and dense sent once per request)
+            or ``instances`` (every candidate carries all features).
+        context_features: the user-side features sent as the context (None: the
+            profile's ``context_features``).
         pool_size: distinct bodies generated up front; requests pick one at random.
         seed: seed of the pool (fixed so runs are comparable).
         data_seed: seed of the id permutation; must be the training data's to hit the
@@ -273,16 +326,31 @@ class TrafficConfig:
     instances: InstancesDistribution = InstancesDistribution()
     zipf_alpha: float = 1.05
     body_format: str = "row"
+    form: str = "context"
+    context_features: tuple[str, ...] | None = None
     # 256 bodies of ~100 KiB: ~25 MiB, built in about a second, and enough draws that the
     # pool's mix of sizes (and its ~10% singles) matches the law closely.
     pool_size: int = 256
     seed: int = 0
     data_seed: int | None = None
 
+    @property
+    def shared_features(self) -> tuple[str, ...]:
+        """The features the context form sends once (the profile's unless given)."""
+        return (self.context_features if self.context_features is not None
+                else self.profile.context_features)
+
     def __post_init__(self) -> None:
         if self.body_format not in BODY_FORMATS:
             raise ConfigError(f"body format {self.body_format!r} is unknown; "
                               f"use one of {', '.join(BODY_FORMATS)}")
+        if self.form not in REQUEST_FORMS:
+            raise ConfigError(f"request form {self.form!r} is unknown; use one of "
+                              f"{', '.join(REQUEST_FORMS)}")
+        stray = sorted(set(self.context_features or ()) - set(self.profile.feature_names))
+        if stray:
+            raise ConfigError(f"context features {stray} are not the model's features "
+                              f"({', '.join(self.profile.feature_names)})")
         if not (1 <= self.pool_size <= 10_000):
             raise ConfigError(f"pool size {self.pool_size} must be in [1, 10000] bodies")
         if not (self.zipf_alpha > 0 and math.isfinite(self.zipf_alpha)):
@@ -308,14 +376,37 @@ class RequestPool:
         sizes = config.instances.stratified(rng, config.pool_size)
         m = p.max_ids_per_feature
         self.requests: list[PooledRequest] = []
+        ctx = set(config.shared_features) if config.form == "context" else set()
         for b in sizes.tolist():
-            dense = dense_features(rng, b)
-            lengths = (rng.integers(1, m + 1, size=(b, p.num_sparse)) if m > 1
-                       else np.ones((b, p.num_sparse), dtype=np.int64))
-            ids = [sampler.ids(rng, j, int(lengths[:, j].sum())) for j in range(p.num_sparse)]
-            body = encode_body(dense, ids, lengths, p.feature_names, config.body_format)
+            if ctx:
+                body = self._context_body(rng, sampler, b, ctx)
+            else:
+                dense = dense_features(rng, b)
+                lengths = (rng.integers(1, m + 1, size=(b, p.num_sparse)) if m > 1
+                           else np.ones((b, p.num_sparse), dtype=np.int64))
+                ids = [sampler.ids(rng, j, int(lengths[:, j].sum()))
+                       for j in range(p.num_sparse)]
+                body = encode_body(dense, ids, lengths, p.feature_names, config.body_format)
             self.requests.append(PooledRequest(body, b))
         self._pick_rng = random.Random(config.seed)
+
+    def _context_body(self, rng: np.random.Generator, sampler: IdSampler, b: int,
+                      ctx: set[str]) -> bytes:
+        """One user (the context features' ids and the dense vector, drawn once) and b
+        candidates (the other features' ids, drawn per candidate)."""
+        p, m = self.config.profile, self.config.profile.max_ids_per_feature
+        names = p.feature_names
+        ctx_ids = {}
+        for j, name in enumerate(names):
+            if name in ctx:
+                k = int(rng.integers(1, m + 1)) if m > 1 else 1
+                ctx_ids[name] = sampler.ids(rng, j, k).tolist()
+        cand = [j for j, name in enumerate(names) if name not in ctx]
+        lengths = (rng.integers(1, m + 1, size=(b, len(cand))) if m > 1
+                   else np.ones((b, len(cand)), dtype=np.int64))
+        ids = [sampler.ids(rng, j, int(lengths[:, k].sum())) for k, j in enumerate(cand)]
+        return encode_context_body(dense_features(rng, 1)[0], ctx_ids, ids, lengths,
+                                   tuple(names[j] for j in cand), self.config.body_format)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -86,6 +86,10 @@ class Profile:
     feature_names: tuple[str, ...] = field(default=SPARSE_FEATURES)
     id_cardinalities: tuple[int, ...] | None = None
     hashed_ids: bool = False
+    #: The user-side sparse features: what a ranking request sends once, as its context,
+    #: with the dense vector (the load generator's declaration; the model does not care).
+    #: Built in: C1..C13 (Criteo's features are anonymous; half is the declared split).
+    context_features: tuple[str, ...] = field(default=SPARSE_FEATURES[:13])
 
     def __post_init__(self) -> None:
         if len(self.cardinalities) != len(self.feature_names):
@@ -102,6 +106,10 @@ class Profile:
             raise ConfigError(f"profile {self.name!r}: over_arch must end with 1 (a logit)")
         if self.zipf_alpha <= 0:
             raise ConfigError(f"profile {self.name!r}: zipf_alpha {self.zipf_alpha} must be > 0")
+        stray = sorted(set(self.context_features) - set(self.feature_names))
+        if stray:
+            raise ConfigError(f"profile {self.name!r}: context features {stray} are not "
+                              "among its feature_names")
 
     @property
     def id_space(self) -> tuple[int, ...]:

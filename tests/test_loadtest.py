@@ -141,19 +141,29 @@ def test_pool_bodies_parse_with_the_real_protocol_in_both_forms(multi_hot):
     p = dataclasses.replace(get_profile("tiny"), max_ids_per_feature=multi_hot)
     cfg = {"profile": p, "instances": traffic.InstancesDistribution.parse("1-40:10", 0.2),
            "pool_size": 12, "seed": 4}
-    rows = traffic.RequestPool(traffic.TrafficConfig(body_format="row", **cfg))
-    cols = traffic.RequestPool(traffic.TrafficConfig(body_format="columnar", **cfg))
     hc = HandlerConfig()
-    for a, b in zip(rows.requests, cols.requests, strict=True):
-        assert a.instances == b.instances
-        pa, pb = parse_body(a.body, hc), parse_body(b.body, hc)
-        assert pa.batch_size == a.instances
-        np.testing.assert_array_equal(pa.dense, pb.dense)
-        np.testing.assert_array_equal(pa.lengths, pb.lengths)
-        np.testing.assert_array_equal(pa.values, pb.values)
-        assert pa.lengths.min() >= 1 and pa.lengths.max() <= multi_hot
-    assert "instances" in orjson.loads(rows.requests[0].body)
-    assert set(orjson.loads(cols.requests[0].body)) == {"dense", "sparse"}
+    for form in traffic.REQUEST_FORMS:
+        rows = traffic.RequestPool(traffic.TrafficConfig(body_format="row", form=form, **cfg))
+        cols = traffic.RequestPool(traffic.TrafficConfig(body_format="columnar", form=form,
+                                                         **cfg))
+        for a, b in zip(rows.requests, cols.requests, strict=True):
+            assert a.instances == b.instances
+            pa, pb = parse_body(a.body, hc), parse_body(b.body, hc)
+            assert pa.batch_size == a.instances
+            np.testing.assert_array_equal(pa.dense, pb.dense)
+            np.testing.assert_array_equal(pa.lengths, pb.lengths)
+            np.testing.assert_array_equal(pa.values, pb.values)
+            assert pa.shared == pb.shared
+            own = pa.lengths if form == "instances" else pa.lengths[13:]
+            assert own.min() >= 1 and pa.lengths.max() <= multi_hot
+            if form == "context" and a.instances > 1:
+                # one user: C1..C13 once (the profile's declaration), the dense vector shared
+                assert pa.shared == tuple(range(13))
+                assert (pa.lengths[:13, 0] >= 1).all() and not pa.lengths[:13, 1:].any()
+                assert (pa.dense == pa.dense[:1]).all()
+        top = set(orjson.loads(rows.requests[0].body))
+        assert top == ({"instances"} if form == "instances" else {"context", "candidates"})
+        assert isinstance(orjson.loads(cols.requests[0].body).get("candidates", {}), dict)
 
 
 def test_stratified_pool_sizes_match_the_law():
