@@ -109,7 +109,7 @@ MODELS: dict[str, tuple[str, str]] = {
 }
 #: Keys every entry of results["runs"] has (tests pin the schema).
 REQUIRED_RUN_KEYS = ("model", "queries_per_s", "pairs_per_s", "pairs_per_s_per_core", "p99_ms",
-                     "in_process_pairs_per_s")
+                     "in_process_pairs_per_s", "form", "served_cpu_per_pair_ratio")
 #: MLPerf Inference DLRM-v2 Server anchor (CPU, INT8 AMX, one Xeon 6980P socket, 128 cores,
 #: p99 < 50 ms), for the comparison printed beside ours; see docs/benchmarks-slo.md.
 MLPERF_ANCHOR = {"queries_per_s_per_socket": 9.2e3, "pairs_per_s_per_socket": 2.5e6,
@@ -353,9 +353,22 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
     """``Runtime.predict`` alone over the same bodies (parsed up front), one predict per
     query, ``threads`` torch threads, the worker's runtime settings; best of 3 windows (the
     least disturbed on a shared machine)."""
+    from bench.bench_e2e import best_predict_rate
+
+    rt, batches = _inprocess_batches(artifact_path, handler_cfg, schema, bodies, content_type,
+                                     threads)
+    return best_predict_rate(rt, batches, windows=3, window_s=max(0.3, seconds / 3))
+
+
+def _inprocess_batches(artifact_path: Path, handler_cfg: dict[str, Any], schema: Any,
+                       bodies: Sequence[tuple[bytes, int]], content_type: str, threads: int
+                       ) -> tuple[Any, list[tuple[Any, Any]]]:
+    """A runtime with the worker's settings and ``threads`` torch threads, and the bodies
+    parsed up front as the worker merges them ((dense, SparseBatch) per query, a ranking
+    request's context kept once)."""
     import torch
 
-    from bench.bench_e2e import best_predict_rate
+    from serve.api.batch import merge_requests
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
     from serve.runtime.engine import Runtime, SparseBatch
@@ -366,10 +379,34 @@ def inprocess_pairs_per_s(artifact_path: Path, handler_cfg: dict[str, Any], sche
     rt = Runtime.from_artifact(artifact_path, runtime_config(cfg, device="cpu", threads=threads))
     batches = []
     for body, _ in bodies:
-        p = parse_body(body, cfg, content_type, schema=schema)
-        batches.append((torch.from_numpy(p.dense),
-                        SparseBatch(torch.from_numpy(p.values), torch.from_numpy(p.lengths))))
-    return best_predict_rate(rt, batches, windows=3, window_s=max(0.3, seconds / 3))
+        m = merge_requests([parse_body(body, cfg, content_type, schema=schema)])
+        batches.append((torch.from_numpy(m.dense), SparseBatch(
+            torch.from_numpy(m.values), torch.from_numpy(m.lengths), m.shared,
+            None if m.bag_of is None else torch.from_numpy(m.bag_of))))
+    return rt, batches
+
+
+def inprocess_cpu_ms_per_pair(artifact_path: Path, handler_cfg: dict[str, Any], schema: Any,
+                              bodies: Sequence[tuple[bytes, int]], content_type: str,
+                              threads: int, seconds: float) -> float:
+    """CPU ms per candidate pair of ``Runtime.predict`` alone on the same queries, with one
+    worker's ``threads`` (this process's CPU clock, every thread): the least of 3 windows
+    of ``seconds / 3`` (the least disturbed)."""
+    rt, batches = _inprocess_batches(artifact_path, handler_cfg, schema, bodies,
+                                     content_type, threads)
+    for d, sb in batches[:2]:
+        rt.predict(d, sb)
+    best = math.inf
+    for _ in range(3):
+        n = pairs = 0
+        c0, t0 = time.process_time(), time.perf_counter()
+        while time.perf_counter() - t0 < max(0.3, seconds / 3) or n < 3:
+            d, sb = batches[n % len(batches)]
+            rt.predict(d, sb)
+            pairs += d.shape[0]
+            n += 1
+        best = min(best, (time.process_time() - c0) * 1e3 / pairs)
+    return best
 
 
 # --- the open-loop client --------------------------------------------------------------
@@ -568,11 +605,15 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
 # --- bodies, state, one model ----------------------------------------------------------
 
 def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
-                single_fraction: float) -> list[tuple[bytes, int]]:
-    """``pool`` columnar JSON bodies with the load test's sizes. The built-in DLRM's
+                single_fraction: float, form: str = "instances",
+                context: Sequence[str] | None = None) -> list[tuple[bytes, int]]:
+    """``pool`` columnar JSON bodies with the load test's sizes, in ``form`` (``context``:
+    one user's features, ``context`` or the profile's declared ones, and the dense vector
+    once per query; ``instances``: every pair carries everything). The built-in DLRM's
     profiles get the load test's own generator (:class:`loadtest.traffic.RequestPool`:
     Zipf ids, training-like dense); an imported schema gets
-    :func:`serve.api.json_body.example_request` (multi-hot up to each feature's max)."""
+    :func:`serve.api.json_body.example_request` (multi-hot up to each feature's max),
+    its first instance's ``context`` features and dense copied to every pair."""
     import orjson
 
     from serve.profiles import PROFILES
@@ -585,13 +626,48 @@ def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
         rp = RequestPool(TrafficConfig(
             profile=profile,
             instances=InstancesDistribution(single_fraction=single_fraction),
-            body_format="columnar", pool_size=pool, seed=seed))
+            body_format="columnar", pool_size=pool, seed=seed, form=form,
+            context_features=tuple(context) if context else None))
         return [(r.body, r.instances) for r in rp.requests]
     from serve.api.json_body import example_request
 
-    return [(orjson.dumps(example_request(int(b), seed=seed + i, form="columnar",
-                                          schema=schema, multi_hot=True)), int(b))
-            for i, b in enumerate(sizes.tolist())]
+    out = []
+    for i, b in enumerate(sizes.tolist()):
+        doc = example_request(int(b), seed=seed + i, form="columnar", schema=schema,
+                              multi_hot=True)
+        if form == "context":
+            doc = _as_context(doc, schema, context or ())
+        out.append((orjson.dumps(doc), int(b)))
+    return out
+
+
+def _as_context(doc: dict[str, Any], schema: Any, context: Sequence[str]) -> dict[str, Any]:
+    """A columnar instances body -> the context form of one user: the first instance's
+    ``context`` features and dense vector sent once (the others' dropped)."""
+    from serve.api.config import HandlerConfig
+    from serve.api.context_body import ranking_request
+    from serve.api.decode import parse_body
+    from serve.api.spec import spec_of
+
+    import orjson
+
+    spec = spec_of(schema)
+    p = parse_body(orjson.dumps(doc), HandlerConfig(max_instances=100_000,
+                                                    max_body_bytes=1 << 30), schema=schema)
+    b = p.batch_size
+    lengths, cells = p.lengths.copy(), []
+    ends = np.cumsum(p.lengths.reshape(-1))
+    starts = ends - p.lengths.reshape(-1)
+    for f, name in enumerate(spec.names):
+        row = [p.values[starts[f * b + s]:ends[f * b + s]] for s in range(b)]
+        if name in context:
+            row = [row[0]] * b
+            lengths[f] = len(row[0])
+        cells.extend(row)
+    values = np.concatenate(cells) if cells else np.zeros(0, np.int64)
+    dense = np.repeat(p.dense[:1], b, axis=0)
+    return ranking_request(dense, lengths, values, set(context), dense_in_context=True,
+                           spec=spec, form="columnar")
 
 
 def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any,
@@ -600,7 +676,7 @@ def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any,
     :func:`serve.api.binary.encode_binary`): they parse to exactly what the JSON ones do.
     ``handler_cfg``: the version's ``handler`` settings (its limits, e.g. ids per
     feature of a multi-hot model); None: the defaults."""
-    from serve.api.binary import encode_binary
+    from serve.api.binary import encode_binary, encode_binary_ranking
     from serve.api.config import HandlerConfig
     from serve.api.decode import parse_body
     from serve.api.request import JSON_MEDIA_TYPE
@@ -609,7 +685,13 @@ def as_binary(bodies: Sequence[tuple[bytes, int]], schema: Any,
     out = []
     for body, pairs in bodies:
         p = parse_body(body, cfg, JSON_MEDIA_TYPE, schema=schema)
-        out.append((encode_binary(p.dense, p.lengths, p.values, schema=schema), pairs))
+        if p.shared:   # a context: binary version 2, the dense vector once
+            same = bool((p.dense == p.dense[:1]).all())
+            out.append((encode_binary_ranking(p.dense[:1] if same else p.dense, p.lengths,
+                                              p.values, p.shared, dense_shared=same,
+                                              schema=schema), pairs))
+        else:
+            out.append((encode_binary(p.dense, p.lengths, p.values, schema=schema), pairs))
     return out
 
 
@@ -659,22 +741,46 @@ class _Setup:
     workers: int
     handler_cfg: dict[str, Any] = field(default_factory=dict)
     threads: int = 1
+    form: str = "instances"
+    context: tuple[str, ...] = ()
 
     @property
     def total_threads(self) -> int:
         return self.workers * self.threads
 
 
+def context_features(report: Mapping[str, Any], args: argparse.Namespace
+                     ) -> tuple[str, ...] | None:
+    """The features the context form sends once: ``--context-features``, else the built-in
+    profile's declaration, else the imported model's (its report's ``context_features``,
+    from the example's factory module); None: none declared."""
+    from serve.profiles import PROFILES
+
+    if args.context_features:
+        return tuple(n.strip() for n in args.context_features.split(",") if n.strip())
+    profile = PROFILES.get(str(report.get("profile")))
+    if profile is not None:
+        return profile.context_features
+    declared = report.get("context_features")
+    return tuple(declared) if declared else None
+
+
 def _setup(name: str, version: str, store: Path, args: argparse.Namespace,
-           sidecar_url: str) -> _Setup:
-    """The version's bodies (JSON) and the sidecar's state, which must serve ``version``."""
+           sidecar_url: str, form: str = "instances") -> _Setup:
+    """The version's bodies (JSON) in ``form`` and the sidecar's state, which must serve
+    ``version``."""
     from serve.api.request import JSON_MEDIA_TYPE
     from serve.profiles import schema_from_report
     from serve.store.repository import ModelRepository
 
     report = ModelRepository([store], "dlrm").report(version)
     schema = schema_from_report(report)
-    bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction)
+    context = context_features(report, args) if form == "context" else ()
+    if context is None:
+        raise RuntimeError(f"{version}: no context features declared for the context form; "
+                           "pass --context-features C1,C2,... (or --forms instances)")
+    bodies = make_bodies(report, schema, args.pool, args.seed, args.single_fraction, form,
+                         context)
     mean_pairs = sum(b for _, b in bodies) / len(bodies)
     state = read_state(sidecar_url)
     served_version, batching, workers = _served(state)
@@ -682,7 +788,7 @@ def _setup(name: str, version: str, store: Path, args: argparse.Namespace,
         raise RuntimeError(f"the sidecar at {sidecar_url} serves {served_version!r}, not "
                            f"{version!r}: pass --models for what it serves")
     return _Setup(name, version, schema, bodies, JSON_MEDIA_TYPE, mean_pairs, state,
-                  served_version, batching, workers)
+                  served_version, batching, workers, form=form, context=tuple(context))
 
 
 def _probe(s: _Setup, artifact_path: Path, url: str,
@@ -766,10 +872,11 @@ def _search(s: _Setup, url: str, args: argparse.Namespace, start_qps: float,
 
 def measure_model(name: str, version: str, store: Path, args: argparse.Namespace,
                   infer_url: str, sidecar_url: str, peak: dict[str, Any],
-                  run_dir: Path | None = None) -> dict[str, Any]:
-    """Search one served model's rate; the in-process reference and FLOPs beside it.
-    ``run_dir``: the service's run folder (its ``pids.json``), for the CPU split per
-    query (:mod:`bench.cpu_account`); None: only the client's and the machine's CPU."""
+                  run_dir: Path | None = None, form: str = "instances") -> dict[str, Any]:
+    """Search one served model's rate with requests in ``form``; the in-process reference
+    (rate and CPU per pair) and FLOPs beside it. ``run_dir``: the service's run folder
+    (its ``pids.json``), for the CPU split per query (:mod:`bench.cpu_account`); None:
+    only the client's and the machine's CPU."""
     import zipfile
 
     import yaml
@@ -780,7 +887,7 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     from serve.runtime.artifact import load_artifact
     from serve.store.repository import ModelRepository, extract_artifact
 
-    s = _setup(name, version, store, args, sidecar_url)
+    s = _setup(name, version, store, args, sidecar_url, form)
 
     def watch() -> dict[int, str]:
         return cpu_account.service_processes(run_dir)
@@ -794,7 +901,9 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
             s.bodies, s.ctype = as_binary(s.bodies, s.schema, s.handler_cfg), BINARY_MEDIA_TYPE
         s.threads = choose_threads(s.workers, s.handler_cfg.get("num_threads")).threads
         flops = artifact_dense_flops(load_artifact(artifact_path))
-        print(f"[{name}] {version}: {len(s.bodies)} bodies, {s.mean_pairs:.0f} pairs/query on "
+        print(f"[{name}] {version}, {form} form"
+              + (f" ({len(s.context)} features + dense once per query)" if s.context else "")
+              + f": {len(s.bodies)} bodies, {s.mean_pairs:.0f} pairs/query on "
               f"average; serving {s.batching} x {s.workers} worker(s) x {s.threads} thread(s), "
               f"tuner {'on' if s.state.get('tuner_enabled') else 'off'}; dense "
               f"{flops['flops_per_pair'] / 1e6:.2f} MFLOP/pair ({flops['kind']})", flush=True)
@@ -812,7 +921,10 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
         inproc = max(inproc_before, inprocess_pairs_per_s(
             artifact_path, s.handler_cfg, s.schema, s.bodies, s.ctype, s.total_threads,
             args.inprocess_s))
+        inproc_cpu = inprocess_cpu_ms_per_pair(artifact_path, s.handler_cfg, s.schema,
+                                               s.bodies, s.ctype, s.threads, args.inprocess_s)
     run = _run_record(s, args, found, warm, inproc, floor, search_s, state_after)
+    run |= cpu_per_pair(run.get("cpu_ms_per_query"), s.mean_pairs, inproc_cpu)
     run["dense_flops"] = flops | _flops_shares(flops, inproc, found.best, peak)
     return run
 
@@ -827,7 +939,8 @@ def _run_record(s: _Setup, args: argparse.Namespace, found: SearchResult, warm: 
     # query's pairs take at the in-process rate (the floor of what serving one costs)
     inproc_cpu_ms = s.total_threads * 1e3 * s.mean_pairs / inproc if inproc else None
     return {
-        "model": s.name, "version": s.version,
+        "model": s.name, "version": s.version, "form": s.form,
+        "context_features": list(s.context),
         "queries_per_s": round(best.queries_per_s, 2) if best else 0.0,
         "offered_queries_per_s": best.rate_qps if best else 0.0,
         "pairs_per_s": round(best.pairs_per_s, 1) if best else 0.0,
@@ -866,6 +979,23 @@ def _run_record(s: _Setup, args: argparse.Namespace, found: SearchResult, warm: 
     }
 
 
+#: The parts of the served path whose CPU counts against the model's (not the client).
+SERVED_PARTS = ("frontend", "workers", "sidecar")
+
+
+def cpu_per_pair(cpu_per_query: Mapping[str, float] | None, mean_pairs: float,
+                 inproc_ms_per_pair: float) -> dict[str, Any]:
+    """CPU ms per candidate pair of the served path (TorchServe's frontend, its workers,
+    the sidecar: not the load generator) at the rate found, of ``Runtime.predict`` in
+    process on the same queries, and their ratio (``served_cpu_per_pair_ratio``)."""
+    served = (sum(cpu_per_query[g] for g in SERVED_PARTS) / mean_pairs
+              if cpu_per_query and mean_pairs else None)
+    return {"served_cpu_ms_per_pair": round(served, 5) if served is not None else None,
+            "in_process_cpu_ms_per_pair": round(inproc_ms_per_pair, 5),
+            "served_cpu_per_pair_ratio": (round(served / inproc_ms_per_pair, 3)
+                                          if served is not None and inproc_ms_per_pair else None)}
+
+
 def _flops_shares(flops: Mapping[str, Any], inproc: float, best: Trial | None,
                   peak: Mapping[str, Any]) -> dict[str, Any]:
     """FLOP/s in process and at the rate found, and their shares of the GEMM peak."""
@@ -894,8 +1024,12 @@ def validate_results(doc: Mapping[str, Any]) -> list[str]:
         for k in REQUIRED_RUN_KEYS:
             if k not in r:
                 problems.append(f"runs[{i}] lacks {k!r}")
-            elif k == "p99_ms" and r[k] is None and r.get("queries_per_s") == 0:
+            elif k in ("p99_ms", "served_cpu_per_pair_ratio") and r[k] is None \
+                    and r.get("queries_per_s") == 0:
                 continue    # no rate met the goal: there is no p99 at a passing rate
+            elif k == "form":
+                if r[k] not in ("context", "instances"):
+                    problems.append(f"runs[{i}]['form'] = {r[k]!r} is not context/instances")
             elif k != "model" and not isinstance(r[k], (int, float)):
                 problems.append(f"runs[{i}][{k!r}] = {r[k]!r} is not a number")
     for k in ("meta", "command"):
@@ -908,8 +1042,35 @@ def _ms(v: float | None) -> str:
     return f"{v:7.1f}" if v is not None else f"{'none':>7}"
 
 
+def _cpu_pair_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """CPU per candidate pair: served (frontend + workers + sidecar) against in process."""
+    lines = [f"{'model':>8} {'form':>9} {'served us/pair':>14} {'in-proc us/pair':>15} "
+             f"{'ratio':>6}"]
+    for r in runs:
+        served, inproc = r.get("served_cpu_ms_per_pair"), r.get("in_process_cpu_ms_per_pair")
+        lines.append(f"{r['model']:>8} {r.get('form', '-'):>9} "
+                     f"{(f'{served * 1e3:.2f}' if served is not None else '-'):>14} "
+                     f"{(f'{inproc * 1e3:.2f}' if inproc is not None else '-'):>15} "
+                     f"{r.get('served_cpu_per_pair_ratio') or '-':>6}")
+    return "\n".join(lines)
+
+
+def _form_comparison(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Per model measured in both forms: the context form's pairs/s over the instances'."""
+    out = []
+    by = {(r["model"], r.get("form")): r for r in runs}
+    for (model, form), r in by.items():
+        other = by.get((model, "instances"))
+        if form == "context" and other is not None:
+            gain = r["pairs_per_s"] / other["pairs_per_s"] if other["pairs_per_s"] else None
+            out.append(f"{model}: context form {r['pairs_per_s']:.0f} pairs/s vs instances "
+                       f"{other['pairs_per_s']:.0f} at p99 <= goal: "
+                       + (f"x{gain:.2f}" if gain is not None else "instances met no rate"))
+    return "\n".join(out)
+
+
 def _table(runs: Sequence[Mapping[str, Any]]) -> str:
-    header = (f"{'model':>8} {'q/s':>8} {'pairs/s':>10} {'pairs/s/core':>12} {'p50 ms':>7} "
+    header = (f"{'model':>8} {'form':>9} {'q/s':>8} {'pairs/s':>10} {'pairs/s/core':>12} {'p50 ms':>7} "
               f"{'p99 ms':>7} {'failed':>6} {'in-proc pairs/s':>15} {'ratio':>6} "
               f"{'MFLOP/pair':>10} {'fp32 peak share':>15}  state")
     lines = [header]
@@ -918,7 +1079,8 @@ def _table(runs: Sequence[Mapping[str, Any]]) -> str:
         share = fl.get("share_of_fp32_peak")
         st = r["state"]
         lines.append(
-            f"{r['model']:>8} {r['queries_per_s']:8.1f} {r['pairs_per_s']:10.0f} "
+            f"{r['model']:>8} {r.get('form', '-'):>9} {r['queries_per_s']:8.1f} "
+            f"{r['pairs_per_s']:10.0f} "
             f"{r['pairs_per_s_per_core']:12.0f} {_ms(r['p50_ms'])} {_ms(r['p99_ms'])} "
             f"{r['failed'] if r['failed'] is not None else '-':>6} "
             f"{r['in_process_pairs_per_s']:15.0f} {r['service_vs_in_process'] or 0:6.2f} "
@@ -980,6 +1142,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--body", choices=("json", "binary"), default="json",
                     help="request bodies: columnar JSON (what most clients send) or the binary "
                          "columnar form (application/x-dlrm-columnar: no JSON to parse)")
+    ap.add_argument("--forms", default="context,instances",
+                    help="request forms to measure, in order, against the same service: "
+                         "context (one user's features and dense once per query, the items' "
+                         "per pair) and/or instances (every pair carries everything)")
+    ap.add_argument("--context-features", default="",
+                    help="features the context form sends once (default: the built-in "
+                         "profile's declared user side, C1..C13; an imported model's "
+                         "context_features from its example's factory)")
     ap.add_argument("--run-dir", default=".run",
                     help="with --url: the service's run folder, whose pids.json names its "
                          "processes for the CPU split per query")
@@ -1022,13 +1192,16 @@ def _measure_all(names: list[str], versions: Mapping[str, str], store: Path,
                  args: argparse.Namespace, peak: dict[str, Any]) -> list[dict[str, Any]]:
     """Each model's run: against ``--url``, or a service of its own started per model."""
     runs: list[dict[str, Any]] = []
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
     for name in names:
         version = versions[name]
         if args.url is not None:
             run_dir = Path(args.run_dir)
-            runs.append(measure_model(name, version, store, args, args.url.rstrip("/"),
-                                      args.sidecar_url.rstrip("/"), peak,
-                                      run_dir if run_dir.is_absolute() else REPO / run_dir))
+            for form in forms:
+                runs.append(measure_model(name, version, store, args, args.url.rstrip("/"),
+                                          args.sidecar_url.rstrip("/"), peak,
+                                          run_dir if run_dir.is_absolute() else REPO / run_dir,
+                                          form))
             continue
         from serve.ops.launcher import running_service
 
@@ -1036,8 +1209,10 @@ def _measure_all(names: list[str], versions: Mapping[str, str], store: Path,
             print(f"[{name}] starting TorchServe + sidecar (shipped defaults, free ports) "
                   f"serving {version} ...", flush=True)
             with running_service(Path(root), store, version) as (cfg, _client):
-                runs.append(measure_model(name, version, store, args, cfg.inference_url,
-                                          cfg.sidecar_url, peak, cfg.path(cfg.run_dir)))
+                for form in forms:   # both forms against the same service, one after the other
+                    runs.append(measure_model(name, version, store, args, cfg.inference_url,
+                                              cfg.sidecar_url, peak, cfg.path(cfg.run_dir),
+                                              form))
     return runs
 
 
@@ -1077,9 +1252,11 @@ def _print_summary(args: argparse.Namespace, runs: list[dict[str, Any]],
     print(_table(runs))
     for r in runs:
         if r.get("cpu_ms_per_query"):
-            print(f"{r['model']}: CPU per query at that rate (ms; {r['body']} bodies): "
-                  f"{_cpu_line(r['cpu_ms_per_query'])}; Runtime.predict in process: "
+            print(f"{r['model']} ({r['form']}): CPU per query at that rate (ms; {r['body']} "
+                  f"bodies): {_cpu_line(r['cpu_ms_per_query'])}; Runtime.predict in process: "
                   f"{r['in_process_cpu_ms_per_query']:.2f} ms")
+    print(_cpu_pair_table(runs))
+    print(_form_comparison(runs))
     for r in runs:
         if not r["met_goal"]:
             print(f"{r['model']}: no rate met the goal ({r['stop_reason']})")

@@ -170,7 +170,7 @@ def test_dlrm_v2_flops_per_pair() -> None:
 def _doc() -> dict:
     run = {"model": "small", "queries_per_s": 50.0, "pairs_per_s": 13_500.0,
            "pairs_per_s_per_core": 6750.0, "p99_ms": 55.0, "in_process_pairs_per_s": 40_000.0,
-           "p50_ms": 20.0, "failed": 0}
+           "p50_ms": 20.0, "failed": 0, "form": "context", "served_cpu_per_pair_ratio": 1.2}
     return {"runs": [run], "meta": {"cores": 2}, "command": "python -m bench.bench_slo"}
 
 
@@ -178,7 +178,8 @@ def test_results_schema() -> None:
     assert validate_results(_doc()) == []
     assert set(REQUIRED_RUN_KEYS) == {"model", "queries_per_s", "pairs_per_s",
                                       "pairs_per_s_per_core", "p99_ms",
-                                      "in_process_pairs_per_s"}
+                                      "in_process_pairs_per_s", "form",
+                                      "served_cpu_per_pair_ratio"}
     bad = _doc()
     del bad["runs"][0]["p99_ms"]
     bad["runs"][0]["pairs_per_s"] = "fast"
@@ -189,11 +190,17 @@ def test_results_schema() -> None:
     assert validate_results({"runs": []}) == ["'runs' must be a non-empty list"]
     # no rate met the goal: zero rates and no p99 is a valid (honest) answer ...
     none = _doc()
-    none["runs"][0] |= {"queries_per_s": 0.0, "pairs_per_s": 0.0, "p99_ms": None}
+    none["runs"][0] |= {"queries_per_s": 0.0, "pairs_per_s": 0.0, "p99_ms": None,
+                        "served_cpu_per_pair_ratio": None}
     assert validate_results(none) == []
+    odd = _doc()
+    odd["runs"][0]["form"] = "batch"
+    assert validate_results(odd) == ["runs[0]['form'] = 'batch' is not context/instances"]
     # ... but a p99 is missing only then
     none["runs"][0]["queries_per_s"] = 5.0
-    assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number"]
+    assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number",
+                                      "runs[0]['served_cpu_per_pair_ratio'] = None is not a "
+                                      "number"]
 
 
 def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
@@ -386,7 +393,15 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     assert validate_results(doc) == []
-    run = doc["runs"][0]
+    # both forms against the same service: the context form first, then the instances
+    assert [r["form"] for r in doc["runs"]] == ["context", "instances"]
+    ctx = doc["runs"][0]
+    assert ctx["context_features"] == [f"C{i}" for i in range(1, 14)]
+    for r in doc["runs"]:
+        assert r["in_process_cpu_ms_per_pair"] > 0
+        if r["queries_per_s"] > 0:
+            assert r["served_cpu_ms_per_pair"] > 0 and r["served_cpu_per_pair_ratio"] > 0
+    run = doc["runs"][1]
     assert run["model"] == "small" and run["version"] == tiny_build.version
     assert run["in_process_pairs_per_s"] > 0 and run["cores"] >= 1
     assert run["trials"] and all(t["queries"] >= 10 for t in run["trials"])

@@ -85,16 +85,17 @@ def test_context_equals_expanded(tiny_artifact, multi_hot):
         assert torch.equal(again.lengths, expanded.lengths)
 
 
+@pytest.mark.parametrize("multi_hot", [True, False])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("slots", [1, 40, None])
-def test_context_with_the_cache(tiny_artifact, policy, slots):
+def test_context_with_the_cache(tiny_artifact, policy, slots, multi_hot):
     rb = row_bytes("int8", tiny_artifact.embedding_dim)
     plain = Runtime.from_artifact(tiny_artifact)
     cached = Runtime.from_artifact(tiny_artifact, RuntimeConfig(
         cache_on_cpu=True, cache_policy=policy, cache_load_factor=0.2 if slots is None else None,
         cache_bytes=None if slots is None else slots * rb))
     for seed in range(4):
-        dense, shared, expanded = ranking_batch(10 + seed, [5, 9], [CTX, CTX])
+        dense, shared, expanded = ranking_batch(10 + seed, [5, 9], [CTX, CTX], multi_hot)
         assert torch.equal(cached.predict(dense, shared), plain.predict(dense, expanded)), seed
 
 
@@ -140,3 +141,19 @@ def test_a_borrowing_sample_with_ids_is_refused(tiny_artifact):
     bad = SparseBatch(expanded.values, expanded.lengths, (0,), torch.zeros((1, 3), dtype=torch.int64))
     with pytest.raises(InvalidInput, match="C1: a sample that reads another"):
         rt.predict(dense, bad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_a_shared_dense_vector_runs_the_bottom_mlp_once_and_exactly(tiny_artifact, precision):
+    """Candidates of one request share the dense vector: the bottom MLP runs once per run
+    of equal rows, the same for the context form and its expanded instances (the rows are
+    compared, not the form), and within rounding of running it per row."""
+    rt = Runtime.from_artifact(tiny_artifact, RuntimeConfig(dense_precision=precision))
+    dense, shared, expanded = ranking_batch(8, [6, 1, 9], [CTX, CTX, CTX])
+    dense = torch.cat([dense[:1].repeat(6, 1), dense[6:7], dense[7:8].repeat(9, 1)])
+    got = rt.predict(dense, shared)
+    assert torch.equal(got, rt.predict(dense, expanded))
+    rt._dense_runs = False       # the reference: the bottom MLP on every row
+    per_row = rt.predict(dense, expanded)
+    tol = 1e-6 if precision == "fp32" else 2e-2
+    assert torch.allclose(got, per_row, rtol=0, atol=tol)

@@ -65,9 +65,16 @@ class DenseDLRM(nn.Module):
             raise ConfigError(f"over_arch takes {over_arch[0][0].shape[1]} inputs but D={d} and "
                               f"F={num_sparse} give {want}; the artifact is inconsistent")
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """dense (B, N) float32, sparse (B, F, D) (or (B, F*D)) float32 -> logits (B,) float32."""
-        x = self.dense_arch(dense)                                     # (B, D)
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor,
+                expand: torch.Tensor | None = None) -> torch.Tensor:
+        """dense (B, N) float32, sparse (B, F, D) (or (B, F*D)) float32 -> logits (B,) float32.
+
+        ``expand`` int64 (B,): ``dense`` holds U distinct rows (U, N), and sample s's row
+        is ``dense[expand[s]]``: the bottom MLP runs once per distinct row (a ranking
+        request's shared dense vector), its output copied to the samples."""
+        x = self.dense_arch(dense)                                     # (U or B, D)
+        if expand is not None:
+            x = x.index_select(0, expand)                              # (B, D)
         if sparse.dim() == 2:
             sparse = sparse.view(sparse.shape[0], self.num_sparse, -1)
         combined = torch.cat((x.unsqueeze(1), sparse.to(x.dtype)), 1)  # (B, F+1, D)

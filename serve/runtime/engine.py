@@ -414,6 +414,20 @@ def _split_batch(dense: torch.Tensor, sparse: SparseBatch,
     return out
 
 
+def _equal_runs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Runs of equal consecutive rows of ``x`` (B, N): (the first row of each run, int64
+    (U,); the run of each row, int64 (B,)), or None when no two consecutive rows are equal."""
+    b = x.shape[0]
+    if b < 2:
+        return None
+    same = (x[1:] == x[:-1]).all(1)
+    if not bool(same.any()):
+        return None
+    starts = torch.ones(b, dtype=torch.bool, device=x.device)
+    starts[1:] = ~same
+    return starts.nonzero().squeeze(1), torch.cumsum(starts, 0) - 1
+
+
 def _bags(sparse: SparseBatch) -> dict[int, torch.Tensor] | None:
     """feature -> int64 (B,) bag each sample reads, for the shared features; None: none."""
     if not sparse.shared or sparse.bag_of is None:
@@ -458,6 +472,10 @@ class Runtime:
         self.shared: SharedTables | None = self.store.shared
         self.graphs = GraphRunner(self.store, self.dense, self._dense_dtype, self.num_dense,
                                   self.device)
+        # The built-in DLRM on CPU runs its bottom MLP once per run of equal dense rows
+        # (a ranking request's shared dense vector): the rows are compared, not the form,
+        # so a request sent as instances computes exactly what its context form does.
+        self._dense_runs = isinstance(artifact.dense, DLRMDense) and self.device.type == "cpu"
         self._graphed = config.cuda_graphs and self.device.type == "cuda"
         self._stage = {s: 0.0 for s in STAGES}
         self._forwards = self._samples = 0
@@ -645,10 +663,21 @@ class Runtime:
         row's logit depends on that row only, so the padding is sliced off unread."""
         b = x.shape[0]
         rows = self.dense_rows(b)
+        runs = _equal_runs(x) if self._dense_runs else None
+        expand = None
+        if runs is not None:
+            first, expand = runs
+            x = x.index_select(0, first)                               # (U, N)
         if rows != b:
-            x = torch.nn.functional.pad(x, (0, 0, 0, rows - b))
             emb = torch.nn.functional.pad(emb, (0, 0) * (emb.dim() - 1) + (0, rows - b))
-        logits: torch.Tensor = self.dense(x, emb)
+            if expand is None:
+                x = torch.nn.functional.pad(x, (0, 0, 0, rows - b))
+            else:
+                u = x.shape[0]
+                x = torch.nn.functional.pad(x, (0, 0, 0, self.dense_rows(u) - u))
+                expand = torch.nn.functional.pad(expand, (0, rows - b))
+        logits: torch.Tensor = (self.dense(x, emb) if expand is None
+                                else self.dense(x, emb, expand))
         return logits[:b]
 
     def dense_rows(self, b: int) -> int:

@@ -275,21 +275,33 @@ class TableStore:
             values: int64 (nnz_g,) the group's ids, feature-major; lengths: (F_g, B).
             bags: as :meth:`embed` (keys: feature indices of the whole schema).
         """
-        pooled = self._pool_group(g, values, lengths, b)                   # (F_g, B, D_g)
+        read = None
         if bags:
+            # (F_g, B): the sample whose cell each (feature, sample) reads
+            read = torch.arange(b).repeat(len(g.features), 1)
             for j, f in enumerate(g.features):
-                src = bags.get(f)
-                if src is not None:
-                    # the same pooled bits the bag's own sample got: exact by construction
-                    pooled[j] = pooled[j].index_select(0, src.to(pooled.device))
-        return pooled.transpose(0, 1)
+                if f in bags:
+                    read[j] = bags[f]
+        return self._pool_group(g, values, lengths, b, read).transpose(0, 1)
 
     def _pool_group(self, g: FeatureGroup, values: torch.Tensor, lengths: torch.Tensor,
-                    b: int) -> torch.Tensor:
-        """:meth:`_embed_group` before shared bags are copied: (F_g, B, D_g)."""
+                    b: int, read: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_embed_group` as (F_g, B, D_g); ``read`` (F_g, B): the sample whose bag
+        each cell reads (None: its own). A shared bag is looked up and pooled once and its
+        pooled row copied to the cells that read it: the same bits they would get from
+        their own copy of the ids (one id per bag: the row itself, else the same bag)."""
         nf, d = len(g.features), g.dim
-        one_hot = values.numel() == nf * b and bool((lengths == 1).all())
-        rows = self.ids.global_rows(g, values, lengths, one_hot)
+        at = None   # one-hot with shared bags: where each cell's one id is among the ids
+        if read is None:
+            one_hot = values.numel() == nf * b and bool((lengths == 1).all())
+        else:
+            # one id in every cell read (the borrowing cells are empty, checked upstream)
+            one_hot = bool((lengths.gather(1, read) == 1).all())
+            if one_hot:
+                flat = lengths.reshape(-1).long()
+                starts = torch.cumsum(flat, 0) - flat
+                at = starts.view(nf, b).gather(1, read).reshape(-1)
+        rows = self.ids.global_rows(g, values, lengths, one_hot and at is None)
         serve = self.tiers if self.tiers is not None else self.cache
         if serve is None:
             emb = self._dequantize(g, self._table().index_select(0, rows))   # (nnz, D)
@@ -300,6 +312,11 @@ class TableStore:
             emb = self._dequantize(g, serve.lookup(uniq, counts, n_ids=rows.numel()))
             bag_index = inverse                                             # emb: (U, D)
         self._lookups += rows.numel()
+        if at is not None:  # each cell's row is its read cell's one id
+            at = at.to(emb.device)
+            if bag_index is not None:
+                at = bag_index.index_select(0, at)
+            return emb.index_select(0, at).view(nf, b, d)
         if one_hot:   # one id per bag: the pooled value is the row (sum and mean alike)
             if bag_index is not None:
                 emb = emb.index_select(0, bag_index)
@@ -310,7 +327,12 @@ class TableStore:
             bag_index = torch.arange(rows.numel(), device=self.device)
         pooled = F.embedding_bag(bag_index, emb, offsets.to(self.device), mode=g.mode,
                                  include_last_offset=True)                      # (F*B, D)
-        return pooled.view(nf, b, d)
+        pooled = pooled.view(nf, b, d)
+        if read is not None:
+            # the same pooled bits the bag's own sample got: exact by construction
+            flat = (torch.arange(nf).unsqueeze(1) * b + read).reshape(-1).to(pooled.device)
+            pooled = pooled.reshape(nf * b, d).index_select(0, flat).view(nf, b, d)
+        return pooled
 
     @staticmethod
     def _dequantize(g: FeatureGroup, rows: torch.Tensor) -> torch.Tensor:
