@@ -17,6 +17,7 @@ sidecar into the archives it derives (``serve.sidecar.adapters.archives``).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -44,6 +45,7 @@ class DLRMHandler(BaseHandler):
         # Binary columnar bodies (application/x-dlrm-columnar) arrive as a bytearray
         # either way (TorchServe decodes only JSON and text/*); numpy views it in place.
         os.environ[TS_DECODE_INPUT_REQUEST.name] = "false"
+        _quiet_per_batch_lines()
         props = context.system_properties
         yaml_cfg = context.model_yaml_config or {}
         self.worker = Worker.load(
@@ -65,6 +67,29 @@ class DLRMHandler(BaseHandler):
             for name, value in resp.headers.items():
                 context.set_response_header(idx, name, value)
         return [resp.body for resp in responses]
+
+
+#: TorchServe's worker writes two lines to its stdout per batch: "Backend received
+#: inference at: <time>" (root logger, INFO) and its HandlerTime/PredictionTime metrics
+#: (``ts.metrics.caching_metric``, INFO). The frontend reads, parses and logs every line;
+#: our log4j2.xml discards the metrics lines, and the dlrm_* metrics measure the same
+#: stages. So the lines are not written (docs/observability.md): worker and frontend CPU
+#: that was no model's work.
+_PER_BATCH_LINE = "Backend received inference at"
+
+
+def _quiet_per_batch_lines() -> None:
+    """Drop TorchServe's per-batch log and metric lines in this worker process; its
+    warnings and errors, and every other log line, still reach the model log."""
+    logging.getLogger("ts.metrics.caching_metric").setLevel(logging.WARNING)
+    root = logging.getLogger()
+    if _keep_line not in root.filters:
+        # a function, not a Filter subclass: TorchServe loads a handler module with one class
+        root.addFilter(_keep_line)
+
+
+def _keep_line(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and record.msg.startswith(_PER_BATCH_LINE))
 
 
 def _worker_request(req: dict, context: Any, idx: int) -> WorkerRequest:

@@ -191,6 +191,13 @@ def test_traffic_config_rejects_bad_values():
         traffic.TrafficConfig(profile=get_profile("tiny"), pool_size=0)
     with pytest.raises(ConfigError, match=r"zipf alpha 0 must be a finite number > 0"):
         traffic.IdSampler(get_profile("tiny"), alpha=0)
+    with pytest.raises(ConfigError, match=r"request form 'batch' is unknown; use one of "
+                                          r"context, instances"):
+        traffic.TrafficConfig(profile=get_profile("tiny"), form="batch")
+    with pytest.raises(ConfigError, match=r"context features \['X1'\] are not the model's"):
+        traffic.TrafficConfig(profile=get_profile("tiny"), context_features=("C1", "X1"))
+    assert traffic.parse_features(" C1, C2 ,") == ("C1", "C2")
+    assert traffic.parse_features("") is None
 
 
 @pytest.mark.parametrize("status,body,n,want", [

@@ -27,7 +27,7 @@ The decoded request (:class:`~serve.api.request.ParsedRequest`) keeps a context 
 ids once, in candidate 0's cell, and names it in ``shared``: the runtime looks it up and
 pools it once per request (:class:`serve.runtime.engine.SparseBatch`). A shared dense
 vector is copied to every candidate: the dense part runs per candidate (see
-docs/api.md, "Ranking requests").
+docs/predict-api.md, "Ranking requests").
 """
 from __future__ import annotations
 
