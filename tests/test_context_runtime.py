@@ -157,3 +157,22 @@ def test_a_shared_dense_vector_runs_the_bottom_mlp_once_and_exactly(tiny_artifac
     per_row = rt.predict(dense, expanded)
     tol = 1e-6 if precision == "fp32" else 2e-2
     assert torch.allclose(got, per_row, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_after_a_delta_the_context_reads_the_new_rows(tiny_artifact, cache):
+    """A delta rewrites the rows a context feature reads: the context form sees them at
+    once (cache on and off) and still equals its expanded instances."""
+    rt = Runtime.from_artifact(tiny_artifact, RuntimeConfig(
+        cache_on_cpu=cache, cache_load_factor=0.2 if cache else None))
+    dense, shared, expanded = ranking_batch(9, [12, 5], [CTX, CTX])
+    before = rt.predict(dense, shared)
+    table = rt.schema.feature_tables[0]                       # C1's table, in the context
+    rows = rt.table_rows[table]
+    ids = torch.unique(shared.values[:int(shared.lengths[0].sum())] % rows)
+    new = torch.randint(0, 256, (ids.numel(), rt.row_bytes), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(1))
+    rt.update_rows(table, ids, new)
+    after = rt.predict(dense, shared)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, rt.predict(dense, expanded))

@@ -421,3 +421,83 @@ def test_exported_dense_runs_in_bf16_close_to_fp32_and_refuses_int8(ranker_ckpt:
     assert 0.0 < diff < 0.01
     with pytest.raises(ConfigError, match="'int8' applies to the built-in DLRM only"):
         Runtime(art, RuntimeConfig(device="cpu", dense_precision="int8"))
+
+
+def _context_pair(schema, ctx: set[str], n: int, seed: int, dense_ctx: bool = True):
+    """The same ranking request as (context body, instances body) for ``schema``: the
+    ``ctx`` features (and the dense vector) equal across its n candidates."""
+    import numpy as np
+    import orjson
+
+    from serve.api.context_body import ranking_request
+    from serve.api.spec import spec_of
+
+    spec = spec_of(schema)
+    rng = np.random.default_rng(seed)
+    cells = []
+    for f, name in enumerate(spec.names):
+        top = min(spec.max_ids[f], 4)
+        row = [rng.integers(0, 5000, int(rng.integers(1 if top == 1 else 0, top + 1))).tolist()
+               for _ in range(n)]
+        cells.append([row[0]] * n if name in ctx else row)
+    dense = rng.random((1 if dense_ctx else n, spec.nd)).round(4)
+    dense = np.repeat(dense, n, axis=0) if dense_ctx else dense
+    lengths = np.array([[len(c) for c in row] for row in cells], dtype=np.int32)
+    values = np.array([i for row in cells for c in row for i in c], dtype=np.int64)
+    inst = {"instances": [{"dense": dense[s].tolist(),
+                           "sparse": {nm: cells[f][s] for f, nm in enumerate(spec.names)}}
+                          for s in range(n)]}
+    return (orjson.dumps(ranking_request(dense, lengths, values, ctx, dense_in_context=dense_ctx,
+                                         spec=spec)), orjson.dumps(inst))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_context_form_equals_the_instances_for_an_imported_model(ranker_ckpt: Path,
+                                                                 cache: bool) -> None:
+    """The own ranker: ``history`` (context) and ``item_id`` (per candidate) read one
+    table, ``tags`` is mean-pooled; context and instances give the same bits, cache on
+    and off, one request and a TorchServe batch of three."""
+    from serve.api.config import HandlerConfig
+    from serve.worker.arms import handle_batch
+
+    art, _ = _own_artifact(ranker_ckpt)
+    rt = Runtime.from_artifact(art, RuntimeConfig(cache_on_cpu=cache,
+                                                  cache_load_factor=0.2 if cache else None))
+    ctx = {"user_id", "history"}
+    pairs = [_context_pair(art.schema, ctx, n, seed) for n, seed in ((17, 1), (1, 2), (40, 3))]
+    pairs.append(_context_pair(art.schema, {"tags"}, 9, 4, dense_ctx=False))
+
+    def fwd(m):
+        return rt.predict_arrays(m.dense, m.values, m.lengths, m.shared, m.bag_of)
+
+    cfg = HandlerConfig()
+    got, _ = handle_batch([c for c, _ in pairs], [None] * len(pairs), fwd, cfg, schema=art.schema)
+    want, _ = handle_batch([i for _, i in pairs], [None] * len(pairs), fwd, cfg,
+                           schema=art.schema)
+    assert [o.status for o in got] == [200] * len(pairs), [o.body[:200] for o in got]
+    assert [o.body for o in got] == [o.body for o in want]
+
+
+def test_context_form_equals_the_instances_for_the_articles_dcn(tmp_path: Path) -> None:
+    from serve.api.config import HandlerConfig
+    from serve.worker.arms import handle_batch
+
+    fn, _ = load_factory(_factory("make_dcn"))
+    ckpt = tmp_path / "dcn.pt"
+    torch.save(fn().state_dict(), ckpt)
+    out = import_model(_cfg(tmp_path, "make_dcn", ckpt, version="dcn-a", num_dense=32,
+                            default_max_ids=3), say=lambda m: None)
+    from serve.store.repository import extract_artifact
+
+    repo = ModelRepository([tmp_path / "store"])
+    (tmp_path / "x").mkdir()
+    art = load_artifact(extract_artifact(repo.archive(out["version"]), tmp_path / "x"))
+    rt = Runtime.from_artifact(art)
+    body_ctx, body_inst = _context_pair(art.schema, {"user_id"}, 25, 7)
+
+    def fwd(m):
+        return rt.predict_arrays(m.dense, m.values, m.lengths, m.shared, m.bag_of)
+
+    got, _ = handle_batch([body_ctx], [None], fwd, HandlerConfig(), schema=art.schema)
+    want, _ = handle_batch([body_inst], [None], fwd, HandlerConfig(), schema=art.schema)
+    assert got[0].status == 200 and got[0].body == want[0].body
