@@ -644,12 +644,12 @@ def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
 def _as_context(doc: dict[str, Any], schema: Any, context: Sequence[str]) -> dict[str, Any]:
     """A columnar instances body -> the context form of one user: the first instance's
     ``context`` features and dense vector sent once (the others' dropped)."""
+    import orjson
+
     from serve.api.config import HandlerConfig
     from serve.api.context_body import ranking_request
     from serve.api.decode import parse_body
     from serve.api.spec import spec_of
-
-    import orjson
 
     spec = spec_of(schema)
     p = parse_body(orjson.dumps(doc), HandlerConfig(max_instances=100_000,
@@ -1044,8 +1044,8 @@ def _ms(v: float | None) -> str:
 
 def _cpu_pair_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """CPU per candidate pair: served (frontend + workers + sidecar) against in process."""
-    lines = [f"{'model':>8} {'form':>9} {'served us/pair':>14} {'in-proc us/pair':>15} "
-             f"{'ratio':>6}"]
+    lines = [(f"{'model':>8} {'form':>9} {'served us/pair':>14} {'in-proc us/pair':>15} "
+              f"{'ratio':>6}")]
     for r in runs:
         served, inproc = r.get("served_cpu_ms_per_pair"), r.get("in_process_cpu_ms_per_pair")
         lines.append(f"{r['model']:>8} {r.get('form', '-'):>9} "

@@ -199,8 +199,8 @@ def test_results_schema() -> None:
     # ... but a p99 is missing only then
     none["runs"][0]["queries_per_s"] = 5.0
     assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number",
-                                      "runs[0]['served_cpu_per_pair_ratio'] = None is not a "
-                                      "number"]
+                                      ("runs[0]['served_cpu_per_pair_ratio'] = None is not a "
+                                       "number")]
 
 
 def test_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

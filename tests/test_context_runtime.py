@@ -136,7 +136,7 @@ def test_bad_shared_bags_are_refused(tiny_artifact, change, rule):
 
 def test_a_borrowing_sample_with_ids_is_refused(tiny_artifact):
     rt = Runtime.from_artifact(tiny_artifact)
-    dense, shared, expanded = ranking_batch(6, [3], [(0,)], multi_hot=False)
+    dense, _, expanded = ranking_batch(6, [3], [(0,)], multi_hot=False)
     # the expanded ids and lengths with a bag_of saying samples 1, 2 borrow sample 0's C1
     bad = SparseBatch(expanded.values, expanded.lengths, (0,), torch.zeros((1, 3), dtype=torch.int64))
     with pytest.raises(InvalidInput, match="C1: a sample that reads another"):

@@ -486,10 +486,12 @@ BAD_BINARY = [
     ("JSON sent as binary", orjson.dumps(example_request(1)), InvalidInput,
      ("binary body: magic is b'{\"in'; expected b'DLRM' as the first 4 bytes (JSON bodies need "
       "'Content-Type: application/json')")),
-    ("version 2", _header("version", 2), InvalidInput,
-     "binary body: version is 2; only version 1 is supported"),
+    ("version 3", _header("version", 3), InvalidInput,
+     ("binary body: version is 3; versions 1 (instances) and 2 (ranking: a context) are "
+      "supported")),
     ("version 0", _header("version", 0), InvalidInput,
-     "binary body: version is 0; only version 1 is supported"),
+     ("binary body: version is 0; versions 1 (instances) and 2 (ranking: a context) are "
+      "supported")),
     ("F = 25", _header("F", 25), InvalidInput, "binary body: F is 25; it must be 26 (C1..C26)"),
     ("N = 14", _header("N", 14), InvalidInput,
      "binary body: N is 14; it must be 13 (the model's dense features)"),

@@ -109,7 +109,8 @@ def parse_binary(body: bytes | bytearray | memoryview, cfg: HandlerConfig,
         raise PayloadTooLarge(
             f"binary body: B={b} instances exceed the limit of {cfg.max_instances} per request; "
             "split them over several requests")
-    dense_at, shared, dense_shared = _HEADER_BYTES, (), False
+    dense_at, dense_shared = _HEADER_BYTES, False
+    shared: tuple[int, ...] = ()
     if version == RANKING_VERSION:
         dense_at, shared, dense_shared = _ranking_header(buf, nf, spec)
     dense_rows = 1 if dense_shared else b

@@ -37,12 +37,12 @@ import numpy as np
 
 from serve.api.config import HandlerConfig
 from serve.api.json_body import (
-    _dense_matrix,
-    _fast_columnar,
-    _fast_rows,
-    _ids_array,
-    _parse_columnar,
-    _parse_rows,
+    dense_matrix,
+    fast_columnar,
+    fast_rows,
+    ids_array,
+    parse_columnar,
+    parse_rows,
 )
 from serve.api.request import ParsedRequest
 from serve.api.spec import Spec, cap_rule, json_type, part_spec
@@ -114,7 +114,7 @@ def _context_part(ctx: Any, spec: Spec) -> tuple[dict[str, Any], np.ndarray | No
                            f"model's sparse features are {spec.names_text}")
     dense = None
     if "dense" in ctx:
-        dense = _dense_matrix([ctx["dense"]], lambda _: "context.dense", spec.nd)
+        dense = dense_matrix([ctx["dense"]], lambda _: "context.dense", spec.nd)
     return sparse, dense
 
 
@@ -128,7 +128,7 @@ def _context_ids(name: str, ids: Any, cfg: HandlerConfig, spec: Spec) -> np.ndar
     caps = spec.caps(cfg.max_ids_per_feature)
     if len(ids) > int(caps.arr[f]):
         raise InvalidInput(f"{where}: has {len(ids)} ids; {cap_rule(caps, f, spec)}")
-    return _ids_array(ids, lambda k: f"{where}[{k}]")
+    return ids_array(ids, lambda k: f"{where}[{k}]")
 
 
 def _candidates(cands: Any, cfg: HandlerConfig, spec: Spec, part: Spec,
@@ -144,8 +144,8 @@ def _candidates(cands: Any, cfg: HandlerConfig, spec: Spec, part: Spec,
                                "candidates")
         if not part.names:   # dense only per candidate
             return _dense_only(cands, cfg, spec)
-        parsed = _fast_rows(cands, cfg, part, with_dense)
-        return parsed if parsed is not None else _parse_rows(
+        parsed = fast_rows(cands, cfg, part, with_dense)
+        return parsed if parsed is not None else parse_rows(
             cands, cfg, part, root="candidates", with_dense=with_dense,
             feature_error=feature_error)
     if isinstance(cands, dict):
@@ -172,8 +172,8 @@ def _columnar_candidates(cands: dict[str, Any], cfg: HandlerConfig, spec: Spec, 
         col = cands["sparse"].get(part.names[0]) if isinstance(cands["sparse"], dict) else None
         lens = col.get("lengths") if isinstance(col, dict) else None
         rows = len(lens) if isinstance(lens, list) else 1
-    parsed = _fast_columnar(dense_rows, cands["sparse"], cfg, part, rows)
-    return parsed if parsed is not None else _parse_columnar(
+    parsed = fast_columnar(dense_rows, cands["sparse"], cfg, part, rows)
+    return parsed if parsed is not None else parse_columnar(
         dense_rows, cands["sparse"], cfg, part, root="candidates.", rows=rows,
         feature_error=feature_error)
 
@@ -181,13 +181,13 @@ def _columnar_candidates(cands: dict[str, Any], cfg: HandlerConfig, spec: Spec, 
 def _dense_only(cands: list[Any], cfg: HandlerConfig, spec: Spec) -> ParsedRequest:
     """Candidates that carry only a dense vector (every sparse feature is in the context)."""
     if len(cands) > cfg.max_instances:
-        _parse_rows(cands, cfg, spec)   # raises the instance limit's 413
+        parse_rows(cands, cfg, spec)   # raises the instance limit's 413
     for i, c in enumerate(cands):
         if not isinstance(c, dict) or c.keys() != {"dense"}:
             got = sorted(map(str, c)) if isinstance(c, dict) else json_type(c)
             raise InvalidInput(f"candidates[{i}]: has {got}; every sparse feature is in the "
                                'context, so each candidate is {"dense": [...]} only')
-    dense = _dense_matrix([c["dense"] for c in cands], lambda i: f"candidates[{i}].dense",
+    dense = dense_matrix([c["dense"] for c in cands], lambda i: f"candidates[{i}].dense",
                           spec.nd)
     n = dense.shape[0]
     return ParsedRequest(dense, np.zeros((0, n), dtype=np.int32), np.zeros(0, dtype=np.int64))

@@ -55,8 +55,9 @@ from serve.api.spec import (
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.schema import ModelSchema
 
-__all__ = ["example_request", "gc_paused", "load_json", "parse_doc", "parse_doc_fast",
-           "parse_json_body"]
+__all__ = ["dense_matrix", "example_request", "fast_columnar", "fast_rows", "gc_paused",
+           "ids_array", "load_json", "parse_columnar", "parse_doc", "parse_doc_fast",
+           "parse_json_body", "parse_rows"]
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -136,9 +137,9 @@ def parse_doc(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC) -> Parsed
         if keys != {"instances"}:
             raise InvalidInput(f"body: unknown keys {sorted(keys - {'instances'})} next to "
                                '"instances"; the row form has only "instances"')
-        return _parse_rows(doc["instances"], cfg, spec)
+        return parse_rows(doc["instances"], cfg, spec)
     if keys == {"dense", "sparse"}:
-        return _parse_columnar(doc["dense"], doc["sparse"], cfg, spec)
+        return parse_columnar(doc["dense"], doc["sparse"], cfg, spec)
     raise InvalidInput(
         f"body has keys {sorted(keys)}; expected {{\"instances\": [...]}} (rows), "
         '{"dense": [...], "sparse": {...}} (columnar) or {"context": {...}, '
@@ -154,7 +155,7 @@ def _check_count(n: int, what: str, cfg: HandlerConfig) -> None:
             "split them over several requests")
 
 
-def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
+def dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
     """list of B lists of N = ``nd`` numbers -> float32 (B, N), or InvalidInput naming the
     cell."""
     types = set(map(type, rows))
@@ -188,7 +189,7 @@ def _dense_matrix(rows: Any, path: Callable[[int], str], nd: int) -> np.ndarray:
     return wide.astype(np.float32)
 
 
-def _ids_array(vals: list[Any], where: Callable[[int], str]) -> np.ndarray:
+def ids_array(vals: list[Any], where: Callable[[int], str]) -> np.ndarray:
     """Flat list of ids -> int64 (nnz,), or InvalidInput naming the first bad id.
 
     ``where(k)`` returns the field path of flat position k (only called on errors).
@@ -219,7 +220,7 @@ def _lengths_cap(lengths: np.ndarray, caps: Caps, spec: Spec,
                            f"{cap_rule(caps, f, spec)}")
 
 
-def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec, *, root: str = "instances",
+def parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec, *, root: str = "instances",
                 with_dense: bool = True,
                 feature_error: Callable[[str, set[str], Spec], None] | None = None
                 ) -> ParsedRequest:
@@ -252,7 +253,7 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec, *, root: str = "
                                f"object {spec.sparse_example('[ids]')}")
         if sp.keys() != spec.name_set:
             (feature_error or _feature_error)(f"{root}[{i}].sparse", set(sp), spec)
-    dense = (_dense_matrix([inst["dense"] for inst in instances],
+    dense = (dense_matrix([inst["dense"] for inst in instances],
                            lambda i: f"{root}[{i}].dense", spec.nd) if with_dense
              else np.zeros((n, 0), dtype=np.float32))
     # per_feature[f][b]: the id list of feature f for instance b (F x B)
@@ -276,17 +277,17 @@ def _parse_rows(instances: Any, cfg: HandlerConfig, spec: Spec, *, root: str = "
         start = int(ends[cell - 1]) if cell else 0
         return f"{root}[{b}].sparse.{names[f]}[{k - start}]"
 
-    values = _ids_array(flat, where)
+    values = ids_array(flat, where)
     return ParsedRequest(dense, lengths, values)
 
 
-def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec, *,
+def parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec, *,
                     root: str = "", rows: int | None = None,
                     feature_error: Callable[[str, set[str], Spec], None] | None = None
                     ) -> ParsedRequest:
     """The columnar form's validating parse. ``root``: prefix of every path in messages;
     ``dense_rows`` None: no dense part (dense is (B, 0)) and B = ``rows``;
-    ``feature_error`` as in :func:`_parse_rows`."""
+    ``feature_error`` as in :func:`parse_rows`."""
     if dense_rows is None:
         n = int(rows or 0)
         _check_count(n, f"{root}sparse.{spec.names[0]}.lengths", cfg)
@@ -303,7 +304,7 @@ def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec
     if sparse.keys() != spec.name_set:
         (feature_error or _feature_error)(f"{root}sparse", set(sparse), spec)
     dense = (np.zeros((n, 0), dtype=np.float32) if dense_rows is None
-             else _dense_matrix(dense_rows, lambda i: f"{root}dense[{i}]", spec.nd))
+             else dense_matrix(dense_rows, lambda i: f"{root}dense[{i}]", spec.nd))
     caps = spec.caps(cfg.max_ids_per_feature)
     lengths = np.empty((spec.nf, n), dtype=np.int32)
     chunks: list[np.ndarray] = []
@@ -337,7 +338,7 @@ def _parse_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec
             raise InvalidInput(f"{p}: lengths sum to {total} but values has {len(vals)} ids; "
                                "they must be equal")
         lengths[fi] = lens
-        chunks.append(_ids_array(vals, _values_path(p)))
+        chunks.append(ids_array(vals, _values_path(p)))
     values = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
     return ParsedRequest(dense, lengths, values)
 
@@ -394,18 +395,18 @@ def _fast_parse(doc: Any, cfg: HandlerConfig, spec: Spec = DEFAULT_SPEC
         return None
     try:
         if len(doc) == 1:
-            return _fast_rows(doc["instances"], cfg, spec)
+            return fast_rows(doc["instances"], cfg, spec)
         if len(doc) == 2:
-            return _fast_columnar(doc["dense"], doc["sparse"], cfg, spec)
+            return fast_columnar(doc["dense"], doc["sparse"], cfg, spec)
     except _NOT_FAST:
         pass
     return None
 
 
-def _fast_rows(instances: Any, cfg: HandlerConfig, spec: Spec, with_dense: bool = True
+def fast_rows(instances: Any, cfg: HandlerConfig, spec: Spec, with_dense: bool = True
                ) -> ParsedRequest | None:
     """The row form's ``instances`` -> ParsedRequest, or None (see :func:`_fast_parse`);
-    ``with_dense`` as in :func:`_parse_rows`."""
+    ``with_dense`` as in :func:`parse_rows`."""
     if type(instances) is not list or not 0 < len(instances) <= cfg.max_instances:
         return None
     n = len(instances)
@@ -484,10 +485,11 @@ def _within_caps_py(lens: list[int], top: int, caps: Caps, n: int) -> bool:
     return all(map(operator.le, lens, caps.per_cell(n)))
 
 
-def _fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec,
+def fast_columnar(dense_rows: Any, sparse: Any, cfg: HandlerConfig, spec: Spec,
                    rows: int | None = None) -> ParsedRequest | None:
     """The columnar form -> ParsedRequest, or None (see :func:`_fast_parse`); ``dense_rows``
-    None: no dense part, B = ``rows`` (as in :func:`_parse_columnar`)."""
+    None: no dense part, B = ``rows`` (as in :func:`parse_columnar`)."""
+    dense: np.ndarray | None
     if dense_rows is None:
         n = int(rows or 0)
         if not 0 < n <= cfg.max_instances:
@@ -539,7 +541,7 @@ def _all_of_type(items: list[Any], *types: type) -> bool:
 
 
 def _fast_dense(rows: list[Any], n: int, nd: int) -> np.ndarray | None:
-    """B rows of N = ``nd`` numbers -> float32 (B, N) as :func:`_dense_matrix` builds it,
+    """B rows of N = ``nd`` numbers -> float32 (B, N) as :func:`dense_matrix` builds it,
     or None."""
     if set(map(len, rows)) != {nd}:
         return None
@@ -550,11 +552,11 @@ def _fast_dense(rows: list[Any], n: int, nd: int) -> np.ndarray | None:
         return None
     if not flat:  # N = 0: every row is empty, and must be a list (not "" or {})
         return np.zeros((n, 0), dtype=np.float32) if all(type(r) is list for r in rows) else None
-    # |v| <= float32 max, as _dense_matrix checks it (NaN fails both ways).
+    # |v| <= float32 max, as dense_matrix checks it (NaN fails both ways).
     if len(flat) <= _PY_REDUCE_MAX:
         # Python compares an int with the bound exactly, numpy after rounding it to
         # float64: at worst a huge int falls back, never the other way round. numpy
-        # converts to float32 through float64, as _dense_matrix does in two steps.
+        # converts to float32 through float64, as dense_matrix does in two steps.
         if not (min(flat) >= -_F32_MAX and max(flat) <= _F32_MAX):
             return None
         return np.array(flat, dtype=np.float32).reshape(n, nd)
@@ -567,7 +569,7 @@ def _fast_dense(rows: list[Any], n: int, nd: int) -> np.ndarray | None:
 
 
 def _fast_ids(flat: list[Any]) -> np.ndarray | None:
-    """Flat ids -> int64 (nnz,) as :func:`_ids_array` builds it, or None."""
+    """Flat ids -> int64 (nnz,) as :func:`ids_array` builds it, or None."""
     if not flat:
         return np.zeros(0, dtype=np.int64)
     if not _all_of_type(flat, int):  # exact: no bool, float or str

@@ -455,8 +455,9 @@ def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
     if DENSE_INPUT in tensors:
         b = tensors[DENSE_INPUT].shape[0]
     elif cand:
-        f = cand[0]
-        b = (tensors[f + LENGTHS_SUFFIX] if f + LENGTHS_SUFFIX in tensors else tensors[f]).shape[0]
+        first = cand[0]
+        b = (tensors[first + LENGTHS_SUFFIX] if first + LENGTHS_SUFFIX in tensors
+             else tensors[first]).shape[0]
     else:
         raise InvalidInput("the context holds every input (dense and sparse), so all "
                            "candidates would be the same instance; send at least one input "

@@ -343,8 +343,10 @@ class Arms:
         """One forward of ``runtime``: MergedBatch -> float32 (B,) probabilities."""
         if self.debug_delay_ms:  # tests only: a slow model, so the queue fills up
             time.sleep(self.debug_delay_ms / 1000.0)
-        return runtime.predict_arrays(batch.dense, batch.values, batch.lengths, batch.shared,
-                                      batch.bag_of)
+        if batch.shared:   # a ranking request's context: looked up once
+            return runtime.predict_arrays(batch.dense, batch.values, batch.lengths,
+                                          batch.shared, batch.bag_of)
+        return runtime.predict_arrays(batch.dense, batch.values, batch.lengths)
 
     def predict(self, batch: MergedBatch) -> np.ndarray:
         """The stable model: MergedBatch -> float32 (B,) probabilities."""
