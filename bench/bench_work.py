@@ -5,8 +5,9 @@
     python -m bench.bench_work --model-dir DIR   # an unpacked .mar (artifact.pt); ~10 s
 
 One in-process :class:`serve.worker.worker.Worker` (one torch thread, as each of the CPU
-pod's 2 workers has), row-form JSON bodies from ``example_request``; each batch is timed
-around ``Worker.handle`` (what the worker counts). Mixes, as the tuner serves them:
+pod's 2 workers has), JSON bodies from ``example_request`` (``--form context``, the
+default: a ranking request as one user, C1..C13 and dense once, in columnar candidates;
+``instances``: the row form); each batch is timed around ``Worker.handle`` (what the worker counts). Mixes, as the tuner serves them:
 single = batches of 32 one-instance requests (32 / 2 ms); ranking = one request of
 100-700 instances (1 / 2 ms); mixed = batches of 2 requests, 10% of them single-instance.
 Medians over ``--batches`` batches after 5 unmeasured ones. On a shared machine the
@@ -39,9 +40,18 @@ from serve.worker.worker import Worker
 OUT = Path("bench/results/work.json")
 
 
-def _mixes(rng: np.random.Generator) -> dict[str, Callable[[int], list[bytes]]]:
+def _mixes(rng: np.random.Generator, form: str = "context"
+           ) -> dict[str, Callable[[int], list[bytes]]]:
     def body(n: int, seed: int) -> bytes:
-        return orjson.dumps(example_request(n, seed=seed))
+        doc = example_request(n, seed=seed)
+        if form == "context" and n > 1:
+            # one user: C1..C13 and the dense vector once (bench_slo's conversion)
+            from bench.bench_slo import _as_context
+            from serve.api.request import DEFAULT_SCHEMA
+            from serve.profiles import get_profile
+
+            doc = _as_context(doc, DEFAULT_SCHEMA, get_profile("small").context_features)
+        return orjson.dumps(doc)
 
     return {
         "single": lambda i: [body(1, i * 32 + j) for j in range(32)],
@@ -56,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, required=True,
                     help="an unpacked model archive (holds artifact.pt)")
     ap.add_argument("--batches", type=int, default=55, help="timed batches per mix")
+    ap.add_argument("--form", choices=("context", "instances"), default="context",
+                    help="ranking requests as one user + N candidates (context, default: "
+                         "C1..C13 and dense once) or as independent instances")
     ap.add_argument("--out", type=Path, default=OUT, help=f"result file (default {OUT})")
     args = ap.parse_args(argv)
     cfg = HandlerConfig(num_threads=1, max_instances=4096)
@@ -64,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = announce()
     rng = np.random.default_rng(0)
     rows = []
-    for name, make in _mixes(rng).items():
+    print(f"request form: {args.form}", flush=True)
+    for name, make in _mixes(rng, args.form).items():
         batches = [make(i) for i in range(args.batches + 5)]
         per_request, per_instance, sizes = [], [], []
         for k, b in enumerate(batches):
@@ -74,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             dt = time.perf_counter() - t0
             if k < 5:
                 continue
-            inst = sum(len(orjson.loads(x)["instances"]) for x in b)
+            inst = sum(_instances(orjson.loads(x)) for x in b)
             per_request.append(dt / len(reqs))
             per_instance.append(dt / inst)
             sizes.append(inst / len(reqs))
@@ -86,9 +100,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['per_instance_us']:8.2f} us/instance  "
               f"({row['instances_per_request']:.1f} instances/request)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "machine": machine}, indent=1))
+    args.out.write_text(json.dumps({"rows": rows, "machine": machine, "form": args.form},
+                                   indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def _instances(doc: dict) -> int:
+    """Pairs a body scores: its instances, or its candidates (rows or columnar)."""
+    if "instances" in doc:
+        return len(doc["instances"])
+    cands = doc["candidates"]
+    if isinstance(cands, list):
+        return len(cands)
+    first = next(iter(cands["sparse"].values()))
+    return len(first["lengths"])
 
 
 if __name__ == "__main__":

@@ -675,7 +675,8 @@ class _BrokenHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        n = len(orjson.loads(body)["instances"])
+        doc = orjson.loads(body)     # the context form (the default) or instances
+        n = len(doc["candidates"] if "candidates" in doc else doc["instances"])
         with self.lock:
             i = type(self).counter
             type(self).counter += 1
