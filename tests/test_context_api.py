@@ -311,3 +311,32 @@ def test_oip_context_errors_name_the_input():
     body, _ = encode_infer_request(inputs)
     with pytest.raises(InvalidInput, match=r"input context\.C2: has 9 ids; .*8"):
         parse_infer(body, cfg=CFG)
+
+
+@pytest.mark.parametrize("mode", ["canary", "shadow"])
+def test_in_a_rollout_each_context_request_stays_in_one_arm(tmp_path, tiny_runtime, mode):
+    """Two real runtimes as stable and candidate: a context request's candidates are all
+    scored by its arm (its route key decides), and equal its instances scored there."""
+    from serve.runtime.engine import Runtime, RuntimeConfig
+    from serve.worker.arms import Split
+    from tests.fixtures.torchserve import tiny_random_artifact
+
+    other = Runtime.from_artifact(tiny_random_artifact(tmp_path / "b.pt", seed=5),
+                                  RuntimeConfig(device="cpu", num_threads=1))
+    keys = ["u1", "u2", "u3", "u4"]
+    reqs = [ranking_arrays(n, 60 + i) for i, n in enumerate((6, 3, 9, 4))]
+    ctx = [orjson.dumps(ranking_request(*a, USER, dense_in_context=True, spec=DEFAULT_SPEC))
+           for a in reqs]
+    inst = [orjson.dumps(_instances(*a)) for a in reqs]
+    split = Split(mode, _forward(other), lambda k: k in ("u2", "u3"))
+    out, info = handle_batch(ctx, [None] * 4, _forward(tiny_runtime), CFG, route_keys=keys,
+                             split=split)
+    assert [o.status for o in out] == [200] * 4
+    for o, key, body in zip(out, keys, inst, strict=True):
+        arm = "candidate" if mode == "canary" and key in ("u2", "u3") else "stable"
+        assert o.arm == arm
+        fwd = _forward(other if arm == "candidate" else tiny_runtime)
+        want, _ = handle_batch([body], [None], fwd, CFG)
+        assert o.body == want[0].body, key
+    if mode == "shadow":       # the candidate scored the chosen requests, whole, too
+        assert info.arms["candidate"].sizes == [3, 9]
