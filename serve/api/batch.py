@@ -73,6 +73,8 @@ def _shared_bags(parsed: Sequence[ParsedRequest], sizes: list[int]
         return (), None
     shared = tuple(sorted({f for p in parsed for f in p.shared}))
     b = sum(sizes)
+    if len(parsed) == 1:   # one request: every sample reads sample 0's bag
+        return shared, np.zeros((len(shared), b), dtype=np.int64)
     own = np.arange(b, dtype=np.int64)
     firsts = np.repeat(np.cumsum(sizes) - sizes, sizes)          # (B,) request's sample 0
     bag_of = np.empty((len(shared), b), dtype=np.int64)
