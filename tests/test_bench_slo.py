@@ -388,7 +388,7 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     rc = bench_slo.main(["--models", "small", "--version", tiny_build.version,
                          "--model-store", str(tiny_build.repository),
                          "--min-duration-s", "1.5", "--min-queries", "10", "--start-qps", "4",
-                         "--max-trials", "3", "--pool", "8", "--inprocess-s", "0.5",
+                         "--max-trials", "2", "--pool", "8", "--inprocess-s", "0.5",
                          "--gemm-s", "0.1", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
