@@ -82,6 +82,13 @@ def test_import_own_model_from_a_state_dict_is_exact(tmp_path: Path, ranker_ckpt
     sparse = {f["name"]: f for f in report["schema"]["features"]}
     assert sparse["history"] == {"name": "history", "table": "t_item", "max_ids": 20}
     assert [t["pooling"] for t in report["schema"]["tables"]] == ["sum", "sum", "mean"]
+    # the factory's CONTEXT_FEATURES, in the schema's order: what bench-slo sends once
+    assert report["context_features"] == ["user_id", "history"]
+    from argparse import Namespace
+
+    from bench.bench_slo import context_features
+    assert context_features(report, Namespace(context_features="")) == ("user_id", "history")
+    assert context_features(report, Namespace(context_features="tags")) == ("tags",)
 
 
 def test_meta_factory_mixed_dtypes_and_cli_json_line(tmp_path: Path, ranker_ckpt: Path,
@@ -490,6 +497,7 @@ def test_context_form_equals_the_instances_for_the_articles_dcn(tmp_path: Path) 
     from serve.store.repository import extract_artifact
 
     repo = ModelRepository([tmp_path / "store"])
+    assert repo.report(out["version"])["context_features"] == ["user_id"]
     (tmp_path / "x").mkdir()
     art = load_artifact(extract_artifact(repo.archive(out["version"]), tmp_path / "x"))
     rt = Runtime.from_artifact(art)

@@ -28,6 +28,9 @@ NUM_DENSE = 256
 EMBEDDING_DIM = 64
 # One id per sample for both features (the trainer's default; listed for clarity).
 MAX_IDS: dict[str, int] = {"user_id": 1, "item_id": 1}
+#: The user side: what a ranking request sends once, as its context (the importer records
+#: it; the load generator and bench-slo read it).
+CONTEXT_FEATURES: tuple[str, ...] = ("user_id",)
 DEFAULT_USER_ROWS = 200_000
 DEFAULT_ITEM_ROWS = 100_000
 

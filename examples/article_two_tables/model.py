@@ -38,6 +38,9 @@ USER_DIM = 64
 ITEM_DIM = 32
 # One id per sample for both features.
 MAX_IDS: dict[str, int] = {"user_id": 1, "item_id": 1}
+#: The user side: what a ranking request sends once, as its context (the importer records
+#: it; the load generator and bench-slo read it).
+CONTEXT_FEATURES: tuple[str, ...] = ("user_id",)
 DEFAULT_USER_ROWS = 200_000
 DEFAULT_ITEM_ROWS = 100_000
 FULL_USER_ROWS = 100_000_000

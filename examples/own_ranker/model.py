@@ -35,6 +35,9 @@ NUM_DENSE = 8
 # The order of the pooled columns (B, 80) the top MLP reads.
 FEATURES = ["user_id", "item_id", "history", "category", "tags"]
 MAX_IDS: dict[str, int] = {"history": 20, "tags": 5}
+#: The user side (the user and their history): what a ranking request sends once, as its
+#: context; ``item_id``, ``category`` and ``tags`` are the candidate's.
+CONTEXT_FEATURES: tuple[str, ...] = ("user_id", "history")
 
 
 class OwnRanker(nn.Module):

@@ -365,8 +365,9 @@ def import_model(cfg: ImportConfig, say: Callable[[str], None] = print,
             lossy = _check_dense_precision(cfg, art, ref, say) \
                 if cfg.dense_precision != "fp32" else None
             seconds["check"] = round(time.perf_counter() - t, 3)
-            stored = _store(cfg, repo, art, _Provenance(model, check, ref.kind, lossy),
-                            seconds, Path(tmp), folder)
+            stored = _store(cfg, repo, art, _Provenance(
+                model, check, ref.kind, lossy, context_features(module, art.schema)),
+                seconds, Path(tmp), folder)
         finally:
             if art.files is not None:
                 art.files.close()
@@ -590,6 +591,18 @@ class _Provenance:
     check: CheckResult          # the check against TorchRec's quantized forward
     kind: str                   # the dense part's kind
     dense_precision: dict[str, Any] | None = None   # the lossy precision's gate, if any
+    context: tuple[str, ...] = ()                   # the factory's CONTEXT_FEATURES
+
+
+def context_features(module: Any, schema: ModelSchema) -> tuple[str, ...]:
+    """The factory module's ``CONTEXT_FEATURES`` (its user side, what a ranking request
+    sends once) among this model's features, in the schema's order; () when it declares
+    none. A module may serve several factories, so names the model lacks are skipped."""
+    declared = getattr(module, "CONTEXT_FEATURES", ()) or ()
+    if isinstance(declared, str) or not all(isinstance(n, str) for n in declared):
+        raise ConfigError(f"CONTEXT_FEATURES in the factory's module is {declared!r}; make it "
+                          "a tuple of feature names, e.g. ('user_id',)")
+    return tuple(f for f in schema.feature_names if f in set(declared))
 
 
 def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Provenance,
@@ -606,6 +619,7 @@ def _store(cfg: ImportConfig, repo: ModelRepository, art: Artifact, prov: _Prove
     seconds["archive"] = round(time.perf_counter() - t, 3)
     report = _report(cfg, prov.model, art, prov.check, prov.kind, seconds)
     report["peak_rss_bytes"] = peak_rss_bytes()
+    report["context_features"] = list(prov.context)
     handler: dict[str, Any] = {"max_ids_per_feature": max(DEFAULT_MAX_IDS, *art.schema.max_ids)}
     if prov.dense_precision is not None:
         report["dense_precision"] = prov.dense_precision
