@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.traffic import InstancesDistribution
+from loadtest.traffic import InstancesDistribution, parse_features
 from serve.constants import P99_SLO_MS
 
 __all__ = [
@@ -756,8 +756,9 @@ def context_features(report: Mapping[str, Any], args: argparse.Namespace
     from the example's factory module); None: none declared."""
     from serve.profiles import PROFILES
 
-    if args.context_features:
-        return tuple(n.strip() for n in args.context_features.split(",") if n.strip())
+    given = parse_features(args.context_features)
+    if given is not None:
+        return given
     profile = PROFILES.get(str(report.get("profile")))
     if profile is not None:
         return profile.context_features

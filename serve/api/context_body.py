@@ -48,7 +48,8 @@ from serve.api.request import ParsedRequest
 from serve.api.spec import Spec, cap_rule, json_type, part_spec
 from serve.errors import InvalidInput
 
-__all__ = ["CONTEXT_KEYS", "is_context_doc", "parse_context_doc", "ranking_request"]
+__all__ = ["CONTEXT_KEYS", "assemble_context", "is_context_doc", "parse_context_doc",
+           "ranking_request"]
 
 #: The top-level keys of the context form.
 CONTEXT_KEYS = frozenset(("context", "candidates"))
@@ -87,9 +88,8 @@ def parse_context_doc(doc: dict[str, Any], cfg: HandlerConfig, spec: Spec) -> Pa
                            "per candidate, or send one instance")
     part = part_spec(spec, cand_names, spec.nd if cand_dense else 0)
     cands = _candidates(doc["candidates"], cfg, spec, part, ctx_names, cand_dense)
-    b = cands.batch_size
     ctx_ids = {f: _context_ids(f, v, cfg, spec) for f, v in ctx_sparse.items()}
-    return _assemble(spec, cands, cand_names, ctx_ids, ctx_dense, b)
+    return assemble_context(spec, cands, ctx_ids, ctx_dense)
 
 
 def _context_part(ctx: Any, spec: Spec) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -213,14 +213,20 @@ def _part_error(path: str, got: set[str], spec: Spec, part: Spec,
                        f"{part.names_text} (the model's features not in the context)")
 
 
-def _assemble(spec: Spec, cands: ParsedRequest, cand_names: tuple[str, ...],
-              ctx_ids: dict[str, np.ndarray], ctx_dense: np.ndarray | None,
-              b: int) -> ParsedRequest:
-    """Both parts -> one ParsedRequest in the schema's feature order."""
+def assemble_context(spec: Spec, cands: ParsedRequest, ctx_ids: dict[str, np.ndarray],
+                     ctx_dense: np.ndarray | None) -> ParsedRequest:
+    """Both parts of a ranking request, checked -> one ParsedRequest in the schema's
+    feature order (every form's: JSON here, OIP's ``context.<name>`` inputs).
+
+    Args:
+        cands: the B candidates over the features not in ``ctx_ids``, in schema order
+            (lengths (F_c, B); dense (B, N), or (B, 0) when ``ctx_dense`` is given).
+        ctx_ids: context feature -> its int64 ids (k,); ctx_dense: float32 (1, N) or None.
+    """
+    b = cands.batch_size
     lengths = np.zeros((spec.nf, b), dtype=np.int32)
     cand_len = cands.lengths
-    per_cand = cand_len.sum(axis=1).tolist() if len(cand_names) else []
-    bounds = np.cumsum([0, *per_cand]).tolist()
+    bounds = np.cumsum([0, *cand_len.sum(axis=1).tolist()]).tolist()
     chunks: list[np.ndarray] = []
     j = 0
     shared = []

@@ -49,6 +49,7 @@ import orjson
 
 from serve.api.binary import encode_binary, encode_binary_ranking
 from serve.api.config import HandlerConfig
+from serve.api.context_body import assemble_context
 from serve.api.request import INT64_MAX, ParsedRequest
 from serve.api.spec import Spec, cap_rule, part_spec, spec_of
 from serve.errors import InvalidInput, PayloadTooLarge
@@ -464,21 +465,13 @@ def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
                            "per candidate")
     # the candidates alone, as an instance request of their own features, then the context
     part = part_spec(spec, tuple(cand), spec.nd)
-    sub = {n: t for n, t in tensors.items()}
-    sub.setdefault(DENSE_INPUT, np.zeros((b, spec.nd), dtype=np.float32))
-    cands = _assemble(sub, part, cfg) if cand else ParsedRequest(
-        _dense_checked(sub[DENSE_INPUT], spec, cfg), np.zeros((0, b), np.int32),
+    tensors.setdefault(DENSE_INPUT, np.zeros((b, spec.nd), dtype=np.float32))
+    cands = _assemble(tensors, part, cfg) if cand else ParsedRequest(
+        _dense_checked(tensors[DENSE_INPUT], spec, cfg), np.zeros((0, b), np.int32),
         np.zeros(0, np.int64))
     caps = spec.caps(cfg.max_ids_per_feature)
-    lengths = np.zeros((spec.nf, b), dtype=np.int32)
-    chunks, j, bounds = [], 0, np.cumsum([0, *cands.lengths.sum(axis=1).tolist()])
-    for f, name in enumerate(spec.names):
-        ids = ctx.get(name)
-        if ids is None:
-            lengths[f] = cands.lengths[j]
-            chunks.append(cands.values[bounds[j]:bounds[j + 1]])
-            j += 1
-            continue
+    for name, ids in ctx.items():
+        f = spec.names.index(name)
         if ids.shape[0] > int(caps.arr[f]):
             raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: has {ids.shape[0]} ids; "
                                f"{cap_rule(caps, f, spec)}")
@@ -486,13 +479,8 @@ def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
             k = int(np.argmax(ids < 0))
             raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: data[{k}] is {int(ids[k])}; "
                                "ids must be integers >= 0")
-        lengths[f, 0] = ids.shape[0]
-        chunks.append(ids.astype(np.int64, copy=False))
-    dense = cands.dense if ctx_dense is None else np.repeat(
-        _dense_checked(ctx_dense, spec, cfg), b, axis=0)
-    values = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-    shared = tuple(f for f, n in enumerate(spec.names) if n in ctx) if b > 1 else ()
-    return ParsedRequest(dense, lengths, values, shared)
+    return assemble_context(spec, cands, ctx, None if ctx_dense is None
+                            else _dense_checked(ctx_dense, spec, cfg))
 
 
 def _dense_checked(dense: np.ndarray, spec: Spec, cfg: HandlerConfig) -> np.ndarray:

@@ -351,23 +351,19 @@ def _check_shared(sparse: SparseBatch, lengths: torch.Tensor, feature_names: lis
                            f"0..{nf - 1}")
     if not b:
         return
-    idx = torch.tensor(shared, dtype=torch.int64)
+    mine = lengths.index_select(0, torch.tensor(shared, dtype=torch.int64))   # (S, B)
     if int(bag_of.min()) == 0 == int(bag_of.max()):
         # one request (the usual case): every sample reads sample 0's bag
-        if bool(lengths.index_select(0, idx)[:, 1:].any()):
-            k = int(lengths.index_select(0, idx)[:, 1:].any(1).nonzero()[0])
-            raise InvalidInput(f"shared bags: feature {feature_names[shared[k]]}: a sample "
-                               "that reads another sample's bag must send no ids of its own "
-                               "(length 0)")
-        return
-    own = torch.arange(b)
-    if bool((bag_of < 0).any()) or bool((bag_of > own).any()):
-        raise InvalidInput("shared bags: a sample must read its own bag or an earlier "
-                           "sample's (0 <= bag_of[k, s] <= s)")
-    if bool((bag_of.gather(1, bag_of) != bag_of).any()):
-        raise InvalidInput("shared bags: a bag read by other samples must be its own "
-                           "sample's (bag_of[k, bag_of[k, s]] == bag_of[k, s])")
-    borrowed = (bag_of != own) & (lengths.index_select(0, idx) != 0)
+        borrowed = mine[:, 1:] != 0
+    else:
+        own = torch.arange(b)
+        if bool((bag_of < 0).any()) or bool((bag_of > own).any()):
+            raise InvalidInput("shared bags: a sample must read its own bag or an earlier "
+                               "sample's (0 <= bag_of[k, s] <= s)")
+        if bool((bag_of.gather(1, bag_of) != bag_of).any()):
+            raise InvalidInput("shared bags: a bag read by other samples must be its own "
+                               "sample's (bag_of[k, bag_of[k, s]] == bag_of[k, s])")
+        borrowed = (bag_of != own) & (mine != 0)
     if bool(borrowed.any()):
         k = int(borrowed.any(1).nonzero()[0])
         raise InvalidInput(f"shared bags: feature {feature_names[shared[k]]}: a sample that "
