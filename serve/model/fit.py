@@ -87,6 +87,7 @@ import torch
 
 from serve.common.validate import positive_int
 from serve.errors import ConfigError, ModelContractError, ServeError
+from serve.model.ranks import settle, spawn_ranks
 
 __all__ = [
     "FIT_FILE",
@@ -498,6 +499,7 @@ def _rank_main(rank: int, world_size: int, cfg: FitConfig, tmp_dir: str, port: i
     dist.init_process_group(backend="gloo", rank=rank, world_size=world_size)
     try:
         _rank_body(rank, world_size, cfg, Path(tmp_dir), dist, dcp)
+        settle(Path(tmp_dir), rank, world_size)
     except ModelContractError as e:  # every rank meets it at the same step: all stop
         if rank == 0:
             (Path(tmp_dir) / _ERROR_FILE).write_text(e.message)
@@ -633,8 +635,8 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     try:
-        mp.start_processes(_rank_main, args=(cfg.world_size, cfg, str(tmp), free_port()),
-                           nprocs=cfg.world_size, join=True, start_method="spawn")
+        spawn_ranks(_rank_main, (cfg.world_size, cfg, str(tmp), free_port()), cfg.world_size,
+                    tmp)
     except mp.ProcessRaisedException as e:
         err = tmp / _ERROR_FILE
         msg = err.read_text() if err.is_file() else None

@@ -80,6 +80,7 @@ from serve.common.validate import boolean
 from serve.errors import CheckpointError, ConfigError, ServeError, ShardingError
 from serve.model.admission import AdmissionConfig
 from serve.model.data import ClickLogDataset
+from serve.model.ranks import settle, spawn_ranks
 from serve.model.sharding import format_plan, plan_sharding
 from serve.profiles import NUM_DENSE, PROFILES, Profile, get_profile
 
@@ -574,6 +575,7 @@ def _rank_main(rank: int, world_size: int, cfg: TrainConfig, tmp_dir: str,
                 meta["id_mapping"] = _id_mapping(state)
             (Path(tmp_dir) / PLAN_FILE).write_text(json.dumps(meta, indent=2))
         dist.barrier()
+        settle(Path(tmp_dir), rank, world_size)
     finally:
         dist.destroy_process_group()
 
@@ -604,8 +606,6 @@ def _under_torchrun() -> bool:
 
 def train(cfg: TrainConfig) -> dict:
     """Run training (spawning ranks unless under torchrun); return plan.json's content."""
-    import torch.multiprocessing as mp
-
     out = Path(cfg.out_dir)
     tmp = out.with_name(out.name + ".tmp")
     torchrun = _under_torchrun()
@@ -649,8 +649,7 @@ def train(cfg: TrainConfig) -> dict:
     if torchrun:
         _rank_main(rank, world, cfg, str(tmp), None)
     else:
-        mp.start_processes(_rank_main, args=(world, cfg, str(tmp), free_port()), nprocs=world,
-                           join=True, start_method="spawn")
+        spawn_ranks(_rank_main, (world, cfg, str(tmp), free_port()), world, tmp)
     if rank == 0:
         if out.exists():
             shutil.rmtree(out)

@@ -31,11 +31,15 @@ def _run(cmd: Sequence[str], log_file: Path, what: str, timeout_s: float,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         except subprocess.TimeoutExpired:
             raise StepFailed(f"{what} ran longer than {timeout_s:.0f} s; see {log_file}") from None
+        out.flush()
+        stderr = log_file.read_text()
         out.write(proc.stdout)
     seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = " | ".join(log_file.read_text().strip().splitlines()[-4:])
-        raise StepFailed(f"{what} exited with {proc.returncode}: {tail[-800:]} (log {log_file})")
+    if proc.returncode != 0:  # stderr's tail says why (a rank's abort), stdout's how far
+        tail = " | ".join(stderr.strip().splitlines()[-6:] + ["stdout:"]
+                          + proc.stdout.strip().splitlines()[-2:])
+        raise StepFailed(f"{what} exited with {proc.returncode}: {tail[-1200:]} "
+                         f"(log {log_file})")
     lines = proc.stdout.strip().splitlines()
     return (lines[-1] if lines else ""), seconds
 
