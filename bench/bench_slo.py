@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.traffic import InstancesDistribution, parse_features
-from serve.constants import P99_SLO_MS
+from serve.constants import P99_SLO_MS, REQUEST_FORMS
 
 __all__ = [
     "MODELS",
@@ -1029,8 +1029,9 @@ def validate_results(doc: Mapping[str, Any]) -> list[str]:
                     and r.get("queries_per_s") == 0:
                 continue    # no rate met the goal: there is no p99 at a passing rate
             elif k == "form":
-                if r[k] not in ("context", "instances"):
-                    problems.append(f"runs[{i}]['form'] = {r[k]!r} is not context/instances")
+                if r[k] not in REQUEST_FORMS:
+                    problems.append(f"runs[{i}]['form'] = {r[k]!r} is not one of "
+                                    f"{', '.join(REQUEST_FORMS)}")
             elif k != "model" and not isinstance(r[k], (int, float)):
                 problems.append(f"runs[{i}][{k!r}] = {r[k]!r} is not a number")
     for k in ("meta", "command"):
@@ -1143,7 +1144,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--body", choices=("json", "binary"), default="json",
                     help="request bodies: columnar JSON (what most clients send) or the binary "
                          "columnar form (application/x-dlrm-columnar: no JSON to parse)")
-    ap.add_argument("--forms", default="context,instances",
+    ap.add_argument("--forms", default=",".join(REQUEST_FORMS),
                     help="request forms to measure, in order, against the same service: "
                          "context (one user's features and dense once per query, the items' "
                          "per pair) and/or instances (every pair carries everything)")

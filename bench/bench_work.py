@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from serve.api.config import HandlerConfig
 from serve.api.json_body import example_request
 from serve.api.request import JSON_MEDIA_TYPE
+from serve.constants import REQUEST_FORMS
 from serve.metrics.worker import HandlerMetrics
 from serve.ops.machine import announce
 from serve.worker.messages import WorkerRequest
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, required=True,
                     help="an unpacked model archive (holds artifact.pt)")
     ap.add_argument("--batches", type=int, default=55, help="timed batches per mix")
-    ap.add_argument("--form", choices=("context", "instances"), default="context",
+    ap.add_argument("--form", choices=REQUEST_FORMS, default=REQUEST_FORMS[0],
                     help="ranking requests as one user + N candidates (context, default: "
                          "C1..C13 and dense once) or as independent instances")
     ap.add_argument("--out", type=Path, default=OUT, help=f"result file (default {OUT})")

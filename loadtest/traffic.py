@@ -40,6 +40,7 @@ import numpy as np
 import orjson
 
 from serve.common.zipf import id_permutation, zeta_cdf, zipf_ranks
+from serve.constants import REQUEST_FORMS
 from serve.errors import ConfigError
 from serve.profiles import NUM_DENSE, Profile
 
@@ -59,10 +60,6 @@ __all__ = [
 ]
 
 BODY_FORMATS = ("row", "columnar")
-#: How a ranking request is sent: ``context`` (the user's features and the dense vector
-#: once, the items' per candidate: :mod:`serve.api.context_body`) or ``instances`` (every
-#: candidate repeats everything).
-REQUEST_FORMS = ("context", "instances")
 # Largest instance count the distribution accepts; the handler enforces its own
 # max_instances (a request above it is a 4xx, which the checker reports as a failure).
 _MAX_INSTANCES = 100_000

@@ -164,3 +164,8 @@ QUALITY_MAX_CALIBRATION_GAP = 0.05
 QUALITY_MIN_LABELS = 0
 #: Labels per arm before the gates judge when they do not block (min_labels = 0).
 QUALITY_MIN_LABELS_TO_JUDGE = 1000
+#: How a ranking request is sent: ``context`` (the user's features and the dense vector
+#: once, the items' per candidate: :mod:`serve.api.context_body`) or ``instances`` (every
+#: candidate repeats everything). The load generator, locust, bench-slo, bench-work and
+#: make capacity take these as ``--form``; the first is their default.
+REQUEST_FORMS = ("context", "instances")

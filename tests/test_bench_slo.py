@@ -195,7 +195,7 @@ def test_results_schema() -> None:
     assert validate_results(none) == []
     odd = _doc()
     odd["runs"][0]["form"] = "batch"
-    assert validate_results(odd) == ["runs[0]['form'] = 'batch' is not context/instances"]
+    assert validate_results(odd) == ["runs[0]['form'] = 'batch' is not one of context, instances"]
     # ... but a p99 is missing only then
     none["runs"][0]["queries_per_s"] = 5.0
     assert validate_results(none) == ["runs[0]['p99_ms'] = None is not a number",

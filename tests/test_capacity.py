@@ -119,8 +119,21 @@ def test_main_from_a_summary_writes_capacity_only(tmp_path, capsys):
     assert rc == 0, printed
     assert "target_qps = floor(0.8 x 70.00, 0.1) = 56 req/s per pod" in printed
     assert "k8s/hpa.yaml unchanged" in printed
-    assert json.loads(out.read_text())["target_qps"] == 56.0
+    doc = json.loads(out.read_text())
+    assert doc["target_qps"] == 56.0
+    assert doc["form"] == "instances"  # a summary from before the field: instances
     assert (REPO / "k8s" / "hpa.yaml").read_text() == hpa_before
+
+
+def test_capacity_records_the_form_the_load_test_sent(tmp_path, capsys):
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": RAMP, "traffic": {"form": "context"}}))
+    out = tmp_path / "capacity.json"
+    assert main(["--from-summary", str(summary), "--output", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["form"] == doc["load_test"]["form"] == "context"
+    with pytest.raises(ConfigError, match=r"--form 'batch' is not one of context, instances"):
+        CapacityConfig(form="batch")
 
 
 def test_the_warm_up_stage_is_not_a_capacity_measurement(tmp_path, capsys):

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from serve.constants import (
     DEFAULT_SIDECAR_WRITE_PORT,
     DEFAULT_TOKEN_FILE,
     P99_SLO_MS,
+    REQUEST_FORMS,
 )
 from serve.errors import CapacityError, ConfigError, ServeError
 from serve.ops.knee import Knee, find_knee
@@ -90,6 +91,8 @@ class CapacityConfig:
     duration: the whole step run (loadtest's format: 90s, 5m); steps share it.
     users: step levels passed to the load test ("1,2,4,8,16"), or "" for its default.
     instances: instances per request passed to the load test, or "" for its default.
+    form: the requests' form passed to the load test (``context``: one user, N candidates,
+        the default; ``instances``: every candidate repeats the user's features).
     sidecar, token_file: the sidecar whose batching tuner is paused during the run (its
         token: ``DLRM_SIDECAR_TOKEN`` or the file); pause_settle_s: seconds given to the
         switch back to the declared batching before measuring.
@@ -102,6 +105,7 @@ class CapacityConfig:
     duration: str = "5m"
     users: str = ""
     instances: str = ""
+    form: str = "context"
     output: Path = DEFAULT_OUTPUT
     sidecar: str = DEFAULT_SIDECAR
     token_file: Path = Path(DEFAULT_TOKEN_FILE)
@@ -114,6 +118,9 @@ class CapacityConfig:
                               "that fraction of the knee")
         if not 0 <= self.max_fail_ratio < 1:
             raise ConfigError(f"--max-fail-ratio {self.max_fail_ratio} must be in [0, 1)")
+        if self.form not in REQUEST_FORMS:
+            raise ConfigError(f"--form {self.form!r} is not one of "
+                              f"{', '.join(REQUEST_FORMS)}")
         if not re.match(r"^https?://[^/]+", self.host):
             raise ConfigError(f"--host {self.host!r} is not an http(s) URL; pass e.g. "
                               f"{DEFAULT_HOST}")
@@ -147,9 +154,11 @@ def capacity_document(knee: Knee, cfg: CapacityConfig, target: float,
         "variant": "gpu" if machine.get("gpu") else "cpu",
         "instances_per_request": round(knee.instances_per_request, 2),
         "knee_instances_per_s": knee.instances_per_s,
+        "form": cfg.form,
         "knee": asdict(knee),
         "load_test": {"shape": "step", "duration": cfg.duration, "users": cfg.users or None,
-                      "instances": cfg.instances or None, "max_fail_ratio": cfg.max_fail_ratio,
+                      "instances": cfg.instances or None, "form": cfg.form,
+                      "max_fail_ratio": cfg.max_fail_ratio,
                       "steps": list(steps)},
         "derivation": (f"target_qps = floor({cfg.headroom:g} x knee {knee.rps:.2f} req/s, "
                        f"0.1) = {target:g} req/s per pod"),
@@ -179,6 +188,7 @@ def _run_loadtest(cfg: CapacityConfig, summary_path: Path) -> dict[str, Any]:
         cmd += ["--users", cfg.users]
     if cfg.instances:
         cmd += ["--instances", cfg.instances]
+    cmd += ["--form", cfg.form]
     print("==> " + " ".join(cmd), flush=True)
     rc = subprocess.run(cmd, check=False).returncode
     # 0: every threshold held; 1: one failed (expected: a step run pushes past the goal).
@@ -228,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="whole step run (steps share it; longer = steadier figures)")
     p.add_argument("--users", default="", help="step levels, e.g. 1,2,4,8,16,32")
     p.add_argument("--instances", default="", help="instances per request (loadtest format)")
+    p.add_argument("--form", default="context", choices=REQUEST_FORMS,
+                   help="request form the load test sends (recorded in capacity.json)")
     p.add_argument("--sidecar", default=DEFAULT_SIDECAR,
                    help="the sidecar whose batching tuner is paused during the run")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="capacity.json path")
@@ -291,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = CapacityConfig(host=args.host, p99_goal_ms=args.p99_goal_ms,
                              headroom=args.headroom, max_fail_ratio=args.max_fail_ratio,
                              duration=args.duration, users=args.users,
-                             instances=args.instances, output=args.output,
+                             instances=args.instances, form=args.form, output=args.output,
                              sidecar=args.sidecar)
         if args.from_summary is not None:
             summary = json.loads(args.from_summary.read_text())
+            # the summary says what was sent (a summary from before the field: instances)
+            sent = (summary.get("traffic") or {}).get("form", "instances")
+            cfg = replace(cfg, form=sent)
         else:
             summary = _measure(cfg)
         # The knee rule skips the steps not judged: the step shape's warm-up runs on a
