@@ -13,44 +13,23 @@ from serve.api.batch import merge_requests
 from serve.api.config import HandlerConfig
 from serve.api.context_body import ranking_request
 from serve.api.decode import parse_body
-from serve.api.spec import DEFAULT_SPEC, example_arrays
+from serve.api.spec import DEFAULT_SPEC
 from serve.errors import InvalidInput, PayloadTooLarge
 from serve.worker.arms import handle_batch
+from tests.fixtures.ranking import instances_body
+from tests.fixtures.ranking import ranking_arrays as fixture_arrays
 
 CFG = HandlerConfig(max_instances=64, max_ids_per_feature=8, max_body_bytes=1_000_000)
 USER = frozenset(f"C{i}" for i in range(1, 14))      # the context half
 
 
-def ranking_arrays(n: int, seed: int, context=USER, dense_ctx: bool = True,
-                   multi_hot: bool = True):
+def ranking_arrays(n: int, seed: int, context=USER, dense_ctx: bool = True):
     """Instance-form arrays of n candidates sharing ``context`` (and the dense vector)."""
-    dense, lengths, values = example_arrays(n, seed, 10_000, DEFAULT_SPEC, multi_hot)
-    lengths = np.minimum(lengths, 3).astype(np.int32)
-    rng = np.random.default_rng(seed + 1)
-    values = rng.integers(0, 10_000, int(lengths.sum()))
-    cells = _cells(lengths, values)
-    for f, name in enumerate(DEFAULT_SPEC.names):
-        if name in context:
-            cells[f] = [cells[f][0]] * n
-            lengths[f] = len(cells[f][0])
-    if dense_ctx:
-        dense = np.repeat(dense[:1], n, axis=0)
-    return dense, lengths, np.array([i for row in cells for c in row for i in c], dtype=np.int64)
-
-
-def _cells(lengths, values):
-    b = lengths.shape[1]
-    ends = np.cumsum(lengths.reshape(-1))
-    starts = ends - lengths.reshape(-1)
-    return [[values[starts[f * b + s]:ends[f * b + s]].tolist() for s in range(b)]
-            for f in range(lengths.shape[0])]
+    return fixture_arrays(DEFAULT_SPEC, n, seed, context, dense_ctx=dense_ctx)
 
 
 def _instances(dense, lengths, values) -> dict:
-    cells = _cells(lengths, values)
-    return {"instances": [{"dense": np.asarray(dense[s]).tolist(),
-                           "sparse": {n: cells[f][s] for f, n in enumerate(DEFAULT_SPEC.names)}}
-                          for s in range(lengths.shape[1])]}
+    return instances_body(DEFAULT_SPEC, dense, lengths, values)
 
 
 @pytest.mark.parametrize("form", ["rows", "columnar"])

@@ -5,7 +5,6 @@ requests get a 400 naming the part and the rule, never a 5xx."""
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import orjson
 import pytest
 import torch
@@ -15,8 +14,9 @@ from serve.api.config import HandlerConfig
 from serve.api.context_body import ranking_request
 from serve.api.decode import parse_body
 from serve.api.oip import CONTEXT_PREFIX, HEADER_LENGTH, encode_infer_request, oip_inputs
-from serve.api.request import BINARY_MEDIA_TYPE, DEFAULT_SCHEMA
+from serve.api.request import BINARY_MEDIA_TYPE
 from serve.api.spec import DEFAULT_SPEC
+from tests.fixtures.ranking import ranking_arrays
 
 pytestmark = pytest.mark.integration
 
@@ -25,18 +25,9 @@ USER = frozenset(f"C{i}" for i in range(1, 14))
 
 
 def _ranking(n: int = N, seed: int = 0):
-    """Instance arrays of n candidates sharing C1..C13 and the dense vector (multi-hot)."""
-    rng = np.random.default_rng(seed)
-    nf = len(DEFAULT_SCHEMA.features)
-    lengths = rng.integers(0, 4, size=(nf, n)).astype(np.int32)
-    lengths[:13] = rng.integers(0, 4, size=(13, 1))
-    cells = [[rng.integers(0, 2**40, int(lengths[f, s])).tolist() for s in range(n)]
-             for f in range(nf)]
-    for f in range(13):
-        cells[f] = [cells[f][0]] * n
-    dense = np.repeat(rng.random((1, DEFAULT_SCHEMA.dense), dtype=np.float32), n, axis=0)
-    values = np.array([i for row in cells for c in row for i in c], dtype=np.int64)
-    return dense, lengths, values
+    """Instance arrays of n candidates sharing C1..C13 and the dense vector (multi-hot,
+    ids anywhere in int64's hashed range)."""
+    return ranking_arrays(DEFAULT_SPEC, n, seed, USER, id_high=2**40)
 
 
 def _post(url: str, body: bytes, ctype: str = "application/json") -> httpx.Response:

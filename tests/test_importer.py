@@ -433,29 +433,16 @@ def test_exported_dense_runs_in_bf16_close_to_fp32_and_refuses_int8(ranker_ckpt:
 def _context_pair(schema, ctx: set[str], n: int, seed: int, dense_ctx: bool = True):
     """The same ranking request as (context body, instances body) for ``schema``: the
     ``ctx`` features (and the dense vector) equal across its n candidates."""
-    import numpy as np
     import orjson
 
     from serve.api.context_body import ranking_request
     from serve.api.spec import spec_of
+    from tests.fixtures.ranking import instances_body, ranking_arrays
 
     spec = spec_of(schema)
-    rng = np.random.default_rng(seed)
-    cells = []
-    for f, name in enumerate(spec.names):
-        top = min(spec.max_ids[f], 4)
-        row = [rng.integers(0, 5000, int(rng.integers(1 if top == 1 else 0, top + 1))).tolist()
-               for _ in range(n)]
-        cells.append([row[0]] * n if name in ctx else row)
-    dense = rng.random((1 if dense_ctx else n, spec.nd)).round(4)
-    dense = np.repeat(dense, n, axis=0) if dense_ctx else dense
-    lengths = np.array([[len(c) for c in row] for row in cells], dtype=np.int32)
-    values = np.array([i for row in cells for c in row for i in c], dtype=np.int64)
-    inst = {"instances": [{"dense": dense[s].tolist(),
-                           "sparse": {nm: cells[f][s] for f, nm in enumerate(spec.names)}}
-                          for s in range(n)]}
-    return (orjson.dumps(ranking_request(dense, lengths, values, ctx, dense_in_context=dense_ctx,
-                                         spec=spec)), orjson.dumps(inst))
+    arrays = ranking_arrays(spec, n, seed, ctx, dense_ctx=dense_ctx, id_high=5000, max_len=4)
+    return (orjson.dumps(ranking_request(*arrays, ctx, dense_in_context=dense_ctx, spec=spec)),
+            orjson.dumps(instances_body(spec, *arrays)))
 
 
 @pytest.mark.parametrize("cache", [False, True])
