@@ -104,6 +104,25 @@ def test_set_cache_turns_cumulative_stats_into_counter_deltas():
     assert ratio.samples[0].value == pytest.approx(34 / 42)
 
 
+def test_set_wrapped_counts_each_increase_once_and_skips_a_batch_that_wrapped_nothing():
+    reg = CollectorRegistry()
+    m = HandlerMetrics(reg)
+    names = ["C1", "C2"]
+
+    def got():
+        return tuple(reg.get_sample_value("dlrm_embedding_ids_wrapped_total", {"feature": n})
+                     for n in names)
+
+    m.skip_cache(Stats(), names, (5, 0))   # the warm-up's counts: the starting point
+    m.set_wrapped(names, (5, 0))           # nothing new (the fast path)
+    assert got() == (0, 0)
+    m.set_wrapped(names, (7, 3))
+    m.set_wrapped(names, (7, 3))           # the same counts again: counted once
+    assert got() == (2, 3)
+    m.set_wrapped(names, (1, 3))           # a rebuilt runtime counts from zero again
+    assert got() == (3, 3)
+
+
 def test_hit_ratio_is_nan_before_any_lookup():
     assert math.isnan(cache_hit_ratio_family(CollectorRegistry().collect()).samples[0].value)
 

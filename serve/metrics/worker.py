@@ -171,6 +171,9 @@ class HandlerMetrics:
             ["stage"], buckets=STAGE_DURATION_BUCKETS, registry=r)
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
+        #: The wrapped-id counts last seen: almost every batch sees the same ones, and
+        #: then :meth:`set_wrapped` has nothing to count (one label lookup per feature).
+        self._wrapped_seen: tuple[int, ...] | None = None
         self._dropped_stages: set[str] = set()
         self._init_arms(r)
         #: The table tiers' series (serve.runtime.tiers).
@@ -230,7 +233,10 @@ class HandlerMetrics:
         self._requests.labels(code=str(code)).inc(requests)
         if instances:
             self._instances.inc(instances)
-        observe_many(self._duration, np.full(requests, float(seconds)))
+        if requests == 1:
+            self._duration.observe(float(seconds))
+        else:
+            observe_many(self._duration, np.full(requests, float(seconds)))
 
     def observe_work(self, seconds: float) -> None:
         """One batch's handler time in ``seconds`` (the work it cost the worker, whatever
@@ -285,13 +291,18 @@ class HandlerMetrics:
                 self._last[key] = int(getattr(stats, key))
             for name, value in zip(features, wrapped, strict=True):
                 self._last[f"wrapped:{name}"] = int(value)
+                self._wrapped.labels(feature=name)  # the series exist, at 0, from here
+            self._wrapped_seen = tuple(wrapped)
 
     def set_wrapped(self, features: list[str], wrapped: tuple[int, ...]) -> None:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
         with self._lock:
+            if tuple(wrapped) == self._wrapped_seen:
+                return
             for name, value in zip(features, wrapped, strict=True):
                 self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
+            self._wrapped_seen = tuple(wrapped)
 
     def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
                      managed: frozenset[str] | None = None, *, count: bool = True) -> None:

@@ -26,6 +26,7 @@ from serve.common.reuse import ReuseSampler
 from serve.common.validate import number_in_range
 from serve.errors import ConfigError
 from serve.metrics.worker import HandlerMetrics, ReuseMetrics
+from serve.runtime.engine import RuntimeStats
 from serve.runtime.rowsource import TierCounters
 from serve.schema import ModelSchema
 from serve.settings import DLRM_REUSE_SAMPLE
@@ -112,11 +113,12 @@ class BatchRecorder:
     def _record_forward(self, info: BatchInfo) -> None:
         """The batch's size, the stage seconds since the last batch and the caches."""
         self.metrics.observe_batch(info.instances, info.requests)
-        now = self._stage_seconds()
+        snapshot = self._snapshot()  # one stats() per runtime and batch, for both below
+        now = self._stage_seconds(snapshot)
         self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
                                      for k, v in now.items()})
         self._last_stages = now
-        stats = self._cache_stats()
+        stats = self._cache_stats(snapshot)
         self.metrics.set_cache(stats)
         self.metrics.set_tiers(stats.tiers)
         self.metrics.set_wrapped(self.arms.stable.feature_names, stats.wrapped)
@@ -142,23 +144,28 @@ class BatchRecorder:
         except Exception:  # metrics must never fail a prediction
             logger.exception("recording the per-arm DLRM metrics failed")
 
-    def _stage_seconds(self) -> dict[str, float]:
+    def _snapshot(self) -> list[tuple[str, RuntimeStats]]:
+        """(model version, its runtime's counters now), stable first."""
+        return [(version, rt.stats()) for version, rt in self.arms.versions()]
+
+    def _stage_seconds(self, snapshot: list[tuple[str, RuntimeStats]] | None = None
+                       ) -> dict[str, float]:
         """Cumulative seconds per stage, summed over the worker's runtimes."""
         total: dict[str, float] = {}
-        for rt in self.arms.runtimes():
-            for k, v in rt.stats().stage_seconds.items():
+        for _, st in snapshot if snapshot is not None else self._snapshot():
+            for k, v in st.stage_seconds.items():
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    def _cache_stats(self) -> CacheTotals:
+    def _cache_stats(self, snapshot: list[tuple[str, RuntimeStats]] | None = None
+                     ) -> CacheTotals:
         """Cache statistics summed over the runtimes (stable + candidate)."""
         names = ("hits", "misses", "evictions", "device_bytes", "host_bytes")
         total = dict.fromkeys(names, 0)
         wrapped = [0] * len(self.arms.stable.feature_names)
         fallback: dict[str, tuple[int, ...]] = {}
         tiers: dict[str, TierCounters] = {}
-        for version, rt in self.arms.versions():
-            st = rt.stats()
+        for version, st in snapshot if snapshot is not None else self._snapshot():
             for tier, c in st.tiers.items():
                 tiers[tier] = tiers[tier].plus(c) if tier in tiers else c
             for name in names:
