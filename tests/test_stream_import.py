@@ -211,6 +211,37 @@ def test_examples_import_from_dcp_exactly_with_the_whole_model_bytes(
     files.close()
     assert repo.report("v1")["check"]["rows"] == "all"
     assert [p.name for p in store.iterdir() if p.name.startswith(".")] == []
+    # The served runtime of the imported version answers a ranking request in the context
+    # form (the example's declared user side) bit for bit as the same request expanded.
+    context = repo.report("v1")["context_features"]
+    assert context == list(module.CONTEXT_FEATURES)
+    _assert_context_form_exact(repo, "v1", set(context), tmp_path / "x")
+
+
+def _assert_context_form_exact(repo: ModelRepository, version: str, context: set[str],
+                               work: Path) -> None:
+    from serve.api.config import HandlerConfig
+    from serve.runtime.artifact import load_artifact
+    from serve.runtime.engine import Runtime
+    from serve.store.repository import extract_artifact
+    from serve.worker.arms import handle_batch
+    from tests.test_importer import _context_pair
+
+    work.mkdir()
+    art = load_artifact(extract_artifact(repo.archive(version), work))
+    rt = Runtime.from_artifact(art)
+
+    def fwd(m):
+        return rt.predict_arrays(m.dense, m.values, m.lengths, m.shared, m.bag_of)
+
+    pairs = [_context_pair(art.schema, context, n, seed) for n, seed in ((23, 1), (1, 2))]
+    assert len(pairs[0][0]) < len(pairs[0][1])  # the context really is sent once
+    cfg = HandlerConfig()
+    got, _ = handle_batch([c for c, _ in pairs], [None] * 2, fwd, cfg, schema=art.schema)
+    want, _ = handle_batch([i for _, i in pairs], [None] * 2, fwd, cfg, schema=art.schema)
+    assert [o.status for o in got] == [200, 200], [o.body[:200] for o in got]
+    assert [o.body for o in got] == [o.body for o in want]
+    rt.close()
 
 
 def test_builtin_dlrm_checks_over_the_checked_rows_when_tables_pass_the_budget(
