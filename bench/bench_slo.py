@@ -86,6 +86,7 @@ from serve.constants import P99_SLO_MS, REQUEST_FORMS
 __all__ = [
     "MODELS",
     "REQUIRED_RUN_KEYS",
+    "as_context",
     "SearchResult",
     "Trial",
     "dense_flops_per_pair",
@@ -636,12 +637,12 @@ def make_bodies(report: Mapping[str, Any], schema: Any, pool: int, seed: int,
         doc = example_request(int(b), seed=seed + i, form="columnar", schema=schema,
                               multi_hot=True)
         if form == "context":
-            doc = _as_context(doc, schema, context or ())
+            doc = as_context(doc, schema, context or ())
         out.append((orjson.dumps(doc), int(b)))
     return out
 
 
-def _as_context(doc: dict[str, Any], schema: Any, context: Sequence[str]) -> dict[str, Any]:
+def as_context(doc: dict[str, Any], schema: Any, context: Sequence[str]) -> dict[str, Any]:
     """A columnar instances body -> the context form of one user: the first instance's
     ``context`` features and dense vector sent once (the others' dropped)."""
     import orjson

@@ -47,11 +47,11 @@ def _mixes(rng: np.random.Generator, form: str = "context"
         doc = example_request(n, seed=seed)
         if form == "context" and n > 1:
             # one user: C1..C13 and the dense vector once (bench_slo's conversion)
-            from bench.bench_slo import _as_context
+            from bench.bench_slo import as_context
             from serve.api.request import DEFAULT_SCHEMA
             from serve.profiles import get_profile
 
-            doc = _as_context(doc, DEFAULT_SCHEMA, get_profile("small").context_features)
+            doc = as_context(doc, DEFAULT_SCHEMA, get_profile("small").context_features)
         return orjson.dumps(doc)
 
     return {
