@@ -86,9 +86,9 @@ from serve.constants import P99_SLO_MS, REQUEST_FORMS
 __all__ = [
     "MODELS",
     "REQUIRED_RUN_KEYS",
-    "as_context",
     "SearchResult",
     "Trial",
+    "as_context",
     "dense_flops_per_pair",
     "gemm_peak",
     "main",
