@@ -416,13 +416,18 @@ def _assemble(tensors: dict[str, np.ndarray], spec: Spec, cfg: HandlerConfig) ->
             s = int(np.argmax(lengths[f] > caps.arr[f]))
             raise InvalidInput(f"input {name}{LENGTHS_SUFFIX}: data[{s}] is "
                                f"{int(lengths[f, s])}; {cap_rule(caps, f, spec)}")
-        if ids.size and int(ids.min()) < 0:
-            k = int(np.argmax(ids < 0))
-            raise InvalidInput(f"input {name}: data[{k}] is {int(ids[k])}; ids must be "
-                               "integers >= 0")
+        _check_ids(name, ids)
         values.append(ids)
     return ParsedRequest(np.ascontiguousarray(dense, dtype=np.float32), lengths,
                          np.concatenate(values).astype(np.int64, copy=False))
+
+
+def _check_ids(name: str, ids: np.ndarray) -> None:
+    """InvalidInput naming input ``name`` and the first negative id, if any."""
+    if ids.size and int(ids.min()) < 0:
+        k = int(np.argmax(ids < 0))
+        raise InvalidInput(f"input {name}: data[{k}] is {int(ids[k])}; ids must be "
+                           "integers >= 0")
 
 
 def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
@@ -475,10 +480,7 @@ def _assemble_ranking(tensors: dict[str, np.ndarray], spec: Spec,
         if ids.shape[0] > int(caps.arr[f]):
             raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: has {ids.shape[0]} ids; "
                                f"{cap_rule(caps, f, spec)}")
-        if ids.size and int(ids.min()) < 0:
-            k = int(np.argmax(ids < 0))
-            raise InvalidInput(f"input {CONTEXT_PREFIX}{name}: data[{k}] is {int(ids[k])}; "
-                               "ids must be integers >= 0")
+        _check_ids(CONTEXT_PREFIX + name, ids)
     return assemble_context(spec, cands, ctx, None if ctx_dense is None
                             else _dense_checked(ctx_dense, spec, cfg))
 
