@@ -68,3 +68,21 @@ def test_a_failed_step_reports_stderrs_tail_and_stdouts(tmp_path: Path) -> None:
     msg = str(e.value)
     assert "exited with 3" in msg
     assert msg.index("gloo::IoException") < msg.index("stdout: | step 4/4")
+
+
+def test_settle_ends_when_rank_zero_renamed_the_directory(tmp_path: Path) -> None:
+    """Under torchrun rank 0 renames the output folder once it saw every marker; a peer
+    still polling must not wait out its timeout for markers that moved."""
+    out = tmp_path / "c.tmp"
+    out.mkdir()
+    (out / "rank0.done").touch()
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1
+        if calls[0] == 2:  # rank 0 renames between rank 1's marker and its first poll
+            out.rename(tmp_path / "c")
+        return float(calls[0])  # the old code polled until its timeout: False
+
+    assert settle(out, 1, 3, timeout_s=60.0, clock=clock) is True
+    assert calls[0] >= 2

@@ -45,11 +45,17 @@ def settle(out_dir: Path, rank: int, world_size: int, *,
            timeout_s: float = SETTLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic
            ) -> bool:
     """Mark ``rank`` finished and wait for every rank's marker (call after the last
-    barrier, before ``destroy_process_group``). Returns False after ``timeout_s`` without
-    them all (the caller tears down anyway: a missing peer is reported by the launcher)."""
+    barrier, before ``destroy_process_group``). True when every marker was seen, or the
+    directory is gone (renamed by rank 0 after it saw them all); False after
+    ``timeout_s`` (the caller tears down anyway: a missing peer is reported by the
+    launcher)."""
     _marker(out_dir, rank).touch()
     deadline = clock() + timeout_s
     while not all_done(out_dir, world_size):
+        if not out_dir.is_dir():
+            # Under torchrun, rank 0 renames the directory to its final name once its own
+            # settle saw every marker: the others are done too.
+            return True
         if clock() >= deadline:
             return False
         time.sleep(_POLL_S)
