@@ -170,8 +170,9 @@ class Trial:
     stopped_early: str | None = None  # why it ended before its planned queries: "late"
                                       # (over the goal for sure) or "in_flight" (the
                                       # service's queue about to overflow)
-    # CPU ms per query answered by part (bench.cpu_account.GROUPS, "total", "busy_cores");
-    # None when not measured
+    # CPU ms per query answered by part (bench.cpu_account.GROUPS, "total", "busy_cores",
+    # and "workers_predict": the workers' CPU inside Runtime.predict, from their
+    # dlrm_predict_cpu_seconds_total, where the sidecar serves it); None when not measured
     cpu_ms_per_query: dict[str, float] | None = None
 
     @property
@@ -564,7 +565,8 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
               max_client_lag_ms: float, content_type: str, seed: int = 0,
               timeout_s: float = 30.0, max_connections: int = 1024,
               max_in_flight: int | None = None,
-              watch: Callable[[], dict[int, str]] | None = None) -> Trial:
+              watch: Callable[[], dict[int, str]] | None = None,
+              predict_cpu: Callable[[], float | None] | None = None) -> Trial:
     """One open-loop trial at ``rate_qps`` (see the module docstring). It stops early
     (failed) once more than 1% of its planned queries are known to miss ``p99_goal_ms``
     (its p99 can no longer pass), or once ``max_in_flight`` queries are unanswered (the
@@ -573,7 +575,9 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
 
     ``watch``: the processes whose CPU to account (pid -> part, see
     :func:`bench.cpu_account.service_processes`), asked before and after the trial (the
-    tuner may restart workers in between); the trial then carries ``cpu_ms_per_query``."""
+    tuner may restart workers in between); the trial then carries ``cpu_ms_per_query``.
+    ``predict_cpu``: the workers' CPU seconds in predict so far (:func:`predict_cpu_reader`),
+    read before and after: ``cpu_ms_per_query["workers_predict"]``."""
     from bench import cpu_account
 
     n = trial_queries(rate_qps, min_duration_s, min_queries)
@@ -583,6 +587,7 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
     max_late = None if math.isinf(p99_goal_ms) else int(0.01 * n)
     pids = watch() if watch is not None else {}
     cpu0, w0 = cpu_account.snapshot(pids), time.perf_counter()
+    model0 = predict_cpu() if predict_cpu is not None else None
     r = asyncio.run(_open_loop(url, bodies, offsets, picks, content_type, timeout_s,
                                max_connections, late_s=p99_goal_ms / 1e3, max_late=max_late,
                                max_in_flight=max_in_flight))
@@ -591,6 +596,9 @@ def run_trial(url: str, bodies: Sequence[tuple[bytes, int]], rate_qps: float, *,
         pids = {**pids, **watch()}      # workers started during the trial count from 0
         cpu = cpu_account.cpu_ms_per_query(pids, cpu0, cpu_account.snapshot(pids), r["sent"],
                                            time.perf_counter() - w0)
+        model1 = predict_cpu() if predict_cpu is not None else None
+        if model0 is not None and model1 is not None and model1 >= model0:
+            cpu["workers_predict"] = round((model1 - model0) / r["sent"] * 1e3, 3)
     sent = r["sent"]
     offsets, picks = offsets[:sent], picks[:sent]
     lat_ms = r["lat"] * 1e3
@@ -706,8 +714,32 @@ def _cpu_line(cpu: Mapping[str, float]) -> str:
     """One trial's CPU split as a line: ms per query by part, total, busy cores."""
     from bench.cpu_account import GROUPS
 
-    return (", ".join(f"{g} {cpu[g]:.2f}" for g in GROUPS) + f" = {cpu['total']:.2f} ms; "
-            f"machine {cpu['busy_cores']:.2f} cores busy")
+    model = cpu.get("workers_predict")
+    return (", ".join(f"{g} {cpu[g]:.2f}"
+                      + (f" (in predict {model:.2f})" if g == "workers" and model is not None
+                         else "") for g in GROUPS)
+            + f" = {cpu['total']:.2f} ms; machine {cpu['busy_cores']:.2f} cores busy")
+
+
+def predict_cpu_reader(sidecar_url: str) -> Callable[[], float | None]:
+    """A reader of the workers' CPU seconds in ``Runtime.predict`` so far: the sum of
+    ``dlrm_predict_cpu_seconds_total`` on the sidecar's ``/metrics`` (None when it cannot
+    be read or the workers do not export it)."""
+    import urllib.request
+
+    from serve.metrics import PREDICT_CPU_SECONDS_TOTAL
+
+    def read() -> float | None:
+        try:
+            with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(PREDICT_CPU_SECONDS_TOTAL)]
+        return sum(values) if values else None
+
+    return read
 
 
 def read_state(sidecar_url: str) -> dict[str, Any]:
@@ -750,6 +782,7 @@ class _Setup:
     threads: int = 1
     form: str = "instances"
     context: tuple[str, ...] = ()
+    predict_cpu: Callable[[], float | None] | None = None
 
     @property
     def total_threads(self) -> int:
@@ -834,7 +867,8 @@ def _measurer(s: _Setup, url: str, args: argparse.Namespace,
                       min_queries=args.min_queries, p99_goal_ms=args.p99_goal_ms,
                       max_client_lag_ms=args.max_client_lag_ms,
                       content_type=s.ctype, seed=args.seed,
-                      max_in_flight=args.max_in_flight, watch=watch)
+                      max_in_flight=args.max_in_flight, watch=watch,
+                      predict_cpu=s.predict_cpu)
         verdict = "pass" if t.passed else ("INVALID (client lag)" if not t.client_ok
                                            else "fail")
         print(f"  [{name}] {rate:8.1f} q/s offered: {t.queries} queries in {t.wall_s:5.1f} s"
@@ -896,6 +930,7 @@ def measure_model(name: str, version: str, store: Path, args: argparse.Namespace
     from serve.store.repository import ModelRepository, extract_artifact
 
     s = _setup(name, version, store, args, sidecar_url, form)
+    s.predict_cpu = predict_cpu_reader(sidecar_url)
 
     def watch() -> dict[int, str]:
         return cpu_account.service_processes(run_dir)
@@ -998,10 +1033,23 @@ def cpu_per_pair(cpu_per_query: Mapping[str, float] | None, mean_pairs: float,
     process on the same queries, and their ratio (``served_cpu_per_pair_ratio``)."""
     served = (sum(cpu_per_query[g] for g in SERVED_PARTS) / mean_pairs
               if cpu_per_query and mean_pairs else None)
+    model = (cpu_per_query.get("workers_predict") if cpu_per_query else None)
+    model = model / mean_pairs if model is not None and mean_pairs else None
+
+    def ratio(v: float | None) -> float | None:
+        return round(v / inproc_ms_per_pair, 3) if v is not None and inproc_ms_per_pair else None
+
     return {"served_cpu_ms_per_pair": round(served, 5) if served is not None else None,
             "in_process_cpu_ms_per_pair": round(inproc_ms_per_pair, 5),
-            "served_cpu_per_pair_ratio": (round(served / inproc_ms_per_pair, 3)
-                                          if served is not None and inproc_ms_per_pair else None)}
+            "served_cpu_per_pair_ratio": ratio(served),
+            # the same split inside the workers: predict there (the model's work, on
+            # cores it shares with the frontend, the other worker and the client) and
+            # the rest of the served path (protocol, decode, answers, metrics, frontend)
+            "served_predict_cpu_ms_per_pair": round(model, 5) if model is not None else None,
+            "served_predict_ratio": ratio(model),
+            "served_overhead_cpu_ms_per_pair": (round(served - model, 5)
+                                                if served is not None and model is not None
+                                                else None)}
 
 
 def _flops_shares(flops: Mapping[str, Any], inproc: float, best: Trial | None,
@@ -1052,15 +1100,22 @@ def _ms(v: float | None) -> str:
 
 
 def _cpu_pair_table(runs: Sequence[Mapping[str, Any]]) -> str:
-    """CPU per candidate pair: served (frontend + workers + sidecar) against in process."""
+    """CPU per candidate pair: served (frontend + workers + sidecar) against in process,
+    and the served figure split: predict inside the workers, the rest."""
     lines = [(f"{'model':>8} {'form':>9} {'served us/pair':>14} {'in-proc us/pair':>15} "
-              f"{'ratio':>6}")]
+              f"{'ratio':>6} {'in predict':>10} {'ratio':>6} {'rest':>6}")]
+
+    def us(v: float | None, width: int) -> str:
+        return f"{(f'{v * 1e3:.2f}' if v is not None else '-'):>{width}}"
+
     for r in runs:
-        served, inproc = r.get("served_cpu_ms_per_pair"), r.get("in_process_cpu_ms_per_pair")
         lines.append(f"{r['model']:>8} {r.get('form', '-'):>9} "
-                     f"{(f'{served * 1e3:.2f}' if served is not None else '-'):>14} "
-                     f"{(f'{inproc * 1e3:.2f}' if inproc is not None else '-'):>15} "
-                     f"{r.get('served_cpu_per_pair_ratio') or '-':>6}")
+                     f"{us(r.get('served_cpu_ms_per_pair'), 14)} "
+                     f"{us(r.get('in_process_cpu_ms_per_pair'), 15)} "
+                     f"{r.get('served_cpu_per_pair_ratio') or '-':>6} "
+                     f"{us(r.get('served_predict_cpu_ms_per_pair'), 10)} "
+                     f"{r.get('served_predict_ratio') or '-':>6} "
+                     f"{us(r.get('served_overhead_cpu_ms_per_pair'), 6)}")
     return "\n".join(lines)
 
 

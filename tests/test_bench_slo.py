@@ -409,6 +409,14 @@ def test_real_run_briefly(tiny_build, tmp_path: Path) -> None:
     for t in run["trials"]:
         cpu = t["cpu_ms_per_query"]
         assert cpu["workers"] > 0 and cpu["frontend"] > 0 and cpu["client"] > 0, cpu
+        # the workers' CPU inside predict (their dlrm_predict_cpu_seconds_total, read
+        # from the sidecar): part of the workers' CPU, never more (tick rounding aside)
+        assert 0 < cpu["workers_predict"] <= cpu["workers"] + 0.5, cpu
+    for r in doc["runs"]:
+        if r["queries_per_s"] > 0:
+            assert r["served_predict_cpu_ms_per_pair"] > 0 and r["served_predict_ratio"] > 0
+            assert r["served_overhead_cpu_ms_per_pair"] == pytest.approx(
+                r["served_cpu_ms_per_pair"] - r["served_predict_cpu_ms_per_pair"], abs=1e-4)
     assert run["in_process_cpu_ms_per_query"] > 0 and run["body"] == "json"
     if run["queries_per_s"] > 0:
         assert run["failed"] == 0 and run["p99_ms"] <= 60.0
@@ -453,3 +461,22 @@ def test_flops_read_from_an_exported_dcn_artifact() -> None:
         model.over_arch(model.inter_arch(model.dense_arch(torch.randn(1, 5)),
                                          torch.randn(1, 3, 8)))
     assert fc.get_total_flops() == want - 2 * 3 * d
+
+
+def test_cpu_per_pair_splits_the_served_cpu_into_predict_and_the_rest() -> None:
+    """Served CPU per pair = frontend + workers + sidecar over the pairs; the workers'
+    share inside predict against the in-process figure; the rest is serving."""
+    from bench.bench_slo import cpu_per_pair
+
+    cpu = {"client": 1.0, "frontend": 2.0, "workers": 6.0, "sidecar": 0.2, "other": 0.0,
+           "workers_predict": 4.4}
+    got = cpu_per_pair(cpu, 200.0, 0.02)
+    assert got["served_cpu_ms_per_pair"] == pytest.approx(8.2 / 200)
+    assert got["served_cpu_per_pair_ratio"] == pytest.approx(8.2 / 200 / 0.02, abs=1e-3)
+    assert got["served_predict_cpu_ms_per_pair"] == pytest.approx(4.4 / 200)
+    assert got["served_predict_ratio"] == pytest.approx(1.1)
+    assert got["served_overhead_cpu_ms_per_pair"] == pytest.approx(3.8 / 200)
+    # without the workers' counter: no split, the served figure as before
+    old = cpu_per_pair({k: v for k, v in cpu.items() if k != "workers_predict"}, 200.0, 0.02)
+    assert old["served_predict_ratio"] is None and old["served_overhead_cpu_ms_per_pair"] is None
+    assert old["served_cpu_per_pair_ratio"] == got["served_cpu_per_pair_ratio"]

@@ -136,6 +136,12 @@ def test_stats_on_a_hand_made_sequence(tiny_models):
     assert st.device_bytes == 27 * rb + (total + 1) * 4 + 27 * 8 + 27 * 8   # + dump entries
     assert st.stage_seconds["decode"] == 0.25
     assert st.stage_seconds["embedding"] > 0 and st.stage_seconds["dense"] > 0
+    # CPU inside predict (the worker's dlrm_predict_cpu_seconds_total): it moves with
+    # each predict and never by a read
+    assert st.predict_cpu_seconds > 0
+    assert rt.stats().predict_cpu_seconds == st.predict_cpu_seconds
+    rt.predict(dense, zeros_ids)
+    assert rt.stats().predict_cpu_seconds > st.predict_cpu_seconds
     plain = Runtime.from_artifact(art)
     plain.predict(dense, zeros_ids)
     ps = plain.stats()

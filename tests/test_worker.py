@@ -74,6 +74,7 @@ def _preds(body: bytes) -> np.ndarray:
 
 def test_a_batch_of_good_and_bad_requests(model_dir, artifacts):
     w = _load(model_dir)
+    cpu_before = w.runtime.stats().predict_cpu_seconds     # the warm-up's: not counted
     rows = orjson.dumps(example_request(2, seed=1))
     columnar = orjson.dumps(example_request(3, seed=2, form="columnar"))
     binary = example_binary(1, seed=3)
@@ -117,6 +118,9 @@ def test_a_batch_of_good_and_bad_requests(model_dir, artifacts):
     assert get("dlrm_arm_requests_total", {"arm": "stable", "version": STABLE}) == 3
     assert get("dlrm_stage_duration_seconds_count", {"stage": "decode"}) == 1
     assert w.runtime.stats().stage_seconds["decode"] > 0
+    # the CPU the batch spent in predict, counted once in the worker's counter
+    assert get("dlrm_predict_cpu_seconds_total") == pytest.approx(
+        w.runtime.stats().predict_cpu_seconds - cpu_before, abs=1e-9) and cpu_before >= 0
 
 
 def test_a_rollout_control_file_splits_the_batch(model_dir, artifacts, tmp_path):

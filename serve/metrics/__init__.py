@@ -116,6 +116,7 @@ __all__ = [
     "ONLINE_SCORE_TOTAL",
     "PREDICTION_LOG_BYTES",
     "PREDICTION_LOG_RECORDS_TOTAL",
+    "PREDICT_CPU_SECONDS_TOTAL",
     "QUALITY_GUARDS",
     "RECONCILE_RESULTS",
     "RECONCILE_TOTAL",
@@ -171,6 +172,9 @@ BATCH_REQUESTS = "dlrm_batch_requests"
 # rule that serve.ops.monitoring generates (serve.sidecar.control.utilization holds the math).
 CAPACITY_WORK_SECONDS_TOTAL = "dlrm_capacity_work_seconds_total"
 CAPACITY_UTILIZATION_RATIO = "dlrm_capacity_utilization_ratio"
+# CPU seconds the workers spent inside Runtime.predict (the model's own work), beside
+# the workers' whole CPU: the rest is serving (protocol, decode, answers, metrics).
+PREDICT_CPU_SECONDS_TOTAL = "dlrm_predict_cpu_seconds_total"
 CACHE_HITS_TOTAL = "dlrm_cache_hits_total"
 CACHE_MISSES_TOTAL = "dlrm_cache_misses_total"
 CACHE_EVICTIONS_TOTAL = "dlrm_cache_evictions_total"

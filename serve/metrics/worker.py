@@ -35,6 +35,7 @@ from serve.metrics import (
     EMBEDDING_IDS_FALLBACK_TOTAL,
     EMBEDDING_IDS_WRAPPED_TOTAL,
     INSTANCES_TOTAL,
+    PREDICT_CPU_SECONDS_TOTAL,
     PREDICTION_LOG_RECORDS_TOTAL,
     REQUEST_DURATION_BUCKETS,
     REQUEST_DURATION_SECONDS,
@@ -135,6 +136,9 @@ class HandlerMetrics:
             "Seconds of model work done: each batch's handler time (decode to response), "
             "once per batch. rate() of it over the pod's capacity is the HPA's "
             "dlrm_capacity_utilization_ratio.", registry=r)
+        self._predict_cpu = Counter(strip_total(PREDICT_CPU_SECONDS_TOTAL), "CPU seconds "
+                                    "spent in the model's predict (lookups, dense part), by "
+                                    "the worker thread's clock.", registry=r)
         self._batch_requests = Histogram(
             BATCH_REQUESTS,
             "Requests per forward pass: the TorchServe batch size actually formed.",
@@ -245,6 +249,10 @@ class HandlerMetrics:
             raise ValueError(f"work seconds={seconds} must be >= 0; pass the batch's "
                              "measured handler time")
         self._work.inc(float(seconds))
+
+    def observe_predict_cpu(self, seconds: float) -> None:
+        """CPU ``seconds`` spent in predict since the last call (below 0: none)."""
+        self._predict_cpu.inc(max(0.0, float(seconds)))
 
     def observe_batch(self, instances: int, requests: int) -> None:
         """One merged forward pass over ``instances`` samples from ``requests`` requests."""

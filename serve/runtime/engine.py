@@ -211,6 +211,8 @@ class RuntimeStats:
     tables). ``tiers``: per tier ("device", "host"), its counters
     (:class:`serve.runtime.rowsource.TierCounters`: lookups, hits, rows and bytes
     fetched from the tier below, the seconds those fetches took, the tier's capacity).
+    ``predict_cpu_seconds``: CPU seconds spent in :meth:`Runtime.predict` (the calling
+    thread's clock with one torch thread, the process's with more).
     """
 
     lookups: int
@@ -226,6 +228,7 @@ class RuntimeStats:
     wrapped: tuple[int, ...] = ()
     fallback: tuple[int, ...] = ()
     tiers: dict[str, TierCounters] = field(default_factory=dict)
+    predict_cpu_seconds: float = 0.0
 
 
 def _check_host_budget(host_bytes: int | None, fraction: float | None, threads: int) -> None:
@@ -483,6 +486,11 @@ class Runtime:
         self._graphed = config.cuda_graphs and self.device.type == "cuda"
         self._stage = {s: 0.0 for s in STAGES}
         self._forwards = self._samples = 0
+        # CPU seconds inside predict: the calling thread's own clock when torch runs one
+        # thread (a worker's other threads, the delta follower, are not the model's
+        # work), the process's when its intra-op threads share the work.
+        self._cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+        self._cpu_s = 0.0
         cache = self.store.cache
         log.info("runtime on %s: %d tables, %d features, %d rows, %s rows of %d bytes; %s",
                  self.device, len(self.table_rows), len(self.feature_names), self.total_rows,
@@ -624,18 +632,22 @@ class Runtime:
         Raises:
             InvalidInput: shapes/dtypes off, lengths not matching values, negative ids.
         """
-        lengths, b = _check_batch(dense, sparse, self.feature_names, self.num_dense,
-                                  self.store.table_rows, self.schema.feature_tables)
-        if b == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        cap = self.config.max_forward_instances
-        with device_guard(self.device):
-            if cap is None or b <= cap:
-                return self._forward(dense, sparse, lengths, b)
-            # a chunk may start inside a request: its shared bags are copied out first
-            whole = expand_shared(sparse)
-            return torch.cat([self._forward(d, s, s.lengths, d.shape[0])
-                              for d, s in _split_batch(dense, whole, cap)])
+        c0 = self._cpu_clock()
+        try:
+            lengths, b = _check_batch(dense, sparse, self.feature_names, self.num_dense,
+                                      self.store.table_rows, self.schema.feature_tables)
+            if b == 0:
+                return torch.zeros(0, dtype=torch.float32)
+            cap = self.config.max_forward_instances
+            with device_guard(self.device):
+                if cap is None or b <= cap:
+                    return self._forward(dense, sparse, lengths, b)
+                # a chunk may start inside a request: its shared bags are copied out first
+                whole = expand_shared(sparse)
+                return torch.cat([self._forward(d, s, s.lengths, d.shape[0])
+                                  for d, s in _split_batch(dense, whole, cap)])
+        finally:
+            self._cpu_s += self._cpu_clock() - c0
 
     def _forward(self, dense: torch.Tensor, sparse: SparseBatch, lengths: torch.Tensor,
                  b: int) -> torch.Tensor:
@@ -727,5 +739,6 @@ class Runtime:
                             hit_ratio=c.hits / c.lookups if c.lookups else 0.0,
                             device_bytes=c.device_bytes, host_bytes=c.host_bytes,
                             stage_seconds=dict(self._stage), forwards=self._forwards,
+                            predict_cpu_seconds=self._cpu_s,
                             samples=self._samples, wrapped=c.wrapped, fallback=c.fallback,
                             tiers=c.tiers)

@@ -233,8 +233,17 @@ class _FileLevel:
     def fetch(self, rows: torch.Tensor) -> torch.Tensor:
         """uint8 (n, row_bytes) on the CPU: the bytes of ``rows`` (int64 (n,) global
         rows), overlay first."""
+        return self._fetch(rows)[0]
+
+    def _fetch(self, rows: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """:meth:`fetch`, and bool (n,) which rows came from the overlay (None: it is
+        empty), so :meth:`lookup` counts them without searching it again."""
         idx = rows.cpu().numpy().astype(np.int64, copy=False)
         out = np.empty((idx.shape[0], self.row_bytes), dtype=np.uint8)
+        if not len(self.overlay):
+            if idx.size:
+                self.read(idx, out)
+            return torch.from_numpy(out), None
         found, at = self.overlay.find(idx)
         if found.any():
             out[found] = self.overlay.data[at[found]]
@@ -243,7 +252,7 @@ class _FileLevel:
                 out[rest] = self.read(idx[rest])
         elif idx.size:
             self.read(idx, out)
-        return torch.from_numpy(out)
+        return torch.from_numpy(out), found
 
     def read(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
@@ -252,13 +261,12 @@ class _FileLevel:
                n_ids: int | None = None) -> torch.Tensor:
         """:meth:`fetch` as the top of a stack: ``rows`` distinct, ``counts`` their ids."""
         t0 = time.perf_counter()
-        out = self.fetch(rows)
+        out, found = self._fetch(rows)
         n = rows.numel()
         self.clock.observe(time.perf_counter() - t0, n)
         self.ids += n_ids if n_ids is not None else (
             int(counts.sum()) if counts is not None else n)
-        if len(self.overlay) and n:
-            found, _ = self.overlay.find(rows.cpu().numpy())
+        if found is not None and n:
             self.overlay_ids += (int(counts.cpu().numpy()[found].sum()) if counts is not None
                                  else int(found.sum()))
         return out

@@ -67,14 +67,17 @@ class BatchRecorder:
     def __init__(self, arms: Arms, metrics: HandlerMetrics) -> None:
         self.arms = arms
         self.metrics = metrics
-        self._last_stages = self._stage_seconds()
+        self.restart_stages()
         #: Per version, the features of managed tables: they get fallback-row series.
         self._managed = self._managed_features()
         self._record_fallback(self._cache_stats(), count=False)
 
     def restart_stages(self) -> None:
-        """Measure the stage seconds from the runtimes' counters as they are now."""
-        self._last_stages = self._stage_seconds()
+        """Measure the stage seconds (and predict's CPU seconds) from the runtimes'
+        counters as they are now."""
+        snapshot = self._snapshot()
+        self._last_stages = self._stage_seconds(snapshot)
+        self._last_cpu = sum(st.predict_cpu_seconds for _, st in snapshot)
 
     def start_here(self) -> None:
         """Take the runtimes' counters as they are now as the starting point (after the
@@ -118,6 +121,9 @@ class BatchRecorder:
         self.metrics.observe_stages({k: v - self._last_stages.get(k, 0.0)
                                      for k, v in now.items()})
         self._last_stages = now
+        cpu = sum(st.predict_cpu_seconds for _, st in snapshot)
+        self.metrics.observe_predict_cpu(cpu - self._last_cpu)
+        self._last_cpu = cpu
         stats = self._cache_stats(snapshot)
         self.metrics.set_cache(stats)
         self.metrics.set_tiers(stats.tiers)
