@@ -121,6 +121,8 @@ def test_set_wrapped_counts_each_increase_once_and_skips_a_batch_that_wrapped_no
     assert got() == (2, 3)
     m.set_wrapped(names, (1, 3))           # a rebuilt runtime counts from zero again
     assert got() == (3, 3)
+    m.set_wrapped(names, (1, 6))           # one feature moved: only its series advances
+    assert got() == (3, 6)
 
 
 def test_hit_ratio_is_nan_before_any_lookup():

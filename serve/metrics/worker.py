@@ -115,14 +115,10 @@ class HandlerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self._requests = Counter(
-            strip_total(REQUESTS_TOTAL),
-            "Prediction requests answered by the handler, by HTTP status code.",
-            ["code"], registry=r)
-        self._instances = Counter(
-            strip_total(INSTANCES_TOTAL),
-            "Instances (samples) received in prediction requests of any status.",
-            registry=r)
+        self._requests = Counter(strip_total(REQUESTS_TOTAL), "Prediction requests answered "
+                                 "by the handler, by HTTP status code.", ["code"], registry=r)
+        self._instances = Counter(strip_total(INSTANCES_TOTAL), "Instances (samples) "
+                                  "received in prediction requests of any status.", registry=r)
         self._duration = Histogram(
             REQUEST_DURATION_SECONDS,
             "Handler time per prediction request, decode to response, in seconds.",
@@ -306,11 +302,14 @@ class HandlerMetrics:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
         with self._lock:
-            if tuple(wrapped) == self._wrapped_seen:
+            seen, now = self._wrapped_seen, tuple(wrapped)
+            if now == seen:
                 return
-            for name, value in zip(features, wrapped, strict=True):
-                self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}", int(value))
-            self._wrapped_seen = tuple(wrapped)
+            for k, (name, value) in enumerate(zip(features, now, strict=True)):
+                if seen is None or len(seen) != len(now) or seen[k] != value:
+                    self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}",
+                                  int(value))
+            self._wrapped_seen = now
 
     def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
                      managed: frozenset[str] | None = None, *, count: bool = True) -> None:
