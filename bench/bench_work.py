@@ -10,7 +10,9 @@ default: a ranking request as one user, C1..C13 and dense once, in columnar cand
 ``instances``: the row form); each batch is timed around ``Worker.handle`` (what the worker counts). Mixes, as the tuner serves them:
 single = batches of 32 one-instance requests (32 / 2 ms); ranking = one request of
 100-700 instances (1 / 2 ms); mixed = batches of 2 requests, 10% of them single-instance.
-Medians over ``--batches`` batches after 5 unmeasured ones. On a shared machine the
+Medians over ``--batches`` batches after 5 unmeasured ones; beside them, the thread's
+CPU per instance in ``Worker.handle``, split into ``Runtime.predict`` (the runtime's
+``predict_cpu_seconds``) and the rest (decode, answers, metrics: the worker's own cost). On a shared machine the
 per-instance figure moved 2x between runs (2026-12-04: 22.8-26 us in two runs, ~50 us
 in one under heavier load): take the lower.
 
@@ -82,24 +84,36 @@ def main(argv: list[str] | None = None) -> int:
     for name, make in _mixes(rng, args.form).items():
         batches = [make(i) for i in range(args.batches + 5)]
         per_request, per_instance, sizes = [], [], []
+        cpu = model = 0.0     # this thread's CPU in handle, and in Runtime.predict (s)
+        n_inst = 0
         for k, b in enumerate(batches):
             reqs = [WorkerRequest(x, JSON_MEDIA_TYPE) for x in b]
+            c0, m0 = time.thread_time(), w.runtime.stats().predict_cpu_seconds
             t0 = time.perf_counter()
             w.handle(reqs)
             dt = time.perf_counter() - t0
+            c1, m1 = time.thread_time(), w.runtime.stats().predict_cpu_seconds
             if k < 5:
                 continue
             inst = sum(_instances(orjson.loads(x)) for x in b)
             per_request.append(dt / len(reqs))
             per_instance.append(dt / inst)
             sizes.append(inst / len(reqs))
+            cpu, model, n_inst = cpu + c1 - c0, model + m1 - m0, n_inst + inst
         row = {"mix": name, "per_request_us": round(float(np.median(per_request)) * 1e6, 2),
                "per_instance_us": round(float(np.median(per_instance)) * 1e6, 2),
-               "instances_per_request": round(float(np.mean(sizes)), 1)}
+               "instances_per_request": round(float(np.mean(sizes)), 1),
+               # CPU per instance over all timed batches: in handle, in predict, the rest
+               "cpu_per_instance_us": round(cpu / n_inst * 1e6, 2),
+               "predict_cpu_per_instance_us": round(model / n_inst * 1e6, 2),
+               "rest_cpu_per_instance_us": round((cpu - model) / n_inst * 1e6, 2)}
         rows.append(row)
         print(f"{name:8s} {row['per_request_us']:10.1f} us/request "
               f"{row['per_instance_us']:8.2f} us/instance  "
-              f"({row['instances_per_request']:.1f} instances/request)", flush=True)
+              f"({row['instances_per_request']:.1f} instances/request); CPU per instance "
+              f"{row['cpu_per_instance_us']:.2f} us = predict "
+              f"{row['predict_cpu_per_instance_us']:.2f} + the rest "
+              f"{row['rest_cpu_per_instance_us']:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "machine": machine, "form": args.form},
                                    indent=1))

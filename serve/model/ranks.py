@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DONE_SUFFIX", "settle", "spawn_ranks"]
+__all__ = ["DONE_SUFFIX", "all_done", "clear_markers", "settle", "spawn_ranks"]
 
 log = logging.getLogger(__name__)
 
