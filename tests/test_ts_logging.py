@@ -6,6 +6,7 @@ TorchServe the ``torchserve`` fixture starts (the launcher passes the file as
 """
 from __future__ import annotations
 
+import gzip
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -52,7 +53,11 @@ def test_requests_leave_no_line_per_request_in_torchserves_logs(torchserve):
             assert r.status_code == 200, r.text
     time.sleep(1.0)  # async_logging: give the appenders time to write what they would
     logs = torchserve.log_dir
-    ts_log = (logs / "ts_log.log").read_text()
+    # with what log4j2 rolled over (ts_log.<dd-MMM>.log.gz): a run across midnight rolls
+    # the lifecycle lines out of ts_log.log
+    ts_log = "".join(gzip.decompress(f.read_bytes()).decode()
+                     for f in sorted(logs.glob("ts_log.*.log.gz")))
+    ts_log += (logs / "ts_log.log").read_text()
     # the file is ours: it exists (so the config loaded) and holds lifecycle lines
     assert "Model server started" in ts_log or "Initializing plugins manager" in ts_log
     assert "Sending response for jobId" not in ts_log and "Backend response time" not in ts_log
