@@ -727,6 +727,8 @@ def predict_cpu_reader(sidecar_url: str) -> Callable[[], float | None]:
     be read or the workers do not export it)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     from serve.metrics import PREDICT_CPU_SECONDS_TOTAL
 
     def read() -> float | None:
@@ -735,8 +737,8 @@ def predict_cpu_reader(sidecar_url: str) -> Callable[[], float | None]:
                 text = resp.read().decode()
         except OSError:
             return None
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(PREDICT_CPU_SECONDS_TOTAL)]
+        values = [s.value for fam in text_string_to_metric_families(text)
+                  for s in fam.samples if s.name == PREDICT_CPU_SECONDS_TOTAL]
         return sum(values) if values else None
 
     return read

@@ -302,13 +302,13 @@ class HandlerMetrics:
         """Record a runtime's cumulative wrapped-id counts (``RuntimeStats.wrapped``, one
         per feature in ``features`` order) as counter increments, like :meth:`set_cache`."""
         with self._lock:
-            seen, now = self._wrapped_seen, tuple(wrapped)
-            if now == seen:
+            now = tuple(wrapped)
+            if now == self._wrapped_seen:
                 return
-            for k, (name, value) in enumerate(zip(features, now, strict=True)):
-                if seen is None or len(seen) != len(now) or seen[k] != value:
-                    self._advance(self._wrapped.labels(feature=name), f"wrapped:{name}",
-                                  int(value))
+            for name, value in zip(features, now, strict=True):
+                key = f"wrapped:{name}"
+                if self._last.get(key) != value:    # only the features that moved
+                    self._advance(self._wrapped.labels(feature=name), key, int(value))
             self._wrapped_seen = now
 
     def set_fallback(self, version: str, features: list[str], fallback: tuple[int, ...],
